@@ -1,0 +1,116 @@
+#include "kernels/dispatch.h"
+
+#include <atomic>
+#include <cstdlib>
+#include <stdexcept>
+
+#include "runtime/cpu_features.h"
+
+namespace kt::kernels {
+
+const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::kRef: return "ref";
+    case Isa::kAvx2: return "avx2";
+    case Isa::kAvx512: return "avx512";
+  }
+  return "?";
+}
+
+Isa parse_isa(const std::string& name) {
+  if (name == "ref") return Isa::kRef;
+  if (name == "avx2") return Isa::kAvx2;
+  if (name == "avx512") return Isa::kAvx512;
+  throw std::invalid_argument("kt_ops: unknown ISA '" + name + "'; expected one of ref, avx2, avx512");
+}
+
+namespace {
+
+bool is_built(Isa isa) {
+  switch (isa) {
+    case Isa::kRef: return true;
+#ifdef KT_BUILD_AVX2
+    case Isa::kAvx2: return true;
+#endif
+#ifdef KT_BUILD_AVX512
+    case Isa::kAvx512: return true;
+#endif
+    default: return false;
+  }
+}
+
+// Why this CPU cannot run `isa`, or nullptr when it can.
+const char* missing_feature(Isa isa) {
+  const auto& f = runtime::cpu_features();
+  switch (isa) {
+    case Isa::kRef: return nullptr;
+    case Isa::kAvx2: return f.avx2 ? nullptr : "AVX2+FMA";
+    case Isa::kAvx512: return f.avx512 ? nullptr : "AVX-512 F/BW/VL/DQ";
+  }
+  return "?";
+}
+
+void check_usable(Isa isa) {
+  if (!is_built(isa)) {
+    throw std::invalid_argument(std::string("kt_ops: ISA '") + isa_name(isa) +
+                                "' is not built into this extension (the compiler could not target it)");
+  }
+  if (const char* missing = missing_feature(isa)) {
+    throw std::invalid_argument(std::string("kt_ops: ISA '") + isa_name(isa) +
+                                "' cannot run on this CPU: it lacks " + missing);
+  }
+}
+
+Isa initial_isa() {
+  const char* env = std::getenv("KT_OPS_ISA");
+  if (env != nullptr && env[0] != '\0') {
+    const Isa forced = parse_isa(env);  // a typo must not silently pick another path
+    check_usable(forced);
+    return forced;
+  }
+  const auto supported = supported_isas();
+  return supported.back();
+}
+
+std::atomic<int>& active_slot() {
+  static std::atomic<int> slot{static_cast<int>(initial_isa())};
+  return slot;
+}
+
+}  // namespace
+
+std::vector<Isa> built_isas() {
+  std::vector<Isa> out;
+  for (Isa isa : {Isa::kRef, Isa::kAvx2, Isa::kAvx512})
+    if (is_built(isa)) out.push_back(isa);
+  return out;
+}
+
+std::vector<Isa> supported_isas() {
+  std::vector<Isa> out;
+  for (Isa isa : built_isas())
+    if (missing_feature(isa) == nullptr) out.push_back(isa);
+  return out;
+}
+
+Isa active_isa() { return static_cast<Isa>(active_slot().load()); }
+
+void set_active_isa(Isa isa) {
+  check_usable(isa);
+  active_slot().store(static_cast<int>(isa));
+}
+
+const Bf16Kernels& bf16_kernels(Isa isa) {
+  // Fallback chain, highest first; every entry exists for bf16 today.
+  switch (isa) {
+#ifdef KT_BUILD_AVX512
+    case Isa::kAvx512: return avx512::bf16_kernels();
+#endif
+#ifdef KT_BUILD_AVX2
+    case Isa::kAvx2: return avx2::bf16_kernels();
+#endif
+    default: return ref::bf16_kernels();
+  }
+}
+
+}  // namespace kt::kernels

@@ -1,0 +1,31 @@
+// Token grouping: the (token, slot) pairs of a batch, grouped per expert.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace kt::moe {
+
+struct RoutingPlan {
+  int64_t num_tokens = 0;
+  int64_t top_k = 0;
+  // Rows [expert_offsets[e], expert_offsets[e+1]) belong to expert e; within
+  // an expert, tokens ascend. One row per (token, k) with a valid id.
+  std::vector<int64_t> expert_offsets;
+  std::vector<int64_t> row_token;   // token of each row
+  std::vector<int64_t> row_slot;    // t * top_k + k of each row
+  std::vector<float> row_weight;    // routing weight of each row, fp32
+  std::vector<uint8_t> slot_valid;  // [T * K]: 1 where the id is not -1
+  std::vector<int64_t> active_experts;  // experts with at least one row, ascending
+
+  int64_t num_rows() const { return static_cast<int64_t>(row_token.size()); }
+};
+
+// ids [T, K] int32/int64 (values in [-1, num_experts), checked by the caller),
+// weights [T, K] fp32/bf16/fp16.
+void build_routing_plan(const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                        int64_t num_experts, RoutingPlan& plan);
+
+}  // namespace kt::moe

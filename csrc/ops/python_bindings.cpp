@@ -1,0 +1,78 @@
+// The pybind11 module kt_ops._C: runtime controls that are not ops (style
+// rule 2): thread count, ISA choice, topology report. Importing it also loads
+// the TORCH_LIBRARY registrations of this shared object.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <stdexcept>
+
+#include "kernels/dispatch.h"
+#include "runtime/cpu_features.h"
+#include "runtime/thread_pool.h"
+#include "runtime/topology.h"
+
+namespace py = pybind11;
+using kt::kernels::Isa;
+
+namespace {
+
+std::vector<std::string> names(const std::vector<Isa>& isas) {
+  std::vector<std::string> out;
+  for (Isa i : isas) out.emplace_back(kt::kernels::isa_name(i));
+  return out;
+}
+
+py::dict topology_report() {
+  const auto& topo = kt::runtime::topology();
+  py::list cores;
+  for (const auto& c : topo.cores) {
+    py::dict d;
+    d["core"] = c.os_index;
+    d["numa_node"] = c.numa_node;
+    d["pus"] = c.pus;
+    cores.append(d);
+  }
+  py::dict out;
+  out["source"] = topo.source;
+  out["num_numa_nodes"] = topo.num_numa_nodes;
+  out["num_cores"] = static_cast<int>(topo.cores.size());
+  out["num_pus"] = topo.num_pus;
+  out["cores"] = cores;
+  return out;
+}
+
+py::dict cpu_features_report() {
+  const auto& f = kt::runtime::cpu_features();
+  py::dict d;
+  d["avx2"] = f.avx2;
+  d["avx512"] = f.avx512;
+  d["avx512_vnni"] = f.avx512_vnni;
+  d["avx512_bf16"] = f.avx512_bf16;
+  d["amx"] = f.amx;
+  return d;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "kt_ops native runtime (thread pool, ISA dispatch, topology)";
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const std::invalid_argument& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    }
+  });
+  m.def("set_num_threads", [](int n) {
+    if (n < 1) throw std::invalid_argument("kt_ops.set_num_threads: n must be >= 1, got " + std::to_string(n));
+    kt::runtime::ThreadPool::global().set_num_threads(n);
+  });
+  m.def("get_num_threads", [] { return kt::runtime::ThreadPool::global().num_threads(); });
+  m.def("workers_bound", [] { return kt::runtime::ThreadPool::global().workers_bound(); });
+  m.def("built_isas", [] { return names(kt::kernels::built_isas()); });
+  m.def("supported_isas", [] { return names(kt::kernels::supported_isas()); });
+  m.def("active_isa", [] { return std::string(kt::kernels::isa_name(kt::kernels::active_isa())); });
+  m.def("set_isa", [](const std::string& name) { kt::kernels::set_active_isa(kt::kernels::parse_isa(name)); });
+  m.def("topology", &topology_report);
+  m.def("cpu_features", &cpu_features_report);
+}

@@ -1,0 +1,17 @@
+// CPU feature detection (CPUID plus OS enablement of the register state).
+#pragma once
+
+namespace kt::runtime {
+
+struct CpuFeatures {
+  bool avx2 = false;         // AVX2 + FMA + F16C
+  bool avx512 = false;       // AVX-512 F/BW/VL/DQ, OS-enabled (XCR0 opmask/ZMM state)
+  bool avx512_vnni = false;  // AVX512_VNNI
+  bool avx512_bf16 = false;  // AVX512_BF16
+  bool amx = false;          // AMX-TILE + AMX-BF16 + AMX-INT8 (reported only)
+};
+
+// Detected once, on first use.
+const CpuFeatures& cpu_features();
+
+}  // namespace kt::runtime

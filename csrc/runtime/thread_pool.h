@@ -1,0 +1,76 @@
+// The process-wide thread pool: one worker per physical core (hwloc), bound,
+// created once and reused by every op call.
+//
+// The calling thread does its share of each job, so a pool of N threads runs
+// N-1 workers. Tasks are handed out through one atomic counter (dynamic
+// scheduling); kernels never spawn threads and never see the pool (style
+// rule 11): they get a task index. Idle workers spin for a few microseconds
+// (so the phases of one op call follow each other without a futex round
+// trip) and then park on a condition variable: no core burns while another
+// thread computes something else.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace kt::runtime {
+
+class ThreadPool {
+ public:
+  // fn(task_index, thread_index); thread_index is in [0, num_threads()).
+  using TaskFn = std::function<void(int64_t, int)>;
+
+  // The global pool; sized to the number of physical cores unless
+  // $KT_OPS_NUM_THREADS or set_num_threads() says otherwise.
+  static ThreadPool& global();
+
+  explicit ThreadPool(int num_threads);
+  ~ThreadPool();
+  ThreadPool(const ThreadPool&) = delete;
+  ThreadPool& operator=(const ThreadPool&) = delete;
+
+  int num_threads() const { return num_threads_; }
+  // Joins the current workers and starts n-1 new ones. Not to be called
+  // while a job runs (it waits for it).
+  void set_num_threads(int n);
+  // Whether worker threads could be bound to cores (false for synthetic topologies).
+  bool workers_bound() const { return workers_bound_; }
+
+  // Runs fn for every task in [0, num_tasks) and returns when all are done.
+  // Exceptions thrown by fn are rethrown here (the first one). Calls from
+  // inside a task, or with fewer than two tasks, run inline on this thread.
+  void run(int64_t num_tasks, const TaskFn& fn);
+
+ private:
+  void start_workers();
+  void stop_workers();
+  void worker_loop(int thread_index);
+  void do_tasks(int thread_index);
+
+  int num_threads_ = 1;
+  bool workers_bound_ = false;
+  std::vector<std::thread> workers_;
+  std::atomic<int> started_workers_{0};
+  std::atomic<int> bound_workers_{0};
+
+  std::mutex run_mutex_;  // one job at a time across calling threads
+  std::mutex mutex_;
+  std::condition_variable work_cv_;
+  std::condition_variable done_cv_;
+  std::atomic<uint64_t> generation_{0};
+  bool stop_ = false;
+
+  const TaskFn* job_ = nullptr;
+  int64_t job_tasks_ = 0;
+  std::atomic<int64_t> next_task_{0};
+  std::atomic<int> busy_workers_{0};
+  std::exception_ptr error_;
+};
+
+}  // namespace kt::runtime

@@ -1,0 +1,45 @@
+"""kt_ops: the routed experts of Mixture-of-Experts models on the CPU, as PyTorch ops.
+
+Importing this package loads the native extension, which registers
+``torch.ops.kt.moe_forward`` (CPU kernel) and its fake kernel. See ``ops`` for
+the op wrappers, ``nn`` for the expert module, ``hf`` for Hugging Face models.
+"""
+
+from kt_ops import _C  # noqa: F401  (registers the kt:: ops)
+from kt_ops.ops import moe_forward, pack_weights, unpack_weights
+from kt_ops.runtime import (
+    active_isa,
+    get_num_threads,
+    info,
+    set_isa,
+    set_num_threads,
+    supported_isas,
+    use_isa,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "moe_forward",
+    "pack_weights",
+    "unpack_weights",
+    "active_isa",
+    "get_num_threads",
+    "info",
+    "set_isa",
+    "set_num_threads",
+    "supported_isas",
+    "use_isa",
+    "replace_experts",
+]
+
+
+def replace_experts(model, **kwargs):
+    """Move the routed experts of every MoE layer of ``model`` onto kt_ops.
+
+    Thin alias of :func:`kt_ops.hf.replace_experts` (imported lazily so that
+    ``import kt_ops`` does not import transformers).
+    """
+    from kt_ops.hf import replace_experts as _replace
+
+    return _replace(model, **kwargs)
