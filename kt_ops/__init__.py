@@ -8,6 +8,7 @@ the op wrappers, ``nn`` for the expert module, ``hf`` for Hugging Face models.
 from kt_ops import _C  # noqa: F401  (registers the kt:: ops)
 from kt_ops.ops import moe_forward, pack_weights, unpack_weights
 from kt_ops.runtime import (
+    print_info,
     active_isa,
     get_num_threads,
     info,
@@ -26,6 +27,7 @@ __all__ = [
     "active_isa",
     "get_num_threads",
     "info",
+    "print_info",
     "set_isa",
     "set_num_threads",
     "supported_isas",

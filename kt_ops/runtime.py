@@ -74,3 +74,10 @@ def info() -> dict:
         "supported_isas": list(_C.supported_isas()),
         "active_isa": _C.active_isa(),
     }
+
+
+def print_info() -> None:
+    """Print the detected topology, CPU features, ISA paths and thread count."""
+    from kt_ops.info import format_info
+
+    print(format_info(info()))

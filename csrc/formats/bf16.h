@@ -25,7 +25,9 @@ constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 constexpr int64_t bf16_row_blocks(int64_t n) { return ceil_div(n, kBf16BlockRows); }
 constexpr int64_t bf16_k_pairs(int64_t k) { return ceil_div(k, kBf16KPack); }
 // Elements of one [k_pairs][16][2] block.
-constexpr int64_t bf16_block_elems(int64_t k) { return bf16_k_pairs(k) * kBf16BlockRows * kBf16KPack; }
+constexpr int64_t bf16_block_elems(int64_t k) {
+  return bf16_k_pairs(k) * kBf16BlockRows * kBf16KPack;
+}
 
 // Scalar reference: the fp32 value of a bf16 bit pattern.
 inline float bf16_bits_to_float(uint16_t bits) {

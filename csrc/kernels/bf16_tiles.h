@@ -108,15 +108,17 @@ inline void for_each_tile(const Args& a) {
   int i = 0;
   for (; i + MT <= a.m; i += MT) Tile<V, MT>::run(a, i);
   switch (a.m - i) {
-    case 0: break;
-#define KT_TILE_CASE(n) \
-  case n:               \
+    case 0:
+      break;
+#define KT_TILE_CASE(n)                          \
+  case n:                                        \
     if constexpr (n < MT) Tile<V, n>::run(a, i); \
     break;
-    KT_TILE_CASE(1) KT_TILE_CASE(2) KT_TILE_CASE(3) KT_TILE_CASE(4)
-    KT_TILE_CASE(5) KT_TILE_CASE(6) KT_TILE_CASE(7)
+      KT_TILE_CASE(1)
+      KT_TILE_CASE(2) KT_TILE_CASE(3) KT_TILE_CASE(4) KT_TILE_CASE(5) KT_TILE_CASE(6)
+          KT_TILE_CASE(7)
 #undef KT_TILE_CASE
-    default: break;
+              default : break;
   }
 }
 

@@ -10,9 +10,12 @@ namespace kt::kernels {
 
 const char* isa_name(Isa isa) {
   switch (isa) {
-    case Isa::kRef: return "ref";
-    case Isa::kAvx2: return "avx2";
-    case Isa::kAvx512: return "avx512";
+    case Isa::kRef:
+      return "ref";
+    case Isa::kAvx2:
+      return "avx2";
+    case Isa::kAvx512:
+      return "avx512";
   }
   return "?";
 }
@@ -21,21 +24,26 @@ Isa parse_isa(const std::string& name) {
   if (name == "ref") return Isa::kRef;
   if (name == "avx2") return Isa::kAvx2;
   if (name == "avx512") return Isa::kAvx512;
-  throw std::invalid_argument("kt_ops: unknown ISA '" + name + "'; expected one of ref, avx2, avx512");
+  throw std::invalid_argument("kt_ops: unknown ISA '" + name +
+                              "'; expected one of ref, avx2, avx512");
 }
 
 namespace {
 
 bool is_built(Isa isa) {
   switch (isa) {
-    case Isa::kRef: return true;
+    case Isa::kRef:
+      return true;
 #ifdef KT_BUILD_AVX2
-    case Isa::kAvx2: return true;
+    case Isa::kAvx2:
+      return true;
 #endif
 #ifdef KT_BUILD_AVX512
-    case Isa::kAvx512: return true;
+    case Isa::kAvx512:
+      return true;
 #endif
-    default: return false;
+    default:
+      return false;
   }
 }
 
@@ -43,17 +51,21 @@ bool is_built(Isa isa) {
 const char* missing_feature(Isa isa) {
   const auto& f = runtime::cpu_features();
   switch (isa) {
-    case Isa::kRef: return nullptr;
-    case Isa::kAvx2: return f.avx2 ? nullptr : "AVX2+FMA";
-    case Isa::kAvx512: return f.avx512 ? nullptr : "AVX-512 F/BW/VL/DQ";
+    case Isa::kRef:
+      return nullptr;
+    case Isa::kAvx2:
+      return f.avx2 ? nullptr : "AVX2+FMA";
+    case Isa::kAvx512:
+      return f.avx512 ? nullptr : "AVX-512 F/BW/VL/DQ";
   }
   return "?";
 }
 
 void check_usable(Isa isa) {
   if (!is_built(isa)) {
-    throw std::invalid_argument(std::string("kt_ops: ISA '") + isa_name(isa) +
-                                "' is not built into this extension (the compiler could not target it)");
+    throw std::invalid_argument(
+        std::string("kt_ops: ISA '") + isa_name(isa) +
+        "' is not built into this extension (the compiler could not target it)");
   }
   if (const char* missing = missing_feature(isa)) {
     throw std::invalid_argument(std::string("kt_ops: ISA '") + isa_name(isa) +
@@ -104,12 +116,15 @@ const Bf16Kernels& bf16_kernels(Isa isa) {
   // Fallback chain, highest first; every entry exists for bf16 today.
   switch (isa) {
 #ifdef KT_BUILD_AVX512
-    case Isa::kAvx512: return avx512::bf16_kernels();
+    case Isa::kAvx512:
+      return avx512::bf16_kernels();
 #endif
 #ifdef KT_BUILD_AVX2
-    case Isa::kAvx2: return avx2::bf16_kernels();
+    case Isa::kAvx2:
+      return avx2::bf16_kernels();
 #endif
-    default: return ref::bf16_kernels();
+    default:
+      return ref::bf16_kernels();
   }
 }
 

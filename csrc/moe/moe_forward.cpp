@@ -103,9 +103,15 @@ at::Tensor moe_forward_bf16(const at::Tensor& hidden_states, const at::Tensor& t
     const int64_t b = task * kRowsPerConvertTask;
     const int64_t e = std::min(T, b + kRowsPerConvertTask);
     switch (hidden_states.scalar_type()) {
-      case at::kFloat: convert_rows(hidden_states.data_ptr<float>(), H, Hp, x, b, e); break;
-      case at::kBFloat16: convert_rows(hidden_states.data_ptr<c10::BFloat16>(), H, Hp, x, b, e); break;
-      default: convert_rows(hidden_states.data_ptr<c10::Half>(), H, Hp, x, b, e); break;
+      case at::kFloat:
+        convert_rows(hidden_states.data_ptr<float>(), H, Hp, x, b, e);
+        break;
+      case at::kBFloat16:
+        convert_rows(hidden_states.data_ptr<c10::BFloat16>(), H, Hp, x, b, e);
+        break;
+      default:
+        convert_rows(hidden_states.data_ptr<c10::Half>(), H, Hp, x, b, e);
+        break;
     }
   });
 
@@ -135,14 +141,15 @@ at::Tensor moe_forward_bf16(const at::Tensor& hidden_states, const at::Tensor& t
     const int64_t r0 = plan.expert_offsets[e];
     const int64_t m = plan.expert_offsets[e + 1] - r0;
     const int64_t block = e * blocks_I + nb;
-    kernels::GateUpArgs args{s.x_rows.data() + r0,
-                             static_cast<int>(m),
-                             wg + block * gate_up_block,
-                             wu + block * gate_up_block,
-                             static_cast<int>(bf16_k_pairs(H)),
-                             s.h_out_rows.data() + r0,
-                             nb * kBf16BlockRows,
-                             static_cast<int>(std::min<int64_t>(kBf16BlockRows, I - nb * kBf16BlockRows))};
+    kernels::GateUpArgs args{
+        s.x_rows.data() + r0,
+        static_cast<int>(m),
+        wg + block * gate_up_block,
+        wu + block * gate_up_block,
+        static_cast<int>(bf16_k_pairs(H)),
+        s.h_out_rows.data() + r0,
+        nb * kBf16BlockRows,
+        static_cast<int>(std::min<int64_t>(kBf16BlockRows, I - nb * kBf16BlockRows))};
     kernels.gate_up_silu(args);
   });
 
@@ -153,14 +160,15 @@ at::Tensor moe_forward_bf16(const at::Tensor& hidden_states, const at::Tensor& t
     const int64_t r0 = plan.expert_offsets[e];
     const int64_t m = plan.expert_offsets[e + 1] - r0;
     const int64_t block = e * blocks_H + nb;
-    kernels::DownArgs args{s.h_in_rows.data() + r0,
-                           static_cast<int>(m),
-                           wd + block * down_block,
-                           static_cast<int>(bf16_k_pairs(I)),
-                           s.y_rows.data() + r0,
-                           nb * kBf16BlockRows,
-                           plan.row_weight.data() + r0,
-                           static_cast<int>(std::min<int64_t>(kBf16BlockRows, H - nb * kBf16BlockRows))};
+    kernels::DownArgs args{
+        s.h_in_rows.data() + r0,
+        static_cast<int>(m),
+        wd + block * down_block,
+        static_cast<int>(bf16_k_pairs(I)),
+        s.y_rows.data() + r0,
+        nb * kBf16BlockRows,
+        plan.row_weight.data() + r0,
+        static_cast<int>(std::min<int64_t>(kBf16BlockRows, H - nb * kBf16BlockRows))};
     kernels.down_scaled(args);
   });
 
@@ -171,9 +179,15 @@ at::Tensor moe_forward_bf16(const at::Tensor& hidden_states, const at::Tensor& t
     const int64_t b = task * kRowsPerConvertTask;
     const int64_t e = std::min(T, b + kRowsPerConvertTask);
     switch (out.scalar_type()) {
-      case at::kFloat: combine_rows(y, valid, K, H, out.data_ptr<float>(), b, e); break;
-      case at::kBFloat16: combine_rows(y, valid, K, H, out.data_ptr<c10::BFloat16>(), b, e); break;
-      default: combine_rows(y, valid, K, H, out.data_ptr<c10::Half>(), b, e); break;
+      case at::kFloat:
+        combine_rows(y, valid, K, H, out.data_ptr<float>(), b, e);
+        break;
+      case at::kBFloat16:
+        combine_rows(y, valid, K, H, out.data_ptr<c10::BFloat16>(), b, e);
+        break;
+      default:
+        combine_rows(y, valid, K, H, out.data_ptr<c10::Half>(), b, e);
+        break;
     }
   });
   return out;

@@ -14,10 +14,10 @@ struct RoutingPlan {
   // Rows [expert_offsets[e], expert_offsets[e+1]) belong to expert e; within
   // an expert, tokens ascend. One row per (token, k) with a valid id.
   std::vector<int64_t> expert_offsets;
-  std::vector<int64_t> row_token;   // token of each row
-  std::vector<int64_t> row_slot;    // t * top_k + k of each row
-  std::vector<float> row_weight;    // routing weight of each row, fp32
-  std::vector<uint8_t> slot_valid;  // [T * K]: 1 where the id is not -1
+  std::vector<int64_t> row_token;       // token of each row
+  std::vector<int64_t> row_slot;        // t * top_k + k of each row
+  std::vector<float> row_weight;        // routing weight of each row, fp32
+  std::vector<uint8_t> slot_valid;      // [T * K]: 1 where the id is not -1
   std::vector<int64_t> active_experts;  // experts with at least one row, ascending
 
   int64_t num_rows() const { return static_cast<int64_t>(row_token.size()); }

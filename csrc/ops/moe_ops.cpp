@@ -49,44 +49,47 @@ void check_absent(const OptTensor& t, const char* name, const std::string& fmt) 
 
 }  // namespace
 
-at::Tensor moe_forward_cpu(const at::Tensor& hidden_states, const at::Tensor& topk_ids,
-                           const at::Tensor& topk_weights, const at::Tensor& gate_weight,
-                           const at::Tensor& up_weight, const at::Tensor& down_weight,
-                           int64_t intermediate_size, c10::string_view weight_format,
-                           const OptTensor& gate_scales, const OptTensor& up_scales,
-                           const OptTensor& down_scales, const OptTensor& gate_zeros,
-                           const OptTensor& up_zeros, const OptTensor& down_zeros, int64_t group_size,
-                           const OptTensor& gate_lora_a, const OptTensor& gate_lora_b,
-                           const OptTensor& up_lora_a, const OptTensor& up_lora_b,
-                           const OptTensor& down_lora_a, const OptTensor& down_lora_b,
-                           double lora_scaling, c10::string_view activation) {
+at::Tensor moe_forward_cpu(
+    const at::Tensor& hidden_states, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+    const at::Tensor& gate_weight, const at::Tensor& up_weight, const at::Tensor& down_weight,
+    int64_t intermediate_size, c10::string_view weight_format, const OptTensor& gate_scales,
+    const OptTensor& up_scales, const OptTensor& down_scales, const OptTensor& gate_zeros,
+    const OptTensor& up_zeros, const OptTensor& down_zeros, int64_t group_size,
+    const OptTensor& gate_lora_a, const OptTensor& gate_lora_b, const OptTensor& up_lora_a,
+    const OptTensor& up_lora_b, const OptTensor& down_lora_a, const OptTensor& down_lora_b,
+    double lora_scaling, c10::string_view activation) {
   const std::string fmt(weight_format.data(), weight_format.size());
   // --- activations and routing -------------------------------------------
   check_cpu(hidden_states, "hidden_states");
   check_cpu(topk_ids, "topk_ids");
   check_cpu(topk_weights, "topk_weights");
-  TORCH_CHECK(hidden_states.dim() == 2, "kt.moe_forward: hidden_states must be 2-D [T, H], got shape ",
+  TORCH_CHECK(hidden_states.dim() == 2,
+              "kt.moe_forward: hidden_states must be 2-D [T, H], got shape ",
               hidden_states.sizes());
   TORCH_CHECK(is_activation_dtype(hidden_states.scalar_type()),
-              "kt.moe_forward: hidden_states must be bf16, fp16 or fp32, got ", hidden_states.scalar_type());
+              "kt.moe_forward: hidden_states must be bf16, fp16 or fp32, got ",
+              hidden_states.scalar_type());
   const int64_t T = hidden_states.size(0);
   const int64_t H = hidden_states.size(1);
   TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == T,
-              "kt.moe_forward: topk_ids must be [T, K] with T=", T, " (the rows of hidden_states), got shape ",
-              topk_ids.sizes());
+              "kt.moe_forward: topk_ids must be [T, K] with T=", T,
+              " (the rows of hidden_states), got shape ", topk_ids.sizes());
   TORCH_CHECK(topk_ids.scalar_type() == at::kInt || topk_ids.scalar_type() == at::kLong,
               "kt.moe_forward: topk_ids must be int32 or int64, got ", topk_ids.scalar_type());
-  TORCH_CHECK(topk_weights.sizes() == topk_ids.sizes(), "kt.moe_forward: topk_weights must have the shape of topk_ids ",
-              topk_ids.sizes(), ", got ", topk_weights.sizes());
+  TORCH_CHECK(topk_weights.sizes() == topk_ids.sizes(),
+              "kt.moe_forward: topk_weights must have the shape of topk_ids ", topk_ids.sizes(),
+              ", got ", topk_weights.sizes());
   TORCH_CHECK(is_activation_dtype(topk_weights.scalar_type()),
-              "kt.moe_forward: topk_weights must be fp32, bf16 or fp16, got ", topk_weights.scalar_type());
+              "kt.moe_forward: topk_weights must be fp32, bf16 or fp16, got ",
+              topk_weights.scalar_type());
   TORCH_CHECK(intermediate_size > 0, "kt.moe_forward: intermediate_size must be positive, got ",
               intermediate_size);
   TORCH_CHECK(activation == "silu", "kt.moe_forward: activation='", std::string(activation),
               "' is not supported; expected 'silu' (SwiGLU experts)");
 
   // --- LoRA: in the schema, computed by a later release ---------------------
-  const bool any_lora = gate_lora_a || gate_lora_b || up_lora_a || up_lora_b || down_lora_a || down_lora_b;
+  const bool any_lora =
+      gate_lora_a || gate_lora_b || up_lora_a || up_lora_b || down_lora_a || down_lora_b;
   TORCH_CHECK(!any_lora,
               "kt.moe_forward: LoRA tensors (gate/up/down_lora_a/b) are not supported by this "
               "kt_ops version yet; pass None");
@@ -94,8 +97,10 @@ at::Tensor moe_forward_cpu(const at::Tensor& hidden_states, const at::Tensor& to
   // --- weights --------------------------------------------------------------
   TORCH_CHECK(fmt == "bf16", "kt.moe_forward: weight_format='", fmt,
               "' is not supported by this build; supported: 'bf16'");
-  TORCH_CHECK(gate_weight.dim() == 5, "kt.moe_forward: gate_weight must be the 5-D bf16 packed layout "
-              "[E, ceil(I/16), ceil(H/2), 16, 2], got shape ", gate_weight.sizes(),
+  TORCH_CHECK(gate_weight.dim() == 5,
+              "kt.moe_forward: gate_weight must be the 5-D bf16 packed layout "
+              "[E, ceil(I/16), ceil(H/2), 16, 2], got shape ",
+              gate_weight.sizes(),
               "; pack dense [E, I, H] weights with kt_ops.pack_weights(w, 'bf16')");
   const int64_t E = gate_weight.size(0);
   const int64_t I = intermediate_size;
@@ -108,8 +113,8 @@ at::Tensor moe_forward_cpu(const at::Tensor& hidden_states, const at::Tensor& to
   check_absent(gate_zeros, "gate_zeros", fmt);
   check_absent(up_zeros, "up_zeros", fmt);
   check_absent(down_zeros, "down_zeros", fmt);
-  TORCH_CHECK(group_size == 0, "kt.moe_forward: group_size must be 0 for weight_format='bf16', got ",
-              group_size);
+  TORCH_CHECK(group_size == 0,
+              "kt.moe_forward: group_size must be 0 for weight_format='bf16', got ", group_size);
 
   // --- expert ids in [-1, E) ---------------------------------------------------
   if (topk_ids.numel() > 0) {
@@ -117,12 +122,14 @@ at::Tensor moe_forward_cpu(const at::Tensor& hidden_states, const at::Tensor& to
     const int64_t lo = ids.min().item<int64_t>();
     const int64_t hi = ids.max().item<int64_t>();
     TORCH_CHECK(lo >= -1 && hi < E, "kt.moe_forward: topk_ids must lie in [-1, ", E,
-                ") (E = number of experts in gate_weight; -1 skips a slot), got values in [", lo, ", ", hi, "]");
+                ") (E = number of experts in gate_weight; -1 skips a slot), got values in [", lo,
+                ", ", hi, "]");
   }
 
   const at::Tensor x = hidden_states.contiguous();
   const auto& kernels = kernels::bf16_kernels(kernels::active_isa());
-  return moe::moe_forward_bf16(x, topk_ids, topk_weights, gate_weight, up_weight, down_weight, I, kernels);
+  return moe::moe_forward_bf16(x, topk_ids, topk_weights, gate_weight, up_weight, down_weight, I,
+                               kernels);
 }
 
 TORCH_LIBRARY_IMPL(kt, CPU, m) { m.impl("moe_forward", &moe_forward_cpu); }

@@ -64,7 +64,9 @@ PYBIND11_MODULE(_C, m) {
     }
   });
   m.def("set_num_threads", [](int n) {
-    if (n < 1) throw std::invalid_argument("kt_ops.set_num_threads: n must be >= 1, got " + std::to_string(n));
+    if (n < 1)
+      throw std::invalid_argument("kt_ops.set_num_threads: n must be >= 1, got " +
+                                  std::to_string(n));
     kt::runtime::ThreadPool::global().set_num_threads(n);
   });
   m.def("get_num_threads", [] { return kt::runtime::ThreadPool::global().num_threads(); });
@@ -72,7 +74,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("built_isas", [] { return names(kt::kernels::built_isas()); });
   m.def("supported_isas", [] { return names(kt::kernels::supported_isas()); });
   m.def("active_isa", [] { return std::string(kt::kernels::isa_name(kt::kernels::active_isa())); });
-  m.def("set_isa", [](const std::string& name) { kt::kernels::set_active_isa(kt::kernels::parse_isa(name)); });
+  m.def("set_isa",
+        [](const std::string& name) { kt::kernels::set_active_isa(kt::kernels::parse_isa(name)); });
   m.def("topology", &topology_report);
   m.def("cpu_features", &cpu_features_report);
 }

@@ -16,7 +16,8 @@ struct HwlocHolder {
   Topology info;
 
   HwlocHolder() {
-    if (hwloc_topology_init(&topo) != 0) throw std::runtime_error("kt_ops: hwloc_topology_init failed");
+    if (hwloc_topology_init(&topo) != 0)
+      throw std::runtime_error("kt_ops: hwloc_topology_init failed");
     const char* synth = std::getenv("KT_OPS_HWLOC_SYNTHETIC");
     if (synth != nullptr && synth[0] != '\0') {
       if (hwloc_topology_set_synthetic(topo, synth) != 0) {
@@ -28,14 +29,16 @@ struct HwlocHolder {
     } else {
       info.source = "this machine";
     }
-    if (hwloc_topology_load(topo) != 0) throw std::runtime_error("kt_ops: hwloc_topology_load failed");
+    if (hwloc_topology_load(topo) != 0)
+      throw std::runtime_error("kt_ops: hwloc_topology_load failed");
 
     info.num_pus = hwloc_get_nbobjs_by_type(topo, HWLOC_OBJ_PU);
     int num_nodes = hwloc_get_nbobjs_by_type(topo, HWLOC_OBJ_NUMANODE);
     info.num_numa_nodes = num_nodes > 0 ? num_nodes : 1;
     const int num_cores = hwloc_get_nbobjs_by_type(topo, HWLOC_OBJ_CORE);
     for (int node = 0; node < info.num_numa_nodes; ++node) {
-      hwloc_obj_t numa = num_nodes > 0 ? hwloc_get_obj_by_type(topo, HWLOC_OBJ_NUMANODE, node) : nullptr;
+      hwloc_obj_t numa =
+          num_nodes > 0 ? hwloc_get_obj_by_type(topo, HWLOC_OBJ_NUMANODE, node) : nullptr;
       for (int c = 0; c < num_cores; ++c) {
         hwloc_obj_t core = hwloc_get_obj_by_type(topo, HWLOC_OBJ_CORE, c);
         if (numa != nullptr && !hwloc_bitmap_intersects(core->cpuset, numa->cpuset)) continue;

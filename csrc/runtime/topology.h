@@ -7,9 +7,9 @@
 namespace kt::runtime {
 
 struct Core {
-  int os_index = -1;       // hwloc logical index of the core
-  int numa_node = 0;       // logical index of the NUMA node holding it
-  std::vector<int> pus;    // OS indices of its hardware threads (for binding)
+  int os_index = -1;     // hwloc logical index of the core
+  int numa_node = 0;     // logical index of the NUMA node holding it
+  std::vector<int> pus;  // OS indices of its hardware threads (for binding)
 };
 
 struct Topology {

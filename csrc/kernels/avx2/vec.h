@@ -52,9 +52,10 @@ struct Vec {
     // 2^n: n in [-127, 128] after the clamp; split in two so 2^128 never forms.
     const __m256i ni = _mm256_cvtps_epi32(n);
     const __m256i half = _mm256_srai_epi32(ni, 1);
-    const Reg s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, _mm256_set1_epi32(127)), 23));
-    const Reg s2 = _mm256_castsi256_ps(
-        _mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(ni, half), _mm256_set1_epi32(127)), 23));
+    const Reg s1 =
+        _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, _mm256_set1_epi32(127)), 23));
+    const Reg s2 = _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_sub_epi32(ni, half), _mm256_set1_epi32(127)), 23));
     return _mm256_mul_ps(_mm256_mul_ps(y, s1), s2);
   }
 };

@@ -30,7 +30,8 @@ struct Vec {
   static inline void load_bf16_pairs(const uint16_t* p, Reg* even, Reg* odd) {
     const __m512i raw = _mm512_loadu_si512(p);
     even[0] = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
-    odd[0] = _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+    odd[0] = _mm512_castsi512_ps(
+        _mm512_and_si512(raw, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
   }
 
   // exp(x): the same Cephes expf scheme as the AVX2 tier (see avx2/vec.h).
