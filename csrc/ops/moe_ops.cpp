@@ -132,6 +132,31 @@ at::Tensor moe_forward_cpu(
                                kernels);
 }
 
+// CUDA tensors reach this kernel on CUDA builds of torch (the dispatcher picks
+// the CUDA key when any argument lives there). Until the CUDA-stream bridge
+// exists, name the argument and the device instead of the dispatcher's
+// generic "could not run with arguments from the 'CUDA' backend".
+at::Tensor moe_forward_cuda_unsupported(const at::Tensor& hidden_states, const at::Tensor& topk_ids,
+                                        const at::Tensor& topk_weights,
+                                        const at::Tensor& gate_weight, const at::Tensor& up_weight,
+                                        const at::Tensor& down_weight, int64_t, c10::string_view,
+                                        const OptTensor&, const OptTensor&, const OptTensor&,
+                                        const OptTensor&, const OptTensor&, const OptTensor&,
+                                        int64_t, const OptTensor&, const OptTensor&,
+                                        const OptTensor&, const OptTensor&, const OptTensor&,
+                                        const OptTensor&, double, c10::string_view) {
+  check_cpu(hidden_states, "hidden_states");
+  check_cpu(topk_ids, "topk_ids");
+  check_cpu(topk_weights, "topk_weights");
+  check_cpu(gate_weight, "gate_weight");
+  check_cpu(up_weight, "up_weight");
+  check_cpu(down_weight, "down_weight");
+  TORCH_CHECK(false,
+              "kt.moe_forward: an optional tensor argument is on a CUDA device; this "
+              "kt_ops build runs experts on the CPU only");
+}
+
 TORCH_LIBRARY_IMPL(kt, CPU, m) { m.impl("moe_forward", &moe_forward_cpu); }
+TORCH_LIBRARY_IMPL(kt, CUDA, m) { m.impl("moe_forward", &moe_forward_cuda_unsupported); }
 
 }  // namespace kt::ops
