@@ -190,6 +190,37 @@ def _moe_forward_fake(
     lora_scaling=1.0,
     activation="silu",
 ):
+    # A meta tensor mixed with real ones also lands here: name the odd one out
+    # instead of returning an uninitialized tensor.
+    device = hidden_states.device
+    named = {
+        "topk_ids": topk_ids,
+        "topk_weights": topk_weights,
+        "gate_weight": gate_weight,
+        "up_weight": up_weight,
+        "down_weight": down_weight,
+        "gate_scales": gate_scales,
+        "up_scales": up_scales,
+        "down_scales": down_scales,
+        "gate_zeros": gate_zeros,
+        "up_zeros": up_zeros,
+        "down_zeros": down_zeros,
+        "gate_lora_a": gate_lora_a,
+        "gate_lora_b": gate_lora_b,
+        "up_lora_a": up_lora_a,
+        "up_lora_b": up_lora_b,
+        "down_lora_a": down_lora_a,
+        "down_lora_b": down_lora_b,
+    }
+    for name, t in named.items():
+        if t is not None:
+            torch._check(
+                t.device == device,
+                lambda name=name, t=t: (
+                    f"kt.moe_forward: {name} is on {t.device} but hidden_states is on {device}; "
+                    "all tensors must be on one device"
+                ),
+            )
     torch._check(hidden_states.dim() == 2, lambda: "hidden_states must be 2-D [T, H]")
     torch._check(
         hidden_states.dtype in (torch.bfloat16, torch.float16, torch.float32),
@@ -209,4 +240,40 @@ def _moe_forward_fake(
         lambda: "topk_weights must have the shape of topk_ids",
     )
     torch._check(weight_format in WEIGHT_FORMATS, lambda: f"unknown weight_format {weight_format}")
+    H = hidden_states.shape[1]
+    expected = {
+        "gate_weight": (_ceil_div(intermediate_size, _BLOCK_ROWS), _ceil_div(H, _K_PACK)),
+        "up_weight": (_ceil_div(intermediate_size, _BLOCK_ROWS), _ceil_div(H, _K_PACK)),
+        "down_weight": (_ceil_div(H, _BLOCK_ROWS), _ceil_div(intermediate_size, _K_PACK)),
+    }
+    for name, t in (
+        ("gate_weight", gate_weight),
+        ("up_weight", up_weight),
+        ("down_weight", down_weight),
+    ):
+        blocks, pairs = expected[name]
+        torch._check(
+            t.dim() == 5
+            and t.dtype == torch.bfloat16
+            and t.shape[0] == gate_weight.shape[0]
+            and t.shape[1] == blocks
+            and t.shape[2] == pairs,
+            lambda name=name, t=t, blocks=blocks, pairs=pairs: (
+                f"kt.moe_forward: {name} has shape {tuple(t.shape)} ({t.dtype}), expected the "
+                f"bf16 packed layout [E, {blocks}, {pairs}, 16, 2]"
+            ),
+        )
     return hidden_states.new_empty(hidden_states.shape)
+
+
+def _moe_forward_backward(ctx, grad_output):
+    raise NotImplementedError(
+        "kt.moe_forward: backward (gradients for hidden_states / topk_weights / LoRA) is not "
+        "implemented in this kt_ops version; run the experts under torch.no_grad() or detach "
+        "their inputs"
+    )
+
+
+# Until kt::moe_backward exists, backward raises instead of PyTorch's fallback,
+# which would silently leave every gradient as None.
+torch.library.register_autograd("kt::moe_forward", _moe_forward_backward)

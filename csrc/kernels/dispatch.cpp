@@ -1,7 +1,7 @@
 #include "kernels/dispatch.h"
 
-#include <atomic>
 #include <cstdlib>
+#include <mutex>
 #include <stdexcept>
 
 #include "runtime/cpu_features.h"
@@ -73,20 +73,35 @@ void check_usable(Isa isa) {
   }
 }
 
-Isa initial_isa() {
-  const char* env = std::getenv("KT_OPS_ISA");
-  if (env != nullptr && env[0] != '\0') {
-    const Isa forced = parse_isa(env);  // a typo must not silently pick another path
-    check_usable(forced);
-    return forced;
-  }
-  const auto supported = supported_isas();
-  return supported.back();
-}
+// The active tier, chosen on first use. An unusable $KT_OPS_ISA is kept as an
+// error that every op call reports (a typo must not silently pick another
+// path) until set_active_isa() chooses a tier explicitly.
+struct ActiveIsa {
+  std::mutex mutex;
+  bool initialized = false;
+  Isa isa = Isa::kRef;
+  std::string env_error;
+};
 
-std::atomic<int>& active_slot() {
-  static std::atomic<int> slot{static_cast<int>(initial_isa())};
-  return slot;
+ActiveIsa& active_state() {
+  static ActiveIsa state;
+  std::lock_guard<std::mutex> lock(state.mutex);
+  if (!state.initialized) {
+    state.initialized = true;
+    state.isa = supported_isas().back();
+    const char* env = std::getenv("KT_OPS_ISA");
+    if (env != nullptr && env[0] != '\0') {
+      try {
+        const Isa forced = parse_isa(env);
+        check_usable(forced);
+        state.isa = forced;
+      } catch (const std::invalid_argument& e) {
+        state.env_error = std::string("KT_OPS_ISA='") + env + "' cannot be used: " + e.what() +
+                          " (unset it, or call kt_ops.set_isa to choose a path)";
+      }
+    }
+  }
+  return state;
 }
 
 }  // namespace
@@ -105,11 +120,19 @@ std::vector<Isa> supported_isas() {
   return out;
 }
 
-Isa active_isa() { return static_cast<Isa>(active_slot().load()); }
+Isa active_isa() {
+  ActiveIsa& state = active_state();
+  std::lock_guard<std::mutex> lock(state.mutex);
+  if (!state.env_error.empty()) throw std::invalid_argument(state.env_error);
+  return state.isa;
+}
 
 void set_active_isa(Isa isa) {
   check_usable(isa);
-  active_slot().store(static_cast<int>(isa));
+  ActiveIsa& state = active_state();
+  std::lock_guard<std::mutex> lock(state.mutex);
+  state.isa = isa;
+  state.env_error.clear();
 }
 
 const Bf16Kernels& bf16_kernels(Isa isa) {

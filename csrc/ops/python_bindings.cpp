@@ -67,7 +67,7 @@ PYBIND11_MODULE(_C, m) {
     if (n < 1)
       throw std::invalid_argument("kt_ops.set_num_threads: n must be >= 1, got " +
                                   std::to_string(n));
-    kt::runtime::ThreadPool::global().set_num_threads(n);
+    kt::runtime::ThreadPool::set_global_num_threads(n);
   });
   m.def("get_num_threads", [] { return kt::runtime::ThreadPool::global().num_threads(); });
   m.def("workers_bound", [] { return kt::runtime::ThreadPool::global().workers_bound(); });

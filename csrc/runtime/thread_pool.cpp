@@ -4,6 +4,9 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <new>
+#include <stdexcept>
+#include <string>
 
 #include "runtime/topology.h"
 
@@ -24,21 +27,33 @@ constexpr auto kSpinBeforePark = std::chrono::microseconds(50);
 
 thread_local bool t_inside_pool_task = false;
 
+ThreadPool* g_pool = nullptr;
+std::mutex g_pool_mutex;
+bool g_atfork_registered = false;
+
 int default_num_threads() {
-  if (const char* env = std::getenv("KT_OPS_NUM_THREADS")) {
-    const int n = std::atoi(env);
-    if (n > 0) return n;
+  if (const char* env = std::getenv("KT_OPS_NUM_THREADS"); env != nullptr && env[0] != '\0') {
+    char* end = nullptr;
+    const long n = std::strtol(env, &end, 10);
+    if (end == env || *end != '\0' || n < 1 || n > 4096) {
+      throw std::invalid_argument(std::string("KT_OPS_NUM_THREADS='") + env +
+                                  "' must be a positive integer (threads, the caller included)");
+    }
+    return static_cast<int>(n);
   }
   return static_cast<int>(topology().cores.size());
 }
 
-ThreadPool* g_pool = nullptr;
-std::once_flag g_pool_once;
+int g_threads_before_fork = 0;
 
 void reset_after_fork() {
   // The child has only the forking thread: the old pool's workers are gone.
-  // Leak the old object (its std::threads cannot be joined) and start afresh.
-  if (g_pool != nullptr) g_pool = new ThreadPool(g_pool->num_threads());
+  // Leak the old object (its std::threads cannot be joined), forget it, and
+  // let the next use start a pool of the same size. The mutex may have been
+  // held by another parent thread at the fork: start it afresh too.
+  if (g_pool != nullptr) g_threads_before_fork = g_pool->num_threads();
+  g_pool = nullptr;
+  new (&g_pool_mutex) std::mutex();
 }
 
 template <class Pred>
@@ -54,11 +69,27 @@ bool spin_until(Pred pred) {
 }  // namespace
 
 ThreadPool& ThreadPool::global() {
-  std::call_once(g_pool_once, [] {
-    g_pool = new ThreadPool(default_num_threads());  // never destroyed: outlives Python
-    pthread_atfork(nullptr, nullptr, reset_after_fork);
-  });
+  std::lock_guard<std::mutex> lock(g_pool_mutex);
+  if (g_pool == nullptr) {
+    const int n = g_threads_before_fork > 0 ? g_threads_before_fork : default_num_threads();
+    g_pool = new ThreadPool(n);  // never destroyed: outlives Python
+    if (!g_atfork_registered) pthread_atfork(nullptr, nullptr, reset_after_fork);
+    g_atfork_registered = true;
+  }
   return *g_pool;
+}
+
+void ThreadPool::set_global_num_threads(int n) {
+  {
+    std::lock_guard<std::mutex> lock(g_pool_mutex);
+    if (g_pool == nullptr) {  // never read $KT_OPS_NUM_THREADS: the caller decided
+      g_pool = new ThreadPool(n);
+      if (!g_atfork_registered) pthread_atfork(nullptr, nullptr, reset_after_fork);
+      g_atfork_registered = true;
+      return;
+    }
+  }
+  g_pool->set_num_threads(n);
 }
 
 ThreadPool::ThreadPool(int num_threads) : num_threads_(num_threads < 1 ? 1 : num_threads) {

@@ -28,7 +28,10 @@ class ThreadPool {
 
   // The global pool; sized to the number of physical cores unless
   // $KT_OPS_NUM_THREADS or set_num_threads() says otherwise.
+  // Throws std::invalid_argument for a malformed $KT_OPS_NUM_THREADS.
   static ThreadPool& global();
+  // Sizes the global pool to n threads, creating it if needed.
+  static void set_global_num_threads(int n);
 
   explicit ThreadPool(int num_threads);
   ~ThreadPool();

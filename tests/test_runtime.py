@@ -1,0 +1,282 @@
+"""Runtime controls: info(), thread count, ISA selection, hwloc topology, env overrides.
+
+Settings read once per process (KT_OPS_ISA, KT_OPS_NUM_THREADS,
+KT_OPS_HWLOC_SYNTHETIC) are tested in fresh interpreters (``python_subprocess``).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+import torch
+from reference import (
+    assert_matches_reference,
+    make_expert_weights,
+    make_hidden,
+    make_routing,
+    reference_moe_forward,
+)
+
+import kt_ops
+
+ALL_ISAS = ("ref", "avx2", "avx512")
+
+
+def small_call(T: int = 9, seed: int = 0):
+    w = make_expert_weights(6, 40, 24, seed=seed)
+    ids, weights = make_routing(T, 6, 2, seed=seed)
+    x = make_hidden(T, 40, torch.float32, seed=seed)
+    return (x, ids, weights, *w.args())
+
+
+# --------------------------------------------------------------------------
+# info()
+# --------------------------------------------------------------------------
+
+
+def test_info_contents():
+    info = kt_ops.info()
+    assert set(info) >= {
+        "topology",
+        "cpu_features",
+        "num_threads",
+        "workers_bound",
+        "built_isas",
+        "supported_isas",
+        "active_isa",
+    }
+    topo = info["topology"]
+    assert topo["num_numa_nodes"] >= 1
+    assert topo["num_cores"] == len(topo["cores"]) >= 1
+    assert topo["num_pus"] >= topo["num_cores"]
+    assert isinstance(topo["source"], str) and topo["source"]
+    for core in topo["cores"]:
+        assert 0 <= core["numa_node"] < topo["num_numa_nodes"]
+        assert isinstance(core["pus"], list)
+    assert set(info["cpu_features"]) >= {"avx2", "avx512", "avx512_vnni", "avx512_bf16", "amx"}
+    assert all(isinstance(v, bool) for v in info["cpu_features"].values())
+    assert isinstance(info["workers_bound"], bool)
+    assert info["num_threads"] == kt_ops.get_num_threads() >= 1
+    assert info["active_isa"] == kt_ops.active_isa()
+
+
+def test_isa_lists_are_consistent():
+    info = kt_ops.info()
+    built, supported = info["built_isas"], info["supported_isas"]
+    assert supported == kt_ops.supported_isas()
+    assert set(built) <= set(ALL_ISAS)
+    assert "ref" in built and "ref" in supported  # the path of last resort always exists
+    assert [i for i in built if i in supported] == supported  # a subset, same (lowest-first) order
+    assert info["active_isa"] in supported
+    # A built path is supported exactly when the CPU has its features.
+    features = info["cpu_features"]
+    needs = {"avx2": features["avx2"], "avx512": features["avx512"]}
+    for name in built:
+        if name in needs:
+            assert (name in supported) == needs[name], (name, features)
+    # AVX-512 implies AVX2 on every x86 CPU; the feature flags must agree.
+    if features["avx512"]:
+        assert features["avx2"]
+    if features["avx512_vnni"] or features["avx512_bf16"]:
+        assert features["avx512"]
+
+
+def test_default_isa_is_the_best_supported(python_subprocess):
+    proc = python_subprocess("import kt_ops, json; print(json.dumps(kt_ops.info()))")
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert info["active_isa"] == info["supported_isas"][-1]
+
+
+# --------------------------------------------------------------------------
+# Thread count
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5])
+def test_set_num_threads(n):
+    args = small_call()
+    before = kt_ops.moe_forward(*args)
+    kt_ops.set_num_threads(n)
+    assert kt_ops.get_num_threads() == n
+    assert kt_ops.info()["num_threads"] == n
+    if n == 1:
+        assert kt_ops.info()["workers_bound"] is False  # no workers to bind
+    assert torch.equal(kt_ops.moe_forward(*args), before)
+
+
+def test_set_num_threads_repeatedly():
+    args = small_call(T=40)
+    want = kt_ops.moe_forward(*args)
+    for n in (3, 1, 2, 2, 4, 1):
+        kt_ops.set_num_threads(n)
+        assert torch.equal(kt_ops.moe_forward(*args), want)
+
+
+def test_workers_bound_on_this_machine():
+    # Workers are bound to cores when there are no more threads than cores
+    # (binding can legitimately fail in restricted containers: report, not fail).
+    topo = kt_ops.info()["topology"]
+    kt_ops.set_num_threads(min(2, topo["num_cores"]))
+    if kt_ops.get_num_threads() > 1 and not kt_ops.info()["workers_bound"]:
+        pytest.skip("hwloc could not bind worker threads here")
+
+
+# --------------------------------------------------------------------------
+# ISA selection
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", kt_ops.supported_isas())
+def test_set_isa(name):
+    kt_ops.set_isa(name)
+    assert kt_ops.active_isa() == name
+    assert kt_ops.info()["active_isa"] == name
+
+
+def test_use_isa_restores_on_exception():
+    before = kt_ops.active_isa()
+    with pytest.raises(KeyError):
+        with kt_ops.use_isa("ref"):
+            assert kt_ops.active_isa() == "ref"
+            raise KeyError("boom")
+    assert kt_ops.active_isa() == before
+
+
+def test_use_isa_nested():
+    before = kt_ops.active_isa()
+    supported = kt_ops.supported_isas()
+    with kt_ops.use_isa(supported[0]):
+        with kt_ops.use_isa(supported[-1]):
+            assert kt_ops.active_isa() == supported[-1]
+        assert kt_ops.active_isa() == supported[0]
+    assert kt_ops.active_isa() == before
+
+
+@pytest.mark.parametrize("name", kt_ops.supported_isas())
+def test_env_isa_selects_path(python_subprocess, name):
+    code = """
+import json, kt_ops
+from reference import *
+x, ids, wt = make_hidden(5, 40), *make_routing(5, 6, 2)
+w = make_expert_weights(6, 40, 24)
+out = kt_ops.moe_forward(x, ids, wt, *w.args())
+print(json.dumps({"active": kt_ops.active_isa(), "info": kt_ops.info()["active_isa"],
+                  "err": mismatch_report(out, reference_moe_forward(x, ids, wt, *w.args()))}))
+"""
+    proc = python_subprocess(code, env={"KT_OPS_ISA": name})
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got == {"active": name, "info": name, "err": None}
+
+
+# --------------------------------------------------------------------------
+# Environment: thread count, synthetic topology
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", ["1", "3"])
+def test_env_num_threads(python_subprocess, value):
+    code = (
+        "import json, kt_ops; i = kt_ops.info(); "
+        "print(json.dumps([i['num_threads'], i['workers_bound']]))"
+    )
+    proc = python_subprocess(code, env={"KT_OPS_NUM_THREADS": value})
+    assert proc.returncode == 0, proc.stderr
+    num_threads, bound = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert num_threads == int(value)
+    if num_threads == 1:
+        assert bound is False
+
+
+_SYNTHETIC_SCRIPT = r"""
+import json, torch, kt_ops
+from test_runtime import small_call
+info = kt_ops.info()
+outs = {}
+for isa in kt_ops.supported_isas():
+    with kt_ops.use_isa(isa):
+        outs[isa] = kt_ops.moe_forward(*small_call(T=33))
+torch.save(outs, OUT_PATH)
+print(json.dumps(info))
+"""
+
+
+def test_synthetic_two_node_topology(python_subprocess, tmp_path):
+    out_path = tmp_path / "synthetic_outputs.pt"
+    code = _SYNTHETIC_SCRIPT.replace("OUT_PATH", repr(str(out_path)))
+    proc = python_subprocess(code, env={"KT_OPS_HWLOC_SYNTHETIC": "node:2 core:2 pu:1"})
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads(proc.stdout.strip().splitlines()[-1])
+    topo = info["topology"]
+    assert topo["num_numa_nodes"] == 2
+    assert topo["num_cores"] == 4 and topo["num_pus"] == 4
+    assert topo["source"].startswith("synthetic")
+    assert [c["numa_node"] for c in topo["cores"]] == [0, 0, 1, 1]
+    assert info["num_threads"] == 4  # one per (synthetic) core by default
+    assert info["workers_bound"] is False  # a synthetic topology has no real cores to bind to
+    # Same results as this process (different thread count and topology): bit-identical.
+    theirs = torch.load(out_path)
+    assert set(theirs) == set(kt_ops.supported_isas())
+    args = small_call(T=33)
+    for isa, out in theirs.items():
+        with kt_ops.use_isa(isa):
+            assert torch.equal(out, kt_ops.moe_forward(*args)), isa
+
+
+# --------------------------------------------------------------------------
+# Concurrency and fork
+# --------------------------------------------------------------------------
+
+
+def test_concurrent_calls_from_python_threads():
+    # Serving engines call from several threads: per-caller scratch, one pool.
+    calls = [small_call(T=T, seed=T) for T in (1, 7, 30, 64)]
+    want = [kt_ops.moe_forward(*c) for c in calls]
+    errors: list[str] = []
+
+    def worker(offset: int) -> None:
+        try:
+            for i in range(12):
+                j = (i + offset) % len(calls)
+                if not torch.equal(kt_ops.moe_forward(*calls[j]), want[j]):
+                    errors.append(f"thread {offset}, call {j}: result differs")
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a calling thread hung"
+    assert not errors, errors
+
+
+def test_op_works_in_forked_child(python_subprocess):
+    code = """
+import os, torch, kt_ops
+from test_runtime import small_call
+args = small_call(T=20)
+want = kt_ops.moe_forward(*args)  # the pool's workers exist before the fork
+pid = os.fork()
+if pid == 0:
+    ok = torch.equal(kt_ops.moe_forward(*args), want) and kt_ops.get_num_threads() >= 1
+    os._exit(0 if ok else 3)
+_, status = os.waitpid(pid, 0)
+print("child exit", os.waitstatus_to_exitcode(status))
+"""
+    proc = python_subprocess(code, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "child exit 0", proc.stdout
+
+
+def test_reference_agrees_after_thread_changes():
+    # The runtime knobs never change the numbers beyond the documented tolerance.
+    args = small_call(T=50)
+    ref = reference_moe_forward(*args)
+    for n in (1, 2):
+        kt_ops.set_num_threads(n)
+        assert_matches_reference(kt_ops.moe_forward(*args), ref)
