@@ -8,10 +8,10 @@ the op wrappers, ``nn`` for the expert module, ``hf`` for Hugging Face models.
 from kt_ops import _C  # noqa: F401  (registers the kt:: ops)
 from kt_ops.ops import moe_forward, pack_weights, unpack_weights
 from kt_ops.runtime import (
-    print_info,
     active_isa,
     get_num_threads,
     info,
+    print_info,
     set_isa,
     set_num_threads,
     supported_isas,
@@ -36,12 +36,13 @@ __all__ = [
 ]
 
 
-def replace_experts(model, **kwargs):
+def replace_experts(model, weight_format: str = "bf16", **kwargs):
     """Move the routed experts of every MoE layer of ``model`` onto kt_ops.
 
-    Thin alias of :func:`kt_ops.hf.replace_experts` (imported lazily so that
-    ``import kt_ops`` does not import transformers).
+    Alias of :func:`kt_ops.hf.replace_experts` (same arguments, errors and
+    return value), imported lazily so that ``import kt_ops`` does not import
+    transformers.
     """
     from kt_ops.hf import replace_experts as _replace
 
-    return _replace(model, **kwargs)
+    return _replace(model, weight_format, **kwargs)

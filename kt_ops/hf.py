@@ -1,0 +1,532 @@
+"""Hugging Face ``transformers`` integration: run a model's routed experts on kt_ops.
+
+:func:`replace_experts` swaps the experts module of every MoE layer of a model
+for a :class:`kt_ops.nn.MoEExperts` that holds the same weights packed for the
+CPU kernels. The router, shared experts, attention and everything else stay in
+PyTorch, untouched.
+
+Two layouts of experts are recognised:
+
+* **Fused (transformers >= 5).** Every MoE model's experts module is decorated
+  with ``@use_experts_implementation`` (``transformers/integrations/moe.py``),
+  holds 3-D parameters ``gate_up_proj`` and ``down_proj`` and is called by its
+  MoE block as ``experts(hidden_states, top_k_index, top_k_weights)``.
+  ``gate_up_proj`` is ``[E, 2I, H]`` (``[E, H, 2I]`` when ``is_transposed``),
+  gate rows then up rows (``is_concatenated=True``) or interleaved
+  ``gate0, up0, gate1, ...`` (``is_concatenated=False``); ``down_proj`` is
+  ``[E, H, I]`` (``[E, I, H]`` transposed). All four combinations are
+  supported. Modules with the same two parameters but without the decorator
+  are read with the decorator's defaults (concatenated, not transposed).
+  Examples: Qwen3MoeExperts, Qwen2MoeExperts, MixtralExperts, OlmoeExperts,
+  DeepseekV3Experts, GraniteMoeExperts.
+* **Per-expert modules.** An ``nn.ModuleList`` registered under the name
+  ``experts`` whose items are MLPs with bias-free ``nn.Linear`` layers
+  ``gate_proj``/``up_proj``/``down_proj`` (Qwen-MoE/OLMoE style) or
+  ``w1``/``w3``/``w2`` (Mixtral style of transformers 4.x). Routing in such
+  models lives in the parent block and differs from model to model (softmax
+  before or after top-k, renormalisation, group-limited routing...), so it is
+  not reproduced: the list is replaced by a :class:`kt_ops.nn.MoEExpertList`,
+  which serves both ways a parent can use it: a parent that calls
+  ``experts(hidden_states, top_k_index, top_k_weights)`` (v5 style) gets the
+  fused kernel, and a parent that loops ``self.experts[i](x)`` itself keeps its
+  own routing and runs each expert through kt_ops (correct, but one op call per
+  expert, so without the fused speed-up).
+
+Supported experts compute the SwiGLU MLP ``down(silu(gate(x)) * up(x))``.
+Anything else is refused with :class:`UnsupportedExpertsError` (a
+``ValueError``) naming the module, its class and the reason: expert biases
+(``has_bias=True``, e.g. gpt-oss), non-gated experts (``has_gate=False``), a
+post-expert norm, an activation other than SiLU, extra tensors such as
+quantization scales, or a custom gating function (``_apply_gate`` with clamps or
+a different GLU). As a last guard, the first replacement of each kind of module is checked on a
+probe batch against the module it replaces (``check=True``), which also catches
+gating that no flag describes.
+
+Nothing is replaced unless every experts module of the model is supported.
+After replacement the state-dict keys of the experts are ``gate_weight``,
+``up_weight``, ``down_weight`` (packed), so ``save_pretrained`` checkpoints of
+a converted model do not load back into the unconverted class. The experts run
+on the CPU: keep hidden states there (CUDA hidden states need a CUDA build of
+the op). Inference only: the op has no backward yet.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from kt_ops.nn import MoEExpertList, MoEExperts
+from kt_ops.ops import WEIGHT_FORMATS
+
+__all__ = ["ExpertsInfo", "UnsupportedExpertsError", "find_experts", "replace_experts"]
+
+logger = logging.getLogger(__name__)
+
+#: Names of the (gate, up, down) nn.Linear layers of one expert MLP, per naming style.
+_MLP_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+
+#: Relative error (max |replacement - original| / max |original|) allowed on the probe batch.
+#: bf16 rounding of the weights stays near 1e-2 even for a bf16 model; a different
+#: gating function (clamp, alpha, +1, wrong gate/up split) gives errors of order 1.
+_PROBE_TOL = 0.05
+
+
+class UnsupportedExpertsError(ValueError):
+    """An MoE experts module (or model) that kt_ops cannot run; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class ExpertsInfo:
+    """One experts module of a model, as :func:`find_experts` sees it.
+
+    Attributes:
+        name: qualified module name in the model (``model.layers.0.mlp.experts``).
+        class_name: class of the module (``Qwen3MoeExperts``, ``ModuleList``...).
+        layout: ``'fused'`` (3-D ``gate_up_proj``/``down_proj``) or ``'module_list'``.
+        concatenated: gate rows then up rows (``True``) or interleaved (``False``); fused only.
+        transposed: weights stored ``[E, in, out]``; fused only.
+        num_experts, hidden_size, intermediate_size: ``E``, ``H``, ``I``.
+    """
+
+    name: str
+    class_name: str
+    layout: str
+    concatenated: bool
+    transposed: bool
+    num_experts: int
+    hidden_size: int
+    intermediate_size: int
+
+
+@dataclass
+class _Plan:
+    info: ExpertsInfo
+    module: nn.Module
+    parent: nn.Module
+    attr: str
+
+
+# --------------------------------------------------------------------------------------------
+# Recognising experts modules
+# --------------------------------------------------------------------------------------------
+
+
+def _is_3d(t: object) -> bool:
+    return isinstance(t, Tensor) and t.dim() == 3
+
+
+def _is_fused_experts(module: nn.Module) -> bool:
+    decorated = hasattr(module, "has_gate") and hasattr(module, "is_transposed")
+    has_weights = _is_3d(getattr(module, "gate_up_proj", None)) and _is_3d(
+        getattr(module, "down_proj", None)
+    )
+    return decorated or has_weights
+
+
+def _is_silu(act: object) -> bool:
+    if isinstance(act, nn.SiLU):
+        return True
+    # transformers' ACT2FN["silu"] is its own SiLUActivation module.
+    return type(act).__name__ in ("SiLUActivation", "SiLU") or act is torch.nn.functional.silu
+
+
+def _act_name(module: nn.Module, act: object) -> str:
+    config = getattr(module, "config", None)
+    hidden_act = getattr(config, "hidden_act", None)
+    suffix = f", config.hidden_act={hidden_act!r}" if hidden_act is not None else ""
+    return f"{type(act).__name__}{suffix}"
+
+
+def _where(name: str, module: nn.Module) -> str:
+    return f"{type(module).__name__} at '{name}'"
+
+
+def _check_materialized(where: str, tensors: list[Tensor]) -> None:
+    for t in tensors:
+        if t.device.type == "meta":
+            raise UnsupportedExpertsError(
+                f"{where}: the expert weights are on the meta device (not loaded); "
+                "load or initialize the model before replace_experts"
+            )
+        if not t.is_floating_point():
+            raise UnsupportedExpertsError(
+                f"{where}: expert weights of dtype {t.dtype} (quantized?) are not supported; "
+                "kt_ops packs floating-point weights"
+            )
+
+
+def _plan_fused(name: str, module: nn.Module) -> ExpertsInfo:
+    where = _where(name, module)
+    if not getattr(module, "has_gate", True):
+        raise UnsupportedExpertsError(
+            f"{where}: experts without a gate projection (has_gate=False: act(up(x)) as in "
+            "NemotronH) are not supported; kt_ops computes gated SwiGLU experts"
+        )
+    if getattr(module, "has_bias", False):
+        raise UnsupportedExpertsError(
+            f"{where}: experts with biases (has_bias=True, as in gpt-oss) are not supported; "
+            "kt_ops experts have no bias terms"
+        )
+    if getattr(module, "has_post_expert_norm", False):
+        raise UnsupportedExpertsError(
+            f"{where}: a norm after each expert (has_post_expert_norm=True) is not supported"
+        )
+    act = getattr(module, "act_fn", None)
+    if act is not None and not _is_silu(act):
+        raise UnsupportedExpertsError(
+            f"{where}: activation {_act_name(module, act)} is not supported; kt_ops experts "
+            "use SiLU (SwiGLU)"
+        )
+    gate_up = getattr(module, "gate_up_proj", None)
+    down = getattr(module, "down_proj", None)
+    if not (_is_3d(gate_up) and _is_3d(down)):
+        raise UnsupportedExpertsError(
+            f"{where}: expected 3-D tensors gate_up_proj and down_proj, got "
+            f"gate_up_proj={_describe(gate_up)}, down_proj={_describe(down)}"
+        )
+    extra = sorted(
+        n
+        for n, _ in list(module.named_parameters()) + list(module.named_buffers())
+        if n not in ("gate_up_proj", "down_proj")
+    )
+    if extra:
+        raise UnsupportedExpertsError(
+            f"{where}: has tensors {extra} besides gate_up_proj/down_proj (quantization "
+            "scales, biases or norms) that kt_ops would ignore"
+        )
+    _check_materialized(where, [gate_up, down])
+    transposed = bool(getattr(module, "is_transposed", False))
+    concatenated = bool(getattr(module, "is_concatenated", True))
+    E = gate_up.shape[0]
+    if transposed:
+        H, two_i = gate_up.shape[1:]
+        inter, h_down = down.shape[1:]
+    else:
+        two_i, H = gate_up.shape[1:]
+        h_down, inter = down.shape[1:]
+    if down.shape[0] != E or two_i != 2 * inter or h_down != H:
+        layout = "[E, H, 2I] and [E, I, H]" if transposed else "[E, 2I, H] and [E, H, I]"
+        raise UnsupportedExpertsError(
+            f"{where}: gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} "
+            f"are not {layout} (is_transposed={transposed})"
+        )
+    return ExpertsInfo(name, type(module).__name__, "fused", concatenated, transposed, E, H, inter)
+
+
+def _describe(t: object) -> str:
+    return f"tensor{tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
+
+
+def _mlp_linears(mlp: nn.Module) -> Optional[tuple[nn.Linear, nn.Linear, nn.Linear]]:
+    for names in _MLP_NAMES:
+        layers = [getattr(mlp, n, None) for n in names]
+        if all(isinstance(layer, nn.Linear) for layer in layers):
+            return tuple(layers)  # type: ignore[return-value]
+    return None
+
+
+def _plan_module_list(name: str, experts: nn.ModuleList) -> ExpertsInfo:
+    where = _where(name, experts)
+    first = experts[0]
+    linears = _mlp_linears(first)
+    if linears is None:
+        raise UnsupportedExpertsError(
+            f"{where}: the experts are {type(first).__name__} modules without bias-free nn.Linear "
+            "layers gate_proj/up_proj/down_proj (or w1/w3/w2); kt_ops cannot read their weights"
+        )
+    inter, H = linears[0].weight.shape
+    for i, mlp in enumerate(experts):
+        where_i = f"{where}, expert {i} ({type(mlp).__name__})"
+        if type(mlp) is not type(first):
+            raise UnsupportedExpertsError(f"{where_i}: not of the class of expert 0")
+        lin = _mlp_linears(mlp)
+        if lin is None:
+            raise UnsupportedExpertsError(f"{where_i}: missing gate/up/down nn.Linear layers")
+        if any(layer.bias is not None for layer in lin):
+            raise UnsupportedExpertsError(
+                f"{where_i}: the expert projections have biases; kt_ops experts have no bias terms"
+            )
+        shapes = [tuple(layer.weight.shape) for layer in lin]
+        if shapes != [(inter, H), (inter, H), (H, inter)]:
+            raise UnsupportedExpertsError(
+                f"{where_i}: projection shapes {shapes} differ from expert 0's "
+                f"[(I, H), (I, H), (H, I)] with I={inter}, H={H}"
+            )
+        own = {id(layer.weight) for layer in lin}
+        extra = sorted(
+            n
+            for n, t in list(mlp.named_parameters()) + list(mlp.named_buffers())
+            if id(t) not in own
+        )
+        if extra:
+            raise UnsupportedExpertsError(
+                f"{where_i}: has tensors {extra} besides the three projection weights"
+            )
+        _check_materialized(where_i, [layer.weight for layer in lin])
+    act = getattr(first, "act_fn", None)
+    if act is None:
+        raise UnsupportedExpertsError(
+            f"{where}: the expert MLPs ({type(first).__name__}) have no act_fn attribute, so "
+            "their activation cannot be checked; kt_ops experts use SiLU"
+        )
+    if not _is_silu(act):
+        raise UnsupportedExpertsError(
+            f"{where}: activation {_act_name(first, act)} of {type(first).__name__} is not "
+            "supported; kt_ops experts use SiLU (SwiGLU)"
+        )
+    return ExpertsInfo(
+        name, type(experts).__name__, "module_list", True, False, len(experts), H, inter
+    )
+
+
+def _plan(model: nn.Module) -> tuple[list[_Plan], int]:
+    """Find every experts module; raise on an unsupported one. Also counts converted ones."""
+    plans: list[_Plan] = []
+    already = 0
+    modules = dict(model.named_modules())
+    claimed: list[str] = []
+    for name, module in modules.items():
+        if any(name.startswith(prefix + ".") for prefix in claimed):
+            continue
+        if isinstance(module, MoEExperts):
+            already += 1
+            claimed.append(name)
+            continue
+        if name.rsplit(".", 1)[-1] == "experts" and isinstance(module, nn.ModuleList):
+            if len(module) == 0:
+                continue
+            info = _plan_module_list(name, module)
+        elif _is_fused_experts(module):
+            info = _plan_fused(name, module)
+        else:
+            continue
+        if not name:
+            raise UnsupportedExpertsError(
+                f"{type(model).__name__} is itself an experts module; replace it by "
+                "kt_ops.nn.MoEExperts.from_dense(...) instead of replace_experts"
+            )
+        parent_name, _, attr = name.rpartition(".")
+        plans.append(_Plan(info, module, modules[parent_name], attr))
+        claimed.append(name)
+    return plans, already
+
+
+def find_experts(model: nn.Module) -> list[ExpertsInfo]:
+    """The experts modules :func:`replace_experts` would replace, without changing ``model``.
+
+    Returns:
+        One :class:`ExpertsInfo` per experts module, in module order (empty if
+        the model has none).
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
+        UnsupportedExpertsError: an experts module is found that kt_ops cannot run.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"find_experts: expected a torch.nn.Module, got {type(model).__name__}")
+    return [p.info for p in _plan(model)[0]]
+
+
+# --------------------------------------------------------------------------------------------
+# Building and checking the replacements
+# --------------------------------------------------------------------------------------------
+
+
+def _dense_fused(module: nn.Module, info: ExpertsInfo) -> tuple[Tensor, Tensor, Tensor]:
+    """(gate [E, I, H], up [E, I, H], down [E, H, I]) views of a fused experts module."""
+    gate_up = module.gate_up_proj.detach()
+    down = module.down_proj.detach()
+    if info.transposed:
+        gate_up = gate_up.transpose(1, 2)  # [E, 2I, H]
+        down = down.transpose(1, 2)  # [E, H, I]
+    inter = info.intermediate_size
+    if info.concatenated:
+        gate, up = gate_up[:, :inter], gate_up[:, inter:]
+    else:
+        gate, up = gate_up[:, 0::2], gate_up[:, 1::2]
+    return gate, up, down
+
+
+def _dense_module_list(experts: nn.ModuleList) -> tuple[Tensor, Tensor, Tensor]:
+    linears = [_mlp_linears(mlp) for mlp in experts]
+    gate, up, down = (torch.stack([lin[j].weight.detach() for lin in linears]) for j in range(3))
+    return gate, up, down
+
+
+def _probe_inputs(gate: Tensor, dtype: torch.dtype, device: torch.device, num_tokens: int = 4):
+    """A small batch whose gate pre-activations are large (std ~20), so clamps show up."""
+    E, _, H = gate.shape
+    gen = torch.Generator().manual_seed(0)
+    K = min(2, E)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(num_tokens)])
+    rows = gate[ids.unique()].float()
+    rms = rows.pow(2).mean().sqrt().item()
+    scale = 20.0 / (rms * H**0.5) if rms > 0 else 1.0
+    x = torch.randn(num_tokens, H, generator=gen) * scale
+    weights = torch.rand(num_tokens, K, generator=gen) + 0.5
+    return x.to(device=device, dtype=dtype), ids.to(device), weights.to(device=device, dtype=dtype)
+
+
+def _relative_error(got: Tensor, want: Tensor) -> float:
+    got, want = got.float().cpu(), want.float().cpu()
+    scale = want.abs().max().clamp_min(torch.finfo(torch.float32).tiny)
+    return ((got - want).abs().max() / scale).item()
+
+
+def _has_custom_gate(module: nn.Module) -> bool:
+    """Whether a fused experts class replaces transformers' default ``act(gate) * up`` gating."""
+    apply_gate = getattr(type(module), "_apply_gate", None)
+    if apply_gate is None:
+        return False
+    try:
+        from transformers.integrations.moe import _default_apply_gate
+    except ImportError:  # another transformers version: cannot tell
+        return False
+    return apply_gate is not _default_apply_gate
+
+
+def _check_replacement(plan: _Plan, new: MoEExperts, gate: Tensor) -> None:
+    info, old = plan.info, plan.module
+    where = f"{info.class_name} at '{info.name}'"
+    dtype, device = gate.dtype, gate.device
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        dtype = torch.float32
+    x, ids, weights = _probe_inputs(gate, dtype, device)
+    errors = {}
+    if info.layout == "fused" or type(old).forward is not nn.Module.forward:
+        # The module's own call: x -> weighted sum of the routed experts.
+        try:
+            want = old(x, ids, weights)
+        except Exception as exc:  # noqa: BLE001 - report what the original module does not take
+            raise UnsupportedExpertsError(
+                f"{where}: calling it as experts(hidden_states, top_k_index, top_k_weights) "
+                f"failed ({type(exc).__name__}: {exc}); kt_ops replaces experts with that call"
+            ) from exc
+        errors["experts(x, top_k_index, top_k_weights)"] = _relative_error(
+            new(x.cpu(), ids.cpu(), weights.cpu()), want
+        )
+    if info.layout == "module_list":
+        for i in sorted({0, info.num_experts - 1}):
+            errors[f"experts[{i}](x)"] = _relative_error(new[i](x.cpu()), old[i](x))
+    bad = {call: err for call, err in errors.items() if not err <= _PROBE_TOL}
+    if bad:
+        custom_gate = ""
+        if _has_custom_gate(old):
+            custom_gate = f" {type(old).__name__} overrides _apply_gate (custom gating)."
+        raise UnsupportedExpertsError(
+            f"{where}: its output differs from the SwiGLU experts kt_ops computes "
+            f"(relative error {', '.join(f'{c}: {e:.3g}' for c, e in bad.items())} on a probe "
+            f"batch, tolerance {_PROBE_TOL}).{custom_gate} Only down(silu(gate(x)) * up(x)) "
+            "experts are supported"
+        )
+
+
+def _build(plan: _Plan, weight_format: str) -> tuple[MoEExperts, Tensor]:
+    """The replacement of one experts module, and the dense gate weights it was built from."""
+    if plan.info.layout == "fused":
+        gate, up, down = _dense_fused(plan.module, plan.info)
+        return MoEExperts.from_dense(gate, up, down, weight_format), gate
+    gate, up, down = _dense_module_list(plan.module)
+    return MoEExpertList.from_dense(gate, up, down, weight_format), gate
+
+
+def replace_experts(
+    model: nn.Module,
+    weight_format: str = "bf16",
+    *,
+    check: bool = True,
+) -> nn.Module:
+    """Replace the routed experts of every MoE layer of ``model`` by :class:`kt_ops.nn.MoEExperts`.
+
+    In place: each experts module found (see the module docstring for the
+    layouts) is packed into ``weight_format`` and swapped for a ``MoEExperts``
+    (a ``MoEExpertList`` for an ``nn.ModuleList`` of expert MLPs); the dense
+    expert weights are released once nothing else references them. Modules that
+    already are ``MoEExperts`` are left alone. What was replaced is logged at
+    INFO level by the ``kt_ops.hf`` logger (:func:`find_experts` gives the same
+    list up front).
+
+    Args:
+        model: a ``transformers`` MoE model (or any ``nn.Module`` holding such
+            experts), its weights materialized (any floating dtype and device;
+            packed weights are stored on the CPU).
+        weight_format: ``'bf16'``.
+        check: before replacing anything, run the first module of each kind
+            (class and layout) and its replacement on a small probe batch, and
+            refuse when they disagree beyond bf16 rounding (catches gating
+            functions no flag describes). Costs one tiny forward per kind.
+
+    Returns:
+        ``model`` itself.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
+        ValueError: unknown ``weight_format``.
+        UnsupportedExpertsError (a ``ValueError``): the model has no MoE
+            experts, or an experts module is unsupported (biases, no gate,
+            activation other than SiLU, post-expert norm, extra tensors,
+            custom gating, weights on the meta device). Nothing is replaced then.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"replace_experts: expected a torch.nn.Module, got {type(model).__name__}")
+    if weight_format not in WEIGHT_FORMATS:
+        raise ValueError(
+            f"replace_experts: weight_format={weight_format!r} is not supported; expected one of "
+            f"{WEIGHT_FORMATS}"
+        )
+    plans, already = _plan(model)
+    if not plans:
+        if already:
+            logger.info(
+                "kt_ops: %s already runs its %d experts modules on kt_ops",
+                type(model).__name__,
+                already,
+            )
+            return model
+        raise UnsupportedExpertsError(
+            f"{type(model).__name__}: found no MoE experts module (looked for transformers' fused "
+            "experts with 3-D gate_up_proj/down_proj and for an nn.ModuleList named 'experts' of "
+            "gated MLPs); is this a Mixture-of-Experts model?"
+        )
+    with torch.no_grad():
+        built: dict[int, MoEExperts] = {}
+        if check:
+            # One probe per kind of module (class and layout), before anything is replaced,
+            # so an unsupported model is left untouched.
+            seen = set()
+            for i, plan in enumerate(plans):
+                kind = (
+                    type(plan.module),
+                    plan.info.layout,
+                    plan.info.concatenated,
+                    plan.info.transposed,
+                )
+                if kind not in seen:
+                    seen.add(kind)
+                    built[i], gate = _build(plan, weight_format)
+                    _check_replacement(plan, built[i], gate)
+                    del gate
+        for i, plan in enumerate(plans):
+            new = built.pop(i) if i in built else _build(plan, weight_format)[0]
+            new.train(plan.module.training)
+            setattr(plan.parent, plan.attr, new)
+            plan.module = None  # drop the reference held here to the dense weights
+    counts = Counter(p.info.class_name for p in plans)
+    first = plans[0].info
+    logger.info(
+        "kt_ops: replaced %d experts modules of %s (%s; %d experts, hidden %d, intermediate %d) "
+        "with MoEExperts(weight_format=%r)",
+        len(plans),
+        type(model).__name__,
+        ", ".join(f"{n} x{c}" for n, c in counts.items()),
+        first.num_experts,
+        first.hidden_size,
+        first.intermediate_size,
+        weight_format,
+    )
+    return model

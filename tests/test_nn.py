@@ -1,0 +1,209 @@
+"""Tests of kt_ops.nn: MoEExperts / MoEExpertList against tests/reference.py.
+
+Every comparison uses reference.py's fp32 reference on the module's packed weights and its
+tolerance (``assert_matches_reference``); ``test_packs_the_dense_weights`` ties the packed
+weights to the dense ones the module was built from.
+"""
+
+# E, H, I: experts, hidden, intermediate (the design notes' names).
+# ruff: noqa: E741
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch._dynamo.testing
+from reference import assert_matches_reference, make_hidden, make_routing, reference_moe_forward
+
+import kt_ops
+import kt_ops.nn as kt_nn
+from kt_ops.nn import MoEExpertList, MoEExperts
+
+E, H, I = 8, 64, 40  # I not a multiple of 16: exercises the packed padding
+
+
+def _bf16(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.bfloat16).float()
+
+
+@pytest.fixture(scope="module")
+def dense() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return (
+        torch.randn(E, I, H, generator=g) * (2 / H**0.5),
+        torch.randn(E, I, H, generator=g) / H**0.5,
+        torch.randn(E, H, I, generator=g) / I**0.5,
+    )
+
+
+@pytest.fixture(scope="module")
+def experts(dense) -> MoEExperts:
+    return MoEExperts.from_dense(*dense)
+
+
+def reference(module: MoEExperts, x, ids, weights):
+    """tests/reference.py's fp32 reference on the module's packed weights, for [..., H] inputs."""
+    x2 = x.reshape(-1, H)
+    ref = reference_moe_forward(
+        x2,
+        ids.reshape(x2.shape[0], -1),
+        weights.reshape(x2.shape[0], -1),
+        module.gate_weight,
+        module.up_weight,
+        module.down_weight,
+        module.intermediate_size,
+    )
+    return ref.view(x.shape)
+
+
+def routing(T: int, K: int = 2, seed: int = 1, **kwargs):
+    return make_routing(T, E, K, seed=seed, **kwargs)
+
+
+def test_packs_the_dense_weights(experts, dense):
+    """The buffers hold exactly the bf16-rounded dense weights (so the reference below is fair)."""
+    for name, w in zip(("gate_weight", "up_weight", "down_weight"), dense):
+        packed = getattr(experts, name)
+        assert packed.dtype == torch.bfloat16
+        assert torch.equal(kt_ops.unpack_weights(packed, *w.shape[1:]), _bf16(w))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("T", [1, 5])
+def test_forward_matches_reference(experts, dtype, T):
+    x = make_hidden(T, H, dtype, seed=2)
+    ids, weights = routing(T)
+    out = experts(x, ids, weights)
+    assert out.shape == (T, H) and out.dtype == dtype
+    assert_matches_reference(out, reference(experts, x, ids, weights))
+
+
+def test_forward_any_leading_shape_int32_ids_and_skips(experts):
+    x = make_hidden(6, H, torch.float32, seed=3).view(2, 3, H)
+    ids, weights = routing(6, K=3, ids_dtype=torch.int32, skip_fraction=0.3, skip_rows=(4,))
+    ids, weights = ids.view(2, 3, 3), weights.view(2, 3, 3)
+    out = experts(x, ids, weights)
+    assert out.shape == x.shape
+    assert_matches_reference(out, reference(experts, x, ids, weights))
+    assert torch.count_nonzero(out.view(6, H)[4]) == 0  # a token with no expert here
+
+
+def test_routing_weights_in_another_dtype(experts):
+    """bf16 activations with fp16 routing weights: the weights are taken as fp32."""
+    x = make_hidden(3, H, torch.bfloat16, seed=4)
+    ids, weights = routing(3, weights_dtype=torch.float16)
+    out = experts(x, ids, weights)
+    assert_matches_reference(out, reference(experts, x, ids, weights))
+
+
+def test_empty_batch(experts):
+    out = experts(torch.empty(0, H), torch.empty(0, 2, dtype=torch.long), torch.empty(0, 2))
+    assert out.shape == (0, H)
+
+
+def test_buffers_state_dict_and_repr(experts, dense):
+    names = [n for n, _ in experts.named_buffers()]
+    assert names == ["gate_weight", "up_weight", "down_weight"]
+    assert (experts.num_experts, experts.hidden_size, experts.intermediate_size) == (E, H, I)
+    assert repr(experts) == (
+        "MoEExperts(num_experts=8, hidden_size=64, intermediate_size=40, weight_format='bf16')"
+    )
+    # state_dict round trip into a module built from other weights
+    other = MoEExperts.from_dense(*(torch.zeros_like(t) for t in dense))
+    other.load_state_dict(experts.state_dict())
+    x = torch.randn(4, H)
+    ids, weights = routing(4)
+    assert torch.equal(other(x, ids, weights), experts(x, ids, weights))
+
+
+def test_dtype_and_device_casts_leave_packed_weights_alone(experts):
+    m = copy.deepcopy(experts)
+    m.half()
+    m.to(torch.float32)
+    m.to("cpu", torch.float64)
+    assert all(b.dtype == torch.bfloat16 for b in m.buffers())
+    assert torch.equal(m.gate_weight, experts.gate_weight)
+    x = make_hidden(3, H, torch.float32)
+    ids, weights = routing(3)
+    assert torch.equal(m(x, ids, weights), experts(x, ids, weights))
+
+
+def test_chunked_packing_equals_pack_weights(dense, monkeypatch):
+    monkeypatch.setattr(kt_nn, "_PACK_CHUNK_ELEMS", 3 * I * H)  # 3 experts per chunk
+    chunked = MoEExperts.from_dense(*dense)
+    for name, w in zip(("gate_weight", "up_weight", "down_weight"), dense):
+        assert torch.equal(getattr(chunked, name), kt_ops.pack_weights(w))
+
+
+def test_from_dense_errors(dense):
+    gate, up, down = dense
+    with pytest.raises(ValueError, match="gate must be 3-D"):
+        MoEExperts.from_dense(gate[0], up, down)
+    with pytest.raises(ValueError, match=r"expected gate and up \[E, I, H\] and down \[E, H, I\]"):
+        MoEExperts.from_dense(gate, up, down.transpose(1, 2))
+    with pytest.raises(ValueError, match="weight_format='int4' is not supported"):
+        MoEExperts.from_dense(gate, up, down, weight_format="int4")
+
+
+def test_constructor_checks_packed_shapes(experts):
+    packed = (experts.gate_weight, experts.up_weight, experts.down_weight)
+    with pytest.raises(ValueError, match="down_weight has shape"):
+        MoEExperts(*packed[:2], packed[0], hidden_size=H, intermediate_size=I)
+    with pytest.raises(ValueError, match="gate_weight has shape"):
+        MoEExperts(*packed, hidden_size=H + 2, intermediate_size=I)
+    with pytest.raises(ValueError, match="must be positive"):
+        MoEExperts(*packed, hidden_size=H, intermediate_size=0)
+
+
+def test_forward_errors(experts):
+    ids, weights = routing(2)
+    with pytest.raises(ValueError, match="expected hidden_size=64"):
+        experts(torch.randn(2, H + 1), ids, weights)
+    with pytest.raises(RuntimeError, match="topk_ids must lie in"):
+        experts(torch.randn(2, H), torch.full((2, 2), E), weights)
+
+
+def test_expert_list_indexing(dense):
+    experts = MoEExpertList.from_dense(*dense)
+    assert len(experts) == E and isinstance(experts, MoEExperts)
+    x = make_hidden(6, H, torch.float32, seed=5).view(2, 3, H)
+    for index in (0, 5, torch.tensor([E - 1]), -1):
+        e = int(index) % E
+        want = reference(experts, x, torch.full((2, 3, 1), e), torch.ones(2, 3, 1))
+        assert_matches_reference(experts[index](x), want)
+    assert [expert.index for expert in experts] == list(range(E))
+    with pytest.raises(IndexError, match="out of range"):
+        experts[E]
+    # The fused call still works.
+    ids, weights = routing(6)
+    x = x.view(6, H)
+    assert_matches_reference(experts(x, ids, weights), reference(experts, x, ids, weights))
+
+
+def test_torch_compile_fullgraph_dynamic(experts, dense):
+    torch._dynamo.reset()
+    compiled = torch.compile(experts, fullgraph=True, dynamic=True)
+    for T in (1, 4, 9):
+        x = make_hidden(T, H, torch.float32, seed=T)
+        ids, weights = routing(T)
+        assert torch.equal(compiled(x, ids, weights), experts(x, ids, weights))
+    x = torch.randn(2, 3, H).to(torch.bfloat16)
+    ids, weights = routing(6)
+    ids, weights = ids.view(2, 3, 2), weights.view(2, 3, 2)
+    assert torch.equal(compiled(x, ids, weights), experts(x, ids, weights))
+
+
+def test_compile_single_graph_no_breaks_no_recompiles(experts):
+    torch._dynamo.reset()
+    x, (ids, weights) = torch.randn(3, H), routing(3)
+    explanation = torch._dynamo.explain(experts)(x, ids, weights)
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounter()
+    compiled = torch.compile(experts, backend=counter, fullgraph=True, dynamic=True)
+    for T in (3, 5, 17):  # several token counts, one graph
+        ids, weights = routing(T)
+        compiled(torch.randn(T, H), ids, weights)
+    assert counter.frame_count == 1
