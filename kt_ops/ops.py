@@ -137,7 +137,7 @@ def moe_forward(
         an expert id outside ``[-1, E)``, a packed weight whose layout does not
         match ``weight_format``, or quantization/LoRA data the format does not take.
     """
-    return torch.ops.kt.moe_forward(
+    return torch.ops.kt.moe_forward.default(
         hidden_states,
         topk_ids,
         topk_weights,

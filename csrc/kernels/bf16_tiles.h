@@ -27,6 +27,11 @@ namespace kt::kernels {
 
 #define KT_ALWAYS_INLINE inline __attribute__((always_inline))
 
+// Software prefetch distance in 64-byte weight lines (one per k pair): 2 KB
+// ahead covers DRAM latency at this stream's rate. Measured on Zen 3, cold
+// decode: none 4.5 ms, 16 lines 3.9, 32 lines 3.6, 64 lines 3.9.
+constexpr int kPrefetchLines = 32;
+
 // acc_out[i][0..16) = dot products of token i with the 16 rows of the block.
 template <class V, int M>
 KT_ALWAYS_INLINE void bf16_tile(const float* const* x, const uint16_t* w, int k_pairs,
@@ -44,6 +49,9 @@ KT_ALWAYS_INLINE void bf16_tile(const float* const* x, const uint16_t* w, int k_
   const float* xr[M];
   for (int i = 0; i < M; ++i) xr[i] = x[i];
   for (int p = 0; p < k_pairs; ++p) {
+    // One 64-byte line per k pair; ask for the line kPrefetchLines ahead so
+    // the DRAM stream stays in flight across page and block boundaries.
+    __builtin_prefetch(w + 32 * static_cast<int64_t>(p + kPrefetchLines), 0, 3);
     Reg w_even[NV], w_odd[NV];
     V::load_bf16_pairs(w + 32 * static_cast<int64_t>(p), w_even, w_odd);
     for (int i = 0; i < M; ++i) {
@@ -117,10 +125,10 @@ inline void for_each_tile(const Args& a) {
     if constexpr (n < MT) Tile<V, n>::run(a, i); \
     break;
       KT_TILE_CASE(1)
-      KT_TILE_CASE(2) KT_TILE_CASE(3) KT_TILE_CASE(4) KT_TILE_CASE(5) KT_TILE_CASE(6)
-          KT_TILE_CASE(7)
+      KT_TILE_CASE(2)
+      KT_TILE_CASE(3) KT_TILE_CASE(4) KT_TILE_CASE(5) KT_TILE_CASE(6) KT_TILE_CASE(7)
 #undef KT_TILE_CASE
-              default : break;
+          default : break;
   }
 }
 

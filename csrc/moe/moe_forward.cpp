@@ -40,6 +40,14 @@ void grow(std::vector<T>& v, size_t n) {
   if (v.size() < n) v.resize(n);
 }
 
+// Weight-block items are handed out in about this many runs per thread: long
+// enough runs to keep each thread's DRAM stream contiguous, enough of them to
+// even out experts with different token counts.
+#ifndef KT_CHUNKS
+#define KT_CHUNKS 16
+#endif
+constexpr int kChunksPerThread = KT_CHUNKS;
+
 // Rows of activations converted to fp32 per pool task.
 constexpr int64_t kRowsPerConvertTask = 8;
 
@@ -134,42 +142,46 @@ at::Tensor moe_forward_bf16(const at::Tensor& hidden_states, const at::Tensor& t
   const auto* wd = reinterpret_cast<const uint16_t*>(down_weight.data_ptr());
   const int64_t num_active = static_cast<int64_t>(plan.active_experts.size());
 
-  // Phase 2: gate/up + SwiGLU, one task per (active expert, 16-row block of I).
-  pool.run(num_active * blocks_I, [&](int64_t task, int) {
-    const int64_t e = plan.active_experts[task / blocks_I];
-    const int64_t nb = task % blocks_I;
-    const int64_t r0 = plan.expert_offsets[e];
-    const int64_t m = plan.expert_offsets[e + 1] - r0;
-    const int64_t block = e * blocks_I + nb;
-    kernels::GateUpArgs args{
-        s.x_rows.data() + r0,
-        static_cast<int>(m),
-        wg + block * gate_up_block,
-        wu + block * gate_up_block,
-        static_cast<int>(bf16_k_pairs(H)),
-        s.h_out_rows.data() + r0,
-        nb * kBf16BlockRows,
-        static_cast<int>(std::min<int64_t>(kBf16BlockRows, I - nb * kBf16BlockRows))};
-    kernels.gate_up_silu(args);
+  // Phase 2: gate/up + SwiGLU, one item per (active expert, 16-row block of I).
+  pool.parallel_for(num_active * blocks_I, kChunksPerThread, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t e = plan.active_experts[task / blocks_I];
+      const int64_t nb = task % blocks_I;
+      const int64_t r0 = plan.expert_offsets[e];
+      const int64_t m = plan.expert_offsets[e + 1] - r0;
+      const int64_t block = e * blocks_I + nb;
+      kernels::GateUpArgs args{
+          s.x_rows.data() + r0,
+          static_cast<int>(m),
+          wg + block * gate_up_block,
+          wu + block * gate_up_block,
+          static_cast<int>(bf16_k_pairs(H)),
+          s.h_out_rows.data() + r0,
+          nb * kBf16BlockRows,
+          static_cast<int>(std::min<int64_t>(kBf16BlockRows, I - nb * kBf16BlockRows))};
+      kernels.gate_up_silu(args);
+    }
   });
 
   // Phase 3: down projection scaled by the routing weight, per (expert, 16-row block of H).
-  pool.run(num_active * blocks_H, [&](int64_t task, int) {
-    const int64_t e = plan.active_experts[task / blocks_H];
-    const int64_t nb = task % blocks_H;
-    const int64_t r0 = plan.expert_offsets[e];
-    const int64_t m = plan.expert_offsets[e + 1] - r0;
-    const int64_t block = e * blocks_H + nb;
-    kernels::DownArgs args{
-        s.h_in_rows.data() + r0,
-        static_cast<int>(m),
-        wd + block * down_block,
-        static_cast<int>(bf16_k_pairs(I)),
-        s.y_rows.data() + r0,
-        nb * kBf16BlockRows,
-        plan.row_weight.data() + r0,
-        static_cast<int>(std::min<int64_t>(kBf16BlockRows, H - nb * kBf16BlockRows))};
-    kernels.down_scaled(args);
+  pool.parallel_for(num_active * blocks_H, kChunksPerThread, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t e = plan.active_experts[task / blocks_H];
+      const int64_t nb = task % blocks_H;
+      const int64_t r0 = plan.expert_offsets[e];
+      const int64_t m = plan.expert_offsets[e + 1] - r0;
+      const int64_t block = e * blocks_H + nb;
+      kernels::DownArgs args{
+          s.h_in_rows.data() + r0,
+          static_cast<int>(m),
+          wd + block * down_block,
+          static_cast<int>(bf16_k_pairs(I)),
+          s.y_rows.data() + r0,
+          nb * kBf16BlockRows,
+          plan.row_weight.data() + r0,
+          static_cast<int>(std::min<int64_t>(kBf16BlockRows, H - nb * kBf16BlockRows))};
+      kernels.down_scaled(args);
+    }
   });
 
   // Phase 4: sum the top-k slots of each token in k order, cast to the activation dtype.

@@ -10,7 +10,7 @@ void build_routing_plan(const at::Tensor& topk_ids, const at::Tensor& topk_weigh
   const int64_t K = topk_ids.size(1);
   plan.num_tokens = T;
   plan.top_k = K;
-  const at::Tensor ids = topk_ids.to(at::kLong).contiguous();
+  const at::Tensor ids = topk_ids.to(at::kLong).contiguous();  // no copy when already int64
   const at::Tensor w = topk_weights.to(at::kFloat).contiguous();
   const int64_t* id = ids.data_ptr<int64_t>();
   const float* wt = w.data_ptr<float>();

@@ -3,12 +3,14 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <optional>
 #include <string>
 
 #include "formats/bf16.h"
 #include "kernels/dispatch.h"
 #include "moe/moe_forward.h"
+#include "runtime/thread_pool.h"
 
 namespace kt::ops {
 
@@ -58,6 +60,7 @@ at::Tensor moe_forward_cpu(
     const OptTensor& gate_lora_a, const OptTensor& gate_lora_b, const OptTensor& up_lora_a,
     const OptTensor& up_lora_b, const OptTensor& down_lora_a, const OptTensor& down_lora_b,
     double lora_scaling, c10::string_view activation) {
+  runtime::ThreadPool::global().prewake();
   const std::string fmt(weight_format.data(), weight_format.size());
   // --- activations and routing -------------------------------------------
   check_cpu(hidden_states, "hidden_states");
@@ -118,9 +121,18 @@ at::Tensor moe_forward_cpu(
 
   // --- expert ids in [-1, E) ---------------------------------------------------
   if (topk_ids.numel() > 0) {
-    const at::Tensor ids = topk_ids.to(at::kLong);
-    const int64_t lo = ids.min().item<int64_t>();
-    const int64_t hi = ids.max().item<int64_t>();
+    // A plain loop: two ATen reductions with .item() cost more than a decode
+    // step's whole routing.
+    const at::Tensor ids = topk_ids.contiguous();
+    int64_t lo = 0, hi = 0;
+    AT_DISPATCH_INDEX_TYPES(ids.scalar_type(), "kt_check_expert_ids", [&] {
+      const index_t* p = ids.data_ptr<index_t>();
+      lo = hi = p[0];
+      for (int64_t i = 1; i < ids.numel(); ++i) {
+        lo = std::min<int64_t>(lo, p[i]);
+        hi = std::max<int64_t>(hi, p[i]);
+      }
+    });
     TORCH_CHECK(lo >= -1 && hi < E, "kt.moe_forward: topk_ids must lie in [-1, ", E,
                 ") (E = number of experts in gate_weight; -1 skips a slot), got values in [", lo,
                 ", ", hi, "]");

@@ -2,6 +2,7 @@
 
 #include <pthread.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <new>
@@ -155,7 +156,9 @@ void ThreadPool::worker_loop(int thread_index) {
   for (;;) {
     if (!spin_until([&] { return generation_.load(std::memory_order_acquire) != seen; })) {
       std::unique_lock<std::mutex> lock(mutex_);
-      work_cv_.wait(lock, [&] { return generation_.load() != seen; });
+      const uint64_t wakes = wake_calls_;
+      work_cv_.wait(lock, [&] { return generation_.load() != seen || wake_calls_ != wakes; });
+      if (generation_.load() == seen) continue;  // woken ahead of a job: spin for it
     }
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -168,6 +171,15 @@ void ThreadPool::worker_loop(int thread_index) {
       done_cv_.notify_one();
     }
   }
+}
+
+void ThreadPool::prewake() {
+  if (workers_.empty()) return;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ++wake_calls_;
+  }
+  work_cv_.notify_all();
 }
 
 void ThreadPool::run(int64_t num_tasks, const TaskFn& fn) {
@@ -198,6 +210,19 @@ void ThreadPool::run(int64_t num_tasks, const TaskFn& fn) {
     error_ = nullptr;
     std::rethrow_exception(e);
   }
+}
+
+void ThreadPool::parallel_for(int64_t num_items, int chunks_per_thread,
+                              const std::function<void(int64_t, int64_t)>& fn) {
+  if (num_items <= 0) return;
+  const int64_t chunks =
+      std::max<int64_t>(1, static_cast<int64_t>(chunks_per_thread) * num_threads_);
+  const int64_t chunk = (num_items + chunks - 1) / chunks;
+  const int64_t tasks = (num_items + chunk - 1) / chunk;
+  run(tasks, [&](int64_t task, int) {
+    const int64_t begin = task * chunk;
+    fn(begin, std::min(num_items, begin + chunk));
+  });
 }
 
 }  // namespace kt::runtime

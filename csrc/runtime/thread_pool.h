@@ -50,6 +50,20 @@ class ThreadPool {
   // inside a task, or with fewer than two tasks, run inline on this thread.
   void run(int64_t num_tasks, const TaskFn& fn);
 
+  // Wakes parked workers so that they spin, ready for a job that follows
+  // within a few microseconds. An op calls it on entry: the futex wake-up of
+  // the workers then overlaps the op's single-threaded argument checks and
+  // routing instead of delaying its first parallel phase.
+  void prewake();
+
+  // The one partition helper (style rule 11): splits [0, num_items) into
+  // about chunks_per_thread * num_threads() runs of consecutive items, handed
+  // out dynamically, and calls fn(begin, end) for each. Consecutive items are
+  // adjacent weight blocks, so each thread streams long runs of memory (what
+  // the hardware prefetchers want) while late chunks still balance the load.
+  void parallel_for(int64_t num_items, int chunks_per_thread,
+                    const std::function<void(int64_t, int64_t)>& fn);
+
  private:
   void start_workers();
   void stop_workers();
@@ -69,6 +83,7 @@ class ThreadPool {
   std::atomic<uint64_t> generation_{0};
   bool stop_ = false;
 
+  uint64_t wake_calls_ = 0;  // guarded by mutex_
   const TaskFn* job_ = nullptr;
   int64_t job_tasks_ = 0;
   std::atomic<int64_t> next_task_{0};
