@@ -110,6 +110,18 @@ KT_ALWAYS_INLINE void down_tile(const DownArgs& a, int i0) {
   }
 }
 
+// The remainder tile: Tile<V, rem> for rem in [1, N], picked at run time.
+template <class V, template <class, int> class Tile, class Args, int N>
+KT_ALWAYS_INLINE void run_remainder_tile(const Args& a, int i0, int rem) {
+  if constexpr (N >= 1) {
+    if (rem == N) {
+      Tile<V, N>::run(a, i0);
+    } else {
+      run_remainder_tile<V, Tile, Args, N - 1>(a, i0, rem);
+    }
+  }
+}
+
 // Runs Tile<V, M> over m tokens in tiles of V::kMaxTile, then one remainder
 // tile; the tile size a token lands in depends only on m, never on threads.
 template <class V, template <class, int> class Tile, class Args>
@@ -117,19 +129,7 @@ inline void for_each_tile(const Args& a) {
   constexpr int MT = V::kMaxTile;
   int i = 0;
   for (; i + MT <= a.m; i += MT) Tile<V, MT>::run(a, i);
-  switch (a.m - i) {
-    case 0:
-      break;
-#define KT_TILE_CASE(n)                          \
-  case n:                                        \
-    if constexpr (n < MT) Tile<V, n>::run(a, i); \
-    break;
-      KT_TILE_CASE(1)
-      KT_TILE_CASE(2)
-      KT_TILE_CASE(3) KT_TILE_CASE(4) KT_TILE_CASE(5) KT_TILE_CASE(6) KT_TILE_CASE(7)
-#undef KT_TILE_CASE
-          default : break;
-  }
+  run_remainder_tile<V, Tile, Args, MT - 1>(a, i, a.m - i);
 }
 
 template <class V, int M>

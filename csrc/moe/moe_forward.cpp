@@ -43,10 +43,7 @@ void grow(std::vector<T>& v, size_t n) {
 // Weight-block items are handed out in about this many runs per thread: long
 // enough runs to keep each thread's DRAM stream contiguous, enough of them to
 // even out experts with different token counts.
-#ifndef KT_CHUNKS
-#define KT_CHUNKS 16
-#endif
-constexpr int kChunksPerThread = KT_CHUNKS;
+constexpr int kChunksPerThread = 16;
 
 // Rows of activations converted to fp32 per pool task.
 constexpr int64_t kRowsPerConvertTask = 8;
