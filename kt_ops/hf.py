@@ -47,7 +47,8 @@ After replacement the state-dict keys of the experts are ``gate_weight``,
 ``up_weight``, ``down_weight`` (packed), so ``save_pretrained`` checkpoints of
 a converted model do not load back into the unconverted class. The experts run
 on the CPU: keep hidden states there (CUDA hidden states need a CUDA build of
-the op). Inference only: the op has no backward yet.
+the op). Inference only: the op's backward raises NotImplementedError until
+moe_backward lands.
 """
 
 from __future__ import annotations

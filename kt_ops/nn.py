@@ -7,8 +7,9 @@ holds the packed expert weights as buffers (so ``state_dict``, ``deepcopy`` and
 ``torch.compile`` see plain tensors). :class:`MoEExpertList` adds
 ``len``/indexing for code that loops over ``self.experts[i](x)`` itself.
 
-The modules compute the forward pass only: ``kt.moe_forward`` has no autograd
-formula yet, so use them for inference (``torch.no_grad`` / ``inference_mode``).
+The modules compute the forward pass only: the backward of ``kt.moe_forward``
+raises ``NotImplementedError`` until ``kt::moe_backward`` lands, so use them
+for inference (``torch.no_grad`` / ``inference_mode``).
 """
 
 from __future__ import annotations
@@ -73,8 +74,8 @@ class MoEExperts(nn.Module):
     they are (bf16, on the CPU), so a model holding this module can be cast or
     moved without touching its experts. The compute dtype follows the input.
 
-    Inference only: ``kt.moe_forward`` has no backward yet, so no gradient
-    flows to the hidden states or routing weights through this module.
+    Inference only: backpropagating through this module raises
+    ``NotImplementedError`` until ``kt::moe_backward`` lands.
 
     Args:
         gate_weight: packed gate projections of ``[E, I, H]`` weights.
