@@ -28,8 +28,7 @@ struct Scratch {
   std::vector<float> h;  // [rows][Ip] SwiGLU outputs, zero padded to an even I
   std::vector<float> y;  // [T*K][H] weighted expert outputs per slot
   std::vector<const float*> x_rows;
-  std::vector<const float*> h_in_rows;
-  std::vector<float*> h_out_rows;
+  std::vector<float*> h_rows;
   std::vector<float*> y_rows;
 };
 
@@ -58,12 +57,16 @@ void convert_rows(const Src* src, int64_t H, int64_t Hp, float* dst, int64_t beg
   }
 }
 
+// fp32 sums of one output row; grown once per thread, never per task.
+thread_local std::vector<float> t_combine_acc;
+
 template <class Dst>
 void combine_rows(const float* y, const uint8_t* valid, int64_t K, int64_t H, Dst* out,
                   int64_t begin, int64_t end) {
-  std::vector<float> acc(H);
+  grow(t_combine_acc, H);
+  float* acc = t_combine_acc.data();
   for (int64_t t = begin; t < end; ++t) {
-    std::fill(acc.begin(), acc.end(), 0.0f);
+    std::fill(acc, acc + H, 0.0f);
     for (int64_t k = 0; k < K; ++k) {
       if (!valid[t * K + k]) continue;
       const float* yk = y + (t * K + k) * H;
@@ -123,15 +126,13 @@ at::Tensor moe_forward_bf16(const at::Tensor& hidden_states, const at::Tensor& t
   grow(s.h, R * Ip);
   grow(s.y, T * K * H);
   grow(s.x_rows, R);
-  grow(s.h_in_rows, R);
-  grow(s.h_out_rows, R);
+  grow(s.h_rows, R);
   grow(s.y_rows, R);
   for (int64_t r = 0; r < R; ++r) {
     s.x_rows[r] = x + plan.row_token[r] * Hp;
-    s.h_out_rows[r] = s.h.data() + r * Ip;
-    s.h_in_rows[r] = s.h_out_rows[r];
+    s.h_rows[r] = s.h.data() + r * Ip;
     s.y_rows[r] = s.y.data() + plan.row_slot[r] * H;
-    if (Ip != I) s.h_out_rows[r][I] = 0.0f;  // the pad column of the last k pair
+    if (Ip != I) s.h_rows[r][I] = 0.0f;  // the pad column of the last k pair
   }
 
   const auto* wg = reinterpret_cast<const uint16_t*>(gate_weight.data_ptr());
@@ -153,7 +154,7 @@ at::Tensor moe_forward_bf16(const at::Tensor& hidden_states, const at::Tensor& t
           wg + block * gate_up_block,
           wu + block * gate_up_block,
           static_cast<int>(bf16_k_pairs(H)),
-          s.h_out_rows.data() + r0,
+          s.h_rows.data() + r0,
           nb * kBf16BlockRows,
           static_cast<int>(std::min<int64_t>(kBf16BlockRows, I - nb * kBf16BlockRows))};
       kernels.gate_up_silu(args);
@@ -169,7 +170,7 @@ at::Tensor moe_forward_bf16(const at::Tensor& hidden_states, const at::Tensor& t
       const int64_t m = plan.expert_offsets[e + 1] - r0;
       const int64_t block = e * blocks_H + nb;
       kernels::DownArgs args{
-          s.h_in_rows.data() + r0,
+          s.h_rows.data() + r0,
           static_cast<int>(m),
           wd + block * down_block,
           static_cast<int>(bf16_k_pairs(I)),

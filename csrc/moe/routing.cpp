@@ -33,7 +33,8 @@ void build_routing_plan(const at::Tensor& topk_ids, const at::Tensor& topk_weigh
   plan.row_token.resize(rows);
   plan.row_slot.resize(rows);
   plan.row_weight.resize(rows);
-  std::vector<int64_t> cursor(plan.expert_offsets.begin(), plan.expert_offsets.end() - 1);
+  std::vector<int64_t>& cursor = plan.cursor;
+  cursor.assign(plan.expert_offsets.begin(), plan.expert_offsets.end() - 1);
   for (int64_t s = 0; s < T * K; ++s) {
     if (id[s] < 0) continue;
     const int64_t r = cursor[id[s]]++;

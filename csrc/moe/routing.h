@@ -19,6 +19,7 @@ struct RoutingPlan {
   std::vector<float> row_weight;        // routing weight of each row, fp32
   std::vector<uint8_t> slot_valid;      // [T * K]: 1 where the id is not -1
   std::vector<int64_t> active_experts;  // experts with at least one row, ascending
+  std::vector<int64_t> cursor;          // scratch of build_routing_plan, kept to reuse its memory
 
   int64_t num_rows() const { return static_cast<int64_t>(row_token.size()); }
 };
