@@ -280,3 +280,23 @@ def test_reference_agrees_after_thread_changes():
     for n in (1, 2):
         kt_ops.set_num_threads(n)
         assert_matches_reference(kt_ops.moe_forward(*args), ref)
+
+
+def test_resizing_the_pool_never_hangs_or_miscounts(python_subprocess):
+    # Regression: workers started by set_num_threads once took the generation
+    # bump of stop_workers() for a job and decremented the busy count for a job
+    # they never joined; a later call then waited forever (or returned early).
+    code = """
+import torch, kt_ops
+from test_runtime import small_call
+args = small_call(T=40)
+want = kt_ops.moe_forward(*args)
+for i in range(300):
+    kt_ops.set_num_threads(1 + i % 8)  # up to 4x oversubscribed: workers get preempted
+    for _ in range(3):
+        assert torch.equal(kt_ops.moe_forward(*args), want), i
+print("ok")
+"""
+    proc = python_subprocess(code, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().endswith("ok")

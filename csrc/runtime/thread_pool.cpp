@@ -112,12 +112,16 @@ void ThreadPool::start_workers() {
   const int num_cores = static_cast<int>(topo.cores.size());
   started_workers_.store(0);
   bound_workers_.store(0);
+  // New workers wait for the next job: a worker that started from generation 0
+  // would take the stop_workers() bump for a job and decrement busy_workers_
+  // for a job it never joined, leaving a later run() waiting forever.
+  const uint64_t start_generation = generation_.load();
   for (int i = 1; i < num_threads_; ++i) {
-    workers_.emplace_back([this, i, num_cores, &topo] {
+    workers_.emplace_back([this, i, num_cores, &topo, start_generation] {
       // Worker i takes core i: the caller, usually on core 0, keeps its own.
       if (bind_current_thread(topo.cores[i % num_cores])) bound_workers_.fetch_add(1);
       started_workers_.fetch_add(1);
-      worker_loop(i);
+      worker_loop(i, start_generation);
     });
   }
   while (started_workers_.load() < num_threads_ - 1) std::this_thread::yield();
@@ -151,8 +155,7 @@ void ThreadPool::do_tasks(int thread_index) {
   t_inside_pool_task = was_inside;
 }
 
-void ThreadPool::worker_loop(int thread_index) {
-  uint64_t seen = 0;
+void ThreadPool::worker_loop(int thread_index, uint64_t seen) {
   for (;;) {
     if (!spin_until([&] { return generation_.load(std::memory_order_acquire) != seen; })) {
       std::unique_lock<std::mutex> lock(mutex_);
@@ -174,7 +177,8 @@ void ThreadPool::worker_loop(int thread_index) {
 }
 
 void ThreadPool::prewake() {
-  if (workers_.empty()) return;
+  // num_threads_, not workers_: set_num_threads may be rebuilding the vector.
+  if (num_threads_.load() <= 1) return;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     ++wake_calls_;

@@ -38,7 +38,7 @@ class ThreadPool {
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
 
-  int num_threads() const { return num_threads_; }
+  int num_threads() const { return num_threads_.load(); }
   // Joins the current workers and starts n-1 new ones. Not to be called
   // while a job runs (it waits for it).
   void set_num_threads(int n);
@@ -67,10 +67,10 @@ class ThreadPool {
  private:
   void start_workers();
   void stop_workers();
-  void worker_loop(int thread_index);
+  void worker_loop(int thread_index, uint64_t seen_generation);
   void do_tasks(int thread_index);
 
-  int num_threads_ = 1;
+  std::atomic<int> num_threads_{1};  // read without run_mutex_ by prewake()
   bool workers_bound_ = false;
   std::vector<std::thread> workers_;
   std::atomic<int> started_workers_{0};
