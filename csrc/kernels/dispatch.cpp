@@ -151,4 +151,19 @@ const Bf16Kernels& bf16_kernels(Isa isa) {
   }
 }
 
+const QuantKernels& quant_kernels(Isa isa) {
+  // The quantized formats have AVX2 kernels (256-bit integer dot products);
+  // the AVX-512 tier runs them too (every AVX-512 CPU has AVX2) until native
+  // 512-bit VNNI kernels exist.
+  switch (isa) {
+#ifdef KT_BUILD_AVX2
+    case Isa::kAvx512:
+    case Isa::kAvx2:
+      return avx2::quant_kernels();
+#endif
+    default:
+      return ref::quant_kernels();
+  }
+}
+
 }  // namespace kt::kernels

@@ -23,5 +23,7 @@ void set_active_isa(Isa isa);
 
 // The bf16 expert kernels for a tier (after the fallback chain).
 const Bf16Kernels& bf16_kernels(Isa isa);
+// The quantized-format kernels (qint family, fp8) for a tier.
+const QuantKernels& quant_kernels(Isa isa);
 
 }  // namespace kt::kernels

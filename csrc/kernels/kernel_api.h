@@ -6,6 +6,8 @@
 
 #include <cstdint>
 
+#include "formats/qint.h"
+
 namespace kt::kernels {
 
 // Fused gate/up projection + SwiGLU on one 16-row block of the bf16 layout
@@ -44,12 +46,50 @@ struct Bf16Kernels {
   void (*down_scaled)(const DownArgs&);
 };
 
+// Dot products of one 16-row block of a qint format (formats/qint.h) with m
+// rows of q8 activations (moe/activation_q8.h):
+//   out[i*16 + r] = sum_k W[r][k] * x_i[k]   for i < m, r < n_valid
+// where W = scale * q - zero and x_i = the dequantized q8 row. Rows past
+// n_valid may be left unwritten.
+struct QintDotArgs {
+  const uint8_t* const* x_rows;  // m q8 activation records of Kp values
+  int m;
+  const uint8_t* block;  // one 16-row block of codes (formats::qint_block_bytes)
+  const void* scales;    // [G][16] scales of this block, in format->scale_type
+  const void* zeros;     // [G][16] zeros of this block, or nullptr (implicit zero)
+  const formats::QintFormat* format;
+  int64_t kp;  // padded K (multiple of 32)
+  int n_valid;
+  float* out;  // [m][16]
+};
+
+// Dot products of one 16-row block of fp8 E4M3 codes ([Kp/4][16][4] bytes)
+// with m rows of fp32 activations, times the 128x128 block scales:
+//   out[i*16 + r] = sum_k e4m3(W[r][k]) * scales[k / 128] * x_i[k]
+struct Fp8DotArgs {
+  const float* const* x_rows;  // m rows of fp32, Kp long, zero padded
+  int m;
+  const uint8_t* block;  // [Kp/4][16][4] E4M3 bits
+  const float* scales;   // [ceil(K/128)] scales of this block's 128-row band
+  int64_t kp;
+  int n_valid;
+  float* out;  // [m][16]
+};
+
+struct QuantKernels {
+  const char* isa_name;
+  void (*qint_dot)(const QintDotArgs&);
+  void (*fp8_dot)(const Fp8DotArgs&);
+};
+
 namespace ref {
 const Bf16Kernels& bf16_kernels();
-}
+const QuantKernels& quant_kernels();
+}  // namespace ref
 namespace avx2 {
 const Bf16Kernels& bf16_kernels();
-}
+const QuantKernels& quant_kernels();
+}  // namespace avx2
 namespace avx512 {
 const Bf16Kernels& bf16_kernels();
 }

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "formats/bf16.h"
+#include "moe/moe_phases.h"
 #include "moe/routing.h"
 #include "runtime/thread_pool.h"
 
@@ -33,49 +34,6 @@ struct Scratch {
 };
 
 thread_local Scratch t_scratch;
-
-template <class T>
-void grow(std::vector<T>& v, size_t n) {
-  if (v.size() < n) v.resize(n);
-}
-
-// Weight-block items are handed out in about this many runs per thread: long
-// enough runs to keep each thread's DRAM stream contiguous, enough of them to
-// even out experts with different token counts.
-constexpr int kChunksPerThread = 16;
-
-// Rows of activations converted to fp32 per pool task.
-constexpr int64_t kRowsPerConvertTask = 8;
-
-template <class Src>
-void convert_rows(const Src* src, int64_t H, int64_t Hp, float* dst, int64_t begin, int64_t end) {
-  for (int64_t t = begin; t < end; ++t) {
-    const Src* s = src + t * H;
-    float* d = dst + t * Hp;
-    for (int64_t j = 0; j < H; ++j) d[j] = static_cast<float>(s[j]);
-    for (int64_t j = H; j < Hp; ++j) d[j] = 0.0f;
-  }
-}
-
-// fp32 sums of one output row; grown once per thread, never per task.
-thread_local std::vector<float> t_combine_acc;
-
-template <class Dst>
-void combine_rows(const float* y, const uint8_t* valid, int64_t K, int64_t H, Dst* out,
-                  int64_t begin, int64_t end) {
-  grow(t_combine_acc, H);
-  float* acc = t_combine_acc.data();
-  for (int64_t t = begin; t < end; ++t) {
-    std::fill(acc, acc + H, 0.0f);
-    for (int64_t k = 0; k < K; ++k) {
-      if (!valid[t * K + k]) continue;
-      const float* yk = y + (t * K + k) * H;
-      for (int64_t j = 0; j < H; ++j) acc[j] += yk[j];
-    }
-    Dst* o = out + t * H;
-    for (int64_t j = 0; j < H; ++j) o[j] = static_cast<Dst>(acc[j]);
-  }
-}
 
 }  // namespace
 
@@ -107,21 +65,7 @@ at::Tensor moe_forward_bf16(const at::Tensor& hidden_states, const at::Tensor& t
   // Phase 1: activations to fp32.
   grow(s.x, T * Hp);
   float* x = s.x.data();
-  pool.run(formats::ceil_div(T, kRowsPerConvertTask), [&](int64_t task, int) {
-    const int64_t b = task * kRowsPerConvertTask;
-    const int64_t e = std::min(T, b + kRowsPerConvertTask);
-    switch (hidden_states.scalar_type()) {
-      case at::kFloat:
-        convert_rows(hidden_states.data_ptr<float>(), H, Hp, x, b, e);
-        break;
-      case at::kBFloat16:
-        convert_rows(hidden_states.data_ptr<c10::BFloat16>(), H, Hp, x, b, e);
-        break;
-      default:
-        convert_rows(hidden_states.data_ptr<c10::Half>(), H, Hp, x, b, e);
-        break;
-    }
-  });
+  convert_activations(hidden_states, Hp, x);
 
   grow(s.h, R * Ip);
   grow(s.y, T * K * H);
@@ -183,23 +127,7 @@ at::Tensor moe_forward_bf16(const at::Tensor& hidden_states, const at::Tensor& t
   });
 
   // Phase 4: sum the top-k slots of each token in k order, cast to the activation dtype.
-  const float* y = s.y.data();
-  const uint8_t* valid = plan.slot_valid.data();
-  pool.run(formats::ceil_div(T, kRowsPerConvertTask), [&](int64_t task, int) {
-    const int64_t b = task * kRowsPerConvertTask;
-    const int64_t e = std::min(T, b + kRowsPerConvertTask);
-    switch (out.scalar_type()) {
-      case at::kFloat:
-        combine_rows(y, valid, K, H, out.data_ptr<float>(), b, e);
-        break;
-      case at::kBFloat16:
-        combine_rows(y, valid, K, H, out.data_ptr<c10::BFloat16>(), b, e);
-        break;
-      default:
-        combine_rows(y, valid, K, H, out.data_ptr<c10::Half>(), b, e);
-        break;
-    }
-  });
+  combine_slots(s.y.data(), plan, out);
   return out;
 }
 

@@ -3,6 +3,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "formats/qint.h"
 #include "kernels/kernel_api.h"
 
 namespace kt::moe {
@@ -24,5 +25,29 @@ at::Tensor moe_forward_bf16(const at::Tensor& hidden_states, const at::Tensor& t
                             const at::Tensor& topk_weights, const at::Tensor& gate_weight,
                             const at::Tensor& up_weight, const at::Tensor& down_weight,
                             int64_t intermediate_size, const kernels::Bf16Kernels& kernels);
+
+// One projection of every expert in a quantized format (validated by the op).
+struct QuantProjection {
+  const uint8_t* weight = nullptr;  // [E, NB, block_bytes]
+  const void* scales = nullptr;     // qint: [E, NB, G, 16]; fp8: [E, ceil(N/128), ceil(K/128)]
+  const void* zeros = nullptr;      // qint with explicit zeros: [E, NB, G, 16]; else nullptr
+};
+
+enum class QuantKind { kQint, kFp8 };
+
+struct QuantExperts {
+  QuantKind kind = QuantKind::kQint;
+  formats::QintFormat format;  // kQint only (also gives the scale / zero dtypes)
+  QuantProjection gate, up, down;
+};
+
+// The same computation for the quantized formats (docs/formats.md): qint
+// formats quantize each activation row to q8 (formats/q8_activations.h), fp8
+// keeps fp32 activations. Phases as above, with a q8 pass over the SwiGLU
+// outputs between 2 and 3 for qint.
+at::Tensor moe_forward_quant(const at::Tensor& hidden_states, const at::Tensor& topk_ids,
+                             const at::Tensor& topk_weights, const QuantExperts& experts,
+                             int64_t num_experts, int64_t intermediate_size,
+                             const kernels::QuantKernels& kernels);
 
 }  // namespace kt::moe

@@ -5,9 +5,13 @@
 
 #include <algorithm>
 #include <optional>
+#include <stdexcept>
 #include <string>
 
 #include "formats/bf16.h"
+#include "formats/format_registry.h"
+#include "formats/fp8.h"
+#include "formats/qint.h"
 #include "kernels/dispatch.h"
 #include "moe/moe_forward.h"
 #include "runtime/thread_pool.h"
@@ -47,6 +51,102 @@ void check_bf16_packed(const at::Tensor& w, const char* name, int64_t E, int64_t
 void check_absent(const OptTensor& t, const char* name, const std::string& fmt) {
   TORCH_CHECK(!t.has_value(), "kt.moe_forward: ", name, " was given, but weight_format='", fmt,
               "' takes no ", name);
+}
+
+formats::ScaleType scale_type_of(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat:
+      return formats::ScaleType::kF32;
+    case at::kHalf:
+      return formats::ScaleType::kF16;
+    case at::kBFloat16:
+      return formats::ScaleType::kBF16;
+    default:
+      return formats::ScaleType::kNone;
+  }
+}
+
+// Checks that `t` is a contiguous CPU tensor of `shape`; names it otherwise.
+void check_shape(const at::Tensor& t, const std::string& name, const std::string& fmt,
+                 const std::vector<int64_t>& shape, const char* what) {
+  check_cpu(t, name.c_str());
+  TORCH_CHECK(t.sizes() == at::IntArrayRef(shape), "kt.moe_forward: ", name, " has shape ",
+              t.sizes(), " but weight_format='", fmt, "' expects ", at::IntArrayRef(shape), " (",
+              what, "); pack dense weights with kt_ops.quantize_weights");
+  TORCH_CHECK(t.is_contiguous(), "kt.moe_forward: ", name,
+              " must be contiguous (as returned by kt_ops.quantize_weights)");
+}
+
+// One projection of a quantized format: [E, n, k] packed as the format's
+// layout (docs/formats.md). Sets the scale / zero storage types in `q` from
+// the first projection and requires the others to match.
+moe::QuantProjection check_quant_projection(const formats::FormatInfo& info, const std::string& fmt,
+                                            const std::string& proj, const at::Tensor& w,
+                                            const OptTensor& scales, const OptTensor& zeros,
+                                            int64_t E, int64_t n, int64_t k, const char* dims,
+                                            int64_t group_size, bool first,
+                                            formats::QintFormat& q) {
+  const std::string wname = proj + "_weight", sname = proj + "_scales", zname = proj + "_zeros";
+  TORCH_CHECK(w.scalar_type() == at::kByte, "kt.moe_forward: ", wname,
+              " must be uint8 for weight_format='", fmt, "' (got ", w.scalar_type(),
+              "); a weight packed for another format was probably passed");
+  TORCH_CHECK(scales.has_value(), "kt.moe_forward: weight_format='", fmt, "' needs ", sname);
+  const int64_t kp = formats::qint_k_padded(k);
+  const int64_t nb = formats::qint_row_blocks(n);
+  moe::QuantProjection p;
+  if (info.kind == formats::FormatKind::kFp8) {
+    check_shape(w, wname, fmt, {E, nb, kp / 4, 16, 4}, dims);
+    TORCH_CHECK(scales->scalar_type() == at::kFloat, "kt.moe_forward: ", sname,
+                " must be fp32 block scales for weight_format='fp8', got ", scales->scalar_type());
+    check_shape(*scales, sname, fmt,
+                {E, formats::ceil_div(n, formats::kFp8ScaleBlock),
+                 formats::ceil_div(k, formats::kFp8ScaleBlock)},
+                "one scale per 128x128 block");
+    p.weight = w.data_ptr<uint8_t>();
+    p.scales = scales->data_ptr();
+    return p;
+  }
+  if (group_size != 0) {
+    TORCH_CHECK(k % group_size == 0, "kt.moe_forward: group_size=", group_size,
+                " must divide the K of ", wname, " (", dims, "), which is ", k);
+  } else if (info.qint.bits != 8) {
+    TORCH_CHECK(false, "kt.moe_forward: weight_format='", fmt, "' needs a group_size");
+  }
+  const int64_t G = formats::qint_groups(group_size, kp);
+  check_shape(w, wname, fmt, {E, nb, formats::qint_block_bytes(info.qint.bits, kp)}, dims);
+  if (info.scale_is_e8m0) {
+    TORCH_CHECK(scales->scalar_type() == at::kByte, "kt.moe_forward: ", sname,
+                " must be uint8 UE8M0 exponents for weight_format='", fmt, "', got ",
+                scales->scalar_type());
+  } else {
+    TORCH_CHECK(scale_type_of(*scales) != formats::ScaleType::kNone, "kt.moe_forward: ", sname,
+                " must be fp32, fp16 or bf16, got ", scales->scalar_type());
+  }
+  check_shape(*scales, sname, fmt, {E, nb, G, 16}, "[E, ceil(N/16), groups, 16]");
+  const formats::ScaleType st =
+      info.scale_is_e8m0 ? formats::ScaleType::kE8M0 : scale_type_of(*scales);
+  if (first) q.scale_type = st;
+  TORCH_CHECK(q.scale_type == st, "kt.moe_forward: ", sname, " is ", scales->scalar_type(),
+              " but gate_scales has another dtype; use one scale dtype for all projections");
+  formats::ScaleType zt = formats::ScaleType::kNone;
+  if (zeros.has_value()) {
+    TORCH_CHECK(info.zeros != formats::ZeroPolicy::kNever, "kt.moe_forward: ", zname,
+                " was given, but weight_format='", fmt, "' has no zero points");
+    zt = scale_type_of(*zeros);
+    TORCH_CHECK(zt != formats::ScaleType::kNone, "kt.moe_forward: ", zname,
+                " must be fp32, fp16 or bf16, got ", zeros->scalar_type());
+    check_shape(*zeros, zname, fmt, {E, nb, G, 16}, "[E, ceil(N/16), groups, 16]");
+  } else {
+    TORCH_CHECK(info.zeros != formats::ZeroPolicy::kRequired, "kt.moe_forward: weight_format='",
+                fmt, "' needs ", zname);
+  }
+  if (first) q.zero_type = zt;
+  TORCH_CHECK(q.zero_type == zt, "kt.moe_forward: ", zname,
+              " must be given for all three projections or none, in one dtype");
+  p.weight = w.data_ptr<uint8_t>();
+  p.scales = scales->data_ptr();
+  p.zeros = zeros.has_value() ? zeros->data_ptr() : nullptr;
+  return p;
 }
 
 }  // namespace
@@ -98,26 +198,55 @@ at::Tensor moe_forward_cpu(
               "kt_ops version yet; pass None");
 
   // --- weights --------------------------------------------------------------
-  TORCH_CHECK(fmt == "bf16", "kt.moe_forward: weight_format='", fmt,
-              "' is not supported by this build; supported: 'bf16'");
-  TORCH_CHECK(gate_weight.dim() == 5,
-              "kt.moe_forward: gate_weight must be the 5-D bf16 packed layout "
-              "[E, ceil(I/16), ceil(H/2), 16, 2], got shape ",
-              gate_weight.sizes(),
-              "; pack dense [E, I, H] weights with kt_ops.pack_weights(w, 'bf16')");
+  const formats::FormatInfo* info = nullptr;
+  try {
+    info = &formats::lookup_format(fmt);
+  } catch (const std::invalid_argument& err) {
+    TORCH_CHECK(false, "kt.moe_forward: ", err.what());
+  }
+  TORCH_CHECK(gate_weight.dim() >= 1,
+              "kt.moe_forward: gate_weight must be a packed [E, ...] tensor");
   const int64_t E = gate_weight.size(0);
   const int64_t I = intermediate_size;
-  check_bf16_packed(gate_weight, "gate_weight", E, I, H, "I", "H");
-  check_bf16_packed(up_weight, "up_weight", E, I, H, "I", "H");
-  check_bf16_packed(down_weight, "down_weight", E, H, I, "H", "I");
-  check_absent(gate_scales, "gate_scales", fmt);
-  check_absent(up_scales, "up_scales", fmt);
-  check_absent(down_scales, "down_scales", fmt);
-  check_absent(gate_zeros, "gate_zeros", fmt);
-  check_absent(up_zeros, "up_zeros", fmt);
-  check_absent(down_zeros, "down_zeros", fmt);
-  TORCH_CHECK(group_size == 0,
-              "kt.moe_forward: group_size must be 0 for weight_format='bf16', got ", group_size);
+  const bool ok_group = std::find(info->group_sizes.begin(), info->group_sizes.end(), group_size) !=
+                        info->group_sizes.end();
+  if (!ok_group) {
+    std::string allowed;
+    for (int64_t g : info->group_sizes)
+      allowed += (allowed.empty() ? "" : ", ") + std::to_string(g);
+    TORCH_CHECK(false, "kt.moe_forward: group_size=", group_size,
+                " is not valid for weight_format='", fmt, "'; expected one of: ", allowed);
+  }
+  moe::QuantExperts quant;
+  if (info->kind == formats::FormatKind::kBf16) {
+    TORCH_CHECK(gate_weight.dim() == 5,
+                "kt.moe_forward: gate_weight must be the 5-D bf16 packed layout "
+                "[E, ceil(I/16), ceil(H/2), 16, 2], got shape ",
+                gate_weight.sizes(),
+                "; pack dense [E, I, H] weights with kt_ops.pack_weights(w, 'bf16')");
+    check_bf16_packed(gate_weight, "gate_weight", E, I, H, "I", "H");
+    check_bf16_packed(up_weight, "up_weight", E, I, H, "I", "H");
+    check_bf16_packed(down_weight, "down_weight", E, H, I, "H", "I");
+    check_absent(gate_scales, "gate_scales", fmt);
+    check_absent(up_scales, "up_scales", fmt);
+    check_absent(down_scales, "down_scales", fmt);
+    check_absent(gate_zeros, "gate_zeros", fmt);
+    check_absent(up_zeros, "up_zeros", fmt);
+    check_absent(down_zeros, "down_zeros", fmt);
+  } else {
+    quant.kind =
+        info->kind == formats::FormatKind::kFp8 ? moe::QuantKind::kFp8 : moe::QuantKind::kQint;
+    quant.format = info->qint;
+    quant.format.group_size = group_size;
+    if (info->kind == formats::FormatKind::kFp8) quant.format.group_size = 0;
+    const int64_t g = info->kind == formats::FormatKind::kFp8 ? 0 : group_size;
+    quant.gate = check_quant_projection(*info, fmt, "gate", gate_weight, gate_scales, gate_zeros, E,
+                                        I, H, "[E, I, H]", g, true, quant.format);
+    quant.up = check_quant_projection(*info, fmt, "up", up_weight, up_scales, up_zeros, E, I, H,
+                                      "[E, I, H]", g, false, quant.format);
+    quant.down = check_quant_projection(*info, fmt, "down", down_weight, down_scales, down_zeros, E,
+                                        H, I, "[E, H, I]", g, false, quant.format);
+  }
 
   // --- expert ids in [-1, E) ---------------------------------------------------
   if (topk_ids.numel() > 0) {
@@ -139,6 +268,10 @@ at::Tensor moe_forward_cpu(
   }
 
   const at::Tensor x = hidden_states.contiguous();
+  if (info->kind != formats::FormatKind::kBf16) {
+    return moe::moe_forward_quant(x, topk_ids, topk_weights, quant, E, I,
+                                  kernels::quant_kernels(kernels::active_isa()));
+  }
   const auto& kernels = kernels::bf16_kernels(kernels::active_isa());
   return moe::moe_forward_bf16(x, topk_ids, topk_weights, gate_weight, up_weight, down_weight, I,
                                kernels);

@@ -1,0 +1,36 @@
+// Weight format "fp8": E4M3 codes (Micikevicius et al. 2022, "FP8 Formats
+// for Deep Learning"; torch.float8_e4m3fn: bias 7, no infinities, NaN =
+// S.1111.111) with one fp32 scale per 128x128 block of [N, K], as in
+// DeepSeek-V3 checkpoints (`weight_scale_inv`). docs/formats.md.
+//
+// LAYOUT  weight [E, ceil(N/16), Kp/4, 16, 4] uint8 (Kp = K padded to 32):
+//         packed[e, nb, c, r, j] = bits(W[e, 16nb + r, 4c + j]); a 32-bit
+//         lane holds one row's 4 consecutive k.
+//         scales [E, ceil(N/128), ceil(K/128)] fp32, unchanged from the
+//         checkpoint: W = e4m3(code) * scales[e, n/128, k/128].
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+namespace kt::formats {
+
+constexpr int64_t kFp8ScaleBlock = 128;
+
+inline int64_t fp8_block_bytes(int64_t kp) { return 16 * kp; }
+
+// Scalar reference: the value of one E4M3 code.
+inline float e4m3_to_float(uint8_t bits) {
+  const int sign = bits >> 7;
+  const int exp = (bits >> 3) & 15;
+  const int mant = bits & 7;
+  float v;
+  if (exp == 0) {
+    v = std::ldexp(static_cast<float>(mant), -9);  // subnormal: 2^-6 * m/8
+  } else {
+    v = std::ldexp(1.f + static_cast<float>(mant) / 8.f, exp - 7);
+  }
+  return sign ? -v : v;
+}
+
+}  // namespace kt::formats

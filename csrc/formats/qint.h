@@ -1,0 +1,137 @@
+// The "qint" weight-format family: integer codes with grouped affine
+// dequantization, W[n,k] = scale[n,g] * q[n,k] - zero[n,g]. Formats int8,
+// int4, mxfp4, q8_0, q4_0, q4_k, q5_k, q6_k are all members (docs/formats.md
+// has the byte layout and the table of members; this header is its C++
+// mirror and the scalar reference decoder the kernels are tested against).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+namespace kt::formats {
+
+constexpr int kQintBlockRows = 16;  // output rows per block
+constexpr int kQintKAlign = 32;     // K is padded to a multiple of this
+
+// How scales / zeros are stored (one value per 16-row block row and group).
+enum class ScaleType : uint8_t { kNone, kF32, kF16, kBF16, kE8M0 };
+
+// Activations a format multiplies with.
+enum class ActType : uint8_t { kF32, kQ8 };
+
+struct QintFormat {
+  int bits = 4;            // 4, 5, 6 or 8
+  bool is_signed = false;  // 8-bit codes are signed; 4/5/6-bit codes are unsigned
+  bool lut_e2m1 = false;   // mxfp4: 4-bit E2M1 codes map to q = 2*e2m1 + 12
+  ScaleType scale_type = ScaleType::kF32;
+  ScaleType zero_type = ScaleType::kNone;  // kNone: implicit zero = scale * zero_offset
+  float zero_offset = 0.f;                 // 2^(bits-1), 12 for mxfp4, 0 for signed codes
+  int64_t group_size = 0;                  // k per group; 0 = one group over all of Kp
+};
+
+inline int64_t qint_k_padded(int64_t k) {
+  return (k + kQintKAlign - 1) / kQintKAlign * kQintKAlign;
+}
+inline int64_t qint_row_blocks(int64_t n) { return (n + kQintBlockRows - 1) / kQintBlockRows; }
+// Bytes of one 16-row block: low plane (8 or 4 bits) plus the high plane.
+inline int64_t qint_block_bytes(int bits, int64_t kp) { return kQintBlockRows * kp * bits / 8; }
+inline int64_t qint_low_plane_bytes(int bits, int64_t kp) {
+  return kQintBlockRows * kp * (bits == 8 ? 8 : 4) / 8;
+}
+// Groups along K (G): Kp / group_size, or 1 for a per-channel format.
+inline int64_t qint_groups(int64_t group_size, int64_t kp) {
+  return group_size == 0 ? 1 : kp / group_size;
+}
+// The k-granularity at which the kernels fold int32 sums into fp32: a
+// group boundary or an activation block (32), whichever is finer.
+inline int64_t qint_fold_unit(int64_t group_size) { return group_size == 16 ? 16 : 32; }
+
+// The value of one E2M1 code (OCP Microscaling Formats v1.0, section 5.3.3).
+inline float e2m1_value(int code) {
+  static const float kTable[8] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f};
+  const float v = kTable[code & 7];
+  return (code & 8) ? -v : v;
+}
+// The unsigned code the kernels multiply for an E2M1 code: 2*value + 12.
+inline uint8_t e2m1_kernel_code(int code) {
+  return static_cast<uint8_t>(static_cast<int>(2.f * e2m1_value(code)) + 12);
+}
+
+inline float half_bits_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1F;
+  uint32_t mant = h & 0x3FF;
+  uint32_t bits;
+  if (exp == 0x1F) {
+    bits = sign | 0x7F800000u | (mant << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (mant << 13);
+  } else if (mant == 0) {
+    bits = sign;
+  } else {  // subnormal: normalise
+    exp = 113;
+    while (!(mant & 0x400)) {
+      mant <<= 1;
+      --exp;
+    }
+    bits = sign | (exp << 23) | ((mant & 0x3FF) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// One stored scale / zero as fp32. For kE8M0 the stored byte E is the MX
+// shared exponent and the value returned is the kernel scale 2^(E-128)
+// (the E2M1 codes are doubled, see e2m1_kernel_code).
+inline float scale_value(const void* base, ScaleType t, int64_t index) {
+  switch (t) {
+    case ScaleType::kF32:
+      return static_cast<const float*>(base)[index];
+    case ScaleType::kF16:
+      return half_bits_to_float(static_cast<const uint16_t*>(base)[index]);
+    case ScaleType::kBF16: {
+      const uint32_t bits = static_cast<uint32_t>(static_cast<const uint16_t*>(base)[index]) << 16;
+      float f;
+      std::memcpy(&f, &bits, 4);
+      return f;
+    }
+    case ScaleType::kE8M0: {
+      const int e = static_cast<const uint8_t*>(base)[index];
+      // 2^(e-128), flushed to zero below the fp32 normal range (E < 2).
+      if (e < 2) return 0.f;
+      const uint32_t bits = static_cast<uint32_t>(e - 1) << 23;
+      float f;
+      std::memcpy(&f, &bits, 4);
+      return f;
+    }
+    case ScaleType::kNone:
+      break;
+  }
+  return 0.f;
+}
+
+// Scalar reference decode of the code q[r][k] (r < 16, k < Kp) of one block,
+// as the kernel multiplies it (E2M1 codes already mapped to 2*v + 12).
+inline int qint_code(const uint8_t* block, const QintFormat& f, int64_t kp, int r, int64_t k) {
+  if (f.bits == 8) {
+    const uint8_t b = block[(k / 4) * 64 + r * 4 + (k % 4)];
+    return static_cast<int8_t>(b);
+  }
+  const int64_t half = k / 4;  // half-set index h (4 k each)
+  const int j = static_cast<int>(k % 4);
+  const uint8_t lo = block[(half / 2) * 64 + r * 4 + j];
+  int q = (half % 2) ? (lo >> 4) : (lo & 15);
+  if (f.lut_e2m1) return e2m1_kernel_code(q);
+  const uint8_t* high = block + qint_low_plane_bytes(f.bits, kp);
+  if (f.bits == 5) {
+    const uint8_t hb = high[(half / 8) * 64 + r * 4 + j];
+    q |= ((hb >> (half % 8)) & 1) << 4;
+  } else if (f.bits == 6) {
+    const uint8_t hb = high[(half / 4) * 64 + r * 4 + j];
+    q |= ((hb >> (2 * (half % 4))) & 3) << 4;
+  }
+  return q;
+}
+
+}  // namespace kt::formats

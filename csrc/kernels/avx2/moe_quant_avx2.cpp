@@ -1,0 +1,302 @@
+// Quantized-format kernels, AVX2 tier (also run by the AVX-512 tier).
+//
+// qint (formats/qint.h) x q8 activations: a 32-bit lane holds one row's 4
+// consecutive k, so `pmaddubsw(codes, broadcast(4 activations))` then
+// `pmaddwd(., 1)` is one row's 4-term int32 dot product, 8 rows per ymm: the
+// AVX2 form of VNNI's vpdpbusd. Unsigned 4/5/6-bit codes feed pmaddubsw's
+// unsigned operand directly; products of a few k-quads are summed in int16
+// before widening (bounded so they cannot saturate: 4-bit codes 8 quads,
+// 5-bit and E2M1 (q <= 24) 4 quads, 6-bit 2). Signed 8-bit codes use
+// llama.cpp's sign trick: |w| * (x * sign(w)), each pair bounded by 2*127^2.
+// Every fold unit (16 or 32 k) turns the int32 sums into fp32 with the
+// activation block scale and the weight group scale (and zero).
+//
+// PLAN  one 8-row half of the 16-row block at a time; tiles of up to 4
+// tokens; per fold unit the weight codes are decoded once into 8 ymm and
+// reused by every token of the tile.
+//
+// fp8: each 32-bit lane (one row, 4 k) is widened to 4 fp32 vectors by moving
+// the E4M3 sign / exponent / mantissa into fp32 position and multiplying by
+// 2^120 (exact for normals and subnormals); fp32 FMAs, block scale per 128 k.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "formats/fp8.h"
+#include "formats/q8_activations.h"
+#include "formats/qint.h"
+#include "kernels/kernel_api.h"
+
+namespace kt::kernels::avx2 {
+
+namespace {
+
+#define KT_INLINE inline __attribute__((always_inline))
+
+using formats::QintFormat;
+using formats::ScaleType;
+
+constexpr int kMaxTokens = 4;  // tokens per register tile
+
+// 8 consecutive stored scales (rows of one half) as fp32.
+KT_INLINE __m256 load_scales(const void* base, ScaleType t, int64_t index) {
+  switch (t) {
+    case ScaleType::kF16:
+      return _mm256_cvtph_ps(_mm_loadu_si128(
+          reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + index)));
+    case ScaleType::kBF16: {
+      const __m128i v = _mm_loadu_si128(
+          reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + index));
+      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+    }
+    case ScaleType::kE8M0: {
+      // 2^(E-128): exponent field E-1, flushed to zero for E < 2.
+      const __m128i v = _mm_loadl_epi64(
+          reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(base) + index));
+      __m256i e = _mm256_sub_epi32(_mm256_cvtepu8_epi32(v), _mm256_set1_epi32(1));
+      e = _mm256_max_epi32(e, _mm256_setzero_si256());
+      return _mm256_castsi256_ps(_mm256_slli_epi32(e, 23));
+    }
+    default:
+      return _mm256_loadu_ps(static_cast<const float*>(base) + index);
+  }
+}
+
+// Moves the 1 or 2 high bits of half-set h (stored at bit `from` of each
+// byte) to bit 4 of each byte. 16-bit shifts are safe: the mask keeps only
+// bits that came from the same byte.
+KT_INLINE __m256i high_bits_to_bit4(__m256i hb, int from, int mask) {
+  const __m256i m = _mm256_set1_epi8(static_cast<char>(mask));
+  if (from < 4) return _mm256_and_si256(_mm256_sll_epi16(hb, _mm_cvtsi32_si128(4 - from)), m);
+  return _mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(from - 4)), m);
+}
+
+// Decodes the codes of k in [k0, k0 + 4*NV) for the rows of one half into NV
+// vectors of [8 rows][4 k] bytes: unsigned codes for 4/5/6 bit and E2M1,
+// |w| for signed 8 bit.
+template <int Bits, bool Lut, int NV>
+KT_INLINE void decode_unit(const uint8_t* block, [[maybe_unused]] const uint8_t* high, int64_t k0,
+                           int half, __m256i* w) {
+  if constexpr (Bits == 8) {
+    for (int v = 0; v < NV; ++v) {
+      const uint8_t* p = block + (k0 / 4 + v) * 64 + half * 32;
+      w[v] = _mm256_abs_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    }
+  } else {
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    const int64_t h0 = k0 / 4;  // first half-set
+    for (int v = 0; v < NV; v += 2) {
+      const uint8_t* p = block + ((h0 + v) / 2) * 64 + half * 32;
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+      w[v] = _mm256_and_si256(raw, low4);
+      w[v + 1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+    }
+    if constexpr (Lut) {
+      // E2M1 code -> 2*value + 12 (formats::e2m1_kernel_code), per 128-bit lane.
+      const __m256i lut =
+          _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0, 12, 13, 14,
+                           15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0);
+      for (int v = 0; v < NV; ++v) w[v] = _mm256_shuffle_epi8(lut, w[v]);
+    }
+    if constexpr (Bits == 5) {
+      for (int v = 0; v < NV; ++v) {
+        const int64_t h = h0 + v;
+        const uint8_t* p = high + (h / 8) * 64 + half * 32;
+        const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+        w[v] = _mm256_or_si256(w[v], high_bits_to_bit4(hb, static_cast<int>(h % 8), 0x10));
+      }
+    }
+    if constexpr (Bits == 6) {
+      for (int v = 0; v < NV; ++v) {
+        const int64_t h = h0 + v;
+        const uint8_t* p = high + (h / 4) * 64 + half * 32;
+        const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+        w[v] = _mm256_or_si256(w[v], high_bits_to_bit4(hb, static_cast<int>(2 * (h % 4)), 0x30));
+      }
+    }
+  }
+}
+
+// int32 dot products of the NV decoded vectors with one token's codes.
+template <int Bits, bool Lut, int NV>
+KT_INLINE __m256i unit_dot(const __m256i* w, [[maybe_unused]] const uint8_t* raw_block,
+                           [[maybe_unused]] int64_t k0, [[maybe_unused]] int half,
+                           const int8_t* xq) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i acc = _mm256_setzero_si256();
+  if constexpr (Bits == 8) {
+    for (int v = 0; v < NV; ++v) {
+      const __m256i x = _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(xq + 4 * v));
+      const __m256i sw = _mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(raw_block + (k0 / 4 + v) * 64 + half * 32));
+      const __m256i p = _mm256_maddubs_epi16(w[v], _mm256_sign_epi8(x, sw));
+      acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, ones));
+    }
+  } else {
+    constexpr int kDepth = Bits == 4 ? (Lut ? 4 : 8) : (Bits == 5 ? 4 : 2);
+    for (int v0 = 0; v0 < NV; v0 += kDepth) {
+      __m256i s16 = _mm256_setzero_si256();
+      for (int v = v0; v < v0 + kDepth && v < NV; ++v) {
+        const __m256i x = _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(xq + 4 * v));
+        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[v], x));
+      }
+      acc = _mm256_add_epi32(acc, _mm256_madd_epi16(s16, ones));
+    }
+  }
+  return acc;
+}
+
+enum class ZeroMode { kImplicit, kExplicit };
+
+// out rows [8*half, 8*half + 8) for M tokens starting at x_rows[0].
+template <int Bits, bool Lut, int Unit, ZeroMode Z, int M>
+KT_INLINE void qint_half_tile(const QintDotArgs& a, const uint8_t* const* x_rows, float* out,
+                              int half) {
+  constexpr int NV = Unit / 4;
+  const QintFormat& f = *a.format;
+  const int64_t kp = a.kp;
+  const int64_t gsize = f.group_size == 0 ? kp : f.group_size;
+  const uint8_t* high = a.block + formats::qint_low_plane_bytes(Bits, kp);
+  const int8_t* xq[M];
+  const float* xscale[M];
+  const float* xsum[M];
+  for (int i = 0; i < M; ++i) {
+    xq[i] = formats::q8_codes(x_rows[i]);
+    xscale[i] = formats::q8_scales(x_rows[i], kp);
+    xsum[i] = formats::q8_sum16(x_rows[i], kp);
+  }
+  __m256 acc[M];
+  for (int i = 0; i < M; ++i) acc[i] = _mm256_setzero_ps();
+  const __m256 offset = _mm256_set1_ps(f.zero_offset);
+  for (int64_t k0 = 0; k0 < kp; k0 += Unit) {
+    // Keep the block's stream ahead of the decode: ~2 KB of codes.
+    __builtin_prefetch(a.block + (k0 / 4) * 64 * Bits / 8 + 2048, 0, 3);
+    __m256i w[NV];
+    decode_unit<Bits, Lut, NV>(a.block, high, k0, half, w);
+    const int64_t sidx = (k0 / gsize) * 16 + half * 8;
+    const __m256 s = load_scales(a.scales, f.scale_type, sidx);
+    __m256 z = _mm256_setzero_ps();
+    if constexpr (Z == ZeroMode::kExplicit) z = load_scales(a.zeros, f.zero_type, sidx);
+    for (int i = 0; i < M; ++i) {
+      const __m256i isum = unit_dot<Bits, Lut, NV>(w, a.block, k0, half, xq[i] + k0);
+      const __m256 xa = _mm256_mul_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(xscale[i][k0 / 32]));
+      float xs_scalar = xsum[i][k0 / 16];
+      if constexpr (Unit == 32) xs_scalar += xsum[i][k0 / 16 + 1];
+      const __m256 xs = _mm256_set1_ps(xs_scalar);
+      if constexpr (Z == ZeroMode::kExplicit) {
+        acc[i] = _mm256_fnmadd_ps(z, xs, _mm256_fmadd_ps(s, xa, acc[i]));
+      } else {
+        acc[i] = _mm256_fmadd_ps(s, _mm256_fnmadd_ps(offset, xs, xa), acc[i]);
+      }
+    }
+  }
+  for (int i = 0; i < M; ++i) _mm256_storeu_ps(out + i * 16 + half * 8, acc[i]);
+}
+
+template <int Bits, bool Lut, int Unit, ZeroMode Z>
+void qint_dot_impl(const QintDotArgs& a) {
+  for (int half = 0; half < 2; ++half) {
+    if (half * 8 >= a.n_valid) break;
+    int i = 0;
+    for (; i + kMaxTokens <= a.m; i += kMaxTokens)
+      qint_half_tile<Bits, Lut, Unit, Z, kMaxTokens>(a, a.x_rows + i, a.out + i * 16, half);
+    switch (a.m - i) {
+      case 3:
+        qint_half_tile<Bits, Lut, Unit, Z, 3>(a, a.x_rows + i, a.out + i * 16, half);
+        break;
+      case 2:
+        qint_half_tile<Bits, Lut, Unit, Z, 2>(a, a.x_rows + i, a.out + i * 16, half);
+        break;
+      case 1:
+        qint_half_tile<Bits, Lut, Unit, Z, 1>(a, a.x_rows + i, a.out + i * 16, half);
+        break;
+      default:
+        break;
+    }
+  }
+}
+
+void qint_dot(const QintDotArgs& a) {
+  const QintFormat& f = *a.format;
+  const bool explicit_zero = a.zeros != nullptr;
+  const int unit = static_cast<int>(formats::qint_fold_unit(f.group_size));
+  // The combinations the format table (formats/qint.h) produces; the op
+  // layer rejects any other, so the last branch is unreachable there.
+  if (f.bits == 8) return qint_dot_impl<8, false, 32, ZeroMode::kImplicit>(a);
+  if (f.bits == 4 && f.lut_e2m1) return qint_dot_impl<4, true, 32, ZeroMode::kImplicit>(a);
+  if (f.bits == 4 && unit == 32) {
+    if (explicit_zero) return qint_dot_impl<4, false, 32, ZeroMode::kExplicit>(a);
+    return qint_dot_impl<4, false, 32, ZeroMode::kImplicit>(a);
+  }
+  if (f.bits == 5 && unit == 32) {
+    if (explicit_zero) return qint_dot_impl<5, false, 32, ZeroMode::kExplicit>(a);
+    return qint_dot_impl<5, false, 32, ZeroMode::kImplicit>(a);
+  }
+  if (f.bits == 6 && unit == 16) return qint_dot_impl<6, false, 16, ZeroMode::kImplicit>(a);
+  ref::quant_kernels().qint_dot(a);
+}
+
+// ---- fp8 -------------------------------------------------------------------
+
+// The 4 k of each row lane as 4 fp32 vectors (k = 4c + j).
+KT_INLINE void decode_e4m3(__m256i v, __m256* out) {
+  const __m256i sign_mask = _mm256_set1_epi32(static_cast<int>(0x80000000u));
+  const __m256i em_mask = _mm256_set1_epi32(0x07F00000);
+  const __m256 two_120 = _mm256_castsi256_ps(_mm256_set1_epi32(0x7B800000));
+  const __m256i t[4] = {_mm256_slli_epi32(v, 24), _mm256_slli_epi32(v, 16), _mm256_slli_epi32(v, 8),
+                        v};
+  for (int j = 0; j < 4; ++j) {
+    const __m256i bits = _mm256_or_si256(_mm256_and_si256(t[j], sign_mask),
+                                         _mm256_and_si256(_mm256_srli_epi32(t[j], 4), em_mask));
+    out[j] = _mm256_mul_ps(_mm256_castsi256_ps(bits), two_120);
+  }
+}
+
+template <int M>
+KT_INLINE void fp8_half_tile(const Fp8DotArgs& a, const float* const* x_rows, float* out,
+                             int half) {
+  constexpr int64_t kBlock = formats::kFp8ScaleBlock;
+  __m256 acc[M];
+  for (int i = 0; i < M; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t k0 = 0; k0 < a.kp; k0 += kBlock) {
+    const int64_t k1 = std::min(a.kp, k0 + kBlock);
+    __m256 part[M];
+    for (int i = 0; i < M; ++i) part[i] = _mm256_setzero_ps();
+    for (int64_t c = k0 / 4; c < k1 / 4; ++c) {
+      __builtin_prefetch(a.block + c * 64 + 2048, 0, 3);
+      const __m256i v =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.block + c * 64 + half * 32));
+      __m256 w[4];
+      decode_e4m3(v, w);
+      for (int i = 0; i < M; ++i) {
+        const float* x = x_rows[i] + 4 * c;
+        for (int j = 0; j < 4; ++j) part[i] = _mm256_fmadd_ps(w[j], _mm256_set1_ps(x[j]), part[i]);
+      }
+    }
+    const __m256 s = _mm256_set1_ps(a.scales[k0 / kBlock]);
+    for (int i = 0; i < M; ++i) acc[i] = _mm256_fmadd_ps(part[i], s, acc[i]);
+  }
+  for (int i = 0; i < M; ++i) _mm256_storeu_ps(out + i * 16 + half * 8, acc[i]);
+}
+
+void fp8_dot(const Fp8DotArgs& a) {
+  constexpr int kTile = 3;  // 3 partial + 3 total accumulators + 4 decoded weights
+  for (int half = 0; half < 2; ++half) {
+    if (half * 8 >= a.n_valid) break;
+    int i = 0;
+    for (; i + kTile <= a.m; i += kTile)
+      fp8_half_tile<kTile>(a, a.x_rows + i, a.out + i * 16, half);
+    if (a.m - i == 2) fp8_half_tile<2>(a, a.x_rows + i, a.out + i * 16, half);
+    if (a.m - i == 1) fp8_half_tile<1>(a, a.x_rows + i, a.out + i * 16, half);
+  }
+}
+
+}  // namespace
+
+const QuantKernels& quant_kernels() {
+  static const QuantKernels k{"avx2", &qint_dot, &fp8_dot};
+  return k;
+}
+
+}  // namespace kt::kernels::avx2

@@ -1,0 +1,81 @@
+// Portable reference kernels of the quantized formats: plain loops over the
+// scalar decoders of formats/qint.h and formats/fp8.h, with the same integer
+// sums and the same fp32 fold points as the SIMD kernels (per 16 or 32 k),
+// so any ISA path can be checked against them and against the dense
+// reference.
+#include <cstdint>
+
+#include "formats/fp8.h"
+#include "formats/q8_activations.h"
+#include "formats/qint.h"
+#include "kernels/kernel_api.h"
+
+namespace kt::kernels::ref {
+
+namespace {
+
+using formats::QintFormat;
+using formats::ScaleType;
+
+void qint_dot(const QintDotArgs& a) {
+  const QintFormat& f = *a.format;
+  const int64_t kp = a.kp;
+  const int64_t unit = formats::qint_fold_unit(f.group_size);
+  const int64_t gsize = f.group_size == 0 ? kp : f.group_size;
+  for (int i = 0; i < a.m; ++i) {
+    const uint8_t* rec = a.x_rows[i];
+    const int8_t* xq = formats::q8_codes(rec);
+    const float* xscale = formats::q8_scales(rec, kp);
+    const float* xsum16 = formats::q8_sum16(rec, kp);
+    for (int r = 0; r < a.n_valid; ++r) {
+      float acc = 0.f;
+      for (int64_t k0 = 0; k0 < kp; k0 += unit) {
+        int32_t isum = 0;
+        for (int64_t k = k0; k < k0 + unit; ++k) {
+          isum += formats::qint_code(a.block, f, kp, r, k) * static_cast<int32_t>(xq[k]);
+        }
+        const int64_t g = k0 / gsize;
+        const float s = formats::scale_value(a.scales, f.scale_type, g * 16 + r);
+        const float xa = xscale[k0 / 32] * static_cast<float>(isum);
+        float xs = xsum16[k0 / 16];
+        if (unit == 32) xs += xsum16[k0 / 16 + 1];
+        if (a.zeros != nullptr) {
+          const float z = formats::scale_value(a.zeros, f.zero_type, g * 16 + r);
+          acc += s * xa - z * xs;
+        } else {
+          acc += s * (xa - f.zero_offset * xs);
+        }
+      }
+      a.out[i * 16 + r] = acc;
+    }
+  }
+}
+
+void fp8_dot(const Fp8DotArgs& a) {
+  constexpr int64_t kBlock = formats::kFp8ScaleBlock;
+  for (int i = 0; i < a.m; ++i) {
+    const float* x = a.x_rows[i];
+    for (int r = 0; r < a.n_valid; ++r) {
+      float acc = 0.f;
+      for (int64_t k0 = 0; k0 < a.kp; k0 += kBlock) {
+        float part = 0.f;
+        const int64_t k1 = k0 + kBlock < a.kp ? k0 + kBlock : a.kp;
+        for (int64_t k = k0; k < k1; ++k) {
+          const uint8_t bits = a.block[(k / 4) * 64 + r * 4 + (k % 4)];
+          part += formats::e4m3_to_float(bits) * x[k];
+        }
+        acc += part * a.scales[k0 / kBlock];
+      }
+      a.out[i * 16 + r] = acc;
+    }
+  }
+}
+
+}  // namespace
+
+const QuantKernels& quant_kernels() {
+  static const QuantKernels k{"ref", &qint_dot, &fp8_dot};
+  return k;
+}
+
+}  // namespace kt::kernels::ref

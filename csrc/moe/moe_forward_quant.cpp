@@ -1,0 +1,228 @@
+// The MoE driver for the quantized formats (qint family and fp8): the same
+// phases and task split as the bf16 driver (moe_forward.cpp), with kernels
+// that return dot products of one 16-row block, and the SwiGLU / routing
+// weight applied here.
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "formats/bf16.h"
+#include "formats/fp8.h"
+#include "formats/q8_activations.h"
+#include "formats/qint.h"
+#include "moe/moe_forward.h"
+#include "moe/moe_phases.h"
+#include "moe/routing.h"
+#include "runtime/thread_pool.h"
+
+namespace kt::moe {
+
+namespace {
+
+using formats::kQintBlockRows;
+
+struct QuantScratch {
+  RoutingPlan plan;
+  std::vector<float> x;     // [T][Hp] fp32 activations
+  std::vector<uint8_t> xq;  // [T] q8 records of x (qint)
+  std::vector<float> h;     // [rows][Ip] SwiGLU outputs
+  std::vector<uint8_t> hq;  // [rows] q8 records of h (qint)
+  std::vector<float> y;     // [T*K][H] weighted expert outputs per slot
+  std::vector<const float*> x_rows;
+  std::vector<const uint8_t*> xq_rows;
+  std::vector<float*> h_rows;
+  std::vector<const uint8_t*> hq_rows;
+  std::vector<float*> y_rows;
+};
+
+thread_local QuantScratch t_scratch;
+// Per-task dot products [m][16]; grown once per thread.
+thread_local std::vector<float> t_gate_out, t_up_out;
+
+int64_t scale_bytes(formats::ScaleType t) {
+  switch (t) {
+    case formats::ScaleType::kF32:
+      return 4;
+    case formats::ScaleType::kF16:
+    case formats::ScaleType::kBF16:
+      return 2;
+    default:
+      return 1;
+  }
+}
+
+// Where one 16-row block of one projection lives.
+struct BlockLocator {
+  const QuantExperts* experts;
+  int64_t n, k, kp, row_blocks, groups;
+
+  const uint8_t* weight(const QuantProjection& p, int64_t e, int64_t nb) const {
+    const int64_t bytes = experts->kind == QuantKind::kFp8
+                              ? formats::fp8_block_bytes(kp)
+                              : formats::qint_block_bytes(experts->format.bits, kp);
+    return p.weight + (e * row_blocks + nb) * bytes;
+  }
+  const void* qint_params(const void* base, formats::ScaleType t, int64_t e, int64_t nb) const {
+    if (base == nullptr) return nullptr;
+    return static_cast<const uint8_t*>(base) +
+           (e * row_blocks + nb) * groups * kQintBlockRows * scale_bytes(t);
+  }
+  const float* fp8_scales(const QuantProjection& p, int64_t e, int64_t nb) const {
+    const int64_t bands = formats::ceil_div(n, formats::kFp8ScaleBlock);
+    const int64_t kblocks = formats::ceil_div(k, formats::kFp8ScaleBlock);
+    const int64_t band = nb * kQintBlockRows / formats::kFp8ScaleBlock;
+    return static_cast<const float*>(p.scales) + (e * bands + band) * kblocks;
+  }
+};
+
+BlockLocator locator(const QuantExperts& ex, int64_t n, int64_t k) {
+  const int64_t kp = formats::qint_k_padded(k);
+  return {
+      &ex, n, k, kp, formats::qint_row_blocks(n), formats::qint_groups(ex.format.group_size, kp)};
+}
+
+// out[i][r] = W_block[r] . x_i for the m rows starting at row r0 of the plan.
+void block_dot(const QuantExperts& ex, const kernels::QuantKernels& kernels,
+               const BlockLocator& loc, const QuantProjection& p, int64_t e, int64_t nb,
+               const float* const* x_rows, const uint8_t* const* xq_rows, int m, int n_valid,
+               float* out) {
+  if (ex.kind == QuantKind::kFp8) {
+    kernels::Fp8DotArgs args{x_rows,  m,  loc.weight(p, e, nb), loc.fp8_scales(p, e, nb), loc.kp,
+                             n_valid, out};
+    kernels.fp8_dot(args);
+  } else {
+    kernels::QintDotArgs args{xq_rows,
+                              m,
+                              loc.weight(p, e, nb),
+                              loc.qint_params(p.scales, ex.format.scale_type, e, nb),
+                              loc.qint_params(p.zeros, ex.format.zero_type, e, nb),
+                              &ex.format,
+                              loc.kp,
+                              n_valid,
+                              out};
+    kernels.qint_dot(args);
+  }
+}
+
+void quantize_rows(const float* src, int64_t stride, int64_t rows, int64_t kp, uint8_t* dst) {
+  const int64_t rec = formats::q8_record_bytes(kp);
+  runtime::ThreadPool::global().run(formats::ceil_div(rows, 16), [&](int64_t task, int) {
+    const int64_t end = std::min(rows, (task + 1) * 16);
+    for (int64_t r = task * 16; r < end; ++r)
+      formats::quantize_row_q8(src + r * stride, kp, dst + r * rec);
+  });
+}
+
+}  // namespace
+
+at::Tensor moe_forward_quant(const at::Tensor& hidden_states, const at::Tensor& topk_ids,
+                             const at::Tensor& topk_weights, const QuantExperts& ex,
+                             int64_t num_experts, int64_t intermediate_size,
+                             const kernels::QuantKernels& kernels) {
+  const int64_t T = hidden_states.size(0);
+  const int64_t H = hidden_states.size(1);
+  const int64_t K = topk_ids.size(1);
+  const int64_t I = intermediate_size;
+  at::Tensor out = at::empty({T, H}, hidden_states.options());
+  if (T == 0 || H == 0) return out;
+  const bool q8 = ex.kind == QuantKind::kQint;
+
+  const BlockLocator gate_up_loc = locator(ex, I, H);
+  const BlockLocator down_loc = locator(ex, H, I);
+  const int64_t Hp = gate_up_loc.kp;
+  const int64_t Ip = down_loc.kp;
+
+  QuantScratch& s = t_scratch;
+  build_routing_plan(topk_ids, topk_weights, num_experts, s.plan);
+  const RoutingPlan& plan = s.plan;
+  const int64_t R = plan.num_rows();
+  runtime::ThreadPool& pool = runtime::ThreadPool::global();
+
+  // Phase 1: activations to fp32, then to q8 records for the integer formats.
+  grow(s.x, T * Hp);
+  convert_activations(hidden_states, Hp, s.x.data());
+  const int64_t x_rec = formats::q8_record_bytes(Hp);
+  const int64_t h_rec = formats::q8_record_bytes(Ip);
+  if (q8) {
+    grow(s.xq, T * x_rec);
+    quantize_rows(s.x.data(), Hp, T, Hp, s.xq.data());
+  }
+
+  grow(s.h, R * Ip);
+  grow(s.y, T * K * H);
+  grow(s.x_rows, R);
+  grow(s.xq_rows, R);
+  grow(s.h_rows, R);
+  grow(s.hq_rows, R);
+  grow(s.y_rows, R);
+  if (q8) grow(s.hq, R * h_rec);
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t t = plan.row_token[r];
+    s.x_rows[r] = s.x.data() + t * Hp;
+    s.xq_rows[r] = q8 ? s.xq.data() + t * x_rec : nullptr;
+    s.h_rows[r] = s.h.data() + r * Ip;
+    s.hq_rows[r] = q8 ? s.hq.data() + r * h_rec : nullptr;
+    s.y_rows[r] = s.y.data() + plan.row_slot[r] * H;
+    std::fill(s.h_rows[r] + I, s.h_rows[r] + Ip, 0.0f);  // K padding of the down projection
+  }
+
+  const int64_t num_active = static_cast<int64_t>(plan.active_experts.size());
+  const int64_t blocks_I = gate_up_loc.row_blocks;
+  const int64_t blocks_H = down_loc.row_blocks;
+
+  // Phase 2: gate/up + SwiGLU, one item per (active expert, 16-row block of I).
+  pool.parallel_for(num_active * blocks_I, kChunksPerThread, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t e = plan.active_experts[task / blocks_I];
+      const int64_t nb = task % blocks_I;
+      const int64_t r0 = plan.expert_offsets[e];
+      const int m = static_cast<int>(plan.expert_offsets[e + 1] - r0);
+      const int n_valid =
+          static_cast<int>(std::min<int64_t>(kQintBlockRows, I - nb * kQintBlockRows));
+      grow(t_gate_out, static_cast<size_t>(m) * kQintBlockRows);
+      grow(t_up_out, static_cast<size_t>(m) * kQintBlockRows);
+      block_dot(ex, kernels, gate_up_loc, ex.gate, e, nb, s.x_rows.data() + r0,
+                s.xq_rows.data() + r0, m, n_valid, t_gate_out.data());
+      block_dot(ex, kernels, gate_up_loc, ex.up, e, nb, s.x_rows.data() + r0, s.xq_rows.data() + r0,
+                m, n_valid, t_up_out.data());
+      for (int i = 0; i < m; ++i) {
+        float* h = s.h_rows[r0 + i] + nb * kQintBlockRows;
+        const float* g = t_gate_out.data() + i * kQintBlockRows;
+        const float* u = t_up_out.data() + i * kQintBlockRows;
+        for (int r = 0; r < n_valid; ++r) h[r] = g[r] / (1.0f + std::exp(-g[r])) * u[r];
+      }
+    }
+  });
+
+  // Phase 2b: the SwiGLU outputs to q8 records.
+  if (q8) quantize_rows(s.h.data(), Ip, R, Ip, s.hq.data());
+
+  // Phase 3: down projection scaled by the routing weight, per (expert, 16-row block of H).
+  pool.parallel_for(num_active * blocks_H, kChunksPerThread, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t e = plan.active_experts[task / blocks_H];
+      const int64_t nb = task % blocks_H;
+      const int64_t r0 = plan.expert_offsets[e];
+      const int m = static_cast<int>(plan.expert_offsets[e + 1] - r0);
+      const int n_valid =
+          static_cast<int>(std::min<int64_t>(kQintBlockRows, H - nb * kQintBlockRows));
+      grow(t_gate_out, static_cast<size_t>(m) * kQintBlockRows);
+      block_dot(ex, kernels, down_loc, ex.down, e, nb, s.h_rows.data() + r0, s.hq_rows.data() + r0,
+                m, n_valid, t_gate_out.data());
+      for (int i = 0; i < m; ++i) {
+        float* y = s.y_rows[r0 + i] + nb * kQintBlockRows;
+        const float w = plan.row_weight[r0 + i];
+        const float* d = t_gate_out.data() + i * kQintBlockRows;
+        for (int r = 0; r < n_valid; ++r) y[r] = w * d[r];
+      }
+    }
+  });
+
+  // Phase 4: sum the top-k slots of each token in k order.
+  combine_slots(s.y.data(), plan, out);
+  return out;
+}
+
+}  // namespace kt::moe
