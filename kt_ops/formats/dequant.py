@@ -1,0 +1,127 @@
+"""Reference dequantizer: packed weights -> dense fp32 ``[E, n, k]``, straight from docs/formats.md.
+
+This is what the kernel tests compare against, so it deliberately shares no
+code with the packers (``qint.pack_codes`` works with reshapes and permutes):
+every weight is located by the byte/bit index formulas of the document,
+evaluated for all ``(r, k)`` of a 16-row block at once and gathered.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kt_ops.formats.packed import PackedProjection
+from kt_ops.formats.spec import BLOCK_ROWS, format_spec, padded_k
+
+__all__ = ["dequantize_weights", "MXFP4_Q_LUT"]
+
+#: mxfp4: E2M1 code c -> unsigned code q = 2*e2m1(c) + 12 (docs/formats.md, qint / mxfp4).
+MXFP4_Q_LUT = (12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0)
+
+
+def _rk(kp: int) -> tuple[Tensor, Tensor]:
+    """Row ``r`` ``[16, 1]`` and column ``k`` ``[1, Kp]`` index grids of one block."""
+    r = torch.arange(BLOCK_ROWS, dtype=torch.int64).view(BLOCK_ROWS, 1)
+    k = torch.arange(kp, dtype=torch.int64).view(1, kp)
+    return r, k
+
+
+def _gather(block: Tensor, idx: Tensor) -> Tensor:
+    """``block[e, nb, idx]`` for an index grid ``[16, Kp]`` -> ``[E, NB, 16, Kp]``."""
+    E, nb, _ = block.shape
+    return block[:, :, idx.reshape(-1)].view(E, nb, *idx.shape)
+
+
+def _decode_codes(weight: Tensor, bits: int, kp: int) -> Tensor:
+    """Stored code bits of every ``(e, nb, r, k)``: int64 ``[E, NB, 16, Kp]``, unsigned."""
+    w = weight.to(torch.int64)
+    r, k = _rk(kp)
+    if bits == 8:
+        # word c = k // 4, byte j = k % 4 of row r: offset 64c + 4r + j
+        return _gather(w, (k // 4) * 64 + r * 4 + k % 4)
+    # low plane: word c = k // 8, byte j = k % 4, nibble hi = (k // 4) % 2
+    low = _gather(w, (k // 8) * 64 + r * 4 + k % 4)
+    q = (low >> (4 * ((k // 4) % 2))) & 15
+    high_base = 8 * kp  # the low plane is 16 * Kp * 4 / 8 bytes
+    if bits == 5:
+        # word w = k // 32, byte j = k % 4, bit h = (k % 32) // 4 -> bit 4 of q
+        high = _gather(w, high_base + (k // 32) * 64 + r * 4 + k % 4)
+        q = q | (((high >> ((k % 32) // 4)) & 1) << 4)
+    elif bits == 6:
+        # word w = k // 16, byte j = k % 4, bits 2h, 2h+1 with h = (k % 16) // 4 -> bits 4, 5
+        high = _gather(w, high_base + (k // 16) * 64 + r * 4 + k % 4)
+        q = q | (((high >> (2 * ((k % 16) // 4))) & 3) << 4)
+    return q
+
+
+def _expand_groups(p: Tensor, kp: int, group_size: int) -> Tensor:
+    """``[E, NB, G, 16]`` -> ``[E, NB, 16, Kp]`` with ``out[..., r, k] = p[..., k // gs, r]``."""
+    _, k = _rk(kp)
+    g = torch.zeros_like(k) if group_size == 0 else k // group_size
+    return p[:, :, g.reshape(-1), :].transpose(2, 3)
+
+
+def _rows(x: Tensor, n: int, k: int) -> Tensor:
+    """``[E, NB, 16, Kp]`` -> ``[E, n, k]`` (drop the padding rows and columns)."""
+    E, nb, r, kp = x.shape
+    return x.reshape(E, nb * r, kp)[:, :n, :k].contiguous()
+
+
+def dequantize_weights(p: PackedProjection) -> Tensor:
+    """The dense fp32 ``[E, n, k]`` weights a :class:`PackedProjection` holds.
+
+    Per format (docs/formats.md):
+
+    * ``bf16``: ``W[n, k] = packed[n // 16, k // 2, n % 16, k % 2]``.
+    * qint (``int8``, ``int4``, ``mxfp4``, ``q8_0``, ``q4_0``, ``q4_k``,
+      ``q5_k``, ``q6_k``): codes from the bit planes, then
+      ``W = scale[g] * q - zero[g]`` with ``g = k // group_size`` in fp32.
+      8-bit codes are signed (``zero = 0``); unsigned codes without a zeros
+      tensor have the implicit ``zero = scale * 2^(bits-1)``, evaluated as
+      ``scale * (q - 2^(bits-1))`` (exact, hence bit-identical to ggml's
+      ``d * (q - 8)`` / ``d*sc * (q - 32)``). ``mxfp4``: ``q = 2*e2m1(c) + 12``
+      and ``scale = 2^(E-128)``, ``zero = 12 * scale`` (OCP MX v1.0 value
+      ``2^(E-127) * e2m1(c)``), evaluated in float64 then rounded to fp32
+      (exact except where the value overflows fp32, which gives inf).
+    * ``fp8``: ``W = float(E4M3 bits) * scale[n // 128, k // 128]`` in fp32.
+
+    Raises:
+        ValueError: ``p`` fails :meth:`PackedProjection.validate`.
+    """
+    p.validate()
+    spec = format_spec(p.weight_format)
+    tensors = {name: t.cpu() for name, t in p.tensors().items()}
+    out = torch.empty(p.num_experts, p.n, p.k, dtype=torch.float32)
+    for e in range(p.num_experts):  # one expert at a time bounds the int64 temporaries
+        one = {name: t[e : e + 1] for name, t in tensors.items()}
+        out[e] = _dequantize_one(spec, p.group_size, p.n, p.k, **one)[0]
+    return out
+
+
+def _dequantize_one(spec, group_size, n, k, weight, scales=None, zeros=None) -> Tensor:
+    w = weight
+    if spec.layout == "bf16":
+        nn = torch.arange(n).view(n, 1)
+        kk = torch.arange(k).view(1, k)
+        return w[:, nn // 16, kk // 2, nn % 16, kk % 2].float()
+    kp = padded_k(k)
+    if spec.layout == "fp8":
+        bits = _decode_codes(w.reshape(w.shape[0], w.shape[1], -1), 8, kp)
+        vals = _rows(bits.to(torch.uint8).view(torch.float8_e4m3fn).float(), n, k)
+        nn = torch.arange(n).view(n, 1)
+        kk = torch.arange(k).view(1, k)
+        return vals * scales.float()[:, nn // 128, kk // 128]
+    q = _decode_codes(w, spec.bits, kp)
+    scale = _expand_groups(scales, kp, group_size)
+    if spec.name == "mxfp4":
+        qv = torch.tensor(MXFP4_Q_LUT, dtype=torch.float64)[q]
+        s = torch.pow(2.0, scale.to(torch.float64) - 128.0)
+        return _rows(s * qv - 12.0 * s, n, k).float()
+    scale = scale.float()
+    if spec.signed:  # two's-complement byte
+        return _rows(scale * (q - ((q & 0x80) << 1)).float(), n, k)
+    if zeros is None:
+        return _rows(scale * (q - (1 << (spec.bits - 1))).float(), n, k)
+    zero = _expand_groups(zeros, kp, group_size).float()
+    return _rows(scale * q.float() - zero, n, k)

@@ -1,0 +1,145 @@
+"""``PackedProjection``: one projection (gate, up or down) of all experts, packed."""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from kt_ops.formats.spec import FormatSpec, format_spec, padded_k
+
+__all__ = ["PackedProjection"]
+
+
+@dataclass
+class PackedProjection:
+    """Packed weights of one projection of ``E`` experts, in the layout of docs/formats.md.
+
+    Fields:
+        weight: the packed weight tensor (bf16 ``[E, NB, ceil(k/2), 16, 2]``;
+            uint8 ``[E, NB, 16*Kp*bits/8]`` for the qint formats; uint8
+            ``[E, NB, Kp/4, 16, 4]`` for fp8).
+        scales: ``[E, NB, G, 16]`` in the format's scale dtype (fp8:
+            fp32 ``[E, ceil(n/128), ceil(k/128)]``), or ``None`` for bf16.
+        zeros: ``[E, NB, G, 16]`` in weight units (``W = scale*q - zero``), or
+            ``None`` where the zero is implicit.
+        weight_format: one of ``FORMATS``.
+        group_size: K elements per scale (0 = per output channel; fp8: 128).
+        n, k: unpadded output rows and inputs of the dense ``[E, n, k]`` weights.
+    """
+
+    weight: Tensor
+    scales: Optional[Tensor]
+    zeros: Optional[Tensor]
+    weight_format: str
+    group_size: int
+    n: int
+    k: int
+
+    @property
+    def spec(self) -> FormatSpec:
+        """The :class:`FormatSpec` of ``weight_format`` (ValueError if unknown)."""
+        return format_spec(self.weight_format)
+
+    @property
+    def num_experts(self) -> int:
+        """``E``, the leading dimension of every tensor."""
+        return int(self.weight.shape[0])
+
+    def tensors(self) -> dict[str, Tensor]:
+        """``{'weight': ..., 'scales': ..., 'zeros': ...}`` without the ``None`` entries."""
+        out = {"weight": self.weight, "scales": self.scales, "zeros": self.zeros}
+        return {name: t for name, t in out.items() if t is not None}
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all tensors (weight, scales, zeros), padding included."""
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+    @property
+    def bits_per_weight(self) -> float:
+        """``8 * nbytes / (E * n * k)``: storage per real weight, padding and scales included."""
+        return 8.0 * self.nbytes / (self.num_experts * self.n * self.k)
+
+    def validate(self) -> PackedProjection:
+        """Check every field against the format's layout; returns ``self``.
+
+        Raises:
+            ValueError: naming the first bad field (``weight_format``, ``n``,
+                ``k``, ``group_size``, ``weight``, ``scales`` or ``zeros``):
+                unknown format, non-positive sizes, a group size the format
+                does not allow or that does not divide ``Kp``, a tensor of the
+                wrong type, dtype, shape, device, or not contiguous, a missing
+                required tensor or an extra one.
+        """
+        spec = format_spec(self.weight_format)
+        for name in ("n", "k"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
+                raise ValueError(f"PackedProjection.{name} must be a positive int, got {v!r}")
+        gs = self.group_size
+        if isinstance(gs, bool) or not isinstance(gs, int) or gs not in spec.group_sizes:
+            raise ValueError(
+                f"PackedProjection.group_size={gs!r} is not allowed for {spec.name!r}; "
+                f"allowed: {spec.group_sizes}"
+            )
+        if spec.layout == "qint" and gs and padded_k(self.k) % gs:
+            raise ValueError(
+                f"PackedProjection.group_size={gs} does not divide the padded K "
+                f"({padded_k(self.k)}) of k={self.k}"
+            )
+        w = self.weight
+        if not isinstance(w, Tensor) or w.dim() < 1:
+            raise ValueError(f"PackedProjection.weight must be a tensor, got {type(w).__name__}")
+        e = int(w.shape[0])
+        if e < 1:
+            raise ValueError("PackedProjection.weight has no experts (E = 0)")
+        expect = {"weight": (spec.weight_shape(e, self.n, self.k), spec.weight_dtype())}
+        sshape = spec.scales_shape(e, self.n, self.k, gs)
+        if sshape is not None:
+            expect["scales"] = (sshape, spec.scale_dtype)
+        if spec.has_zeros and (self.zeros is not None or spec.zeros_required):
+            expect["zeros"] = (sshape, spec.scale_dtype)
+        for name in ("weight", "scales", "zeros"):
+            t = getattr(self, name)
+            if name not in expect:
+                if t is not None:
+                    raise ValueError(
+                        f"PackedProjection.{name} must be None for {spec.name!r}, "
+                        f"got a tensor of shape {tuple(t.shape)}"
+                    )
+                continue
+            shape, dtype = expect[name]
+            if not isinstance(t, Tensor):
+                raise ValueError(
+                    f"PackedProjection.{name} is required for {spec.name!r}: expected a "
+                    f"{dtype} tensor {list(shape)}, got {type(t).__name__}"
+                )
+            if t.dtype != dtype or tuple(t.shape) != shape:
+                raise ValueError(
+                    f"PackedProjection.{name} has {t.dtype} {list(t.shape)}, expected {dtype} "
+                    f"{list(shape)} for {spec.name!r} with n={self.n}, k={self.k}, "
+                    f"group_size={gs}"
+                )
+            if t.device != w.device:
+                raise ValueError(f"PackedProjection.{name} is on {t.device}, weight on {w.device}")
+            if not t.is_contiguous():
+                raise ValueError(f"PackedProjection.{name} must be contiguous")
+        return self
+
+    def to(self, device: torch.device | str) -> PackedProjection:
+        """A copy with every tensor moved to ``device``."""
+        moved = {k: (t.to(device) if t is not None else None) for k, t in self._fields().items()}
+        return PackedProjection(
+            **moved,
+            weight_format=self.weight_format,
+            group_size=self.group_size,
+            n=self.n,
+            k=self.k,
+        )
+
+    def _fields(self) -> dict[str, Optional[Tensor]]:
+        return {"weight": self.weight, "scales": self.scales, "zeros": self.zeros}

@@ -1,0 +1,149 @@
+"""qint code planes: pack integer codes ``[E, N, K]`` into 16-row blocks and back.
+
+The layout is docs/formats.md, "Byte layout of one 16-row block". One block
+``weight[e, nb, :]`` is the low plane followed (5 and 6 bit) by the high plane:
+
+* 8 bit: ``Kp/4`` words ``[16 rows][4 bytes]``; byte ``j`` of row ``r`` in
+  word ``c`` is ``q[n, 4c + j]``.
+* 4/5/6 bit low plane: ``Kp/8`` words ``[16][4]``; the low nibble of byte ``j``
+  of row ``r`` in word ``c`` is ``q[n, 8c + j] & 15``, the high nibble
+  ``q[n, 8c + 4 + j] & 15``.
+* 5 bit high plane: ``Kp/32`` words; bit ``h`` of byte ``j`` of row ``r`` in
+  word ``w`` is bit 4 of ``q[n, 32w + 4h + j]``.
+* 6 bit high plane: ``Kp/16`` words; bits ``2h, 2h+1`` of byte ``j`` are bits
+  4, 5 of ``q[n, 16w + 4h + j]``.
+
+These packers work with ``reshape``/``permute``; the reference dequantizer
+(``kt_ops.formats.dequant``) decodes with explicit byte/bit index arithmetic
+instead, so the two check each other.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kt_ops.formats.spec import BLOCK_ROWS, ceil_div, padded_k
+
+__all__ = ["pack_codes", "unpack_codes", "pack_group_params", "unpack_group_params"]
+
+_BITS = (4, 5, 6, 8)
+
+
+def _check_bits(bits: int) -> None:
+    if bits not in _BITS:
+        raise ValueError(f"bits={bits!r} is not a qint code width; expected one of {_BITS}")
+
+
+def pack_codes(q: Tensor, bits: int, pad_code: int = 0) -> Tensor:
+    """Pack integer codes ``q [E, N, K]`` into the qint block layout.
+
+    Args:
+        q: integer tensor ``[E, N, K]``: codes in ``[0, 2^bits)``, or for
+            ``bits=8`` also signed codes in ``[-128, 127]`` (stored as their
+            two's-complement byte).
+        bits: 4, 5, 6 or 8.
+        pad_code: the code written for the padding (rows ``N..16*NB`` and
+            columns ``K..Kp``); pass the code of weight 0 (e.g. 8 for symmetric
+            4 bit) so that the padding holds zero weights.
+
+    Returns:
+        uint8 ``[E, NB, 16 * Kp * bits / 8]`` (``NB = ceil(N/16)``, ``Kp = ceil(K/32)*32``).
+
+    Raises:
+        ValueError: ``q`` is not a 3-D integer tensor, a code is out of range
+            for ``bits``, or ``bits`` is not 4, 5, 6 or 8.
+    """
+    _check_bits(bits)
+    if not isinstance(q, Tensor) or q.dim() != 3 or q.is_floating_point() or q.is_complex():
+        raise ValueError("pack_codes: q must be a 3-D integer tensor [E, N, K]")
+    lo, hi = (-128, 255) if bits == 8 else (0, (1 << bits) - 1)
+    if q.numel() and (int(q.min()) < lo or int(q.max()) > hi):
+        raise ValueError(f"pack_codes: q has codes outside [{lo}, {hi}] for bits={bits}")
+    E, N, K = q.shape
+    nb, kp = ceil_div(N, BLOCK_ROWS), padded_k(K)
+    if q.dtype == torch.uint8:
+        qu = q
+    elif q.dtype == torch.int8:
+        qu = q.view(torch.uint8)  # two's complement
+    else:
+        qu = (q.to(torch.int64) & 0xFF).to(torch.uint8)
+    full = torch.full((E, nb * BLOCK_ROWS, kp), pad_code & 0xFF, dtype=torch.uint8)
+    full[:, :N, :K] = qu.cpu()
+    full = full.view(E, nb, BLOCK_ROWS, kp)
+    if bits == 8:
+        # [E, NB, 16, Kp/4, 4] -> words [E, NB, Kp/4, 16, 4]
+        out = full.view(E, nb, BLOCK_ROWS, kp // 4, 4).permute(0, 1, 3, 2, 4)
+        return out.reshape(E, nb, -1).contiguous()
+    # low plane: [E, NB, 16, Kp/8, 2 (nibble), 4 (j)]
+    low = (full & 15).view(E, nb, BLOCK_ROWS, kp // 8, 2, 4)
+    low = low[..., 0, :] | (low[..., 1, :] << 4)
+    planes = [low.permute(0, 1, 3, 2, 4).reshape(E, nb, -1)]
+    if bits == 5:
+        # [E, NB, 16, Kp/32, 8 (h), 4 (j)]: bit h of byte j = bit 4 of q[32w + 4h + j]
+        hb = ((full >> 4) & 1).view(E, nb, BLOCK_ROWS, kp // 32, 8, 4)
+        shift = torch.arange(8, dtype=torch.uint8).view(8, 1)
+        high = (hb << shift).sum(dim=-2, dtype=torch.uint8)  # disjoint bits: sum == or
+        planes.append(high.permute(0, 1, 3, 2, 4).reshape(E, nb, -1))
+    elif bits == 6:
+        # [E, NB, 16, Kp/16, 4 (h), 4 (j)]: bits 2h, 2h+1 of byte j = bits 4, 5 of q[16w + 4h + j]
+        hb = ((full >> 4) & 3).view(E, nb, BLOCK_ROWS, kp // 16, 4, 4)
+        shift = 2 * torch.arange(4, dtype=torch.uint8).view(4, 1)
+        high = (hb << shift).sum(dim=-2, dtype=torch.uint8)
+        planes.append(high.permute(0, 1, 3, 2, 4).reshape(E, nb, -1))
+    return torch.cat(planes, dim=-1).contiguous()
+
+
+def unpack_codes(weight: Tensor, bits: int, n: int, k: int, signed: bool = False) -> Tensor:
+    """Inverse of :func:`pack_codes`: the codes ``[E, n, k]`` of a packed qint weight.
+
+    Returns int32 codes: in ``[0, 2^bits)``, or for ``signed`` 8-bit codes in
+    ``[-128, 127]``. Raises ValueError when ``weight`` is not uint8
+    ``[E, ceil(n/16), 16*Kp*bits/8]``.
+    """
+    _check_bits(bits)
+    nb, kp = ceil_div(n, BLOCK_ROWS), padded_k(k)
+    expect = (nb, BLOCK_ROWS * kp * bits // 8)
+    if weight.dtype != torch.uint8 or weight.dim() != 3 or tuple(weight.shape[1:]) != expect:
+        raise ValueError(
+            f"unpack_codes: weight has {weight.dtype} {list(weight.shape)}, expected uint8 "
+            f"[E, {expect[0]}, {expect[1]}] for n={n}, k={k}, bits={bits}"
+        )
+    E = weight.shape[0]
+    w = weight.to(torch.int32)
+    if bits == 8:
+        q = w.view(E, nb, kp // 4, BLOCK_ROWS, 4).permute(0, 1, 3, 2, 4).reshape(E, -1, kp)
+        if signed:
+            q = q - ((q & 0x80) << 1)
+        return q[:, :n, :k].contiguous()
+    low = w[..., : 8 * kp].view(E, nb, kp // 8, BLOCK_ROWS, 4).permute(0, 1, 3, 2, 4)
+    q = torch.stack([low & 15, low >> 4], dim=-2).reshape(E, nb, BLOCK_ROWS, kp)
+    if bits == 5:
+        high = w[..., 8 * kp :].view(E, nb, kp // 32, BLOCK_ROWS, 1, 4).permute(0, 1, 3, 2, 4, 5)
+        shift = torch.arange(8, dtype=torch.int32).view(8, 1)
+        q = q | (((high >> shift) & 1) << 4).reshape(E, nb, BLOCK_ROWS, kp)
+    elif bits == 6:
+        high = w[..., 8 * kp :].view(E, nb, kp // 16, BLOCK_ROWS, 1, 4).permute(0, 1, 3, 2, 4, 5)
+        shift = 2 * torch.arange(4, dtype=torch.int32).view(4, 1)
+        q = q | (((high >> shift) & 3) << 4).reshape(E, nb, BLOCK_ROWS, kp)
+    return q.reshape(E, nb * BLOCK_ROWS, kp)[:, :n, :k].contiguous()
+
+
+def pack_group_params(p: Tensor, dtype: torch.dtype) -> Tensor:
+    """Scales or zeros ``[E, N, G]`` -> ``[E, NB, G, 16]`` in ``dtype``; padding rows are 0.
+
+    The last dimension is the row inside the 16-row block (docs/formats.md).
+    """
+    if p.dim() != 3:
+        raise ValueError(f"pack_group_params: expected [E, N, G], got {list(p.shape)}")
+    E, N, G = p.shape
+    nb = ceil_div(N, BLOCK_ROWS)
+    full = torch.zeros(E, nb * BLOCK_ROWS, G, dtype=dtype)
+    full[:, :N] = p.to(dtype)
+    return full.view(E, nb, BLOCK_ROWS, G).transpose(2, 3).contiguous()
+
+
+def unpack_group_params(p: Tensor, n: int) -> Tensor:
+    """Inverse of :func:`pack_group_params`: ``[E, NB, G, 16]`` -> ``[E, n, G]`` (same dtype)."""
+    E, nb, G, r = p.shape
+    return p.transpose(2, 3).reshape(E, nb * r, G)[:, :n].contiguous()

@@ -1,0 +1,199 @@
+"""Registry of the weight formats and their packed shapes (docs/formats.md).
+
+One name per format, shared by the op (``weight_format=``), the packers, the
+loaders and the converter. :func:`format_spec` returns the static facts of a
+format; the shape helpers here are the single Python statement of the packed
+tensor shapes that :meth:`PackedProjection.validate` checks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+__all__ = [
+    "BLOCK_ROWS",
+    "K_ALIGN",
+    "FORMATS",
+    "FormatSpec",
+    "format_spec",
+    "ceil_div",
+    "padded_k",
+]
+
+#: Output rows per packed block (``NB = ceil(N / 16)`` blocks per expert).
+BLOCK_ROWS = 16
+#: K is padded with zero weights to a multiple of this (``Kp = ceil(K/32)*32``).
+K_ALIGN = 32
+
+#: Every weight format, in the order of docs/formats.md.
+FORMATS = ("bf16", "int8", "int4", "fp8", "mxfp4", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k")
+
+
+def ceil_div(a: int, b: int) -> int:
+    """``ceil(a / b)`` for non-negative integers."""
+    return -(-a // b)
+
+
+def padded_k(k: int) -> int:
+    """``Kp = ceil(k / 32) * 32``: the K extent of every packed layout except ``bf16``."""
+    return ceil_div(k, K_ALIGN) * K_ALIGN
+
+
+@dataclass(frozen=True)
+class FormatSpec:
+    """Static description of one weight format (one row of the table in docs/formats.md).
+
+    Attributes:
+        name: the format name (one of :data:`FORMATS`).
+        layout: ``'bf16'`` (n16k2 bf16), ``'qint'`` (integer code planes) or
+            ``'fp8'`` (E4M3 bytes, ``[E, NB, Kp/4, 16, 4]``).
+        bits: bits per stored weight code (16 for bf16).
+        signed: the integer codes are two's-complement signed bytes (int8, q8_0);
+            False for the float layouts (bf16, fp8) and the unsigned codes.
+        lut: the stored code goes through a 16-entry table before the affine
+            step (mxfp4: E2M1 code ``c`` -> ``q = 2*e2m1(c) + 12``).
+        scale_dtype: dtype of the ``scales`` tensor (``None`` for bf16;
+            ``torch.uint8`` UE8M0 exponents for mxfp4).
+        has_zeros: the format can carry a ``zeros`` tensor (``W = scale*q - zero``).
+        zeros_optional: ``zeros`` may be absent (int4: symmetric packing);
+            when ``has_zeros`` and not ``zeros_optional`` it is required.
+        group_sizes: allowed ``group_size`` values (0 = per output channel;
+            fp8: 128 = 128x128 blocks).
+        default_group_size: the one used when none is given.
+        activation: ``'q8'`` (int8 activations in blocks of 32, see
+            ``quantize_activations_q8``) or ``'fp32'``.
+        bits_per_weight: storage per weight at the default group size, scales
+            and zeros included (int4: symmetric, group 128), ignoring padding.
+        source: where the element format comes from.
+    """
+
+    name: str
+    layout: str
+    bits: int
+    signed: bool
+    lut: bool
+    scale_dtype: Optional[torch.dtype]
+    has_zeros: bool
+    zeros_optional: bool
+    group_sizes: tuple[int, ...]
+    default_group_size: int
+    activation: str
+    bits_per_weight: float
+    source: str
+
+    @property
+    def zeros_required(self) -> bool:
+        """True when every packed projection of this format has a ``zeros`` tensor."""
+        return self.has_zeros and not self.zeros_optional
+
+    @property
+    def is_gguf(self) -> bool:
+        """True for the formats repacked from GGUF blocks (q8_0, q4_0, q4_k, q5_k, q6_k)."""
+        return self.name.startswith("q")
+
+    def num_groups(self, k: int, group_size: int) -> int:
+        """``G``: scale groups along K (1 for per-channel, ``Kp / group_size`` otherwise)."""
+        if self.layout != "qint":
+            raise ValueError(f"num_groups: format {self.name!r} has no qint groups")
+        return 1 if group_size == 0 else padded_k(k) // group_size
+
+    def weight_shape(self, e: int, n: int, k: int) -> tuple[int, ...]:
+        """Shape of the packed ``weight`` tensor of ``[e, n, k]`` dense weights."""
+        nb = ceil_div(n, BLOCK_ROWS)
+        if self.layout == "bf16":
+            return (e, nb, ceil_div(k, 2), BLOCK_ROWS, 2)
+        if self.layout == "fp8":
+            return (e, nb, padded_k(k) // 4, BLOCK_ROWS, 4)
+        return (e, nb, BLOCK_ROWS * padded_k(k) * self.bits // 8)
+
+    def weight_dtype(self) -> torch.dtype:
+        """dtype of the packed ``weight`` tensor (bf16 or uint8)."""
+        return torch.bfloat16 if self.layout == "bf16" else torch.uint8
+
+    def scales_shape(self, e: int, n: int, k: int, group_size: int) -> Optional[tuple[int, ...]]:
+        """Shape of ``scales`` (and of ``zeros`` where present); ``None`` for bf16."""
+        if self.layout == "bf16":
+            return None
+        if self.layout == "fp8":
+            return (e, ceil_div(n, 128), ceil_div(k, 128))
+        return (e, ceil_div(n, BLOCK_ROWS), self.num_groups(k, group_size), BLOCK_ROWS)
+
+    def bits_per_weight_for(self, group_size: int, zeros: bool = False) -> float:
+        """Storage bits per weight at ``group_size`` (with a zeros tensor if ``zeros``).
+
+        Ignores padding and, for per-channel formats, the one scale per row.
+        """
+        if self.layout == "bf16":
+            return 16.0
+        if self.layout == "fp8" or group_size == 0:
+            return float(self.bits)
+        scale_bits = torch.finfo(self.scale_dtype).bits if self.scale_dtype.is_floating_point else 8
+        n_params = 1 + int(self.zeros_required or (zeros and self.has_zeros))
+        return self.bits + n_params * scale_bits / group_size
+
+
+_OCP = "OCP Microscaling Formats (MX) v1.0: E2M1 elements, UE8M0 scales, 32 per block"
+_GGML = "llama.cpp / ggml block structs (ggml-common.h), repacked losslessly"
+
+_SPECS = {
+    s.name: s
+    for s in (
+        FormatSpec(
+            "bf16", "bf16", 16, False, False, None, False, False, (0,), 0, "fp32", 16.0,
+            "bfloat16 weights (round to nearest even)",
+        ),
+        FormatSpec(
+            "int8", "qint", 8, True, False, torch.float32, False, False, (0,), 0, "q8", 8.0,
+            "symmetric per-channel int8 (scale = amax/127)",
+        ),
+        FormatSpec(
+            "int4", "qint", 4, False, False, torch.float16, True, True, (32, 64, 128), 128,
+            "q8", 4.125, "group-wise int4, symmetric or asymmetric (GPTQ/AWQ-style zero point)",
+        ),
+        FormatSpec(
+            "fp8", "fp8", 8, False, False, torch.float32, False, False, (128,), 128, "fp32",
+            8.0, "E4M3 (Micikevicius et al. 2022) with DeepSeek-V3 128x128 weight_scale_inv",
+        ),
+        FormatSpec(
+            "mxfp4", "qint", 4, False, True, torch.uint8, False, False, (32,), 32, "q8",
+            4.25, _OCP,
+        ),
+        FormatSpec(
+            "q8_0", "qint", 8, True, False, torch.float16, False, False, (32,), 32, "q8",
+            8.5, _GGML,
+        ),
+        FormatSpec(
+            "q4_0", "qint", 4, False, False, torch.float16, False, False, (32,), 32, "q8",
+            4.5, _GGML,
+        ),
+        FormatSpec(
+            "q4_k", "qint", 4, False, False, torch.float32, True, False, (32,), 32, "q8",
+            6.0, _GGML,
+        ),
+        FormatSpec(
+            "q5_k", "qint", 5, False, False, torch.float32, True, False, (32,), 32, "q8",
+            7.0, _GGML,
+        ),
+        FormatSpec(
+            "q6_k", "qint", 6, False, False, torch.float32, False, False, (16,), 16, "q8",
+            8.0, _GGML,
+        ),
+    )
+}  # fmt: skip
+
+assert tuple(_SPECS) == FORMATS
+
+
+def format_spec(name: str) -> FormatSpec:
+    """The :class:`FormatSpec` of weight format ``name``.
+
+    Raises:
+        ValueError: ``name`` is not one of :data:`FORMATS` (the message lists them).
+    """
+    spec = _SPECS.get(name) if isinstance(name, str) else None
+    if spec is None:
+        raise ValueError(f"unknown weight_format {name!r}; known formats: {', '.join(FORMATS)}")
+    return spec

@@ -1,0 +1,274 @@
+"""Routed experts of a GGUF file (llama.cpp), one MoE layer at a time.
+
+:class:`GGUFCheckpoint` reads the stacked expert tensors that llama.cpp's
+converters write for MoE models (``gguf`` Python package, ``constants.py``
+``MODEL_TENSOR.FFN_*_EXP``):
+
+* ``blk.{L}.ffn_gate_exps.weight``, ``blk.{L}.ffn_up_exps.weight``: dims
+  ``(ne0, ne1, ne2) = (H, I, E)`` in GGUF order, i.e. ``[E, I, H]`` row-major;
+* ``blk.{L}.ffn_down_exps.weight``: ``(I, H, E)``, i.e. ``[E, H, I]``.
+
+``ne0`` is the row length ``K``; every row is a whole number of ggml blocks.
+Quantized tensors of the types in :data:`GGUF_NATIVE_FORMATS` are handed as
+raw blocks to :func:`kt_ops.formats.from_gguf` (no dense round trip; the
+result dequantizes bit-identically to ``gguf.quants.dequantize``). ``F16``,
+``BF16`` and ``F32`` tensors are quantized online to the requested format
+(``bf16`` by default). Other types (``Q2_K``, ``Q3_K``, ``IQ*``, ``Q4_1``,
+``Q5_0``, ...) are refused with a ValueError naming the tensor and its type.
+A quantized tensor is only packed in its own format: asking for another one
+(requantizing) is a ValueError; pass ``weight_format=None`` to get each
+tensor's own format (llama.cpp mixes them, e.g. Q6_K ``ffn_down_exps`` in a
+``Q4_K_M`` file).
+
+**Memory.** ``gguf.GGUFReader`` memory-maps the file; :meth:`load_layer` copies
+only the requested layer's tensors, in chunks of experts.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+
+from kt_ops.formats import PackedProjection, from_gguf, quantize_weights
+from kt_ops.loaders._common import PROJECTIONS, check_format, pack_in_chunks
+
+__all__ = ["GGUFCheckpoint", "GGUF_NATIVE_FORMATS", "GGUF_FLOAT_TYPES", "GGUF_TENSOR_NAMES"]
+
+#: GGUF quantized types read natively -> kt_ops format name.
+GGUF_NATIVE_FORMATS = {
+    GGMLQuantizationType.Q8_0: "q8_0",
+    GGMLQuantizationType.Q4_0: "q4_0",
+    GGMLQuantizationType.Q4_K: "q4_k",
+    GGMLQuantizationType.Q5_K: "q5_k",
+    GGMLQuantizationType.Q6_K: "q6_k",
+}
+
+#: GGUF float types, quantized online.
+GGUF_FLOAT_TYPES = (
+    GGMLQuantizationType.F32,
+    GGMLQuantizationType.F16,
+    GGMLQuantizationType.BF16,
+)
+
+#: Projection -> GGUF tensor name pattern (``{L}`` = block index).
+GGUF_TENSOR_NAMES = {
+    "gate": "blk.{L}.ffn_gate_exps.weight",
+    "up": "blk.{L}.ffn_up_exps.weight",
+    "down": "blk.{L}.ffn_down_exps.weight",
+}
+
+_EXPERT_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
+_SUPPORTED = ", ".join(t.name for t in (*GGUF_NATIVE_FORMATS, *GGUF_FLOAT_TYPES))
+
+
+def _field(reader: GGUFReader, key: str) -> Any:
+    f = reader.get_field(key)
+    if f is None:
+        return None
+    try:
+        return f.contents()
+    except Exception:  # pragma: no cover - malformed field
+        return None
+
+
+class GGUFCheckpoint:
+    """The routed experts of a ``.gguf`` file.
+
+    Args:
+        path: the GGUF file.
+
+    Attributes:
+        path; ``kind``: ``"gguf"``; ``architecture`` (``general.architecture``);
+        num_layers (``{arch}.block_count``, or the highest block + 1); moe_layers
+        (sorted block indices with expert tensors); num_experts, hidden_size,
+        intermediate_size (``E``, ``H``, ``I`` of the first MoE layer);
+        source_dtype (the lower-case GGML type name of the first layer's gate,
+        e.g. ``"q4_k"``); native_format (the kt_ops format of that tensor:
+        ``"bf16"`` for float types).
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: not a readable GGUF file (bad magic, truncated), no expert
+            tensors, a missing projection in a layer (named), shapes that do not
+            match each other, or an unsupported tensor type (naming the tensor,
+            its type and the supported types).
+    """
+
+    kind = "gguf"
+
+    def __init__(self, path: Union[str, Path]) -> None:
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"GGUF file {self.path} does not exist")
+        try:
+            self._reader = GGUFReader(str(self.path))
+        except Exception as e:  # ValueError, struct/numpy errors, OSError
+            raise ValueError(
+                f"{self.path}: not a readable GGUF file (truncated or corrupt?): "
+                f"{type(e).__name__}: {e}"
+            ) from e
+        self._tensors = {t.name: t for t in self._reader.tensors}
+        self.architecture = _field(self._reader, "general.architecture") or "unknown"
+        layers: dict[int, dict[str, Any]] = {}
+        for name, t in self._tensors.items():
+            m = _EXPERT_RE.match(name)
+            if m:
+                layers.setdefault(int(m[1]), {})[m[2]] = t
+        if not layers:
+            raise ValueError(
+                f"{self.path}: no routed expert tensors (blk.{{L}}.ffn_gate_exps.weight, "
+                "ffn_up_exps, ffn_down_exps) in this GGUF file"
+            )
+        self._layers = layers
+        self._shapes: dict[int, tuple[int, int, int]] = {}
+        for L in sorted(layers):
+            self._shapes[L] = self._check_layer_tensors(L)
+        self.moe_layers = sorted(layers)
+        count = _field(self._reader, f"{self.architecture}.block_count")
+        self.num_layers = int(count) if isinstance(count, (int, np.integer)) else max(layers) + 1
+        first = self.moe_layers[0]
+        self.num_experts, self.intermediate_size, self.hidden_size = self._shapes[first]
+        gate_type = layers[first]["gate"].tensor_type
+        self.source_dtype = gate_type.name.lower()
+        self.native_format = GGUF_NATIVE_FORMATS.get(gate_type, "bf16")
+
+    def _check_layer_tensors(self, layer: int) -> tuple[int, int, int]:
+        ts = self._layers[layer]
+        for role in PROJECTIONS:
+            if role not in ts:
+                raise ValueError(
+                    f"{self.path}: expert tensor {GGUF_TENSOR_NAMES[role].format(L=layer)} is "
+                    f"missing (block {layer} has "
+                    f"{', '.join(GGUF_TENSOR_NAMES[r].format(L=layer) for r in sorted(ts))})"
+                )
+            t = ts[role]
+            if t.tensor_type not in GGUF_NATIVE_FORMATS and t.tensor_type not in GGUF_FLOAT_TYPES:
+                raise ValueError(
+                    f"{self.path}: tensor {t.name} has GGML type {t.tensor_type.name}, which "
+                    f"kt_ops cannot load; supported types: {_SUPPORTED}"
+                )
+        dims = {r: [int(d) for d in ts[r].shape] for r in PROJECTIONS}
+        g = dims["gate"]
+        if len(g) != 3:
+            raise ValueError(f"{self.path}: {ts['gate'].name} has dims {g}; expected (H, I, E)")
+        hidden, inter, experts = g
+        expect = {"gate": [hidden, inter, experts], "up": [hidden, inter, experts]}
+        expect["down"] = [inter, hidden, experts]
+        for r in PROJECTIONS:
+            if dims[r] != expect[r]:
+                raise ValueError(
+                    f"{self.path}: {ts[r].name} has dims (ne0, ne1, ne2) = {tuple(dims[r])}; "
+                    f"expected {tuple(expect[r])} (gate/up (H, I, E), down (I, H, E))"
+                )
+        return experts, inter, hidden
+
+    def layer_shape(self, layer: int) -> tuple[int, int, int]:
+        """``(E, I, H)`` of MoE layer ``layer``; ValueError if it has no experts."""
+        return self._shapes[self._check_layer(layer)]
+
+    def tensor_types(self, layer: int) -> dict[str, str]:
+        """GGML type name of each projection of ``layer``, e.g. ``{"gate": "Q4_K", ...}``."""
+        ts = self._layers[self._check_layer(layer)]
+        return {r: ts[r].tensor_type.name for r in PROJECTIONS}
+
+    def native_formats(self, layer: int) -> dict[str, str]:
+        """kt_ops format of each projection of ``layer`` when loaded with ``weight_format=None``."""
+        ts = self._layers[self._check_layer(layer)]
+        return {r: GGUF_NATIVE_FORMATS.get(ts[r].tensor_type, "bf16") for r in PROJECTIONS}
+
+    def _check_layer(self, layer: int) -> int:
+        if layer not in self._layers:
+            raise ValueError(
+                f"{self.path}: block {layer} has no routed experts; MoE layers: {self.moe_layers}"
+            )
+        return layer
+
+    def check_weight_format(self, layer: int, weight_format: Optional[str]) -> None:
+        """Raise ValueError unless ``load_layer(layer, weight_format)`` can pack every tensor.
+
+        A quantized tensor loads only in its own format (no requantizing); None
+        always works.
+        """
+        check_format(weight_format)
+        ts = self._layers[self._check_layer(layer)]
+        for role in PROJECTIONS:
+            native = GGUF_NATIVE_FORMATS.get(ts[role].tensor_type)
+            if native is not None and weight_format not in (None, native):
+                raise ValueError(
+                    f"{self.path}: tensor {ts[role].name} is {ts[role].tensor_type.name}, which "
+                    f"loads as {native!r} only, not {weight_format!r} (requantizing a quantized "
+                    "GGUF tensor is not supported); use weight_format=None for each tensor's "
+                    "own format"
+                )
+
+    def load_layer(
+        self,
+        layer: int,
+        weight_format: Optional[str] = None,
+        group_size: Optional[int] = None,
+        symmetric: bool = True,
+    ) -> dict[str, PackedProjection]:
+        """Read and pack the routed experts of one block.
+
+        Args:
+            layer: a block index from :attr:`moe_layers`.
+            weight_format: None packs every tensor in its own format (quantized
+                types via :func:`kt_ops.formats.from_gguf`, float types as
+                ``bf16``); a format name must match every quantized tensor of the
+                layer, and is the target for float tensors.
+            group_size, symmetric: passed to ``quantize_weights`` for float tensors.
+
+        Returns:
+            ``{"gate": PackedProjection [E, I, H], "up": [E, I, H], "down": [E, H, I]}``.
+
+        Raises:
+            ValueError: unknown block or format, a quantized tensor whose type is not
+                ``weight_format``, or a packer error (naming the tensor).
+        """
+        self.check_weight_format(layer, weight_format)
+        E, I, H = self._shapes[layer]  # noqa: E741
+        ts = self._layers[layer]
+        shapes = {"gate": (I, H), "up": (I, H), "down": (H, I)}
+        out = {}
+        for role in PROJECTIONS:
+            t = ts[role]
+            n, k = shapes[role]
+            native = GGUF_NATIVE_FORMATS.get(t.tensor_type)
+
+            def pack(e0: int, e1: int, t=t, n=n, k=k, native=native) -> PackedProjection:
+                try:
+                    raw = t.data[e0:e1]
+                    if native is not None:
+                        return from_gguf(native, torch.from_numpy(np.array(raw)), n, k)
+                    dense = _float_tensor(t.tensor_type, raw)
+                    return quantize_weights(dense, weight_format or "bf16", group_size, symmetric)
+                except ValueError as e:
+                    raise ValueError(f"{self.path}: tensor {t.name}: {e}") from e
+                except Exception as e:
+                    raise ValueError(
+                        f"{self.path}: tensor {t.name} (experts {e0}..{e1 - 1}) cannot be read "
+                        f"(truncated file?): {type(e).__name__}: {e}"
+                    ) from e
+
+            out[role] = pack_in_chunks(E, n, k, pack)
+        return out
+
+    def __repr__(self) -> str:
+        return (
+            f"GGUFCheckpoint({str(self.path)!r}, arch={self.architecture!r}, "
+            f"moe_layers={len(self.moe_layers)}, E={self.num_experts}, H={self.hidden_size}, "
+            f"I={self.intermediate_size}, source_dtype={self.source_dtype!r})"
+        )
+
+
+def _float_tensor(qtype: GGMLQuantizationType, raw: np.ndarray) -> torch.Tensor:
+    """A float GGUF tensor chunk ``[c, N, K]`` (BF16 comes as bytes ``[c, N, 2K]``) -> fp32."""
+    if qtype == GGMLQuantizationType.BF16:
+        arr = np.ascontiguousarray(raw).view(np.int16)
+        return torch.from_numpy(arr.copy()).view(torch.bfloat16).float()
+    return torch.from_numpy(np.array(raw, dtype=np.float32))

@@ -1,0 +1,380 @@
+"""Weight loaders: Hugging Face safetensors (every naming pattern, fp8, MXFP4) and GGUF files.
+
+Tiny checkpoints are written on the fly (tests/checkpoints.py). Loaded weights
+are checked two ways: ``dequantize_weights(loaded)`` against the dense values
+written (exact for bf16 sources loaded as bf16 and for native fp8 / MXFP4 /
+GGUF repacking, which are lossless; within the quantization error otherwise),
+and ``torch.equal`` against ``quantize_weights`` of those dense values, which
+catches a swapped gate/up, a transposition or a wrong expert order.
+"""
+
+# ruff: noqa: E741
+
+from __future__ import annotations
+
+import logging
+
+import gguf
+import pytest
+import torch
+from checkpoints import (
+    ROLES,
+    Q,
+    write_gguf,
+    write_hf,
+    write_hf_fp8,
+    write_hf_mxfp4,
+)
+
+import kt_ops.loaders._common as common
+import kt_ops.loaders.hf_checkpoint as hf_mod
+from kt_ops.formats import PackedProjection, dequantize_weights, quantize_weights
+from kt_ops.loaders import GGUFCheckpoint, HFCheckpoint, open_checkpoint
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """The tensors here are tiny: one intra-op thread avoids OpenMP spin-waits on busy CPUs."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def assert_packed_equal(a: PackedProjection, b: PackedProjection) -> None:
+    assert (a.weight_format, a.group_size, a.n, a.k) == (b.weight_format, b.group_size, b.n, b.k)
+    ta, tb = a.tensors(), b.tensors()
+    assert sorted(ta) == sorted(tb)
+    for name in ta:
+        assert ta[name].dtype == tb[name].dtype, name
+        assert torch.equal(ta[name], tb[name]), name
+
+
+def check_layer(out: dict, expected: dict, fmt: str, group_size=None, symmetric=True) -> None:
+    """``out`` equals quantize_weights of the dense expectation, projection by projection."""
+    assert sorted(out) == sorted(ROLES)
+    for r in ROLES:
+        want = quantize_weights(expected[r], fmt, group_size, symmetric)
+        assert_packed_equal(out[r], want)
+
+
+# ---------------------------------------------------------------------- HF safetensors
+
+STYLES = ["qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v3", "mixtral", "fused", "fused_transposed"]
+
+
+@pytest.mark.parametrize("style", [*STYLES, "gpt_oss"])
+def test_hf_naming_patterns(tmp_path, style, caplog):
+    E, H, I = 4, 64, 32
+    with caplog.at_level(logging.WARNING):
+        expected = write_hf(tmp_path, style, E=E, H=H, I=I)
+        ck = HFCheckpoint(tmp_path)
+    assert ck.moe_layers == [1, 2] and ck.num_layers == 3
+    assert (ck.num_experts, ck.hidden_size, ck.intermediate_size) == (E, H, I)
+    assert ck.layer_shape(2) == (E, I, H)
+    assert ck.source_dtype == "bf16" and ck.native_format == "bf16"
+    assert ck.has_expert_bias == (style == "gpt_oss")
+    if style == "gpt_oss":
+        assert "biases" in caplog.text
+    # bf16 source -> bf16: lossless
+    out = ck.load_layer(1)
+    for r in ROLES:
+        assert out[r].weight_format == "bf16"
+        assert torch.equal(dequantize_weights(out[r]), expected[1][r]), r
+    # int8: same bits as quantizing the written values
+    check_layer(ck.load_layer(2, "int8"), expected[2], "int8")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_hf_sharded_fp16_fp32_int4(tmp_path, dtype):
+    expected = write_hf(tmp_path, "qwen3_moe", dtype=dtype, shards=3, seed=5)
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    ck = HFCheckpoint(tmp_path)
+    assert ck.source_dtype == {torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+    for sym in (True, False):
+        out = ck.load_layer(1, "int4", 32, symmetric=sym)
+        check_layer(out, expected[1], "int4", 32, sym)
+        for r in ROLES:
+            ref = expected[1][r]
+            err = (dequantize_weights(out[r]) - ref).abs().max()
+            assert err <= ref.abs().max() / 7 * 0.51 + 1e-3, (r, sym, err)
+
+
+def test_hf_single_safetensors_file_without_config(tmp_path):
+    expected = write_hf(tmp_path / "m", "mixtral")
+    ck = HFCheckpoint(tmp_path / "m" / "model.safetensors")
+    check_layer(ck.load_layer(2, "q8_0"), expected[2], "q8_0")
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_transformers_save_pretrained(tmp_path, arch):
+    """A real transformers model's save_pretrained output loads with the model's own experts."""
+    transformers = pytest.importorskip("transformers")
+    common_cfg = dict(
+        vocab_size=32,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        num_experts_per_tok=2,
+    )
+    if arch == "qwen3_moe":
+        cfg = transformers.Qwen3MoeConfig(
+            intermediate_size=64, moe_intermediate_size=32, num_experts=4, **common_cfg
+        )
+        model = transformers.Qwen3MoeForCausalLM(cfg)
+    else:
+        cfg = transformers.MixtralConfig(intermediate_size=32, num_local_experts=4, **common_cfg)
+        model = transformers.MixtralForCausalLM(cfg)
+    model.save_pretrained(tmp_path)
+    ck = HFCheckpoint(tmp_path)
+    assert ck.moe_layers == [0, 1] and ck.source_dtype == "fp32"
+    for L in ck.moe_layers:
+        experts = model.model.layers[L].mlp.experts
+        gate_up = experts.gate_up_proj.detach()  # [E, 2I, H], gate rows then up rows
+        want = {"gate": gate_up[:, :32], "up": gate_up[:, 32:], "down": experts.down_proj.detach()}
+        check_layer(ck.load_layer(L, "int8"), want, "int8")
+
+
+def test_hf_fp8_native_and_requantized(tmp_path):
+    # H, I not multiples of 128: partial scale blocks
+    E, H, I = 2, 192, 96
+    expected = write_hf_fp8(tmp_path, E=E, H=H, I=I)
+    ck = HFCheckpoint(tmp_path)
+    assert ck.source_dtype == "fp8" and ck.native_format == "fp8"
+    out = ck.load_layer(0)  # native: repacked, no dequantization
+    for r in ROLES:
+        assert out[r].weight_format == "fp8"
+        assert torch.equal(dequantize_weights(out[r]), expected[0][r]), r
+    check_layer(ck.load_layer(1, "int8"), expected[1], "int8")
+    check_layer(ck.load_layer(1, "bf16"), expected[1], "bf16")
+
+
+def test_hf_fp8_fused(tmp_path):
+    expected = write_hf_fp8(tmp_path, E=2, H=256, I=128, fused=True, num_layers=1)
+    ck = HFCheckpoint(tmp_path)
+    out = ck.load_layer(0, "fp8")
+    for r in ROLES:
+        assert torch.equal(dequantize_weights(out[r]), expected[0][r]), r
+    check_layer(ck.load_layer(0, "int8"), expected[0], "int8")
+
+
+def test_hf_fp8_missing_scale_inv(tmp_path):
+    write_hf_fp8(tmp_path, drop_scale=True)
+    with pytest.raises(ValueError, match=r"experts\.1\.up_proj\.weight_scale_inv"):
+        HFCheckpoint(tmp_path)
+
+
+def test_hf_mxfp4_native_and_requantized(tmp_path):
+    expected = write_hf_mxfp4(tmp_path)
+    ck = HFCheckpoint(tmp_path)
+    assert ck.source_dtype == "mxfp4" and ck.has_expert_bias
+    out = ck.load_layer(1)
+    for r in ROLES:
+        assert out[r].weight_format == "mxfp4"
+        assert torch.equal(dequantize_weights(out[r]), expected[1][r]), r
+    check_layer(ck.load_layer(0, "bf16"), expected[0], "bf16")
+    for r, v in ck.load_dense(0).items():
+        assert torch.equal(v, expected[0][r]), r
+
+
+def test_chunked_packing_equals_whole_layer(tmp_path, monkeypatch):
+    """Packing one expert at a time concatenates to exactly the whole-layer result."""
+    expected = write_hf(tmp_path, "fused", E=5)
+    ck = HFCheckpoint(tmp_path)
+    calls = []
+    real = hf_mod.quantize_weights
+
+    def spy(w, *a, **kw):
+        calls.append(w.shape[0])
+        return real(w, *a, **kw)
+
+    monkeypatch.setattr(hf_mod, "quantize_weights", spy)
+    monkeypatch.setattr(common, "CHUNK_BYTES", 1)
+    out = ck.load_layer(1, "int4", 32, symmetric=False)
+    assert calls == [1] * 15  # 5 experts x 3 projections, one expert per chunk
+    check_layer(out, expected[1], "int4", 32, False)
+
+
+def test_hf_load_layer_reads_only_that_layer(tmp_path, monkeypatch):
+    """Bounded memory: load_layer(L) reads no tensor outside layer L's experts."""
+    write_hf(tmp_path, "deepseek_v3", shards=2)
+    ck = HFCheckpoint(tmp_path)
+    read: list[str] = []
+    real_open = hf_mod.safe_open
+
+    class Spy:
+        def __init__(self, h):
+            self.h = h
+
+        def __enter__(self):
+            self.inner = self.h.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.h.__exit__(*exc)
+
+        def get_tensor(self, name):
+            read.append(name)
+            return self.inner.get_tensor(name)
+
+        def get_slice(self, name):
+            read.append(name)
+            return self.inner.get_slice(name)
+
+        def keys(self):
+            return self.inner.keys()
+
+    monkeypatch.setattr(hf_mod, "safe_open", lambda *a, **kw: Spy(real_open(*a, **kw)))
+    ck.load_layer(2, "int8")
+    assert read and all(n.startswith("model.layers.2.mlp.experts.") for n in read), read
+    assert set(read) == set(ck.tensor_names(2))
+
+
+def test_hf_missing_expert_tensor(tmp_path):
+    write_hf(tmp_path, "qwen3_moe", drop="model.layers.2.mlp.experts.3.up_proj.weight")
+    with pytest.raises(ValueError, match=r"model\.layers\.2\.mlp\.experts\.3\.up_proj\.weight"):
+        HFCheckpoint(tmp_path)
+
+
+def test_hf_missing_fused_tensor(tmp_path):
+    write_hf(tmp_path, "fused", drop="model.layers.1.mlp.experts.down_proj")
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.experts\.down_proj"):
+        HFCheckpoint(tmp_path)
+
+
+def test_hf_corrupt_files(tmp_path):
+    write_hf(tmp_path / "t", "qwen3_moe")
+    f = tmp_path / "t" / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-100])  # truncated
+    with pytest.raises(ValueError, match=r"model\.safetensors.*not a valid safetensors"):
+        HFCheckpoint(tmp_path / "t")
+    f.write_bytes(b"\x00" * 7)  # shorter than a header
+    with pytest.raises(ValueError, match=r"model\.safetensors"):
+        HFCheckpoint(tmp_path / "t")
+    # sharded: a shard listed in the index is missing
+    write_hf(tmp_path / "s", "qwen3_moe", shards=2)
+    (tmp_path / "s" / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="model-00002-of-00002"):
+        HFCheckpoint(tmp_path / "s")
+    # sharded: a shard is corrupt
+    write_hf(tmp_path / "c", "qwen3_moe", shards=2)
+    (tmp_path / "c" / "model-00001-of-00002.safetensors").write_bytes(b"garbage" * 10)
+    with pytest.raises(ValueError, match="model-00001-of-00002"):
+        ck = HFCheckpoint(tmp_path / "c")
+        for L in ck.moe_layers:
+            ck.load_layer(L)
+    (tmp_path / "c" / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="config.json"):
+        HFCheckpoint(tmp_path / "c")
+
+
+def test_hf_refusals(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        HFCheckpoint(tmp_path / "nope")
+    write_hf(tmp_path / "d", "qwen3_moe", dense_layers=(0, 1, 2))
+    with pytest.raises(ValueError, match="no routed expert tensors"):
+        HFCheckpoint(tmp_path / "d")
+    write_hf(tmp_path / "q", "qwen3_moe")
+    cfg = (tmp_path / "q" / "config.json").read_text()
+    (tmp_path / "q" / "config.json").write_text(
+        cfg[:-1] + ', "quantization_config": {"quant_method": "gptq"}}'
+    )
+    with pytest.raises(ValueError, match="gptq"):
+        HFCheckpoint(tmp_path / "q")
+    write_hf(tmp_path / "ok", "qwen3_moe")
+    ck = HFCheckpoint(tmp_path / "ok")
+    with pytest.raises(ValueError, match="layer 0 has no routed experts"):
+        ck.load_layer(0)
+    with pytest.raises(ValueError, match="int3"):
+        ck.load_layer(1, "int3")
+
+
+# ---------------------------------------------------------------------- GGUF
+
+
+def test_gguf_k_quants_native(tmp_path):
+    path = tmp_path / "m.gguf"
+    types = {"gate": Q.Q4_K, "up": Q.Q5_K, "down": Q.Q6_K}
+    expected = write_gguf(path, types, E=2, H=256, I=256, moe_layers=(1, 2))
+    ck = GGUFCheckpoint(path)
+    assert ck.moe_layers == [1, 2] and ck.num_layers == 3
+    assert (ck.num_experts, ck.hidden_size, ck.intermediate_size) == (2, 256, 256)
+    assert ck.tensor_types(1) == {"gate": "Q4_K", "up": "Q5_K", "down": "Q6_K"}
+    assert ck.native_formats(1) == {"gate": "q4_k", "up": "q5_k", "down": "q6_k"}
+    for L in (1, 2):
+        out = ck.load_layer(L)
+        for r in ROLES:
+            assert out[r].weight_format == types[r].name.lower()
+            want = expected[L][r]["dense"]
+            assert torch.equal(dequantize_weights(out[r]), want), (L, r)
+
+
+def test_gguf_q8_0_q4_0_native(tmp_path):
+    path = tmp_path / "m.gguf"
+    types = {"gate": Q.Q8_0, "up": Q.Q8_0, "down": Q.Q4_0}
+    expected = write_gguf(path, types, E=4, H=64, I=32, moe_layers=(0,))
+    ck = open_checkpoint(path)
+    assert isinstance(ck, GGUFCheckpoint) and ck.source_dtype == "q8_0"
+    out = ck.load_layer(0)
+    for r in ROLES:
+        want = torch.from_numpy(gguf.quants.dequantize(expected[0][r]["raw"], types[r]))
+        assert torch.equal(dequantize_weights(out[r]), want), r
+    # explicit format must match each quantized tensor
+    with pytest.raises(ValueError, match=r"blk\.0\.ffn_down_exps\.weight is Q4_0"):
+        ck.load_layer(0, "q8_0")
+
+
+@pytest.mark.parametrize("qtype", [Q.F16, Q.BF16, Q.F32])
+def test_gguf_float_tensors_quantized_online(tmp_path, qtype):
+    path = tmp_path / "f.gguf"
+    expected = write_gguf(path, dict.fromkeys(ROLES, qtype), E=4, H=64, I=32, moe_layers=(0,))
+    ck = GGUFCheckpoint(path)
+    assert ck.native_format == "bf16"
+    dense = {r: expected[0][r]["dense"] for r in ROLES}
+    check_layer(ck.load_layer(0, "int8"), dense, "int8")
+    check_layer(ck.load_layer(0), dense, "bf16")
+
+
+def test_gguf_unsupported_type(tmp_path):
+    path = tmp_path / "q2.gguf"
+    write_gguf(path, {"gate": Q.Q4_K, "up": Q.Q2_K, "down": Q.Q6_K}, moe_layers=(0,))
+    with pytest.raises(ValueError, match=r"blk\.0\.ffn_up_exps\.weight.*Q2_K.*Q4_K") as ei:
+        GGUFCheckpoint(path)
+    assert "Q8_0" in str(ei.value) and "supported" in str(ei.value)
+
+
+def test_gguf_truncated_and_not_gguf(tmp_path):
+    path = tmp_path / "t.gguf"
+    write_gguf(path, {"gate": Q.Q4_K, "up": Q.Q4_K, "down": Q.Q6_K}, moe_layers=(0,))
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 5000])
+    with pytest.raises(ValueError, match=r"t\.gguf.*not a readable GGUF"):
+        GGUFCheckpoint(path)
+    path.write_bytes(data[:40])  # truncated inside the header
+    with pytest.raises(ValueError, match=r"t\.gguf"):
+        GGUFCheckpoint(path)
+    bad = tmp_path / "x.gguf"
+    bad.write_bytes(b"NOTGGUF" * 10)
+    with pytest.raises(ValueError, match=r"x\.gguf"):
+        open_checkpoint(bad)
+    with pytest.raises(FileNotFoundError):
+        GGUFCheckpoint(tmp_path / "missing.gguf")
+
+
+def test_gguf_missing_expert_tensor(tmp_path):
+    path = tmp_path / "m.gguf"
+    types = dict.fromkeys(ROLES, Q.Q8_0)
+    write_gguf(path, types, H=64, I=32, moe_layers=(0, 1), drop="blk.1.ffn_up_exps.weight")
+    with pytest.raises(ValueError, match=r"blk\.1\.ffn_up_exps\.weight is missing"):
+        GGUFCheckpoint(path)
+
+
+def test_open_checkpoint_dispatch(tmp_path):
+    write_hf(tmp_path / "hf", "olmoe")
+    assert isinstance(open_checkpoint(tmp_path / "hf"), HFCheckpoint)
+    write_gguf(tmp_path / "g.bin", dict.fromkeys(ROLES, Q.Q8_0), H=64, I=32, moe_layers=(0,))
+    assert isinstance(open_checkpoint(tmp_path / "g.bin"), GGUFCheckpoint)  # by magic
+    with pytest.raises(FileNotFoundError):
+        open_checkpoint(tmp_path / "none")
