@@ -54,6 +54,7 @@ moe_backward lands.
 from __future__ import annotations
 
 import logging
+import re
 from collections import Counter
 from dataclasses import dataclass
 from typing import Optional
@@ -427,19 +428,75 @@ def _check_replacement(plan: _Plan, new: MoEExperts, gate: Tensor) -> None:
         )
 
 
-def _build(plan: _Plan, weight_format: str) -> tuple[MoEExperts, Tensor]:
-    """The replacement of one experts module, and the dense gate weights it was built from."""
+def _source_layout(plan: _Plan) -> dict:
+    """How the replaced module stores its experts, for PEFT adapters (``kt_ops.peft_adapters``).
+
+    ``{'layout': 'fused', 'concatenated', 'transposed', 'param_names'}`` (3-D parameters in
+    registration order, which fixes how PEFT nests its ``ParamWrapper`` s) or
+    ``{'layout': 'module_list', 'linear_names': (gate, up, down)}`` (nn.Linear attribute names).
+    """
+    info = plan.info
+    if info.layout == "fused":
+        names = [n for n, _ in plan.module.named_parameters(recurse=False)]
+        return {
+            "layout": "fused",
+            "concatenated": info.concatenated,
+            "transposed": info.transposed,
+            "param_names": tuple(n for n in names if n in ("gate_up_proj", "down_proj")),
+        }
+    first = plan.module[0]
+    names = next(
+        n for n in _MLP_NAMES if all(isinstance(getattr(first, x, None), nn.Linear) for x in n)
+    )
+    return {"layout": "module_list", "linear_names": tuple(names)}
+
+
+def _build(plan: _Plan, weight_format: str, **quant) -> tuple[MoEExperts, Tensor]:
+    """The replacement of one experts module, and the dense gate weights it was built from.
+
+    ``quant``: ``group_size`` / ``symmetric`` for the quantized formats.
+    """
     if plan.info.layout == "fused":
         gate, up, down = _dense_fused(plan.module, plan.info)
-        return MoEExperts.from_dense(gate, up, down, weight_format), gate
+        return MoEExperts.from_dense(gate, up, down, weight_format, **quant), gate
     gate, up, down = _dense_module_list(plan.module)
-    return MoEExpertList.from_dense(gate, up, down, weight_format), gate
+    return MoEExpertList.from_dense(gate, up, down, weight_format, **quant), gate
+
+
+def _layer_index(name: str) -> Optional[int]:
+    """The decoder layer of a module path such as ``model.layers.7.mlp.experts``."""
+    match = re.search(r"(?:^|\.)layers\.(\d+)\.", name + ".")
+    return int(match.group(1)) if match else None
+
+
+def _load_converted(plan: _Plan, converted) -> MoEExperts:
+    """The replacement of one experts module from a converted directory (``kt-ops convert``)."""
+    info = plan.info
+    layer = _layer_index(info.name)
+    if layer is None or layer not in converted:
+        raise ValueError(
+            f"replace_experts: {converted.path} holds no experts for '{info.name}' "
+            f"(layer {layer}); it has layers {list(converted.layers)}"
+        )
+    want = (info.num_experts, info.intermediate_size, info.hidden_size)
+    have = tuple(converted.layer_shape(layer))
+    if have != want:
+        raise ValueError(
+            f"replace_experts: layer {layer} of {converted.path} holds experts [E, I, H] = {have}, "
+            f"but '{info.name}' has {want}; was the directory converted from this model?"
+        )
+    packed = converted.load_layer(layer)
+    cls = MoEExperts if info.layout == "fused" else MoEExpertList
+    return cls.from_packed(packed["gate"], packed["up"], packed["down"])
 
 
 def replace_experts(
     model: nn.Module,
     weight_format: str = "bf16",
     *,
+    group_size: Optional[int] = None,
+    symmetric: bool = True,
+    converted_dir: Optional[str] = None,
     check: bool = True,
 ) -> nn.Module:
     """Replace the routed experts of every MoE layer of ``model`` by :class:`kt_ops.nn.MoEExperts`.
@@ -456,9 +513,18 @@ def replace_experts(
         model: a ``transformers`` MoE model (or any ``nn.Module`` holding such
             experts), its weights materialized (any floating dtype and device;
             packed weights are stored on the CPU).
-        weight_format: ``'bf16'``.
+        weight_format: one of ``kt_ops.ops.WEIGHT_FORMATS`` (docs/formats.md);
+            the model's expert weights are quantized online (a few experts at
+            a time) unless ``converted_dir`` is given.
+        group_size: group along K for the grouped formats (``None``: the
+            format's default).
+        symmetric: ``int4``: ``False`` stores zero points.
+        converted_dir: a directory written by ``kt-ops convert`` from this
+            model's checkpoint: the packed experts are loaded from it (checksums
+            verified) instead of quantized from the model's weights;
+            ``weight_format`` is then ignored (the directory's format is used).
         check: before replacing anything, run the first module of each kind
-            (class and layout) and its replacement on a small probe batch, and
+            (class and layout) and a bf16 replacement on a small probe batch, and
             refuse when they disagree beyond bf16 rounding (catches gating
             functions no flag describes). Costs one tiny forward per kind.
 
@@ -467,7 +533,8 @@ def replace_experts(
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.
-        ValueError: unknown ``weight_format``.
+        ValueError: unknown ``weight_format``; a ``converted_dir`` that lacks a
+            layer, holds other shapes or fails its checksums.
         UnsupportedExpertsError (a ``ValueError``): the model has no MoE
             experts, or an experts module is unsupported (biases, no gate,
             activation other than SiLU, post-expert norm, extra tensors,
@@ -475,7 +542,14 @@ def replace_experts(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"replace_experts: expected a torch.nn.Module, got {type(model).__name__}")
-    if weight_format not in WEIGHT_FORMATS:
+    converted = None
+    if converted_dir is not None:
+        from kt_ops.convert import ConvertedExperts
+
+        converted = ConvertedExperts(converted_dir)
+        weight_format = converted.weight_format
+    quant = {} if weight_format == "bf16" else {"group_size": group_size, "symmetric": symmetric}
+    if converted is None and weight_format not in WEIGHT_FORMATS:
         raise ValueError(
             f"replace_experts: weight_format={weight_format!r} is not supported; expected one of "
             f"{WEIGHT_FORMATS}"
@@ -509,12 +583,22 @@ def replace_experts(
                 )
                 if kind not in seen:
                     seen.add(kind)
-                    built[i], gate = _build(plan, weight_format)
-                    _check_replacement(plan, built[i], gate)
-                    del gate
+                    # The probe checks the structure (gating, activation) with bf16
+                    # weights, whose rounding error is far below any quantized format's.
+                    probe, gate = _build(plan, "bf16")
+                    _check_replacement(plan, probe, gate)
+                    if weight_format == "bf16" and converted is None:
+                        built[i] = probe
+                    del gate, probe
         for i, plan in enumerate(plans):
-            new = built.pop(i) if i in built else _build(plan, weight_format)[0]
+            if i in built:
+                new = built.pop(i)
+            elif converted is not None:
+                new = _load_converted(plan, converted)
+            else:
+                new = _build(plan, weight_format, **quant)[0]
             new.train(plan.module.training)
+            new.source_layout = _source_layout(plan)
             setattr(plan.parent, plan.attr, new)
             plan.module = None  # drop the reference held here to the dense weights
     counts = Counter(p.info.class_name for p in plans)

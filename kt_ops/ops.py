@@ -14,8 +14,8 @@ from torch import Tensor
 
 __all__ = ["moe_forward", "pack_weights", "unpack_weights", "WEIGHT_FORMATS"]
 
-#: Weight formats this build computes with (see ``pack_weights``).
-WEIGHT_FORMATS = ("bf16",)
+#: Weight formats the op computes with (docs/formats.md; ``kt_ops.formats.FORMATS``).
+WEIGHT_FORMATS = ("bf16", "int8", "int4", "fp8", "mxfp4", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k")
 
 _BLOCK_ROWS = 16  # output rows per packed block (csrc/formats/bf16.h)
 _K_PACK = 2  # K values interleaved per row
@@ -26,6 +26,11 @@ def _ceil_div(a: int, b: int) -> int:
 
 
 def _check_format(weight_format: str) -> None:
+    if weight_format != "bf16":
+        raise ValueError(
+            f"weight_format={weight_format!r}: pack_weights/unpack_weights handle 'bf16'; use "
+            "kt_ops.formats.quantize_weights / dequantize_weights for the quantized formats"
+        )
     if weight_format not in WEIGHT_FORMATS:
         raise ValueError(
             f"weight_format={weight_format!r} is not supported; expected one of {WEIGHT_FORMATS}"
@@ -121,9 +126,14 @@ def moe_forward(
         gate_weight, up_weight: packed ``[E, I, H]`` projections (``pack_weights``).
         down_weight: packed ``[E, H, I]`` projection.
         intermediate_size: ``I``, the expert MLP width (packed shapes are padded).
-        weight_format: ``'bf16'`` in this build.
-        gate_scales ... down_zeros, group_size: per-format quantization data;
-            must be ``None`` / 0 for ``'bf16'``.
+        weight_format: one of ``WEIGHT_FORMATS`` (docs/formats.md): ``'bf16'``
+            (packed by ``pack_weights``) or a quantized format whose tensors
+            come from ``kt_ops.formats.quantize_weights``, the loaders or the
+            converter (uint8 ``weight`` of a :class:`~kt_ops.formats.PackedProjection`).
+        gate_scales, up_scales, down_scales: the projections' ``scales`` (``None`` for bf16).
+        gate_zeros, up_zeros, down_zeros: the projections' ``zeros`` (formats
+            with explicit zero points: asymmetric ``int4``, ``q4_k``, ``q5_k``), else ``None``.
+        group_size: the projections' ``group_size`` (0 for bf16 and int8, 128 for fp8).
         gate_lora_a ... down_lora_b, lora_scaling: LoRA terms; must be ``None``
             in this version.
         activation: ``'silu'``.
@@ -241,26 +251,36 @@ def _moe_forward_fake(
     )
     torch._check(weight_format in WEIGHT_FORMATS, lambda: f"unknown weight_format {weight_format}")
     H = hidden_states.shape[1]
-    expected = {
-        "gate_weight": (_ceil_div(intermediate_size, _BLOCK_ROWS), _ceil_div(H, _K_PACK)),
-        "up_weight": (_ceil_div(intermediate_size, _BLOCK_ROWS), _ceil_div(H, _K_PACK)),
-        "down_weight": (_ceil_div(H, _BLOCK_ROWS), _ceil_div(intermediate_size, _K_PACK)),
-    }
+    inter = intermediate_size
+    E = gate_weight.shape[0]
+    if weight_format == "bf16":
+        expected = {
+            "gate_weight": (E, _ceil_div(inter, _BLOCK_ROWS), _ceil_div(H, _K_PACK), 16, 2),
+            "up_weight": (E, _ceil_div(inter, _BLOCK_ROWS), _ceil_div(H, _K_PACK), 16, 2),
+            "down_weight": (E, _ceil_div(H, _BLOCK_ROWS), _ceil_div(inter, _K_PACK), 16, 2),
+        }
+        dtype = torch.bfloat16
+    else:
+        from kt_ops.formats import format_spec
+
+        spec = format_spec(weight_format)
+        expected = {
+            "gate_weight": tuple(spec.weight_shape(E, inter, H)),
+            "up_weight": tuple(spec.weight_shape(E, inter, H)),
+            "down_weight": tuple(spec.weight_shape(E, H, inter)),
+        }
+        dtype = torch.uint8
     for name, t in (
         ("gate_weight", gate_weight),
         ("up_weight", up_weight),
         ("down_weight", down_weight),
     ):
-        blocks, pairs = expected[name]
+        shape = expected[name]
         torch._check(
-            t.dim() == 5
-            and t.dtype == torch.bfloat16
-            and t.shape[0] == gate_weight.shape[0]
-            and t.shape[1] == blocks
-            and t.shape[2] == pairs,
-            lambda name=name, t=t, blocks=blocks, pairs=pairs: (
+            t.dtype == dtype and tuple(t.shape) == shape,
+            lambda name=name, t=t, shape=shape: (
                 f"kt.moe_forward: {name} has shape {tuple(t.shape)} ({t.dtype}), expected the "
-                f"bf16 packed layout [E, {blocks}, {pairs}, 16, 2]"
+                f"{weight_format} packed layout {shape} ({dtype})"
             ),
         )
     return hidden_states.new_empty(hidden_states.shape)

@@ -505,8 +505,8 @@ def test_module_list_errors():
 def test_argument_errors():
     with pytest.raises(TypeError, match="expected a torch.nn.Module"):
         replace_experts("Qwen/Qwen3-30B-A3B")
-    with pytest.raises(ValueError, match="weight_format='int4' is not supported"):
-        replace_experts(LegacySparseMoeBlock(), weight_format="int4")
+    with pytest.raises(ValueError, match="weight_format='int5' is not supported"):
+        replace_experts(LegacySparseMoeBlock(), weight_format="int5")
 
 
 # --------------------------------------------------------------------------------------------

@@ -143,8 +143,10 @@ def test_from_dense_errors(dense):
         MoEExperts.from_dense(gate[0], up, down)
     with pytest.raises(ValueError, match=r"expected gate and up \[E, I, H\] and down \[E, H, I\]"):
         MoEExperts.from_dense(gate, up, down.transpose(1, 2))
-    with pytest.raises(ValueError, match="weight_format='int4' is not supported"):
-        MoEExperts.from_dense(gate, up, down, weight_format="int4")
+    with pytest.raises(ValueError, match="unknown weight_format 'int5'"):
+        MoEExperts.from_dense(gate, up, down, weight_format="int5")
+    with pytest.raises(ValueError, match="not a multiple of group_size=128"):
+        MoEExperts.from_dense(gate, up, down, weight_format="int4", group_size=128)
 
 
 def test_constructor_checks_packed_shapes(experts):
