@@ -179,10 +179,10 @@ def test_reference_dequantizer_reads_hand_written_bytes():
     p6 = PackedProjection(w6, torch.full((1, 1, 2, 16), 0.5), None, "q6_k", 16, 16, 32)
     d6 = dequantize_weights(p6)
     assert d6[0, 2, 27] == 8.0 and int((d6 != -16.0).sum()) == 1
-    # fp8: packed[e, nb, c, r, j] = bits(W8[16nb + r, 4c + j]); 0x38 = 1.0, 0xC0 = -2.0
-    w8 = torch.zeros(1, 2, 8, 16, 4, dtype=torch.uint8)
-    w8[0, 1, 2, 3, 1] = 0x38  # n = 19, k = 9
-    w8[0, 0, 0, 0, 0] = 0xC0
+    # fp8: packed[e, nb, k, r] = bits(W8[16nb + r, k]); 0x38 = 1.0, 0xC0 = -2.0
+    w8 = torch.zeros(1, 2, 32, 16, dtype=torch.uint8)
+    w8[0, 1, 9, 3] = 0x38  # n = 19, k = 9
+    w8[0, 0, 0, 0] = 0xC0
     p8 = PackedProjection(w8, torch.tensor([[[3.0]]]), None, "fp8", 128, 20, 32)
     d8 = dequantize_weights(p8)
     assert d8[0, 19, 9] == 3.0 and d8[0, 0, 0] == -6.0 and int((d8 != 0).sum()) == 2
@@ -302,7 +302,7 @@ def test_fp8_quantizer_matches_torch_e4m3_conversion():
     w[:, :128, :128] *= 1e-3  # one block much smaller than its neighbours
     w[1, 128:, 128:] = 0.0  # an all-zero block
     p = quantize_weights(w, "fp8")
-    assert p.weight.shape == (E, 9, 56, 16, 4) and p.scales.shape == (E, 2, 2)
+    assert p.weight.shape == (E, 9, 224, 16) and p.scales.shape == (E, 2, 2)
     assert p.group_size == 128
     wp = torch.nn.functional.pad(w, (0, 56, 0, 126)).view(E, 2, 128, 2, 128)
     scale = wp.abs().amax(dim=(2, 4)) / 448

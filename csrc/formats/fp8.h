@@ -3,9 +3,10 @@
 // S.1111.111) with one fp32 scale per 128x128 block of [N, K], as in
 // DeepSeek-V3 checkpoints (`weight_scale_inv`). docs/formats.md.
 //
-// LAYOUT  weight [E, ceil(N/16), Kp/4, 16, 4] uint8 (Kp = K padded to 32):
-//         packed[e, nb, c, r, j] = bits(W[e, 16nb + r, 4c + j]); a 32-bit
-//         lane holds one row's 4 consecutive k.
+// LAYOUT  weight [E, ceil(N/16), Kp, 16] uint8 (Kp = K padded to 32):
+//         packed[e, nb, k, r] = bits(W[e, 16nb + r, k]); one 16-byte row
+//         holds one k of the block's 16 rows, so a 32-byte load is 2 k x 16
+//         rows, widened through fp16 (F16C) with no shuffles across rows.
 //         scales [E, ceil(N/128), ceil(K/128)] fp32, unchanged from the
 //         checkpoint: W = e4m3(code) * scales[e, n/128, k/128].
 #pragma once

@@ -95,7 +95,7 @@ moe::QuantProjection check_quant_projection(const formats::FormatInfo& info, con
   const int64_t nb = formats::qint_row_blocks(n);
   moe::QuantProjection p;
   if (info.kind == formats::FormatKind::kFp8) {
-    check_shape(w, wname, fmt, {E, nb, kp / 4, 16, 4}, dims);
+    check_shape(w, wname, fmt, {E, nb, kp, 16}, dims);
     TORCH_CHECK(scales->scalar_type() == at::kFloat, "kt.moe_forward: ", sname,
                 " must be fp32 block scales for weight_format='fp8', got ", scales->scalar_type());
     check_shape(*scales, sname, fmt,

@@ -107,10 +107,11 @@ def _dequantize_one(spec, group_size, n, k, weight, scales=None, zeros=None) -> 
         return w[:, nn // 16, kk // 2, nn % 16, kk % 2].float()
     kp = padded_k(k)
     if spec.layout == "fp8":
-        bits = _decode_codes(w.reshape(w.shape[0], w.shape[1], -1), 8, kp)
-        vals = _rows(bits.to(torch.uint8).view(torch.float8_e4m3fn).float(), n, k)
         nn = torch.arange(n).view(n, 1)
         kk = torch.arange(k).view(1, k)
+        # packed[e, nb, k, r] = bits(W[16 nb + r, k])
+        bits = w[:, nn // BLOCK_ROWS, kk, nn % BLOCK_ROWS]
+        vals = bits.to(torch.uint8).view(torch.float8_e4m3fn).float()
         return vals * scales.float()[:, nn // 128, kk // 128]
     q = _decode_codes(w, spec.bits, kp)
     scale = _expand_groups(scales, kp, group_size)

@@ -5,7 +5,7 @@ Element format: E4M3 of "FP8 Formats for Deep Learning" (Micikevicius et al.,
 ``S.1111.111``). Scales: one fp32 per ``[128 rows x 128 k]`` block, as in the
 DeepSeek-V3 checkpoints: ``W = float(W8) * scale_inv[e, n // 128, k // 128]``.
 
-Packed layout (docs/formats.md): uint8 ``[E, NB, Kp/4, 16, 4]`` with
+Packed layout (docs/formats.md): uint8 ``[E, NB, Kp, 16]`` with
 ``packed[e, nb, c, r, j] = bits(W8[e, 16nb + r, 4c + j])``, zero bits (+0.0)
 in the padding.
 """
@@ -16,7 +16,6 @@ import torch
 from torch import Tensor
 
 from kt_ops.formats.packed import PackedProjection
-from kt_ops.formats.qint import pack_codes
 from kt_ops.formats.spec import BLOCK_ROWS, ceil_div, padded_k
 
 __all__ = ["from_fp8", "quantize_fp8"]
@@ -26,9 +25,11 @@ FP8_BLOCK = 128
 
 
 def _pack_bits(bits: Tensor) -> Tensor:
-    """uint8 E4M3 bits ``[E, N, K]`` -> ``[E, NB, Kp/4, 16, 4]`` (the bytes of an 8-bit plane)."""
+    """uint8 E4M3 bits ``[E, N, K]`` -> ``[E, NB, Kp, 16]`` (16 bytes: one k of 16 rows)."""
     E, N, K = bits.shape
-    return pack_codes(bits, 8).view(E, ceil_div(N, BLOCK_ROWS), padded_k(K) // 4, BLOCK_ROWS, 4)
+    nb, kp = ceil_div(N, BLOCK_ROWS), padded_k(K)
+    padded = torch.nn.functional.pad(bits, (0, kp - K, 0, nb * BLOCK_ROWS - N))
+    return padded.view(E, nb, BLOCK_ROWS, kp).permute(0, 1, 3, 2).contiguous()
 
 
 def _expand_block_scales(scale: Tensor, n: int, k: int) -> Tensor:

@@ -49,7 +49,7 @@ class FormatSpec:
     Attributes:
         name: the format name (one of :data:`FORMATS`).
         layout: ``'bf16'`` (n16k2 bf16), ``'qint'`` (integer code planes) or
-            ``'fp8'`` (E4M3 bytes, ``[E, NB, Kp/4, 16, 4]``).
+            ``'fp8'`` (E4M3 bytes, ``[E, NB, Kp, 16]``).
         bits: bits per stored weight code (16 for bf16).
         signed: the integer codes are two's-complement signed bytes (int8, q8_0);
             False for the float layouts (bf16, fp8) and the unsigned codes.
@@ -106,7 +106,7 @@ class FormatSpec:
         if self.layout == "bf16":
             return (e, nb, ceil_div(k, 2), BLOCK_ROWS, 2)
         if self.layout == "fp8":
-            return (e, nb, padded_k(k) // 4, BLOCK_ROWS, 4)
+            return (e, nb, padded_k(k), BLOCK_ROWS)
         return (e, nb, BLOCK_ROWS * padded_k(k) * self.bits // 8)
 
     def weight_dtype(self) -> torch.dtype:

@@ -15,9 +15,9 @@
 // tokens; per fold unit the weight codes are decoded once into 8 ymm and
 // reused by every token of the tile.
 //
-// fp8: each 32-bit lane (one row, 4 k) is widened to 4 fp32 vectors by moving
-// the E4M3 sign / exponent / mantissa into fp32 position and multiplying by
-// 2^120 (exact for normals and subnormals); fp32 FMAs, block scale per 128 k.
+// fp8: a 32-byte line of the n16k1 layout (16 rows x 2 k) becomes 4 fp32
+// vectors through fp16 bit moves and F16C (exact for normals and
+// subnormals); fp32 FMAs, block scale per 128 k.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -239,57 +239,61 @@ void qint_dot(const QintDotArgs& a) {
 
 // ---- fp8 -------------------------------------------------------------------
 
-// The 4 k of each row lane as 4 fp32 vectors (k = 4c + j).
-KT_INLINE void decode_e4m3(__m256i v, __m256* out) {
-  const __m256i sign_mask = _mm256_set1_epi32(static_cast<int>(0x80000000u));
-  const __m256i em_mask = _mm256_set1_epi32(0x07F00000);
-  const __m256 two_120 = _mm256_castsi256_ps(_mm256_set1_epi32(0x7B800000));
-  const __m256i t[4] = {_mm256_slli_epi32(v, 24), _mm256_slli_epi32(v, 16), _mm256_slli_epi32(v, 8),
-                        v};
-  for (int j = 0; j < 4; ++j) {
-    const __m256i bits = _mm256_or_si256(_mm256_and_si256(t[j], sign_mask),
-                                         _mm256_and_si256(_mm256_srli_epi32(t[j], 4), em_mask));
-    out[j] = _mm256_mul_ps(_mm256_castsi256_ps(bits), two_120);
-  }
+// Two k of all 16 rows (one 32-byte line of the n16k1 layout) as fp32:
+// out[0], out[1] = rows 0-7, 8-15 of k; out[2], out[3] = rows 0-7, 8-15 of
+// k+1. An E4M3 byte b becomes the fp16 bits ((b & 0x7F) << 7) | ((b & 0x80)
+// << 8), whose value is e4m3(b) * 2^-8 for normals and subnormals alike
+// (exponent bias 15 vs 7); F16C widens them, the caller folds in 2^8.
+KT_INLINE void decode_e4m3_pair(__m256i v, __m256* out) {
+  const __m256i zero = _mm256_setzero_si256();
+  const __m256i clear14 = _mm256_set1_epi16(static_cast<short>(0xBFFF));
+  // Byte into the high half of each 16-bit lane, then shift right by one
+  // keeping the sign (srai copies it into bit 14, which is cleared).
+  const __m256i lo = _mm256_and_si256(_mm256_srai_epi16(_mm256_unpacklo_epi8(zero, v), 1), clear14);
+  const __m256i hi = _mm256_and_si256(_mm256_srai_epi16(_mm256_unpackhi_epi8(zero, v), 1), clear14);
+  out[0] = _mm256_cvtph_ps(_mm256_castsi256_si128(lo));
+  out[1] = _mm256_cvtph_ps(_mm256_castsi256_si128(hi));
+  out[2] = _mm256_cvtph_ps(_mm256_extracti128_si256(lo, 1));
+  out[3] = _mm256_cvtph_ps(_mm256_extracti128_si256(hi, 1));
 }
 
 template <int M>
-KT_INLINE void fp8_half_tile(const Fp8DotArgs& a, const float* const* x_rows, float* out,
-                             int half) {
+KT_INLINE void fp8_tile(const Fp8DotArgs& a, const float* const* x_rows, float* out) {
   constexpr int64_t kBlock = formats::kFp8ScaleBlock;
-  __m256 acc[M];
-  for (int i = 0; i < M; ++i) acc[i] = _mm256_setzero_ps();
+  __m256 acc[M][2];
+  for (int i = 0; i < M; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
   for (int64_t k0 = 0; k0 < a.kp; k0 += kBlock) {
     const int64_t k1 = std::min(a.kp, k0 + kBlock);
-    __m256 part[M];
-    for (int i = 0; i < M; ++i) part[i] = _mm256_setzero_ps();
-    for (int64_t c = k0 / 4; c < k1 / 4; ++c) {
-      __builtin_prefetch(a.block + c * 64 + 2048, 0, 3);
-      const __m256i v =
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.block + c * 64 + half * 32));
+    __m256 part[M][2];
+    for (int i = 0; i < M; ++i) part[i][0] = part[i][1] = _mm256_setzero_ps();
+    for (int64_t k = k0; k < k1; k += 2) {
+      __builtin_prefetch(a.block + k * 16 + 2048, 0, 3);
       __m256 w[4];
-      decode_e4m3(v, w);
+      decode_e4m3_pair(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.block + k * 16)), w);
       for (int i = 0; i < M; ++i) {
-        const float* x = x_rows[i] + 4 * c;
-        for (int j = 0; j < 4; ++j) part[i] = _mm256_fmadd_ps(w[j], _mm256_set1_ps(x[j]), part[i]);
+        const __m256 x0 = _mm256_set1_ps(x_rows[i][k]);
+        const __m256 x1 = _mm256_set1_ps(x_rows[i][k + 1]);
+        part[i][0] = _mm256_fmadd_ps(w[2], x1, _mm256_fmadd_ps(w[0], x0, part[i][0]));
+        part[i][1] = _mm256_fmadd_ps(w[3], x1, _mm256_fmadd_ps(w[1], x0, part[i][1]));
       }
     }
-    const __m256 s = _mm256_set1_ps(a.scales[k0 / kBlock]);
-    for (int i = 0; i < M; ++i) acc[i] = _mm256_fmadd_ps(part[i], s, acc[i]);
+    const __m256 s = _mm256_set1_ps(a.scales[k0 / kBlock] * 256.0f);
+    for (int i = 0; i < M; ++i) {
+      acc[i][0] = _mm256_fmadd_ps(part[i][0], s, acc[i][0]);
+      acc[i][1] = _mm256_fmadd_ps(part[i][1], s, acc[i][1]);
+    }
   }
-  for (int i = 0; i < M; ++i) _mm256_storeu_ps(out + i * 16 + half * 8, acc[i]);
+  for (int i = 0; i < M; ++i) {
+    _mm256_storeu_ps(out + i * 16, acc[i][0]);
+    _mm256_storeu_ps(out + i * 16 + 8, acc[i][1]);
+  }
 }
 
 void fp8_dot(const Fp8DotArgs& a) {
-  constexpr int kTile = 3;  // 3 partial + 3 total accumulators + 4 decoded weights
-  for (int half = 0; half < 2; ++half) {
-    if (half * 8 >= a.n_valid) break;
-    int i = 0;
-    for (; i + kTile <= a.m; i += kTile)
-      fp8_half_tile<kTile>(a, a.x_rows + i, a.out + i * 16, half);
-    if (a.m - i == 2) fp8_half_tile<2>(a, a.x_rows + i, a.out + i * 16, half);
-    if (a.m - i == 1) fp8_half_tile<1>(a, a.x_rows + i, a.out + i * 16, half);
-  }
+  constexpr int kTile = 2;  // 4 partial + 4 total accumulators + 4 decoded weights
+  int i = 0;
+  for (; i + kTile <= a.m; i += kTile) fp8_tile<kTile>(a, a.x_rows + i, a.out + i * 16);
+  if (a.m - i == 1) fp8_tile<1>(a, a.x_rows + i, a.out + i * 16);
 }
 
 }  // namespace

@@ -61,7 +61,7 @@ void fp8_dot(const Fp8DotArgs& a) {
         float part = 0.f;
         const int64_t k1 = k0 + kBlock < a.kp ? k0 + kBlock : a.kp;
         for (int64_t k = k0; k < k1; ++k) {
-          const uint8_t bits = a.block[(k / 4) * 64 + r * 4 + (k % 4)];
+          const uint8_t bits = a.block[k * 16 + r];
           part += formats::e4m3_to_float(bits) * x[k];
         }
         acc += part * a.scales[k0 / kBlock];
