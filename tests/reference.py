@@ -353,3 +353,353 @@ def sample_inputs() -> Iterator[Sample]:
         )
         x = make_hidden(T, H, act, seed=i)
         yield Sample(name, (x, ids, weights, *w.args()), {"weight_format": "bf16"})
+
+
+# --------------------------------------------------------------------------
+# Quantized formats: packed projections, their dense reference, raw blocks
+# --------------------------------------------------------------------------
+#
+# The reference of a quantized call dequantizes every projection with
+# ``kt_ops.formats.dequantize_weights`` (index arithmetic straight from
+# docs/formats.md, no code shared with the packers or the kernels) and, for the
+# formats whose kernels multiply int8 activations (``format_spec(f).activation
+# == 'q8'``), rounds the activations exactly as the kernels do
+# (:func:`q8_activations`, the formula of ``quantize_activations_q8``): the
+# hidden states before gate/up and the SwiGLU output before down.
+#
+# What is left between the op and this reference:
+#
+# * fp32 summation order (int32 group sums scaled per group in the kernel,
+#   fp32 BLAS here) and SiLU's exp: ~5e-7 of max|ref| observed.
+# * A SwiGLU value ``h`` whose ``h * 127 / amax`` lies on (or within rounding
+#   noise of) a .5 tie of the q8 rounding can round to the neighbouring code in
+#   the kernel: that token's output then moves by one code step (amax/127 of
+#   the 32-block) times one column of the down projection. This is ~3e-3 of the
+#   token's output for I = 64 (observed up to 1.1e-3 of max|ref| over a
+#   batch), so a flat tolerance that admits it would be loose. Instead the
+#   reference returns a per-element *slack*: for every SwiGLU value within
+#   ``Q8_TIE_WINDOW`` code units of a tie, ``routing weight * step * |W_down[:, j]|``
+#   is added to the allowance of that token's outputs (exactly the most that
+#   flipping that code can change them). Ties in the hidden states themselves
+#   need no slack: both sides compute ``x * (127 / amax)`` from identical fp32
+#   values.
+#
+# A compared element passes when
+#   |out - ref| <= compute * max|ref| * (1 + rtol) + slack * (1 + rtol) + rtol * |ref| + subnormal
+# (rtol, subnormal: the output rounding, as for bf16).
+
+#: op vs ``reference_quant_moe_forward`` (plus its tie slack): 20x the largest
+#: summation-order difference observed (~1e-6 of max|ref|). A wrong code or
+#: scale, or leaving the activation rounding out of the reference (>= 2e-2),
+#: is far outside.
+TOL_QUANT = Tolerance(compute=2e-5)
+
+#: A q8 code is "ambiguous" when ``|frac(h * 127 / amax) - 0.5|`` is below this:
+#: the two sides' ``h`` differ by ~1e-6 relative (< 2e-4 code units at |code| <= 127),
+#: so 2e-3 is a 10x margin; about 0.4% of the SwiGLU values fall in it.
+Q8_TIE_WINDOW = 2e-3
+
+for _fmt in ("int8", "int4", "fp8", "mxfp4", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k"):
+    TOLERANCES[_fmt] = TOL_QUANT
+del _fmt
+
+
+def _q8_blocks(x: Tensor, block: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``x [..., K]`` -> (``xb [rows, Kp/block, block]`` fp32 zero padded, ``amax``, ``inv``)."""
+    K = x.shape[-1]
+    kp = -(-K // block) * block
+    xf = torch.nn.functional.pad(x.detach().float().reshape(-1, K), (0, kp - K))
+    xb = xf.view(xf.shape[0], kp // block, block)
+    amax = xb.abs().amax(dim=-1, keepdim=True)
+    safe = torch.where(amax > 0, amax, torch.ones_like(amax))
+    # tensor / tensor: the correctly rounded quotient (127 / tensor is 127 * reciprocal)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / safe, torch.zeros_like(amax))
+    return xb, amax, inv
+
+
+def q8_activations(x: Tensor, block: int = 32) -> Tensor:
+    """The q8 activation rounding of docs/formats.md, in fp32 exactly as written there.
+
+    Per row, per ``block`` values along the last dimension (zero padded)::
+
+        amax = max|x|;  sx = amax / 127;  xq = round_half_even(x * (127 / amax))  (0 if amax = 0)
+
+    returning ``xq * sx`` (fp32, the shape of ``x``). This is
+    ``kt_ops.formats.quantize_activations_q8`` except that ``127 / amax`` is
+    the correctly rounded fp32 quotient, as in the C++ kernels
+    (``127.f / amax``): PyTorch evaluates ``127 / tensor`` as
+    ``127 * reciprocal(tensor)``, which is one ulp off for ~25% of the
+    values, and for activations on a coarse grid (bf16) ``x * (127 / amax)``
+    often lands exactly on a .5 tie, where that ulp picks the other code
+    (see test_quant_forward.py::test_quantize_activations_q8_matches_the_kernel_formula).
+    """
+    if x.numel() == 0:
+        return x.detach().float().clone()
+    K = x.shape[-1]
+    xb, amax, inv = _q8_blocks(x, block)
+    sx = amax / torch.full_like(amax, 127.0)
+    xq = torch.round(xb * inv).clamp_(-127, 127)
+    return (xq * sx).view(xb.shape[0], -1)[:, :K].reshape(x.shape)
+
+
+def q8_tie_steps(x: Tensor, block: int = 32, window: float = Q8_TIE_WINDOW) -> Tensor:
+    """The q8 step ``amax/127`` where ``x * 127/amax`` is within ``window`` of a .5 tie, else 0.
+
+    fp32, the shape of ``x``: how far each value's q8 rounding may move if it
+    lands on the other side of the tie.
+    """
+    if x.numel() == 0:
+        return x.detach().float().clone()
+    K = x.shape[-1]
+    xb, amax, inv = _q8_blocks(x, block)
+    v = xb * inv
+    near = ((v - v.floor() - 0.5).abs() < window) & (amax > 0)
+    step = (amax / torch.full_like(amax, 127.0)).expand_as(v)
+    out = torch.where(near, step, torch.zeros_like(v))
+    return out.view(xb.shape[0], -1)[:, :K].reshape(x.shape)
+
+
+@dataclasses.dataclass
+class QuantExperts:
+    """The three packed projections of one MoE layer in a quantized format.
+
+    ``gate``/``up`` are ``PackedProjection`` s of ``[E, I, H]``, ``down`` of
+    ``[E, H, I]``; ``args()``/``kwargs()`` give the op's arguments.
+    """
+
+    gate: Any  # kt_ops.formats.PackedProjection
+    up: Any
+    down: Any
+
+    @property
+    def weight_format(self) -> str:
+        return self.gate.weight_format
+
+    @property
+    def group_size(self) -> int:
+        return self.gate.group_size
+
+    @property
+    def num_experts(self) -> int:
+        return self.gate.num_experts
+
+    @property
+    def hidden_size(self) -> int:
+        return self.gate.k
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.gate.n
+
+    @property
+    def activation(self) -> str:
+        """``'q8'`` or ``'fp32'``: what the kernels multiply the weights with."""
+        from kt_ops.formats import format_spec
+
+        return format_spec(self.weight_format).activation
+
+    def projections(self) -> tuple[Any, Any, Any]:
+        return self.gate, self.up, self.down
+
+    def args(self) -> tuple[Tensor, Tensor, Tensor, int]:
+        """``(gate_weight, up_weight, down_weight, intermediate_size)`` for the op."""
+        return self.gate.weight, self.up.weight, self.down.weight, self.intermediate_size
+
+    def kwargs(self) -> dict[str, Any]:
+        """``weight_format``, ``group_size``, ``*_scales``, ``*_zeros`` for the op."""
+        kw: dict[str, Any] = {"weight_format": self.weight_format, "group_size": self.group_size}
+        for name, p in zip(("gate", "up", "down"), self.projections()):
+            kw[f"{name}_scales"] = p.scales
+            kw[f"{name}_zeros"] = p.zeros
+        return kw
+
+    def dense(self) -> tuple[Tensor, Tensor, Tensor]:
+        """Dequantized fp32 ``(gate [E, I, H], up [E, I, H], down [E, H, I])`` (cached)."""
+        cached = getattr(self, "_dense", None)
+        if cached is None:
+            from kt_ops.formats import dequantize_weights
+
+            with single_threaded_torch():
+                cached = tuple(dequantize_weights(p) for p in self.projections())
+            self._dense = cached
+        return cached
+
+
+def dense_expert_weights(
+    num_experts: int, hidden_size: int, intermediate_size: int, *, seed: int = 0
+) -> tuple[Tensor, Tensor, Tensor]:
+    """fp32 ``(gate, up, down)`` drawn as in :func:`make_expert_weights` (before packing)."""
+    g = torch.Generator().manual_seed(seed)
+    E, H, I = num_experts, hidden_size, intermediate_size
+    gate = torch.randn(E, I, H, generator=g) * (2.0 / math.sqrt(H))
+    up = torch.randn(E, I, H, generator=g) / math.sqrt(H)
+    down = torch.randn(E, H, I, generator=g) / math.sqrt(I)
+    return gate, up, down
+
+
+def make_quant_experts(
+    weight_format: str,
+    num_experts: int,
+    hidden_size: int,
+    intermediate_size: int,
+    *,
+    group_size: Optional[int] = None,
+    symmetric: bool = True,
+    seed: int = 0,
+) -> QuantExperts:
+    """Random experts (as :func:`dense_expert_weights`) quantized with ``quantize_weights``."""
+    from kt_ops.formats import quantize_weights
+
+    dense = dense_expert_weights(num_experts, hidden_size, intermediate_size, seed=seed)
+    with single_threaded_torch():
+        packed = [quantize_weights(w, weight_format, group_size, symmetric) for w in dense]
+    return QuantExperts(*packed)
+
+
+@dataclasses.dataclass
+class QuantReference:
+    """fp32 reference output ``out`` and the per-element allowance ``slack`` of q8 ties."""
+
+    out: Tensor
+    slack: Tensor
+
+
+def reference_quant_moe_forward(
+    hidden_states: Tensor,
+    topk_ids: Tensor,
+    topk_weights: Tensor,
+    gate: Tensor,
+    up: Tensor,
+    down: Tensor,
+    *,
+    activation: str = "q8",
+) -> QuantReference:
+    """Dense fp32 reference of a quantized ``moe_forward`` on dense weights.
+
+    ``gate``/``up`` ``[E, I, H]`` and ``down`` ``[E, H, I]`` are fp32 weights
+    (``QuantExperts.dense()`` for the op's reference; the original dense
+    weights to measure the total quantization error). ``activation='q8'``
+    rounds the activations as the q8 kernels do (the hidden states before
+    gate/up, the SwiGLU output before down, :func:`q8_activations`) and
+    fills ``slack`` (see the comment above ``TOL_QUANT``); ``'fp32'`` leaves
+    them alone (fp8 kernels, or the plain dense model) with zero slack.
+    """
+    if activation not in ("q8", "fp32"):
+        raise ValueError(f"activation must be 'q8' or 'fp32', got {activation!r}")
+    q8 = activation == "q8"
+    T, H = hidden_states.shape
+    with single_threaded_torch():
+        x = hidden_states.float()
+        ids = topk_ids.long()
+        w = topk_weights.float()
+        out = torch.zeros(T, H, dtype=torch.float32)
+        slack = torch.zeros(T, H, dtype=torch.float32)
+        for e in torch.unique(ids[ids >= 0]).tolist():
+            tok, slot = torch.nonzero(ids == e, as_tuple=True)
+            xe = x[tok]
+            if q8:
+                xe = q8_activations(xe)
+            h = torch.nn.functional.silu(xe @ gate[e].float().T) * (xe @ up[e].float().T)
+            wd = down[e].float()
+            we = w[tok, slot].unsqueeze(1)
+            if q8:
+                slack.index_add_(0, tok, (q8_tie_steps(h) @ wd.abs().T) * we.abs())
+                h = q8_activations(h)
+            out.index_add_(0, tok, (h @ wd.T) * we)
+    return QuantReference(out, slack)
+
+
+def reference_for(
+    experts: QuantExperts, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor
+) -> QuantReference:
+    """The reference of ``moe_forward(hidden_states, ..., **experts.kwargs())``."""
+    return reference_quant_moe_forward(
+        hidden_states, topk_ids, topk_weights, *experts.dense(), activation=experts.activation
+    )
+
+
+def quant_mismatch_report(
+    out: Tensor,
+    ref: QuantReference,
+    tol: Tolerance = TOL_QUANT,
+    *,
+    out_dtype: Optional[torch.dtype] = None,
+) -> Optional[str]:
+    """``None`` when ``out`` matches ``ref`` (see the comment above ``TOL_QUANT``); else why not."""
+    out_dtype = out.dtype if out_dtype is None else out_dtype
+    r = ref.out
+    if tuple(out.shape) != tuple(r.shape):
+        return f"shape {tuple(out.shape)} != reference shape {tuple(r.shape)}"
+    if out.numel() == 0:
+        return None
+    o = out.float()
+    if not torch.isfinite(o).all():
+        bad = (~torch.isfinite(o)).nonzero()
+        return f"{bad.shape[0]} non-finite output element(s), first at {bad[0].tolist()}"
+    if not torch.isfinite(r).all():
+        return "the reference itself is not finite: the test inputs are too large"
+    rtol = OUTPUT_ROUNDING[out_dtype]
+    scale = r.abs().max().item()
+    err = (o - r).abs()
+    allowed = (
+        tol.compute * scale * (1.0 + rtol)
+        + ref.slack * (1.0 + rtol)
+        + rtol * r.abs()
+        + OUTPUT_SUBNORMAL[out_dtype]
+    )
+    bad = err > allowed
+    if bad.any():
+        n_bad = int(bad.sum())
+        flat = int((err - allowed).flatten().argmax())
+        idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), o.shape))
+        return (
+            f"{n_bad} of {o.numel()} elements out of tolerance (compute={tol.compute:g}, "
+            f"rtol={rtol:g}, max|ref|={scale:.4g}); worst at {list(idx)}: "
+            f"out={o[idx].item():.6g} ref={r[idx].item():.6g} |diff|={err[idx].item():.3g} "
+            f"> allowed {allowed[idx].item():.3g} (of which q8 tie slack "
+            f"{ref.slack[idx].item():.3g})"
+        )
+    return None
+
+
+#: GGUF block types: name -> (weights per block, bytes per block), as ggml-common.h.
+GGUF_BLOCKS = {
+    "q8_0": (32, 34),
+    "q4_0": (32, 18),
+    "q4_k": (256, 144),
+    "q5_k": (256, 176),
+    "q6_k": (256, 210),
+}
+
+
+def random_gguf_raw(qtype: str, num_experts: int, n: int, k: int, *, seed: int = 0) -> Tensor:
+    """Random valid raw GGUF blocks of an ``[E, n, k]`` tensor: uint8 ``[E, n, row_bytes]``.
+
+    Every code byte, six-bit scale/min and int8 sub-block scale is uniformly
+    random (q8_0 codes include -128, q6_K scales -128..127); the fp16 super-block
+    scales ``d``/``dmin`` are drawn so that the weights are O(1/sqrt(k)).
+    """
+    import numpy as np
+
+    bs, ts = GGUF_BLOCKS[qtype]
+    if k % bs:
+        raise ValueError(f"random_gguf_raw: k={k} is not a multiple of {bs} for {qtype}")
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(num_experts, n, k // bs, ts), dtype=np.uint8)
+
+    def set_f16(off: int, lo: float, hi: float) -> None:
+        v = rng.uniform(lo, hi, size=raw.shape[:-1]).astype(np.float16)
+        raw[..., off : off + 2] = v[..., None].view(np.uint8)
+
+    s = 1.0 / math.sqrt(k)
+    if qtype == "q8_0":  # W = d * q, |q| <= 128
+        set_f16(0, 0.5 * s / 64, 2 * s / 64)
+    elif qtype == "q4_0":  # W = d * (q - 8)
+        set_f16(0, 0.5 * s / 4, 2 * s / 4)
+    elif qtype in ("q4_k", "q5_k"):  # W = d*sc*q - dmin*m, sc, m < 64
+        nmax = 15 if qtype == "q4_k" else 31
+        set_f16(0, 0.5 * s / (32 * nmax), 2 * s / (32 * nmax))
+        set_f16(2, 0.5 * s / 64, 2 * s / 64)
+    else:  # q6_k: W = d*sc*(q - 32), |sc| <= 128
+        set_f16(208, 0.5 * s / (64 * 32), 2 * s / (64 * 32))
+    return torch.from_numpy(raw.reshape(num_experts, n, k // bs * ts))
