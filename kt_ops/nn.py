@@ -7,15 +7,19 @@ holds the packed expert weights as buffers (so ``state_dict``, ``deepcopy`` and
 ``torch.compile`` see plain tensors). :class:`MoEExpertList` adds
 ``len``/indexing for code that loops over ``self.experts[i](x)`` itself.
 
-The modules compute the forward pass only: the backward of ``kt.moe_forward``
-raises ``NotImplementedError`` until ``kt::moe_backward`` lands, so use them
-for inference (``torch.no_grad`` / ``inference_mode``).
+The packed base weights are frozen buffers. The modules are differentiable
+with respect to their inputs (hidden states, routing weights) and, after
+:meth:`MoEExperts.add_lora`, train LoRA adapters on the experts (gradients from
+``kt.moe_backward``). For inference, run under ``torch.no_grad`` /
+``inference_mode``: nothing is saved for backward then.
 """
 
 from __future__ import annotations
 
+import math
 import operator
-from typing import Callable
+from collections.abc import Sequence
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor, nn
@@ -25,6 +29,7 @@ from kt_ops.ops import moe_forward, pack_weights
 __all__ = ["MoEExperts", "MoEExpertList"]
 
 _PACKED = ("gate_weight", "up_weight", "down_weight")
+_PROJECTIONS = ("gate", "up", "down")
 
 
 def _packed_shape(num_experts: int, n: int, k: int, weight_format: str) -> tuple[int, ...]:
@@ -74,8 +79,11 @@ class MoEExperts(nn.Module):
     they are (bf16, on the CPU), so a model holding this module can be cast or
     moved without touching its experts. The compute dtype follows the input.
 
-    Inference only: backpropagating through this module raises
-    ``NotImplementedError`` until ``kt::moe_backward`` lands.
+    Training: gradients flow to ``hidden_states`` and ``top_k_weights``; the
+    packed weights are frozen. :meth:`add_lora` adds trainable LoRA adapters
+    (parameters ``gate_lora_a`` ... ``down_lora_b``). What forward saves for
+    backward follows ``activation_checkpointing`` (see
+    :func:`kt_ops.set_lora_activation_checkpointing`).
 
     Args:
         gate_weight: packed gate projections of ``[E, I, H]`` weights.
@@ -84,6 +92,11 @@ class MoEExperts(nn.Module):
         hidden_size: ``H``.
         intermediate_size: ``I``, the expert MLP width.
         weight_format: format the tensors were packed in (``'bf16'``).
+        activation_checkpointing: ``True`` recomputes the gate/up
+            pre-activations in backward, ``False`` saves them (``2*K*I*4``
+            bytes per token), ``None`` (default) follows
+            :func:`kt_ops.set_lora_activation_checkpointing`. An attribute: it
+            can be changed later.
 
     Raises:
         ValueError: a packed tensor does not have the shape that
@@ -95,6 +108,8 @@ class MoEExperts(nn.Module):
     hidden_size: int
     intermediate_size: int
     weight_format: str
+    lora_scaling: float
+    activation_checkpointing: Optional[bool]
 
     def __init__(
         self,
@@ -105,6 +120,7 @@ class MoEExperts(nn.Module):
         hidden_size: int,
         intermediate_size: int,
         weight_format: str = "bf16",
+        activation_checkpointing: Optional[bool] = None,
     ) -> None:
         super().__init__()
         if hidden_size <= 0 or intermediate_size <= 0:
@@ -132,6 +148,72 @@ class MoEExperts(nn.Module):
         self.hidden_size = H
         self.intermediate_size = inter
         self.weight_format = weight_format
+        self.lora_scaling = 1.0
+        self.activation_checkpointing = activation_checkpointing
+        for proj in _PROJECTIONS:
+            self.register_parameter(f"{proj}_lora_a", None)
+            self.register_parameter(f"{proj}_lora_b", None)
+
+    def add_lora(
+        self,
+        rank: int,
+        alpha: Optional[float] = None,
+        projections: Sequence[str] = _PROJECTIONS,
+        *,
+        dtype: torch.dtype = torch.float32,
+        generator: Optional[torch.Generator] = None,
+    ) -> MoEExperts:
+        """Add trainable LoRA adapters to every expert (Hu et al. 2021; PEFT's init and scaling).
+
+        Projection ``p`` of expert ``e`` becomes
+        ``W_p[e] x + (alpha / rank) * B_p[e] (A_p[e] x)``. The new parameters are
+        ``{p}_lora_a`` (``[E, rank, in]``, Kaiming-uniform like ``nn.Linear``)
+        and ``{p}_lora_b`` (``[E, out, rank]``, zeros, so the model starts as
+        the base model), for ``p`` in ``projections``.
+
+        Args:
+            rank: LoRA rank ``r >= 1``.
+            alpha: LoRA alpha; the scaling is ``alpha / rank`` (default
+                ``alpha = rank``: scaling 1).
+            projections: any of ``'gate'``, ``'up'``, ``'down'``.
+            dtype: fp32, bf16 or fp16 (computed in fp32 either way).
+            generator: random generator for the A initialisation.
+
+        Returns:
+            ``self``.
+
+        Raises:
+            ValueError: a rank below 1, an unknown projection or dtype, or
+                projections that already have LoRA.
+        """
+        if int(rank) < 1:
+            raise ValueError(f"MoEExperts.add_lora: rank must be >= 1, got {rank}")
+        unknown = [p for p in projections if p not in _PROJECTIONS]
+        if unknown or not projections:
+            raise ValueError(
+                f"MoEExperts.add_lora: projections must be a non-empty subset of "
+                f"{_PROJECTIONS}, got {tuple(projections)}"
+            )
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"MoEExperts.add_lora: dtype must be fp32, bf16 or fp16, got {dtype}")
+        if any(getattr(self, f"{p}_lora_a") is not None for p in projections):
+            raise ValueError(f"MoEExperts.add_lora: {tuple(projections)} already have LoRA")
+        E, H, inter = self.num_experts, self.hidden_size, self.intermediate_size
+        dims = {"gate": (inter, H), "up": (inter, H), "down": (H, inter)}
+        for p in projections:
+            n, k = dims[p]
+            # nn.Linear's (and PEFT's) kaiming_uniform_(a=sqrt(5)): U(-1/sqrt(k), 1/sqrt(k)).
+            bound = 1.0 / math.sqrt(k)
+            a = torch.empty(E, rank, k).uniform_(-bound, bound, generator=generator)
+            setattr(self, f"{p}_lora_a", nn.Parameter(a.to(dtype)))
+            setattr(self, f"{p}_lora_b", nn.Parameter(torch.zeros(E, n, rank, dtype=dtype)))
+        self.lora_scaling = float(alpha if alpha is not None else rank) / rank
+        return self
+
+    def lora_parameters(self) -> dict[str, Tensor]:
+        """The LoRA factors present, by argument name of ``kt_ops.moe_forward``."""
+        names = (f"{p}_lora_{f}" for p in _PROJECTIONS for f in ("a", "b"))
+        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
     @classmethod
     def from_dense(
@@ -140,6 +222,8 @@ class MoEExperts(nn.Module):
         up: Tensor,
         down: Tensor,
         weight_format: str = "bf16",
+        *,
+        activation_checkpointing: Optional[bool] = None,
     ) -> MoEExperts:
         """Pack dense expert weights (``nn.Linear`` convention: ``[E, out, in]``).
 
@@ -149,6 +233,7 @@ class MoEExperts(nn.Module):
             up: ``[E, I, H]`` up projections.
             down: ``[E, H, I]`` down projections.
             weight_format: target format (``'bf16'``: rounded to nearest even).
+            activation_checkpointing: as in the constructor.
 
         Returns:
             A new module on the CPU; the dense tensors are not referenced.
@@ -171,7 +256,13 @@ class MoEExperts(nn.Module):
                 f"gate {tuple(gate.shape)}, up {tuple(up.shape)}, down {tuple(down.shape)}"
             )
         packed = [_pack_in_chunks(w.detach(), weight_format) for w in (gate, up, down)]
-        return cls(*packed, hidden_size=H, intermediate_size=inter, weight_format=weight_format)
+        return cls(
+            *packed,
+            hidden_size=H,
+            intermediate_size=inter,
+            weight_format=weight_format,
+            activation_checkpointing=activation_checkpointing,
+        )
 
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         """Weighted sum of the selected experts' outputs, per token.
@@ -212,6 +303,9 @@ class MoEExperts(nn.Module):
             self.down_weight,
             self.intermediate_size,
             self.weight_format,
+            **self.lora_parameters(),
+            lora_scaling=self.lora_scaling,
+            activation_checkpointing=self.activation_checkpointing,
         )
         return out.view(hidden_states.shape)
 
@@ -228,10 +322,15 @@ class MoEExperts(nn.Module):
             self._buffers.update(packed)
 
     def extra_repr(self) -> str:
-        return (
+        text = (
             f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
             f"intermediate_size={self.intermediate_size}, weight_format={self.weight_format!r}"
         )
+        lora = [p for p in _PROJECTIONS if getattr(self, f"{p}_lora_a") is not None]
+        if lora:
+            rank = getattr(self, f"{lora[0]}_lora_a").shape[1]
+            text += f", lora={tuple(lora)}, lora_rank={rank}, lora_scaling={self.lora_scaling:g}"
+        return text
 
 
 class _Expert:
