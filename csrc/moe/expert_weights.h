@@ -25,13 +25,15 @@ struct ProjectionWeights {
   int64_t num_experts() const { return weight.size(0); }
 };
 
-// Writes expert `expert`'s dense weights W[expert] ([n, k], fp32, row-major)
-// into `out`, a contiguous fp32 tensor of n * k elements. Reads only that
-// expert's bytes; touches no ATen parallelism, so pool tasks may call it.
-// Throws c10::Error for a format it cannot decode.
-void dense_expert_weight_out(const ProjectionWeights& p, int64_t expert, const at::Tensor& out);
-
-// Convenience form: a fresh fp32 [n, k] tensor.
-at::Tensor dense_expert_weight(const ProjectionWeights& p, int64_t expert);
+// Expert `expert`'s dense weights W[expert] as an fp32 [n, k] tensor. The
+// memory layout is the format's choice (bf16: column-major, strides (1, n):
+// its 16-row blocks then decode with contiguous 64-byte writes); at::mm
+// takes either layout at the same speed. `scratch`, when defined, is a
+// contiguous fp32 tensor of at least n * k elements to decode into (reused
+// across experts: no allocation, no page faults); otherwise a new tensor is
+// allocated. Reads only that expert's bytes and uses no ATen parallelism, so
+// pool tasks may call it. Throws c10::Error for a format it cannot decode.
+at::Tensor dense_expert_weight(const ProjectionWeights& p, int64_t expert,
+                               const at::Tensor& scratch = at::Tensor());
 
 }  // namespace kt::moe

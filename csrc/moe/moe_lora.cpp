@@ -108,7 +108,7 @@ LoraF32 lora_f32(const LoraProjection& p) {
 }
 
 // out = in @ W^T + s * (in @ A^T) @ B^T for one projection of expert e.
-// `in` [m, k], w [n, k]; returns in @ A^T ([m, r], needed by backward) or an
+// `in` [m, k], w [n, k] (any strides); returns in @ A^T ([m, r], needed by backward) or an
 // undefined tensor without LoRA.
 at::Tensor project(const at::Tensor& in, const at::Tensor& w, const LoraF32& lora, int64_t e,
                    float s, at::Tensor out) {
@@ -174,14 +174,15 @@ void combine_slots(const float* slots, const RoutingPlan& plan, int64_t H, at::T
       });
 }
 
-// Dense fp32 weights of the expert a task works on, one set per pool thread
-// and call (allocated on first use: page faults once per call, not per expert).
+// Scratch for the dense fp32 weights of the expert a task works on, one set
+// per pool thread and call (allocated on first use: page faults once per
+// call, not per expert).
 struct ThreadWeights {
   at::Tensor gate, up, down;
 };
 
-at::Tensor& ensure(at::Tensor& t, int64_t n, int64_t k) {
-  if (!t.defined()) t = at::empty({n, k}, kF32);
+const at::Tensor& ensure(at::Tensor& t, int64_t numel) {
+  if (!t.defined()) t = at::empty({numel}, kF32);
   return t;
 }
 
@@ -220,16 +221,14 @@ LoraForwardResult moe_forward_lora(const at::Tensor& x, const at::Tensor& topk_i
     const int64_t m = plan.expert_offsets[e + 1] - r0;
     const int64_t* slot = plan.row_slot.data() + r0;
     ThreadWeights& tw = weights[thread];
-    // One dense buffer serves the three projections in turn.
-    at::Tensor& wbuf = ensure(tw.gate, I, H);
+    // One scratch buffer serves the three projections in turn.
+    const at::Tensor& scratch = ensure(tw.gate, I * H);
 
     at::Tensor xe = at::empty({m, H}, kF32);
     gather_rows(xp, m, H, plan.row_token.data() + r0, xe.data_ptr<float>());
     at::Tensor g = at::empty({m, I}, kF32), u = at::empty({m, I}, kF32);
-    dense_expert_weight_out(w.gate, e, wbuf);
-    project(xe, wbuf, lg, e, s, g);
-    dense_expert_weight_out(w.up, e, wbuf);
-    project(xe, wbuf, lu, e, s, u);
+    project(xe, dense_expert_weight(w.gate, e, scratch), lg, e, s, g);
+    project(xe, dense_expert_weight(w.up, e, scratch), lu, e, s, u);
     float* gp = g.data_ptr<float>();
     const float* up = u.data_ptr<float>();
     if (save_pre) {
@@ -238,10 +237,8 @@ LoraForwardResult moe_forward_lora(const at::Tensor& x, const at::Tensor& topk_i
     }
     for (int64_t i = 0; i < m * I; ++i) gp[i] = gp[i] * sigmoid(gp[i]) * up[i];  // h, in g
 
-    const at::Tensor wd = wbuf.view({H, I});
-    dense_expert_weight_out(w.down, e, wd);
     at::Tensor y = at::empty({m, H}, kF32);
-    project(g, wd, ld, e, s, y);
+    project(g, dense_expert_weight(w.down, e, scratch), ld, e, s, y);
     const float* yr = y.data_ptr<float>();
     const float* rw = plan.row_weight.data() + r0;
     for (int64_t i = 0; i < m; ++i) {
@@ -305,9 +302,10 @@ MoeGrads moe_backward_lora(const at::Tensor& grad_output, const at::Tensor& x,
       ThreadWeights& tw = weights[thread];
       // Wg and Wu serve the pre-activations and grad x; only dequantized when used.
       const bool need_gate_up_w = compute_grad_x || !saved;
+      at::Tensor wg, wu;  // [I, H]
       if (need_gate_up_w) {
-        dense_expert_weight_out(w.gate, e, ensure(tw.gate, I, H));
-        dense_expert_weight_out(w.up, e, ensure(tw.up, I, H));
+        wg = dense_expert_weight(w.gate, e, ensure(tw.gate, I * H));
+        wu = dense_expert_weight(w.up, e, ensure(tw.up, I * H));
       }
 
       at::Tensor xe = at::empty({m, H}, kF32);
@@ -320,8 +318,8 @@ MoeGrads moe_backward_lora(const at::Tensor& grad_output, const at::Tensor& x,
         if (lg.present()) xa_g = at::mm(xe, lg.A(e).t());
         if (lu.present()) xa_u = at::mm(xe, lu.A(e).t());
       } else {
-        xa_g = project(xe, tw.gate, lg, e, s, g);
-        xa_u = project(xe, tw.up, lu, e, s, u);
+        xa_g = project(xe, wg, lg, e, s, g);
+        xa_u = project(xe, wu, lu, e, s, u);
       }
       float* gp = g.data_ptr<float>();
       float* up = u.data_ptr<float>();
@@ -332,10 +330,9 @@ MoeGrads moe_backward_lora(const at::Tensor& grad_output, const at::Tensor& x,
       // dh_u = dL/dh before the routing weight: go Wd + s (go Bd) Ad.
       at::Tensor go = at::empty({m, H}, kF32);
       gather_rows(gop, m, H, token, go.data_ptr<float>());
-      const at::Tensor& wd = ensure(tw.down, H, I);
-      dense_expert_weight_out(w.down, e, wd);
-      at::Tensor dh = at::mm(go, wd);  // [m, I]
-      at::Tensor go_b;                 // go Bd [m, rd]
+      const at::Tensor wd = dense_expert_weight(w.down, e, ensure(tw.down, H * I));  // [H, I]
+      at::Tensor dh = at::mm(go, wd);                                                // [m, I]
+      at::Tensor go_b;  // go Bd [m, rd]
       if (ld.present()) {
         go_b = at::mm(go, ld.B(e));
         dh.addmm_(go_b, ld.A(e), 1.0, s);
@@ -387,8 +384,8 @@ MoeGrads moe_backward_lora(const at::Tensor& grad_output, const at::Tensor& x,
       const at::Tensor du_b = input_lora_grads(lu, du, xa_u, ga_u, gb_u);
       if (compute_grad_x) {
         // dx = dg Wg + du Wu + s (dg Bg) Ag + s (du Bu) Au.
-        at::Tensor dx = at::mm(dg, tw.gate);
-        dx.addmm_(du, tw.up);
+        at::Tensor dx = at::mm(dg, wg);
+        dx.addmm_(du, wu);
         if (lg.present()) dx.addmm_(dg_b, lg.A(e), 1.0, s);
         if (lu.present()) dx.addmm_(du_b, lu.A(e), 1.0, s);
         scatter_rows(dx.data_ptr<float>(), m, H, slot, dxp);
