@@ -94,9 +94,9 @@ class MoEExperts(nn.Module):
         weight_format: format the tensors were packed in (``'bf16'``).
         activation_checkpointing: ``True`` recomputes the gate/up
             pre-activations in backward, ``False`` saves them (``2*K*I*4``
-            bytes per token), ``None`` (default) follows
-            :func:`kt_ops.set_lora_activation_checkpointing`. An attribute: it
-            can be changed later.
+            bytes per token), ``None`` (default) is the op's default (with
+            LoRA: :func:`kt_ops.set_lora_activation_checkpointing`; without:
+            recompute). An attribute: it can be changed later.
 
     Raises:
         ValueError: a packed tensor does not have the shape that

@@ -108,11 +108,11 @@ _ACTIVATION_CHECKPOINTING = False
 
 
 def set_lora_activation_checkpointing(enabled: bool) -> None:
-    """Choose what :func:`moe_forward` saves for backward when gradients are needed.
+    """Choose what :func:`moe_forward` with LoRA saves for backward.
 
-    Applies to every call that records autograd (grad mode on and an input,
-    such as ``hidden_states``, ``topk_weights`` or a LoRA factor, requiring
-    grad), with or without LoRA. A call can override it with its
+    Applies to calls that pass LoRA factors and record autograd (grad mode on
+    and an input, such as a LoRA factor, ``hidden_states`` or
+    ``topk_weights``, requiring grad). A call can override it with its
     ``activation_checkpointing`` argument (and :class:`kt_ops.nn.MoEExperts`
     with its attribute of that name).
 
@@ -123,11 +123,17 @@ def set_lora_activation_checkpointing(enabled: bool) -> None:
       Backward then runs 3 base GEMMs per expert (down, and the two for
       ``grad hidden_states``) instead of 5.
     * ``True``: **recompute (checkpointing).** Forward runs ``kt.moe_forward``
-      (without LoRA: the fast inference kernel) and saves only its inputs
-      (which autograd holds anyway): 0 extra bytes per token. Backward
-      recomputes the gate and up pre-activations (2 more GEMMs per expert).
+      and saves only its inputs (which autograd holds anyway): 0 extra bytes
+      per token. Backward recomputes the gate and up pre-activations (2 more
+      GEMMs per expert).
 
-    Both give the same gradients (up to fp32 rounding). Under
+    Calls **without** LoRA recompute unless they pass
+    ``activation_checkpointing=False``: their forward is then the fast
+    inference kernel (which has no pre-activations to save), so a model that
+    only backpropagates through frozen experts, or forgot ``torch.no_grad()``,
+    keeps inference speed and memory.
+
+    Both give the same gradients (bit for bit with LoRA). Under
     ``torch.compile`` the setting is read at trace time (a guard recompiles
     when it changes).
     """
@@ -136,7 +142,7 @@ def set_lora_activation_checkpointing(enabled: bool) -> None:
 
 
 def lora_activation_checkpointing() -> bool:
-    """The current default of :func:`set_lora_activation_checkpointing` (``False``: save)."""
+    """The setting of :func:`set_lora_activation_checkpointing` (default ``False``: save)."""
     return _ACTIVATION_CHECKPOINTING
 
 
@@ -215,8 +221,9 @@ def moe_forward(
         activation: ``'silu'``.
         activation_checkpointing: what a call that records autograd saves for
             backward: ``False`` saves the gate/up pre-activations (``2*K*I*4``
-            bytes per token), ``True`` recomputes them; ``None`` (default)
-            uses :func:`set_lora_activation_checkpointing`'s setting.
+            bytes per token; ATen forward), ``True`` recomputes them; ``None``
+            (default): with LoRA, :func:`set_lora_activation_checkpointing`'s
+            setting, without LoRA ``True`` (the fast inference kernel).
 
     Returns:
         ``[T, H]`` tensor in the dtype of ``hidden_states``. Accumulation is
@@ -258,10 +265,11 @@ def moe_forward(
         lora_scaling,
         activation,
     )
+    lora = _present(args[15:21])
     if activation_checkpointing is None:
-        activation_checkpointing = _ACTIVATION_CHECKPOINTING
+        activation_checkpointing = _ACTIVATION_CHECKPOINTING if lora else True
     if not activation_checkpointing and torch.is_grad_enabled():
-        grad_inputs = (hidden_states, topk_weights, *_present(args[15:21]))
+        grad_inputs = (hidden_states, topk_weights, *lora)
         if any(t.requires_grad for t in grad_inputs):
             return torch.ops.kt.moe_forward_train.default(*args)[0]
     return torch.ops.kt.moe_forward.default(*args)
