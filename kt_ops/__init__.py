@@ -1,12 +1,19 @@
 """kt_ops: the routed experts of Mixture-of-Experts models on the CPU, as PyTorch ops.
 
 Importing this package loads the native extension, which registers
-``torch.ops.kt.moe_forward`` (CPU kernel) and its fake kernel. See ``ops`` for
-the op wrappers, ``nn`` for the expert module, ``hf`` for Hugging Face models.
+``torch.ops.kt.moe_forward``, ``moe_forward_train`` and ``moe_backward`` (CPU
+kernels), and their fake kernels and autograd formula. See ``ops`` for the op
+wrappers, ``nn`` for the expert module, ``hf`` for Hugging Face models.
 """
 
 from kt_ops import _C  # noqa: F401  (registers the kt:: ops)
-from kt_ops.ops import moe_forward, pack_weights, unpack_weights
+from kt_ops.ops import (
+    lora_activation_checkpointing,
+    moe_forward,
+    pack_weights,
+    set_lora_activation_checkpointing,
+    unpack_weights,
+)
 from kt_ops.runtime import (
     active_isa,
     get_num_threads,
@@ -24,6 +31,8 @@ __all__ = [
     "moe_forward",
     "pack_weights",
     "unpack_weights",
+    "set_lora_activation_checkpointing",
+    "lora_activation_checkpointing",
     "active_isa",
     "get_num_threads",
     "info",

@@ -47,8 +47,9 @@ After replacement the state-dict keys of the experts are ``gate_weight``,
 ``up_weight``, ``down_weight`` (packed), so ``save_pretrained`` checkpoints of
 a converted model do not load back into the unconverted class. The experts run
 on the CPU: keep hidden states there (CUDA hidden states need a CUDA build of
-the op). Inference only: the op's backward raises NotImplementedError until
-moe_backward lands.
+the op). The packed expert weights are frozen; gradients flow through the
+experts to the rest of the model (kt.moe_backward), and
+``MoEExperts.add_lora`` adds trainable LoRA adapters to the experts.
 """
 
 from __future__ import annotations

@@ -7,27 +7,41 @@ holds the packed expert weights as buffers (so ``state_dict``, ``deepcopy`` and
 ``torch.compile`` see plain tensors). :class:`MoEExpertList` adds
 ``len``/indexing for code that loops over ``self.experts[i](x)`` itself.
 
-The modules compute the forward pass only: the backward of ``kt.moe_forward``
-raises ``NotImplementedError`` until ``kt::moe_backward`` lands, so use them
-for inference (``torch.no_grad`` / ``inference_mode``).
+The packed base weights are frozen buffers. The modules are differentiable
+with respect to their inputs (hidden states, routing weights) and, after
+:meth:`MoEExperts.add_lora`, train LoRA adapters on the experts (gradients from
+``kt.moe_backward``). For inference, run under ``torch.no_grad`` /
+``inference_mode``: nothing is saved for backward then.
 """
 
 from __future__ import annotations
 
+import math
 import operator
-from typing import Callable
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 from torch import Tensor, nn
 
 from kt_ops.ops import moe_forward, pack_weights
 
+if TYPE_CHECKING:
+    from kt_ops.formats import PackedProjection
+
 __all__ = ["MoEExperts", "MoEExpertList"]
 
 _PACKED = ("gate_weight", "up_weight", "down_weight")
+#: Quantization data of the packed projections (None buffers for formats without them).
+_QUANT = ("gate_scales", "up_scales", "down_scales", "gate_zeros", "up_zeros", "down_zeros")
+_PROJECTIONS = ("gate", "up", "down")
 
 
 def _packed_shape(num_experts: int, n: int, k: int, weight_format: str) -> tuple[int, ...]:
+    if weight_format != "bf16":
+        from kt_ops.formats import format_spec
+
+        return tuple(format_spec(weight_format).weight_shape(num_experts, n, k))
     """Shape of ``pack_weights`` applied to ``[num_experts, n, k]``, computed on the meta device."""
     return tuple(pack_weights(torch.empty(num_experts, n, k, device="meta"), weight_format).shape)
 
@@ -56,6 +70,31 @@ def _pack_in_chunks(weight: Tensor, weight_format: str) -> Tensor:
     return out
 
 
+def _quantize_in_chunks(
+    weight: Tensor, weight_format: str, group_size: Optional[int], symmetric: bool
+) -> PackedProjection:
+    """``quantize_weights(weight)`` a few experts at a time (bounded fp32 temporaries)."""
+    from kt_ops.formats import PackedProjection, quantize_weights
+
+    E, N, K = weight.shape
+    step = max(1, _PACK_CHUNK_ELEMS // max(1, N * K))
+    parts = [
+        quantize_weights(weight[e : e + step].cpu(), weight_format, group_size, symmetric)
+        for e in range(0, E, step)
+    ]
+    if len(parts) == 1:
+        return parts[0]
+
+    def cat(name: str) -> Optional[Tensor]:
+        ts = [getattr(p, name) for p in parts]
+        return None if ts[0] is None else torch.cat(ts)
+
+    first = parts[0]
+    return PackedProjection(
+        cat("weight"), cat("scales"), cat("zeros"), first.weight_format, first.group_size, N, K
+    )
+
+
 class MoEExperts(nn.Module):
     """The routed experts of one MoE layer, computed on the CPU by ``kt.moe_forward``.
 
@@ -74,8 +113,11 @@ class MoEExperts(nn.Module):
     they are (bf16, on the CPU), so a model holding this module can be cast or
     moved without touching its experts. The compute dtype follows the input.
 
-    Inference only: backpropagating through this module raises
-    ``NotImplementedError`` until ``kt::moe_backward`` lands.
+    Training: gradients flow to ``hidden_states`` and ``top_k_weights``; the
+    packed weights are frozen. :meth:`add_lora` adds trainable LoRA adapters
+    (parameters ``gate_lora_a`` ... ``down_lora_b``). What forward saves for
+    backward follows ``activation_checkpointing`` (see
+    :func:`kt_ops.set_lora_activation_checkpointing`).
 
     Args:
         gate_weight: packed gate projections of ``[E, I, H]`` weights.
@@ -84,6 +126,11 @@ class MoEExperts(nn.Module):
         hidden_size: ``H``.
         intermediate_size: ``I``, the expert MLP width.
         weight_format: format the tensors were packed in (``'bf16'``).
+        activation_checkpointing: ``True`` recomputes the gate/up
+            pre-activations in backward, ``False`` saves them (``2*K*I*4``
+            bytes per token), ``None`` (default) is the op's default (with
+            LoRA: :func:`kt_ops.set_lora_activation_checkpointing`; without:
+            recompute). An attribute: it can be changed later.
 
     Raises:
         ValueError: a packed tensor does not have the shape that
@@ -95,6 +142,8 @@ class MoEExperts(nn.Module):
     hidden_size: int
     intermediate_size: int
     weight_format: str
+    lora_scaling: float
+    activation_checkpointing: Optional[bool]
 
     def __init__(
         self,
@@ -105,6 +154,10 @@ class MoEExperts(nn.Module):
         hidden_size: int,
         intermediate_size: int,
         weight_format: str = "bf16",
+        activation_checkpointing: Optional[bool] = None,
+        scales: Optional[tuple[Tensor, Tensor, Tensor]] = None,
+        zeros: Optional[tuple[Tensor, Tensor, Tensor]] = None,
+        group_size: int = 0,
     ) -> None:
         super().__init__()
         if hidden_size <= 0 or intermediate_size <= 0:
@@ -132,6 +185,76 @@ class MoEExperts(nn.Module):
         self.hidden_size = H
         self.intermediate_size = inter
         self.weight_format = weight_format
+        self.group_size = int(group_size)
+        for names, tensors in ((_QUANT[:3], scales), (_QUANT[3:], zeros)):
+            for name, t in zip(names, tensors if tensors is not None else (None,) * 3):
+                self.register_buffer(name, None if t is None else t.contiguous())
+        self.lora_scaling = 1.0
+        self.activation_checkpointing = activation_checkpointing
+        for proj in _PROJECTIONS:
+            self.register_parameter(f"{proj}_lora_a", None)
+            self.register_parameter(f"{proj}_lora_b", None)
+
+    def add_lora(
+        self,
+        rank: int,
+        alpha: Optional[float] = None,
+        projections: Sequence[str] = _PROJECTIONS,
+        *,
+        dtype: torch.dtype = torch.float32,
+        generator: Optional[torch.Generator] = None,
+    ) -> MoEExperts:
+        """Add trainable LoRA adapters to every expert (Hu et al. 2021; PEFT's init and scaling).
+
+        Projection ``p`` of expert ``e`` becomes
+        ``W_p[e] x + (alpha / rank) * B_p[e] (A_p[e] x)``. The new parameters are
+        ``{p}_lora_a`` (``[E, rank, in]``, Kaiming-uniform like ``nn.Linear``)
+        and ``{p}_lora_b`` (``[E, out, rank]``, zeros, so the model starts as
+        the base model), for ``p`` in ``projections``.
+
+        Args:
+            rank: LoRA rank ``r >= 1``.
+            alpha: LoRA alpha; the scaling is ``alpha / rank`` (default
+                ``alpha = rank``: scaling 1).
+            projections: any of ``'gate'``, ``'up'``, ``'down'``.
+            dtype: fp32, bf16 or fp16 (computed in fp32 either way).
+            generator: random generator for the A initialisation.
+
+        Returns:
+            ``self``.
+
+        Raises:
+            ValueError: a rank below 1, an unknown projection or dtype, or
+                projections that already have LoRA.
+        """
+        if int(rank) < 1:
+            raise ValueError(f"MoEExperts.add_lora: rank must be >= 1, got {rank}")
+        unknown = [p for p in projections if p not in _PROJECTIONS]
+        if unknown or not projections:
+            raise ValueError(
+                f"MoEExperts.add_lora: projections must be a non-empty subset of "
+                f"{_PROJECTIONS}, got {tuple(projections)}"
+            )
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"MoEExperts.add_lora: dtype must be fp32, bf16 or fp16, got {dtype}")
+        if any(getattr(self, f"{p}_lora_a") is not None for p in projections):
+            raise ValueError(f"MoEExperts.add_lora: {tuple(projections)} already have LoRA")
+        E, H, inter = self.num_experts, self.hidden_size, self.intermediate_size
+        dims = {"gate": (inter, H), "up": (inter, H), "down": (H, inter)}
+        for p in projections:
+            n, k = dims[p]
+            # nn.Linear's (and PEFT's) kaiming_uniform_(a=sqrt(5)): U(-1/sqrt(k), 1/sqrt(k)).
+            bound = 1.0 / math.sqrt(k)
+            a = torch.empty(E, rank, k).uniform_(-bound, bound, generator=generator)
+            setattr(self, f"{p}_lora_a", nn.Parameter(a.to(dtype)))
+            setattr(self, f"{p}_lora_b", nn.Parameter(torch.zeros(E, n, rank, dtype=dtype)))
+        self.lora_scaling = float(alpha if alpha is not None else rank) / rank
+        return self
+
+    def lora_parameters(self) -> dict[str, Tensor]:
+        """The LoRA factors present, by argument name of ``kt_ops.moe_forward``."""
+        names = (f"{p}_lora_{f}" for p in _PROJECTIONS for f in ("a", "b"))
+        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
     @classmethod
     def from_dense(
@@ -140,15 +263,26 @@ class MoEExperts(nn.Module):
         up: Tensor,
         down: Tensor,
         weight_format: str = "bf16",
+        *,
+        activation_checkpointing: Optional[bool] = None,
+        group_size: Optional[int] = None,
+        symmetric: bool = True,
     ) -> MoEExperts:
-        """Pack dense expert weights (``nn.Linear`` convention: ``[E, out, in]``).
+        """Pack (and quantize) dense expert weights (``nn.Linear`` convention: ``[E, out, in]``).
 
         Args:
             gate: ``[E, I, H]`` gate projections, any floating dtype, any device
                 (copied to the CPU).
             up: ``[E, I, H]`` up projections.
             down: ``[E, H, I]`` down projections.
-            weight_format: target format (``'bf16'``: rounded to nearest even).
+            weight_format: target format, one of :data:`kt_ops.formats.FORMATS`
+                (``'bf16'``: rounded to nearest even; the others are quantized
+                online by :func:`kt_ops.formats.quantize_weights`, a few
+                experts at a time so the fp32 temporaries stay small).
+            activation_checkpointing: as in the constructor.
+            group_size: group along K for the grouped formats (``None``: the
+                format's default; see docs/formats.md).
+            symmetric: ``int4`` only: ``False`` stores zero points.
 
         Returns:
             A new module on the CPU; the dense tensors are not referenced.
@@ -170,8 +304,20 @@ class MoEExperts(nn.Module):
                 f"MoEExperts.from_dense: expected gate and up [E, I, H] and down [E, H, I]; got "
                 f"gate {tuple(gate.shape)}, up {tuple(up.shape)}, down {tuple(down.shape)}"
             )
+        if weight_format != "bf16":
+            projections = [
+                _quantize_in_chunks(w.detach(), weight_format, group_size, symmetric)
+                for w in (gate, up, down)
+            ]
+            return cls.from_packed(*projections)
         packed = [_pack_in_chunks(w.detach(), weight_format) for w in (gate, up, down)]
-        return cls(*packed, hidden_size=H, intermediate_size=inter, weight_format=weight_format)
+        return cls(
+            *packed,
+            hidden_size=H,
+            intermediate_size=inter,
+            weight_format=weight_format,
+            activation_checkpointing=activation_checkpointing,
+        )
 
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         """Weighted sum of the selected experts' outputs, per token.
@@ -212,8 +358,54 @@ class MoEExperts(nn.Module):
             self.down_weight,
             self.intermediate_size,
             self.weight_format,
+            **self._format_op_kwargs(),
+            **self.lora_parameters(),
+            lora_scaling=self.lora_scaling,
+            activation_checkpointing=self.activation_checkpointing,
         )
         return out.view(hidden_states.shape)
+
+    def _format_op_kwargs(self) -> dict:
+        """The quantization arguments of ``moe_forward`` (empty for bf16)."""
+        if self.weight_format == "bf16":
+            return {}
+        kwargs = {name: self._buffers.get(name) for name in _QUANT}
+        kwargs["group_size"] = self.group_size
+        return kwargs
+
+    @classmethod
+    def from_packed(cls, gate: PackedProjection, up: PackedProjection, down: PackedProjection):
+        """Build the module from three :class:`kt_ops.formats.PackedProjection` (one format).
+
+        ``gate``/``up`` hold ``[E, I, H]``, ``down`` ``[E, H, I]``, as produced by
+        :func:`kt_ops.formats.quantize_weights`, the loaders or
+        :func:`kt_ops.convert.load_converted`. Raises ``ValueError`` when the
+        formats, group sizes or shapes disagree.
+        """
+        fmts = {p.weight_format for p in (gate, up, down)}
+        groups = {p.group_size for p in (gate, up, down)}
+        if len(fmts) != 1 or len(groups) != 1:
+            raise ValueError(
+                "MoEExperts.from_packed: gate/up/down must share one format and group size, got "
+                f"{[(p.weight_format, p.group_size) for p in (gate, up, down)]}"
+            )
+        if (up.n, up.k) != (gate.n, gate.k) or (down.n, down.k) != (gate.k, gate.n):
+            raise ValueError(
+                "MoEExperts.from_packed: expected gate and up [E, I, H] and down [E, H, I]; got "
+                f"gate [{gate.n}, {gate.k}], up [{up.n}, {up.k}], down [{down.n}, {down.k}]"
+            )
+        fmt = fmts.pop()
+        return cls(
+            gate.weight,
+            up.weight,
+            down.weight,
+            hidden_size=gate.k,
+            intermediate_size=gate.n,
+            weight_format=fmt,
+            scales=None if fmt == "bf16" else (gate.scales, up.scales, down.scales),
+            zeros=None if gate.zeros is None else (gate.zeros, up.zeros, down.zeros),
+            group_size=groups.pop(),
+        )
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> MoEExperts:
         # Module.to/.half/.cuda/.float go through _apply. The packed weights are a
@@ -221,17 +413,22 @@ class MoEExperts(nn.Module):
         # model's dtype: casting would corrupt them, and a GPU copy would go unused
         # (the kernels run on the CPU; a CUDA build of the op copies CUDA hidden
         # states to the host and back). So they are left untouched.
-        packed = {name: self._buffers.pop(name) for name in _PACKED}
+        packed = {name: self._buffers.pop(name) for name in _PACKED + _QUANT}
         try:
             return super()._apply(fn, recurse)
         finally:
             self._buffers.update(packed)
 
     def extra_repr(self) -> str:
-        return (
+        text = (
             f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
             f"intermediate_size={self.intermediate_size}, weight_format={self.weight_format!r}"
         )
+        lora = [p for p in _PROJECTIONS if getattr(self, f"{p}_lora_a") is not None]
+        if lora:
+            rank = getattr(self, f"{lora[0]}_lora_a").shape[1]
+            text += f", lora={tuple(lora)}, lora_rank={rank}, lora_scaling={self.lora_scaling:g}"
+        return text
 
 
 class _Expert:

@@ -111,6 +111,8 @@ def reference_moe_forward(
     weight_format: str = "bf16",
     *,
     out_dtype: Optional[torch.dtype] = torch.float32,
+    lora: Optional[dict[str, Tensor]] = None,
+    lora_scaling: float = 1.0,
 ) -> Tensor:
     """Dense fp32 reference of ``kt_ops.moe_forward`` on packed weights.
 
@@ -119,9 +121,24 @@ def reference_moe_forward(
     ``out_dtype`` (``None``: the dtype of ``hidden_states``, as the op returns).
     Only the experts that receive tokens are dequantized, so a 128-expert layer
     never materializes as fp32 at once.
+
+    ``lora`` maps any of ``gate_lora_a`` ... ``down_lora_b`` to its tensor; a
+    projection ``p`` with both factors adds ``lora_scaling * (v @ A[e].T) @ B[e].T``
+    (Hu et al. 2021, PEFT convention). Differentiable: autograd through this
+    function gives the reference gradients for ``hidden_states``,
+    ``topk_weights`` and the LoRA factors.
     """
     T, H = hidden_states.shape
     I = intermediate_size
+    lora = lora or {}
+
+    def project(v: Tensor, w: Tensor, proj: str, e: int) -> Tensor:
+        y = v @ w.T
+        a, b = lora.get(f"{proj}_lora_a"), lora.get(f"{proj}_lora_b")
+        if a is not None and b is not None:
+            y = y + lora_scaling * ((v @ a[e].float().T) @ b[e].float().T)
+        return y
+
     with single_threaded_torch():
         x = hidden_states.float()
         ids = topk_ids.long()
@@ -133,9 +150,9 @@ def reference_moe_forward(
             wu = kt_ops.unpack_weights(up_weight[e : e + 1], I, H, weight_format)[0]
             wd = kt_ops.unpack_weights(down_weight[e : e + 1], H, I, weight_format)[0]
             xe = x[tok]
-            h = torch.nn.functional.silu(xe @ wg.T) * (xe @ wu.T)
-            y = (h @ wd.T) * w[tok, slot].unsqueeze(1)
-            out.index_add_(0, tok, y)
+            h = torch.nn.functional.silu(project(xe, wg, "gate", e)) * project(xe, wu, "up", e)
+            y = project(h, wd, "down", e) * w[tok, slot].unsqueeze(1)
+            out = out.index_add(0, tok, y)
     if out_dtype is None:
         out_dtype = hidden_states.dtype
     return out.to(out_dtype)

@@ -209,3 +209,99 @@ def test_compile_single_graph_no_breaks_no_recompiles(experts):
         ids, weights = routing(T)
         compiled(torch.randn(T, H), ids, weights)
     assert counter.frame_count == 1
+
+
+# --------------------------------------------------------------------------
+# Training: gradients through the module, LoRA adapters
+# --------------------------------------------------------------------------
+
+
+def test_gradients_flow_to_inputs(dense):
+    module = MoEExperts.from_dense(*dense)
+    x = make_hidden(6, H, torch.float32).requires_grad_(True)
+    ids, weights = routing(6)
+    weights.requires_grad_(True)
+    module(x, ids, weights).square().sum().backward()
+    x_ref = x.detach().clone().requires_grad_(True)
+    w_ref = weights.detach().clone().requires_grad_(True)
+    reference(module, x_ref, ids, w_ref).square().sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(weights.grad, w_ref.grad, rtol=1e-4, atol=1e-5)
+    assert all(not b.requires_grad for b in module.buffers())
+
+
+@pytest.mark.parametrize("checkpointing", [None, False, True])
+def test_add_lora_trains_the_adapters(dense, checkpointing):
+    module = MoEExperts.from_dense(*dense, activation_checkpointing=None)
+    module.activation_checkpointing = checkpointing
+    gen = torch.Generator().manual_seed(0)
+    assert module.add_lora(4, alpha=8, projections=("gate", "down"), generator=gen) is module
+    assert module.lora_scaling == 2.0
+    assert set(dict(module.named_parameters())) == {
+        "gate_lora_a", "gate_lora_b", "down_lora_a", "down_lora_b"
+    }  # fmt: skip
+    assert module.gate_lora_a.shape == (E, 4, H) and module.down_lora_b.shape == (E, H, 4)
+    assert "lora=('gate', 'down')" in repr(module)
+    x = make_hidden(5, H, torch.float32)
+    ids, weights = routing(5)
+    # B starts at zero (PEFT): the adapted module starts as the base module.
+    assert_matches_reference(module(x, ids, weights), reference(module, x, ids, weights))
+    loss = module(x, ids, weights).square().sum()
+    loss.backward()
+    # With B = 0 only the B factors get a gradient (dA = s (d B)^T x = 0).
+    assert module.gate_lora_b.grad.abs().sum() > 0 and module.down_lora_b.grad.abs().sum() > 0
+    assert torch.all(module.gate_lora_a.grad == 0)
+    # One SGD step changes the output, and state_dict carries the adapters.
+    with torch.no_grad():
+        for p in module.parameters():
+            p -= 0.1 * p.grad
+    assert not torch.equal(module(x, ids, weights), reference(module, x, ids, weights))
+    assert {"gate_lora_a", "down_lora_b", "gate_weight"} <= set(module.state_dict())
+    clone = copy.deepcopy(module)
+    torch.testing.assert_close(clone(x, ids, weights), module(x, ids, weights), rtol=0, atol=0)
+
+
+def test_add_lora_on_expert_list(dense):
+    module = MoEExpertList.from_dense(*dense).add_lora(2, dtype=torch.bfloat16)
+    with torch.no_grad():
+        module.up_lora_b.normal_()
+    x = make_hidden(3, H, torch.float32)
+    lora = {k: v.detach() for k, v in module.lora_parameters().items()}
+    ids = torch.full((3, 1), 5)
+    want = kt_ops.moe_forward(x, ids, torch.ones(3, 1), module.gate_weight, module.up_weight,
+                              module.down_weight, I, **lora, lora_scaling=1.0)  # fmt: skip
+    torch.testing.assert_close(module[5](x), want, rtol=0, atol=0)
+
+
+def test_add_lora_errors(dense):
+    module = MoEExperts.from_dense(*dense)
+    with pytest.raises(ValueError, match="rank must be >= 1"):
+        module.add_lora(0)
+    with pytest.raises(ValueError, match="projections"):
+        module.add_lora(2, projections=("gate", "qkv"))
+    with pytest.raises(ValueError, match="dtype"):
+        module.add_lora(2, dtype=torch.float64)
+    module.add_lora(2, projections=("up",))
+    with pytest.raises(ValueError, match="already have LoRA"):
+        module.add_lora(2, projections=("up",))
+
+
+def test_compiled_lora_training_step(dense):
+    torch._dynamo.reset()
+    module = MoEExperts.from_dense(*dense).add_lora(4, alpha=4)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name.endswith("_b"):
+                p.normal_(std=0.1)
+    compiled = torch.compile(module, backend="aot_eager", fullgraph=True, dynamic=True)
+    for T in (3, 7):
+        x = make_hidden(T, H, torch.float32)
+        ids, weights = routing(T)
+        module.zero_grad()
+        module(x, ids, weights).square().sum().backward()
+        want = {k: p.grad.clone() for k, p in module.named_parameters()}
+        module.zero_grad()
+        compiled(x, ids, weights).square().sum().backward()
+        for k, p in module.named_parameters():
+            torch.testing.assert_close(p.grad, want[k], rtol=0, atol=0)
+    torch._dynamo.reset()

@@ -42,6 +42,25 @@ def test_schema_is_functional_and_documented():
     assert kt_ops.moe_forward.__doc__
 
 
+def test_training_op_schemas():
+    # moe_forward_train: moe_forward's arguments; out plus the two saved pre-activations.
+    train = torch.ops.kt.moe_forward_train.default._schema
+    fwd = OP.default._schema
+    assert [a.name for a in train.arguments] == [a.name for a in fwd.arguments]
+    assert [r.name for r in train.returns] == ["out", "gate_pre", "up_pre"]
+    # moe_backward: grad_output, moe_forward's arguments, the optional saved
+    # pre-activations; eight plain tensors back (no optional/list returns).
+    bwd = torch.ops.kt.moe_backward.default._schema
+    names = [a.name for a in bwd.arguments]
+    assert names == ["grad_output", *[a.name for a in fwd.arguments], "gate_pre", "up_pre",
+                     "compute_grad_hidden_states"]  # fmt: skip
+    assert [str(r.type) for r in bwd.returns] == ["Tensor"] * 8
+    assert [r.name for r in bwd.returns][:2] == ["grad_hidden_states", "grad_topk_weights"]
+    for schema in (train, bwd):
+        assert not schema.is_mutable
+    assert kt_ops.ops.moe_backward.__doc__ and kt_ops.ops.moe_forward_train.__doc__
+
+
 @pytest.mark.parametrize("sample", SAMPLES, ids=lambda s: s.name)
 def test_opcheck(sample: Sample):
     torch.library.opcheck(OP.default, sample.args, sample.kwargs)

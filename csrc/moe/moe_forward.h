@@ -33,10 +33,10 @@ struct QuantProjection {
   const void* zeros = nullptr;      // qint with explicit zeros: [E, NB, G, 16]; else nullptr
 };
 
-enum class QuantKind { kQint, kFp8 };
+enum class QuantKind { kNone, kQint, kFp8 };  // kNone: bf16
 
 struct QuantExperts {
-  QuantKind kind = QuantKind::kQint;
+  QuantKind kind = QuantKind::kNone;
   formats::QintFormat format;  // kQint only (also gives the scale / zero dtypes)
   QuantProjection gate, up, down;
 };

@@ -14,13 +14,13 @@
 #include "formats/qint.h"
 #include "kernels/dispatch.h"
 #include "moe/moe_forward.h"
+#include "moe/moe_lora.h"
+#include "ops/moe_op_args.h"
 #include "runtime/thread_pool.h"
 
 namespace kt::ops {
 
 namespace {
-
-using OptTensor = std::optional<at::Tensor>;
 
 bool is_activation_dtype(at::ScalarType t) {
   return t == at::kBFloat16 || t == at::kHalf || t == at::kFloat;
@@ -151,7 +151,7 @@ moe::QuantProjection check_quant_projection(const formats::FormatInfo& info, con
 
 }  // namespace
 
-at::Tensor moe_forward_cpu(
+moe::QuantExperts check_moe_forward_args(
     const at::Tensor& hidden_states, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
     const at::Tensor& gate_weight, const at::Tensor& up_weight, const at::Tensor& down_weight,
     int64_t intermediate_size, c10::string_view weight_format, const OptTensor& gate_scales,
@@ -160,7 +160,6 @@ at::Tensor moe_forward_cpu(
     const OptTensor& gate_lora_a, const OptTensor& gate_lora_b, const OptTensor& up_lora_a,
     const OptTensor& up_lora_b, const OptTensor& down_lora_a, const OptTensor& down_lora_b,
     double lora_scaling, c10::string_view activation) {
-  runtime::ThreadPool::global().prewake();
   const std::string fmt(weight_format.data(), weight_format.size());
   // --- activations and routing -------------------------------------------
   check_cpu(hidden_states, "hidden_states");
@@ -189,13 +188,6 @@ at::Tensor moe_forward_cpu(
               intermediate_size);
   TORCH_CHECK(activation == "silu", "kt.moe_forward: activation='", std::string(activation),
               "' is not supported; expected 'silu' (SwiGLU experts)");
-
-  // --- LoRA: in the schema, computed by a later release ---------------------
-  const bool any_lora =
-      gate_lora_a || gate_lora_b || up_lora_a || up_lora_b || down_lora_a || down_lora_b;
-  TORCH_CHECK(!any_lora,
-              "kt.moe_forward: LoRA tensors (gate/up/down_lora_a/b) are not supported by this "
-              "kt_ops version yet; pass None");
 
   // --- weights --------------------------------------------------------------
   const formats::FormatInfo* info = nullptr;
@@ -247,6 +239,13 @@ at::Tensor moe_forward_cpu(
     quant.down = check_quant_projection(*info, fmt, "down", down_weight, down_scales, down_zeros, E,
                                         H, I, "[E, H, I]", g, false, quant.format);
   }
+  check_lora_args("kt.moe_forward", E, H, I, gate_lora_a, gate_lora_b, up_lora_a, up_lora_b,
+                  down_lora_a, down_lora_b, lora_scaling);
+  TORCH_CHECK(
+      info->kind == formats::FormatKind::kBf16 ||
+          !has_lora(gate_lora_a, gate_lora_b, up_lora_a, up_lora_b, down_lora_a, down_lora_b),
+      "kt.moe_forward: LoRA tensors with weight_format='", fmt,
+      "': this kt_ops version trains LoRA on a bf16 base only (quantized bases: not yet)");
 
   // --- expert ids in [-1, E) ---------------------------------------------------
   if (topk_ids.numel() > 0) {
@@ -266,10 +265,37 @@ at::Tensor moe_forward_cpu(
                 ") (E = number of experts in gate_weight; -1 skips a slot), got values in [", lo,
                 ", ", hi, "]");
   }
+  return quant;
+}
 
+at::Tensor moe_forward_cpu(
+    const at::Tensor& hidden_states, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+    const at::Tensor& gate_weight, const at::Tensor& up_weight, const at::Tensor& down_weight,
+    int64_t intermediate_size, c10::string_view weight_format, const OptTensor& gate_scales,
+    const OptTensor& up_scales, const OptTensor& down_scales, const OptTensor& gate_zeros,
+    const OptTensor& up_zeros, const OptTensor& down_zeros, int64_t group_size,
+    const OptTensor& gate_lora_a, const OptTensor& gate_lora_b, const OptTensor& up_lora_a,
+    const OptTensor& up_lora_b, const OptTensor& down_lora_a, const OptTensor& down_lora_b,
+    double lora_scaling, c10::string_view activation) {
+  runtime::ThreadPool::global().prewake();
+  const moe::QuantExperts quant = check_moe_forward_args(
+      hidden_states, topk_ids, topk_weights, gate_weight, up_weight, down_weight, intermediate_size,
+      weight_format, gate_scales, up_scales, down_scales, gate_zeros, up_zeros, down_zeros,
+      group_size, gate_lora_a, gate_lora_b, up_lora_a, up_lora_b, down_lora_a, down_lora_b,
+      lora_scaling, activation);
+  const int64_t I = intermediate_size;
   const at::Tensor x = hidden_states.contiguous();
-  if (info->kind != formats::FormatKind::kBf16) {
-    return moe::moe_forward_quant(x, topk_ids, topk_weights, quant, E, I,
+  if (has_lora(gate_lora_a, gate_lora_b, up_lora_a, up_lora_b, down_lora_a, down_lora_b)) {
+    // LoRA: the ATen expert path (csrc/moe/moe_lora.cpp); the kernels below have no LoRA terms.
+    const moe::ExpertWeights w = expert_weights(gate_weight, up_weight, down_weight, x.size(1), I,
+                                                weight_format, gate_scales, up_scales, down_scales,
+                                                gate_zeros, up_zeros, down_zeros, group_size);
+    const moe::LoraParams lora = lora_params(gate_lora_a, gate_lora_b, up_lora_a, up_lora_b,
+                                             down_lora_a, down_lora_b, lora_scaling);
+    return moe::moe_forward_lora(x, topk_ids, topk_weights, w, lora, /*save_pre=*/false).out;
+  }
+  if (quant.kind != moe::QuantKind::kNone) {
+    return moe::moe_forward_quant(x, topk_ids, topk_weights, quant, gate_weight.size(0), I,
                                   kernels::quant_kernels(kernels::active_isa()));
   }
   const auto& kernels = kernels::bf16_kernels(kernels::active_isa());

@@ -1,0 +1,80 @@
+// The routed experts with LoRA, forward and backward, on ATen (fp32 GEMMs).
+//
+// LoRA (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models";
+// PEFT convention): projection p of expert e computes
+//     y = W_p[e] x + scaling * B_p[e] (A_p[e] x)
+// with A_p[e] [r, K] and B_p[e] [N, r], so the stacked tensors are
+//     gate/up: A [E, r, H], B [E, I, r];   down: A [E, r, I], B [E, H, r].
+// Any subset of the three projections may carry LoRA. The expert is SwiGLU:
+//     g = gate(x), u = up(x), h = silu(g) * u, y = down(h),
+//     out[t] = sum_k w[t, k] * y_{e = ids[t, k]}(x[t]).
+//
+// Work split: one pool task per active expert (largest first). A task
+// gathers the expert's rows, runs its GEMMs single-threaded (at::mm with the
+// BLAS held to one thread), and writes per-(token, slot) results; a second
+// pass sums the slots of each token in k order. Every value therefore comes
+// from the same sequence of operations for any thread count: results are
+// bit-identical for 1, 2, ... threads.
+//
+// Base weights are read through dense_expert_weight_out (expert_weights.h),
+// so these paths support every format that function decodes.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include "moe/expert_weights.h"
+
+namespace kt::moe {
+
+// LoRA factors of one projection for every expert; both undefined when the
+// projection has no LoRA. Validated by the op layer (csrc/ops/moe_op_args.cpp):
+// A [E, r, K], B [E, N, r], contiguous, one float dtype for all six.
+struct LoraProjection {
+  at::Tensor a;
+  at::Tensor b;
+  bool present() const { return a.defined(); }
+};
+
+struct LoraParams {
+  LoraProjection gate, up, down;
+  double scaling = 1.0;
+  bool any() const { return gate.present() || up.present() || down.present(); }
+};
+
+// The three projections of one MoE layer.
+struct ExpertWeights {
+  ProjectionWeights gate;  // dense [E, I, H]
+  ProjectionWeights up;    // dense [E, I, H]
+  ProjectionWeights down;  // dense [E, H, I]
+};
+
+// out [T, H] in the dtype of x. When save_pre is true, also returns the gate
+// and up pre-activations (with their LoRA terms), fp32 [T*K, I], row t*K + k
+// for slot (t, k), zero rows for slots with id -1 (what backward needs to
+// skip recomputing them). x [T, H] bf16/fp16/fp32, ids [T, K] int32/int64 in
+// [-1, E), topk_weights [T, K]; all validated by the op layer.
+struct LoraForwardResult {
+  at::Tensor out;
+  at::Tensor gate_pre;  // undefined unless save_pre
+  at::Tensor up_pre;
+};
+LoraForwardResult moe_forward_lora(const at::Tensor& x, const at::Tensor& topk_ids,
+                                   const at::Tensor& topk_weights, const ExpertWeights& w,
+                                   const LoraParams& lora, bool save_pre);
+
+// Gradients of moe_forward(_lora) with respect to x, topk_weights and the
+// LoRA factors present in `lora` (the base weights are frozen). gate_pre /
+// up_pre: the forward's saved pre-activations, or undefined tensors to
+// recompute them. grad_output [T, H] any float dtype.
+struct MoeGrads {
+  at::Tensor hidden_states;  // [T, H], dtype of x; undefined unless compute_grad_x
+  at::Tensor topk_weights;   // [T, K], dtype of topk_weights
+  at::Tensor gate_a, gate_b, up_a, up_b, down_a, down_b;  // dtype of the LoRA tensors
+};
+MoeGrads moe_backward_lora(const at::Tensor& grad_output, const at::Tensor& x,
+                           const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                           const ExpertWeights& w, const LoraParams& lora,
+                           const at::Tensor& gate_pre, const at::Tensor& up_pre,
+                           bool compute_grad_x);
+
+}  // namespace kt::moe

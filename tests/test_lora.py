@@ -1,0 +1,699 @@
+"""LoRA through the routed experts: forward with LoRA terms, kt.moe_backward, autograd.
+
+Every gradient is compared with PyTorch autograd through the dense fp32
+reference of reference.py (same LoRA maths: Hu et al. 2021, PEFT convention),
+within the bf16 tolerance of the forward (``TOL_BF16``, relative to the
+largest reference magnitude, plus the rounding of the result's dtype).
+"""
+
+# T, H, I, E, K, r: tokens, hidden, intermediate, experts, top-k, LoRA rank.
+# ruff: noqa: E741
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Optional
+
+import pytest
+import torch
+from reference import (
+    ExpertWeights,
+    assert_matches_reference,
+    make_expert_weights,
+    make_hidden,
+    make_routing,
+    mismatch_report,
+    reference_moe_forward,
+)
+
+import kt_ops
+
+PROJECTIONS = ("gate", "up", "down")
+LORA_NAMES = tuple(f"{p}_lora_{f}" for p in PROJECTIONS for f in ("a", "b"))
+
+
+def make_lora(
+    E: int,
+    H: int,
+    I: int,
+    *,
+    ranks: dict[str, int],
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    scale: float = 0.3,
+) -> dict[str, torch.Tensor]:
+    """LoRA factors for the projections in ``ranks`` (name -> rank), all nonzero.
+
+    PEFT initialises B to zero; here both factors are random so that every
+    gradient is nonzero and a wrong term shows.
+    """
+    g = torch.Generator().manual_seed(seed + 77)
+    dims = {"gate": (I, H), "up": (I, H), "down": (H, I)}
+    out = {}
+    for proj, r in ranks.items():
+        n, k = dims[proj]
+        out[f"{proj}_lora_a"] = (torch.randn(E, r, k, generator=g) * scale / k**0.5).to(dtype)
+        out[f"{proj}_lora_b"] = (torch.randn(E, n, r, generator=g) * scale / r**0.5).to(dtype)
+    return out
+
+
+@dataclasses.dataclass
+class Case:
+    name: str
+    T: int
+    H: int
+    I: int
+    E: int
+    K: int
+    ranks: dict[str, int]
+    act: torch.dtype = torch.float32
+    lora_dtype: torch.dtype = torch.float32
+    skip_fraction: float = 0.0
+    skip_rows: tuple[int, ...] = ()
+    scaling: float = 2.0
+
+
+ALL3 = {"gate": 4, "up": 3, "down": 5}
+CASES = [
+    Case("T0", 0, 32, 48, 4, 2, ALL3),
+    Case("T1_decode", 1, 32, 48, 8, 2, ALL3),
+    Case("T2", 2, 33, 70, 6, 3, ALL3, act=torch.bfloat16),
+    Case("T7_odd", 7, 33, 70, 6, 3, ALL3, skip_fraction=0.3, skip_rows=(2,)),
+    Case("T64", 64, 48, 40, 8, 2, ALL3),
+    Case("T64_bf16", 64, 33, 70, 8, 4, ALL3, act=torch.bfloat16, lora_dtype=torch.bfloat16),
+    Case("gate_only", 7, 33, 70, 5, 2, {"gate": 4}),
+    Case("up_down", 9, 32, 48, 5, 2, {"up": 2, "down": 6}, act=torch.bfloat16),
+    Case("down_only_fp16lora", 9, 33, 17, 5, 2, {"down": 1}, lora_dtype=torch.float16),
+    Case("no_tokens_for_most", 2, 32, 16, 16, 2, ALL3),
+    Case("all_skipped", 3, 32, 16, 4, 2, ALL3, skip_rows=(0, 1, 2)),
+    Case("no_lora", 7, 33, 70, 6, 3, {}),
+]
+
+
+@dataclasses.dataclass
+class Problem:
+    case: Case
+    weights: ExpertWeights
+    x: torch.Tensor
+    ids: torch.Tensor
+    topk_weights: torch.Tensor
+    lora: dict[str, torch.Tensor]
+    grad_output: torch.Tensor
+
+    def op_args(self) -> tuple:
+        return (self.x, self.ids, self.topk_weights, *self.weights.args())
+
+    def op_kwargs(self) -> dict:
+        return {**self.lora, "lora_scaling": self.case.scaling}
+
+
+def make_problem(case: Case, seed: int = 0) -> Problem:
+    w = make_expert_weights(case.E, case.H, case.I, seed=seed)
+    ids, tw = make_routing(
+        case.T,
+        case.E,
+        case.K,
+        seed=seed,
+        skip_fraction=case.skip_fraction,
+        skip_rows=case.skip_rows,
+    )
+    x = make_hidden(case.T, case.H, case.act, seed=seed)
+    lora = make_lora(case.E, case.H, case.I, ranks=case.ranks, dtype=case.lora_dtype, seed=seed)
+    g = torch.Generator().manual_seed(seed + 5)
+    grad_output = torch.randn(case.T, case.H, generator=g).to(case.act)
+    return Problem(case, w, x, ids, tw, lora, grad_output)
+
+
+def reference_grads(p: Problem) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """fp32 reference output and gradients (autograd through reference_moe_forward)."""
+    x = p.x.detach().float().requires_grad_(True)
+    tw = p.topk_weights.detach().float().requires_grad_(True)
+    lora = {k: v.detach().float().requires_grad_(True) for k, v in p.lora.items()}
+    out = reference_moe_forward(
+        x, p.ids, tw, *p.weights.args(), lora=lora, lora_scaling=p.case.scaling
+    )
+    if out.requires_grad:  # not when no slot reaches an expert (T = 0, all ids -1)
+        out.backward(p.grad_output.float())
+    leaves = {"hidden_states": x, "topk_weights": tw, **lora}
+    grads = {k: v.grad if v.grad is not None else torch.zeros_like(v) for k, v in leaves.items()}
+    return out.detach(), grads
+
+
+def op_grads(p: Problem, checkpointing: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """kt_ops output and gradients through autograd (loss.backward())."""
+    x = p.x.detach().clone().requires_grad_(True)
+    tw = p.topk_weights.detach().clone().requires_grad_(True)
+    lora = {k: v.detach().clone().requires_grad_(True) for k, v in p.lora.items()}
+    out = kt_ops.moe_forward(
+        x,
+        p.ids,
+        tw,
+        *p.weights.args(),
+        **lora,
+        lora_scaling=p.case.scaling,
+        activation_checkpointing=checkpointing,
+    )
+    out.backward(p.grad_output)
+    grads = {"hidden_states": x.grad, "topk_weights": tw.grad}
+    grads.update({k: v.grad for k, v in lora.items()})
+    return out.detach(), grads
+
+
+def assert_grads_match(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for name, ref in want.items():
+        g = got[name]
+        assert g is not None, f"no gradient for {name}"
+        assert g.shape == ref.shape, f"{name}: shape {tuple(g.shape)} != {tuple(ref.shape)}"
+        report = _report(g, ref)
+        assert report is None, f"{name}: {report}"
+
+
+def _report(got: torch.Tensor, ref: torch.Tensor) -> Optional[str]:
+    if got.numel() == 0:
+        return None
+    if ref.abs().max() == 0:  # e.g. every slot skipped: must be exactly zero
+        return None if torch.count_nonzero(got) == 0 else "nonzero gradient where it must be 0"
+    return mismatch_report(got, ref)
+
+
+# --------------------------------------------------------------------------
+# Forward and gradients against the reference
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_forward_matches_reference(case: Case, isa: str):
+    p = make_problem(case)
+    out = kt_ops.moe_forward(*p.op_args(), **p.op_kwargs())
+    assert out.dtype == p.x.dtype and out.shape == p.x.shape
+    ref = reference_moe_forward(
+        *p.op_args(), lora=p.lora, lora_scaling=case.scaling, out_dtype=torch.float32
+    )
+    assert_matches_reference(out, ref)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["save", "recompute"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_gradients_match_reference(case: Case, checkpointing: bool, isa: str):
+    p = make_problem(case)
+    out, grads = op_grads(p, checkpointing)
+    ref_out, ref_grads = reference_grads(p)
+    assert_matches_reference(out, ref_out)
+    for name, t in grads.items():
+        want_dtype = {"hidden_states": p.x.dtype, "topk_weights": p.topk_weights.dtype}.get(
+            name, case.lora_dtype
+        )
+        assert t.dtype == want_dtype, f"{name}: dtype {t.dtype}, expected {want_dtype}"
+    assert_grads_match(grads, ref_grads)
+
+
+def test_experts_without_tokens_get_zero_lora_gradients():
+    case = Case("sparse", 3, 32, 16, 12, 1, ALL3)
+    p = make_problem(case)
+    _, grads = op_grads(p, checkpointing=False)
+    used = set(p.ids[p.ids >= 0].tolist())
+    for name in LORA_NAMES:
+        for e in range(case.E):
+            nonzero = bool(grads[name][e].abs().sum() > 0)
+            assert nonzero == (e in used), f"{name}[{e}]: used={e in used}, nonzero={nonzero}"
+
+
+def test_skipped_slots_get_zero_routing_gradient():
+    case = Case("skips", 9, 32, 16, 6, 3, ALL3, skip_fraction=0.4, skip_rows=(4,))
+    p = make_problem(case)
+    _, grads = op_grads(p, checkpointing=True)
+    skipped = p.ids < 0
+    assert skipped.any()
+    assert torch.all(grads["topk_weights"][skipped] == 0)
+    assert torch.all(grads["topk_weights"][~skipped] != 0)
+    assert torch.all(grads["hidden_states"][4] == 0)  # a token whose every slot is skipped
+
+
+def test_lora_b_zero_matches_base_forward():
+    # PEFT initialises B to zero: the LoRA model starts as the base model.
+    case = Case("peft_init", 7, 33, 70, 6, 3, ALL3)
+    p = make_problem(case)
+    lora = {k: (torch.zeros_like(v) if k.endswith("_b") else v) for k, v in p.lora.items()}
+    base = kt_ops.moe_forward(*p.op_args())
+    with_lora = kt_ops.moe_forward(*p.op_args(), **lora, lora_scaling=2.0)
+    assert_matches_reference(with_lora, reference_moe_forward(*p.op_args()))
+    torch.testing.assert_close(with_lora, base, rtol=1e-5, atol=1e-5)
+
+
+def test_save_and_recompute_give_identical_gradients():
+    p = make_problem(CASES[3])
+    _, saved = op_grads(p, checkpointing=False)
+    _, recomputed = op_grads(p, checkpointing=True)
+    for name in saved:
+        assert torch.equal(saved[name], recomputed[name]), name
+
+
+def test_global_checkpointing_switch_selects_the_op():
+    p = make_problem(CASES[3])
+    x = p.x.clone().requires_grad_(True)
+    assert kt_ops.lora_activation_checkpointing() is False
+    out = kt_ops.moe_forward(x, *p.op_args()[1:], **p.op_kwargs())
+    assert "moe_forward_train" in type(out.grad_fn).__name__
+    kt_ops.set_lora_activation_checkpointing(True)
+    try:
+        out = kt_ops.moe_forward(x, *p.op_args()[1:], **p.op_kwargs())
+        assert "moe_forward_default" in type(out.grad_fn).__name__
+    finally:
+        kt_ops.set_lora_activation_checkpointing(False)
+    # Without LoRA the default recomputes (the fast kernel runs forward) unless asked to save.
+    base = (x, *p.op_args()[1:])
+    assert "moe_forward_default" in type(kt_ops.moe_forward(*base).grad_fn).__name__
+    out = kt_ops.moe_forward(*base, activation_checkpointing=False)
+    assert "moe_forward_train" in type(out.grad_fn).__name__
+    # No autograd: always the plain op, whatever the setting.
+    with torch.no_grad():
+        assert kt_ops.moe_forward(x, *p.op_args()[1:], **p.op_kwargs()).grad_fn is None
+
+
+def test_gradient_for_lora_only():
+    # hidden_states and topk_weights need no gradient: only the LoRA factors get one.
+    p = make_problem(CASES[4])
+    lora = {k: v.clone().requires_grad_(True) for k, v in p.lora.items()}
+    out = kt_ops.moe_forward(*p.op_args(), **lora, lora_scaling=p.case.scaling)
+    out.backward(p.grad_output)
+    _, ref = reference_grads(p)
+    assert_grads_match({k: v.grad for k, v in lora.items()}, {k: ref[k] for k in lora})
+
+
+def test_moe_backward_direct_call_and_outputs():
+    p = make_problem(CASES[6])  # gate only
+    grads = kt_ops.ops.moe_backward(p.grad_output, *p.op_args(), **p.op_kwargs())
+    assert len(grads) == 8
+    gx, gw, ga, gb, ua, ub, da, db = grads
+    assert gx.shape == p.x.shape and gw.shape == p.topk_weights.shape
+    assert ga.shape == p.lora["gate_lora_a"].shape and gb.shape == p.lora["gate_lora_b"].shape
+    for absent in (ua, ub, da, db):
+        assert absent.shape == (0,) and absent.dtype == p.x.dtype
+    no_gx = kt_ops.ops.moe_backward(
+        p.grad_output, *p.op_args(), **p.op_kwargs(), compute_grad_hidden_states=False
+    )
+    assert no_gx[0].shape == (0,)
+    for a, b in zip(grads[1:], no_gx[1:]):
+        assert torch.equal(a, b)
+    # With the saved pre-activations of moe_forward_train: the same gradients.
+    out, gate_pre, up_pre = kt_ops.ops.moe_forward_train(*p.op_args(), **p.op_kwargs())
+    assert gate_pre.shape == (p.case.T * p.case.K, p.case.I) and gate_pre.dtype == torch.float32
+    assert torch.equal(out, kt_ops.moe_forward(*p.op_args(), **p.op_kwargs()))
+    with_pre = kt_ops.ops.moe_backward(
+        p.grad_output, *p.op_args(), **p.op_kwargs(), gate_pre=gate_pre, up_pre=up_pre
+    )
+    for a, b in zip(grads, with_pre):
+        assert torch.equal(a, b)
+
+
+def test_forward_train_pre_activations():
+    case = Case("pre", 5, 32, 24, 4, 2, ALL3, skip_rows=(1,))
+    p = make_problem(case)
+    _, gate_pre, up_pre = kt_ops.ops.moe_forward_train(*p.op_args(), **p.op_kwargs())
+    wg = kt_ops.unpack_weights(p.weights.gate, case.I, case.H)
+    a, b = p.lora["gate_lora_a"], p.lora["gate_lora_b"]
+    for t in range(case.T):
+        for k in range(case.K):
+            e = int(p.ids[t, k])
+            row = gate_pre[t * case.K + k]
+            if e < 0:
+                assert torch.all(row == 0)
+                continue
+            want = wg[e] @ p.x[t] + case.scaling * (b[e] @ (a[e] @ p.x[t]))
+            torch.testing.assert_close(row, want, rtol=1e-5, atol=1e-5)
+    assert up_pre.shape == gate_pre.shape
+
+
+# --------------------------------------------------------------------------
+# Determinism: thread counts, repeated calls
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["save", "recompute"])
+def test_bit_identical_for_thread_counts(checkpointing: bool):
+    p = make_problem(CASES[5])  # T=64, bf16
+    results = []
+    for threads in (1, 2, 1):
+        kt_ops.set_num_threads(threads)
+        results.append(op_grads(p, checkpointing))
+    torch_threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the BLAS is held to one thread per task either way
+    try:
+        results.append(op_grads(p, checkpointing))
+    finally:
+        torch.set_num_threads(torch_threads)
+    out0, grads0 = results[0]
+    for out, grads in results[1:]:
+        assert torch.equal(out, out0)
+        for name in grads0:
+            assert torch.equal(grads[name], grads0[name]), name
+
+
+# --------------------------------------------------------------------------
+# opcheck
+# --------------------------------------------------------------------------
+
+OPCHECK_CASES = [CASES[i] for i in (0, 1, 3, 5, 7, 8, 10)]
+
+
+def _requires_grad(p: Problem) -> Problem:
+    lora = {k: v.clone().requires_grad_(True) for k, v in p.lora.items()}
+    x = p.x.clone().requires_grad_(p.x.is_floating_point())
+    tw = p.topk_weights.clone().requires_grad_(True)
+    return dataclasses.replace(p, lora=lora, x=x, topk_weights=tw)
+
+
+@pytest.mark.parametrize("case", OPCHECK_CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("op_name", ["moe_forward", "moe_forward_train"])
+def test_opcheck_forward_with_lora(case: Case, op_name: str):
+    p = _requires_grad(make_problem(case))
+    op = getattr(torch.ops.kt, op_name).default
+    torch.library.opcheck(op, p.op_args(), p.op_kwargs())
+
+
+@pytest.mark.parametrize("case", OPCHECK_CASES, ids=lambda c: c.name)
+def test_opcheck_backward(case: Case):
+    p = make_problem(case)
+    op = torch.ops.kt.moe_backward.default
+    torch.library.opcheck(op, (p.grad_output, *p.op_args()), p.op_kwargs())
+    _, gate_pre, up_pre = kt_ops.ops.moe_forward_train(*p.op_args(), **p.op_kwargs())
+    kwargs = {**p.op_kwargs(), "gate_pre": gate_pre, "up_pre": up_pre}
+    kwargs["compute_grad_hidden_states"] = False
+    torch.library.opcheck(op, (p.grad_output, *p.op_args()), kwargs)
+
+
+# --------------------------------------------------------------------------
+# torch.compile: a training step
+# --------------------------------------------------------------------------
+
+
+class LoraExperts(torch.nn.Module):
+    """Frozen packed experts with trainable LoRA on the gate and down projections."""
+
+    def __init__(self, E: int, H: int, I: int, r: int = 4):
+        super().__init__()
+        w = make_expert_weights(E, H, I, seed=3)
+        self.register_buffer("gate", w.gate)
+        self.register_buffer("up", w.up)
+        self.register_buffer("down", w.down)
+        self.I = I
+        lora = make_lora(E, H, I, ranks={"gate": r, "down": r}, seed=3)
+        self.lora = torch.nn.ParameterDict({k: torch.nn.Parameter(v) for k, v in lora.items()})
+
+    def forward(self, x, ids, weights):
+        y = kt_ops.moe_forward(
+            x * 0.5,
+            ids,
+            weights,
+            self.gate,
+            self.up,
+            self.down,
+            self.I,
+            gate_lora_a=self.lora["gate_lora_a"],
+            gate_lora_b=self.lora["gate_lora_b"],
+            down_lora_a=self.lora["down_lora_a"],
+            down_lora_b=self.lora["down_lora_b"],
+            lora_scaling=0.5,
+        )
+        return x + y
+
+
+def _loss(model, x, ids, weights):
+    return model(x, ids, weights).square().mean()
+
+
+def _eager_grads(model, x, ids, weights):
+    model.zero_grad()
+    x = x.clone().requires_grad_(True)
+    w = weights.clone().requires_grad_(True)
+    loss = _loss(model, x, ids, w)
+    loss.backward()
+    grads = {k: v.grad.clone() for k, v in model.named_parameters()}
+    return loss.detach(), x.grad, w.grad, grads
+
+
+@pytest.fixture
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["save", "recompute"])
+def test_compiled_training_step_matches_eager(fresh_dynamo, backend: str, checkpointing: bool):
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    if backend == "inductor" and checkpointing:
+        pytest.skip("one inductor compile is enough (slow on 2 cores)")
+    E, H, I, K = 6, 32, 24, 2
+    model = LoraExperts(E, H, I)
+    counter = CompileCounterWithBackend(backend)
+    compiled = torch.compile(
+        lambda x, ids, w: _loss(model, x, ids, w), backend=counter, fullgraph=True, dynamic=True
+    )
+    kt_ops.set_lora_activation_checkpointing(checkpointing)
+    try:
+        for T in (5, 9, 3):
+            x = make_hidden(T, H, torch.float32, seed=T)
+            ids, weights = make_routing(T, E, K, seed=T)
+            want = _eager_grads(model, x, ids, weights)
+            model.zero_grad()
+            xc = x.clone().requires_grad_(True)
+            wc = weights.clone().requires_grad_(True)
+            loss = compiled(xc, ids, wc)
+            loss.backward()
+            got_params = {k: v.grad for k, v in model.named_parameters()}
+            tol = dict(rtol=0, atol=0) if backend == "aot_eager" else dict(rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(loss.detach(), want[0], **tol)
+            torch.testing.assert_close(xc.grad, want[1], **tol)
+            torch.testing.assert_close(wc.grad, want[2], **tol)
+            for k in want[3]:
+                torch.testing.assert_close(got_params[k], want[3][k], **tol)
+    finally:
+        kt_ops.set_lora_activation_checkpointing(False)
+    assert counter.frame_count == 1, f"compiled {counter.frame_count} times"
+
+
+def test_training_step_has_no_graph_breaks(fresh_dynamo):
+    E, H, I, K, T = 4, 32, 16, 2, 5
+    model = LoraExperts(E, H, I)
+    x = make_hidden(T, H, torch.float32).requires_grad_(True)
+    ids, weights = make_routing(T, E, K)
+    explanation = torch._dynamo.explain(lambda x, i, w: _loss(model, x, i, w))(x, ids, weights)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert explanation.graph_count == 1
+
+
+@pytest.mark.skipif(
+    not hasattr(torch._dynamo.config, "trace_autograd_ops"),
+    reason="this torch cannot trace Tensor.backward() inside torch.compile",
+)
+def test_compiled_step_with_backward_inside(fresh_dynamo):
+    # forward + loss.backward() in ONE fullgraph compiled function.
+    E, H, I, K, T = 5, 32, 24, 2, 7
+    model = LoraExperts(E, H, I)
+    x = make_hidden(T, H, torch.float32)
+    ids, weights = make_routing(T, E, K)
+    want = _eager_grads(model, x, ids, weights)
+
+    def step(x, ids, w):
+        loss = _loss(model, x, ids, w)
+        loss.backward()
+        return loss.detach()
+
+    model.zero_grad()
+    xc = x.clone().requires_grad_(True)
+    with torch._dynamo.config.patch(trace_autograd_ops=True):
+        loss = torch.compile(step, backend="aot_eager", fullgraph=True)(xc, ids, weights)
+    torch.testing.assert_close(loss, want[0], rtol=0, atol=0)
+    torch.testing.assert_close(xc.grad, want[1], rtol=0, atol=0)
+    for k, v in model.named_parameters():
+        torch.testing.assert_close(v.grad, want[3][k], rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------------
+# Errors
+# --------------------------------------------------------------------------
+
+E, H, I, T, K, R = 4, 32, 16, 3, 2, 4
+
+
+@pytest.fixture(scope="module")
+def layer():
+    return make_expert_weights(E, H, I, seed=0)
+
+
+@pytest.fixture
+def call(layer):
+    """``call(**overrides)``: moe_forward with all six LoRA factors, some replaced."""
+    ids, weights = make_routing(T, E, K)
+    valid = dict(
+        hidden_states=make_hidden(T, H),
+        topk_ids=ids,
+        topk_weights=weights,
+        gate_weight=layer.gate,
+        up_weight=layer.up,
+        down_weight=layer.down,
+        intermediate_size=I,
+        **make_lora(E, H, I, ranks={"gate": R, "up": R, "down": R}),
+    )
+
+    def run(**overrides):
+        kwargs = {k: v for k, v in {**valid, **overrides}.items() if v is not None}
+        return kt_ops.moe_forward(**kwargs)
+
+    run.valid = valid
+    return run
+
+
+def test_valid_lora_call_works(call):
+    assert call().shape == (T, H)
+
+
+SHAPES = {
+    "gate_lora_a": (E, R, H),
+    "gate_lora_b": (E, I, R),
+    "up_lora_a": (E, R, H),
+    "up_lora_b": (E, I, R),
+    "down_lora_a": (E, R, I),
+    "down_lora_b": (E, H, R),
+}
+
+
+@pytest.mark.parametrize("name", LORA_NAMES)
+@pytest.mark.parametrize("how", ["rank2", "rank4", "experts", "last", "middle"])
+def test_wrong_shape_or_rank(call, name, how):
+    shape = list(SHAPES[name])
+    if how == "rank2":
+        shape = shape[1:]
+    elif how == "rank4":
+        shape = [1, *shape]
+    elif how == "experts":
+        shape[0] += 1
+    elif how == "last":
+        shape[2] += 1
+    else:
+        shape[1] += 1
+    with pytest.raises(RuntimeError, match=name):
+        call(**{name: torch.zeros(shape)})
+
+
+def test_shape_message_is_specific(call):
+    with pytest.raises(RuntimeError) as info:
+        call(up_lora_b=torch.zeros(E, I + 1, R))
+    msg = str(info.value)
+    assert f"kt.moe_forward: up_lora_b must be [E={E}, I={I}, r={R}]" in msg, msg
+
+
+@pytest.mark.parametrize("proj", PROJECTIONS)
+def test_a_b_rank_mismatch(call, proj):
+    b = call.valid[f"{proj}_lora_b"]
+    bad = torch.zeros(*b.shape[:2], R + 1)
+    with pytest.raises(RuntimeError, match=rf"{proj}_lora_b must be .*r={R}\]"):
+        call(**{f"{proj}_lora_b": bad})
+
+
+@pytest.mark.parametrize("name", LORA_NAMES)
+def test_a_without_b(call, name):
+    with pytest.raises(RuntimeError, match=r"was given without .*needs both A and B"):
+        call(**{name: None})
+
+
+@pytest.mark.parametrize("name", LORA_NAMES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int32, torch.bool], ids=str)
+def test_lora_dtype(call, name, dtype):
+    with pytest.raises(RuntimeError, match=f"{name} must be fp32, bf16 or fp16"):
+        call(**{name: call.valid[name].to(dtype)})
+
+
+def test_mixed_lora_dtypes(call):
+    with pytest.raises(RuntimeError, match="one dtype.*gate_lora_a.*down_lora_b"):
+        call(down_lora_b=call.valid["down_lora_b"].bfloat16())
+
+
+@pytest.mark.parametrize("name", LORA_NAMES)
+def test_lora_device(call, name):
+    with pytest.raises(RuntimeError, match=name):
+        call(**{name: call.valid[name].to("meta")})
+
+
+@pytest.mark.parametrize("name", ["gate_lora_a", "down_lora_b"])
+def test_lora_not_contiguous(call, name):
+    t = call.valid[name]
+    bad = t.transpose(1, 2).contiguous().transpose(1, 2)
+    with pytest.raises(RuntimeError, match=f"{name} must be contiguous"):
+        call(**{name: bad})
+
+
+def test_lora_rank_zero(call):
+    with pytest.raises(RuntimeError, match="rank r >= 1"):
+        call(gate_lora_a=torch.zeros(E, 0, H), gate_lora_b=torch.zeros(E, I, 0))
+
+
+@pytest.mark.parametrize("scaling", [float("inf"), float("nan")])
+def test_lora_scaling_not_finite(call, scaling):
+    with pytest.raises(RuntimeError, match="lora_scaling must be finite"):
+        call(lora_scaling=scaling)
+
+
+def test_fake_kernel_rejects_bad_lora(call):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        fake = {k: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v
+                for k, v in call.valid.items()}  # fmt: skip
+        assert torch.ops.kt.moe_forward(**fake).shape == (T, H)
+        bad = dict(fake, up_lora_b=mode.from_tensor(torch.zeros(E, I, R + 1)))
+        with pytest.raises(RuntimeError, match="up_lora_b"):
+            torch.ops.kt.moe_forward(**bad)
+
+
+@pytest.mark.parametrize("name", ["gate_weight", "up_weight", "down_weight"])
+def test_grad_for_frozen_base_weights(call, name):
+    packed = call.valid[name].clone().requires_grad_(True)
+    with pytest.raises(RuntimeError, match=rf"{name} requires grad, but the base expert weights"):
+        call(**{name: packed})
+    with torch.no_grad():  # no autograd: nothing to refuse
+        call(**{name: packed})
+
+
+def test_second_backward_raises_pytorch_error(call):
+    x = call.valid["hidden_states"].float().requires_grad_(True)
+    for checkpointing in (False, True):
+        out = call(hidden_states=x, activation_checkpointing=checkpointing)
+        out.sum().backward()
+        with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+            out.sum().backward()
+
+
+def test_double_backward_raises(call):
+    x = call.valid["hidden_states"].float().requires_grad_(True)
+    out = call(hidden_states=x)
+    (gx,) = torch.autograd.grad(out.square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward .* not supported"):
+        gx.sum().backward()
+
+
+def test_backward_argument_errors(call):
+    v = call.valid
+    args = [v[k] for k in ("hidden_states", "topk_ids", "topk_weights")]
+    args += [v["gate_weight"], v["up_weight"], v["down_weight"], I]
+    lora = {k: v[k] for k in LORA_NAMES}
+    bwd = torch.ops.kt.moe_backward
+    go = torch.ones(T, H)
+    with pytest.raises(RuntimeError, match="grad_output must have the shape"):
+        bwd(go[:1], *args, **lora)
+    with pytest.raises(RuntimeError, match="grad_output must be fp32"):
+        bwd(go.double(), *args, **lora)
+    pre = torch.zeros(T * K, I)
+    with pytest.raises(RuntimeError, match="gate_pre was given without up_pre"):
+        bwd(go, *args, **lora, gate_pre=pre)
+    with pytest.raises(
+        RuntimeError, match=re.escape(f"up_pre must be a contiguous fp32 [T*K={T * K}")
+    ):
+        bwd(go, *args, **lora, gate_pre=pre, up_pre=pre[:1])
+    with pytest.raises(RuntimeError, match="up_lora_b"):
+        bwd(go, *args, **dict(lora, up_lora_b=torch.zeros(E, I, R + 1)))
