@@ -591,6 +591,11 @@ def replace_experts(
                     if weight_format == "bf16" and converted is None:
                         built[i] = probe
                     del gate, probe
+        if converted is not None:
+            # Load (and verify) every layer before swapping any in, so a directory
+            # that lacks a layer leaves the model untouched.
+            for i, plan in enumerate(plans):
+                built[i] = _load_converted(plan, converted)
         for i, plan in enumerate(plans):
             if i in built:
                 new = built.pop(i)

@@ -95,6 +95,8 @@ moe::QuantProjection check_quant_projection(const formats::FormatInfo& info, con
   const int64_t nb = formats::qint_row_blocks(n);
   moe::QuantProjection p;
   if (info.kind == formats::FormatKind::kFp8) {
+    TORCH_CHECK(!zeros.has_value(), "kt.moe_forward: ", zname,
+                " was given, but weight_format='fp8' has no zero points");
     check_shape(w, wname, fmt, {E, nb, kp, 16}, dims);
     TORCH_CHECK(scales->scalar_type() == at::kFloat, "kt.moe_forward: ", sname,
                 " must be fp32 block scales for weight_format='fp8', got ", scales->scalar_type());
@@ -107,8 +109,9 @@ moe::QuantProjection check_quant_projection(const formats::FormatInfo& info, con
     return p;
   }
   if (group_size != 0) {
-    TORCH_CHECK(k % group_size == 0, "kt.moe_forward: group_size=", group_size,
-                " must divide the K of ", wname, " (", dims, "), which is ", k);
+    TORCH_CHECK(kp % group_size == 0, "kt.moe_forward: group_size=", group_size,
+                " must divide the K of ", wname, " (", dims,
+                ") padded to a multiple of 32, which is ", kp);
   } else if (info.qint.bits != 8) {
     TORCH_CHECK(false, "kt.moe_forward: weight_format='", fmt, "' needs a group_size");
   }

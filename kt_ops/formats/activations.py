@@ -48,6 +48,8 @@ def quantize_activations_q8(x: Tensor, block: int = 32) -> Tensor:
     xb = xf.view(xf.shape[0], kp // block, block)
     amax = xb.abs().amax(dim=-1, keepdim=True)
     sx = amax / 127
-    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    # Tensor / tensor is the correctly rounded fp32 quotient (127.f / amax in the
+    # kernels); a Python scalar over a tensor would be 127 * reciprocal(amax).
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     xq = torch.round(xb * inv).clamp_(-127, 127)
     return (xq * sx).view(-1, kp)[:, :K].reshape(shape)

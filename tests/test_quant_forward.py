@@ -1,0 +1,636 @@
+"""kt::moe_forward on the quantized weight formats, on every ISA path this CPU runs.
+
+Reference (tests/reference.py, ``reference_quant_moe_forward``): the packed
+projections dequantized by ``kt_ops.formats.dequantize_weights`` (docs/formats.md
+index arithmetic, no code shared with the packers or kernels), dense fp32
+matmuls, and for the ``q8`` formats (all but fp8) the activations rounded as the
+kernels round them (``q8_activations``, the documented formula of
+``quantize_activations_q8``, on the hidden states before gate/up and on the
+SwiGLU output before down). Tolerance ``TOL_QUANT``: 2e-5 of max|ref| (20x the
+observed fp32 summation-order difference) plus, per output element, the most
+that SwiGLU values sitting on a q8 rounding tie can change it if the kernel
+rounds them the other way (the reference's ``slack``; see reference.py).
+A flat 2e-3 of max|ref| would be needed otherwise: one such flip moves a token
+of this file's small layers (I = 64) by up to ~1e-3 of max|ref|.
+
+Covered, per format (int8; int4 symmetric/asymmetric x group 32/64/128; fp8;
+mxfp4; q8_0; q4_0; q4_k; q5_k; q6_k): weights from ``quantize_weights`` and from
+random raw blocks (``from_gguf``, ``from_fp8``, ``from_mxfp4``); T = 0, 1, 2, 7,
+64, 130; -1 ids, all-skipped rows, experts that receive no token (poisoned:
+never read); N not a multiple of 16 and K not a multiple of 32 where the format
+allows it (int8, fp8); activations bf16/fp16/fp32, topk_ids int32/int64;
+thread counts 1/2/3 bit-identical; fp32/fp16/bf16 scales (and zeros) for
+int8/int4 (and q4_0, the k-quants); the total error against the unquantized
+dense layer; and that the checks can fail.
+
+A note on shapes: ``moe_forward`` requires ``group_size`` to divide the
+(unpadded) K of every projection, and each of H and I is the K of one
+projection and the N of another, so for the grouped formats N is always a
+multiple of 16: partial 16-row blocks exist only for int8 and fp8.
+"""
+
+# T, H, I, E, K: tokens, hidden, intermediate, experts, top-k (the design notes' names).
+# ruff: noqa: E741
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import math
+
+import pytest
+import torch
+from reference import (
+    QuantExperts,
+    QuantReference,
+    Tolerance,
+    dense_expert_weights,
+    make_hidden,
+    make_quant_experts,
+    make_routing,
+    q8_activations,
+    quant_mismatch_report,
+    random_gguf_raw,
+    reference_for,
+    reference_quant_moe_forward,
+    single_threaded_torch,
+)
+from torch import Tensor
+
+import kt_ops
+from kt_ops.formats import (
+    E2M1_VALUES,
+    PackedProjection,
+    dequantize_weights,
+    format_spec,
+    from_fp8,
+    from_gguf,
+    from_mxfp4,
+)
+from kt_ops.ops import WEIGHT_FORMATS
+
+THREAD_COUNTS = (1, 2, 3)
+
+#: ISA path -> uses by this file's tests (checked by the coverage test at the end).
+QUANT_ISAS: collections.Counter[str] = collections.Counter()
+
+
+@pytest.fixture
+def qisa(isa):
+    """conftest's ``isa`` (every supported path in turn), also counted for this file."""
+    QUANT_ISAS[isa] += 1
+    return isa
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One way of packing a layer: format, group size, symmetry, and a layer shape it allows."""
+
+    fmt: str
+    group_size: int | None
+    symmetric: bool
+    H: int
+    I: int
+
+    @property
+    def id(self) -> str:
+        gs = "" if self.group_size is None else f"_g{self.group_size}"
+        sym = "" if self.symmetric else "_asym"
+        return f"{self.fmt}{gs}{sym}"
+
+
+# Shapes: the smallest that give several 16-row blocks and several groups, with
+# N not a multiple of 16 and K not a multiple of 32 where the format allows it
+# (int8: K=50/40; fp8: K=200/136, also two 128-row scale blocks each way), K a
+# multiple of the group size for grouped formats and of 256 for the k-quants.
+VARIANTS = [
+    Variant("int8", None, True, 50, 40),
+    *(
+        Variant("int4", gs, sym, H, I)
+        for gs, H, I in ((32, 96, 64), (64, 128, 192), (128, 256, 128))
+        for sym in (True, False)
+    ),
+    Variant("fp8", None, True, 200, 136),
+    Variant("mxfp4", None, True, 96, 64),
+    Variant("q8_0", None, True, 96, 64),
+    Variant("q4_0", None, True, 96, 64),
+    Variant("q4_k", None, True, 256, 256),
+    Variant("q5_k", None, True, 256, 256),
+    Variant("q6_k", None, True, 256, 256),
+]
+VARIANT_IDS = [v.id for v in VARIANTS]
+#: One variant per format (the first listed).
+PER_FORMAT = list({v.fmt: v for v in reversed(VARIANTS)}.values())[::-1]
+
+E_TOTAL, TOP_K = 6, 2
+
+
+def test_every_quantized_format_is_covered():
+    assert {v.fmt for v in VARIANTS} == set(WEIGHT_FORMATS) - {"bf16"}
+    assert {(v.group_size, v.symmetric) for v in VARIANTS if v.fmt == "int4"} == {
+        (gs, sym) for gs in (32, 64, 128) for sym in (True, False)
+    }
+    assert [v.fmt for v in PER_FORMAT] == [f for f in WEIGHT_FORMATS if f != "bf16"]
+
+
+@functools.cache
+def layer(v: Variant, seed: int = 0) -> QuantExperts:
+    return make_quant_experts(
+        v.fmt, E_TOTAL, v.H, v.I, group_size=v.group_size, symmetric=v.symmetric, seed=seed
+    )
+
+
+def run_op(x, ids, weights, w: QuantExperts, **overrides):
+    return kt_ops.moe_forward(x, ids, weights, *w.args(), **{**w.kwargs(), **overrides})
+
+
+def check(x, ids, weights, w: QuantExperts):
+    """Run the op; check dtype/shape and every element against the quantized reference."""
+    out = run_op(x, ids, weights, w)
+    assert out.dtype == x.dtype and out.shape == x.shape
+    msg = quant_mismatch_report(out, reference_for(w, x, ids, weights))
+    assert msg is None, f"{w.weight_format} g{w.group_size}: {msg}"
+    return out
+
+
+def routing(T: int, *, seed: int, ids_dtype=torch.int64, weights_dtype=torch.float32):
+    """Top-2 over experts 0..E-2 (expert E-1 never gets a token), ~20% -1 slots, row 0 all -1."""
+    return make_routing(
+        T,
+        E_TOTAL - 1,
+        TOP_K,
+        seed=seed,
+        ids_dtype=ids_dtype,
+        weights_dtype=weights_dtype,
+        skip_fraction=0.2,
+        skip_rows=(0,) if T > 2 else (),
+    )
+
+
+# --------------------------------------------------------------------------
+# The reference dequantizer agrees with the packers' own dense input
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("v", VARIANTS, ids=VARIANT_IDS)
+def test_packed_layer_is_valid(v):
+    w = layer(v)
+    for p, (n, k) in zip(w.projections(), ((v.I, v.H), (v.I, v.H), (v.H, v.I))):
+        p.validate()
+        assert (p.n, p.k, p.weight_format) == (n, k, v.fmt)
+        assert (p.zeros is not None) == (format_spec(v.fmt).zeros_required or not v.symmetric)
+    # dequantized weights are close to the dense weights they were made from
+    for got, want in zip(w.dense(), dense_expert_weights(E_TOTAL, v.H, v.I)):
+        err = ((got - want).norm() / want.norm()).item()
+        assert err < 0.2, f"{v.id}: weight quantization error {err:.3g}"
+
+
+# --------------------------------------------------------------------------
+# Against the reference: token counts, -1 ids, unused experts
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("v", VARIANTS, ids=VARIANT_IDS)
+def test_token_counts(qisa, v):
+    w = layer(v)
+    for T in (0, 1, 2, 7, 64, 130):
+        ids, weights = routing(T, seed=T)
+        x = make_hidden(T, v.H, torch.float32, seed=T)
+        out = check(x, ids, weights, w)
+        if T > 2:
+            assert torch.all(out[0] == 0), "a token with only -1 slots must give exact zeros"
+
+
+@pytest.mark.parametrize("v", PER_FORMAT, ids=[v.id for v in PER_FORMAT])
+def test_all_skipped_and_no_slots(qisa, v):
+    w = layer(v)
+    T = 5
+    x = make_hidden(T, v.H, torch.float32, seed=3)
+    ids = torch.full((T, TOP_K), -1, dtype=torch.int64)
+    out = run_op(x, ids, torch.rand(T, TOP_K), w)
+    assert out.shape == (T, v.H) and torch.all(out == 0)
+    out = run_op(x, ids[:, :0], torch.empty(T, 0), w)
+    assert out.shape == (T, v.H) and torch.all(out == 0)
+
+
+def _poison(p: PackedProjection, experts: slice) -> PackedProjection:
+    """A copy whose experts ``experts`` hold garbage codes and NaN (or 255) scales and zeros."""
+    weight = p.weight.clone()
+    weight[experts] = torch.randint(0, 256, weight[experts].shape, dtype=torch.uint8)
+    scales = p.scales.clone()
+    scales[experts] = 255 if scales.dtype == torch.uint8 else float("nan")
+    zeros = None
+    if p.zeros is not None:
+        zeros = p.zeros.clone()
+        zeros[experts] = float("nan")
+    return dataclasses.replace(p, weight=weight, scales=scales, zeros=zeros)
+
+
+@pytest.mark.parametrize("v", PER_FORMAT, ids=[v.id for v in PER_FORMAT])
+def test_experts_without_tokens_are_not_read(qisa, v):
+    # Expert E-1 never gets a token, expert E-2 only -1 slots' worth: poison both;
+    # the output must not change by a single bit.
+    w = layer(v)
+    T = 9
+    ids, weights = routing(T, seed=4)
+    ids[ids == E_TOTAL - 2] = -1
+    x = make_hidden(T, v.H, seed=4)
+    clean = check(x, ids, weights, w)
+    unused = slice(E_TOTAL - 2, E_TOTAL)
+    poisoned = QuantExperts(*(_poison(p, unused) for p in w.projections()))
+    assert torch.equal(run_op(x, ids, weights, poisoned), clean)
+
+
+# --------------------------------------------------------------------------
+# Odd shapes: N not a multiple of 16, K not a multiple of 32 (int8, fp8)
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("H,I", [(1, 1), (17, 15), (33, 50), (130, 129)])
+def test_odd_sizes(qisa, fmt, H, I):
+    w = make_quant_experts(fmt, 4, H, I, seed=H + I)
+    T = 11
+    ids, weights = make_routing(T, 4, 2, seed=H, skip_fraction=0.2)
+    check(make_hidden(T, H, torch.float32, seed=I), ids, weights, w)
+
+
+# --------------------------------------------------------------------------
+# dtypes of activations, ids, routing weights
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("v", PER_FORMAT, ids=[v.id for v in PER_FORMAT])
+def test_dtypes(qisa, v):
+    w = layer(v)
+    T = 9
+    for act in (torch.bfloat16, torch.float16, torch.float32):
+        for ids_dtype in (torch.int32, torch.int64):
+            for wdt in {torch.float32, act}:
+                ids, weights = routing(T, seed=5, ids_dtype=ids_dtype, weights_dtype=wdt)
+                check(make_hidden(T, v.H, act, seed=5), ids, weights, w)
+
+
+@pytest.mark.parametrize("v", [PER_FORMAT[0], PER_FORMAT[1], PER_FORMAT[2]], ids=lambda v: v.id)
+def test_non_contiguous_inputs(qisa, v):
+    w = layer(v)
+    T = 8
+    ids, weights = routing(T, seed=6)
+    base = make_hidden(T, 2 * v.H, torch.float32, seed=6)
+    x = base[:, ::2]
+    ids_nc = ids.t().contiguous().t()
+    assert not x.is_contiguous() and not ids_nc.is_contiguous()
+    out = check(x, ids_nc, weights, w)
+    assert torch.equal(out, run_op(x.contiguous(), ids, weights, w))
+
+
+# --------------------------------------------------------------------------
+# Threads: bit-identical for any thread count
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("v", VARIANTS, ids=VARIANT_IDS)
+def test_thread_counts_bit_identical(qisa, v):
+    w = layer(v)
+    T = 64
+    ids, weights = routing(T, seed=7)
+    x = make_hidden(T, v.H, torch.float32, seed=7)  # fp32 output shows every bit
+    outs = {}
+    for n in THREAD_COUNTS:
+        kt_ops.set_num_threads(n)
+        assert kt_ops.get_num_threads() == n
+        outs[n] = run_op(x, ids, weights, w)
+    for n, out in outs.items():
+        assert torch.equal(out, outs[1]), f"{n} threads differ bit-wise from 1 thread"
+    assert quant_mismatch_report(outs[1], reference_for(w, x, ids, weights)) is None
+
+
+# --------------------------------------------------------------------------
+# Weights from raw checkpoint blocks (every code value, not just a quantizer's)
+# --------------------------------------------------------------------------
+
+GGUF_TYPES = ["q8_0", "q4_0", "q4_k", "q5_k", "q6_k"]
+
+
+@functools.cache
+def gguf_layer(qtype: str) -> QuantExperts:
+    H, I = (96, 64) if qtype in ("q8_0", "q4_0") else (256, 256)
+    shapes = ((I, H), (I, H), (H, I))
+    return QuantExperts(
+        *(from_gguf(qtype, random_gguf_raw(qtype, 4, n, k, seed=i), n, k)
+          for i, (n, k) in enumerate(shapes))
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("qtype", GGUF_TYPES)
+def test_from_gguf_raw_blocks(qisa, qtype):
+    w = gguf_layer(qtype)
+    if qtype == "q8_0":  # the random blocks hold the code -128 (valid int8, never quantized to)
+        assert int(w.gate.weight.view(torch.int8).min()) == -128
+    for T in (1, 7, 64):
+        ids, weights = make_routing(T, 4, 2, seed=T, skip_fraction=0.1)
+        check(make_hidden(T, w.hidden_size, torch.float32, seed=T), ids, weights, w)
+
+
+def _all_fp8_bits(shape, gen):
+    """Random E4M3 bytes over every non-NaN code (subnormals, +-0, +-448 included)."""
+    codes = torch.tensor([c for c in range(256) if (c & 0x7F) != 0x7F], dtype=torch.uint8)
+    return codes[torch.randint(0, codes.numel(), shape, generator=gen)]
+
+
+@functools.cache
+def fp8_raw_layer() -> QuantExperts:
+    gen = torch.Generator().manual_seed(8)
+    E, H, I = 4, 200, 136
+    projs = []
+    for n, k in ((I, H), (I, H), (H, I)):
+        bits = _all_fp8_bits((E, n, k), gen)
+        scale = torch.rand(E, math.ceil(n / 128), math.ceil(k / 128), generator=gen)
+        projs.append(from_fp8(bits.view(torch.float8_e4m3fn), (scale + 0.5) / (40 * math.sqrt(k))))
+    return QuantExperts(*projs)
+
+
+@functools.cache
+def mxfp4_raw_layer() -> QuantExperts:
+    gen = torch.Generator().manual_seed(9)
+    E, H, I = 4, 96, 64
+    projs = []
+    for n, k in ((I, H), (I, H), (H, I)):
+        blocks = torch.randint(0, 256, (E, n, k // 32, 16), dtype=torch.uint8, generator=gen)
+        # 2^(E-127) * e2m1 with E around 122: weights ~0.1
+        ebytes = torch.randint(119, 125, (E, n, k // 32), dtype=torch.uint8, generator=gen)
+        projs.append(from_mxfp4(blocks, ebytes))
+    return QuantExperts(*projs)
+
+
+@pytest.mark.parametrize("source", ["fp8", "mxfp4"])
+def test_from_checkpoint_raw_blocks(qisa, source):
+    w = fp8_raw_layer() if source == "fp8" else mxfp4_raw_layer()
+    if source == "mxfp4":  # all 16 E2M1 codes occur, -0 included
+        assert len(E2M1_VALUES) == 16
+        nibbles = torch.cat([w.gate.weight & 15, w.gate.weight >> 4]).unique()
+        assert nibbles.numel() == 16
+    for T in (1, 7, 64):
+        ids, weights = make_routing(T, 4, 2, seed=T, skip_fraction=0.1)
+        check(make_hidden(T, w.hidden_size, torch.float32, seed=T), ids, weights, w)
+
+
+# --------------------------------------------------------------------------
+# Scale (and zero) dtypes: the kernels read fp32, fp16 and bf16
+# --------------------------------------------------------------------------
+
+
+def _cast_params(p: PackedProjection, dtype: torch.dtype) -> tuple[PackedProjection, Tensor]:
+    """(``p`` with scales/zeros cast to ``dtype``, the dense weights those cast values give).
+
+    ``dequantize_weights`` takes the format's own scale dtype, so the cast values
+    are converted back to it for the reference; the test asserts that this
+    conversion is exact, so the reference dequantizes exactly the values the op reads.
+    """
+    spec_dtype = p.spec.scale_dtype
+    cast = {name: (t.to(dtype) if t is not None else None)
+            for name, t in (("scales", p.scales), ("zeros", p.zeros))}  # fmt: skip
+    back = {}
+    for name, t in cast.items():
+        if t is not None:
+            back[name] = t.to(spec_dtype)
+            assert torch.equal(back[name].to(dtype), t), f"{name}: {dtype} -> {spec_dtype} is lossy"
+        else:
+            back[name] = None
+    ref = dequantize_weights(dataclasses.replace(p, **back))
+    return dataclasses.replace(p, **cast), ref
+
+
+SCALE_DTYPE_VARIANTS = [
+    v for v in VARIANTS if v.fmt == "int8" or (v.fmt == "int4" and v.group_size == 32)
+] + [v for v in PER_FORMAT if v.fmt in ("q4_0", "q4_k", "q6_k")]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("v", SCALE_DTYPE_VARIANTS, ids=[v.id for v in SCALE_DTYPE_VARIANTS])
+def test_scale_dtypes(qisa, v, dtype):
+    base = layer(v)
+    with single_threaded_torch():
+        cast = [_cast_params(p, dtype) for p in base.projections()]
+    w = QuantExperts(*(p for p, _ in cast))
+    dense = tuple(d for _, d in cast)
+    assert w.gate.scales.dtype == dtype
+    T = 23
+    ids, weights = routing(T, seed=10)
+    x = make_hidden(T, v.H, torch.float32, seed=10)
+    out = run_op(x, ids, weights, w)
+    ref = reference_quant_moe_forward(x, ids, weights, *dense, activation="q8")
+    msg = quant_mismatch_report(out, ref)
+    assert msg is None, f"{v.id} with {dtype} scales: {msg}"
+    if dtype == torch.bfloat16:
+        # bf16 scales are a coarser rounding of the fp16/fp32 ones: the op must see
+        # the difference (it reads the bf16 values, not the originals).
+        assert not torch.equal(out, run_op(x, ids, weights, base)) or all(
+            torch.equal(a, b) for a, b in zip(dense, base.dense())
+        )
+
+
+def test_zeros_dtype_independent_of_scales(qisa):
+    # fp32 scales with fp16 zeros (and the reverse) for asymmetric int4.
+    v = next(v for v in VARIANTS if v.fmt == "int4" and not v.symmetric)
+    base = layer(v)
+    T = 13
+    ids, weights = routing(T, seed=11)
+    x = make_hidden(T, v.H, torch.float32, seed=11)
+    ref = reference_for(base, x, ids, weights)  # fp16 -> fp32 is exact, so the same reference
+    for sdt, zdt in ((torch.float32, torch.float16), (torch.float16, torch.float32)):
+        projs = [dataclasses.replace(p, scales=p.scales.to(sdt), zeros=p.zeros.to(zdt))
+                 for p in base.projections()]  # fmt: skip
+        out = run_op(x, ids, weights, QuantExperts(*projs))
+        assert quant_mismatch_report(out, ref) is None, (sdt, zdt)
+
+
+# --------------------------------------------------------------------------
+# Total error against the unquantized layer (activation quantization is sane)
+# --------------------------------------------------------------------------
+
+#: Relative Frobenius error of the op against the dense fp32 layer it was quantized
+#: from (weights and activations both exact). Measured on this layer (E=6, T=64):
+#: int8 1.7%, q8_0 1.5%, fp8 4.6% (E4M3 keeps 3 mantissa bits: ~2.5% rms per
+#: weight, three projections in series), q6_k ~6%, q5_k ~9%, 4-bit formats 15-20%
+#: (int4 symmetric g128: step amax/7 of 128 weights, ~9% rms per projection).
+#: Bounds: ~1.5x the measurement, rounded up.
+TOTAL_ERROR = {
+    "int8": 0.03,
+    "q8_0": 0.03,
+    "fp8": 0.07,
+    "q6_k": 0.10,
+    "q5_k": 0.15,
+    "int4": 0.30,
+    "mxfp4": 0.30,
+    "q4_0": 0.30,
+    "q4_k": 0.30,
+}
+#: Relative Frobenius error of the q8 kernels against the same dequantized weights
+#: with fp32 activations: only the two int8 roundings of the activations (step
+#: amax/127 per 32 values: ~0.5% rms each). Measured 0.5-1%.
+ACTIVATION_ERROR = 0.02
+
+
+def _rel(a: Tensor, b: Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("v", VARIANTS, ids=VARIANT_IDS)
+def test_total_error_against_dense_layer(v):
+    w = layer(v)
+    T = 64
+    ids, weights = routing(T, seed=12)
+    x = make_hidden(T, v.H, torch.float32, seed=12)
+    out = run_op(x, ids, weights, w)
+    dense = dense_expert_weights(E_TOTAL, v.H, v.I)
+    total = _rel(out, reference_quant_moe_forward(x, ids, weights, *dense, activation="fp32").out)
+    assert total < TOTAL_ERROR[v.fmt], f"{v.id}: total error {total:.3g}"
+    # The activation rounding alone (dequantized weights, fp32 activations).
+    plain = reference_quant_moe_forward(x, ids, weights, *w.dense(), activation="fp32").out
+    act_err = _rel(out, plain)
+    if w.activation == "q8":
+        assert 1e-4 < act_err < ACTIVATION_ERROR, f"{v.id}: activation error {act_err:.3g}"
+    else:  # fp8: fp32 activations, nothing but summation order
+        assert act_err < 1e-5, f"{v.id}: {act_err:.3g}"
+
+
+# --------------------------------------------------------------------------
+# The q8 activation rounding of the reference
+# --------------------------------------------------------------------------
+
+
+def _q8_numpy(x: Tensor, block: int = 32) -> Tensor:
+    """docs/formats.md's q8 rounding in numpy float32 (IEEE division), independent of torch."""
+    import numpy as np
+
+    a = x.float().numpy().reshape(-1, x.shape[-1])
+    K = a.shape[1]
+    kp = -(-K // block) * block
+    a = np.pad(a, ((0, 0), (0, kp - K))).reshape(a.shape[0], kp // block, block)
+    amax = np.abs(a).max(axis=-1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    q = np.clip(np.rint(a * inv), -127, 127).astype(np.float32)
+    out = (q * (amax / np.float32(127))).reshape(a.shape[0], kp)[:, :K]
+    return torch.from_numpy(np.ascontiguousarray(out)).reshape(x.shape)
+
+
+#: x * (127 / amax) = -1.1875 * 127 / 2.375 = -63.5 in exact arithmetic. In fp32,
+#: 127 / 2.375 rounds to 53.473682 and the product to -63.499996: code -63 (what the
+#: kernels' ``127.f / amax`` gives). 127 * (1 / 2.375) is 53.473686: -63.500004, code -64.
+TIE_BLOCK = torch.tensor([[2.375, -1.1875] + [0.0] * 30])
+
+
+def test_q8_activations_follow_the_documented_formula():
+    step = torch.tensor(2.375) / torch.tensor(127.0)  # fp32, as the kernels
+    assert q8_activations(TIE_BLOCK)[0, 1] == -63 * step
+    g = torch.Generator().manual_seed(0)
+    for x in (
+        TIE_BLOCK,
+        torch.randn(64, 256, generator=g).to(torch.bfloat16),
+        torch.randn(7, 50, generator=g) * 3,
+        torch.zeros(2, 40),
+    ):
+        assert torch.equal(q8_activations(x), _q8_numpy(x)), x.shape
+
+
+def test_quantize_activations_q8_matches_the_kernel_formula():
+    from kt_ops.formats import quantize_activations_q8
+
+    # x = -1.1875, amax = 2.375: the kernels round to -63, quantize_activations_q8 to -64
+    assert torch.equal(quantize_activations_q8(TIE_BLOCK), _q8_numpy(TIE_BLOCK))
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    assert torch.equal(quantize_activations_q8(x), _q8_numpy(x))
+
+
+def test_the_op_rounds_activation_ties_as_documented(qisa):
+    # An int8 layer fed the tie block: the op agrees with the documented rounding
+    # (q8_activations, code -63) and not with the other code (-64).
+    H, I = 32, 32
+    w = make_quant_experts("int8", 1, H, I, seed=15)
+    x = TIE_BLOCK.clone()
+    ids, weights = torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, 1)
+    out = run_op(x, ids, weights, w)
+    ref = reference_for(w, x, ids, weights)
+    assert quant_mismatch_report(out, ref) is None
+    gate, up, down = w.dense()
+    other = q8_activations(x)
+    other[0, 1] = -64 * (torch.tensor(2.375) / torch.tensor(127.0))  # the neighbouring code
+    h = q8_activations(torch.nn.functional.silu(other @ gate[0].T) * (other @ up[0].T))
+    wrong = QuantReference(h @ down[0].T, ref.slack)
+    assert quant_mismatch_report(out, wrong) is not None
+
+
+# --------------------------------------------------------------------------
+# The checks can fail
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("v", PER_FORMAT, ids=[v.id for v in PER_FORMAT])
+def test_checker_detects_wrong_weights(v):
+    w = layer(v)
+    T = 16
+    ids, weights = routing(T, seed=13)
+    x = make_hidden(T, v.H, torch.float32, seed=13)
+    ref = reference_for(w, x, ids, weights)
+    assert quant_mismatch_report(run_op(x, ids, weights, w), ref) is None
+    e = int(ids[ids >= 0][0])
+    # one code byte of a used expert changed: first block (rows 0-15), all rows of the
+    # byte's word change, so some token sees it
+    for proj in ("gate", "up", "down"):
+        projs = dict(zip(("gate", "up", "down"), w.projections()))
+        p = projs[proj]
+        weight = p.weight.clone()
+        flat = weight.view(weight.shape[0], -1)
+        flat[e, :64] ^= 0x44  # one [16 rows][4 bytes] word: codes move by 4 (or 64)
+        projs[proj] = dataclasses.replace(p, weight=weight)
+        out = run_op(x, ids, weights, QuantExperts(**projs))
+        assert quant_mismatch_report(out, ref) is not None, proj
+    # a scale of a used expert doubled
+    projs = list(w.projections())
+    scales = projs[0].scales.clone()
+    if scales.dtype == torch.uint8:
+        scales[e] += 1  # UE8M0: x2
+    else:
+        scales[e] *= 2
+    projs[0] = dataclasses.replace(projs[0], scales=scales)
+    out = run_op(x, ids, weights, QuantExperts(*projs))
+    assert quant_mismatch_report(out, ref) is not None
+
+
+@pytest.mark.parametrize("v", [v for v in PER_FORMAT if v.fmt != "fp8"], ids=lambda v: v.id)
+def test_reference_without_activation_rounding_is_not_close(v):
+    # The tight tolerance relies on modelling the q8 rounding: a reference without it
+    # is off by more than even a flat 2e-3 of max|ref| (100x TOL_QUANT.compute).
+    w = layer(v)
+    T = 16
+    ids, weights = routing(T, seed=14)
+    x = make_hidden(T, v.H, torch.float32, seed=14)
+    out = run_op(x, ids, weights, w)
+    plain = reference_quant_moe_forward(x, ids, weights, *w.dense(), activation="fp32")
+    assert quant_mismatch_report(out, plain, Tolerance(compute=2e-3)) is not None
+    # ... while the tie slack of the real reference stays a small part of the output
+    ref = reference_for(w, x, ids, weights)
+    assert quant_mismatch_report(out, ref) is None
+    # (observed: max 0.15-0.5% of max|ref|, mean 0.03-0.26% of mean|ref|)
+    assert ref.slack.max() < 0.01 * ref.out.abs().max()
+    assert ref.slack.mean() < 0.005 * ref.out.abs().mean()
+
+
+# --------------------------------------------------------------------------
+# Coverage of the ISA paths by this file (runs last: conftest moves it)
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.isa_coverage
+def test_every_supported_isa_ran_the_quantized_kernels(request):
+    selected = [it for it in request.session.items if "qisa" in it.fixturenames]
+    if not selected:
+        pytest.skip("no quantized ISA-parametrized test selected in this run")
+    missing = [name for name in kt_ops.supported_isas() if QUANT_ISAS[name] == 0]
+    assert not missing, (
+        f"this CPU supports ISA path(s) {missing} that no quantized-format test exercised; "
+        f"exercised: {dict(QUANT_ISAS)}"
+    )
