@@ -42,6 +42,7 @@ __all__ = [
     "supported_isas",
     "use_isa",
     "replace_experts",
+    "apply_lora",
 ]
 
 
@@ -55,3 +56,15 @@ def replace_experts(model, weight_format: str = "bf16", **kwargs):
     from kt_ops.hf import replace_experts as _replace
 
     return _replace(model, weight_format, **kwargs)
+
+
+def apply_lora(
+    model, rank: int = 16, alpha=None, target_projections=("gate", "up", "down"), **kwargs
+):
+    """Give the kt_ops experts of ``model`` trainable LoRA adapters (after ``replace_experts``).
+
+    Alias of :func:`kt_ops.lora.apply_lora` (same arguments, errors and return value).
+    """
+    from kt_ops.lora import apply_lora as _apply
+
+    return _apply(model, rank, alpha, target_projections, **kwargs)

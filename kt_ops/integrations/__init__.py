@@ -1,0 +1,1 @@
+"""Integrations of kt_ops with training frameworks (LLaMA-Factory: :mod:`.llamafactory`)."""
