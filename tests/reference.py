@@ -441,14 +441,15 @@ def q8_activations(x: Tensor, block: int = 32) -> Tensor:
 
         amax = max|x|;  sx = amax / 127;  xq = round_half_even(x * (127 / amax))  (0 if amax = 0)
 
-    returning ``xq * sx`` (fp32, the shape of ``x``). This is
-    ``kt_ops.formats.quantize_activations_q8`` except that ``127 / amax`` is
-    the correctly rounded fp32 quotient, as in the C++ kernels
-    (``127.f / amax``): PyTorch evaluates ``127 / tensor`` as
-    ``127 * reciprocal(tensor)``, which is one ulp off for ~25% of the
-    values, and for activations on a coarse grid (bf16) ``x * (127 / amax)``
-    often lands exactly on a .5 tie, where that ulp picks the other code
-    (see test_quant_forward.py::test_quantize_activations_q8_matches_the_kernel_formula).
+    returning ``xq * sx`` (fp32, the shape of ``x``): the function of
+    ``kt_ops.formats.quantize_activations_q8``, written again here so that the
+    kernel tests do not depend on it. ``127 / amax`` must be the correctly
+    rounded fp32 quotient, as in the C++ kernels (``127.f / amax``): PyTorch
+    evaluates ``127 / tensor`` (a Python scalar over a tensor) as
+    ``127 * reciprocal(tensor)``, one ulp off for ~25% of the values, and for
+    activations on a coarse grid (bf16) ``x * (127 / amax)`` often lands
+    exactly on a .5 tie, where that ulp picks the other code (see
+    test_quant_forward.py::test_quantize_activations_q8_matches_the_kernel_formula).
     """
     if x.numel() == 0:
         return x.detach().float().clone()

@@ -17,16 +17,18 @@ Covered, per format (int8; int4 symmetric/asymmetric x group 32/64/128; fp8;
 mxfp4; q8_0; q4_0; q4_k; q5_k; q6_k): weights from ``quantize_weights`` and from
 random raw blocks (``from_gguf``, ``from_fp8``, ``from_mxfp4``); T = 0, 1, 2, 7,
 64, 130; -1 ids, all-skipped rows, experts that receive no token (poisoned:
-never read); N not a multiple of 16 and K not a multiple of 32 where the format
-allows it (int8, fp8); activations bf16/fp16/fp32, topk_ids int32/int64;
+never read); N not a multiple of 16 and K not a multiple of 32 where the packers
+allow it (int8, fp8, mxfp4); activations bf16/fp16/fp32, topk_ids int32/int64;
 thread counts 1/2/3 bit-identical; fp32/fp16/bf16 scales (and zeros) for
 int8/int4 (and q4_0, the k-quants); the total error against the unquantized
 dense layer; and that the checks can fail.
 
-A note on shapes: ``moe_forward`` requires ``group_size`` to divide the
-(unpadded) K of every projection, and each of H and I is the K of one
-projection and the N of another, so for the grouped formats N is always a
-multiple of 16: partial 16-row blocks exist only for int8 and fp8.
+A note on shapes: ``moe_forward`` requires ``group_size`` to divide the K of
+every projection padded to a multiple of 32, but ``quantize_weights`` (int4)
+and ``from_gguf`` require it to divide the unpadded K. Each of H and I is the K
+of one projection and the N of another, so for int4 and the GGUF formats N is
+always a multiple of 16; partial 16-row blocks (and K not a multiple of 32)
+occur for int8, fp8 and mxfp4 (whose packer pads K).
 """
 
 # T, H, I, E, K: tokens, hidden, intermediate, experts, top-k (the design notes' names).
@@ -243,11 +245,11 @@ def test_experts_without_tokens_are_not_read(qisa, v):
 
 
 # --------------------------------------------------------------------------
-# Odd shapes: N not a multiple of 16, K not a multiple of 32 (int8, fp8)
+# Odd shapes: N not a multiple of 16, K not a multiple of 32 (int8, fp8, mxfp4)
 # --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "mxfp4"])
 @pytest.mark.parametrize("H,I", [(1, 1), (17, 15), (33, 50), (130, 129)])
 def test_odd_sizes(qisa, fmt, H, I):
     w = make_quant_experts(fmt, 4, H, I, seed=H + I)
@@ -539,7 +541,7 @@ def test_q8_activations_follow_the_documented_formula():
 def test_quantize_activations_q8_matches_the_kernel_formula():
     from kt_ops.formats import quantize_activations_q8
 
-    # x = -1.1875, amax = 2.375: the kernels round to -63, quantize_activations_q8 to -64
+    # x = -1.1875, amax = 2.375: the kernels round to -63 (127 * reciprocal(amax) gives -64)
     assert torch.equal(quantize_activations_q8(TIE_BLOCK), _q8_numpy(TIE_BLOCK))
     x = torch.randn(64, 256, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     assert torch.equal(quantize_activations_q8(x), _q8_numpy(x))
