@@ -49,8 +49,8 @@ over 1 GiB), sampled before and after the runs; the best sample is the ceiling.
 
 Usage::
 
-    python benchmarks/bench_formats.py --markdown              # decode, every format (~4 min)
-    python benchmarks/bench_formats.py --prefill --markdown    # + T = 512 (~+5 min)
+    python benchmarks/bench_formats.py --markdown              # decode, every format (~3 min)
+    python benchmarks/bench_formats.py --prefill --markdown    # + T = 512 (~4 min in all)
     python benchmarks/bench_formats.py --quick                 # 4 formats, T = 1, few reps
     python benchmarks/bench_formats.py --formats bf16 int4-g128 int4-g64-asym q4_k
 

@@ -33,9 +33,9 @@ test** of the formats' rounding, not a claim about quality on a real model.
 The layer error (a) is the direct measure; it is taken on Gaussian weights,
 which have no outliers, so real checkpoints may quantize worse or better.
 
-Quantizing two 128-expert layers into 11 formats takes ~30 minutes on two
-cores (``kt_ops.formats.quantize_weights``, a few experts at a time); ``--quick``
-runs 16 experts and 4 formats in about a minute.
+Quantizing two 128-expert layers into 11 formats takes most of the ~15 minutes
+of a run on two cores (``kt_ops.formats.quantize_weights``, a few experts at a
+time); ``--quick`` runs 16 experts and 3 formats in a few minutes.
 
 Usage::
 
