@@ -147,6 +147,24 @@ KT_INLINE __m256i unit_dot(const __m256i* w, [[maybe_unused]] const uint8_t* raw
   return acc;
 }
 
+// Software prefetch distance of the code streams, in bytes.
+constexpr int64_t kPrefetchBytes = 2048;
+
+// Prefetches every 64-byte line holding the codes of k in [k0, k0 + Unit),
+// kPrefetchBytes ahead, in the low plane and (5/6 bit) the high plane.
+template <int Bits, int Unit>
+KT_INLINE void prefetch_unit(const uint8_t* block, [[maybe_unused]] const uint8_t* high,
+                             int64_t k0) {
+  constexpr int kLowBits = Bits == 8 ? 8 : 4;
+  constexpr int64_t kLowLines = int64_t{Unit} * 16 * kLowBits / 8 / 64;
+  const uint8_t* low = block + k0 * 16 * kLowBits / 8 + kPrefetchBytes;
+  for (int64_t l = 0; l < kLowLines; ++l) __builtin_prefetch(low + l * 64, 0, 3);
+  if constexpr (Bits == 5 || Bits == 6) {
+    // One high-plane line per 32 (5 bit) or 16 (6 bit) k: Unit covers one.
+    __builtin_prefetch(high + k0 * 16 * (Bits - 4) / 8 + kPrefetchBytes, 0, 3);
+  }
+}
+
 enum class ZeroMode { kImplicit, kExplicit };
 
 // out rows [8*half, 8*half + 8) for M tokens starting at x_rows[0].
@@ -170,8 +188,9 @@ KT_INLINE void qint_half_tile(const QintDotArgs& a, const uint8_t* const* x_rows
   for (int i = 0; i < M; ++i) acc[i] = _mm256_setzero_ps();
   const __m256 offset = _mm256_set1_ps(f.zero_offset);
   for (int64_t k0 = 0; k0 < kp; k0 += Unit) {
-    // Keep the block's stream ahead of the decode: ~2 KB of codes.
-    __builtin_prefetch(a.block + (k0 / 4) * 64 * Bits / 8 + 2048, 0, 3);
+    // Keep the block's stream ahead of the decode: every line of the unit
+    // ~2 KB ahead, in the first pass only (the second finds them in cache).
+    if (half == 0) prefetch_unit<Bits, Unit>(a.block, high, k0);
     __m256i w[NV];
     decode_unit<Bits, Lut, NV>(a.block, high, k0, half, w);
     const int64_t sidx = (k0 / gsize) * 16 + half * 8;
@@ -194,8 +213,121 @@ KT_INLINE void qint_half_tile(const QintDotArgs& a, const uint8_t* const* x_rows
   for (int i = 0; i < M; ++i) _mm256_storeu_ps(out + i * 16 + half * 8, acc[i]);
 }
 
+// Folds one unit's int32 dot products of rows [8*half, 8*half + 8) into
+// fp32: acc += s * (isum * x_scale) - zero * x_sum.
+template <ZeroMode Z>
+KT_INLINE __m256 fold_unit(__m256 acc, __m256i isum, __m256 s, __m256 z, __m256 offset,
+                           float x_scale, float x_sum) {
+  const __m256 xa = _mm256_mul_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(x_scale));
+  const __m256 xs = _mm256_set1_ps(x_sum);
+  if constexpr (Z == ZeroMode::kExplicit)
+    return _mm256_fnmadd_ps(z, xs, _mm256_fmadd_ps(s, xa, acc));
+  return _mm256_fmadd_ps(s, _mm256_fnmadd_ps(offset, xs, xa), acc);
+}
+
+// All 16 rows of the block for M <= 2 tokens in ONE pass over its codes
+// (decode: every 64-byte line is read once, in order, both 32-byte halves
+// together), so the stream from DRAM is a single sequential read and each
+// activation quad is broadcast once for 16 rows. Few tokens leave the
+// registers for the second half's accumulators; larger tiles use
+// qint_half_tile, which decodes each code once for up to 4 tokens.
+template <int Bits, bool Lut, int Unit, ZeroMode Z, int M>
+KT_INLINE void qint_block_tile(const QintDotArgs& a, const uint8_t* const* x_rows, float* out) {
+  constexpr int NV = Unit / 4;  // k-quads per unit
+  // Quads summed in int16 before widening (see the file comment).
+  constexpr int kDepth =
+      Bits == 8 ? 1 : std::min(NV, Bits == 4 ? (Lut ? 4 : 8) : (Bits == 5 ? 4 : 2));
+  const QintFormat& f = *a.format;
+  const int64_t kp = a.kp;
+  const int64_t gsize = f.group_size == 0 ? kp : f.group_size;
+  const uint8_t* high = a.block + formats::qint_low_plane_bytes(Bits, kp);
+  const int8_t* xq[M];
+  const float* xscale[M];
+  const float* xsum[M];
+  for (int i = 0; i < M; ++i) {
+    xq[i] = formats::q8_codes(x_rows[i]);
+    xscale[i] = formats::q8_scales(x_rows[i], kp);
+    xsum[i] = formats::q8_sum16(x_rows[i], kp);
+  }
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256 offset = _mm256_set1_ps(f.zero_offset);
+  __m256 acc[M][2];
+  for (int i = 0; i < M; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  for (int64_t k0 = 0; k0 < kp; k0 += Unit) {
+    prefetch_unit<Bits, Unit>(a.block, high, k0);
+    __m256i isum[M][2];
+    for (int i = 0; i < M; ++i) isum[i][0] = isum[i][1] = _mm256_setzero_si256();
+    for (int v0 = 0; v0 < NV; v0 += kDepth) {
+      if constexpr (Bits == 8) {
+        // One line: 4 k of all 16 rows; llama.cpp's sign trick per half.
+        const uint8_t* line = a.block + (k0 / 4 + v0) * 64;
+        const __m256i r0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line));
+        const __m256i r1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + 32));
+        const __m256i a0 = _mm256_abs_epi8(r0), a1 = _mm256_abs_epi8(r1);
+        for (int i = 0; i < M; ++i) {
+          const __m256i x =
+              _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(xq[i] + k0 + 4 * v0));
+          isum[i][0] = _mm256_add_epi32(
+              isum[i][0],
+              _mm256_madd_epi16(_mm256_maddubs_epi16(a0, _mm256_sign_epi8(x, r0)), ones));
+          isum[i][1] = _mm256_add_epi32(
+              isum[i][1],
+              _mm256_madd_epi16(_mm256_maddubs_epi16(a1, _mm256_sign_epi8(x, r1)), ones));
+        }
+      } else {
+        __m256i s16[M][2];
+        for (int i = 0; i < M; ++i) s16[i][0] = s16[i][1] = _mm256_setzero_si256();
+        for (int v = v0; v < v0 + kDepth; v += 2) {
+          // Quads v, v+1 of both halves: one 64-byte line of the low plane.
+          __m256i w0[2], w1[2];
+          decode_unit<Bits, Lut, 2>(a.block, high, k0 + 4 * v, 0, w0);
+          decode_unit<Bits, Lut, 2>(a.block, high, k0 + 4 * v, 1, w1);
+          for (int i = 0; i < M; ++i) {
+            const int8_t* xp = xq[i] + k0 + 4 * v;
+            const __m256i xa = _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(xp));
+            const __m256i xb = _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(xp + 4));
+            s16[i][0] = _mm256_add_epi16(
+                s16[i][0],
+                _mm256_add_epi16(_mm256_maddubs_epi16(w0[0], xa), _mm256_maddubs_epi16(w0[1], xb)));
+            s16[i][1] = _mm256_add_epi16(
+                s16[i][1],
+                _mm256_add_epi16(_mm256_maddubs_epi16(w1[0], xa), _mm256_maddubs_epi16(w1[1], xb)));
+          }
+        }
+        for (int i = 0; i < M; ++i)
+          for (int h = 0; h < 2; ++h)
+            isum[i][h] = _mm256_add_epi32(isum[i][h], _mm256_madd_epi16(s16[i][h], ones));
+      }
+    }
+    const int64_t sidx = (k0 / gsize) * 16;
+    const __m256 s[2] = {load_scales(a.scales, f.scale_type, sidx),
+                         load_scales(a.scales, f.scale_type, sidx + 8)};
+    __m256 z[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    if constexpr (Z == ZeroMode::kExplicit) {
+      z[0] = load_scales(a.zeros, f.zero_type, sidx);
+      z[1] = load_scales(a.zeros, f.zero_type, sidx + 8);
+    }
+    for (int i = 0; i < M; ++i) {
+      float x_sum = xsum[i][k0 / 16];
+      if constexpr (Unit == 32) x_sum += xsum[i][k0 / 16 + 1];
+      const float x_scale = xscale[i][k0 / 32];
+      for (int h = 0; h < 2; ++h)
+        acc[i][h] = fold_unit<Z>(acc[i][h], isum[i][h], s[h], z[h], offset, x_scale, x_sum);
+    }
+  }
+  for (int i = 0; i < M; ++i) {
+    _mm256_storeu_ps(out + i * 16, acc[i][0]);
+    _mm256_storeu_ps(out + i * 16 + 8, acc[i][1]);
+  }
+}
+
 template <int Bits, bool Lut, int Unit, ZeroMode Z>
 void qint_dot_impl(const QintDotArgs& a) {
+  if (a.m <= 2) {  // decode: one sequential pass over the block
+    if (a.m == 2) return qint_block_tile<Bits, Lut, Unit, Z, 2>(a, a.x_rows, a.out);
+    if (a.m == 1) return qint_block_tile<Bits, Lut, Unit, Z, 1>(a, a.x_rows, a.out);
+    return;
+  }
   for (int half = 0; half < 2; ++half) {
     if (half * 8 >= a.n_valid) break;
     int i = 0;
