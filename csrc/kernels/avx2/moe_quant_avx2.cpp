@@ -257,6 +257,15 @@ KT_INLINE void qint_block_tile(const QintDotArgs& a, const uint8_t* const* x_row
     prefetch_unit<Bits, Unit>(a.block, high, k0);
     __m256i isum[M][2];
     for (int i = 0; i < M; ++i) isum[i][0] = isum[i][1] = _mm256_setzero_si256();
+    // 5/6 bit: the unit's one high-plane line (32 or 16 k), loaded once.
+    [[maybe_unused]] __m256i hb[2];
+    [[maybe_unused]] constexpr int hi_mask = Bits == 5 ? 0x10 : 0x30;
+    if constexpr (Bits == 5 || Bits == 6) {
+      static_assert(Unit * (Bits - 4) == 32, "one high-plane line per unit");
+      const uint8_t* hl = high + (k0 / Unit) * 64;
+      hb[0] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hl));
+      hb[1] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hl + 32));
+    }
     for (int v0 = 0; v0 < NV; v0 += kDepth) {
       if constexpr (Bits == 8) {
         // One line: 4 k of all 16 rows; llama.cpp's sign trick per half.
@@ -280,8 +289,18 @@ KT_INLINE void qint_block_tile(const QintDotArgs& a, const uint8_t* const* x_row
         for (int v = v0; v < v0 + kDepth; v += 2) {
           // Quads v, v+1 of both halves: one 64-byte line of the low plane.
           __m256i w0[2], w1[2];
-          decode_unit<Bits, Lut, 2>(a.block, high, k0 + 4 * v, 0, w0);
-          decode_unit<Bits, Lut, 2>(a.block, high, k0 + 4 * v, 1, w1);
+          if constexpr (Bits == 4) {
+            decode_unit<Bits, Lut, 2>(a.block, high, k0 + 4 * v, 0, w0);
+            decode_unit<Bits, Lut, 2>(a.block, high, k0 + 4 * v, 1, w1);
+          } else {
+            decode_unit<4, false, 2>(a.block, high, k0 + 4 * v, 0, w0);
+            decode_unit<4, false, 2>(a.block, high, k0 + 4 * v, 1, w1);
+            for (int j = 0; j < 2; ++j) {
+              const int from = (Bits - 4) * (v + j);  // a constant once the loops unroll
+              w0[j] = _mm256_or_si256(w0[j], high_bits_to_bit4(hb[0], from, hi_mask));
+              w1[j] = _mm256_or_si256(w1[j], high_bits_to_bit4(hb[1], from, hi_mask));
+            }
+          }
           for (int i = 0; i < M; ++i) {
             const int8_t* xp = xq[i] + k0 + 4 * v;
             const __m256i xa = _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(xp));
@@ -389,30 +408,51 @@ KT_INLINE void decode_e4m3_pair(__m256i v, __m256* out) {
   out[3] = _mm256_cvtph_ps(_mm256_extracti128_si256(hi, 1));
 }
 
-template <int M>
+// M tokens; each k step (one 32-byte line, 2 k x 16 rows) is unrolled U
+// times with separate partial sums per (line, k parity, half), so the FMA
+// chains are 4*U deep in parallel: one chain per 2 FMAs would tie M = 1 to
+// the FMA latency (4 cycles per line, ~13 GB/s a core), not to its inputs.
+template <int M, int U>
 KT_INLINE void fp8_tile(const Fp8DotArgs& a, const float* const* x_rows, float* out) {
   constexpr int64_t kBlock = formats::kFp8ScaleBlock;
+  static_assert(kBlock % (2 * U) == 0, "the unroll must divide a scale block");
   __m256 acc[M][2];
   for (int i = 0; i < M; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
   for (int64_t k0 = 0; k0 < a.kp; k0 += kBlock) {
+    // kp is a multiple of 32, so of 2 * U; a scale block ends at kp or at k0 + 128.
     const int64_t k1 = std::min(a.kp, k0 + kBlock);
-    __m256 part[M][2];
-    for (int i = 0; i < M; ++i) part[i][0] = part[i][1] = _mm256_setzero_ps();
-    for (int64_t k = k0; k < k1; k += 2) {
+    __m256 part[M][U][4];
+    for (int i = 0; i < M; ++i)
+      for (int u = 0; u < U; ++u)
+        for (int j = 0; j < 4; ++j) part[i][u][j] = _mm256_setzero_ps();
+    for (int64_t k = k0; k < k1; k += 2 * U) {
       __builtin_prefetch(a.block + k * 16 + 2048, 0, 3);
-      __m256 w[4];
-      decode_e4m3_pair(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.block + k * 16)), w);
-      for (int i = 0; i < M; ++i) {
-        const __m256 x0 = _mm256_set1_ps(x_rows[i][k]);
-        const __m256 x1 = _mm256_set1_ps(x_rows[i][k + 1]);
-        part[i][0] = _mm256_fmadd_ps(w[2], x1, _mm256_fmadd_ps(w[0], x0, part[i][0]));
-        part[i][1] = _mm256_fmadd_ps(w[3], x1, _mm256_fmadd_ps(w[1], x0, part[i][1]));
+      if constexpr (U == 2) __builtin_prefetch(a.block + k * 16 + 2048 + 32, 0, 3);
+      for (int u = 0; u < U; ++u) {
+        const int64_t kk = k + 2 * u;
+        __m256 w[4];
+        decode_e4m3_pair(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.block + kk * 16)),
+                         w);
+        for (int i = 0; i < M; ++i) {
+          const __m256 x0 = _mm256_set1_ps(x_rows[i][kk]);
+          const __m256 x1 = _mm256_set1_ps(x_rows[i][kk + 1]);
+          part[i][u][0] = _mm256_fmadd_ps(w[0], x0, part[i][u][0]);
+          part[i][u][1] = _mm256_fmadd_ps(w[1], x0, part[i][u][1]);
+          part[i][u][2] = _mm256_fmadd_ps(w[2], x1, part[i][u][2]);
+          part[i][u][3] = _mm256_fmadd_ps(w[3], x1, part[i][u][3]);
+        }
       }
     }
     const __m256 s = _mm256_set1_ps(a.scales[k0 / kBlock] * 256.0f);
     for (int i = 0; i < M; ++i) {
-      acc[i][0] = _mm256_fmadd_ps(part[i][0], s, acc[i][0]);
-      acc[i][1] = _mm256_fmadd_ps(part[i][1], s, acc[i][1]);
+      __m256 lo = _mm256_add_ps(part[i][0][0], part[i][0][2]);
+      __m256 hi = _mm256_add_ps(part[i][0][1], part[i][0][3]);
+      for (int u = 1; u < U; ++u) {
+        lo = _mm256_add_ps(lo, _mm256_add_ps(part[i][u][0], part[i][u][2]));
+        hi = _mm256_add_ps(hi, _mm256_add_ps(part[i][u][1], part[i][u][3]));
+      }
+      acc[i][0] = _mm256_fmadd_ps(lo, s, acc[i][0]);
+      acc[i][1] = _mm256_fmadd_ps(hi, s, acc[i][1]);
     }
   }
   for (int i = 0; i < M; ++i) {
@@ -422,10 +462,11 @@ KT_INLINE void fp8_tile(const Fp8DotArgs& a, const float* const* x_rows, float* 
 }
 
 void fp8_dot(const Fp8DotArgs& a) {
-  constexpr int kTile = 2;  // 4 partial + 4 total accumulators + 4 decoded weights
+  // Two tokens: 8 partial + 4 total accumulators + 4 decoded weights.
+  constexpr int kTile = 2;
   int i = 0;
-  for (; i + kTile <= a.m; i += kTile) fp8_tile<kTile>(a, a.x_rows + i, a.out + i * 16);
-  if (a.m - i == 1) fp8_tile<1>(a, a.x_rows + i, a.out + i * 16);
+  for (; i + kTile <= a.m; i += kTile) fp8_tile<kTile, 1>(a, a.x_rows + i, a.out + i * 16);
+  if (a.m - i == 1) fp8_tile<1, 2>(a, a.x_rows + i, a.out + i * 16);
 }
 
 }  // namespace
