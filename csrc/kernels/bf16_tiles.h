@@ -22,6 +22,7 @@
 #include <cstdint>
 
 #include "kernels/kernel_api.h"
+#include "kernels/swiglu.h"
 
 namespace kt::kernels {
 
@@ -72,18 +73,6 @@ KT_ALWAYS_INLINE void bf16_tile(const float* const* x, const uint16_t* w, int k_
       const Reg r = kSplitK ? V::add(acc0[i][v], acc1[i][v]) : acc0[i][v];
       V::store(&acc_out[i][v * V::kLanes], r);
     }
-}
-
-// silu(g) * u over 16 values, in place in g.
-template <class V>
-KT_ALWAYS_INLINE void silu_mul_16(float* g, const float* u) {
-  using Reg = typename V::Reg;
-  const Reg one = V::set1(1.0f);
-  for (int v = 0; v < 16; v += V::kLanes) {
-    const Reg gv = V::load(g + v);
-    const Reg sig = V::div(one, V::add(one, V::exp(V::neg(gv))));
-    V::store(g + v, V::mul(V::mul(gv, sig), V::load(u + v)));
-  }
 }
 
 template <class V, int M>

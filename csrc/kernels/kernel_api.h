@@ -80,6 +80,8 @@ struct QuantKernels {
   const char* isa_name;
   void (*qint_dot)(const QintDotArgs&);
   void (*fp8_dot)(const Fp8DotArgs&);
+  // gate[i] = silu(gate[i]) * up[i] over m rows of 16 ([m][16] fp32, in place).
+  void (*silu_mul_rows)(float* gate, const float* up, int m);
 };
 
 namespace ref {

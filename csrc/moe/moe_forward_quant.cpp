@@ -5,7 +5,6 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
-#include <cmath>
 #include <vector>
 
 #include "formats/bf16.h"
@@ -187,11 +186,11 @@ at::Tensor moe_forward_quant(const at::Tensor& hidden_states, const at::Tensor& 
                 s.xq_rows.data() + r0, m, n_valid, t_gate_out.data());
       block_dot(ex, kernels, gate_up_loc, ex.up, e, nb, s.x_rows.data() + r0, s.xq_rows.data() + r0,
                 m, n_valid, t_up_out.data());
+      kernels.silu_mul_rows(t_gate_out.data(), t_up_out.data(), m);
       for (int i = 0; i < m; ++i) {
         float* h = s.h_rows[r0 + i] + nb * kQintBlockRows;
         const float* g = t_gate_out.data() + i * kQintBlockRows;
-        const float* u = t_up_out.data() + i * kQintBlockRows;
-        for (int r = 0; r < n_valid; ++r) h[r] = g[r] / (1.0f + std::exp(-g[r])) * u[r];
+        std::copy(g, g + n_valid, h);
       }
     }
   });

@@ -26,7 +26,9 @@
 #include "formats/fp8.h"
 #include "formats/q8_activations.h"
 #include "formats/qint.h"
+#include "kernels/avx2/vec.h"
 #include "kernels/kernel_api.h"
+#include "kernels/swiglu.h"
 
 namespace kt::kernels::avx2 {
 
@@ -472,7 +474,7 @@ void fp8_dot(const Fp8DotArgs& a) {
 }  // namespace
 
 const QuantKernels& quant_kernels() {
-  static const QuantKernels k{"avx2", &qint_dot, &fp8_dot};
+  static const QuantKernels k{"avx2", &qint_dot, &fp8_dot, &kernels::silu_mul_rows<Vec>};
   return k;
 }
 

@@ -9,6 +9,8 @@
 #include "formats/q8_activations.h"
 #include "formats/qint.h"
 #include "kernels/kernel_api.h"
+#include "kernels/ref/vec.h"
+#include "kernels/swiglu.h"
 
 namespace kt::kernels::ref {
 
@@ -74,7 +76,7 @@ void fp8_dot(const Fp8DotArgs& a) {
 }  // namespace
 
 const QuantKernels& quant_kernels() {
-  static const QuantKernels k{"ref", &qint_dot, &fp8_dot};
+  static const QuantKernels k{"ref", &qint_dot, &fp8_dot, &kernels::silu_mul_rows<Vec>};
   return k;
 }
 
