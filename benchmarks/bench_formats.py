@@ -60,6 +60,7 @@ Not part of the test suite (pytest only collects ``tests/``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -112,10 +113,20 @@ class Variant:
     weight_format: str
     group_size: Optional[int] = None  # None: the format's default
     symmetric: bool = True
+    activations: str = "auto"  # kt_ops.set_quant_activations mode for this variant's calls
 
 
 def parse_variant(label: str) -> Variant:
-    """A format name (``bf16``, ``q4_k``, ...) or ``int4-g<group>[-asym]`` (``int4-g32-asym``)."""
+    """A format name (``bf16``, ``q4_k``, ...) or ``int4-g<group>[-asym]`` (``int4-g32-asym``).
+
+    A suffix ``@q8``, ``@fp32`` or ``@auto`` pins the compute path
+    (:func:`kt_ops.set_quant_activations`), e.g. ``int4-g128@fp32`` for w4a16.
+    """
+    name, _, mode = label.partition("@")
+    if mode:
+        if mode not in ("auto", "q8", "fp32"):
+            raise argparse.ArgumentTypeError(f"{label!r}: the suffix must be @auto, @q8 or @fp32")
+        return dataclasses.replace(parse_variant(name), label=label, activations=mode)
     m = re.fullmatch(r"int4-g(\d+)(-asym)?", label)
     if m:
         return Variant(label, "int4", int(m.group(1)), m.group(2) is None)
@@ -162,6 +173,10 @@ class Packed:
         return Sizes(self.variant, self.gate.group_size, nbytes / experts, bits, self.build_s)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        with kt_ops.use_quant_activations(self.variant.activations):
+            return self._forward(x, ids, w)
+
+    def _forward(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         g, u, d = self.gate, self.up, self.down
         return kt_ops.moe_forward(
             x,

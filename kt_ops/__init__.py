@@ -17,12 +17,16 @@ from kt_ops.ops import (
 from kt_ops.runtime import (
     active_isa,
     get_num_threads,
+    get_quant_activations,
     info,
     print_info,
+    quant_fp32_min_tokens,
     set_isa,
     set_num_threads,
+    set_quant_activations,
     supported_isas,
     use_isa,
+    use_quant_activations,
 )
 
 __version__ = "0.1.0"
@@ -41,6 +45,10 @@ __all__ = [
     "set_num_threads",
     "supported_isas",
     "use_isa",
+    "get_quant_activations",
+    "quant_fp32_min_tokens",
+    "set_quant_activations",
+    "use_quant_activations",
     "replace_experts",
     "apply_lora",
 ]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Optional
 
 from kt_ops import _C
 
@@ -55,6 +56,56 @@ def use_isa(name: str) -> Iterator[None]:
         yield
     finally:
         set_isa(previous)
+
+
+def set_quant_activations(mode: str) -> None:
+    """Choose how the quantized weight formats multiply activations (process-wide).
+
+    * ``'q8'``: the qint formats (``int8``, ``int4``, ``mxfp4``, GGUF types)
+      quantize each activation row to int8 per 32 values and multiply integer
+      codes (w8a8 / w4a8, ``pmaddubsw``/VNNI dot products); ``fp8`` multiplies
+      its decoded codes with fp32 activations in registers.
+    * ``'fp32'``: every format decodes each 16-row weight block once to fp32
+      (``scale * q - zero``) and multiplies fp32 activations (weight-only,
+      the w4a16 path; no activation rounding).
+    * ``'auto'`` (default): per expert and call, ``'fp32'`` when the expert
+      has at least the format's measured break-even token count (see
+      docs/formats.md, "Compute paths"), else ``'q8'``.
+
+    The two paths round differently (``'q8'`` rounds activations to int8), so
+    under ``'auto'`` a token's output can depend on how many tokens share its
+    experts; pin ``'q8'`` or ``'fp32'`` for batch-invariant results.
+
+    Raises ``ValueError`` for any other ``mode``.
+    """
+    _C.set_quant_activations(str(mode))
+
+
+def get_quant_activations() -> str:
+    """The mode set by :func:`set_quant_activations`: ``'auto'``, ``'q8'`` or ``'fp32'``."""
+    return _C.quant_activations()
+
+
+def quant_fp32_min_tokens(weight_format: str) -> Optional[int]:
+    """Tokens per expert from which ``'auto'`` takes the ``'fp32'`` path for ``weight_format``.
+
+    ``None`` when ``'auto'`` always takes ``'q8'`` (4/5/6-bit formats, and
+    ``bf16``, which has one path). The thresholds are measured break-evens
+    (docs/formats.md, "Compute paths"). Raises ``ValueError`` for an unknown format.
+    """
+    n = _C.quant_fp32_min_tokens(str(weight_format))
+    return None if n >= 2**31 - 1 else n
+
+
+@contextlib.contextmanager
+def use_quant_activations(mode: str) -> Iterator[None]:
+    """Context manager: :func:`set_quant_activations` ``mode``, then restore the previous one."""
+    previous = get_quant_activations()
+    set_quant_activations(mode)
+    try:
+        yield
+    finally:
+        set_quant_activations(previous)
 
 
 def info() -> dict:

@@ -83,11 +83,14 @@ def run_on_isa() -> Callable[[str, Callable[[], R]], R]:
 @pytest.fixture(autouse=True)
 def _restore_runtime() -> Iterator[None]:
     threads, isa_name = kt_ops.get_num_threads(), kt_ops.active_isa()
+    quant_mode = kt_ops.get_quant_activations()
     yield
     if kt_ops.get_num_threads() != threads:
         kt_ops.set_num_threads(threads)
     if kt_ops.active_isa() != isa_name:
         kt_ops.set_isa(isa_name)
+    if kt_ops.get_quant_activations() != quant_mode:
+        kt_ops.set_quant_activations(quant_mode)
 
 
 @pytest.fixture

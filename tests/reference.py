@@ -591,6 +591,7 @@ def reference_quant_moe_forward(
     down: Tensor,
     *,
     activation: str = "q8",
+    fp32_min_tokens: Optional[int] = None,
 ) -> QuantReference:
     """Dense fp32 reference of a quantized ``moe_forward`` on dense weights.
 
@@ -601,10 +602,11 @@ def reference_quant_moe_forward(
     gate/up, the SwiGLU output before down, :func:`q8_activations`) and
     fills ``slack`` (see the comment above ``TOL_QUANT``); ``'fp32'`` leaves
     them alone (fp8 kernels, or the plain dense model) with zero slack.
+    With ``fp32_min_tokens``, experts with at least that many routed slots
+    take the fp32 path even for ``'q8'`` (``kt_ops.set_quant_activations('auto')``).
     """
     if activation not in ("q8", "fp32"):
         raise ValueError(f"activation must be 'q8' or 'fp32', got {activation!r}")
-    q8 = activation == "q8"
     T, H = hidden_states.shape
     with single_threaded_torch():
         x = hidden_states.float()
@@ -615,6 +617,7 @@ def reference_quant_moe_forward(
         for e in torch.unique(ids[ids >= 0]).tolist():
             tok, slot = torch.nonzero(ids == e, as_tuple=True)
             xe = x[tok]
+            q8 = activation == "q8" and (fp32_min_tokens is None or len(tok) < fp32_min_tokens)
             if q8:
                 xe = q8_activations(xe)
             h = torch.nn.functional.silu(xe @ gate[e].float().T) * (xe @ up[e].float().T)
@@ -630,9 +633,24 @@ def reference_quant_moe_forward(
 def reference_for(
     experts: QuantExperts, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor
 ) -> QuantReference:
-    """The reference of ``moe_forward(hidden_states, ..., **experts.kwargs())``."""
+    """The reference of ``moe_forward(hidden_states, ..., **experts.kwargs())``.
+
+    Follows the process-wide compute path (``kt_ops.get_quant_activations()``):
+    under ``'auto'`` each expert's path depends on its token count.
+    """
+    activation, fp32_min = experts.activation, None
+    mode = kt_ops.get_quant_activations()
+    if mode == "fp32":
+        activation = "fp32"
+    elif mode == "auto":
+        fp32_min = kt_ops.quant_fp32_min_tokens(experts.weight_format)
     return reference_quant_moe_forward(
-        hidden_states, topk_ids, topk_weights, *experts.dense(), activation=experts.activation
+        hidden_states,
+        topk_ids,
+        topk_weights,
+        *experts.dense(),
+        activation=activation,
+        fp32_min_tokens=fp32_min,
     )
 
 

@@ -309,6 +309,84 @@ def test_thread_counts_bit_identical(qisa, v):
 
 
 # --------------------------------------------------------------------------
+# Compute paths: q8 (integer dot), fp32 (decoded block, weight-only), auto
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("v", VARIANTS, ids=VARIANT_IDS)
+@pytest.mark.parametrize("T", [1, 7, 130])
+def test_fp32_path_matches_the_unrounded_reference(qisa, v, T):
+    w = layer(v)
+    ids, weights = routing(T, seed=T)
+    x = make_hidden(T, v.H, torch.bfloat16, seed=T)
+    with kt_ops.use_quant_activations("fp32"):
+        out = check(x, ids, weights, w)  # reference_for follows the mode: no q8 rounding
+    ref = reference_quant_moe_forward(x, ids, weights, *w.dense(), activation="fp32")
+    assert quant_mismatch_report(out, ref) is None
+
+
+@pytest.mark.parametrize("v", PER_FORMAT, ids=[v.id for v in PER_FORMAT])
+def test_fp32_path_thread_counts_bit_identical(qisa, v):
+    w = layer(v)
+    T = 40
+    ids, weights = routing(T, seed=3)
+    x = make_hidden(T, v.H, torch.float32, seed=3)
+    with kt_ops.use_quant_activations("fp32"):
+        outs = []
+        for n in THREAD_COUNTS:
+            kt_ops.set_num_threads(n)
+            outs.append(run_op(x, ids, weights, w))
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+
+
+def _heavy_and_light_routing(T: int, heavy: int, light: int) -> tuple[Tensor, Tensor]:
+    """Top-1 routing: tokens 0..heavy-1 to expert 0, the next ``light`` to expert 1, rest -1."""
+    ids = torch.full((T, 1), -1, dtype=torch.int64)
+    ids[:heavy, 0] = 0
+    ids[heavy : heavy + light, 0] = 1
+    return ids, torch.ones(T, 1)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "q8_0", "fp8"])
+def test_auto_switches_path_at_the_threshold(qisa, fmt):
+    v = next(v for v in PER_FORMAT if v.fmt == fmt)
+    n = kt_ops.quant_fp32_min_tokens(fmt)
+    assert n is not None and n > 1
+    w = layer(v)
+    T = 2 * n
+    ids, weights = _heavy_and_light_routing(T, heavy=n, light=n - 1)
+    x = make_hidden(T, v.H, torch.float32, seed=11)
+    outs = {}
+    for mode in ("auto", "q8", "fp32"):
+        with kt_ops.use_quant_activations(mode):
+            outs[mode] = check(x, ids, weights, w)
+    heavy, light = slice(0, n), slice(n, 2 * n - 1)
+    # Expert 0 (n tokens) took the fp32 path, expert 1 (n - 1 tokens) the q8 one.
+    assert torch.equal(outs["auto"][heavy], outs["fp32"][heavy])
+    assert torch.equal(outs["auto"][light], outs["q8"][light])
+    if fmt != "fp8":  # q8 rounds activations: the two paths really differ
+        assert not torch.equal(outs["q8"][heavy], outs["fp32"][heavy])
+
+
+def test_quant_activation_modes():
+    assert kt_ops.get_quant_activations() == "auto"
+    with kt_ops.use_quant_activations("q8"):
+        assert kt_ops.get_quant_activations() == "q8"
+        with kt_ops.use_quant_activations("fp32"):
+            assert kt_ops.get_quant_activations() == "fp32"
+        assert kt_ops.get_quant_activations() == "q8"
+    assert kt_ops.get_quant_activations() == "auto"
+    with pytest.raises(ValueError, match="mode must be 'auto', 'q8' or 'fp32', got 'int8'"):
+        kt_ops.set_quant_activations("int8")
+    for fmt in ("int4", "mxfp4", "q4_0", "q4_k", "q5_k", "q6_k", "bf16"):
+        assert kt_ops.quant_fp32_min_tokens(fmt) is None, fmt
+    for fmt in ("int8", "q8_0", "fp8"):
+        assert kt_ops.quant_fp32_min_tokens(fmt) >= 2, fmt
+    with pytest.raises(ValueError, match="int3"):
+        kt_ops.quant_fp32_min_tokens("int3")
+
+
+# --------------------------------------------------------------------------
 # Weights from raw checkpoint blocks (every code value, not just a quantizer's)
 # --------------------------------------------------------------------------
 

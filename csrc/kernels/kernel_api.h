@@ -76,12 +76,29 @@ struct Fp8DotArgs {
   float* out;  // [m][16]
 };
 
+// The weight-only ("dequantize, then fp32 FMA") path of the quantized
+// formats, the w4a16 alternative to the integer dot: decode writes one
+// 16-row block as fp32 W^T, w[k * 16 + r] = W[r][k] for k < Kp (qint:
+// scale * q - zero; fp8: e4m3 * block scale); dense_dot multiplies it with m
+// fp32 activation rows:  out[i*16 + r] = sum_k w[k * 16 + r] * x_i[k].
+struct DenseDotArgs {
+  const float* const* x_rows;  // m rows of fp32, Kp long, zero padded
+  int m;
+  const float* w;  // [Kp][16]
+  int64_t kp;
+  float* out;  // [m][16]
+};
+
 struct QuantKernels {
   const char* isa_name;
   void (*qint_dot)(const QintDotArgs&);
   void (*fp8_dot)(const Fp8DotArgs&);
   // gate[i] = silu(gate[i]) * up[i] over m rows of 16 ([m][16] fp32, in place).
   void (*silu_mul_rows)(float* gate, const float* up, int m);
+  // Weight-only path (see DenseDotArgs); the decoders ignore x_rows, m, out.
+  void (*qint_decode)(const QintDotArgs&, float* w);
+  void (*fp8_decode)(const Fp8DotArgs&, float* w);
+  void (*dense_dot)(const DenseDotArgs&);
 };
 
 namespace ref {

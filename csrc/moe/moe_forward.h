@@ -41,6 +41,24 @@ struct QuantExperts {
   QuantProjection gate, up, down;
 };
 
+// What the quantized formats multiply the activations with, per (expert,
+// 16-row block) kernel call (docs/formats.md, "Compute paths"):
+//   kQ8:   qint formats quantize activations to q8 and multiply integer codes
+//          (w8a8 / w4a8); fp8 multiplies decoded codes with fp32 activations
+//          in registers;
+//   kFp32: every format decodes the block once to fp32 W (scale * q - zero)
+//          and multiplies fp32 activations (weight-only, the w4a16 path),
+//          which pays off when many tokens share the block;
+//   kAuto: per call, kFp32 when the expert has at least
+//          fp32_path_min_tokens(format) tokens, else kQ8.
+// Process-wide; kAuto by default.
+enum class QuantActivations { kAuto, kQ8, kFp32 };
+void set_quant_activations(QuantActivations mode);
+QuantActivations quant_activations();
+// The token count per expert from which kAuto takes the fp32 path, for a
+// format of `kind` (and `format`, for kQint).
+int fp32_path_min_tokens(QuantKind kind, const formats::QintFormat& format);
+
 // The same computation for the quantized formats (docs/formats.md): qint
 // formats quantize each activation row to q8 (formats/q8_activations.h), fp8
 // keeps fp32 activations. Phases as above, with a q8 pass over the SwiGLU

@@ -5,6 +5,8 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <atomic>
+#include <limits>
 #include <vector>
 
 #include "formats/bf16.h"
@@ -39,6 +41,10 @@ struct QuantScratch {
 thread_local QuantScratch t_scratch;
 // Per-task dot products [m][16]; grown once per thread.
 thread_local std::vector<float> t_gate_out, t_up_out;
+// The fp32 path's decoded block [Kp][16]; grown once per thread.
+thread_local std::vector<float> t_block;
+
+std::atomic<QuantActivations> g_quant_activations{QuantActivations::kAuto};
 
 int64_t scale_bytes(formats::ScaleType t) {
   switch (t) {
@@ -82,11 +88,34 @@ BlockLocator locator(const QuantExperts& ex, int64_t n, int64_t k) {
       &ex, n, k, kp, formats::qint_row_blocks(n), formats::qint_groups(ex.format.group_size, kp)};
 }
 
-// out[i][r] = W_block[r] . x_i for the m rows starting at row r0 of the plan.
+// out[i][r] = W_block[r] . x_i for the m rows starting at row r0 of the plan;
+// `fp32_path` decodes the block to fp32 and multiplies x_rows (qint formats
+// otherwise multiply the q8 records xq_rows).
 void block_dot(const QuantExperts& ex, const kernels::QuantKernels& kernels,
                const BlockLocator& loc, const QuantProjection& p, int64_t e, int64_t nb,
                const float* const* x_rows, const uint8_t* const* xq_rows, int m, int n_valid,
-               float* out) {
+               bool fp32_path, float* out) {
+  if (fp32_path) {
+    grow(t_block, static_cast<size_t>(loc.kp) * kQintBlockRows);
+    if (ex.kind == QuantKind::kFp8) {
+      kernels::Fp8DotArgs args{
+          nullptr, 0, loc.weight(p, e, nb), loc.fp8_scales(p, e, nb), loc.kp, 16, nullptr};
+      kernels.fp8_decode(args, t_block.data());
+    } else {
+      kernels::QintDotArgs args{nullptr,
+                                0,
+                                loc.weight(p, e, nb),
+                                loc.qint_params(p.scales, ex.format.scale_type, e, nb),
+                                loc.qint_params(p.zeros, ex.format.zero_type, e, nb),
+                                &ex.format,
+                                loc.kp,
+                                16,
+                                nullptr};
+      kernels.qint_decode(args, t_block.data());
+    }
+    kernels.dense_dot({x_rows, m, t_block.data(), loc.kp, out});
+    return;
+  }
   if (ex.kind == QuantKind::kFp8) {
     kernels::Fp8DotArgs args{x_rows,  m,  loc.weight(p, e, nb), loc.fp8_scales(p, e, nb), loc.kp,
                              n_valid, out};
@@ -116,6 +145,20 @@ void quantize_rows(const float* src, int64_t stride, int64_t rows, int64_t kp, u
 
 }  // namespace
 
+void set_quant_activations(QuantActivations mode) { g_quant_activations.store(mode); }
+QuantActivations quant_activations() { return g_quant_activations.load(); }
+
+int fp32_path_min_tokens(QuantKind kind, const formats::QintFormat& format) {
+  // Break-even token counts per expert measured on AVX2 (Zen 3) at the
+  // Qwen3-30B-A3B shape (docs/formats.md, "Compute paths"): decoding a block
+  // to fp32 costs about as much as a few tokens' dot products, after which
+  // fp32 FMAs beat fp8's in-register decode (~8 tokens) and the int8 sign
+  // trick (~16). 4/5/6-bit codes multiply faster as integers at any count.
+  if (kind == QuantKind::kFp8) return 8;
+  if (kind == QuantKind::kQint && format.bits == 8) return 16;
+  return std::numeric_limits<int>::max();
+}
+
 at::Tensor moe_forward_quant(const at::Tensor& hidden_states, const at::Tensor& topk_ids,
                              const at::Tensor& topk_weights, const QuantExperts& ex,
                              int64_t num_experts, int64_t intermediate_size,
@@ -126,7 +169,13 @@ at::Tensor moe_forward_quant(const at::Tensor& hidden_states, const at::Tensor& 
   const int64_t I = intermediate_size;
   at::Tensor out = at::empty({T, H}, hidden_states.options());
   if (T == 0 || H == 0) return out;
-  const bool q8 = ex.kind == QuantKind::kQint;
+  const QuantActivations mode = quant_activations();
+  // Experts with at least fp32_min tokens take the fp32 path (block_dot).
+  const int fp32_min = mode == QuantActivations::kFp32 ? 1
+                       : mode == QuantActivations::kQ8 ? std::numeric_limits<int>::max()
+                                                       : fp32_path_min_tokens(ex.kind, ex.format);
+  // q8 records are needed unless every expert takes the fp32 path.
+  const bool q8 = ex.kind == QuantKind::kQint && fp32_min > 1;
 
   const BlockLocator gate_up_loc = locator(ex, I, H);
   const BlockLocator down_loc = locator(ex, H, I);
@@ -182,10 +231,11 @@ at::Tensor moe_forward_quant(const at::Tensor& hidden_states, const at::Tensor& 
           static_cast<int>(std::min<int64_t>(kQintBlockRows, I - nb * kQintBlockRows));
       grow(t_gate_out, static_cast<size_t>(m) * kQintBlockRows);
       grow(t_up_out, static_cast<size_t>(m) * kQintBlockRows);
+      const bool fp32_path = m >= fp32_min;
       block_dot(ex, kernels, gate_up_loc, ex.gate, e, nb, s.x_rows.data() + r0,
-                s.xq_rows.data() + r0, m, n_valid, t_gate_out.data());
+                s.xq_rows.data() + r0, m, n_valid, fp32_path, t_gate_out.data());
       block_dot(ex, kernels, gate_up_loc, ex.up, e, nb, s.x_rows.data() + r0, s.xq_rows.data() + r0,
-                m, n_valid, t_up_out.data());
+                m, n_valid, fp32_path, t_up_out.data());
       kernels.silu_mul_rows(t_gate_out.data(), t_up_out.data(), m);
       for (int i = 0; i < m; ++i) {
         float* h = s.h_rows[r0 + i] + nb * kQintBlockRows;
@@ -209,7 +259,7 @@ at::Tensor moe_forward_quant(const at::Tensor& hidden_states, const at::Tensor& 
           static_cast<int>(std::min<int64_t>(kQintBlockRows, H - nb * kQintBlockRows));
       grow(t_gate_out, static_cast<size_t>(m) * kQintBlockRows);
       block_dot(ex, kernels, down_loc, ex.down, e, nb, s.h_rows.data() + r0, s.hq_rows.data() + r0,
-                m, n_valid, t_gate_out.data());
+                m, n_valid, m >= fp32_min, t_gate_out.data());
       for (int i = 0; i < m; ++i) {
         float* y = s.y_rows[r0 + i] + nb * kQintBlockRows;
         const float w = plan.row_weight[r0 + i];

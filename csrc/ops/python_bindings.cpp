@@ -6,7 +6,9 @@
 
 #include <stdexcept>
 
+#include "formats/format_registry.h"
 #include "kernels/dispatch.h"
+#include "moe/moe_forward.h"
 #include "runtime/cpu_features.h"
 #include "runtime/thread_pool.h"
 #include "runtime/topology.h"
@@ -76,6 +78,31 @@ PYBIND11_MODULE(_C, m) {
   m.def("active_isa", [] { return std::string(kt::kernels::isa_name(kt::kernels::active_isa())); });
   m.def("set_isa",
         [](const std::string& name) { kt::kernels::set_active_isa(kt::kernels::parse_isa(name)); });
+  m.def("set_quant_activations", [](const std::string& mode) {
+    using kt::moe::QuantActivations;
+    if (mode == "auto") return kt::moe::set_quant_activations(QuantActivations::kAuto);
+    if (mode == "q8") return kt::moe::set_quant_activations(QuantActivations::kQ8);
+    if (mode == "fp32") return kt::moe::set_quant_activations(QuantActivations::kFp32);
+    throw std::invalid_argument(
+        "kt_ops.set_quant_activations: mode must be 'auto', 'q8' or 'fp32', got '" + mode + "'");
+  });
+  m.def("quant_activations", [] {
+    switch (kt::moe::quant_activations()) {
+      case kt::moe::QuantActivations::kQ8:
+        return std::string("q8");
+      case kt::moe::QuantActivations::kFp32:
+        return std::string("fp32");
+      default:
+        return std::string("auto");
+    }
+  });
+  m.def("quant_fp32_min_tokens", [](const std::string& name) {
+    const kt::formats::FormatInfo& f = kt::formats::lookup_format(name);
+    const auto kind = f.kind == kt::formats::FormatKind::kFp8    ? kt::moe::QuantKind::kFp8
+                      : f.kind == kt::formats::FormatKind::kQint ? kt::moe::QuantKind::kQint
+                                                                 : kt::moe::QuantKind::kNone;
+    return kt::moe::fp32_path_min_tokens(kind, f.qint);
+  });
   m.def("topology", &topology_report);
   m.def("cpu_features", &cpu_features_report);
 }

@@ -471,10 +471,126 @@ void fp8_dot(const Fp8DotArgs& a) {
   if (a.m - i == 1) fp8_tile<1, 2>(a, a.x_rows + i, a.out + i * 16);
 }
 
+// ---- weight-only path: decode a block to fp32, then fp32 FMAs -------------
+
+// One 16-row block as fp32 W^T [Kp][16]. Per 8 k and half: the codes of 8
+// rows x 8 k ([row][4 k] bytes per quad), regrouped by a byte shuffle and a
+// dword permute into 8-byte runs of one k, widened to int32, converted and
+// scaled: w = s * q - z.
+template <int Bits, bool Lut, ZeroMode Z>
+void qint_decode_impl(const QintDotArgs& a, float* w) {
+  const QintFormat& f = *a.format;
+  const int64_t kp = a.kp;
+  const int64_t gsize = f.group_size == 0 ? kp : f.group_size;
+  const uint8_t* high = a.block + formats::qint_low_plane_bytes(Bits, kp);
+  // Bytes r*4 + j -> j*4 + r within each 128-bit lane (rows 0-3 | rows 4-7),
+  // then dwords (j, rows 0-3), (j, rows 4-7) side by side.
+  const __m256i by_k = _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15, 0, 4,
+                                        8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  const __m256i rows_together = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  const __m256 offset = _mm256_set1_ps(f.zero_offset);
+  for (int64_t k0 = 0; k0 < kp; k0 += 8) {
+    for (int half = 0; half < 2; ++half) {
+      __m256i c[2];
+      if constexpr (Bits == 8) {
+        for (int v = 0; v < 2; ++v)
+          c[v] = _mm256_loadu_si256(
+              reinterpret_cast<const __m256i*>(a.block + (k0 / 4 + v) * 64 + half * 32));
+      } else {
+        decode_unit<Bits, Lut, 2>(a.block, high, k0, half, c);
+      }
+      const int64_t sidx = (k0 / gsize) * 16 + half * 8;
+      const __m256 sc = load_scales(a.scales, f.scale_type, sidx);
+      const __m256 z = Z == ZeroMode::kExplicit ? load_scales(a.zeros, f.zero_type, sidx)
+                                                : _mm256_mul_ps(offset, sc);
+      for (int v = 0; v < 2; ++v) {
+        const __m256i t =
+            _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(c[v], by_k), rows_together);
+        const __m128i lo = _mm256_castsi256_si128(t), hi = _mm256_extracti128_si256(t, 1);
+        const __m128i runs[4] = {lo, _mm_unpackhi_epi64(lo, lo), hi, _mm_unpackhi_epi64(hi, hi)};
+        for (int j = 0; j < 4; ++j) {
+          const __m256i q =
+              Bits == 8 ? _mm256_cvtepi8_epi32(runs[j]) : _mm256_cvtepu8_epi32(runs[j]);
+          _mm256_storeu_ps(w + (k0 + 4 * v + j) * 16 + half * 8,
+                           _mm256_fmsub_ps(sc, _mm256_cvtepi32_ps(q), z));
+        }
+      }
+    }
+  }
+}
+
+void qint_decode(const QintDotArgs& a, float* w) {
+  const QintFormat& f = *a.format;
+  const bool explicit_zero = a.zeros != nullptr;
+  if (f.bits == 8) return qint_decode_impl<8, false, ZeroMode::kImplicit>(a, w);
+  if (f.bits == 4 && f.lut_e2m1) return qint_decode_impl<4, true, ZeroMode::kImplicit>(a, w);
+  if (f.bits == 4) {
+    if (explicit_zero) return qint_decode_impl<4, false, ZeroMode::kExplicit>(a, w);
+    return qint_decode_impl<4, false, ZeroMode::kImplicit>(a, w);
+  }
+  if (f.bits == 5) {
+    if (explicit_zero) return qint_decode_impl<5, false, ZeroMode::kExplicit>(a, w);
+    return qint_decode_impl<5, false, ZeroMode::kImplicit>(a, w);
+  }
+  if (f.bits == 6) return qint_decode_impl<6, false, ZeroMode::kImplicit>(a, w);
+  ref::quant_kernels().qint_decode(a, w);
+}
+
+void fp8_decode(const Fp8DotArgs& a, float* w) {
+  for (int64_t k = 0; k < a.kp; k += 2) {
+    __m256 v[4];
+    decode_e4m3_pair(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.block + k * 16)), v);
+    const __m256 s = _mm256_set1_ps(a.scales[k / formats::kFp8ScaleBlock] * 256.0f);
+    for (int j = 0; j < 4; ++j) _mm256_storeu_ps(w + k * 16 + 8 * j, _mm256_mul_ps(v[j], s));
+  }
+}
+
+// M tokens x 16 rows: 2M accumulator chains, one FMA each per k.
+template <int M>
+KT_INLINE void dense_tile(const float* const* x_rows, const float* w, int64_t kp, float* out) {
+  __m256 acc[M][2];
+  for (int i = 0; i < M; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < kp; ++k) {
+    const __m256 w0 = _mm256_loadu_ps(w + k * 16), w1 = _mm256_loadu_ps(w + k * 16 + 8);
+    for (int i = 0; i < M; ++i) {
+      const __m256 x = _mm256_set1_ps(x_rows[i][k]);
+      acc[i][0] = _mm256_fmadd_ps(w0, x, acc[i][0]);
+      acc[i][1] = _mm256_fmadd_ps(w1, x, acc[i][1]);
+    }
+  }
+  for (int i = 0; i < M; ++i) {
+    _mm256_storeu_ps(out + i * 16, acc[i][0]);
+    _mm256_storeu_ps(out + i * 16 + 8, acc[i][1]);
+  }
+}
+
+void dense_dot(const DenseDotArgs& a) {
+  constexpr int kTile = 6;  // 12 accumulators + 2 weight vectors + 1 broadcast
+  int i = 0;
+  for (; i + kTile <= a.m; i += kTile) dense_tile<kTile>(a.x_rows + i, a.w, a.kp, a.out + i * 16);
+  const float* const* x = a.x_rows + i;
+  float* out = a.out + i * 16;
+  switch (a.m - i) {
+    case 5:
+      return dense_tile<5>(x, a.w, a.kp, out);
+    case 4:
+      return dense_tile<4>(x, a.w, a.kp, out);
+    case 3:
+      return dense_tile<3>(x, a.w, a.kp, out);
+    case 2:
+      return dense_tile<2>(x, a.w, a.kp, out);
+    case 1:
+      return dense_tile<1>(x, a.w, a.kp, out);
+    default:
+      return;
+  }
+}
+
 }  // namespace
 
 const QuantKernels& quant_kernels() {
-  static const QuantKernels k{"avx2", &qint_dot, &fp8_dot, &kernels::silu_mul_rows<Vec>};
+  static const QuantKernels k{"avx2",       &qint_dot,   &fp8_dot,  &kernels::silu_mul_rows<Vec>,
+                              &qint_decode, &fp8_decode, &dense_dot};
   return k;
 }
 

@@ -73,10 +73,42 @@ void fp8_dot(const Fp8DotArgs& a) {
   }
 }
 
+void qint_decode(const QintDotArgs& a, float* w) {
+  const QintFormat& f = *a.format;
+  const int64_t gsize = f.group_size == 0 ? a.kp : f.group_size;
+  for (int64_t k = 0; k < a.kp; ++k) {
+    const int64_t g = k / gsize;
+    for (int r = 0; r < 16; ++r) {
+      const float s = formats::scale_value(a.scales, f.scale_type, g * 16 + r);
+      const float z = a.zeros != nullptr ? formats::scale_value(a.zeros, f.zero_type, g * 16 + r)
+                                         : f.zero_offset * s;
+      const float q = static_cast<float>(formats::qint_code(a.block, f, a.kp, r, k));
+      w[k * 16 + r] = s * q - z;
+    }
+  }
+}
+
+void fp8_decode(const Fp8DotArgs& a, float* w) {
+  for (int64_t k = 0; k < a.kp; ++k) {
+    const float s = a.scales[k / formats::kFp8ScaleBlock];
+    for (int r = 0; r < 16; ++r) w[k * 16 + r] = formats::e4m3_to_float(a.block[k * 16 + r]) * s;
+  }
+}
+
+void dense_dot(const DenseDotArgs& a) {
+  for (int i = 0; i < a.m; ++i) {
+    float acc[16] = {};
+    for (int64_t k = 0; k < a.kp; ++k)
+      for (int r = 0; r < 16; ++r) acc[r] += a.w[k * 16 + r] * a.x_rows[i][k];
+    for (int r = 0; r < 16; ++r) a.out[i * 16 + r] = acc[r];
+  }
+}
+
 }  // namespace
 
 const QuantKernels& quant_kernels() {
-  static const QuantKernels k{"ref", &qint_dot, &fp8_dot, &kernels::silu_mul_rows<Vec>};
+  static const QuantKernels k{"ref",        &qint_dot,   &fp8_dot,  &kernels::silu_mul_rows<Vec>,
+                              &qint_decode, &fp8_decode, &dense_dot};
   return k;
 }
 
