@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 import torch
 from torch import Tensor, nn
 
-from kt_ops.ops import moe_forward, pack_weights
+from kt_ops.ops import join_weight_format, moe_forward, pack_weights, split_weight_format
 
 if TYPE_CHECKING:
     from kt_ops.formats import PackedProjection
@@ -38,11 +38,12 @@ _PROJECTIONS = ("gate", "up", "down")
 
 
 def _packed_shape(num_experts: int, n: int, k: int, weight_format: str) -> tuple[int, ...]:
+    """Shape of one projection ``[num_experts, n, k]`` packed in ``weight_format`` (one name)."""
     if weight_format != "bf16":
         from kt_ops.formats import format_spec
 
         return tuple(format_spec(weight_format).weight_shape(num_experts, n, k))
-    """Shape of ``pack_weights`` applied to ``[num_experts, n, k]``, computed on the meta device."""
+    # bf16: pack_weights on the meta device.
     return tuple(pack_weights(torch.empty(num_experts, n, k, device="meta"), weight_format).shape)
 
 
@@ -125,7 +126,9 @@ class MoEExperts(nn.Module):
         down_weight: packed down projections of ``[E, H, I]`` weights.
         hidden_size: ``H``.
         intermediate_size: ``I``, the expert MLP width.
-        weight_format: format the tensors were packed in (``'bf16'``).
+        weight_format: format the tensors were packed in (``'bf16'``, a
+            quantized format, or ``'gate,up,down'`` per-projection formats;
+            see :func:`kt_ops.ops.split_weight_format`).
         activation_checkpointing: ``True`` recomputes the gate/up
             pre-activations in backward, ``False`` saves them (``2*K*I*4``
             bytes per token), ``None`` (default) is the op's default (with
@@ -167,10 +170,11 @@ class MoEExperts(nn.Module):
             )
         num_experts = int(gate_weight.shape[0]) if gate_weight.dim() > 0 else 0
         H, inter = int(hidden_size), int(intermediate_size)
+        gate_fmt, up_fmt, down_fmt = split_weight_format(weight_format)
         expected = {
-            "gate_weight": _packed_shape(num_experts, inter, H, weight_format),
-            "up_weight": _packed_shape(num_experts, inter, H, weight_format),
-            "down_weight": _packed_shape(num_experts, H, inter, weight_format),
+            "gate_weight": _packed_shape(num_experts, inter, H, gate_fmt),
+            "up_weight": _packed_shape(num_experts, inter, H, up_fmt),
+            "down_weight": _packed_shape(num_experts, H, inter, down_fmt),
         }
         for name, t in zip(_PACKED, (gate_weight, up_weight, down_weight)):
             if tuple(t.shape) != expected[name]:
@@ -375,26 +379,45 @@ class MoEExperts(nn.Module):
 
     @classmethod
     def from_packed(cls, gate: PackedProjection, up: PackedProjection, down: PackedProjection):
-        """Build the module from three :class:`kt_ops.formats.PackedProjection` (one format).
+        """Build the module from three :class:`kt_ops.formats.PackedProjection`.
 
         ``gate``/``up`` hold ``[E, I, H]``, ``down`` ``[E, H, I]``, as produced by
         :func:`kt_ops.formats.quantize_weights`, the loaders or
-        :func:`kt_ops.convert.load_converted`. Raises ``ValueError`` when the
-        formats, group sizes or shapes disagree.
+        :func:`kt_ops.convert.load_converted`. The projections may be in
+        different quantized formats (GGUF Q4_K_M: ``q4_k`` gate/up, ``q6_k``
+        down); the module's ``weight_format`` is then ``'gate,up,down'``.
+        Raises ``ValueError`` when the shapes disagree, bf16 is mixed with
+        quantized formats, or two projections in formats with a choice of
+        group size (``int4``) use different group sizes.
         """
-        fmts = {p.weight_format for p in (gate, up, down)}
-        groups = {p.group_size for p in (gate, up, down)}
-        if len(fmts) != 1 or len(groups) != 1:
+        projs = (gate, up, down)
+        fmt = join_weight_format(*(p.weight_format for p in projs))
+        try:
+            split_weight_format(fmt)
+        except ValueError as err:
+            raise ValueError(f"MoEExperts.from_packed: {err}") from None
+        # One op-level group_size: formats with a single group size (GGUF types,
+        # int8, fp8) keep theirs when mixed; the others must agree.
+        from kt_ops.formats import format_spec
+
+        free = {
+            p.group_size
+            for p in projs
+            if p.weight_format != "bf16" and len(format_spec(p.weight_format).group_sizes) > 1
+        }
+        single_format = len({p.weight_format for p in projs}) == 1
+        groups = {p.group_size for p in projs}
+        if (single_format and len(groups) != 1) or len(free) > 1:
             raise ValueError(
-                "MoEExperts.from_packed: gate/up/down must share one format and group size, got "
-                f"{[(p.weight_format, p.group_size) for p in (gate, up, down)]}"
+                "MoEExperts.from_packed: gate/up/down must share one group size, got "
+                f"{[(p.weight_format, p.group_size) for p in projs]}"
             )
         if (up.n, up.k) != (gate.n, gate.k) or (down.n, down.k) != (gate.k, gate.n):
             raise ValueError(
                 "MoEExperts.from_packed: expected gate and up [E, I, H] and down [E, H, I]; got "
                 f"gate [{gate.n}, {gate.k}], up [{up.n}, {up.k}], down [{down.n}, {down.k}]"
             )
-        fmt = fmts.pop()
+        zeros = tuple(p.zeros for p in projs)
         return cls(
             gate.weight,
             up.weight,
@@ -402,9 +425,9 @@ class MoEExperts(nn.Module):
             hidden_size=gate.k,
             intermediate_size=gate.n,
             weight_format=fmt,
-            scales=None if fmt == "bf16" else (gate.scales, up.scales, down.scales),
-            zeros=None if gate.zeros is None else (gate.zeros, up.zeros, down.zeros),
-            group_size=groups.pop(),
+            scales=None if fmt == "bf16" else tuple(p.scales for p in projs),
+            zeros=None if all(z is None for z in zeros) else zeros,
+            group_size=free.pop() if free else gate.group_size,
         )
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> MoEExperts:

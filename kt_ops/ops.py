@@ -32,6 +32,8 @@ __all__ = [
     "set_lora_activation_checkpointing",
     "lora_activation_checkpointing",
     "WEIGHT_FORMATS",
+    "split_weight_format",
+    "join_weight_format",
 ]
 
 #: Weight formats the op computes with (docs/formats.md; ``kt_ops.formats.FORMATS``).
@@ -43,6 +45,38 @@ _K_PACK = 2  # K values interleaved per row
 
 def _ceil_div(a: int, b: int) -> int:
     return (a + b - 1) // b
+
+
+def split_weight_format(weight_format: str) -> tuple[str, str, str]:
+    """The (gate, up, down) format names of a ``weight_format`` argument.
+
+    ``weight_format`` is one name for all three projections (``'q4_k'``) or
+    three comma-separated names ``'gate,up,down'`` (``'q4_k,q4_k,q6_k'``, as
+    GGUF Q4_K_M files store some layers). Raises ``ValueError`` for another
+    count of names, an unknown name, or ``bf16`` mixed with quantized formats.
+    """
+    names = weight_format.split(",")
+    if len(names) == 1:
+        names = names * 3
+    if len(names) != 3:
+        raise ValueError(
+            f"weight_format={weight_format!r} must be one format name or three comma-separated "
+            "names 'gate,up,down' (e.g. 'q4_k,q4_k,q6_k')"
+        )
+    for n in names:
+        if n not in WEIGHT_FORMATS:
+            raise ValueError(f"unknown weight_format {n!r}; expected one of {WEIGHT_FORMATS}")
+    if "bf16" in names and len(set(names)) > 1:
+        raise ValueError(
+            f"weight_format={weight_format!r} mixes bf16 with quantized formats; bf16 experts "
+            "take one format for all three projections"
+        )
+    return names[0], names[1], names[2]
+
+
+def join_weight_format(gate: str, up: str, down: str) -> str:
+    """The ``weight_format`` argument for per-projection formats (one name when they agree)."""
+    return gate if gate == up == down else f"{gate},{up},{down}"
 
 
 def _check_format(weight_format: str) -> None:
@@ -216,10 +250,15 @@ def moe_forward(
             (packed by ``pack_weights``) or a quantized format whose tensors
             come from ``kt_ops.formats.quantize_weights``, the loaders or the
             converter (uint8 ``weight`` of a :class:`~kt_ops.formats.PackedProjection`).
+            Quantized projections may differ: ``'gate,up,down'``, e.g.
+            ``'q4_k,q4_k,q6_k'`` (GGUF Q4_K_M); see :func:`split_weight_format`.
         gate_scales, up_scales, down_scales: the projections' ``scales`` (``None`` for bf16).
         gate_zeros, up_zeros, down_zeros: the projections' ``zeros`` (formats
             with explicit zero points: asymmetric ``int4``, ``q4_k``, ``q5_k``), else ``None``.
         group_size: the projections' ``group_size`` (0 for bf16 and int8, 128 for fp8).
+            With per-projection formats, a format that has a single group size
+            (the GGUF types, int8, fp8) uses its own and ``group_size`` is that of
+            the others (``int4``).
         gate_lora_a, up_lora_a: ``[E, r, H]`` LoRA A of the gate/up projections.
         gate_lora_b, up_lora_b: ``[E, I, r]`` LoRA B of the gate/up projections.
         down_lora_a: ``[E, r, I]``; down_lora_b: ``[E, H, r]``.
@@ -389,11 +428,14 @@ def _check_fake_args(
         topk_weights.shape == topk_ids.shape,
         lambda: "topk_weights must have the shape of topk_ids",
     )
-    torch._check(weight_format in WEIGHT_FORMATS, lambda: f"unknown weight_format {weight_format}")
+    try:
+        names = split_weight_format(weight_format)
+    except ValueError as err:
+        torch._check(False, lambda err=err: f"kt.moe_forward: {err}")
     H = hidden_states.shape[1]
     inter = intermediate_size
     E = gate_weight.shape[0]
-    if weight_format == "bf16":
+    if names[0] == "bf16":
         expected = {
             "gate_weight": (E, _ceil_div(inter, _BLOCK_ROWS), _ceil_div(H, _K_PACK), 16, 2),
             "up_weight": (E, _ceil_div(inter, _BLOCK_ROWS), _ceil_div(H, _K_PACK), 16, 2),
@@ -403,11 +445,11 @@ def _check_fake_args(
     else:
         from kt_ops.formats import format_spec
 
-        spec = format_spec(weight_format)
+        gate_spec, up_spec, down_spec = (format_spec(n) for n in names)
         expected = {
-            "gate_weight": tuple(spec.weight_shape(E, inter, H)),
-            "up_weight": tuple(spec.weight_shape(E, inter, H)),
-            "down_weight": tuple(spec.weight_shape(E, H, inter)),
+            "gate_weight": tuple(gate_spec.weight_shape(E, inter, H)),
+            "up_weight": tuple(up_spec.weight_shape(E, inter, H)),
+            "down_weight": tuple(down_spec.weight_shape(E, H, inter)),
         }
         dtype = torch.uint8
     for name, t in (

@@ -26,18 +26,21 @@ at::Tensor moe_forward_bf16(const at::Tensor& hidden_states, const at::Tensor& t
                             const at::Tensor& up_weight, const at::Tensor& down_weight,
                             int64_t intermediate_size, const kernels::Bf16Kernels& kernels);
 
+enum class QuantKind { kNone, kQint, kFp8 };  // kNone: bf16
+
 // One projection of every expert in a quantized format (validated by the op).
+// Each projection has its own format: GGUF files mix them (Q4_K_M keeps
+// ffn_down in q6_k in some layers and gate/up in q4_k).
 struct QuantProjection {
+  QuantKind kind = QuantKind::kNone;
+  formats::QintFormat format;       // kQint only (also gives the scale / zero dtypes)
   const uint8_t* weight = nullptr;  // [E, NB, block_bytes]
   const void* scales = nullptr;     // qint: [E, NB, G, 16]; fp8: [E, ceil(N/128), ceil(K/128)]
   const void* zeros = nullptr;      // qint with explicit zeros: [E, NB, G, 16]; else nullptr
 };
 
-enum class QuantKind { kNone, kQint, kFp8 };  // kNone: bf16
-
 struct QuantExperts {
-  QuantKind kind = QuantKind::kNone;
-  formats::QintFormat format;  // kQint only (also gives the scale / zero dtypes)
+  QuantKind kind = QuantKind::kNone;  // kNone when all three are bf16; else kQint or kFp8
   QuantProjection gate, up, down;
 };
 

@@ -60,54 +60,53 @@ int64_t scale_bytes(formats::ScaleType t) {
 
 // Where one 16-row block of one projection lives.
 struct BlockLocator {
-  const QuantExperts* experts;
+  const QuantProjection* proj;
   int64_t n, k, kp, row_blocks, groups;
 
-  const uint8_t* weight(const QuantProjection& p, int64_t e, int64_t nb) const {
-    const int64_t bytes = experts->kind == QuantKind::kFp8
+  const uint8_t* weight(int64_t e, int64_t nb) const {
+    const int64_t bytes = proj->kind == QuantKind::kFp8
                               ? formats::fp8_block_bytes(kp)
-                              : formats::qint_block_bytes(experts->format.bits, kp);
-    return p.weight + (e * row_blocks + nb) * bytes;
+                              : formats::qint_block_bytes(proj->format.bits, kp);
+    return proj->weight + (e * row_blocks + nb) * bytes;
   }
   const void* qint_params(const void* base, formats::ScaleType t, int64_t e, int64_t nb) const {
     if (base == nullptr) return nullptr;
     return static_cast<const uint8_t*>(base) +
            (e * row_blocks + nb) * groups * kQintBlockRows * scale_bytes(t);
   }
-  const float* fp8_scales(const QuantProjection& p, int64_t e, int64_t nb) const {
+  const float* fp8_scales(int64_t e, int64_t nb) const {
     const int64_t bands = formats::ceil_div(n, formats::kFp8ScaleBlock);
     const int64_t kblocks = formats::ceil_div(k, formats::kFp8ScaleBlock);
     const int64_t band = nb * kQintBlockRows / formats::kFp8ScaleBlock;
-    return static_cast<const float*>(p.scales) + (e * bands + band) * kblocks;
+    return static_cast<const float*>(proj->scales) + (e * bands + band) * kblocks;
   }
 };
 
-BlockLocator locator(const QuantExperts& ex, int64_t n, int64_t k) {
+BlockLocator locator(const QuantProjection& p, int64_t n, int64_t k) {
   const int64_t kp = formats::qint_k_padded(k);
-  return {
-      &ex, n, k, kp, formats::qint_row_blocks(n), formats::qint_groups(ex.format.group_size, kp)};
+  return {&p, n, k, kp, formats::qint_row_blocks(n), formats::qint_groups(p.format.group_size, kp)};
 }
 
 // out[i][r] = W_block[r] . x_i for the m rows starting at row r0 of the plan;
-// `fp32_path` decodes the block to fp32 and multiplies x_rows (qint formats
-// otherwise multiply the q8 records xq_rows).
-void block_dot(const QuantExperts& ex, const kernels::QuantKernels& kernels,
-               const BlockLocator& loc, const QuantProjection& p, int64_t e, int64_t nb,
-               const float* const* x_rows, const uint8_t* const* xq_rows, int m, int n_valid,
-               bool fp32_path, float* out) {
-  if (fp32_path) {
+// experts with at least `fp32_min` rows decode the block to fp32 and multiply
+// x_rows (qint formats otherwise multiply the q8 records xq_rows).
+void block_dot(const kernels::QuantKernels& kernels, const BlockLocator& loc, int fp32_min,
+               int64_t e, int64_t nb, const float* const* x_rows, const uint8_t* const* xq_rows,
+               int m, int n_valid, float* out) {
+  const QuantProjection& p = *loc.proj;
+  if (m >= fp32_min) {
     grow(t_block, static_cast<size_t>(loc.kp) * kQintBlockRows);
-    if (ex.kind == QuantKind::kFp8) {
-      kernels::Fp8DotArgs args{
-          nullptr, 0, loc.weight(p, e, nb), loc.fp8_scales(p, e, nb), loc.kp, 16, nullptr};
+    if (p.kind == QuantKind::kFp8) {
+      kernels::Fp8DotArgs args{nullptr, 0,      loc.weight(e, nb), loc.fp8_scales(e, nb), loc.kp,
+                               16,      nullptr};
       kernels.fp8_decode(args, t_block.data());
     } else {
       kernels::QintDotArgs args{nullptr,
                                 0,
-                                loc.weight(p, e, nb),
-                                loc.qint_params(p.scales, ex.format.scale_type, e, nb),
-                                loc.qint_params(p.zeros, ex.format.zero_type, e, nb),
-                                &ex.format,
+                                loc.weight(e, nb),
+                                loc.qint_params(p.scales, p.format.scale_type, e, nb),
+                                loc.qint_params(p.zeros, p.format.zero_type, e, nb),
+                                &p.format,
                                 loc.kp,
                                 16,
                                 nullptr};
@@ -116,17 +115,17 @@ void block_dot(const QuantExperts& ex, const kernels::QuantKernels& kernels,
     kernels.dense_dot({x_rows, m, t_block.data(), loc.kp, out});
     return;
   }
-  if (ex.kind == QuantKind::kFp8) {
-    kernels::Fp8DotArgs args{x_rows,  m,  loc.weight(p, e, nb), loc.fp8_scales(p, e, nb), loc.kp,
+  if (p.kind == QuantKind::kFp8) {
+    kernels::Fp8DotArgs args{x_rows,  m,  loc.weight(e, nb), loc.fp8_scales(e, nb), loc.kp,
                              n_valid, out};
     kernels.fp8_dot(args);
   } else {
     kernels::QintDotArgs args{xq_rows,
                               m,
-                              loc.weight(p, e, nb),
-                              loc.qint_params(p.scales, ex.format.scale_type, e, nb),
-                              loc.qint_params(p.zeros, ex.format.zero_type, e, nb),
-                              &ex.format,
+                              loc.weight(e, nb),
+                              loc.qint_params(p.scales, p.format.scale_type, e, nb),
+                              loc.qint_params(p.zeros, p.format.zero_type, e, nb),
+                              &p.format,
                               loc.kp,
                               n_valid,
                               out};
@@ -169,18 +168,26 @@ at::Tensor moe_forward_quant(const at::Tensor& hidden_states, const at::Tensor& 
   const int64_t I = intermediate_size;
   at::Tensor out = at::empty({T, H}, hidden_states.options());
   if (T == 0 || H == 0) return out;
-  const QuantActivations mode = quant_activations();
-  // Experts with at least fp32_min tokens take the fp32 path (block_dot).
-  const int fp32_min = mode == QuantActivations::kFp32 ? 1
-                       : mode == QuantActivations::kQ8 ? std::numeric_limits<int>::max()
-                                                       : fp32_path_min_tokens(ex.kind, ex.format);
-  // q8 records are needed unless every expert takes the fp32 path.
-  const bool q8 = ex.kind == QuantKind::kQint && fp32_min > 1;
-
-  const BlockLocator gate_up_loc = locator(ex, I, H);
-  const BlockLocator down_loc = locator(ex, H, I);
-  const int64_t Hp = gate_up_loc.kp;
+  const BlockLocator gate_loc = locator(ex.gate, I, H);
+  const BlockLocator up_loc = locator(ex.up, I, H);
+  const BlockLocator down_loc = locator(ex.down, H, I);
+  const int64_t Hp = gate_loc.kp;
   const int64_t Ip = down_loc.kp;
+
+  // Per projection: experts with at least this many rows take the fp32 path.
+  const QuantActivations mode = quant_activations();
+  auto fp32_min = [mode](const QuantProjection& p) {
+    if (mode == QuantActivations::kFp32) return 1;
+    if (mode == QuantActivations::kQ8) return std::numeric_limits<int>::max();
+    return fp32_path_min_tokens(p.kind, p.format);
+  };
+  const int gate_min = fp32_min(ex.gate), up_min = fp32_min(ex.up), down_min = fp32_min(ex.down);
+  // q8 records are needed unless every qint call takes the fp32 path.
+  auto needs_q8 = [](const QuantProjection& p, int min) {
+    return p.kind == QuantKind::kQint && min > 1;
+  };
+  const bool x_q8 = needs_q8(ex.gate, gate_min) || needs_q8(ex.up, up_min);
+  const bool h_q8 = needs_q8(ex.down, down_min);
 
   QuantScratch& s = t_scratch;
   build_routing_plan(topk_ids, topk_weights, num_experts, s.plan);
@@ -193,7 +200,7 @@ at::Tensor moe_forward_quant(const at::Tensor& hidden_states, const at::Tensor& 
   convert_activations(hidden_states, Hp, s.x.data());
   const int64_t x_rec = formats::q8_record_bytes(Hp);
   const int64_t h_rec = formats::q8_record_bytes(Ip);
-  if (q8) {
+  if (x_q8) {
     grow(s.xq, T * x_rec);
     quantize_rows(s.x.data(), Hp, T, Hp, s.xq.data());
   }
@@ -205,19 +212,19 @@ at::Tensor moe_forward_quant(const at::Tensor& hidden_states, const at::Tensor& 
   grow(s.h_rows, R);
   grow(s.hq_rows, R);
   grow(s.y_rows, R);
-  if (q8) grow(s.hq, R * h_rec);
+  if (h_q8) grow(s.hq, R * h_rec);
   for (int64_t r = 0; r < R; ++r) {
     const int64_t t = plan.row_token[r];
     s.x_rows[r] = s.x.data() + t * Hp;
-    s.xq_rows[r] = q8 ? s.xq.data() + t * x_rec : nullptr;
+    s.xq_rows[r] = x_q8 ? s.xq.data() + t * x_rec : nullptr;
     s.h_rows[r] = s.h.data() + r * Ip;
-    s.hq_rows[r] = q8 ? s.hq.data() + r * h_rec : nullptr;
+    s.hq_rows[r] = h_q8 ? s.hq.data() + r * h_rec : nullptr;
     s.y_rows[r] = s.y.data() + plan.row_slot[r] * H;
     std::fill(s.h_rows[r] + I, s.h_rows[r] + Ip, 0.0f);  // K padding of the down projection
   }
 
   const int64_t num_active = static_cast<int64_t>(plan.active_experts.size());
-  const int64_t blocks_I = gate_up_loc.row_blocks;
+  const int64_t blocks_I = gate_loc.row_blocks;
   const int64_t blocks_H = down_loc.row_blocks;
 
   // Phase 2: gate/up + SwiGLU, one item per (active expert, 16-row block of I).
@@ -231,11 +238,10 @@ at::Tensor moe_forward_quant(const at::Tensor& hidden_states, const at::Tensor& 
           static_cast<int>(std::min<int64_t>(kQintBlockRows, I - nb * kQintBlockRows));
       grow(t_gate_out, static_cast<size_t>(m) * kQintBlockRows);
       grow(t_up_out, static_cast<size_t>(m) * kQintBlockRows);
-      const bool fp32_path = m >= fp32_min;
-      block_dot(ex, kernels, gate_up_loc, ex.gate, e, nb, s.x_rows.data() + r0,
-                s.xq_rows.data() + r0, m, n_valid, fp32_path, t_gate_out.data());
-      block_dot(ex, kernels, gate_up_loc, ex.up, e, nb, s.x_rows.data() + r0, s.xq_rows.data() + r0,
-                m, n_valid, fp32_path, t_up_out.data());
+      block_dot(kernels, gate_loc, gate_min, e, nb, s.x_rows.data() + r0, s.xq_rows.data() + r0, m,
+                n_valid, t_gate_out.data());
+      block_dot(kernels, up_loc, up_min, e, nb, s.x_rows.data() + r0, s.xq_rows.data() + r0, m,
+                n_valid, t_up_out.data());
       kernels.silu_mul_rows(t_gate_out.data(), t_up_out.data(), m);
       for (int i = 0; i < m; ++i) {
         float* h = s.h_rows[r0 + i] + nb * kQintBlockRows;
@@ -246,7 +252,7 @@ at::Tensor moe_forward_quant(const at::Tensor& hidden_states, const at::Tensor& 
   });
 
   // Phase 2b: the SwiGLU outputs to q8 records.
-  if (q8) quantize_rows(s.h.data(), Ip, R, Ip, s.hq.data());
+  if (h_q8) quantize_rows(s.h.data(), Ip, R, Ip, s.hq.data());
 
   // Phase 3: down projection scaled by the routing weight, per (expert, 16-row block of H).
   pool.parallel_for(num_active * blocks_H, kChunksPerThread, [&](int64_t begin, int64_t end) {
@@ -258,8 +264,8 @@ at::Tensor moe_forward_quant(const at::Tensor& hidden_states, const at::Tensor& 
       const int n_valid =
           static_cast<int>(std::min<int64_t>(kQintBlockRows, H - nb * kQintBlockRows));
       grow(t_gate_out, static_cast<size_t>(m) * kQintBlockRows);
-      block_dot(ex, kernels, down_loc, ex.down, e, nb, s.h_rows.data() + r0, s.hq_rows.data() + r0,
-                m, n_valid, m >= fp32_min, t_gate_out.data());
+      block_dot(kernels, down_loc, down_min, e, nb, s.h_rows.data() + r0, s.hq_rows.data() + r0, m,
+                n_valid, t_gate_out.data());
       for (int i = 0; i < m; ++i) {
         float* y = s.y_rows[r0 + i] + nb * kQintBlockRows;
         const float w = plan.row_weight[r0 + i];

@@ -6,6 +6,8 @@
 #include <c10/util/string_view.h>
 
 #include <optional>
+#include <string>
+#include <vector>
 
 #include "moe/moe_forward.h"
 #include "moe/moe_lora.h"
@@ -13,6 +15,10 @@
 namespace kt::ops {
 
 using OptTensor = std::optional<at::Tensor>;
+
+// The per-projection format names of weight_format: one name for all three
+// projections, or "gate,up,down". Throws c10::Error for any other count.
+std::vector<std::string> split_weight_format(const std::string& weight_format);
 
 // Every check of kt::moe_forward's arguments, LoRA tensors included (errors
 // name the argument). Defined in moe_ops.cpp, next to the op. Returns the

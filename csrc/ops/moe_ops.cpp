@@ -152,7 +152,27 @@ moe::QuantProjection check_quant_projection(const formats::FormatInfo& info, con
   return p;
 }
 
+constexpr const char* kProjNames[3] = {"gate", "up", "down"};
+
 }  // namespace
+
+std::vector<std::string> split_weight_format(const std::string& fmt) {
+  std::vector<std::string> names;
+  size_t start = 0;
+  while (true) {
+    const size_t comma = fmt.find(',', start);
+    names.push_back(
+        fmt.substr(start, comma == std::string::npos ? std::string::npos : comma - start));
+    if (comma == std::string::npos) break;
+    start = comma + 1;
+  }
+  if (names.size() == 1) return {fmt, fmt, fmt};
+  TORCH_CHECK(names.size() == 3, "kt.moe_forward: weight_format='", fmt,
+              "' must be one format name or three comma-separated names 'gate,up,down' (e.g. "
+              "'q4_k,q4_k,q6_k'), got ",
+              names.size(), " names");
+  return names;
+}
 
 moe::QuantExperts check_moe_forward_args(
     const at::Tensor& hidden_states, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
@@ -193,27 +213,47 @@ moe::QuantExperts check_moe_forward_args(
               "' is not supported; expected 'silu' (SwiGLU experts)");
 
   // --- weights --------------------------------------------------------------
-  const formats::FormatInfo* info = nullptr;
-  try {
-    info = &formats::lookup_format(fmt);
-  } catch (const std::invalid_argument& err) {
-    TORCH_CHECK(false, "kt.moe_forward: ", err.what());
+  // One format name for all three projections, or "gate,up,down" (GGUF files
+  // mix them: Q4_K_M keeps some layers' ffn_down in q6_k).
+  const std::vector<std::string> names = split_weight_format(fmt);
+  const formats::FormatInfo* infos[3] = {nullptr, nullptr, nullptr};
+  for (int i = 0; i < 3; ++i) {
+    try {
+      infos[i] = &formats::lookup_format(names[i]);
+    } catch (const std::invalid_argument& err) {
+      TORCH_CHECK(false, "kt.moe_forward: ", err.what());
+    }
   }
+  const bool mixed = names[0] != names[1] || names[0] != names[2];
   TORCH_CHECK(gate_weight.dim() >= 1,
               "kt.moe_forward: gate_weight must be a packed [E, ...] tensor");
   const int64_t E = gate_weight.size(0);
   const int64_t I = intermediate_size;
-  const bool ok_group = std::find(info->group_sizes.begin(), info->group_sizes.end(), group_size) !=
-                        info->group_sizes.end();
-  if (!ok_group) {
-    std::string allowed;
-    for (int64_t g : info->group_sizes)
-      allowed += (allowed.empty() ? "" : ", ") + std::to_string(g);
-    TORCH_CHECK(false, "kt.moe_forward: group_size=", group_size,
-                " is not valid for weight_format='", fmt, "'; expected one of: ", allowed);
+  // The group size of each projection: group_size, except that in a mixed
+  // weight_format a format with a single group size (the GGUF types) uses its own.
+  int64_t groups[3];
+  for (int i = 0; i < 3; ++i) {
+    const formats::FormatInfo& info = *infos[i];
+    groups[i] = mixed && info.group_sizes.size() == 1 ? info.group_sizes[0] : group_size;
+    const bool ok_group = std::find(info.group_sizes.begin(), info.group_sizes.end(), groups[i]) !=
+                          info.group_sizes.end();
+    if (!ok_group) {
+      std::string allowed;
+      for (int64_t g : info.group_sizes)
+        allowed += (allowed.empty() ? "" : ", ") + std::to_string(g);
+      TORCH_CHECK(false, "kt.moe_forward: group_size=", group_size, " is not valid for ",
+                  mixed ? std::string(kProjNames[i]) + " weight_format='" : "weight_format='",
+                  names[i], "'; expected one of: ", allowed);
+    }
   }
+  const bool any_bf16 = infos[0]->kind == formats::FormatKind::kBf16 ||
+                        infos[1]->kind == formats::FormatKind::kBf16 ||
+                        infos[2]->kind == formats::FormatKind::kBf16;
+  TORCH_CHECK(!mixed || !any_bf16, "kt.moe_forward: weight_format='", fmt,
+              "' mixes bf16 with quantized formats; bf16 experts take one format for all three "
+              "projections");
   moe::QuantExperts quant;
-  if (info->kind == formats::FormatKind::kBf16) {
+  if (any_bf16) {
     TORCH_CHECK(gate_weight.dim() == 5,
                 "kt.moe_forward: gate_weight must be the 5-D bf16 packed layout "
                 "[E, ceil(I/16), ceil(H/2), 16, 2], got shape ",
@@ -229,26 +269,36 @@ moe::QuantExperts check_moe_forward_args(
     check_absent(up_zeros, "up_zeros", fmt);
     check_absent(down_zeros, "down_zeros", fmt);
   } else {
-    quant.kind =
-        info->kind == formats::FormatKind::kFp8 ? moe::QuantKind::kFp8 : moe::QuantKind::kQint;
-    quant.format = info->qint;
-    quant.format.group_size = group_size;
-    if (info->kind == formats::FormatKind::kFp8) quant.format.group_size = 0;
-    const int64_t g = info->kind == formats::FormatKind::kFp8 ? 0 : group_size;
-    quant.gate = check_quant_projection(*info, fmt, "gate", gate_weight, gate_scales, gate_zeros, E,
-                                        I, H, "[E, I, H]", g, true, quant.format);
-    quant.up = check_quant_projection(*info, fmt, "up", up_weight, up_scales, up_zeros, E, I, H,
-                                      "[E, I, H]", g, false, quant.format);
-    quant.down = check_quant_projection(*info, fmt, "down", down_weight, down_scales, down_zeros, E,
-                                        H, I, "[E, H, I]", g, false, quant.format);
+    const at::Tensor* weights[3] = {&gate_weight, &up_weight, &down_weight};
+    const OptTensor* scales[3] = {&gate_scales, &up_scales, &down_scales};
+    const OptTensor* zeros[3] = {&gate_zeros, &up_zeros, &down_zeros};
+    moe::QuantProjection* projs[3] = {&quant.gate, &quant.up, &quant.down};
+    // With one format, the three projections must also agree on scale and
+    // zero dtypes (one format, one storage); mixed formats each have their own.
+    formats::QintFormat shared;
+    for (int i = 0; i < 3; ++i) {
+      const formats::FormatInfo& info = *infos[i];
+      const bool down = i == 2;
+      formats::QintFormat q = info.qint;
+      q.group_size = info.kind == formats::FormatKind::kFp8 ? 0 : groups[i];
+      formats::QintFormat& types = mixed ? q : shared;
+      *projs[i] = check_quant_projection(
+          info, names[i], kProjNames[i], *weights[i], *scales[i], *zeros[i], E, down ? H : I,
+          down ? I : H, down ? "[E, H, I]" : "[E, I, H]", q.group_size, mixed || i == 0, types);
+      q.scale_type = types.scale_type;
+      q.zero_type = types.zero_type;
+      projs[i]->format = q;
+      projs[i]->kind =
+          info.kind == formats::FormatKind::kFp8 ? moe::QuantKind::kFp8 : moe::QuantKind::kQint;
+    }
+    quant.kind = quant.gate.kind;
   }
   check_lora_args("kt.moe_forward", E, H, I, gate_lora_a, gate_lora_b, up_lora_a, up_lora_b,
                   down_lora_a, down_lora_b, lora_scaling);
-  TORCH_CHECK(
-      info->kind == formats::FormatKind::kBf16 ||
-          !has_lora(gate_lora_a, gate_lora_b, up_lora_a, up_lora_b, down_lora_a, down_lora_b),
-      "kt.moe_forward: LoRA tensors with weight_format='", fmt,
-      "': this kt_ops version trains LoRA on a bf16 base only (quantized bases: not yet)");
+  TORCH_CHECK(any_bf16 || !has_lora(gate_lora_a, gate_lora_b, up_lora_a, up_lora_b, down_lora_a,
+                                    down_lora_b),
+              "kt.moe_forward: LoRA tensors with weight_format='", fmt,
+              "': this kt_ops version trains LoRA on a bf16 base only (quantized bases: not yet)");
 
   // --- expert ids in [-1, E) ---------------------------------------------------
   if (topk_ids.numel() > 0) {
