@@ -309,7 +309,9 @@ class MoEExperts(nn.Module):
                 _quantize_in_chunks(w.detach(), weight_format, group_size, symmetric)
                 for w in (gate, up, down)
             ]
-            return cls.from_packed(*projections)
+            module = cls.from_packed(*projections)
+            module.activation_checkpointing = activation_checkpointing
+            return module
         packed = [_pack_in_chunks(w.detach(), weight_format) for w in (gate, up, down)]
         return cls(
             *packed,

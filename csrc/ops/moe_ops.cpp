@@ -244,11 +244,6 @@ moe::QuantExperts check_moe_forward_args(
   }
   check_lora_args("kt.moe_forward", E, H, I, gate_lora_a, gate_lora_b, up_lora_a, up_lora_b,
                   down_lora_a, down_lora_b, lora_scaling);
-  TORCH_CHECK(
-      info->kind == formats::FormatKind::kBf16 ||
-          !has_lora(gate_lora_a, gate_lora_b, up_lora_a, up_lora_b, down_lora_a, down_lora_b),
-      "kt.moe_forward: LoRA tensors with weight_format='", fmt,
-      "': this kt_ops version trains LoRA on a bf16 base only (quantized bases: not yet)");
 
   // --- expert ids in [-1, E) ---------------------------------------------------
   if (topk_ids.numel() > 0) {
@@ -289,7 +284,9 @@ at::Tensor moe_forward_cpu(
   const int64_t I = intermediate_size;
   const at::Tensor x = hidden_states.contiguous();
   if (has_lora(gate_lora_a, gate_lora_b, up_lora_a, up_lora_b, down_lora_a, down_lora_b)) {
-    // LoRA: the ATen expert path (csrc/moe/moe_lora.cpp); the kernels below have no LoRA terms.
+    // LoRA: the ATen expert path (csrc/moe/moe_lora.cpp); the kernels below have no LoRA
+    // terms. Any format: the base is dequantized to fp32 per expert (QLoRA style) and
+    // multiplies fp32 activations, without the q8 rounding of the quantized kernels.
     const moe::ExpertWeights w = expert_weights(gate_weight, up_weight, down_weight, x.size(1), I,
                                                 weight_format, gate_scales, up_scales, down_scales,
                                                 gate_zeros, up_zeros, down_zeros, group_size);
