@@ -44,7 +44,7 @@ std::vector<double> time_decode(at::Tensor weight, c10::optional<at::Tensor> sca
                                 int64_t group_size, int64_t n, int64_t k, int64_t reps) {
   kt::moe::ProjectionWeights p{weight, scales.value_or(at::Tensor()),
                                zeros.value_or(at::Tensor()), format, group_size, n, k};
-  at::Tensor scratch = at::empty({n * k}, at::kFloat);
+  at::Tensor scratch = at::empty({kt::moe::dense_expert_weight_numel(p)}, at::kFloat);
   scratch.zero_();  // fault the pages in before timing
   std::vector<double> out;
   for (int64_t r = 0; r < reps; ++r) {

@@ -94,6 +94,10 @@ LAYOUTS = [
     Layout("q5_k", 32, True, 72, 40),
     Layout("q5_k", 32, True, 250, 100),  # several 32-k high-plane words
     Layout("q6_k", 16, False, 72, 40),
+    # n * 4 bytes a multiple of 2 KiB: the decoder pads the rows of its W^T storage.
+    Layout("int4", 32, False, 512, 40),
+    Layout("fp8", 128, False, 1024, 40),
+    Layout("bf16", 0, False, 512, 40),
 ]
 
 
@@ -108,6 +112,9 @@ def random_packed(
     """
     spec = format_spec(fmt)
     g = torch.Generator().manual_seed(seed)
+    if fmt == "bf16":
+        packed = kt_ops.pack_weights(torch.randn(E, n, k, generator=g))
+        return PackedProjection(packed, None, None, fmt, 0, n, k).validate()
     weight = torch.randint(0, 256, spec.weight_shape(E, n, k), dtype=torch.uint8, generator=g)
     if fmt == "fp8":
         weight[(weight & 0x7F) == 0x7F] -= 1
@@ -132,6 +139,8 @@ def decoded_by_op(p: PackedProjection, down: PackedProjection, **scale_casts) ->
     ids = torch.arange(E).repeat_interleave(k).view(-1, 1)
     kwargs = dict(weight_format=p.weight_format, group_size=p.group_size)
     for proj, q in (("gate", p), ("up", p), ("down", down)):
+        if q.scales is None:  # bf16
+            continue
         kwargs[f"{proj}_scales"] = scale_casts.get("scales", lambda t: t)(q.scales)
         if q.zeros is not None:
             kwargs[f"{proj}_zeros"] = scale_casts.get("zeros", lambda t: t)(q.zeros)
@@ -150,7 +159,7 @@ def random_pair(layout: Layout) -> tuple[PackedProjection, PackedProjection]:
 
 
 def test_every_format_is_decoded():
-    assert {v.fmt for v in LAYOUTS} == set(QUANT_FORMATS)
+    assert {v.fmt for v in LAYOUTS} == set(WEIGHT_FORMATS)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda v: v.id)
@@ -215,12 +224,12 @@ class Variant:
 
 
 # H = 72, I = 40 where the packer pads K (int8, fp8, mxfp4); the grouped formats need the
-# group size (the k-quants: 256) to divide H and I.
+# group size (the k-quants: 256) to divide H and I. I = 512: padded decoder rows (gate/up).
 VARIANTS = [
     Variant("int8", None, True, 72, 40),
     *(
         Variant("int4", gs, sym, H, I)
-        for gs, H, I in ((32, 96, 64), (64, 128, 64), (128, 128, 128))
+        for gs, H, I in ((32, 96, 64), (64, 128, 64), (128, 128, 512))
         for sym in (True, False)
     ),
     Variant("fp8", None, True, 72, 40),

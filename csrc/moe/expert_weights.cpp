@@ -28,7 +28,7 @@ inline float bits_to_float(uint32_t bits) {
   return f;
 }
 
-void dequantize_bf16_transposed(const ProjectionWeights& p, int64_t expert, float* wt) {
+void dequantize_bf16_transposed(const ProjectionWeights& p, int64_t expert, float* wt, int64_t ld) {
   constexpr int kRows = formats::kBf16BlockRows;
   const int64_t n = p.n, k = p.k;
   const int64_t blocks = formats::bf16_row_blocks(n);
@@ -47,8 +47,8 @@ void dequantize_bf16_transposed(const ProjectionWeights& p, int64_t expert, floa
       for (int64_t kp = 0; kp < full_pairs; ++kp) {
         uint32_t l[kRows];  // 32-bit lanes, read without aliasing the bf16 storage
         std::memcpy(l, block + kp * kLine, sizeof(l));
-        float* even = col + 2 * kp * n;
-        float* odd = even + n;
+        float* even = col + 2 * kp * ld;
+        float* odd = even + ld;
         for (int r = 0; r < kRows; ++r) {
           even[r] = bits_to_float(l[r] << 16);
           odd[r] = bits_to_float(l[r] & 0xFFFF0000u);
@@ -59,15 +59,15 @@ void dequantize_bf16_transposed(const ProjectionWeights& p, int64_t expert, floa
         uint32_t l[kRows];
         std::memcpy(l, block + kp * kLine, sizeof(l));
         for (int64_t r = 0; r < rows; ++r) {
-          col[2 * kp * n + r] = bits_to_float(l[r] << 16);
-          col[(2 * kp + 1) * n + r] = bits_to_float(l[r] & 0xFFFF0000u);
+          col[2 * kp * ld + r] = bits_to_float(l[r] << 16);
+          col[(2 * kp + 1) * ld + r] = bits_to_float(l[r] & 0xFFFF0000u);
         }
       }
     }
     if (full_pairs < pairs) {  // odd k: the last pair holds one real value
       uint32_t l[kRows];
       std::memcpy(l, block + full_pairs * kLine, sizeof(l));
-      for (int64_t r = 0; r < rows; ++r) col[(k - 1) * n + r] = bits_to_float(l[r] << 16);
+      for (int64_t r = 0; r < rows; ++r) col[(k - 1) * ld + r] = bits_to_float(l[r] << 16);
     }
   }
 }
@@ -162,6 +162,7 @@ struct QintExpert {
   const void* zeros;      // likewise, or nullptr
   formats::ScaleType scale_type, zero_type;
   int64_t n, k, kp, groups, group_k;  // group_k: k per group (Kp when one group)
+  int64_t ld;                         // row stride of the W^T output
   int64_t block_bytes, low_bytes;
   int32_t offset;
 };
@@ -193,7 +194,7 @@ void decode_qint_transposed(const QintExpert& x, float* wt) {
               const int32_t q = static_cast<int32_t>(lo[r] << (24 - 8 * j)) >> 24;
               line[r] = qint_value<A>(q, s[r], z[r], x.offset);
             }
-            store_line(line, col + (kw + j) * n, rows);
+            store_line(line, col + (kw + j) * x.ld, rows);
           }
           continue;
         }
@@ -219,7 +220,7 @@ void decode_qint_transposed(const QintExpert& x, float* wt) {
               if (Bits == 6) q |= static_cast<int32_t>(((hi[r] >> hsh) & 3u) << 4);
               line[r] = qint_value<A>(q, s[r], z[r], x.offset);
             }
-            store_line(line, col + kk * n, rows);
+            store_line(line, col + kk * x.ld, rows);
           }
         }
       }
@@ -242,9 +243,10 @@ formats::ScaleType param_type(const at::Tensor& t, bool e8m0) {
 }
 
 void dequantize_qint_transposed(const ProjectionWeights& p, const formats::FormatInfo& info,
-                                int64_t expert, float* wt) {
+                                int64_t expert, float* wt, int64_t ld) {
   const formats::QintFormat& f = info.qint;
   QintExpert x;
+  x.ld = ld;
   x.n = p.n;
   x.k = p.k;
   x.kp = formats::qint_k_padded(p.k);
@@ -299,7 +301,7 @@ void dequantize_qint_transposed(const ProjectionWeights& p, const formats::Forma
 
 // fp8 n16k1 blocks: packed[nb, kk, r] = e4m3 bits of W[16 nb + r, kk], one
 // fp32 scale per 128 x 128 (a 16-row block lies inside one 128-row band).
-void dequantize_fp8_transposed(const ProjectionWeights& p, int64_t expert, float* wt) {
+void dequantize_fp8_transposed(const ProjectionWeights& p, int64_t expert, float* wt, int64_t ld) {
   const int64_t n = p.n, k = p.k;
   const int64_t kp = formats::qint_k_padded(k);
   const int64_t nb_count = formats::qint_row_blocks(n);
@@ -337,24 +339,35 @@ void dequantize_fp8_transposed(const ProjectionWeights& p, int64_t expert, float
                               ((b[r] & 0x80u) << 24);
         line[r] = bits_to_float(bits) * scale;
       }
-      store_line(line, col + kk * n, rows);
+      store_line(line, col + kk * ld, rows);
     }
   }
 }
 
+// Row stride (floats) of the W^T storage. A stride that is a multiple of
+// 2 KiB (e.g. n = 2048: 8 KiB) puts the 16-float column strip of a block
+// into one cache set for every k and crosses a page on every write: the
+// decode of Qwen3's down projection [2048, 768] ran 2x slower than its
+// gate [768, 2048]. 16 floats of padding break the pattern.
+int64_t dense_ld(int64_t n) { return (n * 4) % 2048 == 0 ? n + 16 : n; }
+
 }  // namespace
+
+int64_t dense_expert_weight_numel(const ProjectionWeights& p) { return p.k * dense_ld(p.n); }
 
 at::Tensor dense_expert_weight(const ProjectionWeights& p, int64_t expert,
                                const at::Tensor& scratch) {
   TORCH_CHECK(expert >= 0 && expert < p.num_experts(), "dense_expert_weight: expert ", expert,
               " out of range [0, ", p.num_experts(), ")");
+  const int64_t ld = dense_ld(p.n);
+  const int64_t numel = p.k * ld;
   at::Tensor buf = scratch;
   if (buf.defined()) {
-    TORCH_CHECK(buf.scalar_type() == at::kFloat && buf.is_contiguous() && buf.numel() >= p.n * p.k,
-                "dense_expert_weight: scratch must be a contiguous fp32 tensor of at least ", p.n,
-                " x ", p.k, " elements");
+    TORCH_CHECK(buf.scalar_type() == at::kFloat && buf.is_contiguous() && buf.numel() >= numel,
+                "dense_expert_weight: scratch must be a contiguous fp32 tensor of at least ", numel,
+                " elements (dense_expert_weight_numel)");
   } else {
-    buf = at::empty({p.n * p.k}, at::TensorOptions().dtype(at::kFloat));
+    buf = at::empty({numel}, at::TensorOptions().dtype(at::kFloat));
   }
   const formats::FormatInfo* info = nullptr;
   try {
@@ -365,17 +378,18 @@ at::Tensor dense_expert_weight(const ProjectionWeights& p, int64_t expert,
   float* wt = buf.data_ptr<float>();
   switch (info->kind) {
     case formats::FormatKind::kBf16:
-      dequantize_bf16_transposed(p, expert, wt);
+      dequantize_bf16_transposed(p, expert, wt, ld);
       break;
     case formats::FormatKind::kFp8:
-      dequantize_fp8_transposed(p, expert, wt);
+      dequantize_fp8_transposed(p, expert, wt, ld);
       break;
     case formats::FormatKind::kQint:
-      dequantize_qint_transposed(p, *info, expert, wt);
+      dequantize_qint_transposed(p, *info, expert, wt, ld);
       break;
   }
-  // Every decoder writes W^T: [k, n] row-major storage, seen as W [n, k] with strides (1, n).
-  return buf.narrow(0, 0, p.n * p.k).view({p.k, p.n}).t();
+  // Every decoder writes W^T: [k, ld] row-major storage, seen as W [n, k] with strides
+  // (1, ld); the BLAS takes ld as the leading dimension (no copy).
+  return buf.as_strided({p.n, p.k}, {1, ld});
 }
 
 }  // namespace kt::moe

@@ -1,7 +1,7 @@
 // Access to one expert's base weights as dense fp32, for the ATen paths (LoRA
-// forward, backward). This is the ONE place that knows how a weight format
-// stores a projection: a new format extends dense_expert_weight_out and
-// nothing else in csrc/moe changes.
+// forward, backward; QLoRA on a quantized base). Besides the kernels, this is
+// the ONE place that knows how a weight format stores a projection: a new
+// format extends dense_expert_weight and nothing else in csrc/moe changes.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -28,15 +28,22 @@ struct ProjectionWeights {
 // Expert `expert`'s dense weights W[expert] as an fp32 [n, k] tensor, for
 // every weight format of the registry: bf16, fp8 and the qint family (int8,
 // int4, mxfp4, q8_0, q4_0, q4_k, q5_k, q6_k). Values equal
-// kt_ops.formats.dequantize_weights bit for bit (including fp32 subnormal
-// mxfp4 scales, which the kernels flush to zero). The memory layout is column-major, strides
-// (1, n), for every format: a 16-row block then decodes with contiguous
-// 64-byte writes; at::mm takes either layout at the same speed. `scratch`, when defined, is a
-// contiguous fp32 tensor of at least n * k elements to decode into (reused
-// across experts: no allocation, no page faults); otherwise a new tensor is
+// kt_ops.formats.dequantize_weights bit for bit (fp32 subnormal mxfp4 scales
+// included, which the kernels flush to zero). The memory layout is
+// column-major for every format, strides (1, ld) with ld >= n (padded where
+// n * 4 bytes is a multiple of 2 KiB): a 16-row block then decodes with
+// contiguous 64-byte writes, and at::mm takes the view without a copy.
+// `scratch`, when defined, is a contiguous fp32 tensor of at least
+// dense_expert_weight_numel(p) elements to decode into (reused across
+// experts: no allocation, no page faults); otherwise a new tensor is
 // allocated. Reads only that expert's bytes and uses no ATen parallelism, so
-// pool tasks may call it. Throws c10::Error for a format it cannot decode.
+// pool tasks may call it. Throws c10::Error for a format it cannot decode or
+// tensors that do not have its layout.
 at::Tensor dense_expert_weight(const ProjectionWeights& p, int64_t expert,
                                const at::Tensor& scratch = at::Tensor());
+
+// The fp32 elements dense_expert_weight needs as scratch for a projection of
+// `p` (at least n * k: the storage may pad its rows).
+int64_t dense_expert_weight_numel(const ProjectionWeights& p);
 
 }  // namespace kt::moe
