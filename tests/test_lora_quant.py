@@ -251,9 +251,9 @@ def layer(v: Variant) -> QuantExperts:
     )
 
 
-def problem(v: Variant, T: int, **case_kwargs):
-    """T tokens, top-2, some -1 slots, expert E-1 without tokens; LoRA on all three projections."""
-    case = Case(v.id, T, v.H, v.I, E_TOTAL, 2, ALL3, skip_fraction=0.2, **case_kwargs)
+def problem(v: Variant, T: int, ranks: dict[str, int] = ALL3, **case_kwargs):
+    """T tokens, top-2, some -1 slots, expert E-1 without tokens; LoRA of ``ranks``."""
+    case = Case(v.id, T, v.H, v.I, E_TOTAL, 2, ranks, skip_fraction=0.2, **case_kwargs)
     p = make_problem(case, seed=T, weights=layer(v))
     p.ids[p.ids == E_TOTAL - 1] = -1
     return p
@@ -291,6 +291,20 @@ def test_few_tokens(v, T):
     ref_out, ref_grads = reference_grads(p)
     assert_matches_reference(out, ref_out)
     assert_grads_match(grads, ref_grads)
+
+
+@pytest.mark.parametrize("v", [VARIANTS[2], PER_FORMAT[2]], ids=lambda v: v.id)
+def test_gradients_without_lora(v):
+    # A quantized base without LoRA is differentiable too (hidden states, routing weights):
+    # backward runs on the dequantized weights. The recomputing forward is the kernel (q8
+    # activations for the integer formats), so only the saving forward's output is compared.
+    p = problem(v, 9, ranks={})
+    ref_out, ref_grads = reference_grads(p)
+    for checkpointing in (False, True):
+        out, grads = op_grads(p, checkpointing)
+        if not checkpointing:
+            assert_matches_reference(out, ref_out)
+        assert_grads_match(grads, ref_grads)
 
 
 def test_low_precision_activations_and_adapters():
