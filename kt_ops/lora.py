@@ -266,7 +266,8 @@ def apply_lora(
 
     Args:
         model: a model whose experts :func:`kt_ops.replace_experts` replaced (or any
-            module holding :class:`kt_ops.nn.MoEExperts`).
+            module holding :class:`kt_ops.nn.MoEExperts`), in any weight format
+            (a quantized base trains QLoRA style, see ``MoEExperts.add_lora``).
         rank: LoRA rank ``r``.
         alpha: LoRA alpha (default ``rank``): ``lora_scaling = alpha / r``
             (``alpha / sqrt(r)`` with ``use_rslora``).

@@ -216,6 +216,15 @@ class MoEExperts(nn.Module):
         and ``{p}_lora_b`` (``[E, out, rank]``, zeros, so the model starts as
         the base model), for ``p`` in ``projections``.
 
+        Works on every ``weight_format`` (QLoRA style on a quantized base, e.g.
+        ``MoEExperts.from_dense(gate, up, down, 'int4', group_size=32)``): the
+        packed base stays frozen, and with LoRA each active expert's base is
+        dequantized to fp32 per call and multiplies fp32 activations. The
+        no-LoRA kernels of the integer formats round activations to int8, so
+        with fresh adapters (``B = 0``) the output differs from the module
+        without LoRA by that rounding (about 1e-2 relative; see
+        :func:`kt_ops.moe_forward`).
+
         Args:
             rank: LoRA rank ``r >= 1``.
             alpha: LoRA alpha; the scaling is ``alpha / rank`` (default
@@ -313,7 +322,9 @@ class MoEExperts(nn.Module):
                 _quantize_in_chunks(w.detach(), weight_format, group_size, symmetric)
                 for w in (gate, up, down)
             ]
-            return cls.from_packed(*projections)
+            module = cls.from_packed(*projections)
+            module.activation_checkpointing = activation_checkpointing
+            return module
         packed = [_pack_in_chunks(w.detach(), weight_format) for w in (gate, up, down)]
         return cls(
             *packed,

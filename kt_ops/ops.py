@@ -265,8 +265,9 @@ def moe_forward(
             Any subset of the three projections may carry LoRA (A and B of a
             projection together); each projection has its own rank ``r >= 1``.
             All given factors share one dtype (fp32, bf16 or fp16), are
-            contiguous and on the CPU; the LoRA terms are computed in fp32. LoRA
-            needs a bf16 base (quantized bases: not yet).
+            contiguous and on the CPU; the LoRA terms are computed in fp32. Any
+            ``weight_format`` takes LoRA (QLoRA style: the quantized base stays
+            frozen and packed; each active expert is dequantized to fp32 per call).
         lora_scaling: the LoRA scale (``alpha / r``), a finite float.
         activation: ``'silu'``.
         activation_checkpointing: what a call that records autograd saves for
@@ -279,7 +280,14 @@ def moe_forward(
         ``[T, H]`` tensor in the dtype of ``hidden_states``. Accumulation is
         fp32; results are bit-identical for any thread count on one ISA path.
         Without LoRA the ISA kernels run; with LoRA (and for the saving
-        training forward) an ATen fp32 path (per-expert GEMMs) runs instead.
+        training forward) an ATen fp32 path (per-expert GEMMs) runs instead, on
+        the base weights dequantized to fp32 (exactly
+        ``kt_ops.formats.dequantize_weights``) and fp32 activations. The kernels
+        of the integer formats round the activations to int8 (q8, docs/formats.md)
+        and that path does not, so on such a base the LoRA path with ``B = 0``
+        differs from the no-LoRA call by that rounding: about 1e-2 relative
+        (1.2e-2 of the output norm measured on a Qwen3-30B-A3B-shaped layer;
+        fp8, whose kernels keep fp32 activations: 6e-7, summation order).
 
     Raises:
         RuntimeError naming the argument for a wrong dtype, rank, shape, device,

@@ -109,12 +109,27 @@ def reference_moe_forward(
     down_weight: Tensor,
     intermediate_size: int,
     weight_format: str = "bf16",
+    gate_scales: Optional[Tensor] = None,
+    up_scales: Optional[Tensor] = None,
+    down_scales: Optional[Tensor] = None,
+    gate_zeros: Optional[Tensor] = None,
+    up_zeros: Optional[Tensor] = None,
+    down_zeros: Optional[Tensor] = None,
+    group_size: int = 0,
     *,
     out_dtype: Optional[torch.dtype] = torch.float32,
     lora: Optional[dict[str, Tensor]] = None,
     lora_scaling: float = 1.0,
 ) -> Tensor:
     """Dense fp32 reference of ``kt_ops.moe_forward`` on packed weights.
+
+    Takes the op's weight arguments (a quantized format's scales, zeros and
+    group size too, e.g. ``**QuantExperts.kwargs()``) and multiplies fp32
+    activations with the dequantized weights (``kt_ops.unpack_weights`` for
+    bf16, ``kt_ops.formats.dequantize_weights`` otherwise): what the op
+    computes with LoRA, where the base runs on ATen from the dequantized
+    weights. (Without LoRA the quantized kernels also round the activations
+    to q8: ``reference_quant_moe_forward``.)
 
     Returns the fp32 result (``out_dtype=torch.float32``, the default, which is
     what the tolerances are defined against) or that result rounded once to
@@ -146,9 +161,13 @@ def reference_moe_forward(
         out = torch.zeros(T, H, dtype=torch.float32)
         for e in torch.unique(ids[ids >= 0]).tolist():
             tok, slot = torch.nonzero(ids == e, as_tuple=True)
-            wg = kt_ops.unpack_weights(gate_weight[e : e + 1], I, H, weight_format)[0]
-            wu = kt_ops.unpack_weights(up_weight[e : e + 1], I, H, weight_format)[0]
-            wd = kt_ops.unpack_weights(down_weight[e : e + 1], H, I, weight_format)[0]
+            wg = _dense_expert(
+                gate_weight, gate_scales, gate_zeros, e, I, H, weight_format, group_size
+            )
+            wu = _dense_expert(up_weight, up_scales, up_zeros, e, I, H, weight_format, group_size)
+            wd = _dense_expert(
+                down_weight, down_scales, down_zeros, e, H, I, weight_format, group_size
+            )
             xe = x[tok]
             h = torch.nn.functional.silu(project(xe, wg, "gate", e)) * project(xe, wu, "up", e)
             y = project(h, wd, "down", e) * w[tok, slot].unsqueeze(1)
@@ -156,6 +175,28 @@ def reference_moe_forward(
     if out_dtype is None:
         out_dtype = hidden_states.dtype
     return out.to(out_dtype)
+
+
+def _dense_expert(
+    weight: Tensor,
+    scales: Optional[Tensor],
+    zeros: Optional[Tensor],
+    e: int,
+    n: int,
+    k: int,
+    weight_format: str,
+    group_size: int,
+) -> Tensor:
+    """Expert ``e`` of one packed projection as dense fp32 ``[n, k]``."""
+    if weight_format == "bf16":
+        return kt_ops.unpack_weights(weight[e : e + 1], n, k, weight_format)[0]
+    from kt_ops.formats import PackedProjection, dequantize_weights
+
+    def one(t: Optional[Tensor]) -> Optional[Tensor]:
+        return None if t is None else t[e : e + 1]
+
+    p = PackedProjection(one(weight), one(scales), one(zeros), weight_format, group_size, n, k)
+    return dequantize_weights(p)[0]
 
 
 def mismatch_report(

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Optional
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -94,7 +94,7 @@ CASES = [
 @dataclasses.dataclass
 class Problem:
     case: Case
-    weights: ExpertWeights
+    weights: ExpertWeights  # or reference.QuantExperts (test_lora_quant.py)
     x: torch.Tensor
     ids: torch.Tensor
     topk_weights: torch.Tensor
@@ -104,12 +104,18 @@ class Problem:
     def op_args(self) -> tuple:
         return (self.x, self.ids, self.topk_weights, *self.weights.args())
 
+    def format_kwargs(self) -> dict:
+        """weight_format, scales, zeros, group_size of a quantized base; {} for bf16."""
+        kwargs = getattr(self.weights, "kwargs", None)
+        return kwargs() if kwargs is not None else {}
+
     def op_kwargs(self) -> dict:
-        return {**self.lora, "lora_scaling": self.case.scaling}
+        return {**self.format_kwargs(), **self.lora, "lora_scaling": self.case.scaling}
 
 
-def make_problem(case: Case, seed: int = 0) -> Problem:
-    w = make_expert_weights(case.E, case.H, case.I, seed=seed)
+def make_problem(case: Case, seed: int = 0, weights: Optional[Any] = None) -> Problem:
+    """Random inputs of ``case``; ``weights`` (e.g. quantized experts) replaces the bf16 ones."""
+    w = weights if weights is not None else make_expert_weights(case.E, case.H, case.I, seed=seed)
     ids, tw = make_routing(
         case.T,
         case.E,
@@ -131,7 +137,7 @@ def reference_grads(p: Problem) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     tw = p.topk_weights.detach().float().requires_grad_(True)
     lora = {k: v.detach().float().requires_grad_(True) for k, v in p.lora.items()}
     out = reference_moe_forward(
-        x, p.ids, tw, *p.weights.args(), lora=lora, lora_scaling=p.case.scaling
+        x, p.ids, tw, *p.weights.args(), **p.format_kwargs(), lora=lora, lora_scaling=p.case.scaling
     )
     if out.requires_grad:  # not when no slot reaches an expert (T = 0, all ids -1)
         out.backward(p.grad_output.float())
@@ -150,6 +156,7 @@ def op_grads(p: Problem, checkpointing: bool) -> tuple[torch.Tensor, dict[str, t
         p.ids,
         tw,
         *p.weights.args(),
+        **p.format_kwargs(),
         **lora,
         lora_scaling=p.case.scaling,
         activation_checkpointing=checkpointing,

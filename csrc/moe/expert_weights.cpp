@@ -5,8 +5,12 @@
 
 #include <algorithm>
 #include <cstring>
+#include <stdexcept>
 
 #include "formats/bf16.h"
+#include "formats/format_registry.h"
+#include "formats/fp8.h"
+#include "formats/qint.h"
 
 namespace kt::moe {
 
@@ -23,7 +27,7 @@ inline float bits_to_float(uint32_t bits) {
   return f;
 }
 
-void dequantize_bf16_transposed(const ProjectionWeights& p, int64_t expert, float* wt) {
+void dequantize_bf16_transposed(const ProjectionWeights& p, int64_t expert, float* wt, int64_t ld) {
   constexpr int kRows = formats::kBf16BlockRows;
   const int64_t n = p.n, k = p.k;
   const int64_t blocks = formats::bf16_row_blocks(n);
@@ -42,8 +46,8 @@ void dequantize_bf16_transposed(const ProjectionWeights& p, int64_t expert, floa
       for (int64_t kp = 0; kp < full_pairs; ++kp) {
         uint32_t l[kRows];  // 32-bit lanes, read without aliasing the bf16 storage
         std::memcpy(l, block + kp * kLine, sizeof(l));
-        float* even = col + 2 * kp * n;
-        float* odd = even + n;
+        float* even = col + 2 * kp * ld;
+        float* odd = even + ld;
         for (int r = 0; r < kRows; ++r) {
           even[r] = bits_to_float(l[r] << 16);
           odd[r] = bits_to_float(l[r] & 0xFFFF0000u);
@@ -54,40 +58,337 @@ void dequantize_bf16_transposed(const ProjectionWeights& p, int64_t expert, floa
         uint32_t l[kRows];
         std::memcpy(l, block + kp * kLine, sizeof(l));
         for (int64_t r = 0; r < rows; ++r) {
-          col[2 * kp * n + r] = bits_to_float(l[r] << 16);
-          col[(2 * kp + 1) * n + r] = bits_to_float(l[r] & 0xFFFF0000u);
+          col[2 * kp * ld + r] = bits_to_float(l[r] << 16);
+          col[(2 * kp + 1) * ld + r] = bits_to_float(l[r] & 0xFFFF0000u);
         }
       }
     }
     if (full_pairs < pairs) {  // odd k: the last pair holds one real value
       uint32_t l[kRows];
       std::memcpy(l, block + full_pairs * kLine, sizeof(l));
-      for (int64_t r = 0; r < rows; ++r) col[(k - 1) * n + r] = bits_to_float(l[r] << 16);
+      for (int64_t r = 0; r < rows; ++r) col[(k - 1) * ld + r] = bits_to_float(l[r] << 16);
     }
   }
 }
 
+// ---------------------------------------------------------------------------
+// qint and fp8: both store 16-row blocks whose bytes for one k (fp8) or one
+// word of 4 / 8 k (qint) hold all 16 rows side by side, so they decode, like
+// bf16, into W^T: every k gives 16 contiguous floats. The inner loops run
+// over the 16 rows with the same shift for every row: plain 32-bit lane
+// arithmetic that the compiler vectorizes (SSE2 is enough). Values are
+// computed exactly as kt_ops.formats.dequantize_weights does (same fp32
+// operations in the same order; this file is built with -ffp-contract=off so
+// no FMA fuses them), hence bit-identical to it.
+
+constexpr int kRows = formats::kQintBlockRows;
+
+inline uint32_t float_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  return u;
+}
+
+// Writes one decoded line (row r of the block -> W^T[kk, 16 nb + r]).
+inline void store_line(const float* line, float* dst, int64_t rows) {
+  if (rows == kRows) {
+    std::memcpy(dst, line, kRows * sizeof(float));
+  } else {
+    std::memcpy(dst, line, rows * sizeof(float));
+  }
+}
+
+// The 16 scales (or zeros) of one (block, group) as fp32: index is the
+// element offset of the first of them.
+void load_params(const void* base, formats::ScaleType type, int64_t index, float* out) {
+  switch (type) {
+    case formats::ScaleType::kF32:
+      std::memcpy(out, static_cast<const float*>(base) + index, kRows * sizeof(float));
+      return;
+    case formats::ScaleType::kF16: {
+      const uint16_t* p = static_cast<const uint16_t*>(base) + index;
+      for (int r = 0; r < kRows; ++r) out[r] = formats::half_bits_to_float(p[r]);
+      return;
+    }
+    case formats::ScaleType::kBF16: {
+      const uint16_t* p = static_cast<const uint16_t*>(base) + index;
+      for (int r = 0; r < kRows; ++r) out[r] = bits_to_float(static_cast<uint32_t>(p[r]) << 16);
+      return;
+    }
+    case formats::ScaleType::kE8M0: {
+      // mxfp4 scale 2^(E-128), exact down to the subnormals (the reference
+      // does not flush them as formats::scale_value does for the kernels).
+      const uint8_t* p = static_cast<const uint8_t*>(base) + index;
+      for (int r = 0; r < kRows; ++r) {
+        const uint32_t e = p[r];
+        out[r] = bits_to_float(e >= 2 ? (e - 1) << 23 : 1u << (21 + e));
+      }
+      return;
+    }
+    case formats::ScaleType::kNone:
+      break;
+  }
+  TORCH_CHECK(false, "dense_expert_weight: scales/zeros have no fp32 reading");
+}
+
+// How a code q becomes a weight (docs/formats.md, qint).
+enum class Affine {
+  kSigned,  // 8-bit two's complement: s * q
+  kOffset,  // unsigned, implicit zero: s * (q - offset)
+  kZeros,   // unsigned with a zeros tensor: s * q - z
+  kE2m1,    // mxfp4: q = 2 e2m1(c) + 12, s * (q - 12) = s * 2 e2m1(c)
+};
+
+template <Affine A>
+inline float qint_value(int32_t q, float s, float z, int32_t offset) {
+  if (A == Affine::kSigned) return s * static_cast<float>(q);
+  if (A == Affine::kOffset) return s * static_cast<float>(q - offset);
+  if (A == Affine::kZeros) return s * static_cast<float>(q) - z;
+  // E2M1 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 doubled: m = 0..3 as is, m = 4..7
+  // -> (4 + 2 (m & 1)) << ((m >> 1) & 1). Masks instead of a table or branches
+  // (SSE2 has neither gathers nor per-lane shifts), so the row loop vectorizes.
+  const int32_t m = q & 7;
+  const int32_t big = -(m >> 2);  // all ones for m >= 4
+  const int32_t u = 4 + 2 * (m & 1);
+  const int32_t t = (m & ~big) | ((u + (u & -((m >> 1) & 1))) & big);
+  const int32_t neg = -((q >> 3) & 1);
+  return s * static_cast<float>((t ^ neg) - neg);
+}
+
+struct QintExpert {
+  const uint8_t* weight;  // the expert's [NB, block_bytes]
+  const void* scales;     // the expert's [NB, G, 16]
+  const void* zeros;      // likewise, or nullptr
+  formats::ScaleType scale_type, zero_type;
+  int64_t n, k, kp, groups, group_k;  // group_k: k per group (Kp when one group)
+  int64_t ld;                         // row stride of the W^T output
+  int64_t block_bytes, low_bytes;
+  int32_t offset;
+};
+
+template <int Bits, Affine A>
+void decode_qint_transposed(const QintExpert& x, float* wt) {
+  const int64_t n = x.n, k = x.k;
+  constexpr int kWordK = Bits == 8 ? 4 : 8;  // k per 64-byte low-plane word
+  for (int64_t nb = 0; nb * kRows < n; ++nb) {
+    const int64_t rows = std::min<int64_t>(kRows, n - nb * kRows);
+    const uint8_t* block = x.weight + nb * x.block_bytes;
+    const uint8_t* high = block + x.low_bytes;
+    float* col = wt + nb * kRows;
+    for (int64_t g = 0; g < x.groups; ++g) {
+      const int64_t k0 = g * x.group_k;
+      if (k0 >= k) break;  // padding groups
+      float s[kRows], z[kRows] = {};
+      const int64_t pidx = (nb * x.groups + g) * kRows;
+      load_params(x.scales, x.scale_type, pidx, s);
+      if (A == Affine::kZeros) load_params(x.zeros, x.zero_type, pidx, z);
+      const int64_t kend = std::min(k, k0 + x.group_k);
+      for (int64_t kw = k0; kw < kend; kw += kWordK) {
+        uint32_t lo[kRows];  // one row's 4 bytes per 32-bit lane
+        std::memcpy(lo, block + (kw / kWordK) * 64, sizeof(lo));
+        if (Bits == 8) {
+          for (int j = 0; j < 4 && kw + j < k; ++j) {
+            float line[kRows];
+            for (int r = 0; r < kRows; ++r) {
+              const int32_t q = static_cast<int32_t>(lo[r] << (24 - 8 * j)) >> 24;
+              line[r] = qint_value<A>(q, s[r], z[r], x.offset);
+            }
+            store_line(line, col + (kw + j) * x.ld, rows);
+          }
+          continue;
+        }
+        uint32_t hi[kRows] = {};
+        int hshift = 0;  // where half 0 of this word sits in each high-plane byte
+        if (Bits == 5) {
+          std::memcpy(hi, high + (kw / 32) * 64, sizeof(hi));
+          hshift = static_cast<int>((kw % 32) / 4);
+        } else if (Bits == 6) {
+          std::memcpy(hi, high + (kw / 16) * 64, sizeof(hi));
+          hshift = static_cast<int>(2 * ((kw % 16) / 4));
+        }
+        for (int half = 0; half < 2; ++half) {
+          for (int j = 0; j < 4; ++j) {
+            const int64_t kk = kw + 4 * half + j;
+            if (kk >= k) break;
+            const int lsh = 8 * j + 4 * half;
+            const int hsh = 8 * j + hshift + (Bits == 5 ? half : 2 * half);
+            float line[kRows];
+            for (int r = 0; r < kRows; ++r) {
+              int32_t q = static_cast<int32_t>((lo[r] >> lsh) & 15u);
+              if (Bits == 5) q |= static_cast<int32_t>(((hi[r] >> hsh) & 1u) << 4);
+              if (Bits == 6) q |= static_cast<int32_t>(((hi[r] >> hsh) & 3u) << 4);
+              line[r] = qint_value<A>(q, s[r], z[r], x.offset);
+            }
+            store_line(line, col + kk * x.ld, rows);
+          }
+        }
+      }
+    }
+  }
+}
+
+formats::ScaleType param_type(const at::Tensor& t, bool e8m0) {
+  if (e8m0 && t.scalar_type() == at::kByte) return formats::ScaleType::kE8M0;
+  switch (t.scalar_type()) {
+    case at::kFloat:
+      return formats::ScaleType::kF32;
+    case at::kHalf:
+      return formats::ScaleType::kF16;
+    case at::kBFloat16:
+      return formats::ScaleType::kBF16;
+    default:
+      return formats::ScaleType::kNone;
+  }
+}
+
+void dequantize_qint_transposed(const ProjectionWeights& p, const formats::FormatInfo& info,
+                                int64_t expert, float* wt, int64_t ld) {
+  const formats::QintFormat& f = info.qint;
+  QintExpert x;
+  x.ld = ld;
+  x.n = p.n;
+  x.k = p.k;
+  x.kp = formats::qint_k_padded(p.k);
+  const int64_t nb = formats::qint_row_blocks(p.n);
+  x.groups = formats::qint_groups(p.group_size, x.kp);
+  x.group_k = p.group_size == 0 ? x.kp : p.group_size;
+  x.block_bytes = formats::qint_block_bytes(f.bits, x.kp);
+  x.low_bytes = formats::qint_low_plane_bytes(f.bits, x.kp);
+  x.offset = static_cast<int32_t>(f.zero_offset);
+  TORCH_CHECK(p.weight.scalar_type() == at::kByte && p.weight.dim() == 3 &&
+                  p.weight.size(1) == nb && p.weight.size(2) == x.block_bytes,
+              "dense_expert_weight: weight_format='", p.format, "' weight must be uint8 [E, ", nb,
+              ", ", x.block_bytes, "], got ", p.weight.scalar_type(), " ", p.weight.sizes());
+  TORCH_CHECK(p.scales.defined() && p.scales.numel() == p.num_experts() * nb * x.groups * kRows,
+              "dense_expert_weight: weight_format='", p.format, "' needs scales [E, ", nb, ", ",
+              x.groups, ", 16]");
+  x.scale_type = param_type(p.scales, info.scale_is_e8m0);
+  TORCH_CHECK(x.scale_type != formats::ScaleType::kNone, "dense_expert_weight: scales dtype ",
+              p.scales.scalar_type(), " is not fp32/fp16/bf16 (or uint8 UE8M0 for mxfp4)");
+  x.weight = p.weight.data_ptr<uint8_t>() + expert * nb * x.block_bytes;
+  const int64_t pexp = expert * nb * x.groups * kRows;  // params of one expert
+  x.scales = static_cast<const char*>(p.scales.data_ptr()) + pexp * p.scales.element_size();
+  x.zeros = nullptr;
+  x.zero_type = formats::ScaleType::kNone;
+  if (p.zeros.defined()) {
+    TORCH_CHECK(p.zeros.numel() == p.scales.numel(),
+                "dense_expert_weight: zeros must have the shape of scales");
+    x.zero_type = param_type(p.zeros, false);
+    TORCH_CHECK(x.zero_type != formats::ScaleType::kNone, "dense_expert_weight: zeros dtype ",
+                p.zeros.scalar_type(), " is not fp32/fp16/bf16");
+    x.zeros = static_cast<const char*>(p.zeros.data_ptr()) + pexp * p.zeros.element_size();
+  }
+  const bool zeros = x.zeros != nullptr;
+  switch (f.bits) {
+    case 8:
+      TORCH_CHECK(f.is_signed && !zeros, "dense_expert_weight: 8-bit codes are signed, no zeros");
+      return decode_qint_transposed<8, Affine::kSigned>(x, wt);
+    case 4:
+      if (f.lut_e2m1) return decode_qint_transposed<4, Affine::kE2m1>(x, wt);
+      return zeros ? decode_qint_transposed<4, Affine::kZeros>(x, wt)
+                   : decode_qint_transposed<4, Affine::kOffset>(x, wt);
+    case 5:
+      return zeros ? decode_qint_transposed<5, Affine::kZeros>(x, wt)
+                   : decode_qint_transposed<5, Affine::kOffset>(x, wt);
+    case 6:
+      return zeros ? decode_qint_transposed<6, Affine::kZeros>(x, wt)
+                   : decode_qint_transposed<6, Affine::kOffset>(x, wt);
+    default:
+      TORCH_CHECK(false, "dense_expert_weight: no decoder for ", f.bits, "-bit codes");
+  }
+}
+
+// fp8 n16k1 blocks: packed[nb, kk, r] = e4m3 bits of W[16 nb + r, kk], one
+// fp32 scale per 128 x 128 (a 16-row block lies inside one 128-row band).
+void dequantize_fp8_transposed(const ProjectionWeights& p, int64_t expert, float* wt, int64_t ld) {
+  const int64_t n = p.n, k = p.k;
+  const int64_t kp = formats::qint_k_padded(k);
+  const int64_t nb_count = formats::qint_row_blocks(n);
+  const int64_t sn = formats::ceil_div(n, formats::kFp8ScaleBlock);
+  const int64_t sk = formats::ceil_div(k, formats::kFp8ScaleBlock);
+  TORCH_CHECK(p.weight.scalar_type() == at::kByte && p.weight.dim() == 4 &&
+                  p.weight.size(1) == nb_count && p.weight.size(2) == kp && p.weight.size(3) == 16,
+              "dense_expert_weight: weight_format='fp8' weight must be uint8 [E, ", nb_count, ", ",
+              kp, ", 16], got ", p.weight.scalar_type(), " ", p.weight.sizes());
+  TORCH_CHECK(p.scales.defined() && p.scales.scalar_type() == at::kFloat &&
+                  p.scales.numel() == p.num_experts() * sn * sk,
+              "dense_expert_weight: weight_format='fp8' needs fp32 scales [E, ", sn, ", ", sk, "]");
+  const uint8_t* base = p.weight.data_ptr<uint8_t>() + expert * nb_count * kp * kRows;
+  const float* scales = p.scales.data_ptr<float>() + expert * sn * sk;
+  for (int64_t nb = 0; nb < nb_count; ++nb) {
+    const int64_t rows = std::min<int64_t>(kRows, n - nb * kRows);
+    const uint8_t* block = base + nb * kp * kRows;
+    const float* srow = scales + (nb * kRows / formats::kFp8ScaleBlock) * sk;
+    float* col = wt + nb * kRows;
+    for (int64_t kk = 0; kk < k; ++kk) {
+      const float scale = srow[kk / formats::kFp8ScaleBlock];
+      const uint8_t* b = block + kk * kRows;
+      float line[kRows];
+      for (int r = 0; r < kRows; ++r) {
+        // Branch-free (masks), so the row loop vectorizes. Normal codes: exponent
+        // and mantissa moved under fp32's and re-biased (7 -> 127) in the integer
+        // domain (no denormal arithmetic); subnormal codes: m * 2^-9; 0x7F: NaN.
+        const uint32_t mag = b[r] & 0x7Fu;
+        const uint32_t normal = (mag << 20) + (120u << 23);
+        const uint32_t sub =
+            float_bits(static_cast<float>(static_cast<int32_t>(mag & 7u)) * 0x1p-9f);
+        const uint32_t is_normal = 0u - ((mag + 0x78u) >> 7);  // all ones for mag >= 8
+        const uint32_t is_nan = 0u - ((mag + 1u) >> 7);        // all ones for mag == 0x7F
+        const uint32_t bits = (normal & is_normal) | (sub & ~is_normal) | (is_nan & 0x7FC00000u) |
+                              ((b[r] & 0x80u) << 24);
+        line[r] = bits_to_float(bits) * scale;
+      }
+      store_line(line, col + kk * ld, rows);
+    }
+  }
+}
+
+// Row stride (floats) of the W^T storage. A stride that is a multiple of
+// 2 KiB (e.g. n = 2048: 8 KiB) puts the 16-float column strip of a block
+// into one cache set for every k and crosses a page on every write: the
+// decode of Qwen3's down projection [2048, 768] ran 2x slower than its
+// gate [768, 2048]. 16 floats of padding break the pattern.
+int64_t dense_ld(int64_t n) { return (n * 4) % 2048 == 0 ? n + 16 : n; }
+
 }  // namespace
+
+int64_t dense_expert_weight_numel(const ProjectionWeights& p) { return p.k * dense_ld(p.n); }
 
 at::Tensor dense_expert_weight(const ProjectionWeights& p, int64_t expert,
                                const at::Tensor& scratch) {
   TORCH_CHECK(expert >= 0 && expert < p.num_experts(), "dense_expert_weight: expert ", expert,
               " out of range [0, ", p.num_experts(), ")");
+  const int64_t ld = dense_ld(p.n);
+  const int64_t numel = p.k * ld;
   at::Tensor buf = scratch;
   if (buf.defined()) {
-    TORCH_CHECK(buf.scalar_type() == at::kFloat && buf.is_contiguous() && buf.numel() >= p.n * p.k,
-                "dense_expert_weight: scratch must be a contiguous fp32 tensor of at least ", p.n,
-                " x ", p.k, " elements");
+    TORCH_CHECK(buf.scalar_type() == at::kFloat && buf.is_contiguous() && buf.numel() >= numel,
+                "dense_expert_weight: scratch must be a contiguous fp32 tensor of at least ", numel,
+                " elements (dense_expert_weight_numel)");
   } else {
-    buf = at::empty({p.n * p.k}, at::TensorOptions().dtype(at::kFloat));
+    buf = at::empty({numel}, at::TensorOptions().dtype(at::kFloat));
   }
-  if (p.format == "bf16") {
-    dequantize_bf16_transposed(p, expert, buf.data_ptr<float>());
-    // [k, n] row-major storage, seen as W [n, k] with strides (1, n).
-    return buf.narrow(0, 0, p.n * p.k).view({p.k, p.n}).t();
+  const formats::FormatInfo* info = nullptr;
+  try {
+    info = &formats::lookup_format(p.format);
+  } catch (const std::invalid_argument& err) {
+    TORCH_CHECK(false, "dense_expert_weight: ", err.what());
   }
-  TORCH_CHECK(false, "dense_expert_weight: weight_format='", p.format,
-              "' has no dense decoder yet (LoRA and backward support: 'bf16')");
+  float* wt = buf.data_ptr<float>();
+  switch (info->kind) {
+    case formats::FormatKind::kBf16:
+      dequantize_bf16_transposed(p, expert, wt, ld);
+      break;
+    case formats::FormatKind::kFp8:
+      dequantize_fp8_transposed(p, expert, wt, ld);
+      break;
+    case formats::FormatKind::kQint:
+      dequantize_qint_transposed(p, *info, expert, wt, ld);
+      break;
+  }
+  // Every decoder writes W^T: [k, ld] row-major storage, seen as W [n, k] with strides
+  // (1, ld); the BLAS takes ld as the leading dimension (no copy).
+  return buf.as_strided({p.n, p.k}, {1, ld});
 }
 
 }  // namespace kt::moe

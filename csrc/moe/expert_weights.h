@@ -1,7 +1,7 @@
 // Access to one expert's base weights as dense fp32, for the ATen paths (LoRA
-// forward, backward). This is the ONE place that knows how a weight format
-// stores a projection: a new format extends dense_expert_weight_out and
-// nothing else in csrc/moe changes.
+// forward, backward; QLoRA on a quantized base). Besides the kernels, this is
+// the ONE place that knows how a weight format stores a projection: a new
+// format extends dense_expert_weight and nothing else in csrc/moe changes.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -15,25 +15,35 @@ namespace kt::moe {
 // receives it: the packed tensor plus the format's side data.
 struct ProjectionWeights {
   at::Tensor weight;  // packed, layout chosen by `format` (bf16: [E, ceil(n/16), ceil(k/2), 16, 2])
-  at::Tensor scales;  // per-format scales; undefined for bf16
-  at::Tensor zeros;   // per-format zero points; undefined for bf16
-  std::string format;  // weight_format name ("bf16")
-  int64_t group_size = 0;
-  int64_t n = 0;  // output rows of the dense projection (nn.Linear convention [n, k])
-  int64_t k = 0;  // inputs
+  at::Tensor scales;  // per-format scales (docs/formats.md); undefined for bf16
+  at::Tensor zeros;   // explicit zero points (asymmetric int4, q4_k, q5_k); else undefined
+  std::string format;      // weight_format name (formats/format_registry.h)
+  int64_t group_size = 0;  // k per group of the qint formats (0: per channel); fp8: 128
+  int64_t n = 0;           // output rows of the dense projection (nn.Linear convention [n, k])
+  int64_t k = 0;           // inputs
 
   int64_t num_experts() const { return weight.size(0); }
 };
 
-// Expert `expert`'s dense weights W[expert] as an fp32 [n, k] tensor. The
-// memory layout is the format's choice (bf16: column-major, strides (1, n):
-// its 16-row blocks then decode with contiguous 64-byte writes); at::mm
-// takes either layout at the same speed. `scratch`, when defined, is a
-// contiguous fp32 tensor of at least n * k elements to decode into (reused
-// across experts: no allocation, no page faults); otherwise a new tensor is
+// Expert `expert`'s dense weights W[expert] as an fp32 [n, k] tensor, for
+// every weight format of the registry: bf16, fp8 and the qint family (int8,
+// int4, mxfp4, q8_0, q4_0, q4_k, q5_k, q6_k). Values equal
+// kt_ops.formats.dequantize_weights bit for bit (fp32 subnormal mxfp4 scales
+// included, which the kernels flush to zero). The memory layout is
+// column-major for every format, strides (1, ld) with ld >= n (padded where
+// n * 4 bytes is a multiple of 2 KiB): a 16-row block then decodes with
+// contiguous 64-byte writes, and at::mm takes the view without a copy.
+// `scratch`, when defined, is a contiguous fp32 tensor of at least
+// dense_expert_weight_numel(p) elements to decode into (reused across
+// experts: no allocation, no page faults); otherwise a new tensor is
 // allocated. Reads only that expert's bytes and uses no ATen parallelism, so
-// pool tasks may call it. Throws c10::Error for a format it cannot decode.
+// pool tasks may call it. Throws c10::Error for a format it cannot decode or
+// tensors that do not have its layout.
 at::Tensor dense_expert_weight(const ProjectionWeights& p, int64_t expert,
                                const at::Tensor& scratch = at::Tensor());
+
+// The fp32 elements dense_expert_weight needs as scratch for a projection of
+// `p` (at least n * k: the storage may pad its rows).
+int64_t dense_expert_weight_numel(const ProjectionWeights& p);
 
 }  // namespace kt::moe

@@ -215,6 +215,9 @@ LoraForwardResult moe_forward_lora(const at::Tensor& x, const at::Tensor& topk_i
 
   const std::vector<int64_t> order = experts_by_load(plan);
   std::vector<ThreadWeights> weights(num_task_threads());
+  const int64_t scratch_numel =
+      std::max({dense_expert_weight_numel(w.gate), dense_expert_weight_numel(w.up),
+                dense_expert_weight_numel(w.down)});
   run_expert_tasks(static_cast<int64_t>(order.size()), [&](int64_t task, int thread) {
     const int64_t e = order[task];
     const int64_t r0 = plan.expert_offsets[e];
@@ -222,7 +225,7 @@ LoraForwardResult moe_forward_lora(const at::Tensor& x, const at::Tensor& topk_i
     const int64_t* slot = plan.row_slot.data() + r0;
     ThreadWeights& tw = weights[thread];
     // One scratch buffer serves the three projections in turn.
-    const at::Tensor& scratch = ensure(tw.gate, I * H);
+    const at::Tensor& scratch = ensure(tw.gate, scratch_numel);
 
     at::Tensor xe = at::empty({m, H}, kF32);
     gather_rows(xp, m, H, plan.row_token.data() + r0, xe.data_ptr<float>());
@@ -304,8 +307,8 @@ MoeGrads moe_backward_lora(const at::Tensor& grad_output, const at::Tensor& x,
       const bool need_gate_up_w = compute_grad_x || !saved;
       at::Tensor wg, wu;  // [I, H]
       if (need_gate_up_w) {
-        wg = dense_expert_weight(w.gate, e, ensure(tw.gate, I * H));
-        wu = dense_expert_weight(w.up, e, ensure(tw.up, I * H));
+        wg = dense_expert_weight(w.gate, e, ensure(tw.gate, dense_expert_weight_numel(w.gate)));
+        wu = dense_expert_weight(w.up, e, ensure(tw.up, dense_expert_weight_numel(w.up)));
       }
 
       at::Tensor xe = at::empty({m, H}, kF32);
@@ -330,9 +333,10 @@ MoeGrads moe_backward_lora(const at::Tensor& grad_output, const at::Tensor& x,
       // dh_u = dL/dh before the routing weight: go Wd + s (go Bd) Ad.
       at::Tensor go = at::empty({m, H}, kF32);
       gather_rows(gop, m, H, token, go.data_ptr<float>());
-      const at::Tensor wd = dense_expert_weight(w.down, e, ensure(tw.down, H * I));  // [H, I]
-      at::Tensor dh = at::mm(go, wd);                                                // [m, I]
-      at::Tensor go_b;  // go Bd [m, rd]
+      const at::Tensor wd =
+          dense_expert_weight(w.down, e, ensure(tw.down, dense_expert_weight_numel(w.down)));
+      at::Tensor dh = at::mm(go, wd);  // [m, I]
+      at::Tensor go_b;                 // go Bd [m, rd]
       if (ld.present()) {
         go_b = at::mm(go, ld.B(e));
         dh.addmm_(go_b, ld.A(e), 1.0, s);

@@ -16,8 +16,9 @@
 // from the same sequence of operations for any thread count: results are
 // bit-identical for 1, 2, ... threads.
 //
-// Base weights are read through dense_expert_weight_out (expert_weights.h),
-// so these paths support every format that function decodes.
+// Base weights are read through dense_expert_weight (expert_weights.h), so
+// these paths support every weight format (bf16 and the quantized ones: the
+// base is dequantized to fp32 per expert and multiplies fp32 activations).
 #pragma once
 
 #include <ATen/core/Tensor.h>

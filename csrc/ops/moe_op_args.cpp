@@ -102,16 +102,22 @@ moe::ExpertWeights expert_weights(const at::Tensor& gate_weight, const at::Tenso
                                   const OptTensor& down_scales, const OptTensor& gate_zeros,
                                   const OptTensor& up_zeros, const OptTensor& down_zeros,
                                   int64_t group_size) {
-  const std::string fmt(weight_format.data(), weight_format.size());
+  const std::vector<std::string> names =
+      split_weight_format(std::string(weight_format.data(), weight_format.size()));
   const int64_t H = hidden_size, I = intermediate_size;
-  auto proj = [&](const at::Tensor& w, const OptTensor& sc, const OptTensor& z, int64_t n,
+  auto proj = [&](int i, const at::Tensor& w, const OptTensor& sc, const OptTensor& z, int64_t n,
                   int64_t k) {
-    return moe::ProjectionWeights{
-        w, sc.value_or(at::Tensor()), z.value_or(at::Tensor()), fmt, group_size, n, k};
+    return moe::ProjectionWeights{w,
+                                  sc.value_or(at::Tensor()),
+                                  z.value_or(at::Tensor()),
+                                  names[i],
+                                  projection_group_size(names, i, group_size),
+                                  n,
+                                  k};
   };
-  return {proj(gate_weight, gate_scales, gate_zeros, I, H),
-          proj(up_weight, up_scales, up_zeros, I, H),
-          proj(down_weight, down_scales, down_zeros, H, I)};
+  return {proj(0, gate_weight, gate_scales, gate_zeros, I, H),
+          proj(1, up_weight, up_scales, up_zeros, I, H),
+          proj(2, down_weight, down_scales, down_zeros, H, I)};
 }
 
 }  // namespace kt::ops

@@ -20,6 +20,11 @@ using OptTensor = std::optional<at::Tensor>;
 // projections, or "gate,up,down". Throws c10::Error for any other count.
 std::vector<std::string> split_weight_format(const std::string& weight_format);
 
+// The group size of projection `proj` (0 gate, 1 up, 2 down) of the split
+// weight_format `names`: `group_size`, except that with mixed formats a format
+// with a single group size (the GGUF types, int8, fp8) uses its own.
+int64_t projection_group_size(const std::vector<std::string>& names, int proj, int64_t group_size);
+
 // Every check of kt::moe_forward's arguments, LoRA tensors included (errors
 // name the argument). Defined in moe_ops.cpp, next to the op. Returns the
 // quantized projections (kind kNone for bf16).

@@ -174,6 +174,12 @@ std::vector<std::string> split_weight_format(const std::string& fmt) {
   return names;
 }
 
+int64_t projection_group_size(const std::vector<std::string>& names, int proj, int64_t group_size) {
+  const bool mixed = names[0] != names[1] || names[0] != names[2];
+  const formats::FormatInfo& info = formats::lookup_format(names[proj]);
+  return mixed && info.group_sizes.size() == 1 ? info.group_sizes[0] : group_size;
+}
+
 moe::QuantExperts check_moe_forward_args(
     const at::Tensor& hidden_states, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
     const at::Tensor& gate_weight, const at::Tensor& up_weight, const at::Tensor& down_weight,
@@ -229,12 +235,10 @@ moe::QuantExperts check_moe_forward_args(
               "kt.moe_forward: gate_weight must be a packed [E, ...] tensor");
   const int64_t E = gate_weight.size(0);
   const int64_t I = intermediate_size;
-  // The group size of each projection: group_size, except that in a mixed
-  // weight_format a format with a single group size (the GGUF types) uses its own.
   int64_t groups[3];
   for (int i = 0; i < 3; ++i) {
     const formats::FormatInfo& info = *infos[i];
-    groups[i] = mixed && info.group_sizes.size() == 1 ? info.group_sizes[0] : group_size;
+    groups[i] = projection_group_size(names, i, group_size);
     const bool ok_group = std::find(info.group_sizes.begin(), info.group_sizes.end(), groups[i]) !=
                           info.group_sizes.end();
     if (!ok_group) {
@@ -295,10 +299,6 @@ moe::QuantExperts check_moe_forward_args(
   }
   check_lora_args("kt.moe_forward", E, H, I, gate_lora_a, gate_lora_b, up_lora_a, up_lora_b,
                   down_lora_a, down_lora_b, lora_scaling);
-  TORCH_CHECK(any_bf16 || !has_lora(gate_lora_a, gate_lora_b, up_lora_a, up_lora_b, down_lora_a,
-                                    down_lora_b),
-              "kt.moe_forward: LoRA tensors with weight_format='", fmt,
-              "': this kt_ops version trains LoRA on a bf16 base only (quantized bases: not yet)");
 
   // --- expert ids in [-1, E) ---------------------------------------------------
   if (topk_ids.numel() > 0) {
@@ -339,7 +339,9 @@ at::Tensor moe_forward_cpu(
   const int64_t I = intermediate_size;
   const at::Tensor x = hidden_states.contiguous();
   if (has_lora(gate_lora_a, gate_lora_b, up_lora_a, up_lora_b, down_lora_a, down_lora_b)) {
-    // LoRA: the ATen expert path (csrc/moe/moe_lora.cpp); the kernels below have no LoRA terms.
+    // LoRA: the ATen expert path (csrc/moe/moe_lora.cpp); the kernels below have no LoRA
+    // terms. Any format: the base is dequantized to fp32 per expert (QLoRA style) and
+    // multiplies fp32 activations, without the q8 rounding of the quantized kernels.
     const moe::ExpertWeights w = expert_weights(gate_weight, up_weight, down_weight, x.size(1), I,
                                                 weight_format, gate_scales, up_scales, down_scales,
                                                 gate_zeros, up_zeros, down_zeros, group_size);

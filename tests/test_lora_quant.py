@@ -1,0 +1,428 @@
+"""LoRA on a quantized, frozen base (QLoRA style): every weight format, forward and backward.
+
+With LoRA tensors the op runs the ATen expert path (csrc/moe/moe_lora.cpp), which reads
+each active expert's base through ``dense_expert_weight`` (csrc/moe/expert_weights.cpp):
+the packed weights dequantized to fp32, multiplied with fp32 activations (no q8 rounding).
+
+* The C++ decoder equals ``kt_ops.formats.dequantize_weights`` bit for bit, for every format
+  and group size, on random raw packed tensors (every code value, random scales and zeros,
+  N not a multiple of 16, K not a multiple of 32, mxfp4 scales down to the fp32 subnormals).
+  Read through the op: ``moe_forward_train``'s gate pre-activations for one-hot hidden states
+  are the columns of ``W`` exactly.
+* Forward and gradients (hidden states, routing weights, every LoRA A and B) match autograd
+  through tests/reference.py's dense fp32 reference on the dequantized weights, within the
+  fp32 tolerance of tests/test_lora.py (``TOL_BF16``: both sides use the same fp32 weights,
+  only summation order differs), for every format; T = 0 and 1, -1 ids, experts without
+  tokens; 1 and 2 threads bit-identical; opcheck.
+* ``MoEExperts.from_dense(..., 'int4')`` and a tiny HF Qwen3-MoE model with
+  ``replace_experts(model, 'int4', group_size=32)`` + ``apply_lora`` train (the loss falls);
+  the PEFT adapter saves and loads with the quantized base.
+"""
+
+# T, H, I, E, K, r: tokens, hidden, intermediate, experts, top-k, LoRA rank.
+# ruff: noqa: E741
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+
+import pytest
+import torch
+from reference import (
+    QuantExperts,
+    assert_matches_reference,
+    make_quant_experts,
+    reference_moe_forward,
+)
+from test_lora import (
+    ALL3,
+    LORA_NAMES,
+    Case,
+    _requires_grad,
+    assert_grads_match,
+    make_problem,
+    op_grads,
+    reference_grads,
+)
+
+import kt_ops
+from kt_ops.formats import PackedProjection, dequantize_weights, format_spec
+from kt_ops.nn import MoEExperts
+from kt_ops.ops import WEIGHT_FORMATS
+
+QUANT_FORMATS = [f for f in WEIGHT_FORMATS if f != "bf16"]
+
+
+# --------------------------------------------------------------------------
+# The dense decoder equals dequantize_weights, bit for bit
+# --------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A packed projection ``[E, n, k]`` of random bytes: format, group size, zeros or not."""
+
+    fmt: str
+    group_size: int
+    zeros: bool
+    n: int
+    k: int
+
+    @property
+    def id(self) -> str:
+        return f"{self.fmt}_g{self.group_size}{'_zeros' if self.zeros else ''}_{self.n}x{self.k}"
+
+
+def _shape(gs: int) -> tuple[int, int]:
+    """``(n, k)``, neither a multiple of 16 / 32, with ``gs`` dividing both padded to 32.
+
+    (Both: the op also gets the ``[k, n]`` projection of the same format as down.)
+    """
+    return {64: (100, 40), 128: (250, 100)}.get(gs, (72, 40))
+
+
+LAYOUTS = [
+    Layout("int8", 0, False, 72, 40),
+    *(Layout("int4", gs, z, *_shape(gs)) for gs in (32, 64, 128) for z in (False, True)),
+    Layout("fp8", 128, False, 200, 136),  # two 128-row and two 128-k scale blocks
+    Layout("mxfp4", 32, False, 72, 40),
+    Layout("q8_0", 32, False, 72, 40),
+    Layout("q4_0", 32, False, 72, 40),
+    Layout("q4_k", 32, True, 72, 40),
+    Layout("q5_k", 32, True, 72, 40),
+    Layout("q5_k", 32, True, 250, 100),  # several 32-k high-plane words
+    Layout("q6_k", 16, False, 72, 40),
+    # n * 4 bytes a multiple of 2 KiB: the decoder pads the rows of its W^T storage.
+    Layout("int4", 32, False, 512, 40),
+    Layout("fp8", 128, False, 1024, 40),
+    Layout("bf16", 0, False, 512, 40),
+]
+
+
+def random_packed(
+    fmt: str, E: int, n: int, k: int, group_size: int, zeros: bool, seed: int
+) -> PackedProjection:
+    """Random bytes in the layout of ``fmt``: every code value, random signed scales / zeros.
+
+    mxfp4 scale bytes lie in [0, 160): 2^-128 (an fp32 subnormal) up to finite
+    weights (the one-hot read of ``decoded_by_op`` turns inf into NaN); fp8 codes
+    skip the two NaN codes.
+    """
+    spec = format_spec(fmt)
+    g = torch.Generator().manual_seed(seed)
+    if fmt == "bf16":
+        packed = kt_ops.pack_weights(torch.randn(E, n, k, generator=g))
+        return PackedProjection(packed, None, None, fmt, 0, n, k).validate()
+    weight = torch.randint(0, 256, spec.weight_shape(E, n, k), dtype=torch.uint8, generator=g)
+    if fmt == "fp8":
+        weight[(weight & 0x7F) == 0x7F] -= 1
+    sshape = spec.scales_shape(E, n, k, group_size)
+    if spec.scale_dtype == torch.uint8:
+        scales = torch.randint(0, 160, sshape, dtype=torch.uint8, generator=g)
+    else:
+        scales = (torch.randn(sshape, generator=g) * 0.05).to(spec.scale_dtype)
+    z = (torch.randn(sshape, generator=g) * 0.05).to(spec.scale_dtype) if zeros else None
+    return PackedProjection(weight, scales, z, fmt, group_size, n, k).validate()
+
+
+def decoded_by_op(p: PackedProjection, down: PackedProjection, **scale_casts) -> torch.Tensor:
+    """``W`` [E, n, k] as the op's dense decoder produces it.
+
+    Token ``e*k + j`` is the one-hot ``x = e_j`` routed to expert ``e``: its saved gate
+    pre-activation ``W[e] @ x`` is column ``j`` of ``W[e]`` exactly (one product 1*w,
+    the rest zeros). ``down`` ([E, k, n], same format) completes the call.
+    """
+    E, n, k = p.num_experts, p.n, p.k
+    x = torch.eye(k).repeat(E, 1)
+    ids = torch.arange(E).repeat_interleave(k).view(-1, 1)
+    kwargs = dict(weight_format=p.weight_format, group_size=p.group_size)
+    for proj, q in (("gate", p), ("up", p), ("down", down)):
+        if q.scales is None:  # bf16
+            continue
+        kwargs[f"{proj}_scales"] = scale_casts.get("scales", lambda t: t)(q.scales)
+        if q.zeros is not None:
+            kwargs[f"{proj}_zeros"] = scale_casts.get("zeros", lambda t: t)(q.zeros)
+    _, gate_pre, _ = kt_ops.ops.moe_forward_train(
+        x, ids, torch.ones(E * k, 1), p.weight, p.weight, down.weight, n, **kwargs
+    )
+    return gate_pre.view(E, k, n).transpose(1, 2)
+
+
+@functools.cache
+def random_pair(layout: Layout) -> tuple[PackedProjection, PackedProjection]:
+    v = layout
+    p = random_packed(v.fmt, 3, v.n, v.k, v.group_size, v.zeros, seed=v.n + v.k)
+    down = random_packed(v.fmt, 3, v.k, v.n, v.group_size, v.zeros, seed=1)
+    return p, down
+
+
+def test_every_format_is_decoded():
+    assert {v.fmt for v in LAYOUTS} == set(WEIGHT_FORMATS)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda v: v.id)
+def test_dense_decoder_equals_dequantize_weights(layout):
+    p, down = random_pair(layout)
+    want = dequantize_weights(p)
+    got = decoded_by_op(p, down)
+    assert torch.isfinite(want).all()
+    mismatch = got != want
+    assert not mismatch.any(), (
+        f"{int(mismatch.sum())} of {want.numel()} weights differ; first at "
+        f"{mismatch.nonzero()[0].tolist()}: {got[mismatch][0].item()!r} vs "
+        f"{want[mismatch][0].item()!r}"
+    )
+
+
+def test_mxfp4_subnormal_scales_are_exact():
+    # The kernels flush 2^(E-128) below the fp32 normals to zero; the dense decoder must not.
+    p, down = random_pair(next(v for v in LAYOUTS if v.fmt == "mxfp4"))
+    scales = p.scales.clone()
+    scales[0, 0, 0] = torch.tensor([0, 1, 2, 3] * 4, dtype=torch.uint8)
+    p = dataclasses.replace(p, scales=scales)
+    want = dequantize_weights(p)
+    tiny = want[0, :16, :32]
+    assert (tiny != 0).any() and (tiny.abs() < torch.finfo(torch.float32).tiny).any()
+    assert torch.equal(decoded_by_op(p, down), want)
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_scale_and_zero_dtypes(fmt):
+    # The op also takes fp32 and bf16 scales/zeros (one dtype for the layer): fp32 copies of
+    # the fp16 values decode identically; bf16 ones like their fp32 copies.
+    layout = next(v for v in LAYOUTS if v.fmt == fmt and v.zeros == (fmt == "int4"))
+    p, down = random_pair(layout)
+    want = dequantize_weights(p)
+    f32 = {"scales": lambda t: t.float(), "zeros": lambda t: t.float()}
+    assert torch.equal(decoded_by_op(p, down, **f32), want)
+    bf16 = {"scales": lambda t: t.bfloat16(), "zeros": lambda t: t.bfloat16()}
+    via_f32 = {"scales": lambda t: t.bfloat16().float(), "zeros": lambda t: t.bfloat16().float()}
+    assert torch.equal(decoded_by_op(p, down, **bf16), decoded_by_op(p, down, **via_f32))
+
+
+# --------------------------------------------------------------------------
+# LoRA forward and gradients against the dense reference, every format
+# --------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """A layer quantized by ``quantize_weights``: format, group size, symmetry, H and I."""
+
+    fmt: str
+    group_size: int | None
+    symmetric: bool
+    H: int
+    I: int
+
+    @property
+    def id(self) -> str:
+        gs = "" if self.group_size is None else f"_g{self.group_size}"
+        return f"{self.fmt}{gs}{'' if self.symmetric else '_asym'}"
+
+
+# H = 72, I = 40 where the packer pads K (int8, fp8, mxfp4); the grouped formats need the
+# group size (the k-quants: 256) to divide H and I. I = 512: padded decoder rows (gate/up).
+VARIANTS = [
+    Variant("int8", None, True, 72, 40),
+    *(
+        Variant("int4", gs, sym, H, I)
+        for gs, H, I in ((32, 96, 64), (64, 128, 64), (128, 128, 512))
+        for sym in (True, False)
+    ),
+    Variant("fp8", None, True, 72, 40),
+    Variant("mxfp4", None, True, 72, 40),
+    Variant("q8_0", None, True, 96, 64),
+    Variant("q4_0", None, True, 96, 64),
+    Variant("q4_k", None, True, 256, 256),
+    Variant("q5_k", None, True, 256, 256),
+    Variant("q6_k", None, True, 256, 256),
+]
+PER_FORMAT = list({v.fmt: v for v in reversed(VARIANTS)}.values())[::-1]
+E_TOTAL = 6
+
+
+@functools.cache
+def layer(v: Variant) -> QuantExperts:
+    return make_quant_experts(
+        v.fmt, E_TOTAL, v.H, v.I, group_size=v.group_size, symmetric=v.symmetric, seed=1
+    )
+
+
+def problem(v: Variant, T: int, ranks: dict[str, int] = ALL3, **case_kwargs):
+    """T tokens, top-2, some -1 slots, expert E-1 without tokens; LoRA of ``ranks``."""
+    case = Case(v.id, T, v.H, v.I, E_TOTAL, 2, ranks, skip_fraction=0.2, **case_kwargs)
+    p = make_problem(case, seed=T, weights=layer(v))
+    p.ids[p.ids == E_TOTAL - 1] = -1
+    return p
+
+
+def test_every_format_trains():
+    assert [v.fmt for v in PER_FORMAT] == QUANT_FORMATS
+    assert {(v.group_size, v.symmetric) for v in VARIANTS if v.fmt == "int4"} == {
+        (gs, sym) for gs in (32, 64, 128) for sym in (True, False)
+    }
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["save", "recompute"])
+@pytest.mark.parametrize("v", VARIANTS, ids=lambda v: v.id)
+def test_forward_and_gradients_match_reference(v, checkpointing):
+    p = problem(v, 9)
+    assert (p.ids < 0).any()
+    out, grads = op_grads(p, checkpointing)
+    ref_out, ref_grads = reference_grads(p)
+    assert_matches_reference(out, ref_out)
+    assert_grads_match(grads, ref_grads)
+    for name in LORA_NAMES:  # expert E-1 got no token
+        assert torch.count_nonzero(grads[name][E_TOTAL - 1]) == 0, name
+    # Inference (no autograd) runs the same path: the same output.
+    with torch.no_grad():
+        assert torch.equal(kt_ops.moe_forward(*p.op_args(), **p.op_kwargs()), out)
+
+
+@pytest.mark.parametrize("T", [0, 1])
+@pytest.mark.parametrize("v", PER_FORMAT, ids=lambda v: v.id)
+def test_few_tokens(v, T):
+    p = problem(v, T)
+    out, grads = op_grads(p, checkpointing=False)
+    assert out.shape == (T, v.H)
+    ref_out, ref_grads = reference_grads(p)
+    assert_matches_reference(out, ref_out)
+    assert_grads_match(grads, ref_grads)
+
+
+@pytest.mark.parametrize("v", [VARIANTS[2], PER_FORMAT[2]], ids=lambda v: v.id)
+def test_gradients_without_lora(v):
+    # A quantized base without LoRA is differentiable too (hidden states, routing weights):
+    # backward runs on the dequantized weights. The recomputing forward is the kernel (q8
+    # activations for the integer formats), so only the saving forward's output is compared.
+    p = problem(v, 9, ranks={})
+    ref_out, ref_grads = reference_grads(p)
+    for checkpointing in (False, True):
+        out, grads = op_grads(p, checkpointing)
+        if not checkpointing:
+            assert_matches_reference(out, ref_out)
+        assert_grads_match(grads, ref_grads)
+
+
+def test_low_precision_activations_and_adapters():
+    v = VARIANTS[2]  # int4 g32 asymmetric
+    p = problem(v, 7, act=torch.bfloat16, lora_dtype=torch.bfloat16)
+    out, grads = op_grads(p, checkpointing=False)
+    assert out.dtype == torch.bfloat16 and grads["down_lora_b"].dtype == torch.bfloat16
+    ref_out, ref_grads = reference_grads(p)
+    assert_matches_reference(out, ref_out)
+    assert_grads_match(grads, ref_grads)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["save", "recompute"])
+@pytest.mark.parametrize("v", [VARIANTS[2], PER_FORMAT[2], PER_FORMAT[-2]], ids=lambda v: v.id)
+def test_thread_counts_bit_identical(v, checkpointing):
+    p = problem(v, 48)
+    results = []
+    for threads in (1, 2):
+        kt_ops.set_num_threads(threads)
+        results.append(op_grads(p, checkpointing))
+    (out1, grads1), (out2, grads2) = results
+    assert torch.equal(out1, out2)
+    for name in grads1:
+        assert torch.equal(grads1[name], grads2[name]), name
+
+
+@pytest.mark.parametrize("v", PER_FORMAT, ids=lambda v: v.id)
+def test_lora_path_vs_kernel_path(v):
+    # B = 0: the LoRA path computes the base alone, on fp32 activations. The kernels of the
+    # q8 formats round the activations to int8 first (reference_quant_moe_forward), so the
+    # two differ by that rounding (~1e-2 of max|out| here); fp8 kernels keep fp32 activations.
+    p = problem(v, 16)
+    lora = {k: (torch.zeros_like(t) if k.endswith("_b") else t) for k, t in p.lora.items()}
+    args, fmt = p.op_args(), p.format_kwargs()
+    with_lora = kt_ops.moe_forward(*args, **fmt, **lora)
+    assert_matches_reference(with_lora, reference_moe_forward(*args, **fmt))
+    kernel = kt_ops.moe_forward(*args, **fmt)
+    diff = ((with_lora - kernel).abs().max() / kernel.abs().max()).item()
+    if format_spec(v.fmt).activation == "q8":
+        assert 1e-4 < diff < 5e-2, diff
+    else:
+        assert diff < 1e-4, diff
+
+
+def test_opcheck():
+    p = problem(VARIANTS[2], 7)  # int4 asymmetric: scales and zeros
+    q = _requires_grad(p)
+    for op in (torch.ops.kt.moe_forward.default, torch.ops.kt.moe_forward_train.default):
+        torch.library.opcheck(op, q.op_args(), q.op_kwargs())
+    args, kwargs = (p.grad_output, *p.op_args()), p.op_kwargs()
+    torch.library.opcheck(torch.ops.kt.moe_backward.default, args, kwargs)
+    _, gate_pre, up_pre = kt_ops.ops.moe_forward_train(*p.op_args(), **kwargs)
+    kwargs = {**kwargs, "gate_pre": gate_pre, "up_pre": up_pre}
+    torch.library.opcheck(torch.ops.kt.moe_backward.default, args, kwargs)
+
+
+# --------------------------------------------------------------------------
+# Modules and models
+# --------------------------------------------------------------------------
+
+
+def test_moe_experts_from_dense_int4_trains():
+    E, H, I, T = 8, 64, 32, 24
+    g = torch.Generator().manual_seed(0)
+    dense = [torch.randn(E, n, k, generator=g) / k**0.5 for n, k in ((I, H), (I, H), (H, I))]
+    m = MoEExperts.from_dense(*dense, "int4", group_size=32, activation_checkpointing=True)
+    assert m.activation_checkpointing is True and m.group_size == 32
+    m.add_lora(4, 8, generator=torch.Generator().manual_seed(1))
+    buffers = {n: b.clone() for n, b in m.named_buffers()}
+    x = torch.randn(T, H, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(T)])
+    w = torch.rand(T, 2, generator=g)
+    target = torch.randn(T, H, generator=g) * 0.1
+    opt = torch.optim.SGD(m.parameters(), lr=0.5)
+    losses = []
+    for _ in range(5):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(m(x, ids, w), target)
+        loss.backward()
+        assert all(p.grad is not None for p in m.parameters())
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.9 * losses[0], losses
+    for name, b in m.named_buffers():  # the quantized base stays frozen
+        assert torch.equal(b, buffers[name]), name
+
+
+def test_hf_model_int4_base_trains_and_saves_adapter(tmp_path):
+    pytest.importorskip("peft")
+    lora_helpers = pytest.importorskip("lora_helpers")
+    from kt_ops import peft_adapters
+    from kt_ops.lora import apply_lora, lora_factors, lora_parameters
+
+    plain = lora_helpers.tiny_model("qwen3_moe")
+
+    def quantized():
+        return kt_ops.replace_experts(copy.deepcopy(plain), "int4", group_size=32)
+
+    model = quantized().train()
+    experts = model.model.layers[0].mlp.experts
+    assert experts.weight_format == "int4" and experts.group_size == 32
+    apply_lora(model, rank=4, alpha=8, seed=0, freeze_base=True)
+    opt = torch.optim.SGD([p for _, p in lora_parameters(model)], lr=0.5)
+    losses = []
+    for _ in range(4):
+        opt.zero_grad()
+        loss = lora_helpers.lm_loss(model)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0], losses
+    assert lora_factors(experts)["down"][1].abs().max() > 0  # B moved off zero
+
+    # The adapter does not depend on the base: save, load onto another int4 copy.
+    model.eval()
+    want = lora_helpers.logits(model)
+    peft_adapters.save_pretrained(model, tmp_path)
+    again = peft_adapters.load_adapter(quantized(), tmp_path)
+    assert torch.equal(lora_helpers.logits(again), want)
+    for name, p in lora_parameters(again):
+        assert torch.equal(p, dict(lora_parameters(model))[name]), name
