@@ -53,7 +53,7 @@ def split_weight_format(weight_format: str) -> tuple[str, str, str]:
     ``weight_format`` is one name for all three projections (``'q4_k'``) or
     three comma-separated names ``'gate,up,down'`` (``'q4_k,q4_k,q6_k'``, as
     GGUF Q4_K_M files store some layers). Raises ``ValueError`` for another
-    count of names, an unknown name, or ``bf16`` mixed with quantized formats.
+    count of names, an unknown name, or ``bf16`` or ``fp8`` mixed with other formats.
     """
     names = weight_format.split(",")
     if len(names) == 1:
@@ -70,6 +70,11 @@ def split_weight_format(weight_format: str) -> tuple[str, str, str]:
         raise ValueError(
             f"weight_format={weight_format!r} mixes bf16 with quantized formats; bf16 experts "
             "take one format for all three projections"
+        )
+    if "fp8" in names and len(set(names)) > 1:
+        raise ValueError(
+            f"weight_format={weight_format!r} mixes fp8 with other formats; per-projection "
+            "formats are for the integer (qint) formats: int8, int4, mxfp4 and the GGUF types"
         )
     return names[0], names[1], names[2]
 

@@ -256,6 +256,12 @@ moe::QuantExperts check_moe_forward_args(
   TORCH_CHECK(!mixed || !any_bf16, "kt.moe_forward: weight_format='", fmt,
               "' mixes bf16 with quantized formats; bf16 experts take one format for all three "
               "projections");
+  const bool any_fp8 = infos[0]->kind == formats::FormatKind::kFp8 ||
+                       infos[1]->kind == formats::FormatKind::kFp8 ||
+                       infos[2]->kind == formats::FormatKind::kFp8;
+  TORCH_CHECK(!mixed || !any_fp8, "kt.moe_forward: weight_format='", fmt,
+              "' mixes fp8 with other formats; per-projection formats are for the integer "
+              "(qint) formats: int8, int4, mxfp4 and the GGUF types");
   moe::QuantExperts quant;
   if (any_bf16) {
     TORCH_CHECK(gate_weight.dim() == 5,
