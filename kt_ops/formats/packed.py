@@ -21,7 +21,7 @@ class PackedProjection:
     Fields:
         weight: the packed weight tensor (bf16 ``[E, NB, ceil(k/2), 16, 2]``;
             uint8 ``[E, NB, 16*Kp*bits/8]`` for the qint formats; uint8
-            ``[E, NB, Kp/4, 16, 4]`` for fp8).
+            ``[E, NB, Kp, 16]`` (n16k1) for fp8).
         scales: ``[E, NB, G, 16]`` in the format's scale dtype (fp8:
             fp32 ``[E, ceil(n/128), ceil(k/128)]``), or ``None`` for bf16.
         zeros: ``[E, NB, G, 16]`` in weight units (``W = scale*q - zero``), or
