@@ -13,10 +13,12 @@ threshold (``quant_fp32_min_tokens``): gate/up by theirs, down by its own, so a
 heavy expert of ``'mxfp4,mxfp4,int8'`` multiplies q8 activations in gate/up and
 fp32 ones in down. ``mixed_reference`` models that per projection.
 
-Covered: forward on every ISA path for six mixes (plus two that put int4 on down),
-T = 0/1/7/64, -1 slots, experts without tokens (poisoned, never read); the down
-format matters; 'fp32'/'q8'/'auto' modes; 1 vs 2 threads bit-identical; clear
-errors; opcheck, fake kernel and torch.compile(fullgraph); ``MoEExperts.from_packed``;
+Covered: forward on every ISA path for six mixes (plus two with int4 on down and
+two at sizes the packers pad), T = 0/1/7/64 (in the default 'auto' mode: at T = 64
+the int8/q8_0 projections of most experts take the fp32 path, the others q8), -1
+slots, experts without tokens (poisoned, never read); the down format matters; a
+scale dtype per projection; 'fp32'/'q8'/'auto' modes; 1 vs 2 threads bit-identical;
+clear errors; opcheck, fake kernel and torch.compile(fullgraph); ``MoEExperts.from_packed``;
 LoRA (functional and ``add_lora``) forward and gradients on a mixed base; a GGUF
 file with Q4_K gate/up and Q6_K down through the loader, the converter and
 ``replace_experts(converted_dir=...)``.
@@ -49,7 +51,7 @@ from reference import (
     single_threaded_torch,
 )
 from test_lora import ALL3, Case, assert_grads_match, make_problem, op_grads
-from test_quant_forward import _heavy_and_light_routing, _poison
+from test_quant_forward import _cast_params, _heavy_and_light_routing, _poison
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -62,6 +64,18 @@ from kt_ops.ops import join_weight_format, split_weight_format
 
 OP = torch.ops.kt.moe_forward
 E_TOTAL, TOP_K = 6, 2
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """Tiny tensors: one intra-op thread avoids OpenMP spin-waits on a busy 2-core machine.
+
+    (ATen only: the kt_ops thread pool, and its 1 vs 2 thread tests, are separate.)
+    """
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 # --------------------------------------------------------------------------
@@ -117,7 +131,7 @@ class Mix:
 
 
 # K-quants need K (H for gate/up, I for down) a multiple of 256; int4 a multiple of its
-# group; q8_0/q4_0/mxfp4 of 32.
+# group; q8_0/q4_0 of 32 (int8 and mxfp4 pad K, and N to 16 rows, themselves).
 MIXES = [
     Mix(("q4_k", "q4_k", "q6_k"), 256, 256),  # GGUF Q4_K_M
     Mix(("q5_k", "q5_k", "q6_k"), 256, 256),  # GGUF Q5_K_M
@@ -128,6 +142,9 @@ MIXES = [
     # int4 on down: group_size is down's; zeros on gate/up (q4_k) but not down, or down only
     Mix(("q4_k", "q4_k", "int4"), 256, 256, 128, True),
     Mix(("q8_0", "q8_0", "int4"), 96, 64, 64, False),
+    # K not a multiple of 32 and N not a multiple of 16 (the packers pad), gate != up
+    Mix(("int8", "mxfp4", "int8"), 50, 40),
+    Mix(("mxfp4", "int8", "mxfp4"), 17, 15),
 ]
 MIX_IDS = [m.id for m in MIXES]
 #: The six mixes of the brief (the first six).
@@ -347,6 +364,36 @@ def test_group_size_ignored_without_int4():
         assert torch.equal(run_op(x, ids, weights, w, group_size=gs), want), gs
 
 
+@pytest.mark.parametrize(
+    "dtypes",
+    [
+        (torch.float32, torch.bfloat16, torch.float32),
+        (torch.bfloat16, torch.float16, torch.bfloat16),
+        (torch.float16, torch.float32, torch.bfloat16),
+    ],
+    ids=lambda d: "-".join(str(t).removeprefix("torch.") for t in d),
+)
+def test_scale_dtypes_per_projection(dtypes):
+    # With mixed formats each projection has its own scale (and zero) dtype, even gate
+    # and up of one format: int4 gate/up and q8_0 down cast to three different dtypes.
+    mix = MIXES[2]
+    base = mixed_layer(mix)
+    with single_threaded_torch():
+        cast = [_cast_params(p, d) for p, d in zip(base.projections(), dtypes)]
+    w = MixedExperts(*(p for p, _ in cast))
+    assert tuple(p.scales.dtype for p in w.projections()) == dtypes
+    T = 23
+    ids, weights = routing(T, seed=10)
+    x = make_hidden(T, mix.H, torch.float32, seed=10)
+    with kt_ops.use_quant_activations("q8"):
+        out = run_op(x, ids, weights, w)
+    ref = reference_quant_moe_forward(x, ids, weights, *(d for _, d in cast), activation="q8")
+    msg = quant_mismatch_report(out, ref)
+    assert msg is None, f"{dtypes}: {msg}"
+    # bf16 scales are coarser than the fp16 originals: the op reads the cast values
+    assert not torch.equal(out, run_op(x, ids, weights, base))
+
+
 # --------------------------------------------------------------------------
 # Compute paths: 'fp32', 'q8' and per-projection 'auto'
 # --------------------------------------------------------------------------
@@ -397,10 +444,9 @@ def test_auto_decides_per_projection(isa, mix):
     assert not torch.equal(outs["auto"][heavy], outs["q8"][heavy])
     assert not torch.equal(outs["auto"][heavy], outs["fp32"][heavy])
     # ... and a reference that switched all three projections at once would not pass
-    with kt_ops.use_quant_activations("auto"):
-        whole = reference_quant_moe_forward(
-            x, ids, weights, *w.dense(), activation="q8", fp32_min_tokens=n
-        )
+    whole = reference_quant_moe_forward(
+        x, ids, weights, *w.dense(), activation="q8", fp32_min_tokens=n
+    )
     assert quant_mismatch_report(outs["auto"], whole) is not None
 
 
@@ -583,8 +629,8 @@ def test_module_checks_each_projection_shape():
 @pytest.mark.parametrize("mix", [MIXES[0], MIXES[2], MIXES[7]], ids=lambda m: m.id)
 def test_opcheck(mix):
     w = mixed_layer(mix, E=4)
-    ids, weights = make_routing(5, 4, TOP_K, seed=5, skip_fraction=0.2)
-    x = make_hidden(5, mix.H, torch.bfloat16, seed=5)
+    ids, weights = make_routing(3, 4, TOP_K, seed=5, skip_fraction=0.2)
+    x = make_hidden(3, mix.H, torch.bfloat16, seed=5)
     torch.library.opcheck(OP.default, (x, ids, weights, *w.args()), w.kwargs())
 
 
@@ -755,7 +801,7 @@ def test_lora_thread_counts_bit_identical():
         assert torch.equal(g1[name], g2[name]), name
 
 
-def test_add_lora_on_mixed_module_trains():
+def test_add_lora_on_mixed_module_gradients():
     mix = MIXES[0]
     w = mixed_layer(mix)
     module = MoEExperts.from_packed(*w.projections())
@@ -786,8 +832,8 @@ def test_add_lora_on_mixed_module_trains():
 
 
 def test_opcheck_with_lora():
-    mix = MIXES[0]
-    case = Case(mix.id, 5, mix.H, mix.I, 4, TOP_K, {"gate": 2, "down": 3})
+    mix = MIXES[8]  # int8, mxfp4, int8 at odd sizes: small, and gate != up
+    case = Case(mix.id, 5, mix.H, mix.I, 4, TOP_K, ALL3, skip_fraction=0.2)
     p = make_problem(case, seed=5, weights=mixed_layer(mix, E=4))
     x = p.x.clone().requires_grad_(True)
     lora = {k: v.clone().requires_grad_(True) for k, v in p.lora.items()}
