@@ -64,7 +64,7 @@ import torch
 from torch import Tensor, nn
 
 from kt_ops.nn import MoEExpertList, MoEExperts
-from kt_ops.ops import WEIGHT_FORMATS
+from kt_ops.ops import WEIGHT_FORMATS, split_weight_format
 
 __all__ = ["ExpertsInfo", "UnsupportedExpertsError", "find_experts", "replace_experts"]
 
@@ -514,7 +514,8 @@ def replace_experts(
         model: a ``transformers`` MoE model (or any ``nn.Module`` holding such
             experts), its weights materialized (any floating dtype and device;
             packed weights are stored on the CPU).
-        weight_format: one of ``kt_ops.ops.WEIGHT_FORMATS`` (docs/formats.md);
+        weight_format: one of ``kt_ops.ops.WEIGHT_FORMATS`` (docs/formats.md),
+            or per-projection ``'gate,up,down'`` formats (``'q4_k,q4_k,q6_k'``);
             the model's expert weights are quantized online (a few experts at
             a time) unless ``converted_dir`` is given.
         group_size: group along K for the grouped formats (``None``: the
@@ -550,11 +551,15 @@ def replace_experts(
         converted = ConvertedExperts(converted_dir)
         weight_format = converted.weight_format
     quant = {} if weight_format == "bf16" else {"group_size": group_size, "symmetric": symmetric}
-    if converted is None and weight_format not in WEIGHT_FORMATS:
-        raise ValueError(
-            f"replace_experts: weight_format={weight_format!r} is not supported; expected one of "
-            f"{WEIGHT_FORMATS}"
-        )
+    if converted is None:
+        try:
+            split_weight_format(weight_format)
+        except ValueError:
+            raise ValueError(
+                f"replace_experts: weight_format={weight_format!r} is not supported; expected one "
+                f"of {WEIGHT_FORMATS} or per-projection 'gate,up,down' formats (e.g. "
+                "'q4_k,q4_k,q6_k')"
+            ) from None
     plans, already = _plan(model)
     if not plans:
         if already:

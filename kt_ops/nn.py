@@ -291,7 +291,9 @@ class MoEExperts(nn.Module):
             weight_format: target format, one of :data:`kt_ops.formats.FORMATS`
                 (``'bf16'``: rounded to nearest even; the others are quantized
                 online by :func:`kt_ops.formats.quantize_weights`, a few
-                experts at a time so the fp32 temporaries stay small).
+                experts at a time so the fp32 temporaries stay small), or
+                per-projection formats ``'gate,up,down'`` (``'q4_k,q4_k,q6_k'``
+                for a Q4_K_M-like mix; ``group_size`` then applies to ``int4``).
             activation_checkpointing: as in the constructor.
             group_size: group along K for the grouped formats (``None``: the
                 format's default; see docs/formats.md).
@@ -317,15 +319,24 @@ class MoEExperts(nn.Module):
                 f"MoEExperts.from_dense: expected gate and up [E, I, H] and down [E, H, I]; got "
                 f"gate {tuple(gate.shape)}, up {tuple(up.shape)}, down {tuple(down.shape)}"
             )
-        if weight_format != "bf16":
+        names = split_weight_format(weight_format)
+        if names[0] != "bf16":
+            from kt_ops.formats import format_spec
+
+            mixed = len(set(names)) > 1
+
+            def group_for(fmt: str) -> Optional[int]:
+                # Mixed: formats with a single group size (GGUF types) keep their own.
+                return None if mixed and len(format_spec(fmt).group_sizes) == 1 else group_size
+
             projections = [
-                _quantize_in_chunks(w.detach(), weight_format, group_size, symmetric)
-                for w in (gate, up, down)
+                _quantize_in_chunks(w.detach(), fmt, group_for(fmt), symmetric)
+                for fmt, w in zip(names, (gate, up, down))
             ]
             module = cls.from_packed(*projections)
             module.activation_checkpointing = activation_checkpointing
             return module
-        packed = [_pack_in_chunks(w.detach(), weight_format) for w in (gate, up, down)]
+        packed = [_pack_in_chunks(w.detach(), "bf16") for w in (gate, up, down)]
         return cls(
             *packed,
             hidden_size=H,

@@ -963,3 +963,68 @@ def test_gguf_converted_dir_replace_experts(q4_k_m_gguf, tmp_path):
     with torch.inference_mode():
         logits = model(torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(0)))
     assert torch.isfinite(logits.logits).all()
+
+
+# --------------------------------------------------------------------------
+# Online quantization into per-projection formats
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "fmt, group_size", [("q4_k,q4_k,q6_k", None), ("int4,int4,q8_0", 32), ("q4_k,int4,q6_k", 64)]
+)
+def test_from_dense_quantizes_each_projection_in_its_format(fmt, group_size):
+    H, I = 256, 256
+    dense = dense_expert_weights(3, H, I, seed=5)
+    m = MoEExperts.from_dense(*dense, fmt, group_size=group_size)
+    assert m.weight_format == fmt
+    names = split_weight_format(fmt)
+    for name, w, f in zip(("gate", "up", "down"), dense, names):
+        g = group_size if len(format_spec(f).group_sizes) > 1 else None
+        p = quantize_weights(w, f, g)
+        assert torch.equal(getattr(m, f"{name}_weight"), p.weight), name
+        assert torch.equal(getattr(m, f"{name}_scales"), p.scales), name
+    T = 5
+    ids, weights = make_routing(T, 3, TOP_K, seed=5)
+    x = make_hidden(T, H, torch.float32, seed=5)
+    with kt_ops.use_quant_activations("q8"):
+        out = m(x, ids, weights)
+    deq = [
+        dequantize_weights(quantize_weights(w, f, g))
+        for w, f, g in zip(
+            dense,
+            names,
+            [group_size if len(format_spec(f).group_sizes) > 1 else None for f in names],
+        )
+    ]
+    ref = reference_quant_moe_forward(x, ids, weights, *deq, activation="q8")
+    assert quant_mismatch_report(out, ref) is None
+
+
+def test_replace_experts_online_mixed_format():
+    transformers = pytest.importorskip("transformers")
+    from kt_ops import demo
+    from kt_ops.hf import replace_experts
+
+    config = demo.make_config(
+        "qwen3_moe",
+        hidden_size=64,
+        moe_intermediate_size=32,
+        num_experts=4,
+        top_k=2,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        vocab_size=64,
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    replace_experts(model, "int4,int4,q8_0", group_size=32)
+    (m,) = [m for m in model.modules() if isinstance(m, MoEExperts)]
+    assert m.weight_format == "int4,int4,q8_0" and m.group_size == 32
+    with torch.inference_mode():
+        logits = model(torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(0)))
+    assert torch.isfinite(logits.logits).all()
+    with pytest.raises(ValueError, match="per-projection 'gate,up,down'"):
+        replace_experts(transformers.AutoModelForCausalLM.from_config(config), "q4_k,bf16,q6_k")
