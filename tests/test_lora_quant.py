@@ -46,6 +46,7 @@ from test_lora import (
     op_grads,
     reference_grads,
 )
+from test_quant_forward import Variant
 
 import kt_ops
 from kt_ops.formats import PackedProjection, dequantize_weights, format_spec
@@ -205,22 +206,6 @@ def test_scale_and_zero_dtypes(fmt):
 # --------------------------------------------------------------------------
 # LoRA forward and gradients against the dense reference, every format
 # --------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Variant:
-    """A layer quantized by ``quantize_weights``: format, group size, symmetry, H and I."""
-
-    fmt: str
-    group_size: int | None
-    symmetric: bool
-    H: int
-    I: int
-
-    @property
-    def id(self) -> str:
-        gs = "" if self.group_size is None else f"_g{self.group_size}"
-        return f"{self.fmt}{gs}{'' if self.symmetric else '_asym'}"
 
 
 # H = 72, I = 40 where the packer pads K (int8, fp8, mxfp4); the grouped formats need the

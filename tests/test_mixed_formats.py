@@ -927,28 +927,35 @@ def test_gguf_convert_native_bit_identical(q4_k_m_gguf, tmp_path):
                 assert torch.equal(offline(x, ids, weights), online(x, ids, weights)), L
 
 
-def test_gguf_converted_dir_replace_experts(q4_k_m_gguf, tmp_path):
+def _tiny_qwen3_moe(hidden: int, inter: int, experts: int, top_k: int, *, num_layers: int):
+    """A random transformers Qwen3-MoE (eval mode) with the given expert shape."""
     transformers = pytest.importorskip("transformers")
     from kt_ops import demo
-    from kt_ops.hf import replace_experts
 
-    path, _ = q4_k_m_gguf
-    out_dir = tmp_path / "conv"
-    convert(path, out_dir, progress=False)
     config = demo.make_config(
         "qwen3_moe",
-        hidden_size=GGUF_H,
-        moe_intermediate_size=GGUF_I,
-        num_experts=GGUF_E,
-        top_k=TOP_K,
-        num_layers=2,
+        hidden_size=hidden,
+        moe_intermediate_size=inter,
+        num_experts=experts,
+        top_k=top_k,
+        num_layers=num_layers,
         num_heads=2,
         num_kv_heads=1,
         head_dim=16,
         vocab_size=64,
     )
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def test_gguf_converted_dir_replace_experts(q4_k_m_gguf, tmp_path):
+    pytest.importorskip("transformers")
+    from kt_ops.hf import replace_experts
+
+    path, _ = q4_k_m_gguf
+    out_dir = tmp_path / "conv"
+    convert(path, out_dir, progress=False)
+    model = _tiny_qwen3_moe(GGUF_H, GGUF_I, GGUF_E, TOP_K, num_layers=2)
     assert replace_experts(model, converted_dir=str(out_dir)) is model
     replaced = [m for m in model.modules() if isinstance(m, MoEExperts)]
     assert len(replaced) == 2
@@ -1002,24 +1009,9 @@ def test_from_dense_quantizes_each_projection_in_its_format(fmt, group_size):
 
 
 def test_replace_experts_online_mixed_format():
-    transformers = pytest.importorskip("transformers")
-    from kt_ops import demo
     from kt_ops.hf import replace_experts
 
-    config = demo.make_config(
-        "qwen3_moe",
-        hidden_size=64,
-        moe_intermediate_size=32,
-        num_experts=4,
-        top_k=2,
-        num_layers=1,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=16,
-        vocab_size=64,
-    )
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    model = _tiny_qwen3_moe(64, 32, 4, 2, num_layers=1)
     replace_experts(model, "int4,int4,q8_0", group_size=32)
     (m,) = [m for m in model.modules() if isinstance(m, MoEExperts)]
     assert m.weight_format == "int4,int4,q8_0" and m.group_size == 32
@@ -1027,4 +1019,4 @@ def test_replace_experts_online_mixed_format():
         logits = model(torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(0)))
     assert torch.isfinite(logits.logits).all()
     with pytest.raises(ValueError, match="per-projection 'gate,up,down'"):
-        replace_experts(transformers.AutoModelForCausalLM.from_config(config), "q4_k,bf16,q6_k")
+        replace_experts(_tiny_qwen3_moe(64, 32, 4, 2, num_layers=1), "q4_k,bf16,q6_k")

@@ -11,6 +11,7 @@
 #include "formats/format_registry.h"
 #include "formats/fp8.h"
 #include "formats/qint.h"
+#include "formats/scale_dtype.h"
 
 namespace kt::moe {
 
@@ -228,17 +229,7 @@ void decode_qint_transposed(const QintExpert& x, float* wt) {
 }
 
 formats::ScaleType param_type(const at::Tensor& t, bool e8m0) {
-  if (e8m0 && t.scalar_type() == at::kByte) return formats::ScaleType::kE8M0;
-  switch (t.scalar_type()) {
-    case at::kFloat:
-      return formats::ScaleType::kF32;
-    case at::kHalf:
-      return formats::ScaleType::kF16;
-    case at::kBFloat16:
-      return formats::ScaleType::kBF16;
-    default:
-      return formats::ScaleType::kNone;
-  }
+  return formats::scale_type_of(t.scalar_type(), e8m0);
 }
 
 void dequantize_qint_transposed(const ProjectionWeights& p, const formats::FormatInfo& info,

@@ -87,6 +87,21 @@ BlockLocator locator(const QuantProjection& p, int64_t n, int64_t k) {
   return {&p, n, k, kp, formats::qint_row_blocks(n), formats::qint_groups(p.format.group_size, kp)};
 }
 
+// The kernel arguments of block (e, nb) of a qint projection.
+kernels::QintDotArgs qint_args(const BlockLocator& loc, int64_t e, int64_t nb,
+                               const uint8_t* const* xq_rows, int m, int n_valid, float* out) {
+  const QuantProjection& p = *loc.proj;
+  return {xq_rows,
+          m,
+          loc.weight(e, nb),
+          loc.qint_params(p.scales, p.format.scale_type, e, nb),
+          loc.qint_params(p.zeros, p.format.zero_type, e, nb),
+          &p.format,
+          loc.kp,
+          n_valid,
+          out};
+}
+
 // out[i][r] = W_block[r] . x_i for the m rows starting at row r0 of the plan;
 // experts with at least `fp32_min` rows decode the block to fp32 and multiply
 // x_rows (qint formats otherwise multiply the q8 records xq_rows).
@@ -101,16 +116,7 @@ void block_dot(const kernels::QuantKernels& kernels, const BlockLocator& loc, in
                                16,      nullptr};
       kernels.fp8_decode(args, t_block.data());
     } else {
-      kernels::QintDotArgs args{nullptr,
-                                0,
-                                loc.weight(e, nb),
-                                loc.qint_params(p.scales, p.format.scale_type, e, nb),
-                                loc.qint_params(p.zeros, p.format.zero_type, e, nb),
-                                &p.format,
-                                loc.kp,
-                                16,
-                                nullptr};
-      kernels.qint_decode(args, t_block.data());
+      kernels.qint_decode(qint_args(loc, e, nb, nullptr, 0, 16, nullptr), t_block.data());
     }
     kernels.dense_dot({x_rows, m, t_block.data(), loc.kp, out});
     return;
@@ -120,16 +126,7 @@ void block_dot(const kernels::QuantKernels& kernels, const BlockLocator& loc, in
                              n_valid, out};
     kernels.fp8_dot(args);
   } else {
-    kernels::QintDotArgs args{xq_rows,
-                              m,
-                              loc.weight(e, nb),
-                              loc.qint_params(p.scales, p.format.scale_type, e, nb),
-                              loc.qint_params(p.zeros, p.format.zero_type, e, nb),
-                              &p.format,
-                              loc.kp,
-                              n_valid,
-                              out};
-    kernels.qint_dot(args);
+    kernels.qint_dot(qint_args(loc, e, nb, xq_rows, m, n_valid, out));
   }
 }
 

@@ -12,6 +12,7 @@
 #include "formats/format_registry.h"
 #include "formats/fp8.h"
 #include "formats/qint.h"
+#include "formats/scale_dtype.h"
 #include "kernels/dispatch.h"
 #include "moe/moe_forward.h"
 #include "moe/moe_lora.h"
@@ -54,16 +55,7 @@ void check_absent(const OptTensor& t, const char* name, const std::string& fmt) 
 }
 
 formats::ScaleType scale_type_of(const at::Tensor& t) {
-  switch (t.scalar_type()) {
-    case at::kFloat:
-      return formats::ScaleType::kF32;
-    case at::kHalf:
-      return formats::ScaleType::kF16;
-    case at::kBFloat16:
-      return formats::ScaleType::kBF16;
-    default:
-      return formats::ScaleType::kNone;
-  }
+  return formats::scale_type_of(t.scalar_type());
 }
 
 // Checks that `t` is a contiguous CPU tensor of `shape`; names it otherwise.

@@ -169,6 +169,21 @@ KT_INLINE void prefetch_unit(const uint8_t* block, [[maybe_unused]] const uint8_
 
 enum class ZeroMode { kImplicit, kExplicit };
 
+// The parts of M q8 activation records (formats/q8_activations.h).
+template <int M>
+struct Q8Rows {
+  const int8_t* codes[M];
+  const float* scales[M];  // one per 32 k
+  const float* sum16[M];   // sums of the codes times scale, one per 16 k
+  Q8Rows(const uint8_t* const* rows, int64_t kp) {
+    for (int i = 0; i < M; ++i) {
+      codes[i] = formats::q8_codes(rows[i]);
+      scales[i] = formats::q8_scales(rows[i], kp);
+      sum16[i] = formats::q8_sum16(rows[i], kp);
+    }
+  }
+};
+
 // out rows [8*half, 8*half + 8) for M tokens starting at x_rows[0].
 template <int Bits, bool Lut, int Unit, ZeroMode Z, int M>
 KT_INLINE void qint_half_tile(const QintDotArgs& a, const uint8_t* const* x_rows, float* out,
@@ -178,14 +193,7 @@ KT_INLINE void qint_half_tile(const QintDotArgs& a, const uint8_t* const* x_rows
   const int64_t kp = a.kp;
   const int64_t gsize = f.group_size == 0 ? kp : f.group_size;
   const uint8_t* high = a.block + formats::qint_low_plane_bytes(Bits, kp);
-  const int8_t* xq[M];
-  const float* xscale[M];
-  const float* xsum[M];
-  for (int i = 0; i < M; ++i) {
-    xq[i] = formats::q8_codes(x_rows[i]);
-    xscale[i] = formats::q8_scales(x_rows[i], kp);
-    xsum[i] = formats::q8_sum16(x_rows[i], kp);
-  }
+  const Q8Rows<M> xr(x_rows, kp);
   __m256 acc[M];
   for (int i = 0; i < M; ++i) acc[i] = _mm256_setzero_ps();
   const __m256 offset = _mm256_set1_ps(f.zero_offset);
@@ -200,10 +208,11 @@ KT_INLINE void qint_half_tile(const QintDotArgs& a, const uint8_t* const* x_rows
     __m256 z = _mm256_setzero_ps();
     if constexpr (Z == ZeroMode::kExplicit) z = load_scales(a.zeros, f.zero_type, sidx);
     for (int i = 0; i < M; ++i) {
-      const __m256i isum = unit_dot<Bits, Lut, NV>(w, a.block, k0, half, xq[i] + k0);
-      const __m256 xa = _mm256_mul_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(xscale[i][k0 / 32]));
-      float xs_scalar = xsum[i][k0 / 16];
-      if constexpr (Unit == 32) xs_scalar += xsum[i][k0 / 16 + 1];
+      const __m256i isum = unit_dot<Bits, Lut, NV>(w, a.block, k0, half, xr.codes[i] + k0);
+      const __m256 xa =
+          _mm256_mul_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(xr.scales[i][k0 / 32]));
+      float xs_scalar = xr.sum16[i][k0 / 16];
+      if constexpr (Unit == 32) xs_scalar += xr.sum16[i][k0 / 16 + 1];
       const __m256 xs = _mm256_set1_ps(xs_scalar);
       if constexpr (Z == ZeroMode::kExplicit) {
         acc[i] = _mm256_fnmadd_ps(z, xs, _mm256_fmadd_ps(s, xa, acc[i]));
@@ -243,14 +252,7 @@ KT_INLINE void qint_block_tile(const QintDotArgs& a, const uint8_t* const* x_row
   const int64_t kp = a.kp;
   const int64_t gsize = f.group_size == 0 ? kp : f.group_size;
   const uint8_t* high = a.block + formats::qint_low_plane_bytes(Bits, kp);
-  const int8_t* xq[M];
-  const float* xscale[M];
-  const float* xsum[M];
-  for (int i = 0; i < M; ++i) {
-    xq[i] = formats::q8_codes(x_rows[i]);
-    xscale[i] = formats::q8_scales(x_rows[i], kp);
-    xsum[i] = formats::q8_sum16(x_rows[i], kp);
-  }
+  const Q8Rows<M> xr(x_rows, kp);
   const __m256i ones = _mm256_set1_epi16(1);
   const __m256 offset = _mm256_set1_ps(f.zero_offset);
   __m256 acc[M][2];
@@ -277,7 +279,7 @@ KT_INLINE void qint_block_tile(const QintDotArgs& a, const uint8_t* const* x_row
         const __m256i a0 = _mm256_abs_epi8(r0), a1 = _mm256_abs_epi8(r1);
         for (int i = 0; i < M; ++i) {
           const __m256i x =
-              _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(xq[i] + k0 + 4 * v0));
+              _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(xr.codes[i] + k0 + 4 * v0));
           isum[i][0] = _mm256_add_epi32(
               isum[i][0],
               _mm256_madd_epi16(_mm256_maddubs_epi16(a0, _mm256_sign_epi8(x, r0)), ones));
@@ -304,7 +306,7 @@ KT_INLINE void qint_block_tile(const QintDotArgs& a, const uint8_t* const* x_row
             }
           }
           for (int i = 0; i < M; ++i) {
-            const int8_t* xp = xq[i] + k0 + 4 * v;
+            const int8_t* xp = xr.codes[i] + k0 + 4 * v;
             const __m256i xa = _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(xp));
             const __m256i xb = _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(xp + 4));
             s16[i][0] = _mm256_add_epi16(
@@ -329,9 +331,9 @@ KT_INLINE void qint_block_tile(const QintDotArgs& a, const uint8_t* const* x_row
       z[1] = load_scales(a.zeros, f.zero_type, sidx + 8);
     }
     for (int i = 0; i < M; ++i) {
-      float x_sum = xsum[i][k0 / 16];
-      if constexpr (Unit == 32) x_sum += xsum[i][k0 / 16 + 1];
-      const float x_scale = xscale[i][k0 / 32];
+      float x_sum = xr.sum16[i][k0 / 16];
+      if constexpr (Unit == 32) x_sum += xr.sum16[i][k0 / 16 + 1];
+      const float x_scale = xr.scales[i][k0 / 32];
       for (int h = 0; h < 2; ++h)
         acc[i][h] = fold_unit<Z>(acc[i][h], isum[i][h], s[h], z[h], offset, x_scale, x_sum);
     }
