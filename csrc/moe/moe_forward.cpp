@@ -10,7 +10,6 @@
 #include "formats/bf16.h"
 #include "moe/moe_phases.h"
 #include "moe/routing.h"
-#include "runtime/thread_pool.h"
 
 namespace kt::moe {
 
@@ -60,7 +59,6 @@ at::Tensor moe_forward_bf16(const at::Tensor& hidden_states, const at::Tensor& t
   build_routing_plan(topk_ids, topk_weights, E, s.plan);
   const RoutingPlan& plan = s.plan;
   const int64_t R = plan.num_rows();
-  runtime::ThreadPool& pool = runtime::ThreadPool::global();
 
   // Phase 1: activations to fp32.
   grow(s.x, T * Hp);
@@ -82,48 +80,35 @@ at::Tensor moe_forward_bf16(const at::Tensor& hidden_states, const at::Tensor& t
   const auto* wg = reinterpret_cast<const uint16_t*>(gate_weight.data_ptr());
   const auto* wu = reinterpret_cast<const uint16_t*>(up_weight.data_ptr());
   const auto* wd = reinterpret_cast<const uint16_t*>(down_weight.data_ptr());
-  const int64_t num_active = static_cast<int64_t>(plan.active_experts.size());
 
   // Phase 2: gate/up + SwiGLU, one item per (active expert, 16-row block of I).
-  pool.parallel_for(num_active * blocks_I, kChunksPerThread, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t e = plan.active_experts[task / blocks_I];
-      const int64_t nb = task % blocks_I;
-      const int64_t r0 = plan.expert_offsets[e];
-      const int64_t m = plan.expert_offsets[e + 1] - r0;
-      const int64_t block = e * blocks_I + nb;
-      kernels::GateUpArgs args{
-          s.x_rows.data() + r0,
-          static_cast<int>(m),
-          wg + block * gate_up_block,
-          wu + block * gate_up_block,
-          static_cast<int>(bf16_k_pairs(H)),
-          s.h_rows.data() + r0,
-          nb * kBf16BlockRows,
-          static_cast<int>(std::min<int64_t>(kBf16BlockRows, I - nb * kBf16BlockRows))};
-      kernels.gate_up_silu(args);
-    }
+  for_each_expert_block(plan, blocks_I, [&](int64_t e, int64_t nb, int64_t r0, int m) {
+    const int64_t block = e * blocks_I + nb;
+    kernels::GateUpArgs args{
+        s.x_rows.data() + r0,
+        m,
+        wg + block * gate_up_block,
+        wu + block * gate_up_block,
+        static_cast<int>(bf16_k_pairs(H)),
+        s.h_rows.data() + r0,
+        nb * kBf16BlockRows,
+        static_cast<int>(std::min<int64_t>(kBf16BlockRows, I - nb * kBf16BlockRows))};
+    kernels.gate_up_silu(args);
   });
 
   // Phase 3: down projection scaled by the routing weight, per (expert, 16-row block of H).
-  pool.parallel_for(num_active * blocks_H, kChunksPerThread, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t e = plan.active_experts[task / blocks_H];
-      const int64_t nb = task % blocks_H;
-      const int64_t r0 = plan.expert_offsets[e];
-      const int64_t m = plan.expert_offsets[e + 1] - r0;
-      const int64_t block = e * blocks_H + nb;
-      kernels::DownArgs args{
-          s.h_rows.data() + r0,
-          static_cast<int>(m),
-          wd + block * down_block,
-          static_cast<int>(bf16_k_pairs(I)),
-          s.y_rows.data() + r0,
-          nb * kBf16BlockRows,
-          plan.row_weight.data() + r0,
-          static_cast<int>(std::min<int64_t>(kBf16BlockRows, H - nb * kBf16BlockRows))};
-      kernels.down_scaled(args);
-    }
+  for_each_expert_block(plan, blocks_H, [&](int64_t e, int64_t nb, int64_t r0, int m) {
+    const int64_t block = e * blocks_H + nb;
+    kernels::DownArgs args{
+        s.h_rows.data() + r0,
+        m,
+        wd + block * down_block,
+        static_cast<int>(bf16_k_pairs(I)),
+        s.y_rows.data() + r0,
+        nb * kBf16BlockRows,
+        plan.row_weight.data() + r0,
+        static_cast<int>(std::min<int64_t>(kBf16BlockRows, H - nb * kBf16BlockRows))};
+    kernels.down_scaled(args);
   });
 
   // Phase 4: sum the top-k slots of each token in k order, cast to the activation dtype.

@@ -190,7 +190,6 @@ at::Tensor moe_forward_quant(const at::Tensor& hidden_states, const at::Tensor& 
   build_routing_plan(topk_ids, topk_weights, num_experts, s.plan);
   const RoutingPlan& plan = s.plan;
   const int64_t R = plan.num_rows();
-  runtime::ThreadPool& pool = runtime::ThreadPool::global();
 
   // Phase 1: activations to fp32, then to q8 records for the integer formats.
   grow(s.x, T * Hp);
@@ -220,31 +219,24 @@ at::Tensor moe_forward_quant(const at::Tensor& hidden_states, const at::Tensor& 
     std::fill(s.h_rows[r] + I, s.h_rows[r] + Ip, 0.0f);  // K padding of the down projection
   }
 
-  const int64_t num_active = static_cast<int64_t>(plan.active_experts.size());
   const int64_t blocks_I = gate_loc.row_blocks;
   const int64_t blocks_H = down_loc.row_blocks;
 
   // Phase 2: gate/up + SwiGLU, one item per (active expert, 16-row block of I).
-  pool.parallel_for(num_active * blocks_I, kChunksPerThread, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t e = plan.active_experts[task / blocks_I];
-      const int64_t nb = task % blocks_I;
-      const int64_t r0 = plan.expert_offsets[e];
-      const int m = static_cast<int>(plan.expert_offsets[e + 1] - r0);
-      const int n_valid =
-          static_cast<int>(std::min<int64_t>(kQintBlockRows, I - nb * kQintBlockRows));
-      grow(t_gate_out, static_cast<size_t>(m) * kQintBlockRows);
-      grow(t_up_out, static_cast<size_t>(m) * kQintBlockRows);
-      block_dot(kernels, gate_loc, gate_min, e, nb, s.x_rows.data() + r0, s.xq_rows.data() + r0, m,
-                n_valid, t_gate_out.data());
-      block_dot(kernels, up_loc, up_min, e, nb, s.x_rows.data() + r0, s.xq_rows.data() + r0, m,
-                n_valid, t_up_out.data());
-      kernels.silu_mul_rows(t_gate_out.data(), t_up_out.data(), m);
-      for (int i = 0; i < m; ++i) {
-        float* h = s.h_rows[r0 + i] + nb * kQintBlockRows;
-        const float* g = t_gate_out.data() + i * kQintBlockRows;
-        std::copy(g, g + n_valid, h);
-      }
+  for_each_expert_block(plan, blocks_I, [&](int64_t e, int64_t nb, int64_t r0, int m) {
+    const int n_valid =
+        static_cast<int>(std::min<int64_t>(kQintBlockRows, I - nb * kQintBlockRows));
+    grow(t_gate_out, static_cast<size_t>(m) * kQintBlockRows);
+    grow(t_up_out, static_cast<size_t>(m) * kQintBlockRows);
+    block_dot(kernels, gate_loc, gate_min, e, nb, s.x_rows.data() + r0, s.xq_rows.data() + r0, m,
+              n_valid, t_gate_out.data());
+    block_dot(kernels, up_loc, up_min, e, nb, s.x_rows.data() + r0, s.xq_rows.data() + r0, m,
+              n_valid, t_up_out.data());
+    kernels.silu_mul_rows(t_gate_out.data(), t_up_out.data(), m);
+    for (int i = 0; i < m; ++i) {
+      float* h = s.h_rows[r0 + i] + nb * kQintBlockRows;
+      const float* g = t_gate_out.data() + i * kQintBlockRows;
+      std::copy(g, g + n_valid, h);
     }
   });
 
@@ -252,23 +244,17 @@ at::Tensor moe_forward_quant(const at::Tensor& hidden_states, const at::Tensor& 
   if (h_q8) quantize_rows(s.h.data(), Ip, R, Ip, s.hq.data());
 
   // Phase 3: down projection scaled by the routing weight, per (expert, 16-row block of H).
-  pool.parallel_for(num_active * blocks_H, kChunksPerThread, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t e = plan.active_experts[task / blocks_H];
-      const int64_t nb = task % blocks_H;
-      const int64_t r0 = plan.expert_offsets[e];
-      const int m = static_cast<int>(plan.expert_offsets[e + 1] - r0);
-      const int n_valid =
-          static_cast<int>(std::min<int64_t>(kQintBlockRows, H - nb * kQintBlockRows));
-      grow(t_gate_out, static_cast<size_t>(m) * kQintBlockRows);
-      block_dot(kernels, down_loc, down_min, e, nb, s.h_rows.data() + r0, s.hq_rows.data() + r0, m,
-                n_valid, t_gate_out.data());
-      for (int i = 0; i < m; ++i) {
-        float* y = s.y_rows[r0 + i] + nb * kQintBlockRows;
-        const float w = plan.row_weight[r0 + i];
-        const float* d = t_gate_out.data() + i * kQintBlockRows;
-        for (int r = 0; r < n_valid; ++r) y[r] = w * d[r];
-      }
+  for_each_expert_block(plan, blocks_H, [&](int64_t e, int64_t nb, int64_t r0, int m) {
+    const int n_valid =
+        static_cast<int>(std::min<int64_t>(kQintBlockRows, H - nb * kQintBlockRows));
+    grow(t_gate_out, static_cast<size_t>(m) * kQintBlockRows);
+    block_dot(kernels, down_loc, down_min, e, nb, s.h_rows.data() + r0, s.hq_rows.data() + r0, m,
+              n_valid, t_gate_out.data());
+    for (int i = 0; i < m; ++i) {
+      float* y = s.y_rows[r0 + i] + nb * kQintBlockRows;
+      const float w = plan.row_weight[r0 + i];
+      const float* d = t_gate_out.data() + i * kQintBlockRows;
+      for (int r = 0; r < n_valid; ++r) y[r] = w * d[r];
     }
   });
 

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "moe/routing.h"
+#include "runtime/thread_pool.h"
 
 namespace kt::moe {
 
@@ -19,6 +20,23 @@ constexpr int kChunksPerThread = 16;
 template <class T>
 void grow(std::vector<T>& v, size_t n) {
   if (v.size() < n) v.resize(n);
+}
+
+// The (active expert, 16-row weight block) items of a phase, handed out in
+// runs of adjacent blocks (kChunksPerThread per thread) on the global pool:
+// fn(e, nb, r0, m) for expert e, block nb and the expert's plan rows
+// [r0, r0 + m). `blocks` is the number of 16-row blocks per expert.
+template <class Fn>
+void for_each_expert_block(const RoutingPlan& plan, int64_t blocks, const Fn& fn) {
+  const int64_t items = static_cast<int64_t>(plan.active_experts.size()) * blocks;
+  runtime::ThreadPool::global().parallel_for(
+      items, kChunksPerThread, [&](int64_t begin, int64_t end) {
+        for (int64_t item = begin; item < end; ++item) {
+          const int64_t e = plan.active_experts[item / blocks];
+          const int64_t r0 = plan.expert_offsets[e];
+          fn(e, item % blocks, r0, static_cast<int>(plan.expert_offsets[e + 1] - r0));
+        }
+      });
 }
 
 // Phase 1: hidden_states [T, H] (bf16/fp16/fp32, contiguous) -> fp32 rows
