@@ -18,6 +18,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from reference import TINY_MOE_CONFIG
 from torch import nn
 
 import kt_ops
@@ -27,19 +28,8 @@ from kt_ops.nn import MoEExperts
 
 transformers = pytest.importorskip("transformers")
 
-E, H, I, K = 8, 64, 32, 2
-TINY = dict(
-    hidden_size=H,
-    moe_intermediate_size=I,
-    num_experts=E,
-    top_k=K,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    vocab_size=128,
-    init_std=0.2,
-)
+TINY = TINY_MOE_CONFIG
+E, H, I, K = (TINY[k] for k in ("num_experts", "hidden_size", "moe_intermediate_size", "top_k"))
 
 #: The LoRA op has landed when its backward is registered.
 HAS_LORA_OP = hasattr(torch.ops.kt, "moe_backward")

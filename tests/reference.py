@@ -78,6 +78,24 @@ OUTPUT_SUBNORMAL = {
 
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
+#: A tiny MoE for ``kt_ops.demo.make_config`` (tests that build transformers
+#: models): 8 experts, H=64, I=32, top-2, 2 layers. transformers' default
+#: init_std 0.02 makes a 64-wide model's experts contribute ~1e-3 of the
+#: logits; at 0.2 a 1% change of the expert weights moves the logits by ~1%,
+#: so the checks see it.
+TINY_MOE_CONFIG = dict(
+    hidden_size=64,
+    moe_intermediate_size=32,
+    num_experts=8,
+    top_k=2,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    vocab_size=128,
+    init_std=0.2,
+)
+
 
 # --------------------------------------------------------------------------
 # The reference

@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch._dynamo.testing
 import torch.nn.functional as F
+from reference import TINY_MOE_CONFIG
 from torch import nn
 
 transformers = pytest.importorskip("transformers")
@@ -28,21 +29,8 @@ from kt_ops import demo  # noqa: E402
 from kt_ops.hf import UnsupportedExpertsError, find_experts, replace_experts  # noqa: E402
 from kt_ops.nn import MoEExpertList, MoEExperts  # noqa: E402
 
-E, H, I, K = 8, 64, 32, 2
-TINY = dict(
-    hidden_size=H,
-    moe_intermediate_size=I,
-    num_experts=E,
-    top_k=K,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    vocab_size=128,
-    # transformers' default 0.02 makes a 64-wide model's experts contribute ~1e-3 of the logits;
-    # at 0.2 a 1% change of the expert weights moves the logits by ~1%, so the checks see it.
-    init_std=0.2,
-)
+TINY = TINY_MOE_CONFIG
+E, H, I, K = (TINY[k] for k in ("num_experts", "hidden_size", "moe_intermediate_size", "top_k"))
 #: max |kt_ops - reference| / max |reference|. fp32: summation order only (observed ~1e-7).
 #: bf16: the reference model rounds every op to bf16 (observed ~1e-2); a wrong layout or
 #: expert gives errors of order 1.

@@ -37,6 +37,7 @@ import pytest
 import torch
 from checkpoints import ROLES, Q, write_gguf
 from reference import (
+    TINY_MOE_CONFIG,
     QuantExperts,
     QuantReference,
     assert_matches_reference,
@@ -932,17 +933,9 @@ def _tiny_qwen3_moe(hidden: int, inter: int, experts: int, top_k: int, *, num_la
     transformers = pytest.importorskip("transformers")
     from kt_ops import demo
 
+    shape = dict(hidden_size=hidden, moe_intermediate_size=inter, num_experts=experts)
     config = demo.make_config(
-        "qwen3_moe",
-        hidden_size=hidden,
-        moe_intermediate_size=inter,
-        num_experts=experts,
-        top_k=top_k,
-        num_layers=num_layers,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=16,
-        vocab_size=64,
+        "qwen3_moe", **{**TINY_MOE_CONFIG, **shape, "top_k": top_k, "num_layers": num_layers}
     )
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(config).eval()

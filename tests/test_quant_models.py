@@ -28,6 +28,7 @@ import re
 import pytest
 import torch
 from reference import (
+    TINY_MOE_CONFIG,
     QuantExperts,
     dense_expert_weights,
     make_hidden,
@@ -182,19 +183,8 @@ def test_from_dense_errors():
 # replace_experts on a tiny Qwen3-MoE
 # --------------------------------------------------------------------------------------------
 
-E, H, I, K = 8, 64, 32, 2
-TINY = dict(
-    hidden_size=H,
-    moe_intermediate_size=I,
-    num_experts=E,
-    top_k=K,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    vocab_size=128,
-    init_std=0.2,  # as tests/test_hf.py: the experts then move the logits visibly
-)
+TINY = TINY_MOE_CONFIG
+E, H, I, K = (TINY[k] for k in ("num_experts", "hidden_size", "moe_intermediate_size", "top_k"))
 INPUT_IDS = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))
 
 
