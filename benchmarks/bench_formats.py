@@ -87,6 +87,7 @@ from bench_moe import (  # noqa: E402  (benchmarks/ is a folder of scripts, not 
     _time,
     make_weights,
     measure_read_bandwidth,
+    render_table,
 )
 
 #: Headline variant of each format, in WEIGHT_FORMATS order; int4 also at group 32.
@@ -386,15 +387,6 @@ def summarize(shape: Shape, p: Sizes, bf16_bytes: float, s: PairSamples, bw_gbs:
     )
 
 
-def _render(head: list[str], body: list[list[str]], markdown: bool) -> str:
-    if markdown:
-        lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---:" for _ in head) + "|"]
-        return "\n".join(lines + ["| " + " | ".join(b) + " |" for b in body])
-    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
-    lines = ["  ".join(h.rjust(w) for h, w in zip(head, widths))]
-    return "\n".join(lines + ["  ".join(c.rjust(w) for c, w in zip(b, widths)) for b in body])
-
-
 def table(rows: list[Row], markdown: bool, with_err: bool = False) -> str:
     """One table per token count: decode tables with targets, prefill with GFLOP/s."""
     out = []
@@ -432,7 +424,7 @@ def table(rows: list[Row], markdown: bool, with_err: bool = False) -> str:
         reps = min(r.repeats for r in rs)
         title = f"T = {T} ({kind}, {reps}+ timed calls per format)"
         out.append(f"**{title}**\n" if markdown else f"# {title}")
-        out.append(_render(head, body, markdown))
+        out.append(render_table(head, body, markdown))
         out.append("")
     return "\n".join(out).rstrip()
 
@@ -496,14 +488,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     shape = PRESETS[args.preset]
     if args.experts:
-        shape = Shape(
-            shape.model + f" ({args.experts} of {shape.experts} experts)",
-            shape.hidden,
-            shape.intermediate,
-            args.experts,
-            shape.top_k,
-            shape.norm_topk_prob,
-        )
+        shape = shape.with_experts(args.experts)
     E, H, Im = shape.experts, shape.hidden, shape.intermediate
     variants = args.formats or [parse_variant(v) for v in DEFAULT_VARIANTS]
     variants = [parse_variant("bf16")] + [v for v in variants if v.label != "bf16"]

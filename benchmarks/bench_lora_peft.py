@@ -34,6 +34,7 @@ rebuilds W + dW for all 128 experts every call); run them once.
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import statistics
 import sys
@@ -47,15 +48,8 @@ from torch import nn
 import kt_ops
 from kt_ops.nn import MoEExperts
 
-
-@dataclass(frozen=True)
-class Shape:
-    name: str
-    hidden: int
-    intermediate: int
-    experts: int
-    top_k: int
-
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_moe import Shape, render_table  # noqa: E402  (benchmarks/ holds scripts, not a package)
 
 QWEN3 = Shape("Qwen3-30B-A3B", 2048, 768, 128, 8)
 QUICK = Shape("quick", 512, 256, 32, 4)
@@ -222,12 +216,7 @@ def table(rows: list[Row], markdown: bool) -> str:
                 "n/a" if r.grad_rel is None else f"{r.grad_rel:.1e}",
             ]
         )
-    if markdown:
-        lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---:" for _ in head) + "|"]
-        return "\n".join(lines + ["| " + " | ".join(b) + " |" for b in body])
-    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
-    lines = ["  ".join(h.rjust(w) for h, w in zip(head, widths))]
-    return "\n".join(lines + ["  ".join(c.rjust(w) for c, w in zip(b, widths)) for b in body])
+    return render_table(head, body, markdown)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -258,19 +247,13 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     shape = QUICK if args.quick else QWEN3
     if args.experts:
-        shape = Shape(
-            shape.name + f" ({args.experts} experts)",
-            shape.hidden,
-            shape.intermediate,
-            args.experts,
-            shape.top_k,
-        )
+        shape = shape.with_experts(args.experts)
     tokens = args.tokens or ([64, 256] if args.quick else [512, 2048])
     threads = args.threads or kt_ops.get_num_threads()
     kt_ops.set_num_threads(threads)
     torch.set_num_threads(threads)
     print(
-        f"layer  : {shape.name}: H={shape.hidden}, I={shape.intermediate}, E={shape.experts}, "
+        f"layer  : {shape.model}: H={shape.hidden}, I={shape.intermediate}, E={shape.experts}, "
         f"top-{shape.top_k}; LoRA r={args.rank} alpha={args.alpha:g} on gate, up, down; "
         f"forward + backward",
         flush=True,

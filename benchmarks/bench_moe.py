@@ -43,6 +43,7 @@ Not part of the test suite (pytest only collects ``tests/``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import statistics
@@ -67,6 +68,12 @@ class Shape:
     experts: int
     top_k: int
     norm_topk_prob: bool = True
+
+    def with_experts(self, experts: int) -> Shape:
+        """The same layer with ``experts`` routed experts (``--experts``: less memory)."""
+        return dataclasses.replace(
+            self, model=f"{self.model} ({experts} of {self.experts} experts)", experts=experts
+        )
 
 
 PRESETS = {
@@ -351,14 +358,20 @@ def table(rows: list[Row], markdown: bool) -> str:
                 _fmt(r.max_abs_diff, ".2g"),
             ]
         )
+    return render_table(head, body, markdown)
+
+
+def render_table(
+    head: list[str], body: list[list[str]], markdown: bool, first_left: bool = False
+) -> str:
+    """A right-aligned text table, or a markdown table (``first_left``: first column left)."""
     if markdown:
-        lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---:" for _ in head) + "|"]
-        lines += ["| " + " | ".join(b) + " |" for b in body]
-        return "\n".join(lines)
+        align = ["---" if first_left and i == 0 else "---:" for i in range(len(head))]
+        lines = ["| " + " | ".join(head) + " |", "|" + "|".join(align) + "|"]
+        return "\n".join(lines + ["| " + " | ".join(b) + " |" for b in body])
     widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
     lines = ["  ".join(h.rjust(w) for h, w in zip(head, widths))]
-    lines += ["  ".join(c.rjust(w) for c, w in zip(b, widths)) for b in body]
-    return "\n".join(lines)
+    return "\n".join(lines + ["  ".join(c.rjust(w) for c, w in zip(b, widths)) for b in body])
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -429,14 +442,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     shape = PRESETS[args.preset]
     if args.experts:
-        shape = Shape(
-            shape.model + f" ({args.experts} of {shape.experts} experts)",
-            shape.hidden,
-            shape.intermediate,
-            args.experts,
-            shape.top_k,
-            shape.norm_topk_prob,
-        )
+        shape = shape.with_experts(args.experts)
     E, H, Im = shape.experts, shape.hidden, shape.intermediate
     threads = args.threads or kt_ops.get_num_threads()
     kt_ops.set_num_threads(threads)

@@ -66,6 +66,7 @@ from kt_ops.hf import find_experts
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_formats import DEFAULT_VARIANTS, Variant, parse_variant  # noqa: E402
+from bench_moe import render_table  # noqa: E402
 
 QUICK_VARIANTS = ("int8", "int4-g128", "q4_k")
 QUICK_EXPERTS = 16
@@ -223,12 +224,7 @@ def table(rows: list[Row], steps: int, markdown: bool) -> str:
                 f"{r.logit_rel_err:.2e}" if r.logit_rel_err < 1e-3 else f"{r.logit_rel_err:.4f}",
             ]
         )
-    if markdown:
-        lines = ["| " + " | ".join(head) + " |", "|---|" + "|".join("---:" for _ in head[1:]) + "|"]
-        return "\n".join(lines + ["| " + " | ".join(b) + " |" for b in body])
-    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
-    lines = ["  ".join(h.rjust(w) for h, w in zip(head, widths))]
-    return "\n".join(lines + ["  ".join(c.rjust(w) for c, w in zip(b, widths)) for b in body])
+    return render_table(head, body, markdown, first_left=True)
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
