@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Callable, Optional, TypeVar
 
 import pytest
+from reference import single_threaded_torch
 
 import kt_ops
 
@@ -78,6 +79,16 @@ def run_on_isa() -> Callable[[str, Callable[[], R]], R]:
             return fn()
 
     return run
+
+
+@pytest.fixture
+def one_torch_thread() -> Iterator[None]:
+    """ATen on one intra-op thread for the test (tiny tensors: OpenMP wake-ups on a busy
+    2-core machine cost more than the ops). Files opt in with
+    ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``; the kt_ops
+    thread pool, and its thread-count tests, are separate."""
+    with single_threaded_torch():
+        yield
 
 
 @pytest.fixture(autouse=True)

@@ -35,14 +35,7 @@ from kt_ops.convert import (
 )
 from kt_ops.loaders import open_checkpoint
 
-
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    """The tensors here are tiny: one intra-op thread avoids OpenMP spin-waits on busy CPUs."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def assert_same_layer(a: dict, b: dict) -> None:

@@ -31,14 +31,7 @@ import kt_ops.loaders.hf_checkpoint as hf_mod
 from kt_ops.formats import PackedProjection, dequantize_weights, quantize_weights
 from kt_ops.loaders import GGUFCheckpoint, HFCheckpoint, open_checkpoint
 
-
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    """The tensors here are tiny: one intra-op thread avoids OpenMP spin-waits on busy CPUs."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def assert_packed_equal(a: PackedProjection, b: PackedProjection) -> None:

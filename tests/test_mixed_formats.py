@@ -67,16 +67,7 @@ OP = torch.ops.kt.moe_forward
 E_TOTAL, TOP_K = 6, 2
 
 
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    """Tiny tensors: one intra-op thread avoids OpenMP spin-waits on a busy 2-core machine.
-
-    (ATen only: the kt_ops thread pool, and its 1 vs 2 thread tests, are separate.)
-    """
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # --------------------------------------------------------------------------

@@ -48,14 +48,7 @@ from kt_ops import demo  # noqa: E402
 from kt_ops.convert import convert  # noqa: E402
 from kt_ops.hf import find_experts, replace_experts  # noqa: E402
 
-
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    """Tiny tensors: one intra-op thread avoids OpenMP spin-waits on a busy 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # --------------------------------------------------------------------------------------------
