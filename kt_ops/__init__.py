@@ -3,23 +3,24 @@
 Importing this package loads the native extension, which registers
 ``torch.ops.kt.moe_forward``, ``moe_forward_train`` and ``moe_backward`` (CPU
 kernels), and their fake kernels and autograd formula. See ``ops`` for the op
-wrappers, ``nn`` for the expert module, ``hf`` for Hugging Face models.
+wrappers, ``layer`` for the description of a layer's experts
+(:class:`ExpertWeights`, :class:`LoRAWeights`), ``nn`` for the expert module,
+``hf`` for Hugging Face models.
 """
 
 from kt_ops import _C  # noqa: F401  (registers the kt:: ops)
+from kt_ops.formats.bf16 import pack_weights, unpack_weights
+from kt_ops.info import info, print_info
+from kt_ops.layer import ExpertWeights, LoRAWeights
 from kt_ops.ops import (
     lora_activation_checkpointing,
     moe_forward,
-    pack_weights,
     set_lora_activation_checkpointing,
-    unpack_weights,
 )
 from kt_ops.runtime import (
     active_isa,
     get_num_threads,
     get_quant_activations,
-    info,
-    print_info,
     quant_fp32_min_tokens,
     set_isa,
     set_num_threads,
@@ -33,6 +34,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "moe_forward",
+    "ExpertWeights",
+    "LoRAWeights",
     "pack_weights",
     "unpack_weights",
     "set_lora_activation_checkpointing",

@@ -1,9 +1,40 @@
-"""``python -m kt_ops.info``: print the topology, ISA paths and thread pool."""
+"""The runtime report: topology, CPU features, ISA paths, kernels, thread pool.
 
-from kt_ops.runtime import info
+``python -m kt_ops.info`` (or ``kt_ops.print_info()``, ``kt-ops info``) prints it.
+"""
+
+from __future__ import annotations
+
+from kt_ops import _C
+
+__all__ = ["info", "print_info", "format_info"]
+
+
+def info() -> dict:
+    """Report the detected topology, CPU features, thread count, ISA paths and kernels.
+
+    Returns a dict with keys ``topology`` (cores, NUMA nodes, PUs, source),
+    ``cpu_features``, ``num_threads``, ``workers_bound``, ``built_isas``,
+    ``supported_isas``, ``active_isa`` and ``kernels``: per weight format, the
+    kernel that runs its own path and the kernel of its weight-only fp32 path
+    (``None`` where the format has one path) on the active ISA, after the
+    fallback chain (e.g. ``{'int4': ['avx2/qint_q8', 'avx2/qint_fp32'], ...}``).
+    """
+    active = _C.active_isa()
+    return {
+        "topology": _C.topology(),
+        "cpu_features": _C.cpu_features(),
+        "num_threads": _C.get_num_threads(),
+        "workers_bound": _C.workers_bound(),
+        "built_isas": list(_C.built_isas()),
+        "supported_isas": list(_C.supported_isas()),
+        "active_isa": active,
+        "kernels": dict(_C.kernel_names(active)),
+    }
 
 
 def format_info(report: dict) -> str:
+    """The report of :func:`info` as the lines ``print_info`` prints."""
     topo = report["topology"]
     feats = ", ".join(k for k, v in report["cpu_features"].items() if v) or "none"
     lines = [
@@ -16,11 +47,18 @@ def format_info(report: dict) -> str:
         f"threads        : {report['num_threads']} "
         f"(workers bound to cores: {'yes' if report['workers_bound'] else 'no'})",
     ]
+    for fmt, (own, fp32) in report["kernels"].items():
+        lines.append(f"kernels {fmt:<7}: {own}" + (f" (fp32 path: {fp32})" if fp32 else ""))
     return "\n".join(lines)
 
 
-def main() -> None:
+def print_info() -> None:
+    """Print the detected topology, CPU features, ISA paths, kernels and thread count."""
     print(format_info(info()))
+
+
+def main() -> None:
+    print_info()
 
 
 if __name__ == "__main__":

@@ -19,81 +19,18 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor, nn
 
-from kt_ops.ops import join_weight_format, moe_forward, pack_weights, split_weight_format
-
-if TYPE_CHECKING:
-    from kt_ops.formats import PackedProjection
+from kt_ops.formats.packed import PackedProjection
+from kt_ops.layer import PROJECTIONS, ExpertWeights, LoRAWeights
+from kt_ops.ops import moe_forward
 
 __all__ = ["MoEExperts", "MoEExpertList"]
 
-_PACKED = ("gate_weight", "up_weight", "down_weight")
-#: Quantization data of the packed projections (None buffers for formats without them).
-_QUANT = ("gate_scales", "up_scales", "down_scales", "gate_zeros", "up_zeros", "down_zeros")
-_PROJECTIONS = ("gate", "up", "down")
-
-
-def _packed_shape(num_experts: int, n: int, k: int, weight_format: str) -> tuple[int, ...]:
-    """Shape of one projection ``[num_experts, n, k]`` packed in ``weight_format`` (one name)."""
-    if weight_format != "bf16":
-        from kt_ops.formats import format_spec
-
-        return tuple(format_spec(weight_format).weight_shape(num_experts, n, k))
-    # bf16: pack_weights on the meta device.
-    return tuple(pack_weights(torch.empty(num_experts, n, k, device="meta"), weight_format).shape)
-
-
-#: Elements of dense weights packed per step by ``from_dense`` (a few experts of a large model).
-_PACK_CHUNK_ELEMS = 1 << 24
-
-
-def _pack_in_chunks(weight: Tensor, weight_format: str) -> Tensor:
-    """``pack_weights(weight)`` for a CPU result, a few experts at a time.
-
-    Packing is independent per expert, so slices of experts are packed into
-    one preallocated tensor: the temporaries stay small (tens of MB instead of
-    several copies of a whole layer) and are recycled between chunks.
-    """
-    E, N, K = weight.shape
-    step = max(1, _PACK_CHUNK_ELEMS // max(1, N * K))
-    if step >= E:
-        return pack_weights(weight.cpu(), weight_format)
-    first = pack_weights(weight[:step].cpu(), weight_format)
-    out = torch.empty((E, *first.shape[1:]), dtype=first.dtype)
-    out[:step].copy_(first)
-    del first
-    for e in range(step, E, step):
-        out[e : e + step].copy_(pack_weights(weight[e : e + step].cpu(), weight_format))
-    return out
-
-
-def _quantize_in_chunks(
-    weight: Tensor, weight_format: str, group_size: Optional[int], symmetric: bool
-) -> PackedProjection:
-    """``quantize_weights(weight)`` a few experts at a time (bounded fp32 temporaries)."""
-    from kt_ops.formats import PackedProjection, quantize_weights
-
-    E, N, K = weight.shape
-    step = max(1, _PACK_CHUNK_ELEMS // max(1, N * K))
-    parts = [
-        quantize_weights(weight[e : e + step].cpu(), weight_format, group_size, symmetric)
-        for e in range(0, E, step)
-    ]
-    if len(parts) == 1:
-        return parts[0]
-
-    def cat(name: str) -> Optional[Tensor]:
-        ts = [getattr(p, name) for p in parts]
-        return None if ts[0] is None else torch.cat(ts)
-
-    first = parts[0]
-    return PackedProjection(
-        cat("weight"), cat("scales"), cat("zeros"), first.weight_format, first.group_size, N, K
-    )
+_PARTS = ("weight", "scales", "zeros")
 
 
 class MoEExperts(nn.Module):
@@ -104,15 +41,16 @@ class MoEExperts(nn.Module):
         expert_e(x) = W_down[e] @ (silu(W_gate[e] @ x) * (W_up[e] @ x))
         out[t]      = sum_k top_k_weights[t, k] * expert_{top_k_index[t, k]}(x[t])
 
-    Build it from dense weights with :meth:`from_dense`, or pass tensors that
-    :func:`kt_ops.pack_weights` produced. The packed weights are the buffers
-    ``gate_weight``, ``up_weight`` (packed ``[E, I, H]``) and ``down_weight``
-    (packed ``[E, H, I]``); they are part of ``state_dict``.
+    Build it from dense weights with :meth:`from_dense`, from three packed
+    projections with :meth:`from_packed`, or from an
+    :class:`~kt_ops.layer.ExpertWeights`. The packed tensors are the buffers
+    ``{gate,up,down}_{weight,scales,zeros}`` (``None`` where a format has no
+    such tensor); they are part of ``state_dict``.
 
     The packed weights are a storage format of host memory, not values in the
     model's dtype: ``module.to(dtype)``, ``.half()``, ``.cuda()`` leave them as
-    they are (bf16, on the CPU), so a model holding this module can be cast or
-    moved without touching its experts. The compute dtype follows the input.
+    they are (on the CPU), so a model holding this module can be cast or moved
+    without touching its experts. The compute dtype follows the input.
 
     Training: gradients flow to ``hidden_states`` and ``top_k_weights``; the
     packed weights are frozen. :meth:`add_lora` adds trainable LoRA adapters
@@ -121,14 +59,7 @@ class MoEExperts(nn.Module):
     :func:`kt_ops.set_lora_activation_checkpointing`).
 
     Args:
-        gate_weight: packed gate projections of ``[E, I, H]`` weights.
-        up_weight: packed up projections of ``[E, I, H]`` weights.
-        down_weight: packed down projections of ``[E, H, I]`` weights.
-        hidden_size: ``H``.
-        intermediate_size: ``I``, the expert MLP width.
-        weight_format: format the tensors were packed in (``'bf16'``, a
-            quantized format, or ``'gate,up,down'`` per-projection formats;
-            see :func:`kt_ops.ops.split_weight_format`).
+        experts: the layer's packed experts (validated here).
         activation_checkpointing: ``True`` recomputes the gate/up
             pre-activations in backward, ``False`` saves them (``2*K*I*4``
             bytes per token), ``None`` (default) is the op's default (with
@@ -136,74 +67,76 @@ class MoEExperts(nn.Module):
             recompute). An attribute: it can be changed later.
 
     Raises:
-        ValueError: a packed tensor does not have the shape that
-            ``pack_weights`` gives for ``[E, I, H]`` / ``[E, H, I]`` in
-            ``weight_format``, the format is unknown, or a size is not positive.
+        ValueError: a packed tensor does not have the layout of its format
+            and sizes (``ExpertWeights.validate``).
     """
 
     num_experts: int
     hidden_size: int
     intermediate_size: int
-    weight_format: str
+    weight_formats: tuple[str, str, str]
+    group_sizes: tuple[int, int, int]
     lora_scaling: float
     activation_checkpointing: Optional[bool]
 
     def __init__(
-        self,
-        gate_weight: Tensor,
-        up_weight: Tensor,
-        down_weight: Tensor,
-        *,
-        hidden_size: int,
-        intermediate_size: int,
-        weight_format: str = "bf16",
-        activation_checkpointing: Optional[bool] = None,
-        scales: Optional[tuple[Tensor, Tensor, Tensor]] = None,
-        zeros: Optional[tuple[Tensor, Tensor, Tensor]] = None,
-        group_size: int = 0,
+        self, experts: ExpertWeights, *, activation_checkpointing: Optional[bool] = None
     ) -> None:
         super().__init__()
-        if hidden_size <= 0 or intermediate_size <= 0:
+        if not isinstance(experts, ExpertWeights):
             raise ValueError(
-                f"MoEExperts: hidden_size and intermediate_size must be positive, got "
-                f"{hidden_size} and {intermediate_size}"
+                f"MoEExperts: experts must be a kt_ops.ExpertWeights, got {type(experts).__name__}"
             )
-        num_experts = int(gate_weight.shape[0]) if gate_weight.dim() > 0 else 0
-        H, inter = int(hidden_size), int(intermediate_size)
-        gate_fmt, up_fmt, down_fmt = split_weight_format(weight_format)
-        expected = {
-            "gate_weight": _packed_shape(num_experts, inter, H, gate_fmt),
-            "up_weight": _packed_shape(num_experts, inter, H, up_fmt),
-            "down_weight": _packed_shape(num_experts, H, inter, down_fmt),
-        }
-        for name, t in zip(_PACKED, (gate_weight, up_weight, down_weight)):
-            if tuple(t.shape) != expected[name]:
-                raise ValueError(
-                    f"MoEExperts: {name} has shape {tuple(t.shape)}, expected {expected[name]} "
-                    f"(pack_weights of [E={num_experts}, "
-                    f"{'H, I' if name == 'down_weight' else 'I, H'}] with H={H}, I={inter}, "
-                    f"weight_format={weight_format!r})"
-                )
-            self.register_buffer(name, t.contiguous())
-        self.num_experts = num_experts
-        self.hidden_size = H
-        self.intermediate_size = inter
-        self.weight_format = weight_format
-        self.group_size = int(group_size)
-        for names, tensors in ((_QUANT[:3], scales), (_QUANT[3:], zeros)):
-            for name, t in zip(names, tensors if tensors is not None else (None,) * 3):
-                self.register_buffer(name, None if t is None else t.contiguous())
+        experts.validate()
+        for proj, p in zip(PROJECTIONS, experts.projections):
+            for part in _PARTS:
+                t = getattr(p, part)
+                self.register_buffer(f"{proj}_{part}", None if t is None else t.contiguous())
+        self.num_experts = experts.num_experts
+        self.hidden_size = experts.hidden_size
+        self.intermediate_size = experts.intermediate_size
+        self.weight_formats = tuple(p.weight_format for p in experts.projections)
+        self.group_sizes = experts.group_sizes
         self.lora_scaling = 1.0
         self.activation_checkpointing = activation_checkpointing
-        for proj in _PROJECTIONS:
+        for proj in PROJECTIONS:
             self.register_parameter(f"{proj}_lora_a", None)
             self.register_parameter(f"{proj}_lora_b", None)
+
+    @property
+    def weight_format(self) -> str:
+        """One format name, or ``'gate,up,down'`` when the projections differ."""
+        g, u, d = self.weight_formats
+        return g if g == u == d else f"{g},{u},{d}"
+
+    def expert_weights(self) -> ExpertWeights:
+        """The packed experts as an :class:`~kt_ops.layer.ExpertWeights` (views of the buffers)."""
+        H, inter = self.hidden_size, self.intermediate_size
+        dims = ((inter, H), (inter, H), (H, inter))
+        return ExpertWeights(
+            *(
+                PackedProjection(
+                    *(self._buffers[f"{proj}_{part}"] for part in _PARTS), fmt, g, n, k
+                )
+                for proj, fmt, g, (n, k) in zip(
+                    PROJECTIONS, self.weight_formats, self.group_sizes, dims
+                )
+            )
+        )
+
+    def lora_weights(self) -> LoRAWeights:
+        """The LoRA factors as a :class:`~kt_ops.layer.LoRAWeights` (``scaling`` included)."""
+        pairs = {}
+        for p in PROJECTIONS:
+            a = getattr(self, f"{p}_lora_a")
+            pairs[p] = (a, getattr(self, f"{p}_lora_b")) if a is not None else None
+        return LoRAWeights(**pairs, scaling=self.lora_scaling)
 
     def add_lora(
         self,
         rank: int,
         alpha: Optional[float] = None,
-        projections: Sequence[str] = _PROJECTIONS,
+        projections: Sequence[str] = PROJECTIONS,
         *,
         dtype: torch.dtype = torch.float32,
         generator: Optional[torch.Generator] = None,
@@ -242,11 +175,11 @@ class MoEExperts(nn.Module):
         """
         if int(rank) < 1:
             raise ValueError(f"MoEExperts.add_lora: rank must be >= 1, got {rank}")
-        unknown = [p for p in projections if p not in _PROJECTIONS]
+        unknown = [p for p in projections if p not in PROJECTIONS]
         if unknown or not projections:
             raise ValueError(
                 f"MoEExperts.add_lora: projections must be a non-empty subset of "
-                f"{_PROJECTIONS}, got {tuple(projections)}"
+                f"{PROJECTIONS}, got {tuple(projections)}"
             )
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"MoEExperts.add_lora: dtype must be fp32, bf16 or fp16, got {dtype}")
@@ -266,7 +199,7 @@ class MoEExperts(nn.Module):
 
     def lora_parameters(self) -> dict[str, Tensor]:
         """The LoRA factors present, by argument name of ``kt_ops.moe_forward``."""
-        names = (f"{p}_lora_{f}" for p in _PROJECTIONS for f in ("a", "b"))
+        names = (f"{p}_lora_{f}" for p in PROJECTIONS for f in ("a", "b"))
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
     @classmethod
@@ -289,14 +222,14 @@ class MoEExperts(nn.Module):
             up: ``[E, I, H]`` up projections.
             down: ``[E, H, I]`` down projections.
             weight_format: target format, one of :data:`kt_ops.formats.FORMATS`
-                (``'bf16'``: rounded to nearest even; the others are quantized
-                online by :func:`kt_ops.formats.quantize_weights`, a few
-                experts at a time so the fp32 temporaries stay small), or
+                (quantized online by :func:`kt_ops.formats.quantize_weights`, a
+                few experts at a time so the fp32 temporaries stay small), or
                 per-projection formats ``'gate,up,down'`` (``'q4_k,q4_k,q6_k'``
-                for a Q4_K_M-like mix; ``group_size`` then applies to ``int4``).
+                for a Q4_K_M-like mix).
             activation_checkpointing: as in the constructor.
-            group_size: group along K for the grouped formats (``None``: the
-                format's default; see docs/formats.md).
+            group_size: group along K for the formats that take one (``None``:
+                each format's default; a format with a single group size keeps
+                its own; see docs/formats.md).
             symmetric: ``int4`` only: ``False`` stores zero points.
 
         Returns:
@@ -319,31 +252,10 @@ class MoEExperts(nn.Module):
                 f"MoEExperts.from_dense: expected gate and up [E, I, H] and down [E, H, I]; got "
                 f"gate {tuple(gate.shape)}, up {tuple(up.shape)}, down {tuple(down.shape)}"
             )
-        names = split_weight_format(weight_format)
-        if names[0] != "bf16":
-            from kt_ops.formats import format_spec
-
-            mixed = len(set(names)) > 1
-
-            def group_for(fmt: str) -> Optional[int]:
-                # Mixed: formats with a single group size (GGUF types) keep their own.
-                return None if mixed and len(format_spec(fmt).group_sizes) == 1 else group_size
-
-            projections = [
-                _quantize_in_chunks(w.detach(), fmt, group_for(fmt), symmetric)
-                for fmt, w in zip(names, (gate, up, down))
-            ]
-            module = cls.from_packed(*projections)
-            module.activation_checkpointing = activation_checkpointing
-            return module
-        packed = [_pack_in_chunks(w.detach(), "bf16") for w in (gate, up, down)]
-        return cls(
-            *packed,
-            hidden_size=H,
-            intermediate_size=inter,
-            weight_format=weight_format,
-            activation_checkpointing=activation_checkpointing,
+        experts = ExpertWeights.from_dense(
+            gate, up, down, weight_format, group_size=group_size, symmetric=symmetric
         )
+        return cls(experts, activation_checkpointing=activation_checkpointing)
 
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         """Weighted sum of the selected experts' outputs, per token.
@@ -379,86 +291,45 @@ class MoEExperts(nn.Module):
             x,
             ids,
             weights,
-            self.gate_weight,
-            self.up_weight,
-            self.down_weight,
-            self.intermediate_size,
-            self.weight_format,
-            **self._format_op_kwargs(),
-            **self.lora_parameters(),
-            lora_scaling=self.lora_scaling,
+            self.expert_weights(),
+            self.lora_weights(),
             activation_checkpointing=self.activation_checkpointing,
         )
         return out.view(hidden_states.shape)
 
-    def _format_op_kwargs(self) -> dict:
-        """The quantization arguments of ``moe_forward`` (empty for bf16)."""
-        if self.weight_format == "bf16":
-            return {}
-        kwargs = {name: self._buffers.get(name) for name in _QUANT}
-        kwargs["group_size"] = self.group_size
-        return kwargs
-
     @classmethod
-    def from_packed(cls, gate: PackedProjection, up: PackedProjection, down: PackedProjection):
+    def from_packed(
+        cls,
+        gate: PackedProjection,
+        up: PackedProjection,
+        down: PackedProjection,
+        *,
+        activation_checkpointing: Optional[bool] = None,
+    ) -> MoEExperts:
         """Build the module from three :class:`kt_ops.formats.PackedProjection`.
 
         ``gate``/``up`` hold ``[E, I, H]``, ``down`` ``[E, H, I]``, as produced by
         :func:`kt_ops.formats.quantize_weights`, the loaders or
-        :func:`kt_ops.convert.load_converted`. The projections may be in
-        different quantized formats (GGUF Q4_K_M: ``q4_k`` gate/up, ``q6_k``
-        down); the module's ``weight_format`` is then ``'gate,up,down'``.
-        Raises ``ValueError`` when the shapes disagree, bf16 is mixed with
-        quantized formats, or two projections in formats with a choice of
-        group size (``int4``) use different group sizes.
+        :func:`kt_ops.convert.load_converted`. Each projection keeps its own
+        format and group size (GGUF Q4_K_M: ``q4_k`` gate/up, ``q6_k`` down);
+        the module's ``weight_format`` is then ``'gate,up,down'``. Raises
+        ``ValueError`` (from :class:`~kt_ops.layer.ExpertWeights`) when the
+        shapes disagree or a tensor does not match its format's layout.
         """
-        projs = (gate, up, down)
-        fmt = join_weight_format(*(p.weight_format for p in projs))
         try:
-            split_weight_format(fmt)
+            experts = ExpertWeights(gate, up, down)
         except ValueError as err:
             raise ValueError(f"MoEExperts.from_packed: {err}") from None
-        # One op-level group_size: formats with a single group size (GGUF types,
-        # int8, fp8) keep theirs when mixed; the others must agree.
-        from kt_ops.formats import format_spec
-
-        free = {
-            p.group_size
-            for p in projs
-            if p.weight_format != "bf16" and len(format_spec(p.weight_format).group_sizes) > 1
-        }
-        single_format = len({p.weight_format for p in projs}) == 1
-        groups = {p.group_size for p in projs}
-        if (single_format and len(groups) != 1) or len(free) > 1:
-            raise ValueError(
-                "MoEExperts.from_packed: gate/up/down must share one group size, got "
-                f"{[(p.weight_format, p.group_size) for p in projs]}"
-            )
-        if (up.n, up.k) != (gate.n, gate.k) or (down.n, down.k) != (gate.k, gate.n):
-            raise ValueError(
-                "MoEExperts.from_packed: expected gate and up [E, I, H] and down [E, H, I]; got "
-                f"gate [{gate.n}, {gate.k}], up [{up.n}, {up.k}], down [{down.n}, {down.k}]"
-            )
-        zeros = tuple(p.zeros for p in projs)
-        return cls(
-            gate.weight,
-            up.weight,
-            down.weight,
-            hidden_size=gate.k,
-            intermediate_size=gate.n,
-            weight_format=fmt,
-            scales=None if fmt == "bf16" else tuple(p.scales for p in projs),
-            zeros=None if all(z is None for z in zeros) else zeros,
-            group_size=free.pop() if free else gate.group_size,
-        )
+        return cls(experts, activation_checkpointing=activation_checkpointing)
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> MoEExperts:
         # Module.to/.half/.cuda/.float go through _apply. The packed weights are a
         # layout in host memory that the CPU kernels read, not values in the
         # model's dtype: casting would corrupt them, and a GPU copy would go unused
-        # (the kernels run on the CPU; a CUDA build of the op copies CUDA hidden
-        # states to the host and back). So they are left untouched.
-        packed = {name: self._buffers.pop(name) for name in _PACKED + _QUANT}
+        # (the kernels run on the CPU and take CPU tensors only). So they are left
+        # untouched.
+        names = [f"{proj}_{part}" for proj in PROJECTIONS for part in _PARTS]
+        packed = {name: self._buffers.pop(name) for name in names}
         try:
             return super()._apply(fn, recurse)
         finally:
@@ -469,7 +340,7 @@ class MoEExperts(nn.Module):
             f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
             f"intermediate_size={self.intermediate_size}, weight_format={self.weight_format!r}"
         )
-        lora = [p for p in _PROJECTIONS if getattr(self, f"{p}_lora_a") is not None]
+        lora = [p for p in PROJECTIONS if getattr(self, f"{p}_lora_a") is not None]
         if lora:
             rank = getattr(self, f"{lora[0]}_lora_a").shape[1]
             text += f", lora={tuple(lora)}, lora_rank={rank}, lora_scaling={self.lora_scaling:g}"

@@ -93,8 +93,9 @@ def quant_fp32_min_tokens(weight_format: str) -> Optional[int]:
     ``bf16``, which has one path). The thresholds are measured break-evens
     (docs/formats.md, "Compute paths"). Raises ``ValueError`` for an unknown format.
     """
-    n = _C.quant_fp32_min_tokens(str(weight_format))
-    return None if n >= 2**31 - 1 else n
+    from kt_ops.formats import format_spec
+
+    return format_spec(str(weight_format)).fp32_min_tokens
 
 
 @contextlib.contextmanager
@@ -106,29 +107,3 @@ def use_quant_activations(mode: str) -> Iterator[None]:
         yield
     finally:
         set_quant_activations(previous)
-
-
-def info() -> dict:
-    """Report the detected topology, CPU features, thread count and ISA paths.
-
-    Returns a dict (also printed by ``python -m kt_ops.info``) with keys
-    ``topology`` (cores, NUMA nodes, PUs, source), ``cpu_features``,
-    ``num_threads``, ``workers_bound``, ``built_isas``, ``supported_isas``,
-    ``active_isa``.
-    """
-    return {
-        "topology": _C.topology(),
-        "cpu_features": _C.cpu_features(),
-        "num_threads": _C.get_num_threads(),
-        "workers_bound": _C.workers_bound(),
-        "built_isas": list(_C.built_isas()),
-        "supported_isas": list(_C.supported_isas()),
-        "active_isa": _C.active_isa(),
-    }
-
-
-def print_info() -> None:
-    """Print the detected topology, CPU features, ISA paths and thread count."""
-    from kt_ops.info import format_info
-
-    print(format_info(info()))

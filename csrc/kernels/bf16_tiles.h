@@ -4,7 +4,7 @@
 // objects compiled with different -m flags never share a definition.
 //
 // SHAPES  weight block [k_pairs][16][2] bf16 (formats/bf16.h), activations
-//         m rows of fp32 [2*k_pairs], output m rows x 16 (n_valid stored).
+//         m rows of fp32 [2*k_pairs], output m rows x 16 (DotArgs, kernel_api.h).
 // DEFINITION
 //   for i in tokens: for r in 0..16: acc = 0
 //     for p in 0..k_pairs: acc += W[p][r][0]*x[i][2p] + W[p][r][1]*x[i][2p+1]
@@ -21,8 +21,8 @@
 
 #include <cstdint>
 
+#include "formats/bf16.h"
 #include "kernels/kernel_api.h"
-#include "kernels/swiglu.h"
 
 namespace kt::kernels {
 
@@ -33,10 +33,10 @@ namespace kt::kernels {
 // decode: none 4.5 ms, 16 lines 3.9, 32 lines 3.6, 64 lines 3.9.
 constexpr int kPrefetchLines = 32;
 
-// acc_out[i][0..16) = dot products of token i with the 16 rows of the block.
+// out[i * ldo + 0..16) = dot products of token i with the 16 rows of the block.
 template <class V, int M>
-KT_ALWAYS_INLINE void bf16_tile(const float* const* x, const uint16_t* w, int k_pairs,
-                                float (*acc_out)[16]) {
+KT_ALWAYS_INLINE void bf16_tile(const float* const* x, const uint16_t* w, int k_pairs, float* out,
+                                int64_t ldo) {
   constexpr int NV = 16 / V::kLanes;
   constexpr bool kSplitK = M <= 2;
   using Reg = typename V::Reg;
@@ -71,73 +71,45 @@ KT_ALWAYS_INLINE void bf16_tile(const float* const* x, const uint16_t* w, int k_
   for (int i = 0; i < M; ++i)
     for (int v = 0; v < NV; ++v) {
       const Reg r = kSplitK ? V::add(acc0[i][v], acc1[i][v]) : acc0[i][v];
-      V::store(&acc_out[i][v * V::kLanes], r);
+      V::store(out + i * ldo + v * V::kLanes, r);
     }
 }
 
+// One token tile of one block: out[i * ldo + r] for the M rows at x.
 template <class V, int M>
-KT_ALWAYS_INLINE void gate_up_tile(const GateUpArgs& a, int i0) {
-  alignas(64) float g[M][16];
-  alignas(64) float u[M][16];
-  bf16_tile<V, M>(a.x_rows + i0, a.gate_block, a.k_pairs, g);
-  bf16_tile<V, M>(a.x_rows + i0, a.up_block, a.k_pairs, u);
-  for (int i = 0; i < M; ++i) {
-    silu_mul_16<V>(g[i], u[i]);
-    float* out = a.h_rows[i0 + i] + a.out_col;
-    for (int r = 0; r < a.n_valid; ++r) out[r] = g[i][r];
+struct Bf16Tile {
+  static KT_ALWAYS_INLINE void run(const float* const* x, const uint16_t* w, int k_pairs,
+                                   float* out, int64_t ldo) {
+    bf16_tile<V, M>(x, w, k_pairs, out, ldo);
   }
-}
-
-template <class V, int M>
-KT_ALWAYS_INLINE void down_tile(const DownArgs& a, int i0) {
-  alignas(64) float y[M][16];
-  bf16_tile<V, M>(a.h_rows + i0, a.down_block, a.k_pairs, y);
-  for (int i = 0; i < M; ++i) {
-    const float s = a.scales[i0 + i];
-    float* out = a.y_rows[i0 + i] + a.out_col;
-    for (int r = 0; r < a.n_valid; ++r) out[r] = s * y[i][r];
-  }
-}
+};
 
 // The remainder tile: Tile<V, rem> for rem in [1, N], picked at run time.
-template <class V, template <class, int> class Tile, class Args, int N>
-KT_ALWAYS_INLINE void run_remainder_tile(const Args& a, int i0, int rem) {
+template <class V, template <class, int> class Tile, int N, class... Args>
+KT_ALWAYS_INLINE void run_remainder_tile(int rem, Args... args) {
   if constexpr (N >= 1) {
     if (rem == N) {
-      Tile<V, N>::run(a, i0);
+      Tile<V, N>::run(args...);
     } else {
-      run_remainder_tile<V, Tile, Args, N - 1>(a, i0, rem);
+      run_remainder_tile<V, Tile, N - 1>(rem, args...);
     }
   }
 }
 
-// Runs Tile<V, M> over m tokens in tiles of V::kMaxTile, then one remainder
-// tile; the tile size a token lands in depends only on m, never on threads.
-template <class V, template <class, int> class Tile, class Args>
-inline void for_each_tile(const Args& a) {
+// ProjectionKernels::dot of the bf16 layout: every block of the run, the
+// tokens in tiles of V::kMaxTile then one remainder tile (the tile a token
+// lands in depends only on m, never on the thread count).
+template <class V>
+void bf16_dot(const DotArgs& a) {
   constexpr int MT = V::kMaxTile;
-  int i = 0;
-  for (; i + MT <= a.m; i += MT) Tile<V, MT>::run(a, i);
-  run_remainder_tile<V, Tile, Args, MT - 1>(a, i, a.m - i);
-}
-
-template <class V, int M>
-struct GateUpTile {
-  static KT_ALWAYS_INLINE void run(const GateUpArgs& a, int i0) { gate_up_tile<V, M>(a, i0); }
-};
-template <class V, int M>
-struct DownTile {
-  static KT_ALWAYS_INLINE void run(const DownArgs& a, int i0) { down_tile<V, M>(a, i0); }
-};
-
-template <class V>
-void gate_up_silu(const GateUpArgs& a) {
-  for_each_tile<V, GateUpTile>(a);
-}
-
-template <class V>
-void down_scaled(const DownArgs& a) {
-  for_each_tile<V, DownTile>(a);
+  const int k_pairs = static_cast<int>(formats::bf16_k_pairs(a.proj->k));
+  for (int64_t nb = a.nb_begin; nb < a.nb_end; ++nb) {
+    const auto* w = reinterpret_cast<const uint16_t*>(a.proj->block(a.expert, nb));
+    float* out = a.out + 16 * (nb - a.nb_begin);
+    int i = 0;
+    for (; i + MT <= a.m; i += MT) Bf16Tile<V, MT>::run(a.x + i, w, k_pairs, out + i * a.ldo, a.ldo);
+    run_remainder_tile<V, Bf16Tile, MT - 1>(a.m - i, a.x + i, w, k_pairs, out + i * a.ldo, a.ldo);
+  }
 }
 
 }  // namespace kt::kernels

@@ -4,6 +4,7 @@
 #include <mutex>
 #include <stdexcept>
 
+#include "kernels/tiers.h"
 #include "runtime/cpu_features.h"
 
 namespace kt::kernels {
@@ -135,35 +136,47 @@ void set_active_isa(Isa isa) {
   state.env_error.clear();
 }
 
-const Bf16Kernels& bf16_kernels(Isa isa) {
-  // Fallback chain, highest first; every entry exists for bf16 today.
-  switch (isa) {
-#ifdef KT_BUILD_AVX512
-    case Isa::kAvx512:
-      return avx512::bf16_kernels();
-#endif
+namespace {
+
+// Each tier's kernels per layout (index: formats::Layout), nullptr where the
+// tier has none. THE fallback chain: a missing entry is served by the next
+// lower tier that has one (avx512 -> avx2 -> ref); ref has every entry.
+struct TierKernels {
+  Isa isa;
+  const ProjectionKernels* layouts[3];  // kBf16, kQint, kFp8
+  SiluMulRows silu;
+};
+
+const std::vector<TierKernels>& tier_table() {
+  static const std::vector<TierKernels> table = {
+      {Isa::kRef, {&ref::bf16_kernels(), &ref::qint_kernels(), &ref::fp8_kernels()}, ref::silu_mul_rows},
 #ifdef KT_BUILD_AVX2
-    case Isa::kAvx2:
-      return avx2::bf16_kernels();
+      {Isa::kAvx2, {&avx2::bf16_kernels(), &avx2::qint_kernels(), &avx2::fp8_kernels()}, avx2::silu_mul_rows},
 #endif
-    default:
-      return ref::bf16_kernels();
-  }
+#ifdef KT_BUILD_AVX512
+      // The integer and fp8 kernels are 256-bit AVX2 code, which every AVX-512 CPU runs.
+      {Isa::kAvx512, {&avx512::bf16_kernels(), nullptr, nullptr}, avx512::silu_mul_rows},
+#endif
+  };
+  return table;
 }
 
-const QuantKernels& quant_kernels(Isa isa) {
-  // The quantized formats have AVX2 kernels (256-bit integer dot products);
-  // the AVX-512 tier runs them too (every AVX-512 CPU has AVX2) until native
-  // 512-bit VNNI kernels exist.
-  switch (isa) {
-#ifdef KT_BUILD_AVX2
-    case Isa::kAvx512:
-    case Isa::kAvx2:
-      return avx2::quant_kernels();
-#endif
-    default:
-      return ref::quant_kernels();
+}  // namespace
+
+const ProjectionKernels& projection_kernels(formats::Layout layout, Isa isa) {
+  const auto& table = tier_table();
+  for (auto it = table.rbegin(); it != table.rend(); ++it) {
+    if (it->isa > isa) continue;
+    if (const ProjectionKernels* k = it->layouts[static_cast<int>(layout)]) return *k;
   }
+  return *table.front().layouts[static_cast<int>(layout)];
+}
+
+SiluMulRows silu_mul_rows(Isa isa) {
+  const auto& table = tier_table();
+  for (auto it = table.rbegin(); it != table.rend(); ++it)
+    if (it->isa <= isa && it->silu != nullptr) return it->silu;
+  return table.front().silu;
 }
 
 }  // namespace kt::kernels

@@ -1,11 +1,12 @@
 // The one ISA selection point (style rule 4): the active tier is the highest
 // one that is built into this extension, detected on this CPU, and allowed by
-// $KT_OPS_ISA (or kt_ops.set_isa). A format without a kernel at the chosen
-// tier falls back through the declared chain avx512 -> avx2 -> ref.
+// $KT_OPS_ISA (or kt_ops.set_isa). The kernels of a (layout, tier) pair come
+// from one table with one declared fallback chain (dispatch.cpp).
 #pragma once
 
 #include <vector>
 
+#include "formats/format_table.h"
 #include "kernels/isa.h"
 #include "kernels/kernel_api.h"
 
@@ -21,9 +22,9 @@ Isa active_isa();
 // missing CPU feature) when it is not built or not supported here.
 void set_active_isa(Isa isa);
 
-// The bf16 expert kernels for a tier (after the fallback chain).
-const Bf16Kernels& bf16_kernels(Isa isa);
-// The quantized-format kernels (qint family, fp8) for a tier.
-const QuantKernels& quant_kernels(Isa isa);
+// The kernels of `layout` on tier `isa`, after the fallback chain.
+const ProjectionKernels& projection_kernels(formats::Layout layout, Isa isa);
+// The SwiGLU epilogue of tier `isa`.
+SiluMulRows silu_mul_rows(Isa isa);
 
 }  // namespace kt::kernels

@@ -1,116 +1,71 @@
-// The interface between the ISA-free MoE driver (csrc/moe) and the per-ISA
-// kernels (csrc/kernels/<isa>/). Kernels see one weight block and a list of
-// activation rows; they never allocate, never spawn threads and assume valid
-// input (the op layer validated it).
+// The one interface between the ISA-free MoE driver (csrc/moe) and the
+// per-ISA kernels (csrc/kernels/<isa>/): a kernel multiplies a run of 16-row
+// blocks of ONE expert's projection with a tile of m activation rows and
+// writes the dot products. SwiGLU and the routing-weight scale are the
+// driver's epilogue, not the kernels'. A streaming kernel (decode: one
+// 16-row block at a time, read once) and a tile kernel (prefill: whole tiles
+// to a matrix engine) both fit this shape. Kernels never allocate, never
+// spawn threads and assume valid input (the op layer validated it).
 #pragma once
 
 #include <cstdint>
 
+#include "formats/format_table.h"
 #include "formats/qint.h"
 
 namespace kt::kernels {
 
-// Fused gate/up projection + SwiGLU on one 16-row block of the bf16 layout
-// (csrc/formats/bf16.h), for m tokens:
-//   for i < m, r < n_valid:
-//     g = sum_k x_rows[i][k] * Wg[r][k];  u = sum_k x_rows[i][k] * Wu[r][k]
-//     h_rows[i][out_col + r] = silu(g) * u    (silu(g) = g / (1 + exp(-g)))
-struct GateUpArgs {
-  const float* const* x_rows;  // m rows of fp32 activations, each 2*k_pairs long, zero padded
+// One projection of every expert, as the kernels see it (pointers into the
+// validated packed tensors; csrc/moe/moe_layer.h builds it).
+struct ProjectionView {
+  formats::Layout layout;
+  // kQint: bits, signedness, table, implicit zero, group size and the scale /
+  // zero storage types of this projection.
+  formats::QintFormat qint;
+  const uint8_t* weight;  // [E][row_blocks][block_bytes]
+  const void* scales;     // kQint: [E][row_blocks][groups][16]; kFp8: [E][ceil(n/128)][ceil(k/128)]
+  const void* zeros;      // kQint with explicit zeros: like scales; else nullptr
+  int64_t n, k;           // dense [n, k] per expert (nn.Linear convention)
+  int64_t kp;             // K extent of the activations (multiple of 32; bf16 reads ceil(k/2)*2)
+  int64_t row_blocks;     // ceil(n / 16)
+  int64_t groups;         // kQint: scale groups along K
+  int64_t block_bytes;    // bytes of one 16-row block
+
+  const uint8_t* block(int64_t e, int64_t nb) const {
+    return weight + (e * row_blocks + nb) * block_bytes;
+  }
+};
+
+// out[i * ldo + 16 * (nb - nb_begin) + r] = sum_k W_e[16 nb + r][k] * x_i[k]
+// for i < m, nb in [nb_begin, nb_end), r < 16 (rows past n may hold anything).
+struct DotArgs {
+  const ProjectionView* proj;
+  int64_t expert;
+  int64_t nb_begin, nb_end;
+  const float* const* x;     // m fp32 rows, proj->kp long, zero padded past k
+  const uint8_t* const* xq;  // m q8 records (formats/q8_activations.h) of the same rows, or
+                             // nullptr when the kernel's activation type is kF32
   int m;
-  const uint16_t* gate_block;  // [k_pairs][16][2] bf16 bits
-  const uint16_t* up_block;    // [k_pairs][16][2] bf16 bits
-  int k_pairs;
-  float* const* h_rows;  // m output rows; columns [out_col, out_col + n_valid) are written
-  int64_t out_col;       // 16 * (index of this block)
-  int n_valid;           // rows of this block inside N (<= 16)
+  float* out;
+  int64_t ldo;     // >= 16 * (nb_end - nb_begin)
+  float* scratch;  // >= 16 * proj->kp floats, for kernels that decode a block first
 };
 
-// Down projection on one 16-row block, scaled by each token's routing weight:
-//   for i < m, r < n_valid:
-//     y_rows[i][out_col + r] = scales[i] * sum_k h_rows[i][k] * Wd[r][k]
-struct DownArgs {
-  const float* const* h_rows;  // m rows of fp32, each 2*k_pairs long, zero padded
-  int m;
-  const uint16_t* down_block;  // [k_pairs][16][2] bf16 bits
-  int k_pairs;
-  float* const* y_rows;  // m output rows; columns [out_col, out_col + n_valid) written
-  int64_t out_col;       // 16 * (index of this block)
-  const float* scales;   // m routing weights
-  int n_valid;
+// The kernels of one layout on one ISA tier.
+struct ProjectionKernels {
+  const char* name;  // "<isa>/<kernel>", reported by kt_ops.info() and the tests
+  // The format's own path: q8 integer dot products (kQint), E4M3 decoded in
+  // registers (kFp8), bf16 widened in registers (kBf16).
+  void (*dot)(const DotArgs&);
+  // The weight-only path (w4a16 style): each block decoded once to fp32 in
+  // `scratch`, then fp32 FMAs with x. nullptr where `dot` already multiplies
+  // fp32 activations with exact weights (bf16).
+  void (*dot_fp32)(const DotArgs&);
+  const char* fp32_name;
 };
 
-struct Bf16Kernels {
-  const char* isa_name;
-  void (*gate_up_silu)(const GateUpArgs&);
-  void (*down_scaled)(const DownArgs&);
-};
-
-// Dot products of one 16-row block of a qint format (formats/qint.h) with m
-// rows of q8 activations (moe/activation_q8.h):
-//   out[i*16 + r] = sum_k W[r][k] * x_i[k]   for i < m, r < n_valid
-// where W = scale * q - zero and x_i = the dequantized q8 row. Rows past
-// n_valid may be left unwritten.
-struct QintDotArgs {
-  const uint8_t* const* x_rows;  // m q8 activation records of Kp values
-  int m;
-  const uint8_t* block;  // one 16-row block of codes (formats::qint_block_bytes)
-  const void* scales;    // [G][16] scales of this block, in format->scale_type
-  const void* zeros;     // [G][16] zeros of this block, or nullptr (implicit zero)
-  const formats::QintFormat* format;
-  int64_t kp;  // padded K (multiple of 32)
-  int n_valid;
-  float* out;  // [m][16]
-};
-
-// Dot products of one 16-row block of fp8 E4M3 codes ([Kp/4][16][4] bytes)
-// with m rows of fp32 activations, times the 128x128 block scales:
-//   out[i*16 + r] = sum_k e4m3(W[r][k]) * scales[k / 128] * x_i[k]
-struct Fp8DotArgs {
-  const float* const* x_rows;  // m rows of fp32, Kp long, zero padded
-  int m;
-  const uint8_t* block;  // [Kp/4][16][4] E4M3 bits
-  const float* scales;   // [ceil(K/128)] scales of this block's 128-row band
-  int64_t kp;
-  int n_valid;
-  float* out;  // [m][16]
-};
-
-// The weight-only ("dequantize, then fp32 FMA") path of the quantized
-// formats, the w4a16 alternative to the integer dot: decode writes one
-// 16-row block as fp32 W^T, w[k * 16 + r] = W[r][k] for k < Kp (qint:
-// scale * q - zero; fp8: e4m3 * block scale); dense_dot multiplies it with m
-// fp32 activation rows:  out[i*16 + r] = sum_k w[k * 16 + r] * x_i[k].
-struct DenseDotArgs {
-  const float* const* x_rows;  // m rows of fp32, Kp long, zero padded
-  int m;
-  const float* w;  // [Kp][16]
-  int64_t kp;
-  float* out;  // [m][16]
-};
-
-struct QuantKernels {
-  const char* isa_name;
-  void (*qint_dot)(const QintDotArgs&);
-  void (*fp8_dot)(const Fp8DotArgs&);
-  // gate[i] = silu(gate[i]) * up[i] over m rows of 16 ([m][16] fp32, in place).
-  void (*silu_mul_rows)(float* gate, const float* up, int m);
-  // Weight-only path (see DenseDotArgs); the decoders ignore x_rows, m, out.
-  void (*qint_decode)(const QintDotArgs&, float* w);
-  void (*fp8_decode)(const Fp8DotArgs&, float* w);
-  void (*dense_dot)(const DenseDotArgs&);
-};
-
-namespace ref {
-const Bf16Kernels& bf16_kernels();
-const QuantKernels& quant_kernels();
-}  // namespace ref
-namespace avx2 {
-const Bf16Kernels& bf16_kernels();
-const QuantKernels& quant_kernels();
-}  // namespace avx2
-namespace avx512 {
-const Bf16Kernels& bf16_kernels();
-}
+// The driver's epilogue, vectorized per tier: g = silu(g) * u over m rows of
+// 16 ([m][16], in place in g). silu(g) = g / (1 + exp(-g)).
+using SiluMulRows = void (*)(float* g, const float* u, int m);
 
 }  // namespace kt::kernels

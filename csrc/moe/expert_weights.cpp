@@ -8,7 +8,7 @@
 #include <stdexcept>
 
 #include "formats/bf16.h"
-#include "formats/format_registry.h"
+#include "formats/format_table.h"
 #include "formats/fp8.h"
 #include "formats/qint.h"
 #include "formats/scale_dtype.h"
@@ -28,7 +28,7 @@ inline float bits_to_float(uint32_t bits) {
   return f;
 }
 
-void dequantize_bf16_transposed(const ProjectionWeights& p, int64_t expert, float* wt, int64_t ld) {
+void dequantize_bf16_transposed(const Projection& p, int64_t expert, float* wt, int64_t ld) {
   constexpr int kRows = formats::kBf16BlockRows;
   const int64_t n = p.n, k = p.k;
   const int64_t blocks = formats::bf16_row_blocks(n);
@@ -232,9 +232,8 @@ formats::ScaleType param_type(const at::Tensor& t, bool e8m0) {
   return formats::scale_type_of(t.scalar_type(), e8m0);
 }
 
-void dequantize_qint_transposed(const ProjectionWeights& p, const formats::FormatInfo& info,
-                                int64_t expert, float* wt, int64_t ld) {
-  const formats::QintFormat& f = info.qint;
+void dequantize_qint_transposed(const Projection& p, int64_t expert, float* wt, int64_t ld) {
+  const formats::QintFormat& f = p.format->qint;
   QintExpert x;
   x.ld = ld;
   x.n = p.n;
@@ -248,12 +247,12 @@ void dequantize_qint_transposed(const ProjectionWeights& p, const formats::Forma
   x.offset = static_cast<int32_t>(f.zero_offset);
   TORCH_CHECK(p.weight.scalar_type() == at::kByte && p.weight.dim() == 3 &&
                   p.weight.size(1) == nb && p.weight.size(2) == x.block_bytes,
-              "dense_expert_weight: weight_format='", p.format, "' weight must be uint8 [E, ", nb,
+              "dense_expert_weight: weight_format='", p.format->name, "' weight must be uint8 [E, ", nb,
               ", ", x.block_bytes, "], got ", p.weight.scalar_type(), " ", p.weight.sizes());
   TORCH_CHECK(p.scales.defined() && p.scales.numel() == p.num_experts() * nb * x.groups * kRows,
-              "dense_expert_weight: weight_format='", p.format, "' needs scales [E, ", nb, ", ",
+              "dense_expert_weight: weight_format='", p.format->name, "' needs scales [E, ", nb, ", ",
               x.groups, ", 16]");
-  x.scale_type = param_type(p.scales, info.scale_is_e8m0);
+  x.scale_type = param_type(p.scales, p.format->packed_scale_type == formats::ScaleType::kE8M0);
   TORCH_CHECK(x.scale_type != formats::ScaleType::kNone, "dense_expert_weight: scales dtype ",
               p.scales.scalar_type(), " is not fp32/fp16/bf16 (or uint8 UE8M0 for mxfp4)");
   x.weight = p.weight.data_ptr<uint8_t>() + expert * nb * x.block_bytes;
@@ -291,7 +290,7 @@ void dequantize_qint_transposed(const ProjectionWeights& p, const formats::Forma
 
 // fp8 n16k1 blocks: packed[nb, kk, r] = e4m3 bits of W[16 nb + r, kk], one
 // fp32 scale per 128 x 128 (a 16-row block lies inside one 128-row band).
-void dequantize_fp8_transposed(const ProjectionWeights& p, int64_t expert, float* wt, int64_t ld) {
+void dequantize_fp8_transposed(const Projection& p, int64_t expert, float* wt, int64_t ld) {
   const int64_t n = p.n, k = p.k;
   const int64_t kp = formats::qint_k_padded(k);
   const int64_t nb_count = formats::qint_row_blocks(n);
@@ -343,9 +342,9 @@ int64_t dense_ld(int64_t n) { return (n * 4) % 2048 == 0 ? n + 16 : n; }
 
 }  // namespace
 
-int64_t dense_expert_weight_numel(const ProjectionWeights& p) { return p.k * dense_ld(p.n); }
+int64_t dense_expert_weight_numel(const Projection& p) { return p.k * dense_ld(p.n); }
 
-at::Tensor dense_expert_weight(const ProjectionWeights& p, int64_t expert,
+at::Tensor dense_expert_weight(const Projection& p, int64_t expert,
                                const at::Tensor& scratch) {
   TORCH_CHECK(expert >= 0 && expert < p.num_experts(), "dense_expert_weight: expert ", expert,
               " out of range [0, ", p.num_experts(), ")");
@@ -359,22 +358,16 @@ at::Tensor dense_expert_weight(const ProjectionWeights& p, int64_t expert,
   } else {
     buf = at::empty({numel}, at::TensorOptions().dtype(at::kFloat));
   }
-  const formats::FormatInfo* info = nullptr;
-  try {
-    info = &formats::lookup_format(p.format);
-  } catch (const std::invalid_argument& err) {
-    TORCH_CHECK(false, "dense_expert_weight: ", err.what());
-  }
   float* wt = buf.data_ptr<float>();
-  switch (info->kind) {
-    case formats::FormatKind::kBf16:
+  switch (p.format->layout) {
+    case formats::Layout::kBf16:
       dequantize_bf16_transposed(p, expert, wt, ld);
       break;
-    case formats::FormatKind::kFp8:
+    case formats::Layout::kFp8:
       dequantize_fp8_transposed(p, expert, wt, ld);
       break;
-    case formats::FormatKind::kQint:
-      dequantize_qint_transposed(p, *info, expert, wt, ld);
+    case formats::Layout::kQint:
+      dequantize_qint_transposed(p, expert, wt, ld);
       break;
   }
   // Every decoder writes W^T: [k, ld] row-major storage, seen as W [n, k] with strides

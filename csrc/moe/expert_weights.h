@@ -7,23 +7,10 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
-#include <string>
+
+#include "moe/moe_layer.h"
 
 namespace kt::moe {
-
-// One projection (gate, up or down) of every expert, as kt::moe_forward
-// receives it: the packed tensor plus the format's side data.
-struct ProjectionWeights {
-  at::Tensor weight;  // packed, layout chosen by `format` (bf16: [E, ceil(n/16), ceil(k/2), 16, 2])
-  at::Tensor scales;  // per-format scales (docs/formats.md); undefined for bf16
-  at::Tensor zeros;   // explicit zero points (asymmetric int4, q4_k, q5_k); else undefined
-  std::string format;      // weight_format name (formats/format_registry.h)
-  int64_t group_size = 0;  // k per group of the qint formats (0: per channel); fp8: 128
-  int64_t n = 0;           // output rows of the dense projection (nn.Linear convention [n, k])
-  int64_t k = 0;           // inputs
-
-  int64_t num_experts() const { return weight.size(0); }
-};
 
 // Expert `expert`'s dense weights W[expert] as an fp32 [n, k] tensor, for
 // every weight format of the registry: bf16, fp8 and the qint family (int8,
@@ -39,11 +26,11 @@ struct ProjectionWeights {
 // allocated. Reads only that expert's bytes and uses no ATen parallelism, so
 // pool tasks may call it. Throws c10::Error for a format it cannot decode or
 // tensors that do not have its layout.
-at::Tensor dense_expert_weight(const ProjectionWeights& p, int64_t expert,
+at::Tensor dense_expert_weight(const Projection& p, int64_t expert,
                                const at::Tensor& scratch = at::Tensor());
 
 // The fp32 elements dense_expert_weight needs as scratch for a projection of
 // `p` (at least n * k: the storage may pad its rows).
-int64_t dense_expert_weight_numel(const ProjectionWeights& p);
+int64_t dense_expert_weight_numel(const Projection& p);
 
 }  // namespace kt::moe

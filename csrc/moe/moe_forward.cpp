@@ -1,119 +1,174 @@
 #include "moe/moe_forward.h"
 
 #include <ATen/ATen.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
 
 #include <algorithm>
+#include <atomic>
 #include <vector>
 
-#include "formats/bf16.h"
+#include "formats/bf16.h"  // ceil_div
+#include "formats/q8_activations.h"
+#include "formats/qint.h"
+#include "kernels/dispatch.h"
 #include "moe/moe_phases.h"
 #include "moe/routing.h"
+#include "runtime/thread_pool.h"
 
 namespace kt::moe {
 
 namespace {
 
-using formats::bf16_block_elems;
-using formats::bf16_k_pairs;
-using formats::bf16_row_blocks;
-using formats::kBf16BlockRows;
+constexpr int kRows = formats::kQintBlockRows;  // output rows per block, every layout
 
 // Per-calling-thread buffers, grown on demand and reused across calls: a
 // decode step allocates nothing, and prefill does not fault in fresh pages.
 struct Scratch {
   RoutingPlan plan;
-  std::vector<float> x;  // [T][Hp] fp32 activations, zero padded to an even H
-  std::vector<float> h;  // [rows][Ip] SwiGLU outputs, zero padded to an even I
-  std::vector<float> y;  // [T*K][H] weighted expert outputs per slot
+  std::vector<float> x;     // [T][Hp] fp32 activations, zero padded
+  std::vector<uint8_t> xq;  // [T] q8 records of x (qint projections)
+  std::vector<float> h;     // [rows][Ip] SwiGLU outputs, zero padded
+  std::vector<uint8_t> hq;  // [rows] q8 records of h
+  std::vector<float> y;     // [T*K][H] weighted expert outputs per slot
   std::vector<const float*> x_rows;
-  std::vector<float*> h_rows;
-  std::vector<float*> y_rows;
+  std::vector<const uint8_t*> xq_rows;
+  std::vector<const float*> h_rows;
+  std::vector<const uint8_t*> hq_rows;
 };
 
 thread_local Scratch t_scratch;
+// Per-task dot products [m][16] and the weight-only path's decoded block;
+// grown once per pool thread.
+thread_local std::vector<float> t_gate_out, t_up_out, t_block;
+
+std::atomic<QuantActivations> g_quant_activations{QuantActivations::kAuto};
+
+// How one projection is computed in this call.
+struct ProjectionPlan {
+  const kernels::ProjectionView* view;
+  const kernels::ProjectionKernels* kernels;
+  int fp32_min;  // experts with at least this many rows take dot_fp32
+  bool q8;       // some expert may take the q8 kernel: q8 records are needed
+
+  void dot(int64_t e, int64_t nb, const float* const* x, const uint8_t* const* xq, int m,
+           float* out) const {
+    std::vector<float>& block = t_block;
+    grow(block, static_cast<size_t>(kRows) * view->kp);
+    const kernels::DotArgs args{view, e, nb, nb + 1, x, xq, m, out, kRows, block.data()};
+    if (m >= fp32_min) {
+      kernels->dot_fp32(args);
+    } else {
+      kernels->dot(args);
+    }
+  }
+};
+
+ProjectionPlan plan_projection(const Projection& p, kernels::Isa isa, QuantActivations mode) {
+  const kernels::ProjectionKernels& k = kernels::projection_kernels(p.format->layout, isa);
+  int fp32_min = formats::kNoFp32Path;
+  if (k.dot_fp32 != nullptr) {
+    if (mode == QuantActivations::kFp32) fp32_min = 1;
+    if (mode == QuantActivations::kAuto) fp32_min = p.format->fp32_min_tokens;
+  }
+  const bool q8 = p.format->activation == formats::ActType::kQ8 && fp32_min > 1;
+  return {&p.view, &k, fp32_min, q8};
+}
+
+void quantize_rows(const float* src, int64_t stride, int64_t rows, int64_t kp, uint8_t* dst) {
+  const int64_t rec = formats::q8_record_bytes(kp);
+  runtime::ThreadPool::global().run(formats::ceil_div(rows, 16), [&](int64_t task, int) {
+    const int64_t end = std::min(rows, (task + 1) * 16);
+    for (int64_t r = task * 16; r < end; ++r)
+      formats::quantize_row_q8(src + r * stride, kp, dst + r * rec);
+  });
+}
 
 }  // namespace
 
-at::Tensor moe_forward_bf16(const at::Tensor& hidden_states, const at::Tensor& topk_ids,
-                            const at::Tensor& topk_weights, const at::Tensor& gate_weight,
-                            const at::Tensor& up_weight, const at::Tensor& down_weight,
-                            int64_t intermediate_size, const kernels::Bf16Kernels& kernels) {
+void set_quant_activations(QuantActivations mode) { g_quant_activations.store(mode); }
+QuantActivations quant_activations() { return g_quant_activations.load(); }
+
+void moe_forward_experts(const at::Tensor& hidden_states, const at::Tensor& topk_ids,
+                         const at::Tensor& topk_weights, const MoeLayer& layer,
+                         kernels::Isa isa, at::Tensor& out) {
   const int64_t T = hidden_states.size(0);
-  const int64_t H = hidden_states.size(1);
+  const int64_t H = layer.hidden_size;
+  const int64_t I = layer.intermediate_size;
   const int64_t K = topk_ids.size(1);
-  const int64_t E = gate_weight.size(0);
-  const int64_t I = intermediate_size;
-  at::Tensor out = at::empty({T, H}, hidden_states.options());
-  if (T == 0 || H == 0) return out;
-
-  const int64_t Hp = 2 * bf16_k_pairs(H);
-  const int64_t Ip = 2 * bf16_k_pairs(I);
-  const int64_t blocks_I = bf16_row_blocks(I);
-  const int64_t blocks_H = bf16_row_blocks(H);
-  const int64_t gate_up_block = bf16_block_elems(H);  // elements per block of Wg / Wu
-  const int64_t down_block = bf16_block_elems(I);     // elements per block of Wd
-
   Scratch& s = t_scratch;
-  build_routing_plan(topk_ids, topk_weights, E, s.plan);
+  build_routing_plan(layer.op, topk_ids, topk_weights, layer.num_experts, s.plan);
+  if (T == 0) return;
   const RoutingPlan& plan = s.plan;
   const int64_t R = plan.num_rows();
 
-  // Phase 1: activations to fp32.
-  grow(s.x, T * Hp);
-  float* x = s.x.data();
-  convert_activations(hidden_states, Hp, x);
+  const QuantActivations mode = quant_activations();
+  const ProjectionPlan gate = plan_projection(layer.gate, isa, mode);
+  const ProjectionPlan up = plan_projection(layer.up, isa, mode);
+  const ProjectionPlan down = plan_projection(layer.down, isa, mode);
+  const kernels::SiluMulRows silu_mul = kernels::silu_mul_rows(isa);
+  const int64_t Hp = formats::qint_k_padded(H);
+  const int64_t Ip = formats::qint_k_padded(I);
+  const bool x_q8 = gate.q8 || up.q8;
 
+  // Phase 1: activations to fp32, then to q8 records for the integer formats.
+  grow(s.x, T * Hp);
+  convert_activations(hidden_states, Hp, s.x.data());
+  const int64_t x_rec = formats::q8_record_bytes(Hp);
+  const int64_t h_rec = formats::q8_record_bytes(Ip);
+  if (x_q8) {
+    grow(s.xq, T * x_rec);
+    quantize_rows(s.x.data(), Hp, T, Hp, s.xq.data());
+  }
   grow(s.h, R * Ip);
   grow(s.y, T * K * H);
   grow(s.x_rows, R);
+  grow(s.xq_rows, R);
   grow(s.h_rows, R);
-  grow(s.y_rows, R);
+  grow(s.hq_rows, R);
+  if (down.q8) grow(s.hq, R * h_rec);
   for (int64_t r = 0; r < R; ++r) {
-    s.x_rows[r] = x + plan.row_token[r] * Hp;
+    const int64_t t = plan.row_token[r];
+    s.x_rows[r] = s.x.data() + t * Hp;
+    s.xq_rows[r] = x_q8 ? s.xq.data() + t * x_rec : nullptr;
     s.h_rows[r] = s.h.data() + r * Ip;
-    s.y_rows[r] = s.y.data() + plan.row_slot[r] * H;
-    if (Ip != I) s.h_rows[r][I] = 0.0f;  // the pad column of the last k pair
+    s.hq_rows[r] = down.q8 ? s.hq.data() + r * h_rec : nullptr;
+    std::fill(s.h.data() + r * Ip + I, s.h.data() + (r + 1) * Ip, 0.0f);  // K padding of down
   }
 
-  const auto* wg = reinterpret_cast<const uint16_t*>(gate_weight.data_ptr());
-  const auto* wu = reinterpret_cast<const uint16_t*>(up_weight.data_ptr());
-  const auto* wd = reinterpret_cast<const uint16_t*>(down_weight.data_ptr());
-
   // Phase 2: gate/up + SwiGLU, one item per (active expert, 16-row block of I).
-  for_each_expert_block(plan, blocks_I, [&](int64_t e, int64_t nb, int64_t r0, int m) {
-    const int64_t block = e * blocks_I + nb;
-    kernels::GateUpArgs args{
-        s.x_rows.data() + r0,
-        m,
-        wg + block * gate_up_block,
-        wu + block * gate_up_block,
-        static_cast<int>(bf16_k_pairs(H)),
-        s.h_rows.data() + r0,
-        nb * kBf16BlockRows,
-        static_cast<int>(std::min<int64_t>(kBf16BlockRows, I - nb * kBf16BlockRows))};
-    kernels.gate_up_silu(args);
+  for_each_expert_block(plan, layer.gate.view.row_blocks, [&](int64_t e, int64_t nb, int64_t r0,
+                                                              int m) {
+    const int n_valid = static_cast<int>(std::min<int64_t>(kRows, I - nb * kRows));
+    grow(t_gate_out, static_cast<size_t>(m) * kRows);
+    grow(t_up_out, static_cast<size_t>(m) * kRows);
+    gate.dot(e, nb, s.x_rows.data() + r0, s.xq_rows.data() + r0, m, t_gate_out.data());
+    up.dot(e, nb, s.x_rows.data() + r0, s.xq_rows.data() + r0, m, t_up_out.data());
+    silu_mul(t_gate_out.data(), t_up_out.data(), m);
+    for (int i = 0; i < m; ++i) {
+      const float* g = t_gate_out.data() + i * kRows;
+      std::copy(g, g + n_valid, s.h.data() + (r0 + i) * Ip + nb * kRows);
+    }
   });
+
+  // Phase 2b: the SwiGLU outputs to q8 records.
+  if (down.q8) quantize_rows(s.h.data(), Ip, R, Ip, s.hq.data());
 
   // Phase 3: down projection scaled by the routing weight, per (expert, 16-row block of H).
-  for_each_expert_block(plan, blocks_H, [&](int64_t e, int64_t nb, int64_t r0, int m) {
-    const int64_t block = e * blocks_H + nb;
-    kernels::DownArgs args{
-        s.h_rows.data() + r0,
-        m,
-        wd + block * down_block,
-        static_cast<int>(bf16_k_pairs(I)),
-        s.y_rows.data() + r0,
-        nb * kBf16BlockRows,
-        plan.row_weight.data() + r0,
-        static_cast<int>(std::min<int64_t>(kBf16BlockRows, H - nb * kBf16BlockRows))};
-    kernels.down_scaled(args);
+  float* y = s.y.data();
+  for_each_expert_block(plan, layer.down.view.row_blocks, [&](int64_t e, int64_t nb, int64_t r0,
+                                                              int m) {
+    const int n_valid = static_cast<int>(std::min<int64_t>(kRows, H - nb * kRows));
+    grow(t_gate_out, static_cast<size_t>(m) * kRows);
+    down.dot(e, nb, s.h_rows.data() + r0, s.hq_rows.data() + r0, m, t_gate_out.data());
+    for (int i = 0; i < m; ++i) {
+      float* dst = y + plan.row_slot[r0 + i] * H + nb * kRows;
+      const float w = plan.row_weight[r0 + i];
+      const float* d = t_gate_out.data() + i * kRows;
+      for (int r = 0; r < n_valid; ++r) dst[r] = w * d[r];
+    }
   });
 
-  // Phase 4: sum the top-k slots of each token in k order, cast to the activation dtype.
-  combine_slots(s.y.data(), plan, out);
-  return out;
+  // Phase 4: sum the top-k slots of each token in k order, cast to the output dtype.
+  combine_slots(y, plan, out);
 }
 
 }  // namespace kt::moe

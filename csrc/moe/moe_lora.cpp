@@ -189,8 +189,9 @@ const at::Tensor& ensure(at::Tensor& t, int64_t numel) {
 }  // namespace
 
 LoraForwardResult moe_forward_lora(const at::Tensor& x, const at::Tensor& topk_ids,
-                                   const at::Tensor& topk_weights, const ExpertWeights& w,
-                                   const LoraParams& lora, bool save_pre) {
+                                   const at::Tensor& topk_weights, const MoeLayer& w,
+                                   bool save_pre) {
+  const LoraParams& lora = w.lora;
   const int64_t T = x.size(0), H = x.size(1), K = topk_ids.size(1);
   const int64_t E = w.gate.num_experts(), I = w.gate.n;
   LoraForwardResult res;
@@ -202,7 +203,7 @@ LoraForwardResult moe_forward_lora(const at::Tensor& x, const at::Tensor& topk_i
   if (T == 0 || H == 0) return res;
 
   RoutingPlan plan;
-  build_routing_plan(topk_ids, topk_weights, E, plan);
+  build_routing_plan(w.op, topk_ids, topk_weights, E, plan);
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   const float* xp = xf.data_ptr<float>();
   const LoraF32 lg = lora_f32(lora.gate), lu = lora_f32(lora.up), ld = lora_f32(lora.down);
@@ -255,9 +256,9 @@ LoraForwardResult moe_forward_lora(const at::Tensor& x, const at::Tensor& topk_i
 
 MoeGrads moe_backward_lora(const at::Tensor& grad_output, const at::Tensor& x,
                            const at::Tensor& topk_ids, const at::Tensor& topk_weights,
-                           const ExpertWeights& w, const LoraParams& lora,
-                           const at::Tensor& gate_pre, const at::Tensor& up_pre,
-                           bool compute_grad_x) {
+                           const MoeLayer& w, const at::Tensor& gate_pre,
+                           const at::Tensor& up_pre, bool compute_grad_x) {
+  const LoraParams& lora = w.lora;
   const int64_t T = x.size(0), H = x.size(1), K = topk_ids.size(1);
   const int64_t E = w.gate.num_experts(), I = w.gate.n;
   const LoraF32 lg = lora_f32(lora.gate), lu = lora_f32(lora.up), ld = lora_f32(lora.down);
@@ -281,7 +282,7 @@ MoeGrads moe_backward_lora(const at::Tensor& grad_output, const at::Tensor& x,
 
   if (T > 0 && H > 0) {
     RoutingPlan plan;
-    build_routing_plan(topk_ids, topk_weights, E, plan);
+    build_routing_plan(w.op, topk_ids, topk_weights, E, plan);
     const at::Tensor xf = x.to(at::kFloat).contiguous();
     const at::Tensor gof = grad_output.to(at::kFloat).contiguous();
     const float* xp = xf.data_ptr<float>();

@@ -24,30 +24,9 @@
 #include <ATen/core/Tensor.h>
 
 #include "moe/expert_weights.h"
+#include "moe/moe_layer.h"
 
 namespace kt::moe {
-
-// LoRA factors of one projection for every expert; both undefined when the
-// projection has no LoRA. Validated by the op layer (csrc/ops/moe_op_args.cpp):
-// A [E, r, K], B [E, N, r], contiguous, one float dtype for all six.
-struct LoraProjection {
-  at::Tensor a;
-  at::Tensor b;
-  bool present() const { return a.defined(); }
-};
-
-struct LoraParams {
-  LoraProjection gate, up, down;
-  double scaling = 1.0;
-  bool any() const { return gate.present() || up.present() || down.present(); }
-};
-
-// The three projections of one MoE layer.
-struct ExpertWeights {
-  ProjectionWeights gate;  // dense [E, I, H]
-  ProjectionWeights up;    // dense [E, I, H]
-  ProjectionWeights down;  // dense [E, H, I]
-};
 
 // out [T, H] in the dtype of x. When save_pre is true, also returns the gate
 // and up pre-activations (with their LoRA terms), fp32 [T*K, I], row t*K + k
@@ -60,8 +39,8 @@ struct LoraForwardResult {
   at::Tensor up_pre;
 };
 LoraForwardResult moe_forward_lora(const at::Tensor& x, const at::Tensor& topk_ids,
-                                   const at::Tensor& topk_weights, const ExpertWeights& w,
-                                   const LoraParams& lora, bool save_pre);
+                                   const at::Tensor& topk_weights, const MoeLayer& layer,
+                                   bool save_pre);
 
 // Gradients of moe_forward(_lora) with respect to x, topk_weights and the
 // LoRA factors present in `lora` (the base weights are frozen). gate_pre /
@@ -74,8 +53,7 @@ struct MoeGrads {
 };
 MoeGrads moe_backward_lora(const at::Tensor& grad_output, const at::Tensor& x,
                            const at::Tensor& topk_ids, const at::Tensor& topk_weights,
-                           const ExpertWeights& w, const LoraParams& lora,
-                           const at::Tensor& gate_pre, const at::Tensor& up_pre,
+                           const MoeLayer& layer, const at::Tensor& gate_pre, const at::Tensor& up_pre,
                            bool compute_grad_x);
 
 }  // namespace kt::moe

@@ -19,14 +19,16 @@ struct RoutingPlan {
   std::vector<float> row_weight;        // routing weight of each row, fp32
   std::vector<uint8_t> slot_valid;      // [T * K]: 1 where the id is not -1
   std::vector<int64_t> active_experts;  // experts with at least one row, ascending
+  std::vector<int64_t> ids;             // [T * K] the ids as read (once) and range-checked
   std::vector<int64_t> cursor;          // scratch of build_routing_plan, kept to reuse its memory
 
   int64_t num_rows() const { return static_cast<int64_t>(row_token.size()); }
 };
 
-// ids [T, K] int32/int64 (values in [-1, num_experts), checked by the caller),
-// weights [T, K] fp32/bf16/fp16.
-void build_routing_plan(const at::Tensor& topk_ids, const at::Tensor& topk_weights,
-                        int64_t num_experts, RoutingPlan& plan);
+// ids [T, K] int32/int64, weights [T, K] fp32/bf16/fp16 (shapes and dtypes
+// checked by the op layer). Reads each id once and raises c10::Error, naming
+// `op`, when one lies outside [-1, num_experts).
+void build_routing_plan(const char* op, const at::Tensor& topk_ids,
+                        const at::Tensor& topk_weights, int64_t num_experts, RoutingPlan& plan);
 
 }  // namespace kt::moe

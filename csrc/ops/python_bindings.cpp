@@ -6,7 +6,7 @@
 
 #include <stdexcept>
 
-#include "formats/format_registry.h"
+#include "formats/format_table.h"
 #include "kernels/dispatch.h"
 #include "moe/moe_forward.h"
 #include "runtime/cpu_features.h"
@@ -54,6 +54,65 @@ py::dict cpu_features_report() {
   return d;
 }
 
+const char* scale_dtype_name(kt::formats::ScaleType t) {
+  switch (t) {
+    case kt::formats::ScaleType::kF32:
+      return "float32";
+    case kt::formats::ScaleType::kF16:
+      return "float16";
+    case kt::formats::ScaleType::kBF16:
+      return "bfloat16";
+    case kt::formats::ScaleType::kE8M0:
+      return "uint8";
+    case kt::formats::ScaleType::kNone:
+      break;
+  }
+  return nullptr;
+}
+
+// The format table (formats/format_table.h), one dict per row, in table order:
+// what kt_ops/formats/spec.py builds its FormatSpec objects from.
+py::list formats_report() {
+  using kt::formats::Layout;
+  py::list out;
+  for (const kt::formats::FormatRow& f : kt::formats::format_table()) {
+    py::dict d;
+    d["name"] = f.name;
+    d["layout"] = f.layout == Layout::kBf16 ? "bf16" : f.layout == Layout::kFp8 ? "fp8" : "qint";
+    d["bits"] = f.bits();
+    d["signed"] = f.layout == Layout::kQint && f.qint.is_signed;
+    d["lut"] = f.layout == Layout::kQint && f.qint.lut_e2m1;
+    const char* sd = scale_dtype_name(f.packed_scale_type);
+    d["scale_dtype"] = sd ? py::object(py::str(sd)) : py::object(py::none());
+    d["has_zeros"] = f.zeros != kt::formats::ZeroPolicy::kNever;
+    d["zeros_optional"] = f.zeros == kt::formats::ZeroPolicy::kOptional;
+    d["group_sizes"] = f.group_sizes;
+    d["default_group_size"] = f.default_group_size;
+    d["activation"] = f.activation == kt::formats::ActType::kQ8 ? "q8" : "fp32";
+    d["fp32_min_tokens"] = f.fp32_min_tokens == kt::formats::kNoFp32Path
+                               ? py::object(py::none())
+                               : py::object(py::int_(f.fp32_min_tokens));
+    d["bits_per_weight"] = f.bits_per_weight;
+    d["source"] = f.source;
+    out.append(d);
+  }
+  return out;
+}
+
+// {format: [kernel of its own path, kernel of the weight-only fp32 path or None]}
+// on tier `isa`: the kernels that actually run, after the fallback chain.
+py::dict kernel_names(Isa isa) {
+  py::dict out;
+  for (const kt::formats::FormatRow& f : kt::formats::format_table()) {
+    const auto& k = kt::kernels::projection_kernels(f.layout, isa);
+    py::list names;
+    names.append(k.name);
+    names.append(k.fp32_name ? py::object(py::str(k.fp32_name)) : py::object(py::none()));
+    out[f.name] = names;
+  }
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -96,13 +155,8 @@ PYBIND11_MODULE(_C, m) {
         return std::string("auto");
     }
   });
-  m.def("quant_fp32_min_tokens", [](const std::string& name) {
-    const kt::formats::FormatInfo& f = kt::formats::lookup_format(name);
-    const auto kind = f.kind == kt::formats::FormatKind::kFp8    ? kt::moe::QuantKind::kFp8
-                      : f.kind == kt::formats::FormatKind::kQint ? kt::moe::QuantKind::kQint
-                                                                 : kt::moe::QuantKind::kNone;
-    return kt::moe::fp32_path_min_tokens(kind, f.qint);
-  });
+  m.def("formats", &formats_report);
+  m.def("kernel_names", [](const std::string& isa) { return kernel_names(kt::kernels::parse_isa(isa)); });
   m.def("topology", &topology_report);
   m.def("cpu_features", &cpu_features_report);
 }

@@ -1,64 +1,50 @@
 // The only TORCH_LIBRARY(kt, m) block: every kt:: schema lives here (style
 // rule 1). Implementations register per dispatch key in their own files
-// (moe_ops.cpp for CPU); fake/meta kernels and autograd live in kt_ops/ops.py.
+// (moe_ops.cpp, moe_train_ops.cpp for CPU); fake kernels and autograd live in
+// kt_ops/ops.py.
 #include <torch/library.h>
 
-TORCH_LIBRARY(kt, m) {
-  // Routed experts of one MoE layer; see kt_ops/ops.py::moe_forward for the
-  // argument reference. The schema already has room for every weight format
-  // (per-projection scales and zero points, group size) and for LoRA on the
-  // gate, up and down projections.
-  m.def(
-      "moe_forward(Tensor hidden_states, Tensor topk_ids, Tensor topk_weights, "
-      "Tensor gate_weight, Tensor up_weight, Tensor down_weight, int intermediate_size, "
-      "str weight_format='bf16', "
-      "Tensor? gate_scales=None, Tensor? up_scales=None, Tensor? down_scales=None, "
-      "Tensor? gate_zeros=None, Tensor? up_zeros=None, Tensor? down_zeros=None, "
-      "int group_size=0, "
-      "Tensor? gate_lora_a=None, Tensor? gate_lora_b=None, "
-      "Tensor? up_lora_a=None, Tensor? up_lora_b=None, "
-      "Tensor? down_lora_a=None, Tensor? down_lora_b=None, "
-      "float lora_scaling=1.0, str activation='silu') -> Tensor");
+#include <string>
 
-  // moe_forward for training: the same arguments and output, plus the gate
-  // and up pre-activations (LoRA terms included), fp32 [T*K, I], row t*K + k
-  // for slot (t, k), zero rows where the id is -1. moe_backward takes them
-  // back instead of recomputing two of its five base GEMMs (kt_ops/ops.py:
-  // activation checkpointing off).
-  m.def(
-      "moe_forward_train(Tensor hidden_states, Tensor topk_ids, Tensor topk_weights, "
-      "Tensor gate_weight, Tensor up_weight, Tensor down_weight, int intermediate_size, "
-      "str weight_format='bf16', "
-      "Tensor? gate_scales=None, Tensor? up_scales=None, Tensor? down_scales=None, "
-      "Tensor? gate_zeros=None, Tensor? up_zeros=None, Tensor? down_zeros=None, "
-      "int group_size=0, "
-      "Tensor? gate_lora_a=None, Tensor? gate_lora_b=None, "
-      "Tensor? up_lora_a=None, Tensor? up_lora_b=None, "
-      "Tensor? down_lora_a=None, Tensor? down_lora_b=None, "
-      "float lora_scaling=1.0, str activation='silu') "
-      "-> (Tensor out, Tensor gate_pre, Tensor up_pre)");
+namespace {
+
+// The layer arguments every op takes, written once (csrc/moe/moe_layer.h
+// documents each; kt_ops/layer.py builds them from PackedProjections):
+//   weights: gate, up, down x (weight, scales, zeros), None where absent;
+//   lora: [] or 6 tensors (gate A, B, up A, B, down A, B), [0]-shaped where a
+//   projection has none (autograd needs every entry of a list to be a tensor).
+const std::string kLayer =
+    "Tensor?[] weights, str weight_format, int[] sizes, int[] group_sizes, Tensor[] lora, "
+    "float lora_scaling=1.0, str activation='silu'";
+const std::string kRouted = "Tensor hidden_states, Tensor topk_ids, Tensor topk_weights, ";
+
+c10::FunctionSchema schema(const std::string& text) {
+  return torch::schema(text.c_str(), c10::AliasAnalysisKind::FROM_SCHEMA);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kt, m) {
+  // Routed experts of one MoE layer: [T, H] in the dtype of hidden_states.
+  // See kt_ops/ops.py::moe_forward for the argument reference.
+  m.def(schema("moe_forward(" + kRouted + kLayer + ") -> Tensor"));
+  // The same, into a caller-owned contiguous [T, H] tensor of the dtype of
+  // hidden_states (static buffers: CUDA graphs, serving engines).
+  m.def(schema("moe_forward.out(" + kRouted + kLayer + ", *, Tensor(a!) out) -> Tensor(a!)"));
+
+  // moe_forward for training: the same output plus the gate and up
+  // pre-activations (LoRA terms included), fp32 [T*K, I], row t*K + k for
+  // slot (t, k), zero rows where the id is -1. moe_backward takes them back
+  // instead of recomputing two of its five base GEMMs.
+  m.def(schema("moe_forward_train(" + kRouted + kLayer +
+               ") -> (Tensor out, Tensor gate_pre, Tensor up_pre)"));
 
   // Gradients of moe_forward with respect to hidden_states, topk_weights and
-  // the LoRA factors (base weights are frozen). Takes moe_forward's arguments
-  // after grad_output, and optionally the pre-activations of
-  // moe_forward_train (None: recomputed). Always returns eight plain tensors
-  // (opcheck- and compile-friendly): an absent LoRA factor's gradient, and
-  // grad_hidden_states when compute_grad_hidden_states=False, are empty [0]
-  // tensors in the dtype of hidden_states.
-  m.def(
-      "moe_backward(Tensor grad_output, Tensor hidden_states, Tensor topk_ids, "
-      "Tensor topk_weights, Tensor gate_weight, Tensor up_weight, Tensor down_weight, "
-      "int intermediate_size, str weight_format='bf16', "
-      "Tensor? gate_scales=None, Tensor? up_scales=None, Tensor? down_scales=None, "
-      "Tensor? gate_zeros=None, Tensor? up_zeros=None, Tensor? down_zeros=None, "
-      "int group_size=0, "
-      "Tensor? gate_lora_a=None, Tensor? gate_lora_b=None, "
-      "Tensor? up_lora_a=None, Tensor? up_lora_b=None, "
-      "Tensor? down_lora_a=None, Tensor? down_lora_b=None, "
-      "float lora_scaling=1.0, str activation='silu', "
-      "Tensor? gate_pre=None, Tensor? up_pre=None, bool compute_grad_hidden_states=True) "
-      "-> (Tensor grad_hidden_states, Tensor grad_topk_weights, "
-      "Tensor grad_gate_lora_a, Tensor grad_gate_lora_b, "
-      "Tensor grad_up_lora_a, Tensor grad_up_lora_b, "
-      "Tensor grad_down_lora_a, Tensor grad_down_lora_b)");
+  // the LoRA factors (base weights are frozen). grad_lora has one entry per
+  // entry of `lora` (an empty [0] tensor where the factor is absent), and
+  // grad_hidden_states is empty [0] when compute_grad_hidden_states=False.
+  m.def(schema("moe_backward(Tensor grad_output, " + kRouted + kLayer +
+               ", Tensor? gate_pre=None, Tensor? up_pre=None, "
+               "bool compute_grad_hidden_states=True) "
+               "-> (Tensor grad_hidden_states, Tensor grad_topk_weights, Tensor[] grad_lora)"));
 }

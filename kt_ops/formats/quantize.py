@@ -7,6 +7,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from kt_ops.formats.bf16 import pack_weights
 from kt_ops.formats.fp8 import quantize_fp8
 from kt_ops.formats.gguf_blocks import from_gguf, quantize_gguf_raw
 from kt_ops.formats.mxfp4 import quantize_mxfp4
@@ -80,7 +81,7 @@ def quantize_weights(
     output rows, ``K`` inputs (``nn.Linear`` convention). Per format
     (docs/formats.md):
 
-    * ``bf16``: ``kt_ops.ops.pack_weights(weight, 'bf16')`` (round to nearest even).
+    * ``bf16``: ``kt_ops.pack_weights(weight, 'bf16')`` (round to nearest even).
     * ``int8``: symmetric per output channel, ``scale = amax / 127`` (fp32),
       ``q = round_half_even(w / scale)``.
     * ``int4``: groups of ``group_size`` (32, 64, 128; default 128) along K,
@@ -145,9 +146,7 @@ def quantize_weights(
     if not bool(torch.isfinite(w).all()):
         raise ValueError("quantize_weights: weight holds NaN or infinite values")
     if spec.name == "bf16":
-        from kt_ops.ops import pack_weights
-
-        return PackedProjection(pack_weights(w, "bf16"), None, None, "bf16", 0, N, K).validate()
+        return PackedProjection(pack_weights(w), None, None, "bf16", 0, N, K).validate()
     if spec.name == "int8":
         return _quantize_int8(w)
     if spec.name == "int4":

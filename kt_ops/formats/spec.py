@@ -1,9 +1,12 @@
-"""Registry of the weight formats and their packed shapes (docs/formats.md).
+"""The weight formats and their packed shapes (docs/formats.md).
 
 One name per format, shared by the op (``weight_format=``), the packers, the
-loaders and the converter. :func:`format_spec` returns the static facts of a
-format; the shape helpers here are the single Python statement of the packed
-tensor shapes that :meth:`PackedProjection.validate` checks.
+loaders and the converter. The facts of each format come from the one format
+table of the extension (``csrc/formats/format_table.cpp``, read through
+``kt_ops._C.formats()``): there is no second registry to keep in sync.
+:func:`format_spec` returns them; the shape helpers here are the single Python
+statement of the packed tensor shapes that :meth:`PackedProjection.validate`
+checks.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
+from kt_ops import _C
 
 __all__ = [
     "BLOCK_ROWS",
@@ -27,9 +32,6 @@ __all__ = [
 BLOCK_ROWS = 16
 #: K is padded with zero weights to a multiple of this (``Kp = ceil(K/32)*32``).
 K_ALIGN = 32
-
-#: Every weight format, in the order of docs/formats.md.
-FORMATS = ("bf16", "int8", "int4", "fp8", "mxfp4", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k")
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -64,7 +66,11 @@ class FormatSpec:
             fp8: 128 = 128x128 blocks).
         default_group_size: the one used when none is given.
         activation: ``'q8'`` (int8 activations in blocks of 32, see
-            ``quantize_activations_q8``) or ``'fp32'``.
+            ``quantize_activations_q8``) or ``'fp32'``: what the format's own
+            kernel multiplies.
+        fp32_min_tokens: the compute-path policy of ``'auto'``
+            (:func:`kt_ops.set_quant_activations`): experts with at least this
+            many tokens take the weight-only fp32 path; ``None``: never.
         bits_per_weight: storage per weight at the default group size, scales
             and zeros included (int4: symmetric, group 128), ignoring padding.
         source: where the element format comes from.
@@ -81,6 +87,7 @@ class FormatSpec:
     group_sizes: tuple[int, ...]
     default_group_size: int
     activation: str
+    fp32_min_tokens: Optional[int]
     bits_per_weight: float
     source: str
 
@@ -135,56 +142,30 @@ class FormatSpec:
         return self.bits + n_params * scale_bits / group_size
 
 
-_OCP = "OCP Microscaling Formats (MX) v1.0: E2M1 elements, UE8M0 scales, 32 per block"
-_GGML = "llama.cpp / ggml block structs (ggml-common.h), repacked losslessly"
-
-_SPECS = {
-    s.name: s
-    for s in (
-        FormatSpec(
-            "bf16", "bf16", 16, False, False, None, False, False, (0,), 0, "fp32", 16.0,
-            "bfloat16 weights (round to nearest even)",
-        ),
-        FormatSpec(
-            "int8", "qint", 8, True, False, torch.float32, False, False, (0,), 0, "q8", 8.0,
-            "symmetric per-channel int8 (scale = amax/127)",
-        ),
-        FormatSpec(
-            "int4", "qint", 4, False, False, torch.float16, True, True, (32, 64, 128), 128,
-            "q8", 4.125, "group-wise int4, symmetric or asymmetric (GPTQ/AWQ-style zero point)",
-        ),
-        FormatSpec(
-            "fp8", "fp8", 8, False, False, torch.float32, False, False, (128,), 128, "fp32",
-            8.0, "E4M3 (Micikevicius et al. 2022) with DeepSeek-V3 128x128 weight_scale_inv",
-        ),
-        FormatSpec(
-            "mxfp4", "qint", 4, False, True, torch.uint8, False, False, (32,), 32, "q8",
-            4.25, _OCP,
-        ),
-        FormatSpec(
-            "q8_0", "qint", 8, True, False, torch.float16, False, False, (32,), 32, "q8",
-            8.5, _GGML,
-        ),
-        FormatSpec(
-            "q4_0", "qint", 4, False, False, torch.float16, False, False, (32,), 32, "q8",
-            4.5, _GGML,
-        ),
-        FormatSpec(
-            "q4_k", "qint", 4, False, False, torch.float32, True, False, (32,), 32, "q8",
-            6.0, _GGML,
-        ),
-        FormatSpec(
-            "q5_k", "qint", 5, False, False, torch.float32, True, False, (32,), 32, "q8",
-            7.0, _GGML,
-        ),
-        FormatSpec(
-            "q6_k", "qint", 6, False, False, torch.float32, False, False, (16,), 16, "q8",
-            8.0, _GGML,
-        ),
+def _spec_from_row(row: dict) -> FormatSpec:
+    sd = row["scale_dtype"]
+    return FormatSpec(
+        name=row["name"],
+        layout=row["layout"],
+        bits=row["bits"],
+        signed=row["signed"],
+        lut=row["lut"],
+        scale_dtype=getattr(torch, sd) if sd else None,
+        has_zeros=row["has_zeros"],
+        zeros_optional=row["zeros_optional"],
+        group_sizes=tuple(row["group_sizes"]),
+        default_group_size=row["default_group_size"],
+        activation=row["activation"],
+        fp32_min_tokens=row["fp32_min_tokens"],
+        bits_per_weight=row["bits_per_weight"],
+        source=row["source"],
     )
-}  # fmt: skip
 
-assert tuple(_SPECS) == FORMATS
+
+_SPECS = {row["name"]: _spec_from_row(row) for row in _C.formats()}
+
+#: Every weight format, in the order of docs/formats.md (the extension's format table).
+FORMATS = tuple(_SPECS)
 
 
 def format_spec(name: str) -> FormatSpec:

@@ -1,13 +1,18 @@
-// bf16 expert kernels, AVX2 + FMA tier: the bf16_tiles.h templates with
-// 8-lane vectors (two ymm per 16-row block). See bf16_tiles.h for the plan.
+// bf16 kernels and the SwiGLU epilogue, AVX2 tier: the bf16_tiles.h and
+// swiglu.h templates with this tier's vector traits (avx2/vec.h). See
+// bf16_tiles.h for the register plan.
 #include "kernels/avx2/vec.h"
 #include "kernels/bf16_tiles.h"
+#include "kernels/swiglu.h"
+#include "kernels/tiers.h"
 
 namespace kt::kernels::avx2 {
 
-const Bf16Kernels& bf16_kernels() {
-  static const Bf16Kernels k{"avx2", &gate_up_silu<Vec>, &down_scaled<Vec>};
+const ProjectionKernels& bf16_kernels() {
+  static const ProjectionKernels k{"avx2/bf16", &bf16_dot<Vec>, nullptr, nullptr};
   return k;
 }
+
+void silu_mul_rows(float* g, const float* u, int m) { kernels::silu_mul_rows<Vec>(g, u, m); }
 
 }  // namespace kt::kernels::avx2

@@ -27,6 +27,8 @@
 #include "formats/q8_activations.h"
 #include "formats/qint.h"
 #include "kernels/avx2/vec.h"
+#include "kernels/block_args.h"
+#include "kernels/tiers.h"
 #include "kernels/kernel_api.h"
 #include "kernels/swiglu.h"
 
@@ -186,7 +188,7 @@ struct Q8Rows {
 
 // out rows [8*half, 8*half + 8) for M tokens starting at x_rows[0].
 template <int Bits, bool Lut, int Unit, ZeroMode Z, int M>
-KT_INLINE void qint_half_tile(const QintDotArgs& a, const uint8_t* const* x_rows, float* out,
+KT_INLINE void qint_half_tile(const QintBlock& a, const uint8_t* const* x_rows, float* out,
                               int half) {
   constexpr int NV = Unit / 4;
   const QintFormat& f = *a.format;
@@ -221,7 +223,7 @@ KT_INLINE void qint_half_tile(const QintDotArgs& a, const uint8_t* const* x_rows
       }
     }
   }
-  for (int i = 0; i < M; ++i) _mm256_storeu_ps(out + i * 16 + half * 8, acc[i]);
+  for (int i = 0; i < M; ++i) _mm256_storeu_ps(out + i * a.ldo + half * 8, acc[i]);
 }
 
 // Folds one unit's int32 dot products of rows [8*half, 8*half + 8) into
@@ -243,7 +245,7 @@ KT_INLINE __m256 fold_unit(__m256 acc, __m256i isum, __m256 s, __m256 z, __m256 
 // registers for the second half's accumulators; larger tiles use
 // qint_half_tile, which decodes each code once for up to 4 tokens.
 template <int Bits, bool Lut, int Unit, ZeroMode Z, int M>
-KT_INLINE void qint_block_tile(const QintDotArgs& a, const uint8_t* const* x_rows, float* out) {
+KT_INLINE void qint_block_tile(const QintBlock& a, const uint8_t* const* x_rows, float* out) {
   constexpr int NV = Unit / 4;  // k-quads per unit
   // Quads summed in int16 before widening (see the file comment).
   constexpr int kDepth =
@@ -339,32 +341,31 @@ KT_INLINE void qint_block_tile(const QintDotArgs& a, const uint8_t* const* x_row
     }
   }
   for (int i = 0; i < M; ++i) {
-    _mm256_storeu_ps(out + i * 16, acc[i][0]);
-    _mm256_storeu_ps(out + i * 16 + 8, acc[i][1]);
+    _mm256_storeu_ps(out + i * a.ldo, acc[i][0]);
+    _mm256_storeu_ps(out + i * a.ldo + 8, acc[i][1]);
   }
 }
 
 template <int Bits, bool Lut, int Unit, ZeroMode Z>
-void qint_dot_impl(const QintDotArgs& a) {
+void qint_dot_impl(const QintBlock& a) {
   if (a.m <= 2) {  // decode: one sequential pass over the block
     if (a.m == 2) return qint_block_tile<Bits, Lut, Unit, Z, 2>(a, a.x_rows, a.out);
     if (a.m == 1) return qint_block_tile<Bits, Lut, Unit, Z, 1>(a, a.x_rows, a.out);
     return;
   }
   for (int half = 0; half < 2; ++half) {
-    if (half * 8 >= a.n_valid) break;
     int i = 0;
     for (; i + kMaxTokens <= a.m; i += kMaxTokens)
-      qint_half_tile<Bits, Lut, Unit, Z, kMaxTokens>(a, a.x_rows + i, a.out + i * 16, half);
+      qint_half_tile<Bits, Lut, Unit, Z, kMaxTokens>(a, a.x_rows + i, a.out + i * a.ldo, half);
     switch (a.m - i) {
       case 3:
-        qint_half_tile<Bits, Lut, Unit, Z, 3>(a, a.x_rows + i, a.out + i * 16, half);
+        qint_half_tile<Bits, Lut, Unit, Z, 3>(a, a.x_rows + i, a.out + i * a.ldo, half);
         break;
       case 2:
-        qint_half_tile<Bits, Lut, Unit, Z, 2>(a, a.x_rows + i, a.out + i * 16, half);
+        qint_half_tile<Bits, Lut, Unit, Z, 2>(a, a.x_rows + i, a.out + i * a.ldo, half);
         break;
       case 1:
-        qint_half_tile<Bits, Lut, Unit, Z, 1>(a, a.x_rows + i, a.out + i * 16, half);
+        qint_half_tile<Bits, Lut, Unit, Z, 1>(a, a.x_rows + i, a.out + i * a.ldo, half);
         break;
       default:
         break;
@@ -372,7 +373,7 @@ void qint_dot_impl(const QintDotArgs& a) {
   }
 }
 
-void qint_dot(const QintDotArgs& a) {
+void qint_dot(const QintBlock& a) {
   const QintFormat& f = *a.format;
   const bool explicit_zero = a.zeros != nullptr;
   const int unit = static_cast<int>(formats::qint_fold_unit(f.group_size));
@@ -389,7 +390,7 @@ void qint_dot(const QintDotArgs& a) {
     return qint_dot_impl<5, false, 32, ZeroMode::kImplicit>(a);
   }
   if (f.bits == 6 && unit == 16) return qint_dot_impl<6, false, 16, ZeroMode::kImplicit>(a);
-  ref::quant_kernels().qint_dot(a);
+  ref::qint_block_dot(a);
 }
 
 // ---- fp8 -------------------------------------------------------------------
@@ -417,7 +418,7 @@ KT_INLINE void decode_e4m3_pair(__m256i v, __m256* out) {
 // chains are 4*U deep in parallel: one chain per 2 FMAs would tie M = 1 to
 // the FMA latency (4 cycles per line, ~13 GB/s a core), not to its inputs.
 template <int M, int U>
-KT_INLINE void fp8_tile(const Fp8DotArgs& a, const float* const* x_rows, float* out) {
+KT_INLINE void fp8_tile(const Fp8Block& a, const float* const* x_rows, float* out) {
   constexpr int64_t kBlock = formats::kFp8ScaleBlock;
   static_assert(kBlock % (2 * U) == 0, "the unroll must divide a scale block");
   __m256 acc[M][2];
@@ -460,17 +461,17 @@ KT_INLINE void fp8_tile(const Fp8DotArgs& a, const float* const* x_rows, float* 
     }
   }
   for (int i = 0; i < M; ++i) {
-    _mm256_storeu_ps(out + i * 16, acc[i][0]);
-    _mm256_storeu_ps(out + i * 16 + 8, acc[i][1]);
+    _mm256_storeu_ps(out + i * a.ldo, acc[i][0]);
+    _mm256_storeu_ps(out + i * a.ldo + 8, acc[i][1]);
   }
 }
 
-void fp8_dot(const Fp8DotArgs& a) {
+void fp8_dot(const Fp8Block& a) {
   // Two tokens: 8 partial + 4 total accumulators + 4 decoded weights.
   constexpr int kTile = 2;
   int i = 0;
-  for (; i + kTile <= a.m; i += kTile) fp8_tile<kTile, 1>(a, a.x_rows + i, a.out + i * 16);
-  if (a.m - i == 1) fp8_tile<1, 2>(a, a.x_rows + i, a.out + i * 16);
+  for (; i + kTile <= a.m; i += kTile) fp8_tile<kTile, 1>(a, a.x_rows + i, a.out + i * a.ldo);
+  if (a.m - i == 1) fp8_tile<1, 2>(a, a.x_rows + i, a.out + i * a.ldo);
 }
 
 // ---- weight-only path: decode a block to fp32, then fp32 FMAs -------------
@@ -480,7 +481,7 @@ void fp8_dot(const Fp8DotArgs& a) {
 // dword permute into 8-byte runs of one k, widened to int32, converted and
 // scaled: w = s * q - z.
 template <int Bits, bool Lut, ZeroMode Z>
-void qint_decode_impl(const QintDotArgs& a, float* w) {
+void qint_decode_impl(const QintBlock& a, float* w) {
   const QintFormat& f = *a.format;
   const int64_t kp = a.kp;
   const int64_t gsize = f.group_size == 0 ? kp : f.group_size;
@@ -521,7 +522,7 @@ void qint_decode_impl(const QintDotArgs& a, float* w) {
   }
 }
 
-void qint_decode(const QintDotArgs& a, float* w) {
+void qint_decode(const QintBlock& a, float* w) {
   const QintFormat& f = *a.format;
   const bool explicit_zero = a.zeros != nullptr;
   if (f.bits == 8) return qint_decode_impl<8, false, ZeroMode::kImplicit>(a, w);
@@ -535,10 +536,10 @@ void qint_decode(const QintDotArgs& a, float* w) {
     return qint_decode_impl<5, false, ZeroMode::kImplicit>(a, w);
   }
   if (f.bits == 6) return qint_decode_impl<6, false, ZeroMode::kImplicit>(a, w);
-  ref::quant_kernels().qint_decode(a, w);
+  ref::qint_block_decode(a, w);
 }
 
-void fp8_decode(const Fp8DotArgs& a, float* w) {
+void fp8_decode(const Fp8Block& a, float* w) {
   for (int64_t k = 0; k < a.kp; k += 2) {
     __m256 v[4];
     decode_e4m3_pair(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.block + k * 16)), v);
@@ -549,7 +550,8 @@ void fp8_decode(const Fp8DotArgs& a, float* w) {
 
 // M tokens x 16 rows: 2M accumulator chains, one FMA each per k.
 template <int M>
-KT_INLINE void dense_tile(const float* const* x_rows, const float* w, int64_t kp, float* out) {
+KT_INLINE void dense_tile(const float* const* x_rows, const float* w, int64_t kp, float* out,
+                          int64_t ldo) {
   __m256 acc[M][2];
   for (int i = 0; i < M; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
   for (int64_t k = 0; k < kp; ++k) {
@@ -561,38 +563,56 @@ KT_INLINE void dense_tile(const float* const* x_rows, const float* w, int64_t kp
     }
   }
   for (int i = 0; i < M; ++i) {
-    _mm256_storeu_ps(out + i * 16, acc[i][0]);
-    _mm256_storeu_ps(out + i * 16 + 8, acc[i][1]);
+    _mm256_storeu_ps(out + i * ldo, acc[i][0]);
+    _mm256_storeu_ps(out + i * ldo + 8, acc[i][1]);
   }
 }
 
-void dense_dot(const DenseDotArgs& a) {
+// out[i * ldo + r] = sum_k w[k * 16 + r] * x_i[k] for m fp32 rows.
+void dense_dot(const float* const* x, int m, const float* w, int64_t kp, float* out, int64_t ldo) {
   constexpr int kTile = 6;  // 12 accumulators + 2 weight vectors + 1 broadcast
   int i = 0;
-  for (; i + kTile <= a.m; i += kTile) dense_tile<kTile>(a.x_rows + i, a.w, a.kp, a.out + i * 16);
-  const float* const* x = a.x_rows + i;
-  float* out = a.out + i * 16;
-  switch (a.m - i) {
+  for (; i + kTile <= m; i += kTile) dense_tile<kTile>(x + i, w, kp, out + i * ldo, ldo);
+  x += i;
+  out += i * ldo;
+  switch (m - i) {
     case 5:
-      return dense_tile<5>(x, a.w, a.kp, out);
+      return dense_tile<5>(x, w, kp, out, ldo);
     case 4:
-      return dense_tile<4>(x, a.w, a.kp, out);
+      return dense_tile<4>(x, w, kp, out, ldo);
     case 3:
-      return dense_tile<3>(x, a.w, a.kp, out);
+      return dense_tile<3>(x, w, kp, out, ldo);
     case 2:
-      return dense_tile<2>(x, a.w, a.kp, out);
+      return dense_tile<2>(x, w, kp, out, ldo);
     case 1:
-      return dense_tile<1>(x, a.w, a.kp, out);
+      return dense_tile<1>(x, w, kp, out, ldo);
     default:
       return;
   }
 }
 
+void qint_run(const DotArgs& a) {
+  for (int64_t nb = a.nb_begin; nb < a.nb_end; ++nb) qint_dot(qint_block(a, nb));
+}
+void qint_run_fp32(const DotArgs& a) {
+  weight_only_dot<QintBlock>(a, qint_block, qint_decode, dense_dot);
+}
+void fp8_run(const DotArgs& a) {
+  for (int64_t nb = a.nb_begin; nb < a.nb_end; ++nb) fp8_dot(fp8_block(a, nb));
+}
+void fp8_run_fp32(const DotArgs& a) {
+  weight_only_dot<Fp8Block>(a, fp8_block, fp8_decode, dense_dot);
+}
+
 }  // namespace
 
-const QuantKernels& quant_kernels() {
-  static const QuantKernels k{"avx2",       &qint_dot,   &fp8_dot,  &kernels::silu_mul_rows<Vec>,
-                              &qint_decode, &fp8_decode, &dense_dot};
+const ProjectionKernels& qint_kernels() {
+  static const ProjectionKernels k{"avx2/qint_q8", &qint_run, &qint_run_fp32, "avx2/qint_fp32"};
+  return k;
+}
+
+const ProjectionKernels& fp8_kernels() {
+  static const ProjectionKernels k{"avx2/fp8", &fp8_run, &fp8_run_fp32, "avx2/fp8_fp32"};
   return k;
 }
 

@@ -1,13 +1,18 @@
-// bf16 expert kernels, AVX-512 tier: the bf16_tiles.h templates with 16-lane
-// vectors (one zmm per 16-row block). See bf16_tiles.h for the plan.
+// bf16 kernels and the SwiGLU epilogue, AVX512 tier: the bf16_tiles.h and
+// swiglu.h templates with this tier's vector traits (avx512/vec.h). See
+// bf16_tiles.h for the register plan.
 #include "kernels/avx512/vec.h"
 #include "kernels/bf16_tiles.h"
+#include "kernels/swiglu.h"
+#include "kernels/tiers.h"
 
 namespace kt::kernels::avx512 {
 
-const Bf16Kernels& bf16_kernels() {
-  static const Bf16Kernels k{"avx512", &gate_up_silu<Vec>, &down_scaled<Vec>};
+const ProjectionKernels& bf16_kernels() {
+  static const ProjectionKernels k{"avx512/bf16", &bf16_dot<Vec>, nullptr, nullptr};
   return k;
 }
+
+void silu_mul_rows(float* g, const float* u, int m) { kernels::silu_mul_rows<Vec>(g, u, m); }
 
 }  // namespace kt::kernels::avx512

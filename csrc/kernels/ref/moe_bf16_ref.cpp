@@ -1,14 +1,19 @@
-// bf16 expert kernels, portable reference tier: the bf16_tiles.h templates
-// over plain C++ 16-lane arrays (ref/vec.h). Runs on any CPU; the tests check
-// it, like every tier, against the dense PyTorch reference.
+// bf16 kernels and the SwiGLU epilogue, portable reference tier: the
+// bf16_tiles.h templates over plain C++ 16-lane arrays (ref/vec.h). Runs on
+// any CPU; the tests check it, like every tier, against the dense PyTorch
+// reference.
 #include "kernels/bf16_tiles.h"
 #include "kernels/ref/vec.h"
+#include "kernels/swiglu.h"
+#include "kernels/tiers.h"
 
 namespace kt::kernels::ref {
 
-const Bf16Kernels& bf16_kernels() {
-  static const Bf16Kernels k{"ref", &gate_up_silu<Vec>, &down_scaled<Vec>};
+const ProjectionKernels& bf16_kernels() {
+  static const ProjectionKernels k{"ref/bf16", &bf16_dot<Vec>, nullptr, nullptr};
   return k;
 }
+
+void silu_mul_rows(float* g, const float* u, int m) { kernels::silu_mul_rows<Vec>(g, u, m); }
 
 }  // namespace kt::kernels::ref

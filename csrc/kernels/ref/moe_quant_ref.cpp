@@ -1,4 +1,4 @@
-// Portable reference kernels of the quantized formats: plain loops over the
+// Portable reference kernels of the quantized layouts: plain loops over the
 // scalar decoders of formats/qint.h and formats/fp8.h, with the same integer
 // sums and the same fp32 fold points as the SIMD kernels (per 16 or 32 k),
 // so any ISA path can be checked against them and against the dense
@@ -8,18 +8,14 @@
 #include "formats/fp8.h"
 #include "formats/q8_activations.h"
 #include "formats/qint.h"
-#include "kernels/kernel_api.h"
-#include "kernels/ref/vec.h"
-#include "kernels/swiglu.h"
+#include "kernels/block_args.h"
+#include "kernels/tiers.h"
 
 namespace kt::kernels::ref {
 
-namespace {
-
 using formats::QintFormat;
-using formats::ScaleType;
 
-void qint_dot(const QintDotArgs& a) {
+void qint_block_dot(const QintBlock& a) {
   const QintFormat& f = *a.format;
   const int64_t kp = a.kp;
   const int64_t unit = formats::qint_fold_unit(f.group_size);
@@ -29,7 +25,7 @@ void qint_dot(const QintDotArgs& a) {
     const int8_t* xq = formats::q8_codes(rec);
     const float* xscale = formats::q8_scales(rec, kp);
     const float* xsum16 = formats::q8_sum16(rec, kp);
-    for (int r = 0; r < a.n_valid; ++r) {
+    for (int r = 0; r < formats::kQintBlockRows; ++r) {
       float acc = 0.f;
       for (int64_t k0 = 0; k0 < kp; k0 += unit) {
         int32_t isum = 0;
@@ -48,32 +44,12 @@ void qint_dot(const QintDotArgs& a) {
           acc += s * (xa - f.zero_offset * xs);
         }
       }
-      a.out[i * 16 + r] = acc;
+      a.out[i * a.ldo + r] = acc;
     }
   }
 }
 
-void fp8_dot(const Fp8DotArgs& a) {
-  constexpr int64_t kBlock = formats::kFp8ScaleBlock;
-  for (int i = 0; i < a.m; ++i) {
-    const float* x = a.x_rows[i];
-    for (int r = 0; r < a.n_valid; ++r) {
-      float acc = 0.f;
-      for (int64_t k0 = 0; k0 < a.kp; k0 += kBlock) {
-        float part = 0.f;
-        const int64_t k1 = k0 + kBlock < a.kp ? k0 + kBlock : a.kp;
-        for (int64_t k = k0; k < k1; ++k) {
-          const uint8_t bits = a.block[k * 16 + r];
-          part += formats::e4m3_to_float(bits) * x[k];
-        }
-        acc += part * a.scales[k0 / kBlock];
-      }
-      a.out[i * 16 + r] = acc;
-    }
-  }
-}
-
-void qint_decode(const QintDotArgs& a, float* w) {
+void qint_block_decode(const QintBlock& a, float* w) {
   const QintFormat& f = *a.format;
   const int64_t gsize = f.group_size == 0 ? a.kp : f.group_size;
   for (int64_t k = 0; k < a.kp; ++k) {
@@ -88,27 +64,66 @@ void qint_decode(const QintDotArgs& a, float* w) {
   }
 }
 
-void fp8_decode(const Fp8DotArgs& a, float* w) {
+namespace {
+
+void fp8_block_dot(const Fp8Block& a) {
+  constexpr int64_t kBlock = formats::kFp8ScaleBlock;
+  for (int i = 0; i < a.m; ++i) {
+    const float* x = a.x_rows[i];
+    for (int r = 0; r < 16; ++r) {
+      float acc = 0.f;
+      for (int64_t k0 = 0; k0 < a.kp; k0 += kBlock) {
+        float part = 0.f;
+        const int64_t k1 = k0 + kBlock < a.kp ? k0 + kBlock : a.kp;
+        for (int64_t k = k0; k < k1; ++k) {
+          const uint8_t bits = a.block[k * 16 + r];
+          part += formats::e4m3_to_float(bits) * x[k];
+        }
+        acc += part * a.scales[k0 / kBlock];
+      }
+      a.out[i * a.ldo + r] = acc;
+    }
+  }
+}
+
+void fp8_block_decode(const Fp8Block& a, float* w) {
   for (int64_t k = 0; k < a.kp; ++k) {
     const float s = a.scales[k / formats::kFp8ScaleBlock];
     for (int r = 0; r < 16; ++r) w[k * 16 + r] = formats::e4m3_to_float(a.block[k * 16 + r]) * s;
   }
 }
 
-void dense_dot(const DenseDotArgs& a) {
-  for (int i = 0; i < a.m; ++i) {
+void dense_dot(const float* const* x, int m, const float* w, int64_t kp, float* out, int64_t ldo) {
+  for (int i = 0; i < m; ++i) {
     float acc[16] = {};
-    for (int64_t k = 0; k < a.kp; ++k)
-      for (int r = 0; r < 16; ++r) acc[r] += a.w[k * 16 + r] * a.x_rows[i][k];
-    for (int r = 0; r < 16; ++r) a.out[i * 16 + r] = acc[r];
+    for (int64_t k = 0; k < kp; ++k)
+      for (int r = 0; r < 16; ++r) acc[r] += w[k * 16 + r] * x[i][k];
+    for (int r = 0; r < 16; ++r) out[i * ldo + r] = acc[r];
   }
+}
+
+void qint_run(const DotArgs& a) {
+  for (int64_t nb = a.nb_begin; nb < a.nb_end; ++nb) qint_block_dot(qint_block(a, nb));
+}
+void qint_run_fp32(const DotArgs& a) {
+  weight_only_dot<QintBlock>(a, qint_block, qint_block_decode, dense_dot);
+}
+void fp8_run(const DotArgs& a) {
+  for (int64_t nb = a.nb_begin; nb < a.nb_end; ++nb) fp8_block_dot(fp8_block(a, nb));
+}
+void fp8_run_fp32(const DotArgs& a) {
+  weight_only_dot<Fp8Block>(a, fp8_block, fp8_block_decode, dense_dot);
 }
 
 }  // namespace
 
-const QuantKernels& quant_kernels() {
-  static const QuantKernels k{"ref",        &qint_dot,   &fp8_dot,  &kernels::silu_mul_rows<Vec>,
-                              &qint_decode, &fp8_decode, &dense_dot};
+const ProjectionKernels& qint_kernels() {
+  static const ProjectionKernels k{"ref/qint_q8", &qint_run, &qint_run_fp32, "ref/qint_fp32"};
+  return k;
+}
+
+const ProjectionKernels& fp8_kernels() {
+  static const ProjectionKernels k{"ref/fp8", &fp8_run, &fp8_run_fp32, "ref/fp8_fp32"};
   return k;
 }
 

@@ -1,0 +1,94 @@
+#include "formats/format_table.h"
+
+#include <algorithm>
+
+namespace kt::formats {
+
+namespace {
+
+QintFormat qint(int bits, bool is_signed, bool lut, float zero_offset) {
+  QintFormat f;
+  f.bits = bits;
+  f.is_signed = is_signed;
+  f.lut_e2m1 = lut;
+  f.zero_offset = zero_offset;
+  return f;
+}
+
+constexpr const char* kGgml = "llama.cpp / ggml block structs (ggml-common.h), repacked losslessly";
+
+// Break-even token counts of the fp32 path measured on AVX2 (Zen 3) at the
+// Qwen3-30B-A3B shape: decoding a block to fp32 costs about as much as a few
+// tokens' dot products, after which fp32 FMAs beat fp8's in-register decode
+// (~8 tokens) and the int8 sign trick (~16). 4/5/6-bit codes multiply faster
+// as integers at any count.
+constexpr int kFp8Fp32Min = 8;
+constexpr int kInt8Fp32Min = 16;
+
+}  // namespace
+
+int FormatRow::bits() const {
+  switch (layout) {
+    case Layout::kBf16:
+      return 16;
+    case Layout::kFp8:
+      return 8;
+    case Layout::kQint:
+      break;
+  }
+  return qint.bits;
+}
+
+bool FormatRow::group_size_allowed(int64_t g) const {
+  return std::find(group_sizes.begin(), group_sizes.end(), g) != group_sizes.end();
+}
+
+const std::vector<FormatRow>& format_table() {
+  using L = Layout;
+  using S = ScaleType;
+  using Z = ZeroPolicy;
+  using A = ActType;
+  static const std::vector<FormatRow> rows = {
+      {"bf16", L::kBf16, {}, {0}, 0, S::kNone, Z::kNever, A::kF32, kNoFp32Path, 16.0,
+       "bfloat16 weights (round to nearest even)"},
+      {"int8", L::kQint, qint(8, true, false, 0.f), {0}, 0, S::kF32, Z::kNever, A::kQ8,
+       kInt8Fp32Min, 8.0, "symmetric per-channel int8 (scale = amax/127)"},
+      {"int4", L::kQint, qint(4, false, false, 8.f), {32, 64, 128}, 128, S::kF16, Z::kOptional,
+       A::kQ8, kNoFp32Path, 4.125,
+       "group-wise int4, symmetric or asymmetric (GPTQ/AWQ-style zero point)"},
+      {"fp8", L::kFp8, {}, {128}, 128, S::kF32, Z::kNever, A::kF32, kFp8Fp32Min, 8.0,
+       "E4M3 (Micikevicius et al. 2022) with DeepSeek-V3 128x128 weight_scale_inv"},
+      // OCP MX: E2M1 codes, one UE8M0 exponent per 32; kernel codes 2v + 12.
+      {"mxfp4", L::kQint, qint(4, false, true, 12.f), {32}, 32, S::kE8M0, Z::kNever, A::kQ8,
+       kNoFp32Path, 4.25,
+       "OCP Microscaling Formats (MX) v1.0: E2M1 elements, UE8M0 scales, 32 per block"},
+      {"q8_0", L::kQint, qint(8, true, false, 0.f), {32}, 32, S::kF16, Z::kNever, A::kQ8,
+       kInt8Fp32Min, 8.5, kGgml},
+      {"q4_0", L::kQint, qint(4, false, false, 8.f), {32}, 32, S::kF16, Z::kNever, A::kQ8,
+       kNoFp32Path, 4.5, kGgml},
+      {"q4_k", L::kQint, qint(4, false, false, 0.f), {32}, 32, S::kF32, Z::kRequired, A::kQ8,
+       kNoFp32Path, 6.0, kGgml},
+      {"q5_k", L::kQint, qint(5, false, false, 0.f), {32}, 32, S::kF32, Z::kRequired, A::kQ8,
+       kNoFp32Path, 7.0, kGgml},
+      {"q6_k", L::kQint, qint(6, false, false, 32.f), {16}, 16, S::kF32, Z::kNever, A::kQ8,
+       kNoFp32Path, 8.0, kGgml},
+  };
+  return rows;
+}
+
+const FormatRow* find_format(const std::string& name) {
+  for (const FormatRow& f : format_table())
+    if (name == f.name) return &f;
+  return nullptr;
+}
+
+std::string known_format_names() {
+  std::string names;
+  for (const FormatRow& f : format_table()) {
+    if (!names.empty()) names += ", ";
+    names += f.name;
+  }
+  return names;
+}
+
+}  // namespace kt::formats

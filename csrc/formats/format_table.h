@@ -1,0 +1,64 @@
+// The weight-format table (style rule 16): one row per format, bf16
+// included, holding every fact the op layer, the driver, the packers and
+// Python need. Python builds its FormatSpec objects from this table
+// (kt_ops._C.formats(); kt_ops/formats/spec.py), so there is no second
+// registry. Adding a format that fits an existing layout is one row here,
+// its packer in kt_ops/formats and its test. docs/formats.md has the layouts.
+#pragma once
+
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "formats/qint.h"
+
+namespace kt::formats {
+
+// The packed layout family of a format; the kernels are written per layout.
+enum class Layout : uint8_t {
+  kBf16,  // formats/bf16.h: [E, ceil(N/16), ceil(K/2), 16, 2] bf16
+  kQint,  // formats/qint.h: integer code planes + [E, NB, G, 16] scales (zeros)
+  kFp8,   // formats/fp8.h: [E, NB, Kp, 16] E4M3 + 128x128 fp32 block scales
+};
+
+// Whether a format stores explicit zeros (value = scale*q - zero).
+enum class ZeroPolicy : uint8_t { kNever, kOptional, kRequired };
+
+// Never take the weight-only fp32 path under 'auto'.
+constexpr int kNoFp32Path = std::numeric_limits<int>::max();
+
+struct FormatRow {
+  const char* name;
+  Layout layout;
+  QintFormat qint;                   // kQint: bits, signedness, E2M1 table, implicit zero
+  std::vector<int64_t> group_sizes;  // group_size values accepted (0: per output channel)
+  int64_t default_group_size;        // what the packers use when none is given
+  ScaleType packed_scale_type;       // scale dtype the packers write (kNone: no scales)
+  ZeroPolicy zeros;
+  // What the streaming kernel multiplies the weights with: kQ8 (int8
+  // activations per 32, integer dot products) or kF32.
+  ActType activation;
+  // Compute-path policy of 'auto' (kt_ops.set_quant_activations): experts
+  // with at least this many tokens decode each block to fp32 and run fp32
+  // FMAs (the weight-only path); measured break-even, docs/formats.md
+  // "Compute paths". kNoFp32Path: always the streaming kernel.
+  int fp32_min_tokens;
+  double bits_per_weight;  // at the default group size, scales and zeros included
+  const char* source;      // where the element format is specified
+
+  // Bits of one stored weight code.
+  int bits() const;
+  bool group_size_allowed(int64_t g) const;
+};
+
+// Every format, in the order of docs/formats.md.
+const std::vector<FormatRow>& format_table();
+
+// The format called `name`, or nullptr.
+const FormatRow* find_format(const std::string& name);
+
+// "bf16, int8, ..." for error messages.
+std::string known_format_names();
+
+}  // namespace kt::formats

@@ -1,0 +1,294 @@
+#include "moe/moe_layer.h"
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "formats/bf16.h"
+#include "formats/fp8.h"
+#include "formats/qint.h"
+#include "formats/scale_dtype.h"
+
+namespace kt::moe {
+
+namespace {
+
+constexpr const char* kProjNames[3] = {"gate", "up", "down"};
+constexpr const char* kPackHint =
+    "; pack dense [E, N, K] weights with kt_ops.formats.quantize_weights (or kt_ops.pack_weights "
+    "for bf16)";
+
+bool is_float_dtype(at::ScalarType t) {
+  return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
+}
+
+void check_cpu(const char* op, const at::Tensor& t, const std::string& name) {
+  TORCH_CHECK(t.device().is_cpu(), op, ": ", name, " is on ", t.device(),
+              "; the kt_ops experts run on the CPU: move it to the CPU");
+}
+
+// A contiguous CPU tensor of `shape` and (when given) dtype.
+void check_tensor(const char* op, const at::Tensor& t, const std::string& name,
+                  const std::string& fmt, at::IntArrayRef shape, const char* what) {
+  check_cpu(op, t, name);
+  TORCH_CHECK(t.sizes() == shape, op, ": ", name, " has shape ", t.sizes(), " but weight_format='",
+              fmt, "' expects ", shape, " (", what, ")", kPackHint);
+  TORCH_CHECK(t.is_contiguous(), op, ": ", name,
+              " must be contiguous (as the kt_ops packers return it)");
+}
+
+std::vector<std::string> split_formats(const char* op, const std::string& fmt) {
+  std::vector<std::string> names;
+  size_t start = 0;
+  while (true) {
+    const size_t comma = fmt.find(',', start);
+    names.push_back(fmt.substr(start, comma == std::string::npos ? comma : comma - start));
+    if (comma == std::string::npos) break;
+    start = comma + 1;
+  }
+  if (names.size() == 1) return {fmt, fmt, fmt};
+  TORCH_CHECK(names.size() == 3, op, ": weight_format='", fmt,
+              "' must be one format name or three comma-separated names 'gate,up,down' (e.g. "
+              "'q4_k,q4_k,q6_k'), got ",
+              names.size(), " names");
+  return names;
+}
+
+// One projection of E experts, dense [n, k], in format `f`.
+Projection parse_projection(const char* op, int i, const formats::FormatRow& f, int64_t group,
+                            const std::optional<at::Tensor>& weight,
+                            const std::optional<at::Tensor>& scales,
+                            const std::optional<at::Tensor>& zeros, int64_t E, int64_t n,
+                            int64_t k) {
+  const std::string proj = kProjNames[i];
+  const std::string wname = proj + "_weight", sname = proj + "_scales", zname = proj + "_zeros";
+  const char* dims = i == 2 ? "[E, H, I]" : "[E, I, H]";
+  const std::string fmt = f.name;
+  TORCH_CHECK(f.group_size_allowed(group), op, ": group size ", group, " of ", proj,
+              " is not valid for weight_format='", fmt, "'; expected one of ",
+              at::IntArrayRef(f.group_sizes));
+  TORCH_CHECK(weight.has_value(), op, ": ", wname, " is missing (None)");
+  const at::Tensor& w = *weight;
+  check_cpu(op, w, wname);
+  Projection p;
+  p.format = &f;
+  p.n = n;
+  p.k = k;
+  p.group_size = group;
+  p.weight = w;
+  kernels::ProjectionView& v = p.view;
+  v.layout = f.layout;
+  v.qint = f.qint;
+  v.qint.group_size = group;
+  v.n = n;
+  v.k = k;
+  v.kp = formats::qint_k_padded(k);
+  v.row_blocks = formats::qint_row_blocks(n);
+  v.groups = 1;
+  v.scales = nullptr;
+  v.zeros = nullptr;
+
+  const auto absent = [&](const std::optional<at::Tensor>& t, const std::string& name) {
+    TORCH_CHECK(!t.has_value(), op, ": ", name, " was given, but weight_format='", fmt,
+                "' takes no ", name.substr(name.find('_') + 1));
+  };
+  switch (f.layout) {
+    case formats::Layout::kBf16: {
+      TORCH_CHECK(w.scalar_type() == at::kBFloat16, op, ": ", wname,
+                  " must be bf16 for weight_format='bf16' (got ", w.scalar_type(), ")", kPackHint);
+      check_tensor(op, w, wname, fmt,
+                   {E, formats::bf16_row_blocks(n), formats::bf16_k_pairs(k),
+                    formats::kBf16BlockRows, formats::kBf16KPack},
+                   dims);
+      absent(scales, sname);
+      absent(zeros, zname);
+      v.block_bytes = formats::bf16_block_elems(k) * 2;
+      break;
+    }
+    case formats::Layout::kFp8: {
+      TORCH_CHECK(w.scalar_type() == at::kByte, op, ": ", wname, " must be uint8 for weight_format='",
+                  fmt, "' (got ", w.scalar_type(), ")", kPackHint);
+      absent(zeros, zname);
+      TORCH_CHECK(scales.has_value(), op, ": weight_format='", fmt, "' needs ", sname);
+      check_tensor(op, w, wname, fmt, {E, v.row_blocks, v.kp, 16}, dims);
+      TORCH_CHECK(scales->scalar_type() == at::kFloat, op, ": ", sname,
+                  " must be fp32 block scales for weight_format='fp8', got ",
+                  scales->scalar_type());
+      check_tensor(op, *scales, sname, fmt,
+                   {E, formats::ceil_div(n, formats::kFp8ScaleBlock),
+                    formats::ceil_div(k, formats::kFp8ScaleBlock)},
+                   "one scale per 128x128 block");
+      p.scales = *scales;
+      v.block_bytes = formats::fp8_block_bytes(v.kp);
+      v.scales = scales->data_ptr();
+      break;
+    }
+    case formats::Layout::kQint: {
+      TORCH_CHECK(w.scalar_type() == at::kByte, op, ": ", wname, " must be uint8 for weight_format='",
+                  fmt, "' (got ", w.scalar_type(), "); a weight packed for another format was ",
+                  "probably passed");
+      TORCH_CHECK(group == 0 || v.kp % group == 0, op, ": group size ", group, " of ", proj,
+                  " must divide the K of ", wname, " (", dims,
+                  ") padded to a multiple of 32, which is ", v.kp);
+      TORCH_CHECK(scales.has_value(), op, ": weight_format='", fmt, "' needs ", sname);
+      v.groups = formats::qint_groups(group, v.kp);
+      v.block_bytes = formats::qint_block_bytes(f.qint.bits, v.kp);
+      check_tensor(op, w, wname, fmt, {E, v.row_blocks, v.block_bytes}, dims);
+      const bool e8m0 = f.packed_scale_type == formats::ScaleType::kE8M0;
+      v.qint.scale_type = formats::scale_type_of(scales->scalar_type(), e8m0);
+      if (e8m0) {
+        TORCH_CHECK(scales->scalar_type() == at::kByte, op, ": ", sname,
+                    " must be uint8 UE8M0 exponents for weight_format='", fmt, "', got ",
+                    scales->scalar_type());
+      } else {
+        TORCH_CHECK(is_float_dtype(scales->scalar_type()), op, ": ", sname,
+                    " must be fp32, fp16 or bf16, got ", scales->scalar_type());
+      }
+      check_tensor(op, *scales, sname, fmt, {E, v.row_blocks, v.groups, 16},
+                   "[E, ceil(N/16), groups, 16]");
+      p.scales = *scales;
+      v.scales = scales->data_ptr();
+      v.qint.zero_type = formats::ScaleType::kNone;
+      if (zeros.has_value()) {
+        TORCH_CHECK(f.zeros != formats::ZeroPolicy::kNever, op, ": ", zname,
+                    " was given, but weight_format='", fmt, "' has no zero points");
+        TORCH_CHECK(is_float_dtype(zeros->scalar_type()), op, ": ", zname,
+                    " must be fp32, fp16 or bf16, got ", zeros->scalar_type());
+        check_tensor(op, *zeros, zname, fmt, {E, v.row_blocks, v.groups, 16},
+                     "[E, ceil(N/16), groups, 16]");
+        p.zeros = *zeros;
+        v.zeros = zeros->data_ptr();
+        v.qint.zero_type = formats::scale_type_of(zeros->scalar_type());
+      } else {
+        TORCH_CHECK(f.zeros != formats::ZeroPolicy::kRequired, op, ": weight_format='", fmt,
+                    "' needs ", zname);
+      }
+      break;
+    }
+  }
+  v.weight = static_cast<const uint8_t*>(w.data_ptr());
+  return p;
+}
+
+// One projection's LoRA A [E, r, k] and B [E, n, r]; a [0]-shaped pair = none.
+LoraProjection parse_lora(const char* op, int i, const at::Tensor& a, const at::Tensor& b,
+                          int64_t E, int64_t n, int64_t k) {
+  const std::string proj = kProjNames[i];
+  const std::string a_name = proj + "_lora_a", b_name = proj + "_lora_b";
+  const char* n_name = i == 2 ? "H" : "I";
+  const char* k_name = i == 2 ? "I" : "H";
+  const bool has_a = a.dim() != 1 || a.numel() != 0;
+  const bool has_b = b.dim() != 1 || b.numel() != 0;
+  TORCH_CHECK(has_a == has_b, op, ": ", has_a ? a_name : b_name, " was given without ",
+              has_a ? b_name : a_name,
+              "; LoRA on a projection needs both A and B (or neither: [0]-shaped tensors)");
+  if (!has_a) return {};
+  const auto check_factor = [&](const std::string& name, const at::Tensor& t,
+                                const std::string& layout) {
+    check_cpu(op, t, name);
+    TORCH_CHECK(is_float_dtype(t.scalar_type()), op, ": ", name,
+                " must be fp32, bf16 or fp16, got ", t.scalar_type());
+    TORCH_CHECK(t.dim() == 3, op, ": ", name, " must be 3-D ", layout,
+                " (one LoRA factor per expert), got shape ", t.sizes());
+    TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous (call .contiguous())");
+  };
+  check_factor(a_name, a, std::string("[E, r, ") + k_name + "]");
+  check_factor(b_name, b, std::string("[E, ") + n_name + ", r]");
+  const int64_t r = a.size(1);
+  TORCH_CHECK(a.size(0) == E && a.size(2) == k && r > 0, op, ": ", a_name, " must be [E=", E,
+              ", r, ", k_name, "=", k, "] with LoRA rank r >= 1, got ", a.sizes());
+  TORCH_CHECK(b.size(0) == E && b.size(1) == n && b.size(2) == r, op, ": ", b_name, " must be [E=",
+              E, ", ", n_name, "=", n, ", r=", r, "] (r = rank of ", a_name, "), got ", b.sizes());
+  return {a, b};
+}
+
+}  // namespace
+
+MoeLayer parse_moe_layer(const char* op, const at::Tensor& hidden_states,
+                         const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                         KT_LAYER_PARAMS) {
+  // --- activations and routing -----------------------------------------------
+  check_cpu(op, hidden_states, "hidden_states");
+  check_cpu(op, topk_ids, "topk_ids");
+  check_cpu(op, topk_weights, "topk_weights");
+  TORCH_CHECK(hidden_states.dim() == 2, op, ": hidden_states must be 2-D [T, H], got shape ",
+              hidden_states.sizes());
+  TORCH_CHECK(is_float_dtype(hidden_states.scalar_type()), op,
+              ": hidden_states must be bf16, fp16 or fp32, got ", hidden_states.scalar_type());
+  const int64_t T = hidden_states.size(0);
+  TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == T, op,
+              ": topk_ids must be [T, K] with T=", T, " (the rows of hidden_states), got shape ",
+              topk_ids.sizes());
+  TORCH_CHECK(topk_ids.scalar_type() == at::kInt || topk_ids.scalar_type() == at::kLong, op,
+              ": topk_ids must be int32 or int64, got ", topk_ids.scalar_type());
+  TORCH_CHECK(topk_weights.sizes() == topk_ids.sizes(), op,
+              ": topk_weights must have the shape of topk_ids ", topk_ids.sizes(), ", got ",
+              topk_weights.sizes());
+  TORCH_CHECK(is_float_dtype(topk_weights.scalar_type()), op,
+              ": topk_weights must be fp32, bf16 or fp16, got ", topk_weights.scalar_type());
+  TORCH_CHECK(activation == "silu", op, ": activation='", std::string(activation),
+              "' is not supported; expected 'silu' (SwiGLU experts)");
+
+  // --- the layer -------------------------------------------------------------
+  TORCH_CHECK(sizes.size() == 2 && sizes[0] > 0 && sizes[1] > 0, op,
+              ": sizes must be [hidden_size, intermediate_size], both positive, got ", sizes);
+  MoeLayer layer;
+  layer.op = op;
+  const int64_t H = layer.hidden_size = sizes[0];
+  const int64_t I = layer.intermediate_size = sizes[1];
+  TORCH_CHECK(hidden_states.size(1) == H, op, ": hidden_states has ", hidden_states.size(1),
+              " columns but the experts' hidden_size is ", H);
+  TORCH_CHECK(group_sizes.size() == 3, op,
+              ": group_sizes must hold 3 values (gate, up, down), got ", group_sizes);
+  TORCH_CHECK(weights.size() == 9, op,
+              ": weights must hold 9 entries (weight, scales, zeros of gate, up, down; None "
+              "where a format has none), got ",
+              weights.size());
+  const std::string fmt(weight_format.data(), weight_format.size());
+  const std::vector<std::string> names = split_formats(op, fmt);
+  const std::optional<at::Tensor> gate_weight = weights.get(0);
+  TORCH_CHECK(gate_weight.has_value() && gate_weight->dim() >= 1, op,
+              ": gate_weight must be a packed [E, ...] tensor");
+  const int64_t E = layer.num_experts = gate_weight->size(0);
+  Projection* projs[3] = {&layer.gate, &layer.up, &layer.down};
+  for (int i = 0; i < 3; ++i) {
+    const formats::FormatRow* f = formats::find_format(names[i]);
+    TORCH_CHECK(f != nullptr, op, ": weight_format='", names[i],
+                "' is not a kt_ops format; expected one of ", formats::known_format_names());
+    const bool down = i == 2;
+    *projs[i] = parse_projection(op, i, *f, group_sizes[i], weights.get(3 * i),
+                                 weights.get(3 * i + 1), weights.get(3 * i + 2), E, down ? H : I,
+                                 down ? I : H);
+  }
+
+  // --- LoRA ------------------------------------------------------------------
+  TORCH_CHECK(lora.empty() || lora.size() == 6, op,
+              ": lora must be empty or hold 6 tensors (gate A, B, up A, B, down A, B; [0]-shaped "
+              "where a projection has none), got ",
+              lora.size());
+  if (!lora.empty()) {
+    LoraProjection* lp[3] = {&layer.lora.gate, &layer.lora.up, &layer.lora.down};
+    for (int i = 0; i < 3; ++i) {
+      const bool down = i == 2;
+      *lp[i] = parse_lora(op, i, lora[2 * i], lora[2 * i + 1], E, down ? H : I, down ? I : H);
+    }
+    // One dtype for all factors: PEFT keeps a layer's adapters in one dtype,
+    // and a mix is almost always an accidental cast.
+    const at::Tensor* first = nullptr;
+    for (const at::Tensor& t : lora) {
+      if (t.dim() == 1 && t.numel() == 0) continue;
+      if (first == nullptr) first = &t;
+      TORCH_CHECK(t.scalar_type() == first->scalar_type(), op,
+                  ": all LoRA tensors must have one dtype, got ", first->scalar_type(), " and ",
+                  t.scalar_type());
+    }
+    TORCH_CHECK(std::isfinite(lora_scaling), op, ": lora_scaling must be finite, got ",
+                lora_scaling);
+  }
+  layer.lora.scaling = lora_scaling;
+  return layer;
+}
+
+}  // namespace kt::moe

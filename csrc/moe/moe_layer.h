@@ -1,0 +1,81 @@
+// One description of an MoE layer: the op's layer arguments parsed and
+// validated once (style rule 18), by one function that every kt:: op calls.
+// Forward, train and backward, the kernels' views and the dense decoders all
+// read this struct; nothing downstream looks at the raw argument list again.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/List.h>
+#include <c10/util/string_view.h>
+
+#include <cstdint>
+#include <optional>
+
+#include "formats/format_table.h"
+#include "kernels/kernel_api.h"
+
+// The layer arguments of every kt:: op, in schema order (the schema text is
+// kLayerSchema in csrc/ops/registration.cpp). Written once here for the C++
+// kernels' signatures (KT_LAYER_PARAMS) and their calls (KT_LAYER_ARGS):
+//   weights       9 packed tensors: gate, up, down x (weight, scales, zeros),
+//                 None where a format has no such tensor
+//   weight_format one format name, or "gate,up,down" names
+//   sizes         [hidden_size, intermediate_size] of the dense weights
+//   group_sizes   [gate, up, down] group sizes along K (0: per channel)
+//   lora          [] or 6 tensors (gate A, B, up A, B, down A, B); a [0]-shaped
+//                 tensor stands for an absent factor
+//   lora_scaling, activation
+#define KT_LAYER_PARAMS                                                                          \
+  const c10::List<std::optional<at::Tensor>>&weights, c10::string_view weight_format,            \
+      at::IntArrayRef sizes, at::IntArrayRef group_sizes, const at::TensorList &lora,            \
+      double lora_scaling, c10::string_view activation
+#define KT_LAYER_ARGS weights, weight_format, sizes, group_sizes, lora, lora_scaling, activation
+
+namespace kt::moe {
+
+// One projection (gate, up or down) of every expert.
+struct Projection {
+  const formats::FormatRow* format = nullptr;
+  at::Tensor weight;  // packed, layout of format->layout
+  at::Tensor scales;  // undefined for bf16
+  at::Tensor zeros;   // explicit zero points, or undefined
+  int64_t n = 0;      // dense [n, k] per expert (nn.Linear convention)
+  int64_t k = 0;
+  int64_t group_size = 0;
+  kernels::ProjectionView view;  // what the kernels read
+
+  int64_t num_experts() const { return weight.size(0); }
+};
+
+// LoRA factors of one projection; both undefined when it has none.
+struct LoraProjection {
+  at::Tensor a;  // [E, r, k]
+  at::Tensor b;  // [E, n, r]
+  bool present() const { return a.defined(); }
+};
+
+struct LoraParams {
+  LoraProjection gate, up, down;
+  double scaling = 1.0;
+  bool any() const { return gate.present() || up.present() || down.present(); }
+};
+
+struct MoeLayer {
+  const char* op = "";  // the op that parsed it, for later error messages
+  int64_t num_experts = 0;
+  int64_t hidden_size = 0;        // H
+  int64_t intermediate_size = 0;  // I
+  Projection gate, up, down;      // [E, I, H], [E, I, H], [E, H, I]
+  LoraParams lora;
+};
+
+// Checks every argument of a kt:: op that takes a layer (errors name the
+// argument and say what was expected; `op` prefixes them, e.g.
+// "kt.moe_forward") and returns the parsed layer. The values of topk_ids are
+// not read here: they are checked where they are used (the routing plan),
+// so a CUDA-stream or graph-captured call never reads them on the host early.
+MoeLayer parse_moe_layer(const char* op, const at::Tensor& hidden_states,
+                         const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                         KT_LAYER_PARAMS);
+
+}  // namespace kt::moe

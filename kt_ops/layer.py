@@ -1,0 +1,323 @@
+"""One description of an MoE layer's experts, and the op arguments built from it.
+
+:class:`ExpertWeights` holds the three packed projections of one layer (gate,
+up, down as :class:`~kt_ops.formats.PackedProjection`), :class:`LoRAWeights`
+its optional LoRA factors. :func:`layer_args` turns them into the layer
+arguments that every ``kt::`` op takes, and :meth:`ExpertWeights.from_op_args`
+parses them back (the fake kernels use it). This module is the one place in
+Python that knows that argument list; the C++ twin is ``csrc/moe/moe_layer.h``.
+
+The op's layer arguments (``csrc/ops/registration.cpp``)::
+
+    weights       [gate_weight, gate_scales, gate_zeros, up_..., down_...]  (None where absent)
+    weight_format 'int4' or 'gate,up,down' names ('q4_k,q4_k,q6_k')
+    sizes         [hidden_size, intermediate_size]
+    group_sizes   [gate, up, down] group sizes along K (0: per output channel)
+    lora          [] or [gate_a, gate_b, up_a, up_b, down_a, down_b] ([0]-shaped where absent)
+    lora_scaling  float
+    activation    'silu'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from kt_ops.formats.packed import PackedProjection
+from kt_ops.formats.spec import FORMATS
+
+__all__ = [
+    "PROJECTIONS",
+    "ExpertWeights",
+    "LoRAWeights",
+    "layer_args",
+    "split_weight_format",
+    "join_weight_format",
+]
+
+#: The projections of a SwiGLU expert, in op order.
+PROJECTIONS = ("gate", "up", "down")
+
+
+def split_weight_format(weight_format: str) -> tuple[str, str, str]:
+    """The (gate, up, down) format names of a ``weight_format`` argument.
+
+    ``weight_format`` is one name for all three projections (``'q4_k'``) or
+    three comma-separated names ``'gate,up,down'`` (``'q4_k,q4_k,q6_k'``, as
+    GGUF Q4_K_M files store some layers; any formats may be mixed). Raises
+    ``ValueError`` for another count of names or an unknown name.
+    """
+    names = weight_format.split(",") if isinstance(weight_format, str) else [weight_format]
+    if len(names) == 1:
+        names = names * 3
+    if len(names) != 3:
+        raise ValueError(
+            f"weight_format={weight_format!r} must be one format name or three comma-separated "
+            "names 'gate,up,down' (e.g. 'q4_k,q4_k,q6_k')"
+        )
+    for n in names:
+        if n not in FORMATS:
+            raise ValueError(f"unknown weight_format {n!r}; expected one of {FORMATS}")
+    return names[0], names[1], names[2]
+
+
+def join_weight_format(gate: str, up: str, down: str) -> str:
+    """The ``weight_format`` argument for per-projection formats (one name when they agree)."""
+    return gate if gate == up == down else f"{gate},{up},{down}"
+
+
+@dataclass(frozen=True)
+class ExpertWeights:
+    """The packed routed experts of one MoE layer: three projections of ``E`` experts.
+
+    ``gate`` and ``up`` hold dense ``[E, I, H]`` weights, ``down`` ``[E, H, I]``
+    (``nn.Linear`` convention), each in its own weight format and group size
+    (per-projection formats: GGUF Q4_K_M keeps some ``ffn_down`` in ``q6_k``).
+    Each :class:`~kt_ops.formats.PackedProjection` records its true ``n`` and
+    ``k``, so sizes inside the packing's padding are caught.
+
+    Build it with :meth:`from_dense` (quantize online), from the loaders /
+    converter's PackedProjections, or from a :class:`kt_ops.nn.MoEExperts`
+    (``module.expert_weights()``).
+
+    Raises:
+        ValueError: the projections disagree on ``E``, ``H`` or ``I``
+            (``gate``/``up`` must be ``[E, I, H]`` and ``down`` ``[E, H, I]``).
+    """
+
+    gate: PackedProjection
+    up: PackedProjection
+    down: PackedProjection
+
+    def __post_init__(self) -> None:
+        g, u, d = self.gate, self.up, self.down
+        if (u.n, u.k) != (g.n, g.k) or (d.n, d.k) != (g.k, g.n):
+            raise ValueError(
+                "ExpertWeights: expected gate and up [E, I, H] and down [E, H, I]; got "
+                f"gate [{g.n}, {g.k}], up [{u.n}, {u.k}], down [{d.n}, {d.k}]"
+            )
+        experts = {int(p.weight.shape[0]) for p in (g, u, d)}
+        if len(experts) != 1:
+            raise ValueError(
+                f"ExpertWeights: gate, up and down hold different expert counts {sorted(experts)}"
+            )
+
+    @property
+    def num_experts(self) -> int:
+        """``E``."""
+        return int(self.gate.weight.shape[0])
+
+    @property
+    def hidden_size(self) -> int:
+        """``H``."""
+        return self.gate.k
+
+    @property
+    def intermediate_size(self) -> int:
+        """``I``, the expert MLP width."""
+        return self.gate.n
+
+    @property
+    def projections(self) -> tuple[PackedProjection, PackedProjection, PackedProjection]:
+        """``(gate, up, down)``."""
+        return self.gate, self.up, self.down
+
+    @property
+    def weight_format(self) -> str:
+        """One format name, or ``'gate,up,down'`` when the projections differ."""
+        return join_weight_format(*(p.weight_format for p in self.projections))
+
+    @property
+    def group_sizes(self) -> tuple[int, int, int]:
+        """Group size of each projection along K (0: per output channel; fp8: 128)."""
+        return tuple(int(p.group_size) for p in self.projections)
+
+    def tensors(self) -> list[Optional[Tensor]]:
+        """The op's ``weights``: (weight, scales, zeros) of gate, up, down; None where absent."""
+        return [t for p in self.projections for t in (p.weight, p.scales, p.zeros)]
+
+    def validate(self) -> ExpertWeights:
+        """Check every projection against its format's layout (``PackedProjection.validate``)."""
+        for name, p in zip(PROJECTIONS, self.projections):
+            try:
+                p.validate()
+            except ValueError as err:
+                raise ValueError(f"ExpertWeights.{name}: {err}") from None
+        return self
+
+    def to(self, device: torch.device | str) -> ExpertWeights:
+        """A copy with every tensor on ``device``."""
+        return ExpertWeights(*(p.to(device) for p in self.projections))
+
+    @classmethod
+    def from_op_args(cls, weights, weight_format: str, sizes, group_sizes) -> ExpertWeights:
+        """Parse the op's layer arguments back (see the module docstring).
+
+        Raises ``ValueError`` naming the argument for a wrong count of
+        entries or an unknown format.
+        """
+        if len(weights) != 9:
+            raise ValueError(
+                f"weights must hold 9 entries (gate, up, down x weight, scales, "
+                f"zeros), got {len(weights)}"
+            )
+        if len(sizes) != 2 or len(group_sizes) != 3:
+            raise ValueError(
+                f"sizes must be [hidden_size, intermediate_size] and group_sizes 3 values, got "
+                f"{list(sizes)} and {list(group_sizes)}"
+            )
+        H, inter = (int(s) for s in sizes)
+        names = split_weight_format(weight_format)
+        dims = ((inter, H), (inter, H), (H, inter))
+        projs = [
+            PackedProjection(*weights[3 * i : 3 * i + 3], names[i], int(group_sizes[i]), *dims[i])
+            for i in range(3)
+        ]
+        return cls(*projs)
+
+    @classmethod
+    def from_dense(
+        cls,
+        gate: Tensor,
+        up: Tensor,
+        down: Tensor,
+        weight_format: str = "bf16",
+        *,
+        group_size: Optional[int] = None,
+        symmetric: bool = True,
+    ) -> ExpertWeights:
+        """Pack (and quantize) dense expert weights with :func:`kt_ops.formats.quantize_weights`.
+
+        ``gate``/``up`` ``[E, I, H]``, ``down`` ``[E, H, I]``, any floating dtype
+        and device (copied to the CPU a few experts at a time, so the fp32
+        temporaries stay small). ``weight_format`` is one name or
+        ``'gate,up,down'``. ``group_size`` (``None``: each format's default)
+        must suit the format; with per-projection formats, a format that has a
+        single group size (int8, fp8, mxfp4, the GGUF types) keeps its own.
+        Raises what ``quantize_weights`` raises.
+        """
+        from kt_ops.formats import format_spec
+
+        names = split_weight_format(weight_format)
+        mixed = len(set(names)) > 1
+
+        def group_for(fmt: str) -> Optional[int]:
+            return None if mixed and len(format_spec(fmt).group_sizes) == 1 else group_size
+
+        return cls(
+            *(
+                _quantize_in_chunks(w.detach(), fmt, group_for(fmt), symmetric)
+                for fmt, w in zip(names, (gate, up, down))
+            )
+        )
+
+
+#: Elements of dense weights quantized per step by ``from_dense`` (a few experts of a large model).
+_QUANTIZE_CHUNK_ELEMS = 1 << 24
+
+
+def _quantize_in_chunks(
+    weight: Tensor, weight_format: str, group_size: Optional[int], symmetric: bool
+) -> PackedProjection:
+    """``quantize_weights(weight)`` a few experts at a time (packing is per expert)."""
+    from kt_ops.formats import quantize_weights
+
+    E, N, K = weight.shape
+    step = max(1, _QUANTIZE_CHUNK_ELEMS // max(1, N * K))
+    parts = [
+        quantize_weights(weight[e : e + step].cpu(), weight_format, group_size, symmetric)
+        for e in range(0, E, step)
+    ]
+    if len(parts) == 1:
+        return parts[0]
+
+    def cat(name: str) -> Optional[Tensor]:
+        ts = [getattr(p, name) for p in parts]
+        return None if ts[0] is None else torch.cat(ts)
+
+    first = parts[0]
+    return PackedProjection(
+        cat("weight"), cat("scales"), cat("zeros"), first.weight_format, first.group_size, N, K
+    )
+
+
+@dataclass(frozen=True)
+class LoRAWeights:
+    """LoRA factors of the experts (Hu et al. 2021; PEFT's convention).
+
+    Projection ``p`` of expert ``e`` computes ``W_p[e] x + scaling * B_p[e] (A_p[e] x)``.
+    Each field is ``None`` or ``(A, B)``: gate/up ``A [E, r, H]``, ``B [E, I, r]``;
+    down ``A [E, r, I]``, ``B [E, H, r]``; one float dtype for all; ``scaling``
+    is ``alpha / r``.
+    """
+
+    gate: Optional[tuple[Tensor, Tensor]] = None
+    up: Optional[tuple[Tensor, Tensor]] = None
+    down: Optional[tuple[Tensor, Tensor]] = None
+    scaling: float = 1.0
+
+    def factors(self) -> list[Optional[Tensor]]:
+        """``[gate_a, gate_b, up_a, up_b, down_a, down_b]``, None where absent."""
+        out: list[Optional[Tensor]] = []
+        for p in PROJECTIONS:
+            ab = getattr(self, p)
+            out.extend(ab if ab is not None else (None, None))
+        return out
+
+    def any(self) -> bool:
+        """True when some projection carries LoRA."""
+        return any(getattr(self, p) is not None for p in PROJECTIONS)
+
+    def op_args(self, like: Tensor) -> list[Tensor]:
+        """The op's ``lora`` list: ``[]``, or 6 tensors with ``[0]``-shaped placeholders."""
+        if not self.any():
+            return []
+        return [t if t is not None else like.new_empty((0,)) for t in self.factors()]
+
+    @classmethod
+    def from_op_args(cls, lora, scaling: float) -> LoRAWeights:
+        """Parse the op's ``lora`` list (``[0]``-shaped entries are absent factors)."""
+        if len(lora) == 0:
+            return cls(scaling=scaling)
+        if len(lora) != 6:
+            raise ValueError(f"lora must be empty or hold 6 tensors, got {len(lora)}")
+
+        def present(t: Tensor) -> bool:
+            return not (t.dim() == 1 and t.shape[0] == 0)
+
+        pairs = {}
+        for i, p in enumerate(PROJECTIONS):
+            a, b = lora[2 * i], lora[2 * i + 1]
+            pairs[p] = (a, b) if present(a) or present(b) else None
+        return cls(**pairs, scaling=scaling)
+
+    def with_factors(self, factors) -> LoRAWeights:
+        """A copy whose factors are ``factors`` (6 entries, None where absent)."""
+        pairs = {
+            p: (factors[2 * i], factors[2 * i + 1]) if factors[2 * i] is not None else None
+            for i, p in enumerate(PROJECTIONS)
+        }
+        return dataclasses.replace(self, **pairs)
+
+
+def layer_args(
+    experts: ExpertWeights, lora: Optional[LoRAWeights], activation: str, like: Tensor
+) -> tuple:
+    """The layer arguments of every ``kt::`` op, in schema order (module docstring).
+
+    ``like`` supplies the device and dtype of the ``[0]``-shaped placeholders.
+    """
+    lora = lora if lora is not None else LoRAWeights()
+    return (
+        experts.tensors(),
+        experts.weight_format,
+        [experts.hidden_size, experts.intermediate_size],
+        list(experts.group_sizes),
+        lora.op_args(like),
+        float(lora.scaling),
+        activation,
+    )
