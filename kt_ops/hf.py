@@ -46,8 +46,8 @@ Nothing is replaced unless every experts module of the model is supported.
 After replacement the state-dict keys of the experts are ``gate_weight``,
 ``up_weight``, ``down_weight`` (packed), so ``save_pretrained`` checkpoints of
 a converted model do not load back into the unconverted class. The experts run
-on the CPU: keep hidden states there (CUDA hidden states need a CUDA build of
-the op). The packed expert weights are frozen; gradients flow through the
+on the CPU: keep hidden states there (CUDA tensors get a clear error naming the
+argument). The packed expert weights are frozen; gradients flow through the
 experts to the rest of the model (kt.moe_backward), and
 ``MoEExperts.add_lora`` adds trainable LoRA adapters to the experts.
 """
@@ -64,7 +64,8 @@ import torch
 from torch import Tensor, nn
 
 from kt_ops.nn import MoEExpertList, MoEExperts
-from kt_ops.ops import WEIGHT_FORMATS, split_weight_format
+from kt_ops.formats import FORMATS
+from kt_ops.layer import split_weight_format
 
 __all__ = ["ExpertsInfo", "UnsupportedExpertsError", "find_experts", "replace_experts"]
 
@@ -514,12 +515,13 @@ def replace_experts(
         model: a ``transformers`` MoE model (or any ``nn.Module`` holding such
             experts), its weights materialized (any floating dtype and device;
             packed weights are stored on the CPU).
-        weight_format: one of ``kt_ops.ops.WEIGHT_FORMATS`` (docs/formats.md),
+        weight_format: one of ``kt_ops.formats.FORMATS`` (docs/formats.md),
             or per-projection ``'gate,up,down'`` formats (``'q4_k,q4_k,q6_k'``);
             the model's expert weights are quantized online (a few experts at
             a time) unless ``converted_dir`` is given.
         group_size: group along K for the grouped formats (``None``: the
-            format's default).
+            format's default; with per-projection formats, a format that has a
+            single group size keeps its own).
         symmetric: ``int4``: ``False`` stores zero points.
         converted_dir: a directory written by ``kt-ops convert`` from this
             model's checkpoint: the packed experts are loaded from it (checksums
@@ -557,7 +559,7 @@ def replace_experts(
         except ValueError:
             raise ValueError(
                 f"replace_experts: weight_format={weight_format!r} is not supported; expected one "
-                f"of {WEIGHT_FORMATS} or per-projection 'gate,up,down' formats (e.g. "
+                f"of {FORMATS} or per-projection 'gate,up,down' formats (e.g. "
                 "'q4_k,q4_k,q6_k')"
             ) from None
     plans, already = _plan(model)
