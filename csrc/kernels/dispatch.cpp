@@ -17,6 +17,8 @@ const char* isa_name(Isa isa) {
       return "avx2";
     case Isa::kAvx512:
       return "avx512";
+    case Isa::kAvx512Vnni:
+      return "avx512_vnni";
   }
   return "?";
 }
@@ -25,8 +27,9 @@ Isa parse_isa(const std::string& name) {
   if (name == "ref") return Isa::kRef;
   if (name == "avx2") return Isa::kAvx2;
   if (name == "avx512") return Isa::kAvx512;
+  if (name == "avx512_vnni") return Isa::kAvx512Vnni;
   throw std::invalid_argument("kt_ops: unknown ISA '" + name +
-                              "'; expected one of ref, avx2, avx512");
+                              "'; expected one of ref, avx2, avx512, avx512_vnni");
 }
 
 namespace {
@@ -41,6 +44,10 @@ bool is_built(Isa isa) {
 #endif
 #ifdef KT_BUILD_AVX512
     case Isa::kAvx512:
+      return true;
+#endif
+#ifdef KT_BUILD_AVX512_VNNI
+    case Isa::kAvx512Vnni:
       return true;
 #endif
     default:
@@ -58,6 +65,8 @@ const char* missing_feature(Isa isa) {
       return f.avx2 ? nullptr : "AVX2+FMA";
     case Isa::kAvx512:
       return f.avx512 ? nullptr : "AVX-512 F/BW/VL/DQ";
+    case Isa::kAvx512Vnni:
+      return f.avx512_vnni ? nullptr : "AVX-512 F/BW/VL/DQ + AVX512_VNNI";
   }
   return "?";
 }
@@ -109,7 +118,7 @@ ActiveIsa& active_state() {
 
 std::vector<Isa> built_isas() {
   std::vector<Isa> out;
-  for (Isa isa : {Isa::kRef, Isa::kAvx2, Isa::kAvx512})
+  for (Isa isa : {Isa::kRef, Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Vnni})
     if (is_built(isa)) out.push_back(isa);
   return out;
 }
@@ -154,8 +163,13 @@ const std::vector<TierKernels>& tier_table() {
       {Isa::kAvx2, {&avx2::bf16_kernels(), &avx2::qint_kernels(), &avx2::fp8_kernels()}, avx2::silu_mul_rows},
 #endif
 #ifdef KT_BUILD_AVX512
-      // The integer and fp8 kernels are 256-bit AVX2 code, which every AVX-512 CPU runs.
-      {Isa::kAvx512, {&avx512::bf16_kernels(), nullptr, nullptr}, avx512::silu_mul_rows},
+      // fp8 stays on the AVX2 kernels (256-bit code every AVX-512 CPU runs).
+      {Isa::kAvx512, {&avx512::bf16_kernels(), &avx512::qint_kernels(), nullptr},
+       avx512::silu_mul_rows},
+#endif
+#ifdef KT_BUILD_AVX512_VNNI
+      // vpdpbusd for the integer formats; the rest from the avx512 row.
+      {Isa::kAvx512Vnni, {nullptr, &avx512_vnni::qint_kernels(), nullptr}, nullptr},
 #endif
   };
   return table;

@@ -29,7 +29,12 @@ void silu_mul_rows(float* g, const float* u, int m);
 
 namespace avx512 {
 const ProjectionKernels& bf16_kernels();
+const ProjectionKernels& qint_kernels();
 void silu_mul_rows(float* g, const float* u, int m);
 }  // namespace avx512
+
+namespace avx512_vnni {
+const ProjectionKernels& qint_kernels();
+}  // namespace avx512_vnni
 
 }  // namespace kt::kernels

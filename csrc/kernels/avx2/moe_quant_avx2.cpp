@@ -1,19 +1,10 @@
-// Quantized-format kernels, AVX2 tier (also run by the AVX-512 tier).
+// Quantized-format kernels, AVX2 tier.
 //
-// qint (formats/qint.h) x q8 activations: a 32-bit lane holds one row's 4
-// consecutive k, so `pmaddubsw(codes, broadcast(4 activations))` then
-// `pmaddwd(., 1)` is one row's 4-term int32 dot product, 8 rows per ymm: the
-// AVX2 form of VNNI's vpdpbusd. Unsigned 4/5/6-bit codes feed pmaddubsw's
-// unsigned operand directly; products of a few k-quads are summed in int16
-// before widening (bounded so they cannot saturate: 4-bit codes 8 quads,
-// 5-bit and E2M1 (q <= 24) 4 quads, 6-bit 2). Signed 8-bit codes use
-// llama.cpp's sign trick: |w| * (x * sign(w)), each pair bounded by 2*127^2.
-// Every fold unit (16 or 32 k) turns the int32 sums into fp32 with the
-// activation block scale and the weight group scale (and zero).
+// qint x q8: the integer dot product of kernels/qint_tiles.h with this tier's
+// integer traits (avx2/vec.h QintVec: pmaddubsw/pmaddwd, 8 rows per ymm).
 //
-// PLAN  one 8-row half of the 16-row block at a time; tiles of up to 4
-// tokens; per fold unit the weight codes are decoded once into 8 ymm and
-// reused by every token of the tile.
+// qint weight-only path: a block decoded once to fp32 W^T, then fp32 FMAs
+// over tiles of 6 tokens (dense_dot).
 //
 // fp8: a 32-byte line of the n16k1 layout (16 rows x 2 k) becomes 4 fp32
 // vectors through fp16 bit moves and F16C (exact for normals and
@@ -28,6 +19,7 @@
 #include "formats/qint.h"
 #include "kernels/avx2/vec.h"
 #include "kernels/block_args.h"
+#include "kernels/qint_tiles.h"
 #include "kernels/tiers.h"
 #include "kernels/kernel_api.h"
 #include "kernels/swiglu.h"
@@ -40,32 +32,6 @@ namespace {
 
 using formats::QintFormat;
 using formats::ScaleType;
-
-constexpr int kMaxTokens = 4;  // tokens per register tile
-
-// 8 consecutive stored scales (rows of one half) as fp32.
-KT_INLINE __m256 load_scales(const void* base, ScaleType t, int64_t index) {
-  switch (t) {
-    case ScaleType::kF16:
-      return _mm256_cvtph_ps(_mm_loadu_si128(
-          reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + index)));
-    case ScaleType::kBF16: {
-      const __m128i v = _mm_loadu_si128(
-          reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + index));
-      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
-    }
-    case ScaleType::kE8M0: {
-      // 2^(E-128): exponent field E-1, flushed to zero for E < 2.
-      const __m128i v = _mm_loadl_epi64(
-          reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(base) + index));
-      __m256i e = _mm256_sub_epi32(_mm256_cvtepu8_epi32(v), _mm256_set1_epi32(1));
-      e = _mm256_max_epi32(e, _mm256_setzero_si256());
-      return _mm256_castsi256_ps(_mm256_slli_epi32(e, 23));
-    }
-    default:
-      return _mm256_loadu_ps(static_cast<const float*>(base) + index);
-  }
-}
 
 // Moves the 1 or 2 high bits of half-set h (stored at bit `from` of each
 // byte) to bit 4 of each byte. 16-bit shifts are safe: the mask keeps only
@@ -120,277 +86,6 @@ KT_INLINE void decode_unit(const uint8_t* block, [[maybe_unused]] const uint8_t*
       }
     }
   }
-}
-
-// int32 dot products of the NV decoded vectors with one token's codes.
-template <int Bits, bool Lut, int NV>
-KT_INLINE __m256i unit_dot(const __m256i* w, [[maybe_unused]] const uint8_t* raw_block,
-                           [[maybe_unused]] int64_t k0, [[maybe_unused]] int half,
-                           const int8_t* xq) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256i acc = _mm256_setzero_si256();
-  if constexpr (Bits == 8) {
-    for (int v = 0; v < NV; ++v) {
-      const __m256i x = _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(xq + 4 * v));
-      const __m256i sw = _mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(raw_block + (k0 / 4 + v) * 64 + half * 32));
-      const __m256i p = _mm256_maddubs_epi16(w[v], _mm256_sign_epi8(x, sw));
-      acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, ones));
-    }
-  } else {
-    constexpr int kDepth = Bits == 4 ? (Lut ? 4 : 8) : (Bits == 5 ? 4 : 2);
-    for (int v0 = 0; v0 < NV; v0 += kDepth) {
-      __m256i s16 = _mm256_setzero_si256();
-      for (int v = v0; v < v0 + kDepth && v < NV; ++v) {
-        const __m256i x = _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(xq + 4 * v));
-        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[v], x));
-      }
-      acc = _mm256_add_epi32(acc, _mm256_madd_epi16(s16, ones));
-    }
-  }
-  return acc;
-}
-
-// Software prefetch distance of the code streams, in bytes.
-constexpr int64_t kPrefetchBytes = 2048;
-
-// Prefetches every 64-byte line holding the codes of k in [k0, k0 + Unit),
-// kPrefetchBytes ahead, in the low plane and (5/6 bit) the high plane.
-template <int Bits, int Unit>
-KT_INLINE void prefetch_unit(const uint8_t* block, [[maybe_unused]] const uint8_t* high,
-                             int64_t k0) {
-  constexpr int kLowBits = Bits == 8 ? 8 : 4;
-  constexpr int64_t kLowLines = int64_t{Unit} * 16 * kLowBits / 8 / 64;
-  const uint8_t* low = block + k0 * 16 * kLowBits / 8 + kPrefetchBytes;
-  for (int64_t l = 0; l < kLowLines; ++l) __builtin_prefetch(low + l * 64, 0, 3);
-  if constexpr (Bits == 5 || Bits == 6) {
-    // One high-plane line per 32 (5 bit) or 16 (6 bit) k: Unit covers one.
-    __builtin_prefetch(high + k0 * 16 * (Bits - 4) / 8 + kPrefetchBytes, 0, 3);
-  }
-}
-
-enum class ZeroMode { kImplicit, kExplicit };
-
-// The parts of M q8 activation records (formats/q8_activations.h).
-template <int M>
-struct Q8Rows {
-  const int8_t* codes[M];
-  const float* scales[M];  // one per 32 k
-  const float* sum16[M];   // sums of the codes times scale, one per 16 k
-  Q8Rows(const uint8_t* const* rows, int64_t kp) {
-    for (int i = 0; i < M; ++i) {
-      codes[i] = formats::q8_codes(rows[i]);
-      scales[i] = formats::q8_scales(rows[i], kp);
-      sum16[i] = formats::q8_sum16(rows[i], kp);
-    }
-  }
-};
-
-// out rows [8*half, 8*half + 8) for M tokens starting at x_rows[0].
-template <int Bits, bool Lut, int Unit, ZeroMode Z, int M>
-KT_INLINE void qint_half_tile(const QintBlock& a, const uint8_t* const* x_rows, float* out,
-                              int half) {
-  constexpr int NV = Unit / 4;
-  const QintFormat& f = *a.format;
-  const int64_t kp = a.kp;
-  const int64_t gsize = f.group_size == 0 ? kp : f.group_size;
-  const uint8_t* high = a.block + formats::qint_low_plane_bytes(Bits, kp);
-  const Q8Rows<M> xr(x_rows, kp);
-  __m256 acc[M];
-  for (int i = 0; i < M; ++i) acc[i] = _mm256_setzero_ps();
-  const __m256 offset = _mm256_set1_ps(f.zero_offset);
-  for (int64_t k0 = 0; k0 < kp; k0 += Unit) {
-    // Keep the block's stream ahead of the decode: every line of the unit
-    // ~2 KB ahead, in the first pass only (the second finds them in cache).
-    if (half == 0) prefetch_unit<Bits, Unit>(a.block, high, k0);
-    __m256i w[NV];
-    decode_unit<Bits, Lut, NV>(a.block, high, k0, half, w);
-    const int64_t sidx = (k0 / gsize) * 16 + half * 8;
-    const __m256 s = load_scales(a.scales, f.scale_type, sidx);
-    __m256 z = _mm256_setzero_ps();
-    if constexpr (Z == ZeroMode::kExplicit) z = load_scales(a.zeros, f.zero_type, sidx);
-    for (int i = 0; i < M; ++i) {
-      const __m256i isum = unit_dot<Bits, Lut, NV>(w, a.block, k0, half, xr.codes[i] + k0);
-      const __m256 xa =
-          _mm256_mul_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(xr.scales[i][k0 / 32]));
-      float xs_scalar = xr.sum16[i][k0 / 16];
-      if constexpr (Unit == 32) xs_scalar += xr.sum16[i][k0 / 16 + 1];
-      const __m256 xs = _mm256_set1_ps(xs_scalar);
-      if constexpr (Z == ZeroMode::kExplicit) {
-        acc[i] = _mm256_fnmadd_ps(z, xs, _mm256_fmadd_ps(s, xa, acc[i]));
-      } else {
-        acc[i] = _mm256_fmadd_ps(s, _mm256_fnmadd_ps(offset, xs, xa), acc[i]);
-      }
-    }
-  }
-  for (int i = 0; i < M; ++i) _mm256_storeu_ps(out + i * a.ldo + half * 8, acc[i]);
-}
-
-// Folds one unit's int32 dot products of rows [8*half, 8*half + 8) into
-// fp32: acc += s * (isum * x_scale) - zero * x_sum.
-template <ZeroMode Z>
-KT_INLINE __m256 fold_unit(__m256 acc, __m256i isum, __m256 s, __m256 z, __m256 offset,
-                           float x_scale, float x_sum) {
-  const __m256 xa = _mm256_mul_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(x_scale));
-  const __m256 xs = _mm256_set1_ps(x_sum);
-  if constexpr (Z == ZeroMode::kExplicit)
-    return _mm256_fnmadd_ps(z, xs, _mm256_fmadd_ps(s, xa, acc));
-  return _mm256_fmadd_ps(s, _mm256_fnmadd_ps(offset, xs, xa), acc);
-}
-
-// All 16 rows of the block for M <= 2 tokens in ONE pass over its codes
-// (decode: every 64-byte line is read once, in order, both 32-byte halves
-// together), so the stream from DRAM is a single sequential read and each
-// activation quad is broadcast once for 16 rows. Few tokens leave the
-// registers for the second half's accumulators; larger tiles use
-// qint_half_tile, which decodes each code once for up to 4 tokens.
-template <int Bits, bool Lut, int Unit, ZeroMode Z, int M>
-KT_INLINE void qint_block_tile(const QintBlock& a, const uint8_t* const* x_rows, float* out) {
-  constexpr int NV = Unit / 4;  // k-quads per unit
-  // Quads summed in int16 before widening (see the file comment).
-  constexpr int kDepth =
-      Bits == 8 ? 1 : std::min(NV, Bits == 4 ? (Lut ? 4 : 8) : (Bits == 5 ? 4 : 2));
-  const QintFormat& f = *a.format;
-  const int64_t kp = a.kp;
-  const int64_t gsize = f.group_size == 0 ? kp : f.group_size;
-  const uint8_t* high = a.block + formats::qint_low_plane_bytes(Bits, kp);
-  const Q8Rows<M> xr(x_rows, kp);
-  const __m256i ones = _mm256_set1_epi16(1);
-  const __m256 offset = _mm256_set1_ps(f.zero_offset);
-  __m256 acc[M][2];
-  for (int i = 0; i < M; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-  for (int64_t k0 = 0; k0 < kp; k0 += Unit) {
-    prefetch_unit<Bits, Unit>(a.block, high, k0);
-    __m256i isum[M][2];
-    for (int i = 0; i < M; ++i) isum[i][0] = isum[i][1] = _mm256_setzero_si256();
-    // 5/6 bit: the unit's one high-plane line (32 or 16 k), loaded once.
-    [[maybe_unused]] __m256i hb[2];
-    [[maybe_unused]] constexpr int hi_mask = Bits == 5 ? 0x10 : 0x30;
-    if constexpr (Bits == 5 || Bits == 6) {
-      static_assert(Unit * (Bits - 4) == 32, "one high-plane line per unit");
-      const uint8_t* hl = high + (k0 / Unit) * 64;
-      hb[0] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hl));
-      hb[1] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hl + 32));
-    }
-    for (int v0 = 0; v0 < NV; v0 += kDepth) {
-      if constexpr (Bits == 8) {
-        // One line: 4 k of all 16 rows; llama.cpp's sign trick per half.
-        const uint8_t* line = a.block + (k0 / 4 + v0) * 64;
-        const __m256i r0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line));
-        const __m256i r1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + 32));
-        const __m256i a0 = _mm256_abs_epi8(r0), a1 = _mm256_abs_epi8(r1);
-        for (int i = 0; i < M; ++i) {
-          const __m256i x =
-              _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(xr.codes[i] + k0 + 4 * v0));
-          isum[i][0] = _mm256_add_epi32(
-              isum[i][0],
-              _mm256_madd_epi16(_mm256_maddubs_epi16(a0, _mm256_sign_epi8(x, r0)), ones));
-          isum[i][1] = _mm256_add_epi32(
-              isum[i][1],
-              _mm256_madd_epi16(_mm256_maddubs_epi16(a1, _mm256_sign_epi8(x, r1)), ones));
-        }
-      } else {
-        __m256i s16[M][2];
-        for (int i = 0; i < M; ++i) s16[i][0] = s16[i][1] = _mm256_setzero_si256();
-        for (int v = v0; v < v0 + kDepth; v += 2) {
-          // Quads v, v+1 of both halves: one 64-byte line of the low plane.
-          __m256i w0[2], w1[2];
-          if constexpr (Bits == 4) {
-            decode_unit<Bits, Lut, 2>(a.block, high, k0 + 4 * v, 0, w0);
-            decode_unit<Bits, Lut, 2>(a.block, high, k0 + 4 * v, 1, w1);
-          } else {
-            decode_unit<4, false, 2>(a.block, high, k0 + 4 * v, 0, w0);
-            decode_unit<4, false, 2>(a.block, high, k0 + 4 * v, 1, w1);
-            for (int j = 0; j < 2; ++j) {
-              const int from = (Bits - 4) * (v + j);  // a constant once the loops unroll
-              w0[j] = _mm256_or_si256(w0[j], high_bits_to_bit4(hb[0], from, hi_mask));
-              w1[j] = _mm256_or_si256(w1[j], high_bits_to_bit4(hb[1], from, hi_mask));
-            }
-          }
-          for (int i = 0; i < M; ++i) {
-            const int8_t* xp = xr.codes[i] + k0 + 4 * v;
-            const __m256i xa = _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(xp));
-            const __m256i xb = _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(xp + 4));
-            s16[i][0] = _mm256_add_epi16(
-                s16[i][0],
-                _mm256_add_epi16(_mm256_maddubs_epi16(w0[0], xa), _mm256_maddubs_epi16(w0[1], xb)));
-            s16[i][1] = _mm256_add_epi16(
-                s16[i][1],
-                _mm256_add_epi16(_mm256_maddubs_epi16(w1[0], xa), _mm256_maddubs_epi16(w1[1], xb)));
-          }
-        }
-        for (int i = 0; i < M; ++i)
-          for (int h = 0; h < 2; ++h)
-            isum[i][h] = _mm256_add_epi32(isum[i][h], _mm256_madd_epi16(s16[i][h], ones));
-      }
-    }
-    const int64_t sidx = (k0 / gsize) * 16;
-    const __m256 s[2] = {load_scales(a.scales, f.scale_type, sidx),
-                         load_scales(a.scales, f.scale_type, sidx + 8)};
-    __m256 z[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-    if constexpr (Z == ZeroMode::kExplicit) {
-      z[0] = load_scales(a.zeros, f.zero_type, sidx);
-      z[1] = load_scales(a.zeros, f.zero_type, sidx + 8);
-    }
-    for (int i = 0; i < M; ++i) {
-      float x_sum = xr.sum16[i][k0 / 16];
-      if constexpr (Unit == 32) x_sum += xr.sum16[i][k0 / 16 + 1];
-      const float x_scale = xr.scales[i][k0 / 32];
-      for (int h = 0; h < 2; ++h)
-        acc[i][h] = fold_unit<Z>(acc[i][h], isum[i][h], s[h], z[h], offset, x_scale, x_sum);
-    }
-  }
-  for (int i = 0; i < M; ++i) {
-    _mm256_storeu_ps(out + i * a.ldo, acc[i][0]);
-    _mm256_storeu_ps(out + i * a.ldo + 8, acc[i][1]);
-  }
-}
-
-template <int Bits, bool Lut, int Unit, ZeroMode Z>
-void qint_dot_impl(const QintBlock& a) {
-  if (a.m <= 2) {  // decode: one sequential pass over the block
-    if (a.m == 2) return qint_block_tile<Bits, Lut, Unit, Z, 2>(a, a.x_rows, a.out);
-    if (a.m == 1) return qint_block_tile<Bits, Lut, Unit, Z, 1>(a, a.x_rows, a.out);
-    return;
-  }
-  for (int half = 0; half < 2; ++half) {
-    int i = 0;
-    for (; i + kMaxTokens <= a.m; i += kMaxTokens)
-      qint_half_tile<Bits, Lut, Unit, Z, kMaxTokens>(a, a.x_rows + i, a.out + i * a.ldo, half);
-    switch (a.m - i) {
-      case 3:
-        qint_half_tile<Bits, Lut, Unit, Z, 3>(a, a.x_rows + i, a.out + i * a.ldo, half);
-        break;
-      case 2:
-        qint_half_tile<Bits, Lut, Unit, Z, 2>(a, a.x_rows + i, a.out + i * a.ldo, half);
-        break;
-      case 1:
-        qint_half_tile<Bits, Lut, Unit, Z, 1>(a, a.x_rows + i, a.out + i * a.ldo, half);
-        break;
-      default:
-        break;
-    }
-  }
-}
-
-void qint_dot(const QintBlock& a) {
-  const QintFormat& f = *a.format;
-  const bool explicit_zero = a.zeros != nullptr;
-  const int unit = static_cast<int>(formats::qint_fold_unit(f.group_size));
-  // The combinations the format table (formats/qint.h) produces; the op
-  // layer rejects any other, so the last branch is unreachable there.
-  if (f.bits == 8) return qint_dot_impl<8, false, 32, ZeroMode::kImplicit>(a);
-  if (f.bits == 4 && f.lut_e2m1) return qint_dot_impl<4, true, 32, ZeroMode::kImplicit>(a);
-  if (f.bits == 4 && unit == 32) {
-    if (explicit_zero) return qint_dot_impl<4, false, 32, ZeroMode::kExplicit>(a);
-    return qint_dot_impl<4, false, 32, ZeroMode::kImplicit>(a);
-  }
-  if (f.bits == 5 && unit == 32) {
-    if (explicit_zero) return qint_dot_impl<5, false, 32, ZeroMode::kExplicit>(a);
-    return qint_dot_impl<5, false, 32, ZeroMode::kImplicit>(a);
-  }
-  if (f.bits == 6 && unit == 16) return qint_dot_impl<6, false, 16, ZeroMode::kImplicit>(a);
-  ref::qint_block_dot(a);
 }
 
 // ---- fp8 -------------------------------------------------------------------
@@ -503,8 +198,8 @@ void qint_decode_impl(const QintBlock& a, float* w) {
         decode_unit<Bits, Lut, 2>(a.block, high, k0, half, c);
       }
       const int64_t sidx = (k0 / gsize) * 16 + half * 8;
-      const __m256 sc = load_scales(a.scales, f.scale_type, sidx);
-      const __m256 z = Z == ZeroMode::kExplicit ? load_scales(a.zeros, f.zero_type, sidx)
+      const __m256 sc = QintVec::load_scales(a.scales, f.scale_type, sidx);
+      const __m256 z = Z == ZeroMode::kExplicit ? QintVec::load_scales(a.zeros, f.zero_type, sidx)
                                                 : _mm256_mul_ps(offset, sc);
       for (int v = 0; v < 2; ++v) {
         const __m256i t =
@@ -592,7 +287,8 @@ void dense_dot(const float* const* x, int m, const float* w, int64_t kp, float* 
 }
 
 void qint_run(const DotArgs& a) {
-  for (int64_t nb = a.nb_begin; nb < a.nb_end; ++nb) qint_dot(qint_block(a, nb));
+  for (int64_t nb = a.nb_begin; nb < a.nb_end; ++nb)
+    kernels::qint_dot<QintVec>(qint_block(a, nb), ref::qint_block_dot);
 }
 void qint_run_fp32(const DotArgs& a) {
   weight_only_dot<QintBlock>(a, qint_block, qint_decode, dense_dot);

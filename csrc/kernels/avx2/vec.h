@@ -6,6 +6,8 @@
 
 #include <cstdint>
 
+#include "formats/qint.h"
+
 namespace kt::kernels::avx2 {
 
 struct Vec {
@@ -57,6 +59,91 @@ struct Vec {
     const Reg s2 = _mm256_castsi256_ps(_mm256_slli_epi32(
         _mm256_add_epi32(_mm256_sub_epi32(ni, half), _mm256_set1_epi32(127)), 23));
     return _mm256_mul_ps(_mm256_mul_ps(y, s1), s2);
+  }
+};
+
+// Integer traits of kernels/qint_tiles.h: 8 rows x 4 bytes per ymm (a 64-byte
+// line is two halves); products reach int32 through pmaddubsw (int16) and
+// pmaddwd, the AVX2 form of VNNI's vpdpbusd.
+struct QintVec {
+  using I = __m256i;
+  using F = __m256;
+  static constexpr int kBytes = 32;
+  static constexpr int kRows = 8;   // rows per register
+  static constexpr int kParts = 2;  // registers per 64-byte line
+  static constexpr int kMaxTile = 4;  // tokens per tile: 4 x (int16 + int32 + fp32 accs) + 2 codes
+
+  // Quads whose pmaddubsw products may be summed in int16 before widening:
+  // pairs of u8 * s8 products are at most 2 * qmax * 127, so 4-bit codes
+  // (qmax 15) allow 8 quads, 5-bit and E2M1 (qmax 24..31) 4, 6-bit 2.
+  static constexpr int depth(int bits, bool lut) {
+    return bits == 4 ? (lut ? 4 : 8) : (bits == 5 ? 4 : 2);
+  }
+
+  static inline I load(const void* p) { return _mm256_loadu_si256(static_cast<const I*>(p)); }
+  static inline I zero() { return _mm256_setzero_si256(); }
+  static inline I set1_i32(int32_t v) { return _mm256_set1_epi32(v); }
+  static inline I or_(I a, I b) { return _mm256_or_si256(a, b); }
+  static inline I lo_nibbles(I raw) { return _mm256_and_si256(raw, _mm256_set1_epi8(0x0F)); }
+  static inline I hi_nibbles(I raw) {
+    return _mm256_and_si256(_mm256_srli_epi16(raw, 4), _mm256_set1_epi8(0x0F));
+  }
+  // E2M1 code -> 2*value + 12 (formats::e2m1_kernel_code), per 128-bit lane.
+  static inline I e2m1_codes(I c) {
+    const I lut = _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0, 12,
+                                   13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0);
+    return _mm256_shuffle_epi8(lut, c);
+  }
+  // The high bits stored at bit `from` of each byte, moved to bit 4 and
+  // masked. 16-bit shifts are safe: the mask keeps only bits of the same byte.
+  static inline I high_bits(I hb, int from, int mask) {
+    const I m = _mm256_set1_epi8(static_cast<char>(mask));
+    if (from < 4) return _mm256_and_si256(_mm256_sll_epi16(hb, _mm_cvtsi32_si128(4 - from)), m);
+    return _mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(from - 4)), m);
+  }
+  // st += w0 . x0 + w1 . x1 per 16-bit pair (u8 codes x s8 activations).
+  static inline void dot2(I& st, I w0, I x0, I w1, I x1) {
+    st = _mm256_add_epi16(st, _mm256_add_epi16(_mm256_maddubs_epi16(w0, x0),
+                                                _mm256_maddubs_epi16(w1, x1)));
+  }
+  static inline I flush(I isum, I st) {
+    return _mm256_add_epi32(isum, _mm256_madd_epi16(st, _mm256_set1_epi16(1)));
+  }
+  // isum += raw . x for signed 8-bit codes: |raw| * (x * sign(raw)).
+  static inline I dot_signed(I isum, I raw, I x) {
+    const I p = _mm256_maddubs_epi16(_mm256_abs_epi8(raw), _mm256_sign_epi8(x, raw));
+    return _mm256_add_epi32(isum, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+  }
+
+  static inline F fzero() { return _mm256_setzero_ps(); }
+  static inline F set1(float v) { return _mm256_set1_ps(v); }
+  static inline F cvt(I v) { return _mm256_cvtepi32_ps(v); }
+  static inline F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static inline F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static inline F fnmadd(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
+  static inline void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+  // kRows consecutive stored scales (or zeros) as fp32.
+  static inline F load_scales(const void* base, formats::ScaleType t, int64_t index) {
+    switch (t) {
+      case formats::ScaleType::kF16:
+        return _mm256_cvtph_ps(_mm_loadu_si128(
+            reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + index)));
+      case formats::ScaleType::kBF16: {
+        const __m128i v = _mm_loadu_si128(
+            reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + index));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+      }
+      case formats::ScaleType::kE8M0: {
+        // 2^(E-128): exponent field E-1, flushed to zero for E < 2.
+        const __m128i v = _mm_loadl_epi64(
+            reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(base) + index));
+        __m256i e = _mm256_sub_epi32(_mm256_cvtepu8_epi32(v), _mm256_set1_epi32(1));
+        e = _mm256_max_epi32(e, _mm256_setzero_si256());
+        return _mm256_castsi256_ps(_mm256_slli_epi32(e, 23));
+      }
+      default:
+        return _mm256_loadu_ps(static_cast<const float*>(base) + index);
+    }
   }
 };
 

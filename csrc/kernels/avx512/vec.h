@@ -6,6 +6,8 @@
 
 #include <cstdint>
 
+#include "formats/qint.h"
+
 namespace kt::kernels::avx512 {
 
 struct Vec {
@@ -51,6 +53,100 @@ struct Vec {
     y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
     // y * 2^n in one instruction; scalef handles the exponent range itself.
     return _mm512_scalef_ps(y, n);
+  }
+};
+
+// Integer traits of kernels/qint_tiles.h at 512 bits: one zmm holds all 16
+// rows x 4 bytes of a 64-byte line. kVnni = false: pmaddubsw/pmaddwd
+// (AVX-512 BW, tier avx512); kVnni = true: vpdpbusd accumulates u8 x s8
+// quads straight into int32 (AVX512_VNNI, tier avx512_vnni). Each tier
+// instantiates only its own specialization (its symbols carry kVnni), and
+// only the avx512_vnni directory is compiled with -mavx512vnni.
+template <bool kVnni>
+struct QintVec512 {
+  using I = __m512i;
+  using F = __m512;
+  static constexpr int kBytes = 64;
+  static constexpr int kRows = 16;
+  static constexpr int kParts = 1;
+  static constexpr int kMaxTile = 4;
+
+  // Quads summed before widening to int32: pmaddubsw's int16 bound (see
+  // avx2/vec.h); vpdpbusd has no int16 stage.
+  static constexpr int depth(int bits, bool lut) {
+    if (kVnni) return 8;
+    return bits == 4 ? (lut ? 4 : 8) : (bits == 5 ? 4 : 2);
+  }
+
+  static inline I load(const void* p) { return _mm512_loadu_si512(p); }
+  static inline I zero() { return _mm512_setzero_si512(); }
+  static inline I set1_i32(int32_t v) { return _mm512_set1_epi32(v); }
+  static inline I or_(I a, I b) { return _mm512_or_si512(a, b); }
+  static inline I lo_nibbles(I raw) { return _mm512_and_si512(raw, _mm512_set1_epi8(0x0F)); }
+  static inline I hi_nibbles(I raw) {
+    return _mm512_and_si512(_mm512_srli_epi16(raw, 4), _mm512_set1_epi8(0x0F));
+  }
+  // E2M1 code -> 2*value + 12, per 128-bit lane (the table in every lane).
+  static inline I e2m1_codes(I c) {
+    const I lut = _mm512_broadcast_i32x4(
+        _mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
+    return _mm512_shuffle_epi8(lut, c);
+  }
+  static inline I high_bits(I hb, int from, int mask) {
+    const I m = _mm512_set1_epi8(static_cast<char>(mask));
+    if (from < 4) return _mm512_and_si512(_mm512_sll_epi16(hb, _mm_cvtsi32_si128(4 - from)), m);
+    return _mm512_and_si512(_mm512_srl_epi16(hb, _mm_cvtsi32_si128(from - 4)), m);
+  }
+  static inline void dot2(I& st, I w0, I x0, I w1, I x1) {
+    if constexpr (kVnni) {
+      st = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(st, w0, x0), w1, x1);
+    } else {
+      st = _mm512_add_epi16(st, _mm512_add_epi16(_mm512_maddubs_epi16(w0, x0),
+                                                 _mm512_maddubs_epi16(w1, x1)));
+    }
+  }
+  static inline I flush(I isum, I st) {
+    if constexpr (kVnni) return _mm512_add_epi32(isum, st);
+    return _mm512_add_epi32(isum, _mm512_madd_epi16(st, _mm512_set1_epi16(1)));
+  }
+  // isum += raw . x for signed 8-bit codes: |raw| * (x negated where raw < 0)
+  // (AVX-512 has no psignb; where raw = 0 the product is 0 either way).
+  static inline I dot_signed(I isum, I raw, I x) {
+    const I xs = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(raw), _mm512_setzero_si512(), x);
+    const I w = _mm512_abs_epi8(raw);
+    if constexpr (kVnni) return _mm512_dpbusd_epi32(isum, w, xs);
+    return _mm512_add_epi32(isum,
+                            _mm512_madd_epi16(_mm512_maddubs_epi16(w, xs), _mm512_set1_epi16(1)));
+  }
+
+  static inline F fzero() { return _mm512_setzero_ps(); }
+  static inline F set1(float v) { return _mm512_set1_ps(v); }
+  static inline F cvt(I v) { return _mm512_cvtepi32_ps(v); }
+  static inline F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static inline F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static inline F fnmadd(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
+  static inline void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+  static inline F load_scales(const void* base, formats::ScaleType t, int64_t index) {
+    switch (t) {
+      case formats::ScaleType::kF16:
+        return _mm512_cvtph_ps(_mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + index)));
+      case formats::ScaleType::kBF16: {
+        const __m256i v = _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + index));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+      }
+      case formats::ScaleType::kE8M0: {
+        // 2^(E-128): exponent field E-1, flushed to zero for E < 2.
+        const __m128i v = _mm_loadu_si128(
+            reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(base) + index));
+        __m512i e = _mm512_sub_epi32(_mm512_cvtepu8_epi32(v), _mm512_set1_epi32(1));
+        e = _mm512_max_epi32(e, _mm512_setzero_si512());
+        return _mm512_castsi512_ps(_mm512_slli_epi32(e, 23));
+      }
+      default:
+        return _mm512_loadu_ps(static_cast<const float*>(base) + index);
+    }
   }
 };
 

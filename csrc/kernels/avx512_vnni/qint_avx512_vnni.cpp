@@ -1,0 +1,27 @@
+// qint x q8 integer dot products, AVX512_VNNI tier: the kernels/qint_tiles.h
+// template with vpdpbusd (u8 codes x s8 activations accumulated straight into
+// int32, one zmm per 16-row line). The weight-only fp32 path is the AVX2
+// tier's. Bit-identical to every other tier: the int32 sums are exact and the
+// fp32 fold is the same sequence of operations.
+#include "kernels/avx512/vec.h"
+#include "kernels/qint_tiles.h"
+#include "kernels/tiers.h"
+
+namespace kt::kernels::avx512_vnni {
+
+namespace {
+
+void qint_run(const DotArgs& a) {
+  for (int64_t nb = a.nb_begin; nb < a.nb_end; ++nb)
+    kernels::qint_dot<avx512::QintVec512<true>>(qint_block(a, nb), ref::qint_block_dot);
+}
+
+}  // namespace
+
+const ProjectionKernels& qint_kernels() {
+  static const ProjectionKernels k{"avx512_vnni/qint_q8", &qint_run,
+                                   avx2::qint_kernels().dot_fp32, avx2::qint_kernels().fp32_name};
+  return k;
+}
+
+}  // namespace kt::kernels::avx512_vnni

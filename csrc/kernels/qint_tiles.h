@@ -1,0 +1,242 @@
+// The integer dot product of the qint formats (formats/qint.h) with q8
+// activations (formats/q8_activations.h), written once over an integer
+// vector-traits type V and instantiated per ISA (kernels/<isa>/qint_*.cpp).
+// This header holds no intrinsics: each instantiation's symbols carry its
+// ISA's V, so objects compiled with different -m flags never share code.
+//
+// SHAPES  one 16-row block of codes: low plane [Kp/8][16 rows][4 bytes] for
+//         4/5/6-bit (byte j of row r, line l: low nibble = quad 2l, high
+//         nibble = quad 2l+1; a quad is 4 consecutive k) or [Kp/4][16][4]
+//         signed bytes for 8-bit; 5/6-bit codes keep their high bits in a
+//         second plane (one 64-byte line per 32 or 16 k). Scales (zeros)
+//         [G][16]. m q8 activation rows. Output out[i * ldo + r], r < 16.
+// DEFINITION
+//   for i < m, r < 16: acc = 0
+//     for each fold unit u (16 or 32 k; formats::qint_fold_unit):
+//       isum = sum_{k in u} q[r][k] * xq_i[k]                       (exact int32)
+//       acc += s[r,g] * (x_scale_i(u) * isum) - zero[r,g] * x_sum_i(u)
+//   (implicit zero: zero = zero_offset * s). The fp32 fold is the same
+//   sequence of operations on every ISA, and the int32 sums are exact, so
+//   every tier gives bit-identical results.
+// REGISTER PLAN  a register holds V::kRows rows x 4 bytes (one k-quad of
+//   kRows rows); a 64-byte line is V::kParts registers (AVX2: 2 halves of 8
+//   rows; AVX-512: all 16 rows). Per fold unit the codes of a quad pair are
+//   decoded once and multiplied with M tokens' broadcast quads. The traits
+//   decide how products reach int32: pmaddubsw sums in int16 for
+//   V::depth(bits) quads (bounded so it cannot saturate), then pmaddwd; VNNI's
+//   vpdpbusd accumulates int32 directly. Signed 8-bit codes use the sign
+//   trick |w| * (x * sign(w)) (llama.cpp), whose pairs are bounded by 2*127^2.
+// TILES  decode (m <= 2) reads each line once with all parts together (one
+//   sequential DRAM stream); more tokens go part by part in tiles of
+//   V::kMaxTile, so the codes of a part stay in registers for the tile.
+#pragma once
+
+#include <cstdint>
+
+#include "formats/q8_activations.h"
+#include "formats/qint.h"
+#include "kernels/block_args.h"
+
+namespace kt::kernels {
+
+#ifndef KT_ALWAYS_INLINE
+#define KT_ALWAYS_INLINE inline __attribute__((always_inline))
+#endif
+
+enum class ZeroMode { kImplicit, kExplicit };
+
+// Software prefetch distance of the code streams, in bytes (2 KB ahead of the
+// decode covers DRAM latency at a core's stream rate; measured on Zen 3).
+constexpr int64_t kQintPrefetchBytes = 2048;
+
+// Prefetches every 64-byte line holding the codes of k in [k0, k0 + Unit),
+// kQintPrefetchBytes ahead, in the low plane and (5/6 bit) the high plane.
+template <int Bits, int Unit>
+KT_ALWAYS_INLINE void qint_prefetch_unit(const uint8_t* block, [[maybe_unused]] const uint8_t* high,
+                                         int64_t k0) {
+  constexpr int kLowBits = Bits == 8 ? 8 : 4;
+  constexpr int64_t kLowLines = int64_t{Unit} * 16 * kLowBits / 8 / 64;
+  const uint8_t* low = block + k0 * 16 * kLowBits / 8 + kQintPrefetchBytes;
+  for (int64_t l = 0; l < kLowLines; ++l) __builtin_prefetch(low + l * 64, 0, 3);
+  if constexpr (Bits == 5 || Bits == 6) {
+    // One high-plane line per 32 (5 bit) or 16 (6 bit) k: Unit covers one.
+    __builtin_prefetch(high + k0 * 16 * (Bits - 4) / 8 + kQintPrefetchBytes, 0, 3);
+  }
+}
+
+// The parts of M q8 activation records.
+template <int M>
+struct Q8Rows {
+  const int8_t* codes[M];
+  const float* scales[M];  // one per 32 k
+  const float* sum16[M];   // scale * sum of the codes, one per 16 k
+  Q8Rows(const uint8_t* const* rows, int64_t kp) {
+    for (int i = 0; i < M; ++i) {
+      codes[i] = formats::q8_codes(rows[i]);
+      scales[i] = formats::q8_scales(rows[i], kp);
+      sum16[i] = formats::q8_sum16(rows[i], kp);
+    }
+  }
+};
+
+// Rows [part0 * kRows, (part0 + P) * kRows) of the block for M tokens.
+template <class V, int Bits, bool Lut, int Unit, ZeroMode Z, int M, int P>
+KT_ALWAYS_INLINE void qint_tile(const QintBlock& a, const uint8_t* const* x_rows, float* out,
+                                int part0) {
+  using I = typename V::I;
+  using F = typename V::F;
+  constexpr int NQ = Unit / 4;  // k-quads per fold unit
+  constexpr int D = V::depth(Bits, Lut) < NQ ? V::depth(Bits, Lut) : NQ;  // quads per flush
+  static_assert(D % 2 == 0 && NQ % D == 0, "quads go in pairs; flushes divide the unit");
+  constexpr int kHighMask = Bits == 5 ? 0x10 : 0x30;
+  const formats::QintFormat& f = *a.format;
+  const int64_t kp = a.kp;
+  const int64_t gsize = f.group_size == 0 ? kp : f.group_size;
+  const uint8_t* high = a.block + formats::qint_low_plane_bytes(Bits, kp);
+  const Q8Rows<M> xr(x_rows, kp);
+  const F offset = V::set1(f.zero_offset);
+  F acc[M][P];
+  for (int i = 0; i < M; ++i)
+    for (int p = 0; p < P; ++p) acc[i][p] = V::fzero();
+  for (int64_t k0 = 0; k0 < kp; k0 += Unit) {
+    // Keep the block's stream ahead of the decode, in the first pass only
+    // (later parts find the lines in cache).
+    if (part0 == 0) qint_prefetch_unit<Bits, Unit>(a.block, high, k0);
+    I isum[M][P];
+    for (int i = 0; i < M; ++i)
+      for (int p = 0; p < P; ++p) isum[i][p] = V::zero();
+    [[maybe_unused]] I hb[P];  // 5/6 bit: the unit's one high-plane line
+    if constexpr (Bits == 5 || Bits == 6) {
+      static_assert(Unit * (Bits - 4) == 32, "one high-plane line per unit");
+      for (int p = 0; p < P; ++p) hb[p] = V::load(high + (k0 / Unit) * 64 + (part0 + p) * V::kBytes);
+    }
+    for (int q0 = 0; q0 < NQ; q0 += D) {
+      [[maybe_unused]] I st[M][P];
+      if constexpr (Bits != 8) {
+        for (int i = 0; i < M; ++i)
+          for (int p = 0; p < P; ++p) st[i][p] = V::zero();
+      }
+      for (int q = q0; q < q0 + D; q += 2) {
+        if constexpr (Bits == 8) {
+          // Two lines: quads q and q+1, each 4 k of all 16 rows.
+          I r0[P], r1[P];
+          const uint8_t* line = a.block + (k0 / 4 + q) * 64;
+          for (int p = 0; p < P; ++p) {
+            r0[p] = V::load(line + (part0 + p) * V::kBytes);
+            r1[p] = V::load(line + 64 + (part0 + p) * V::kBytes);
+          }
+          for (int i = 0; i < M; ++i) {
+            const I xa = V::set1_i32(*reinterpret_cast<const int32_t*>(xr.codes[i] + k0 + 4 * q));
+            const I xb =
+                V::set1_i32(*reinterpret_cast<const int32_t*>(xr.codes[i] + k0 + 4 * q + 4));
+            for (int p = 0; p < P; ++p)
+              isum[i][p] = V::dot_signed(V::dot_signed(isum[i][p], r0[p], xa), r1[p], xb);
+          }
+        } else {
+          // One low-plane line: quad q in the low nibbles, q+1 in the high ones.
+          I w0[P], w1[P];
+          const uint8_t* line = a.block + ((k0 / 4 + q) / 2) * 64;
+          for (int p = 0; p < P; ++p) {
+            const I raw = V::load(line + (part0 + p) * V::kBytes);
+            w0[p] = V::lo_nibbles(raw);
+            w1[p] = V::hi_nibbles(raw);
+            if constexpr (Lut) {
+              w0[p] = V::e2m1_codes(w0[p]);
+              w1[p] = V::e2m1_codes(w1[p]);
+            }
+            if constexpr (Bits == 5 || Bits == 6) {
+              // Constant shifts once the loops unroll.
+              w0[p] = V::or_(w0[p], V::high_bits(hb[p], (Bits - 4) * q, kHighMask));
+              w1[p] = V::or_(w1[p], V::high_bits(hb[p], (Bits - 4) * (q + 1), kHighMask));
+            }
+          }
+          for (int i = 0; i < M; ++i) {
+            const int8_t* xp = xr.codes[i] + k0 + 4 * q;
+            const I xa = V::set1_i32(*reinterpret_cast<const int32_t*>(xp));
+            const I xb = V::set1_i32(*reinterpret_cast<const int32_t*>(xp + 4));
+            for (int p = 0; p < P; ++p) V::dot2(st[i][p], w0[p], xa, w1[p], xb);
+          }
+        }
+      }
+      if constexpr (Bits != 8) {
+        for (int i = 0; i < M; ++i)
+          for (int p = 0; p < P; ++p) isum[i][p] = V::flush(isum[i][p], st[i][p]);
+      }
+    }
+    // Fold the unit into fp32: acc += s * (isum * x_scale) - zero * x_sum.
+    const int64_t sidx = (k0 / gsize) * 16 + part0 * V::kRows;
+    F s[P], z[P];
+    for (int p = 0; p < P; ++p) {
+      s[p] = V::load_scales(a.scales, f.scale_type, sidx + p * V::kRows);
+      z[p] = Z == ZeroMode::kExplicit ? V::load_scales(a.zeros, f.zero_type, sidx + p * V::kRows)
+                                      : V::fzero();
+    }
+    for (int i = 0; i < M; ++i) {
+      float x_sum = xr.sum16[i][k0 / 16];
+      if constexpr (Unit == 32) x_sum += xr.sum16[i][k0 / 16 + 1];
+      const F x_scale = V::set1(xr.scales[i][k0 / 32]);
+      const F xs = V::set1(x_sum);
+      for (int p = 0; p < P; ++p) {
+        const F xa = V::mul(V::cvt(isum[i][p]), x_scale);
+        if constexpr (Z == ZeroMode::kExplicit) {
+          acc[i][p] = V::fnmadd(z[p], xs, V::fmadd(s[p], xa, acc[i][p]));
+        } else {
+          acc[i][p] = V::fmadd(s[p], V::fnmadd(offset, xs, xa), acc[i][p]);
+        }
+      }
+    }
+  }
+  for (int i = 0; i < M; ++i)
+    for (int p = 0; p < P; ++p) V::store(out + i * a.ldo + (part0 + p) * V::kRows, acc[i][p]);
+}
+
+template <class V, int Bits, bool Lut, int Unit, ZeroMode Z>
+void qint_block_dot(const QintBlock& a) {
+  if (V::kParts > 1 && a.m <= 2) {  // decode: one sequential pass over the block
+    if (a.m == 2) return qint_tile<V, Bits, Lut, Unit, Z, 2, V::kParts>(a, a.x_rows, a.out, 0);
+    if (a.m == 1) return qint_tile<V, Bits, Lut, Unit, Z, 1, V::kParts>(a, a.x_rows, a.out, 0);
+    return;
+  }
+  constexpr int MT = V::kMaxTile;
+  for (int part = 0; part < V::kParts; ++part) {
+    int i = 0;
+    for (; i + MT <= a.m; i += MT)
+      qint_tile<V, Bits, Lut, Unit, Z, MT, 1>(a, a.x_rows + i, a.out + i * a.ldo, part);
+    const int rem = a.m - i;
+    const uint8_t* const* x = a.x_rows + i;
+    float* out = a.out + i * a.ldo;
+    // Remainder tiles (MT <= 8).
+    if constexpr (MT > 7) if (rem == 7) qint_tile<V, Bits, Lut, Unit, Z, 7, 1>(a, x, out, part);
+    if constexpr (MT > 6) if (rem == 6) qint_tile<V, Bits, Lut, Unit, Z, 6, 1>(a, x, out, part);
+    if constexpr (MT > 5) if (rem == 5) qint_tile<V, Bits, Lut, Unit, Z, 5, 1>(a, x, out, part);
+    if constexpr (MT > 4) if (rem == 4) qint_tile<V, Bits, Lut, Unit, Z, 4, 1>(a, x, out, part);
+    if (rem == 3) qint_tile<V, Bits, Lut, Unit, Z, 3, 1>(a, x, out, part);
+    if (rem == 2) qint_tile<V, Bits, Lut, Unit, Z, 2, 1>(a, x, out, part);
+    if (rem == 1) qint_tile<V, Bits, Lut, Unit, Z, 1, 1>(a, x, out, part);
+  }
+}
+
+// The combinations the format table produces; anything else (none today)
+// goes to the scalar reference.
+template <class V>
+void qint_dot(const QintBlock& a, void (*fallback)(const QintBlock&)) {
+  const formats::QintFormat& f = *a.format;
+  const bool explicit_zero = a.zeros != nullptr;
+  const int unit = static_cast<int>(formats::qint_fold_unit(f.group_size));
+  if (f.bits == 8 && unit == 32) return qint_block_dot<V, 8, false, 32, ZeroMode::kImplicit>(a);
+  if (f.bits == 4 && f.lut_e2m1 && unit == 32)
+    return qint_block_dot<V, 4, true, 32, ZeroMode::kImplicit>(a);
+  if (f.bits == 4 && unit == 32) {
+    if (explicit_zero) return qint_block_dot<V, 4, false, 32, ZeroMode::kExplicit>(a);
+    return qint_block_dot<V, 4, false, 32, ZeroMode::kImplicit>(a);
+  }
+  if (f.bits == 5 && unit == 32) {
+    if (explicit_zero) return qint_block_dot<V, 5, false, 32, ZeroMode::kExplicit>(a);
+    return qint_block_dot<V, 5, false, 32, ZeroMode::kImplicit>(a);
+  }
+  if (f.bits == 6 && unit == 16 && !explicit_zero)
+    return qint_block_dot<V, 6, false, 16, ZeroMode::kImplicit>(a);
+  fallback(a);
+}
+
+}  // namespace kt::kernels
