@@ -36,6 +36,30 @@ struct Scratch {
 };
 
 thread_local Scratch t_scratch;
+
+// Scratch a calling thread keeps between calls. Decode and ordinary prefill
+// stay below it (no allocation, no fresh page faults per call); a larger call
+// (e.g. 16k tokens) frees its buffers on return instead of holding hundreds
+// of MB for the life of the thread.
+constexpr size_t kScratchKeepBytes = size_t{64} << 20;
+
+template <class T>
+size_t capacity_bytes(const std::vector<T>& v) {
+  return v.capacity() * sizeof(T);
+}
+
+size_t scratch_bytes(const Scratch& s) {
+  return capacity_bytes(s.x) + capacity_bytes(s.xq) + capacity_bytes(s.h) +
+         capacity_bytes(s.hq) + capacity_bytes(s.y) + capacity_bytes(s.x_rows) +
+         capacity_bytes(s.xq_rows) + capacity_bytes(s.h_rows) + capacity_bytes(s.hq_rows);
+}
+
+// Releases the calling thread's buffers when they hold more than kScratchKeepBytes.
+void trim_scratch(Scratch& s) {
+  if (scratch_bytes(s) <= kScratchKeepBytes) return;
+  Scratch empty;
+  std::swap(s, empty);
+}
 // Per-task dot products [m][16] and the weight-only path's decoded block;
 // grown once per pool thread.
 thread_local std::vector<float> t_gate_out, t_up_out, t_block;
@@ -169,6 +193,9 @@ void moe_forward_experts(const at::Tensor& hidden_states, const at::Tensor& topk
 
   // Phase 4: sum the top-k slots of each token in k order, cast to the output dtype.
   combine_slots(y, plan, out);
+  trim_scratch(s);
 }
+
+size_t retained_scratch_bytes() { return scratch_bytes(t_scratch); }
 
 }  // namespace kt::moe

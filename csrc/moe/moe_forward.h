@@ -42,4 +42,9 @@ void moe_forward_experts(const at::Tensor& hidden_states, const at::Tensor& topk
                          const at::Tensor& topk_weights, const MoeLayer& layer,
                          kernels::Isa isa, at::Tensor& out);
 
+// Bytes of scratch the calling thread keeps between calls of
+// moe_forward_experts (activations, SwiGLU outputs, slot outputs). At most
+// 64 MiB: a larger call frees its buffers when it returns.
+size_t retained_scratch_bytes();
+
 }  // namespace kt::moe
