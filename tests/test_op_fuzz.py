@@ -286,9 +286,9 @@ def test_soak_threads_isa_and_thread_count_changes():
         for isa in kt_ops.supported_isas():
             with kt_ops.use_isa(isa):
                 want[isa] = kt_ops.moe_forward(x, ids, w, experts)
-    # Tiers of the integer kernels are bit-identical: any tier's result must match.
+    # The ISA is read once per call, so a result must equal one tier's result
+    # (the SIMD tiers agree bit for bit; ref folds without FMA contraction).
     results = list(want.values())
-    assert all(torch.equal(results[0], r) for r in results)
     stop = threading.Event()
     errors = []
 
@@ -296,7 +296,7 @@ def test_soak_threads_isa_and_thread_count_changes():
         with torch.no_grad():
             while not stop.is_set():
                 out = kt_ops.moe_forward(x, ids, w, experts)
-                if not torch.equal(out, results[0]):
+                if not any(torch.equal(out, r) for r in results):
                     errors.append("mismatch")
 
     def changer():

@@ -16,8 +16,9 @@
 //       isum = sum_{k in u} q[r][k] * xq_i[k]                       (exact int32)
 //       acc += s[r,g] * (x_scale_i(u) * isum) - zero[r,g] * x_sum_i(u)
 //   (implicit zero: zero = zero_offset * s). The fp32 fold is the same
-//   sequence of operations on every ISA, and the int32 sums are exact, so
-//   every tier gives bit-identical results.
+//   sequence of operations (FMAs) on every SIMD tier, and the int32 sums are
+//   exact, so avx2, avx512 and avx512_vnni give bit-identical results (ref,
+//   plain C++ without FMA contraction, rounds its folds differently).
 // REGISTER PLAN  a register holds V::kRows rows x 4 bytes (one k-quad of
 //   kRows rows); a 64-byte line is V::kParts registers (AVX2: 2 halves of 8
 //   rows; AVX-512: all 16 rows). Per fold unit the codes of a quad pair are

@@ -1,8 +1,8 @@
 // qint x q8 integer dot products, AVX512_VNNI tier: the kernels/qint_tiles.h
 // template with vpdpbusd (u8 codes x s8 activations accumulated straight into
 // int32, one zmm per 16-row line). The weight-only fp32 path is the AVX2
-// tier's. Bit-identical to every other tier: the int32 sums are exact and the
-// fp32 fold is the same sequence of operations.
+// tier's. Bit-identical to the avx2 and avx512 tiers: the int32 sums are exact
+// and the fp32 fold is the same sequence of operations.
 #include "kernels/avx512/vec.h"
 #include "kernels/qint_tiles.h"
 #include "kernels/tiers.h"
