@@ -249,18 +249,35 @@ def moe_backward(
 # Fake (meta) kernels
 # --------------------------------------------------------------------------
 
+
 #: The schema of kt::moe_forward as a Python signature: the fake kernels bind
 #: their arguments with it instead of spelling the list out again.
-_FORWARD_SIGNATURE = inspect.Signature(
-    [
-        inspect.Parameter(
-            a.name,
-            inspect.Parameter.POSITIONAL_OR_KEYWORD,
-            default=a.default_value if a.has_default_value() else inspect._empty,
+def _signature_of(op) -> inspect.Signature:
+    """An op overload's schema as a Python signature (keyword-only arguments included)."""
+    params = []
+    for a in op._schema.arguments:
+        kind = (
+            inspect.Parameter.KEYWORD_ONLY
+            if a.kwarg_only
+            else inspect.Parameter.POSITIONAL_OR_KEYWORD
         )
-        for a in torch.ops.kt.moe_forward.default._schema.arguments
-    ]
-)
+        default = a.default_value if a.has_default_value() else inspect.Parameter.empty
+        params.append(inspect.Parameter(a.name, kind, default=default))
+    return inspect.Signature(params)
+
+
+_FORWARD_SIGNATURE = _signature_of(torch.ops.kt.moe_forward.default)
+
+
+def _bind(*args, **kwargs) -> dict:
+    """The arguments of a ``kt::moe_forward``-like call by name, defaults included.
+
+    The dispatcher drops trailing arguments equal to their defaults
+    (``lora_scaling``, ``activation``), so the fake kernels fill them back in.
+    """
+    bound = _FORWARD_SIGNATURE.bind(*args, **kwargs)
+    bound.apply_defaults()
+    return bound.arguments
 
 
 def _check_fake_layer(op: str, bound: dict) -> ExpertWeights:
@@ -356,7 +373,7 @@ def _check_fake_lora(op: str, experts: ExpertWeights, lora: LoRAWeights) -> None
 
 @torch.library.register_fake("kt::moe_forward")
 def _moe_forward_fake(*args, **kwargs):
-    bound = _FORWARD_SIGNATURE.bind(*args, **kwargs).arguments
+    bound = _bind(*args, **kwargs)
     _check_fake_layer("kt.moe_forward", bound)
     x = bound["hidden_states"]
     return x.new_empty(x.shape)
@@ -364,7 +381,7 @@ def _moe_forward_fake(*args, **kwargs):
 
 @torch.library.register_fake("kt::moe_forward_train")
 def _moe_forward_train_fake(*args, **kwargs):
-    bound = _FORWARD_SIGNATURE.bind(*args, **kwargs).arguments
+    bound = _bind(*args, **kwargs)
     experts = _check_fake_layer("kt.moe_forward_train", bound)
     x = bound["hidden_states"]
     pre = (x.shape[0] * bound["topk_ids"].shape[1], experts.intermediate_size)
@@ -375,11 +392,19 @@ def _moe_forward_train_fake(*args, **kwargs):
     )
 
 
+#: kt::moe_backward's schema as a Python signature (the dispatcher may pass
+#: gate_pre, up_pre and compute_grad_hidden_states positionally).
+_BACKWARD_SIGNATURE = _signature_of(torch.ops.kt.moe_backward.default)
+
+
 @torch.library.register_fake("kt::moe_backward")
-def _moe_backward_fake(
-    grad_output, *args, gate_pre=None, up_pre=None, compute_grad_hidden_states=True, **kwargs
-):
-    bound = _FORWARD_SIGNATURE.bind(*args, **kwargs).arguments
+def _moe_backward_fake(*args, **kwargs):
+    full = _BACKWARD_SIGNATURE.bind(*args, **kwargs)
+    full.apply_defaults()
+    bound = dict(full.arguments)
+    grad_output = bound.pop("grad_output")
+    gate_pre, up_pre = bound.pop("gate_pre"), bound.pop("up_pre")
+    compute_grad_hidden_states = bound.pop("compute_grad_hidden_states")
     _check_fake_layer("kt.moe_backward", bound)
     x = bound["hidden_states"]
     torch._check(
