@@ -162,6 +162,10 @@ def moe_forward(
     args = (hidden_states, topk_ids, topk_weights) + layer_args(
         experts, lora, activation, hidden_states
     )
+    if torch.is_grad_enabled():
+        # Autograd does not see into the Tensor?[] weights list: a base weight that
+        # requires grad would otherwise just get no gradient.
+        _check_frozen(args[3])
     if out is not None:
         return torch.ops.kt.moe_forward.out(*args, out=out)
     has_lora = lora is not None and lora.any()
@@ -195,6 +199,8 @@ def moe_forward_train(
     args = (hidden_states, topk_ids, topk_weights) + layer_args(
         experts, lora, activation, hidden_states
     )
+    if torch.is_grad_enabled():
+        _check_frozen(args[3])
     return torch.ops.kt.moe_forward_train.default(*args)
 
 
@@ -445,15 +451,7 @@ _ARG_NAMES = tuple(_FORWARD_SIGNATURE.parameters)
 
 def _setup_context_common(ctx, inputs, saved_pre) -> None:
     bound = dict(zip(_ARG_NAMES, inputs))
-    for i, t in enumerate(bound["weights"]):
-        if t is not None and t.requires_grad:
-            name = f"{PROJECTIONS[i // 3]}_{('weight', 'scales', 'zeros')[i % 3]}"
-            raise RuntimeError(
-                f"kt.moe_forward: {name} requires grad, but the base expert weights are frozen "
-                "(kt.moe_backward computes gradients only for hidden_states, topk_weights and "
-                "the LoRA factors); call .requires_grad_(False) on it, or pass LoRA factors to "
-                "fine-tune the experts"
-            )
+    _check_frozen(bound["weights"])
     weights = bound["weights"]
     present = [t for t in weights if t is not None]
     # save_for_backward (not ctx attributes): autograd frees them after the
@@ -472,6 +470,19 @@ def _setup_context_common(ctx, inputs, saved_pre) -> None:
     ctx.scaling = bound.get("lora_scaling", 1.0)
     ctx.activation = bound.get("activation", "silu")
     ctx.num_saved_pre = len(saved_pre)
+
+
+def _check_frozen(weights) -> None:
+    """Refuse packed base weights that require grad (kt.moe_backward has no gradient for them)."""
+    for i, t in enumerate(weights):
+        if t is not None and t.requires_grad:
+            name = f"{PROJECTIONS[i // 3]}_{('weight', 'scales', 'zeros')[i % 3]}"
+            raise RuntimeError(
+                f"kt.moe_forward: {name} requires grad, but the base expert weights are frozen "
+                "(kt.moe_backward computes gradients only for hidden_states, topk_weights and "
+                "the LoRA factors); call .requires_grad_(False) on it, or pass LoRA factors to "
+                "fine-tune the experts"
+            )
 
 
 def _moe_forward_setup_context(ctx, inputs, output) -> None:
