@@ -364,6 +364,12 @@ class Sample:
     name: str
     args: tuple
     kwargs: dict[str, Any]
+    experts: Any = None  # the kt_ops.ExpertWeights of args
+
+    def reference(self) -> Tensor:
+        """``reference_moe_forward`` of this call (fp32)."""
+        x, ids, weights = self.args[:3]
+        return reference_moe_forward(x, ids, weights, self.experts)
 
 
 def sample_inputs() -> Iterator[Sample]:
@@ -384,7 +390,7 @@ def sample_inputs() -> Iterator[Sample]:
             T, E, K, seed=i, ids_dtype=idt, weights_dtype=wdt, skip_fraction=frac, skip_rows=rows
         )
         x = make_hidden(T, H, act, seed=i)
-        yield Sample(name, (x, ids, weights) + layer_args(w, None, "silu", x), {})
+        yield Sample(name, (x, ids, weights) + layer_args(w, None, "silu", x), {}, w)
 
 
 # --------------------------------------------------------------------------
