@@ -305,7 +305,8 @@ def _check_fake_layer(op: str, bound: dict) -> ExpertWeights:
     named = {"topk_ids": ids, "topk_weights": w}
     for name, p in zip(PROJECTIONS, experts.projections):
         named.update({f"{name}_{k}": t for k, t in p.tensors().items()})
-    named.update({f"lora[{i}]": t for i, t in enumerate(lora.factors()) if t is not None})
+    factor_names = (f"{p}_lora_{f}" for p in PROJECTIONS for f in ("a", "b"))
+    named.update({n: t for n, t in zip(factor_names, lora.factors()) if t is not None})
     for name, t in named.items():
         torch._check(
             t.device == x.device,

@@ -842,3 +842,42 @@ def replace_weights(
 def packed_weights(experts: kt_ops.ExpertWeights) -> tuple[Tensor, Tensor, Tensor]:
     """The packed ``weight`` tensors of gate, up, down."""
     return experts.gate.weight, experts.up.weight, experts.down.weight
+
+
+def lora_weights_from(factors: dict[str, Tensor], scaling: float = 1.0) -> kt_ops.LoRAWeights:
+    """A ``LoRAWeights`` of factors named ``{gate,up,down}_lora_{a,b}`` (missing: no LoRA).
+
+    A projection with only one of its factors keeps it (and None for the other),
+    so that the op can name the lone factor.
+    """
+    pairs = {}
+    for p in ("gate", "up", "down"):
+        a, b = factors.get(f"{p}_lora_a"), factors.get(f"{p}_lora_b")
+        pairs[p] = None if a is None and b is None else (a, b)
+    return kt_ops.LoRAWeights(**pairs, scaling=scaling)
+
+
+#: The entries of the ops' ``weights`` list and ``lora`` list, by name (op order).
+WEIGHT_NAMES = tuple(
+    f"{p}_{part}" for p in ("gate", "up", "down") for part in ("weight", "scales", "zeros")
+)
+LORA_NAMES = tuple(f"{p}_lora_{f}" for p in ("gate", "up", "down") for f in ("a", "b"))
+
+
+def raw_op_kwargs(named: dict[str, Any]) -> dict[str, Any]:
+    """Keyword arguments of ``torch.ops.kt.moe_forward`` from per-tensor names.
+
+    ``named`` holds the op's arguments, except that the entries of ``weights``
+    may be given one by one as ``gate_weight`` ... ``down_zeros`` and those of
+    ``lora`` as ``gate_lora_a`` ... ``down_lora_b`` (None or missing: absent,
+    a ``[0]``-shaped placeholder; all absent: ``lora=[]``).
+    """
+    args = {k: v for k, v in named.items() if k not in WEIGHT_NAMES and k not in LORA_NAMES}
+    if any(n in named for n in WEIGHT_NAMES):
+        args["weights"] = [named.get(n) for n in WEIGHT_NAMES]
+    factors = [named.get(n) for n in LORA_NAMES]
+    if any(t is not None for t in factors):
+        like = args["hidden_states"]
+        args["lora"] = [t if t is not None else like.new_empty((0,)) for t in factors]
+    args.setdefault("lora", [])
+    return args
