@@ -31,7 +31,6 @@ import functools
 import pytest
 import torch
 from reference import (
-    QuantExperts,
     assert_matches_reference,
     make_quant_experts,
     reference_moe_forward,
@@ -49,9 +48,9 @@ from test_lora import (
 from test_quant_forward import Variant
 
 import kt_ops
+from kt_ops.formats import FORMATS as WEIGHT_FORMATS
 from kt_ops.formats import PackedProjection, dequantize_weights, format_spec
 from kt_ops.nn import MoEExperts
-from kt_ops.ops import WEIGHT_FORMATS
 
 QUANT_FORMATS = [f for f in WEIGHT_FORMATS if f != "bf16"]
 
@@ -230,7 +229,7 @@ E_TOTAL = 6
 
 
 @functools.cache
-def layer(v: Variant) -> QuantExperts:
+def layer(v: Variant) -> kt_ops.ExpertWeights:
     return make_quant_experts(
         v.fmt, E_TOTAL, v.H, v.I, group_size=v.group_size, symmetric=v.symmetric, seed=1
     )

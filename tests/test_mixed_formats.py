@@ -38,10 +38,10 @@ import torch
 from checkpoints import ROLES, Q, write_gguf
 from reference import (
     TINY_MOE_CONFIG,
-    QuantExperts,
     QuantReference,
     assert_matches_reference,
     dense_expert_weights,
+    dense_weights,
     make_hidden,
     make_routing,
     mismatch_report,
@@ -86,7 +86,7 @@ class MixedExperts(QuantExperts):
 
     @property
     def formats(self) -> tuple[str, str, str]:
-        return tuple(p.weight_format for p in self.projections())
+        return tuple(p.weight_format for p in self.projections)
 
     @property
     def weight_format(self) -> str:
@@ -96,7 +96,7 @@ class MixedExperts(QuantExperts):
     def group_size(self) -> int:
         free = [
             p.group_size
-            for p in self.projections()
+            for p in self.projections
             if len(format_spec(p.weight_format).group_sizes) > 1
         ]
         return free[0] if free else self.gate.group_size
@@ -165,7 +165,7 @@ def uniform_layer(mix: Mix, fmt: str, E: int = E_TOTAL, seed: int = 0) -> MixedE
         return MixedExperts(*(_quantize(w, fmt, mix) for w in dense))
 
 
-def run_op(x, ids, weights, w: QuantExperts, **overrides) -> Tensor:
+def run_op(x, ids, weights, w: kt_ops.ExpertWeights, **overrides) -> Tensor:
     return kt_ops.moe_forward(x, ids, weights, *w.args(), **{**w.kwargs(), **overrides})
 
 
@@ -224,10 +224,10 @@ def mixed_reference(w: MixedExperts, x: Tensor, ids: Tensor, topk_weights: Tenso
     """The reference of ``run_op(x, ids, topk_weights, w)`` in the current activation mode."""
     mins = tuple(fp32_min_tokens(f) for f in w.formats)
     if all(m is None for m in mins):
-        return reference_quant_moe_forward(x, ids, topk_weights, *w.dense(), activation="q8")
+        return reference_quant_moe_forward(x, ids, topk_weights, *dense_weights(w), activation="q8")
     if all(m == 1 for m in mins):
-        return reference_quant_moe_forward(x, ids, topk_weights, *w.dense(), activation="fp32")
-    return per_projection_reference(x, ids, topk_weights, w.dense(), mins)
+        return reference_quant_moe_forward(x, ids, topk_weights, *dense_weights(w), activation="fp32")
+    return per_projection_reference(x, ids, topk_weights, dense_weights(w), mins)
 
 
 def check(x, ids, weights, w: MixedExperts) -> Tensor:
@@ -253,8 +253,8 @@ def test_per_projection_reference_reduces_to_the_shared_one():
     ids, weights = routing(T, seed=1)
     x = make_hidden(T, MIXES[4].H, torch.float32, seed=1)
     for mins, act in (((None,) * 3, "q8"), ((1,) * 3, "fp32")):
-        got = per_projection_reference(x, ids, weights, w.dense(), mins)
-        want = reference_quant_moe_forward(x, ids, weights, *w.dense(), activation=act)
+        got = per_projection_reference(x, ids, weights, dense_weights(w), mins)
+        want = reference_quant_moe_forward(x, ids, weights, *dense_weights(w), activation=act)
         assert torch.equal(got.out, want.out) and torch.equal(got.slack, want.slack), act
 
 
@@ -273,7 +273,7 @@ def test_split_and_join_weight_format():
 def test_mixed_layer_is_what_it_claims(mix):
     w = mixed_layer(mix)
     assert w.formats == mix.fmts and w.weight_format == mix.weight_format
-    for p, (n, k) in zip(w.projections(), ((mix.I, mix.H), (mix.I, mix.H), (mix.H, mix.I))):
+    for p, (n, k) in zip(w.projections, ((mix.I, mix.H), (mix.I, mix.H), (mix.H, mix.I))):
         p.validate()
         assert (p.n, p.k) == (n, k)
 
@@ -308,7 +308,7 @@ def test_experts_without_tokens_are_not_read(isa, mix):
     x = make_hidden(T, mix.H, torch.float32, seed=4)
     clean = check(x, ids, weights, w)
     unused = slice(E_TOTAL - 2, E_TOTAL)
-    poisoned = MixedExperts(*(_poison(p, unused) for p in w.projections()))
+    poisoned = MixedExperts(*(_poison(p, unused) for p in w.projections))
     assert torch.equal(run_op(x, ids, weights, poisoned), clean)
 
 
@@ -371,9 +371,9 @@ def test_scale_dtypes_per_projection(dtypes):
     mix = MIXES[2]
     base = mixed_layer(mix)
     with single_threaded_torch():
-        cast = [_cast_params(p, d) for p, d in zip(base.projections(), dtypes)]
+        cast = [_cast_params(p, d) for p, d in zip(base.projections, dtypes)]
     w = MixedExperts(*(p for p, _ in cast))
-    assert tuple(p.scales.dtype for p in w.projections()) == dtypes
+    assert tuple(p.scales.dtype for p in w.projections) == dtypes
     T = 23
     ids, weights = routing(T, seed=10)
     x = make_hidden(T, mix.H, torch.float32, seed=10)
@@ -401,7 +401,7 @@ def test_modes_match_reference(isa, mix, mode):
     with kt_ops.use_quant_activations(mode):
         out = check(x, ids, weights, w)
     act = "fp32" if mode == "fp32" else "q8"
-    ref = reference_quant_moe_forward(x, ids, weights, *w.dense(), activation=act)
+    ref = reference_quant_moe_forward(x, ids, weights, *dense_weights(w), activation=act)
     assert quant_mismatch_report(out, ref) is None
 
 
@@ -437,7 +437,7 @@ def test_auto_decides_per_projection(isa, mix):
     assert not torch.equal(outs["auto"][heavy], outs["fp32"][heavy])
     # ... and a reference that switched all three projections at once would not pass
     whole = reference_quant_moe_forward(
-        x, ids, weights, *w.dense(), activation="q8", fp32_min_tokens=n
+        x, ids, weights, *dense_weights(w), activation="q8", fp32_min_tokens=n
     )
     assert quant_mismatch_report(outs["auto"], whole) is not None
 
@@ -675,7 +675,7 @@ def test_compile_fullgraph_module(fresh_dynamo):
 @pytest.mark.parametrize("mix", MIXES, ids=MIX_IDS)
 def test_from_packed_module(mix):
     w = mixed_layer(mix)
-    module = MoEExperts.from_packed(*w.projections())
+    module = MoEExperts.from_packed(*w.projections)
     assert module.weight_format == mix.weight_format
     assert (module.num_experts, module.hidden_size, module.intermediate_size) == (
         E_TOTAL,
@@ -758,7 +758,7 @@ def test_lora_forward_and_gradients(mix, checkpointing, ranks):
     p.ids[p.ids == E_TOTAL - 1] = -1
     assert p.format_kwargs()["weight_format"] == mix.weight_format
     out, grads = op_grads(p, checkpointing)
-    ref_out, ref_grads = dense_lora_reference(p, w.dense(), p.lora, case.scaling)
+    ref_out, ref_grads = dense_lora_reference(p, dense_weights(w), p.lora, case.scaling)
     if ranks or not checkpointing:  # without LoRA the recomputing forward is the q8 kernel
         assert_matches_reference(out, ref_out)
     assert_grads_match(grads, ref_grads)
@@ -796,7 +796,7 @@ def test_lora_thread_counts_bit_identical():
 def test_add_lora_on_mixed_module_gradients():
     mix = MIXES[0]
     w = mixed_layer(mix)
-    module = MoEExperts.from_packed(*w.projections())
+    module = MoEExperts.from_packed(*w.projections)
     module.add_lora(4, 8, generator=torch.Generator().manual_seed(1))
     assert module.weight_format == "q4_k,q4_k,q6_k"
     with torch.no_grad():  # random B so that every gradient is nonzero
@@ -815,7 +815,7 @@ def test_add_lora_on_mixed_module_gradients():
     case = Case("module", T, mix.H, mix.I, E_TOTAL, TOP_K, ALL3)
     p = make_problem(case, weights=w)
     p = dataclasses.replace(p, x=x.detach(), ids=ids, topk_weights=weights, grad_output=grad_out)
-    ref_out, ref_grads = dense_lora_reference(p, w.dense(), lora, module.lora_scaling)
+    ref_out, ref_grads = dense_lora_reference(p, dense_weights(w), lora, module.lora_scaling)
     assert_matches_reference(out.detach(), ref_out)
     got = {"hidden_states": x.grad, **{k: v.grad for k, v in module.lora_parameters().items()}}
     assert_grads_match(got, {k: ref_grads[k] for k in got})

@@ -17,7 +17,6 @@ import re
 import pytest
 import torch
 from reference import (
-    QuantExperts,
     make_expert_weights,
     make_hidden,
     make_quant_experts,
@@ -41,7 +40,7 @@ def layer(fmt: str, group_size=None, symmetric: bool = True, h: int = H, i: int 
 
 
 @functools.cache
-def k_layer(fmt: str) -> QuantExperts:
+def k_layer(fmt: str) -> kt_ops.ExpertWeights:
     """q4_k / q5_k / q6_k need K a multiple of 256."""
     return make_quant_experts(fmt, 2, 256, 256, seed=2)
 
@@ -51,7 +50,7 @@ def inputs(h: int = H, n_experts: int = E):
     return make_hidden(T, h, torch.float32, seed=0), ids, weights
 
 
-def call(w: QuantExperts, **overrides):
+def call(w: kt_ops.ExpertWeights, **overrides):
     """moe_forward on valid arguments for ``w``, some replaced by ``overrides``."""
     x, ids, weights = inputs(w.hidden_size, w.num_experts)
     kwargs = {
@@ -122,7 +121,7 @@ def test_group_size_not_dividing_k():
     g = torch.Generator().manual_seed(4)
     gate, up = (quantize_weights(torch.randn(E, 96, 128, generator=g), "int4", 64) for _ in "gu")
     down = quantize_weights(torch.randn(E, 128, 96, generator=g), "int4", 32)
-    w = QuantExperts(gate, up, down)
+    w = kt_ops.ExpertWeights(gate, up, down)
     with pytest.raises(RuntimeError, match=r"group_size=64 must divide the K of down_weight.*96"):
         call(w, group_size=64)
 
@@ -418,12 +417,12 @@ def test_mxfp4_packer_output_is_accepted_by_the_op():
     dense = [torch.randn(E, i, h, generator=g), torch.randn(E, i, h, generator=g),
              torch.randn(E, h, i, generator=g)]  # fmt: skip
     try:
-        w = QuantExperts(*(quantize_weights(d, "mxfp4") for d in dense))
+        w = kt_ops.ExpertWeights(*(quantize_weights(d, "mxfp4") for d in dense))
     except ValueError as e:  # the packer refusing such K is a fine outcome too
         assert "K" in str(e) or "k=" in str(e)
         return
     x, ids, weights = inputs(h)
-    out = kt_ops.moe_forward(x, ids, weights, *w.args(), **w.kwargs())
+    out = kt_ops.moe_forward(x, ids, weights, w)
     assert quant_mismatch_report(out, reference_for(w, x, ids, weights)) is None
 
 
@@ -496,12 +495,12 @@ def test_fake_kernel_rejects_tensors_of_another_format():
 class QuantMoEBlock(torch.nn.Module):
     """A small module around the op with quantized experts held as buffers."""
 
-    def __init__(self, w: QuantExperts):
+    def __init__(self, w: kt_ops.ExpertWeights):
         super().__init__()
         self.weight_format = w.weight_format
         self.group_size = w.group_size
         self.intermediate_size = w.intermediate_size
-        for proj, p in zip(PROJ, w.projections()):
+        for proj, p in zip(PROJ, w.projections):
             for what, t in p.tensors().items():
                 self.register_buffer(f"{proj}_{what}", t)
 
@@ -557,8 +556,8 @@ def test_compile_fullgraph_quantized(fresh_dynamo, fmt, gs, sym):
 def test_compile_fullgraph_bf16_scales(fresh_dynamo):
     # bf16 scales through the compiled graph give the eager result too.
     w = layer("int4", 32)
-    projs = [dataclasses.replace(p, scales=p.scales.to(torch.bfloat16)) for p in w.projections()]
-    model = QuantMoEBlock(QuantExperts(*projs))
+    projs = [dataclasses.replace(p, scales=p.scales.to(torch.bfloat16)) for p in w.projections]
+    model = QuantMoEBlock(kt_ops.ExpertWeights(*projs))
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     x = make_hidden(6, H, torch.bfloat16, seed=1)
     ids, weights = make_routing(6, E, K, seed=1, ids_dtype=torch.int32)
