@@ -21,12 +21,14 @@ works). See :func:`set_lora_activation_checkpointing` for what forward saves.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from typing import Optional
 
 import torch
 from torch import Tensor
 
+from kt_ops.formats.spec import format_spec
 from kt_ops.layer import PROJECTIONS, ExpertWeights, LoRAWeights, layer_args
 
 __all__ = [
@@ -341,11 +343,34 @@ def _check_fake_layer(op: str, bound: dict) -> ExpertWeights:
     )
     for name, p in zip(PROJECTIONS, experts.projections):
         try:
-            p.validate()
+            _with_spec_scale_dtypes(p).validate()
         except ValueError as err:
             torch._check(False, lambda name=name, err=err: f"{op}: {name}: {err}")
     _check_fake_lora(op, experts, lora)
     return experts
+
+
+_FLOAT_SCALES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _with_spec_scale_dtypes(p):
+    """``p`` with float scales/zeros cast to its format's scale dtype (shapes only matter).
+
+    The C++ op takes fp32, fp16 or bf16 scales and zeros for the formats with
+    float scales (``PackedProjection.validate`` wants the packers' dtype), so
+    the fake kernel checks those tensors' shapes only.
+    """
+    spec = format_spec(p.weight_format)
+    if spec.scale_dtype is None or not spec.scale_dtype.is_floating_point:
+        return p
+    cast = {
+        name: t.to(spec.scale_dtype)
+        for name in ("scales", "zeros")
+        if (t := getattr(p, name)) is not None
+        and t.dtype in _FLOAT_SCALES
+        and t.dtype != spec.scale_dtype
+    }
+    return dataclasses.replace(p, **cast) if cast else p
 
 
 def _check_fake_lora(op: str, experts: ExpertWeights, lora: LoRAWeights) -> None:

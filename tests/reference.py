@@ -498,9 +498,9 @@ def q8_tie_steps(x: Tensor, block: int = 32, window: float = Q8_TIE_WINDOW) -> T
     return out.view(xb.shape[0], -1)[:, :K].reshape(x.shape)
 
 
-#: Dense fp32 weights of packed experts, by ``id`` of the gate's packed tensor
-#: (``dense_weights``); the packed tensor is kept alive alongside, so an id is not reused.
-_DENSE_CACHE: dict[int, tuple[Tensor, tuple[Tensor, Tensor, Tensor]]] = {}
+#: Dense fp32 weights of packed experts, by the ``id`` s of all their packed tensors
+#: (``dense_weights``); the tensors are kept alive alongside, so an id is not reused.
+_DENSE_CACHE: dict[tuple, tuple[tuple, tuple[Tensor, Tensor, Tensor]]] = {}
 
 
 def dense_weights(experts: kt_ops.ExpertWeights) -> tuple[Tensor, Tensor, Tensor]:
@@ -511,9 +511,10 @@ def dense_weights(experts: kt_ops.ExpertWeights) -> tuple[Tensor, Tensor, Tensor
     """
     from kt_ops.formats import dequantize_weights
 
-    key = tuple(id(p.weight) for p in experts.projections)
+    tensors = tuple(t for t in experts.tensors() if t is not None)
+    key = tuple(id(t) for t in tensors)
     hit = _DENSE_CACHE.get(key)
-    if hit is not None and all(a is p.weight for a, p in zip(hit[0], experts.projections)):
+    if hit is not None and all(a is b for a, b in zip(hit[0], tensors)):
         return hit[1]
 
     def one(p: Any) -> Tensor:
@@ -525,7 +526,7 @@ def dense_weights(experts: kt_ops.ExpertWeights) -> tuple[Tensor, Tensor, Tensor
         dense = tuple(one(p) for p in experts.projections)
     if len(_DENSE_CACHE) > 64:
         _DENSE_CACHE.clear()
-    _DENSE_CACHE[key] = (tuple(p.weight for p in experts.projections), dense)
+    _DENSE_CACHE[key] = (tensors, dense)
     return dense
 
 

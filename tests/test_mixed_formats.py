@@ -226,7 +226,9 @@ def mixed_reference(w: MixedExperts, x: Tensor, ids: Tensor, topk_weights: Tenso
     if all(m is None for m in mins):
         return reference_quant_moe_forward(x, ids, topk_weights, *dense_weights(w), activation="q8")
     if all(m == 1 for m in mins):
-        return reference_quant_moe_forward(x, ids, topk_weights, *dense_weights(w), activation="fp32")
+        return reference_quant_moe_forward(
+            x, ids, topk_weights, *dense_weights(w), activation="fp32"
+        )
     return per_projection_reference(x, ids, topk_weights, dense_weights(w), mins)
 
 
