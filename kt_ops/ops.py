@@ -169,6 +169,7 @@ def moe_forward(
         # requires grad would otherwise just get no gradient.
         _check_frozen(args[3])
     if out is not None:
+        _check_out(hidden_states, topk_weights, lora, out)
         return torch.ops.kt.moe_forward.out(*args, out=out)
     has_lora = lora is not None and lora.any()
     if activation_checkpointing is None:
@@ -178,6 +179,46 @@ def moe_forward(
         if any(t.requires_grad for t in (hidden_states, topk_weights, *factors)):
             return torch.ops.kt.moe_forward_train.default(*args)[0]
     return torch.ops.kt.moe_forward.default(*args)
+
+
+def _check_out(hidden_states: Tensor, topk_weights: Tensor, lora, out: Tensor) -> None:
+    """What ``moe_forward(..., out=)`` refuses before the op runs.
+
+    ``out`` is not differentiable (as PyTorch's out= variants), and must not
+    share memory with ``hidden_states`` (the op itself refuses only ``out is
+    hidden_states``; an overlapping view would be read while being written).
+    """
+    if torch.is_grad_enabled():
+        factors = [t for t in (lora.factors() if lora is not None else ()) if t is not None]
+        if any(t.requires_grad for t in (hidden_states, topk_weights, out, *factors)):
+            raise RuntimeError(
+                "kt.moe_forward: out= does not support automatic differentiation (an input "
+                "requires grad); call it without out=, or under torch.no_grad()"
+            )
+    if (
+        isinstance(out, Tensor)
+        and out.device == hidden_states.device
+        and out.device.type != "meta"
+        and _overlaps(out, hidden_states)
+    ):
+        raise RuntimeError(
+            "kt.moe_forward: out must not overlap hidden_states in memory (the kernels read "
+            "hidden_states while writing out)"
+        )
+
+
+def _byte_range(t: Tensor) -> tuple[int, int]:
+    if t.numel() == 0:
+        return (0, 0)
+    start = t.data_ptr()
+    span = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()) if size > 0)
+    return start, start + (span + 1) * t.element_size()
+
+
+def _overlaps(a: Tensor, b: Tensor) -> bool:
+    """True when ``a`` and ``b`` may share bytes (their address ranges intersect)."""
+    (a0, a1), (b0, b1) = _byte_range(a), _byte_range(b)
+    return a0 < a1 and b0 < b1 and a0 < b1 and b0 < a1
 
 
 def moe_forward_train(
@@ -409,6 +450,31 @@ def _moe_forward_fake(*args, **kwargs):
     _check_fake_layer("kt.moe_forward", bound)
     x = bound["hidden_states"]
     return x.new_empty(x.shape)
+
+
+@torch.library.register_fake("kt::moe_forward.out")
+def _moe_forward_out_fake(*args, out, **kwargs):
+    bound = _bind(*args, **kwargs)
+    _check_fake_layer("kt.moe_forward", bound)
+    x = bound["hidden_states"]
+    torch._check(
+        out.device == x.device,
+        lambda: f"kt.moe_forward: out is on {out.device} but hidden_states is on {x.device}",
+    )
+    torch._check(
+        out.dtype == x.dtype,
+        lambda: (
+            f"kt.moe_forward: out must have the dtype of hidden_states ({x.dtype}), got {out.dtype}"
+        ),
+    )
+    torch._check(
+        out.shape == x.shape and out.is_contiguous(),
+        lambda: (
+            "kt.moe_forward: out must be a contiguous tensor of the shape of hidden_states "
+            f"{list(x.shape)}, got {list(out.shape)}"
+        ),
+    )
+    return out
 
 
 @torch.library.register_fake("kt::moe_forward_train")
