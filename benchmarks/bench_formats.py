@@ -2,7 +2,7 @@
 """Decode/prefill speed of every weight format of ``kt_ops.moe_forward`` vs bf16, in one process.
 
 For one Qwen3-30B-A3B MoE layer (H=2048, I=768, E=128, top-8) this times
-``kt_ops.moe_forward`` in every format of ``kt_ops.ops.WEIGHT_FORMATS``
+``kt_ops.moe_forward`` in every format of ``kt_ops.formats.FORMATS``
 (``int4`` twice: group 128 symmetric, the headline, and group 32) at decode
 (T = 1 and T = 8) and, with ``--prefill``, at T = 512. Each format is timed
 interleaved with bf16 (alternating which goes first, same inputs), so its
@@ -74,8 +74,8 @@ from typing import Optional
 import torch
 
 import kt_ops
+from kt_ops.formats import FORMATS as WEIGHT_FORMATS
 from kt_ops.formats import PackedProjection, quantize_weights
-from kt_ops.ops import WEIGHT_FORMATS
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_moe import (  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
@@ -178,24 +178,11 @@ class Packed:
             return self._forward(x, ids, w)
 
     def _forward(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        g, u, d = self.gate, self.up, self.down
-        return kt_ops.moe_forward(
-            x,
-            ids,
-            w,
-            g.weight,
-            u.weight,
-            d.weight,
-            intermediate_size=g.n,
-            weight_format=g.weight_format,
-            gate_scales=g.scales,
-            up_scales=u.scales,
-            down_scales=d.scales,
-            gate_zeros=g.zeros,
-            up_zeros=u.zeros,
-            down_zeros=d.zeros,
-            group_size=g.group_size,
-        )
+        return kt_ops.moe_forward(x, ids, w, self.experts)
+
+    @property
+    def experts(self) -> kt_ops.ExpertWeights:
+        return kt_ops.ExpertWeights(self.gate, self.up, self.down)
 
 
 def _tile(t: Optional[torch.Tensor], experts: int) -> Optional[torch.Tensor]:

@@ -88,7 +88,7 @@ def main() -> None:
         (torch.randn(E, n, k, generator=g) / k**0.5).to(torch.bfloat16).float()
         for n, k in ((I, H), (I, H), (H, I))
     ]
-    packed = [kt_ops.pack_weights(w) for w in dense]
+    packed = kt_ops.ExpertWeights.from_dense(*dense, "bf16")
     dims = {"gate": (I, H), "up": (I, H), "down": (H, I)}
     lora = {}
     for p, (n, k) in dims.items():
@@ -107,13 +107,19 @@ def main() -> None:
             print(f"{T:>5} {name:<24} {ms:>9.1f}")
 
 
+def lora_weights(lora: dict, scaling: float) -> kt_ops.LoRAWeights:
+    """``{p}_lora_{a,b}`` factors as the op's :class:`kt_ops.LoRAWeights`."""
+    pairs = {p: (lora[f"{p}_lora_a"], lora[f"{p}_lora_b"]) for p in ("gate", "up", "down")}
+    return kt_ops.LoRAWeights(**pairs, scaling=scaling)
+
+
 def bench_tokens(T, E, K, I, x0, packed, dense, lora, s, full, reps):  # noqa: E741
     def kt_step(ckpt):
         def run(i):
             ids, w = routing(T, E, K, i)
             x = x0.clone().requires_grad_()
             out = kt_ops.moe_forward(
-                x, ids, w, *packed, I, **lora, lora_scaling=s, activation_checkpointing=ckpt
+                x, ids, w, packed, lora_weights(lora, s), activation_checkpointing=ckpt
             )
             out.square().mean().backward()
 
@@ -122,7 +128,7 @@ def bench_tokens(T, E, K, I, x0, packed, dense, lora, s, full, reps):  # noqa: E
     def kt_forward(i):
         ids, w = routing(T, E, K, i)
         with torch.no_grad():
-            kt_ops.moe_forward(x0, ids, w, *packed, I, **lora, lora_scaling=s)
+            kt_ops.moe_forward(x0, ids, w, packed, lora_weights(lora, s))
 
     def torch_step(i):
         ids, w = routing(T, E, K, i)

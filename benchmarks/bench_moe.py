@@ -4,7 +4,7 @@
 For one MoE layer (default: Qwen3-30B-A3B, hidden 2048, expert intermediate
 768, 128 experts, top-8) and each token count T, this times
 
-* ``kt``    -- ``kt_ops.moe_forward`` on ``pack_weights(..., "bf16")`` weights;
+* ``kt``    -- ``kt_ops.moe_forward`` on bf16 ``kt_ops.ExpertWeights``;
 * ``torch`` -- the eager expert loop of Hugging Face transformers
   (``Qwen3MoeExperts.forward``, 5.x: one_hot mask, loop over the experts hit,
   ``F.linear`` on bf16 ``gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]``,
@@ -56,6 +56,7 @@ import torch
 import torch.nn.functional as F
 
 import kt_ops
+from kt_ops.formats import quantize_weights
 
 
 @dataclass(frozen=True)
@@ -486,9 +487,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     bw = measure_read_bandwidth()
     peak = measure_fma_peak()
     gate_up, down = make_weights(shape, args.seed)
-    gate_p = kt_ops.pack_weights(gate_up[:, :Im], "bf16")
-    up_p = kt_ops.pack_weights(gate_up[:, Im:], "bf16")
-    down_p = kt_ops.pack_weights(down, "bf16")
+    packed = kt_ops.ExpertWeights(
+        quantize_weights(gate_up[:, :Im], "bf16"),
+        quantize_weights(gate_up[:, Im:], "bf16"),
+        quantize_weights(down, "bf16"),
+    )
     ref_fn = None
     if args.no_torch:
         del gate_up, down  # kt only needs the packed copy
@@ -499,7 +502,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     setup_s = time.perf_counter() - t_setup
 
     def kt_fn(x, ids, w):
-        return kt_ops.moe_forward(x, ids, w, gate_p, up_p, down_p, intermediate_size=Im)
+        return kt_ops.moe_forward(x, ids, w, packed)
 
     bw_gbs = statistics.median(bw)
     peak_gflops = statistics.median(peak)

@@ -63,9 +63,9 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from kt_ops.nn import MoEExpertList, MoEExperts
 from kt_ops.formats import FORMATS
 from kt_ops.layer import split_weight_format
+from kt_ops.nn import MoEExpertList, MoEExperts
 
 __all__ = ["ExpertsInfo", "UnsupportedExpertsError", "find_experts", "replace_experts"]
 

@@ -21,12 +21,14 @@ works). See :func:`set_lora_activation_checkpointing` for what forward saves.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from typing import Optional
 
 import torch
 from torch import Tensor
 
+from kt_ops.formats.spec import format_spec
 from kt_ops.layer import PROJECTIONS, ExpertWeights, LoRAWeights, layer_args
 
 __all__ = [
@@ -162,7 +164,12 @@ def moe_forward(
     args = (hidden_states, topk_ids, topk_weights) + layer_args(
         experts, lora, activation, hidden_states
     )
+    if torch.is_grad_enabled():
+        # Autograd does not see into the Tensor?[] weights list: a base weight that
+        # requires grad would otherwise just get no gradient.
+        _check_frozen(args[3])
     if out is not None:
+        _check_out(hidden_states, topk_weights, lora, out)
         return torch.ops.kt.moe_forward.out(*args, out=out)
     has_lora = lora is not None and lora.any()
     if activation_checkpointing is None:
@@ -172,6 +179,46 @@ def moe_forward(
         if any(t.requires_grad for t in (hidden_states, topk_weights, *factors)):
             return torch.ops.kt.moe_forward_train.default(*args)[0]
     return torch.ops.kt.moe_forward.default(*args)
+
+
+def _check_out(hidden_states: Tensor, topk_weights: Tensor, lora, out: Tensor) -> None:
+    """What ``moe_forward(..., out=)`` refuses before the op runs.
+
+    ``out`` is not differentiable (as PyTorch's out= variants), and must not
+    share memory with ``hidden_states`` (the op itself refuses only ``out is
+    hidden_states``; an overlapping view would be read while being written).
+    """
+    if torch.is_grad_enabled():
+        factors = [t for t in (lora.factors() if lora is not None else ()) if t is not None]
+        if any(t.requires_grad for t in (hidden_states, topk_weights, out, *factors)):
+            raise RuntimeError(
+                "kt.moe_forward: out= does not support automatic differentiation (an input "
+                "requires grad); call it without out=, or under torch.no_grad()"
+            )
+    if (
+        isinstance(out, Tensor)
+        and out.device == hidden_states.device
+        and out.device.type != "meta"
+        and _overlaps(out, hidden_states)
+    ):
+        raise RuntimeError(
+            "kt.moe_forward: out must not overlap hidden_states in memory (the kernels read "
+            "hidden_states while writing out)"
+        )
+
+
+def _byte_range(t: Tensor) -> tuple[int, int]:
+    if t.numel() == 0:
+        return (0, 0)
+    start = t.data_ptr()
+    span = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()) if size > 0)
+    return start, start + (span + 1) * t.element_size()
+
+
+def _overlaps(a: Tensor, b: Tensor) -> bool:
+    """True when ``a`` and ``b`` may share bytes (their address ranges intersect)."""
+    (a0, a1), (b0, b1) = _byte_range(a), _byte_range(b)
+    return a0 < a1 and b0 < b1 and a0 < b1 and b0 < a1
 
 
 def moe_forward_train(
@@ -195,6 +242,8 @@ def moe_forward_train(
     args = (hidden_states, topk_ids, topk_weights) + layer_args(
         experts, lora, activation, hidden_states
     )
+    if torch.is_grad_enabled():
+        _check_frozen(args[3])
     return torch.ops.kt.moe_forward_train.default(*args)
 
 
@@ -249,18 +298,35 @@ def moe_backward(
 # Fake (meta) kernels
 # --------------------------------------------------------------------------
 
+
 #: The schema of kt::moe_forward as a Python signature: the fake kernels bind
 #: their arguments with it instead of spelling the list out again.
-_FORWARD_SIGNATURE = inspect.Signature(
-    [
-        inspect.Parameter(
-            a.name,
-            inspect.Parameter.POSITIONAL_OR_KEYWORD,
-            default=a.default_value if a.has_default_value() else inspect._empty,
+def _signature_of(op) -> inspect.Signature:
+    """An op overload's schema as a Python signature (keyword-only arguments included)."""
+    params = []
+    for a in op._schema.arguments:
+        kind = (
+            inspect.Parameter.KEYWORD_ONLY
+            if a.kwarg_only
+            else inspect.Parameter.POSITIONAL_OR_KEYWORD
         )
-        for a in torch.ops.kt.moe_forward.default._schema.arguments
-    ]
-)
+        default = a.default_value if a.has_default_value() else inspect.Parameter.empty
+        params.append(inspect.Parameter(a.name, kind, default=default))
+    return inspect.Signature(params)
+
+
+_FORWARD_SIGNATURE = _signature_of(torch.ops.kt.moe_forward.default)
+
+
+def _bind(*args, **kwargs) -> dict:
+    """The arguments of a ``kt::moe_forward``-like call by name, defaults included.
+
+    The dispatcher drops trailing arguments equal to their defaults
+    (``lora_scaling``, ``activation``), so the fake kernels fill them back in.
+    """
+    bound = _FORWARD_SIGNATURE.bind(*args, **kwargs)
+    bound.apply_defaults()
+    return bound.arguments
 
 
 def _check_fake_layer(op: str, bound: dict) -> ExpertWeights:
@@ -282,7 +348,8 @@ def _check_fake_layer(op: str, bound: dict) -> ExpertWeights:
     named = {"topk_ids": ids, "topk_weights": w}
     for name, p in zip(PROJECTIONS, experts.projections):
         named.update({f"{name}_{k}": t for k, t in p.tensors().items()})
-    named.update({f"lora[{i}]": t for i, t in enumerate(lora.factors()) if t is not None})
+    factor_names = (f"{p}_lora_{f}" for p in PROJECTIONS for f in ("a", "b"))
+    named.update({n: t for n, t in zip(factor_names, lora.factors()) if t is not None})
     for name, t in named.items():
         torch._check(
             t.device == x.device,
@@ -317,11 +384,34 @@ def _check_fake_layer(op: str, bound: dict) -> ExpertWeights:
     )
     for name, p in zip(PROJECTIONS, experts.projections):
         try:
-            p.validate()
+            _with_spec_scale_dtypes(p).validate()
         except ValueError as err:
             torch._check(False, lambda name=name, err=err: f"{op}: {name}: {err}")
     _check_fake_lora(op, experts, lora)
     return experts
+
+
+_FLOAT_SCALES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _with_spec_scale_dtypes(p):
+    """``p`` with float scales/zeros cast to its format's scale dtype (shapes only matter).
+
+    The C++ op takes fp32, fp16 or bf16 scales and zeros for the formats with
+    float scales (``PackedProjection.validate`` wants the packers' dtype), so
+    the fake kernel checks those tensors' shapes only.
+    """
+    spec = format_spec(p.weight_format)
+    if spec.scale_dtype is None or not spec.scale_dtype.is_floating_point:
+        return p
+    cast = {
+        name: t.to(spec.scale_dtype)
+        for name in ("scales", "zeros")
+        if (t := getattr(p, name)) is not None
+        and t.dtype in _FLOAT_SCALES
+        and t.dtype != spec.scale_dtype
+    }
+    return dataclasses.replace(p, **cast) if cast else p
 
 
 def _check_fake_lora(op: str, experts: ExpertWeights, lora: LoRAWeights) -> None:
@@ -356,15 +446,40 @@ def _check_fake_lora(op: str, experts: ExpertWeights, lora: LoRAWeights) -> None
 
 @torch.library.register_fake("kt::moe_forward")
 def _moe_forward_fake(*args, **kwargs):
-    bound = _FORWARD_SIGNATURE.bind(*args, **kwargs).arguments
+    bound = _bind(*args, **kwargs)
     _check_fake_layer("kt.moe_forward", bound)
     x = bound["hidden_states"]
     return x.new_empty(x.shape)
 
 
+@torch.library.register_fake("kt::moe_forward.out")
+def _moe_forward_out_fake(*args, out, **kwargs):
+    bound = _bind(*args, **kwargs)
+    _check_fake_layer("kt.moe_forward", bound)
+    x = bound["hidden_states"]
+    torch._check(
+        out.device == x.device,
+        lambda: f"kt.moe_forward: out is on {out.device} but hidden_states is on {x.device}",
+    )
+    torch._check(
+        out.dtype == x.dtype,
+        lambda: (
+            f"kt.moe_forward: out must have the dtype of hidden_states ({x.dtype}), got {out.dtype}"
+        ),
+    )
+    torch._check(
+        out.shape == x.shape and out.is_contiguous(),
+        lambda: (
+            "kt.moe_forward: out must be a contiguous tensor of the shape of hidden_states "
+            f"{list(x.shape)}, got {list(out.shape)}"
+        ),
+    )
+    return out
+
+
 @torch.library.register_fake("kt::moe_forward_train")
 def _moe_forward_train_fake(*args, **kwargs):
-    bound = _FORWARD_SIGNATURE.bind(*args, **kwargs).arguments
+    bound = _bind(*args, **kwargs)
     experts = _check_fake_layer("kt.moe_forward_train", bound)
     x = bound["hidden_states"]
     pre = (x.shape[0] * bound["topk_ids"].shape[1], experts.intermediate_size)
@@ -375,11 +490,19 @@ def _moe_forward_train_fake(*args, **kwargs):
     )
 
 
+#: kt::moe_backward's schema as a Python signature (the dispatcher may pass
+#: gate_pre, up_pre and compute_grad_hidden_states positionally).
+_BACKWARD_SIGNATURE = _signature_of(torch.ops.kt.moe_backward.default)
+
+
 @torch.library.register_fake("kt::moe_backward")
-def _moe_backward_fake(
-    grad_output, *args, gate_pre=None, up_pre=None, compute_grad_hidden_states=True, **kwargs
-):
-    bound = _FORWARD_SIGNATURE.bind(*args, **kwargs).arguments
+def _moe_backward_fake(*args, **kwargs):
+    full = _BACKWARD_SIGNATURE.bind(*args, **kwargs)
+    full.apply_defaults()
+    bound = dict(full.arguments)
+    grad_output = bound.pop("grad_output")
+    gate_pre, up_pre = bound.pop("gate_pre"), bound.pop("up_pre")
+    compute_grad_hidden_states = bound.pop("compute_grad_hidden_states")
     _check_fake_layer("kt.moe_backward", bound)
     x = bound["hidden_states"]
     torch._check(
@@ -420,15 +543,7 @@ _ARG_NAMES = tuple(_FORWARD_SIGNATURE.parameters)
 
 def _setup_context_common(ctx, inputs, saved_pre) -> None:
     bound = dict(zip(_ARG_NAMES, inputs))
-    for i, t in enumerate(bound["weights"]):
-        if t is not None and t.requires_grad:
-            name = f"{PROJECTIONS[i // 3]}_{('weight', 'scales', 'zeros')[i % 3]}"
-            raise RuntimeError(
-                f"kt.moe_forward: {name} requires grad, but the base expert weights are frozen "
-                "(kt.moe_backward computes gradients only for hidden_states, topk_weights and "
-                "the LoRA factors); call .requires_grad_(False) on it, or pass LoRA factors to "
-                "fine-tune the experts"
-            )
+    _check_frozen(bound["weights"])
     weights = bound["weights"]
     present = [t for t in weights if t is not None]
     # save_for_backward (not ctx attributes): autograd frees them after the
@@ -447,6 +562,19 @@ def _setup_context_common(ctx, inputs, saved_pre) -> None:
     ctx.scaling = bound.get("lora_scaling", 1.0)
     ctx.activation = bound.get("activation", "silu")
     ctx.num_saved_pre = len(saved_pre)
+
+
+def _check_frozen(weights) -> None:
+    """Refuse packed base weights that require grad (kt.moe_backward has no gradient for them)."""
+    for i, t in enumerate(weights):
+        if t is not None and t.requires_grad:
+            name = f"{PROJECTIONS[i // 3]}_{('weight', 'scales', 'zeros')[i % 3]}"
+            raise RuntimeError(
+                f"kt.moe_forward: {name} requires grad, but the base expert weights are frozen "
+                "(kt.moe_backward computes gradients only for hidden_states, topk_weights and "
+                "the LoRA factors); call .requires_grad_(False) on it, or pass LoRA factors to "
+                "fine-tune the experts"
+            )
 
 
 def _moe_forward_setup_context(ctx, inputs, output) -> None:

@@ -5,7 +5,8 @@
   restores the previous one. Each use is recorded.
 * ``run_on_isa``: for tests that compare paths against each other; runs a
   callable on a named path and records it.
-* At the end of the session the terminal summary lists which paths ran, and
+* At the end of the session the terminal summary lists which paths ran (and the
+  kernels each format resolved to on them, ``kt_ops._C.kernel_names``), and
   ``test_every_supported_isa_was_exercised`` (in test_moe_forward.py, moved to
   the end of the run) FAILS when the CPU supports a path that no test used: a
   new ISA tier cannot ship untested just because nobody added it to a list.
@@ -151,6 +152,26 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     unrunnable = [k for k in built if k not in supported]
     if unrunnable:
         lines.append(f"built but not runnable on this CPU (untested here): {', '.join(unrunnable)}")
+    lines += kernel_lines([k for k in supported if EXERCISED_ISAS[k]])
     terminalreporter.write_sep("-", "kt_ops ISA paths")
     for line in lines:
         terminalreporter.write_line(line)
+
+
+def kernel_lines(isas: list[str]) -> list[str]:
+    """Per exercised ISA path, the kernels its tests ran for each format (``_C.kernel_names``).
+
+    Formats that resolve to the same kernels share a line, e.g.
+    ``avx2: int8, int4, ... -> avx2/qint_q8 + avx2/qint_fp32``.
+    """
+    lines = []
+    for name in isas:
+        groups: dict[tuple, list[str]] = {}
+        for fmt, (own, fp32) in kt_ops._C.kernel_names(name).items():
+            groups.setdefault((own, fp32), []).append(fmt)
+        parts = [
+            f"{', '.join(fmts)} -> {own}" + (f" + {fp32}" if fp32 else "")
+            for (own, fp32), fmts in groups.items()
+        ]
+        lines.append(f"kernels on {name}: " + "; ".join(parts))
+    return lines

@@ -46,6 +46,8 @@ import torch
 from torch import Tensor
 
 import kt_ops
+from kt_ops.formats import quantize_weights
+from kt_ops.layer import layer_args
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,32 +124,19 @@ def reference_moe_forward(
     hidden_states: Tensor,
     topk_ids: Tensor,
     topk_weights: Tensor,
-    gate_weight: Tensor,
-    up_weight: Tensor,
-    down_weight: Tensor,
-    intermediate_size: int,
-    weight_format: str = "bf16",
-    gate_scales: Optional[Tensor] = None,
-    up_scales: Optional[Tensor] = None,
-    down_scales: Optional[Tensor] = None,
-    gate_zeros: Optional[Tensor] = None,
-    up_zeros: Optional[Tensor] = None,
-    down_zeros: Optional[Tensor] = None,
-    group_size: int = 0,
+    experts: kt_ops.ExpertWeights,
+    lora: Optional[kt_ops.LoRAWeights] = None,
     *,
     out_dtype: Optional[torch.dtype] = torch.float32,
-    lora: Optional[dict[str, Tensor]] = None,
-    lora_scaling: float = 1.0,
 ) -> Tensor:
-    """Dense fp32 reference of ``kt_ops.moe_forward`` on packed weights.
+    """Dense fp32 reference of ``kt_ops.moe_forward(hidden_states, ..., experts, lora)``.
 
-    Takes the op's weight arguments (a quantized format's scales, zeros and
-    group size too, e.g. ``**QuantExperts.kwargs()``) and multiplies fp32
-    activations with the dequantized weights (``kt_ops.unpack_weights`` for
-    bf16, ``kt_ops.formats.dequantize_weights`` otherwise): what the op
-    computes with LoRA, where the base runs on ATen from the dequantized
-    weights. (Without LoRA the quantized kernels also round the activations
-    to q8: ``reference_quant_moe_forward``.)
+    Multiplies fp32 activations with each projection's dequantized weights
+    (``kt_ops.unpack_weights`` for bf16, ``kt_ops.formats.dequantize_weights``
+    otherwise; each projection in its own format): what the op computes for
+    bf16 and fp8, and with LoRA, where the base runs on ATen from the
+    dequantized weights. (Without LoRA the integer formats' kernels also round
+    the activations to q8: ``reference_for`` / ``reference_quant_moe_forward``.)
 
     Returns the fp32 result (``out_dtype=torch.float32``, the default, which is
     what the tolerances are defined against) or that result rounded once to
@@ -155,21 +144,22 @@ def reference_moe_forward(
     Only the experts that receive tokens are dequantized, so a 128-expert layer
     never materializes as fp32 at once.
 
-    ``lora`` maps any of ``gate_lora_a`` ... ``down_lora_b`` to its tensor; a
-    projection ``p`` with both factors adds ``lora_scaling * (v @ A[e].T) @ B[e].T``
-    (Hu et al. 2021, PEFT convention). Differentiable: autograd through this
-    function gives the reference gradients for ``hidden_states``,
-    ``topk_weights`` and the LoRA factors.
+    A projection ``p`` of ``lora`` with factors ``(A, B)`` adds
+    ``lora.scaling * (v @ A[e].T) @ B[e].T`` (Hu et al. 2021, PEFT convention).
+    Differentiable: autograd through this function gives the reference
+    gradients for ``hidden_states``, ``topk_weights`` and the LoRA factors.
     """
     T, H = hidden_states.shape
-    I = intermediate_size
-    lora = lora or {}
+    if H != experts.hidden_size:
+        raise ValueError(f"reference: hidden_states has {H} columns, experts {experts.hidden_size}")
+    lora = lora if lora is not None else kt_ops.LoRAWeights()
 
     def project(v: Tensor, w: Tensor, proj: str, e: int) -> Tensor:
         y = v @ w.T
-        a, b = lora.get(f"{proj}_lora_a"), lora.get(f"{proj}_lora_b")
-        if a is not None and b is not None:
-            y = y + lora_scaling * ((v @ a[e].float().T) @ b[e].float().T)
+        pair = getattr(lora, proj)
+        if pair is not None:
+            a, b = pair
+            y = y + lora.scaling * ((v @ a[e].float().T) @ b[e].float().T)
         return y
 
     with single_threaded_torch():
@@ -179,13 +169,7 @@ def reference_moe_forward(
         out = torch.zeros(T, H, dtype=torch.float32)
         for e in torch.unique(ids[ids >= 0]).tolist():
             tok, slot = torch.nonzero(ids == e, as_tuple=True)
-            wg = _dense_expert(
-                gate_weight, gate_scales, gate_zeros, e, I, H, weight_format, group_size
-            )
-            wu = _dense_expert(up_weight, up_scales, up_zeros, e, I, H, weight_format, group_size)
-            wd = _dense_expert(
-                down_weight, down_scales, down_zeros, e, H, I, weight_format, group_size
-            )
+            wg, wu, wd = (dense_expert(p, e) for p in experts.projections)
             xe = x[tok]
             h = torch.nn.functional.silu(project(xe, wg, "gate", e)) * project(xe, wu, "up", e)
             y = project(h, wd, "down", e) * w[tok, slot].unsqueeze(1)
@@ -195,26 +179,19 @@ def reference_moe_forward(
     return out.to(out_dtype)
 
 
-def _dense_expert(
-    weight: Tensor,
-    scales: Optional[Tensor],
-    zeros: Optional[Tensor],
-    e: int,
-    n: int,
-    k: int,
-    weight_format: str,
-    group_size: int,
-) -> Tensor:
-    """Expert ``e`` of one packed projection as dense fp32 ``[n, k]``."""
-    if weight_format == "bf16":
-        return kt_ops.unpack_weights(weight[e : e + 1], n, k, weight_format)[0]
+def dense_expert(p: Any, e: int) -> Tensor:
+    """Expert ``e`` of one packed projection (a ``PackedProjection``) as dense fp32 ``[n, k]``."""
+    if p.weight_format == "bf16":
+        return kt_ops.unpack_weights(p.weight[e : e + 1], p.n, p.k)[0]
     from kt_ops.formats import PackedProjection, dequantize_weights
 
     def one(t: Optional[Tensor]) -> Optional[Tensor]:
         return None if t is None else t[e : e + 1]
 
-    p = PackedProjection(one(weight), one(scales), one(zeros), weight_format, group_size, n, k)
-    return dequantize_weights(p)[0]
+    q = PackedProjection(
+        one(p.weight), one(p.scales), one(p.zeros), p.weight_format, p.group_size, p.n, p.k
+    )
+    return dequantize_weights(q)[0]
 
 
 def mismatch_report(
@@ -278,23 +255,6 @@ def assert_matches_reference(
 # --------------------------------------------------------------------------
 
 
-@dataclasses.dataclass
-class ExpertWeights:
-    """Packed expert weights of one MoE layer and their dense fp32 originals."""
-
-    num_experts: int
-    hidden_size: int
-    intermediate_size: int
-    gate: Tensor  # packed [E, I, H]
-    up: Tensor  # packed [E, I, H]
-    down: Tensor  # packed [E, H, I]
-    weight_format: str = "bf16"
-
-    def args(self) -> tuple[Tensor, Tensor, Tensor, int]:
-        """``(gate_weight, up_weight, down_weight, intermediate_size)`` for the op."""
-        return self.gate, self.up, self.down, self.intermediate_size
-
-
 def make_expert_weights(
     num_experts: int,
     hidden_size: int,
@@ -302,31 +262,29 @@ def make_expert_weights(
     *,
     seed: int = 0,
     weight_format: str = "bf16",
-) -> ExpertWeights:
+) -> kt_ops.ExpertWeights:
     """Random packed experts, scaled by 1/sqrt(fan-in) (like nn.Linear) so outputs are O(1).
 
     Gate weights are twice as large, so SiLU sees arguments of both signs up to
-    about +-6 (its curved part, not just its linear tail).
+    about +-6 (its curved part, not just its linear tail). ``weight_format`` is
+    one name or ``'gate,up,down'`` (each format's default group size).
     """
-    g = torch.Generator().manual_seed(seed)
-    E, H, I = num_experts, hidden_size, intermediate_size
-    gate = torch.randn(E, I, H, generator=g) * (2.0 / math.sqrt(H))
-    up = torch.randn(E, I, H, generator=g) / math.sqrt(H)
-    down = torch.randn(E, H, I, generator=g) / math.sqrt(I)
-    return ExpertWeights(
-        E,
-        H,
-        I,
-        kt_ops.pack_weights(gate, weight_format),
-        kt_ops.pack_weights(up, weight_format),
-        kt_ops.pack_weights(down, weight_format),
-        weight_format,
-    )
+    if weight_format == "bf16":
+        dense = dense_expert_weights(num_experts, hidden_size, intermediate_size, seed=seed)
+        return kt_ops.ExpertWeights(*(quantize_weights(w, "bf16") for w in dense))
+    return make_quant_experts(weight_format, num_experts, hidden_size, intermediate_size, seed=seed)
+
+
+def bf16_projection(weight: Tensor, n: int, k: int) -> Any:
+    """A ``PackedProjection`` of an already bf16-packed ``[E, ceil(n/16), ceil(k/2), 16, 2]``."""
+    from kt_ops.formats import PackedProjection
+
+    return PackedProjection(weight, None, None, "bf16", 0, n, k)
 
 
 def make_large_expert_weights(
     num_experts: int, hidden_size: int, intermediate_size: int, *, seed: int = 0
-) -> ExpertWeights:
+) -> kt_ops.ExpertWeights:
     """bf16 packed experts for model-sized layers (e.g. Qwen3-30B-A3B: 1.2 GB), made fast.
 
     Drawing 600M normals and packing them takes ~15 s on 2 cores, so this draws
@@ -344,16 +302,14 @@ def make_large_expert_weights(
     scales = (0.5 + torch.arange(reps, dtype=torch.float32) / 8).to(torch.bfloat16)
     scales = scales.view(reps, 1, 1, 1, 1, 1)
 
-    def one(n: int, k: int, std: float) -> Tensor:
+    def one(n: int, k: int, std: float) -> Any:
         base = torch.randn(n_base, n // 16, k // 2, 16, 2, generator=g, dtype=torch.float32)
         base = (base * std).to(torch.bfloat16)
         full = torch.mul(base.unsqueeze(0), scales)  # [reps, n_base, ...] in one pass
-        return full.reshape(reps * n_base, n // 16, k // 2, 16, 2)[:E].contiguous()
+        packed = full.reshape(reps * n_base, n // 16, k // 2, 16, 2)[:E].contiguous()
+        return bf16_projection(packed, n, k)
 
-    return ExpertWeights(
-        E,
-        H,
-        I,
+    return kt_ops.ExpertWeights(
         one(I, H, 2.0 / math.sqrt(H)),
         one(I, H, 1.0 / math.sqrt(H)),
         one(H, I, 1.0 / math.sqrt(I)),
@@ -408,6 +364,12 @@ class Sample:
     name: str
     args: tuple
     kwargs: dict[str, Any]
+    experts: Any = None  # the kt_ops.ExpertWeights of args
+
+    def reference(self) -> Tensor:
+        """``reference_moe_forward`` of this call (fp32)."""
+        x, ids, weights = self.args[:3]
+        return reference_moe_forward(x, ids, weights, self.experts)
 
 
 def sample_inputs() -> Iterator[Sample]:
@@ -428,7 +390,7 @@ def sample_inputs() -> Iterator[Sample]:
             T, E, K, seed=i, ids_dtype=idt, weights_dtype=wdt, skip_fraction=frac, skip_rows=rows
         )
         x = make_hidden(T, H, act, seed=i)
-        yield Sample(name, (x, ids, weights, *w.args()), {"weight_format": "bf16"})
+        yield Sample(name, (x, ids, weights) + layer_args(w, None, "silu", x), {}, w)
 
 
 # --------------------------------------------------------------------------
@@ -536,70 +498,50 @@ def q8_tie_steps(x: Tensor, block: int = 32, window: float = Q8_TIE_WINDOW) -> T
     return out.view(xb.shape[0], -1)[:, :K].reshape(x.shape)
 
 
-@dataclasses.dataclass
-class QuantExperts:
-    """The three packed projections of one MoE layer in a quantized format.
+#: Dense fp32 weights of packed experts, by the ``id`` s of all their packed tensors
+#: (``dense_weights``); the tensors are kept alive alongside, so an id is not reused.
+_DENSE_CACHE: dict[tuple, tuple[tuple, tuple[Tensor, Tensor, Tensor]]] = {}
 
-    ``gate``/``up`` are ``PackedProjection`` s of ``[E, I, H]``, ``down`` of
-    ``[E, H, I]``; ``args()``/``kwargs()`` give the op's arguments.
+
+def dense_weights(experts: kt_ops.ExpertWeights) -> tuple[Tensor, Tensor, Tensor]:
+    """Dequantized fp32 ``(gate [E, I, H], up [E, I, H], down [E, H, I])`` (cached).
+
+    Each projection by its own format's reference dequantizer
+    (``kt_ops.formats.dequantize_weights``; ``kt_ops.unpack_weights`` for bf16).
     """
+    from kt_ops.formats import dequantize_weights
 
-    gate: Any  # kt_ops.formats.PackedProjection
-    up: Any
-    down: Any
+    tensors = tuple(t for t in experts.tensors() if t is not None)
+    key = tuple(id(t) for t in tensors)
+    hit = _DENSE_CACHE.get(key)
+    if hit is not None and all(a is b for a, b in zip(hit[0], tensors)):
+        return hit[1]
 
-    @property
-    def weight_format(self) -> str:
-        return self.gate.weight_format
+    def one(p: Any) -> Tensor:
+        if p.weight_format == "bf16":
+            return kt_ops.unpack_weights(p.weight, p.n, p.k)
+        return dequantize_weights(p)
 
-    @property
-    def group_size(self) -> int:
-        return self.gate.group_size
+    with single_threaded_torch():
+        dense = tuple(one(p) for p in experts.projections)
+    if len(_DENSE_CACHE) > 64:
+        _DENSE_CACHE.clear()
+    _DENSE_CACHE[key] = (tensors, dense)
+    return dense
 
-    @property
-    def num_experts(self) -> int:
-        return self.gate.num_experts
 
-    @property
-    def hidden_size(self) -> int:
-        return self.gate.k
+def activation_of(experts: kt_ops.ExpertWeights) -> str:
+    """``'q8'`` when some projection's kernels multiply q8 activations, else ``'fp32'``."""
+    from kt_ops.formats import format_spec
 
-    @property
-    def intermediate_size(self) -> int:
-        return self.gate.n
+    acts = {format_spec(p.weight_format).activation for p in experts.projections}
+    return "q8" if "q8" in acts else "fp32"
 
-    @property
-    def activation(self) -> str:
-        """``'q8'`` or ``'fp32'``: what the kernels multiply the weights with."""
-        from kt_ops.formats import format_spec
 
-        return format_spec(self.weight_format).activation
-
-    def projections(self) -> tuple[Any, Any, Any]:
-        return self.gate, self.up, self.down
-
-    def args(self) -> tuple[Tensor, Tensor, Tensor, int]:
-        """``(gate_weight, up_weight, down_weight, intermediate_size)`` for the op."""
-        return self.gate.weight, self.up.weight, self.down.weight, self.intermediate_size
-
-    def kwargs(self) -> dict[str, Any]:
-        """``weight_format``, ``group_size``, ``*_scales``, ``*_zeros`` for the op."""
-        kw: dict[str, Any] = {"weight_format": self.weight_format, "group_size": self.group_size}
-        for name, p in zip(("gate", "up", "down"), self.projections()):
-            kw[f"{name}_scales"] = p.scales
-            kw[f"{name}_zeros"] = p.zeros
-        return kw
-
-    def dense(self) -> tuple[Tensor, Tensor, Tensor]:
-        """Dequantized fp32 ``(gate [E, I, H], up [E, I, H], down [E, H, I])`` (cached)."""
-        cached = getattr(self, "_dense", None)
-        if cached is None:
-            from kt_ops.formats import dequantize_weights
-
-            with single_threaded_torch():
-                cached = tuple(dequantize_weights(p) for p in self.projections())
-            self._dense = cached
-        return cached
+def tolerance_for(experts: kt_ops.ExpertWeights) -> Tolerance:
+    """The loosest of the projections' ``TOLERANCES``."""
+    tols = [TOLERANCES[p.weight_format] for p in experts.projections]
+    return max(tols, key=lambda t: t.compute)
 
 
 def dense_expert_weights(
@@ -623,14 +565,26 @@ def make_quant_experts(
     group_size: Optional[int] = None,
     symmetric: bool = True,
     seed: int = 0,
-) -> QuantExperts:
-    """Random experts (as :func:`dense_expert_weights`) quantized with ``quantize_weights``."""
-    from kt_ops.formats import quantize_weights
+) -> kt_ops.ExpertWeights:
+    """Random experts (as :func:`dense_expert_weights`) quantized with ``quantize_weights``.
 
+    ``weight_format`` is one name or ``'gate,up,down'``; with a mix, ``group_size``
+    and ``symmetric`` apply to the int4 projections only (the others keep their defaults).
+    """
+    from kt_ops.layer import split_weight_format
+
+    fmts = split_weight_format(weight_format)
+    mixed = len(set(fmts)) > 1
     dense = dense_expert_weights(num_experts, hidden_size, intermediate_size, seed=seed)
+
+    def one(w: Tensor, fmt: str) -> Any:
+        if mixed and fmt != "int4":
+            return quantize_weights(w, fmt)
+        return quantize_weights(w, fmt, group_size, symmetric)
+
     with single_threaded_torch():
-        packed = [quantize_weights(w, weight_format, group_size, symmetric) for w in dense]
-    return QuantExperts(*packed)
+        packed = [one(w, f) for w, f in zip(dense, fmts)]
+    return kt_ops.ExpertWeights(*packed)
 
 
 @dataclasses.dataclass
@@ -689,28 +643,95 @@ def reference_quant_moe_forward(
     return QuantReference(out, slack)
 
 
-def reference_for(
-    experts: QuantExperts, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor
-) -> QuantReference:
-    """The reference of ``moe_forward(hidden_states, ..., **experts.kwargs())``.
+def fp32_min_tokens_of(weight_format: str) -> Optional[int]:
+    """Rows per expert from which projections in ``weight_format`` multiply fp32 activations.
 
-    Follows the process-wide compute path (``kt_ops.get_quant_activations()``):
-    under ``'auto'`` each expert's path depends on its token count.
+    In the current mode (``kt_ops.get_quant_activations()``): 1 (always) for the
+    formats whose kernels take fp32 activations (bf16, fp8) and in mode
+    ``'fp32'``; ``None`` (never) in mode ``'q8'``; the format's threshold
+    (``quant_fp32_min_tokens``, None for formats without one) in ``'auto'``.
     """
-    activation, fp32_min = experts.activation, None
+    from kt_ops.formats import format_spec
+
     mode = kt_ops.get_quant_activations()
-    if mode == "fp32":
-        activation = "fp32"
-    elif mode == "auto":
-        fp32_min = kt_ops.quant_fp32_min_tokens(experts.weight_format)
-    return reference_quant_moe_forward(
-        hidden_states,
-        topk_ids,
-        topk_weights,
-        *experts.dense(),
-        activation=activation,
-        fp32_min_tokens=fp32_min,
-    )
+    if format_spec(weight_format).activation == "fp32" or mode == "fp32":
+        return 1
+    if mode == "q8":
+        return None
+    return kt_ops.quant_fp32_min_tokens(weight_format)
+
+
+def per_projection_reference(
+    x: Tensor,
+    ids: Tensor,
+    topk_weights: Tensor,
+    dense: tuple[Tensor, Tensor, Tensor],
+    fp32_min: tuple[Optional[int], Optional[int], Optional[int]],
+) -> QuantReference:
+    """``reference_quant_moe_forward`` with the q8-or-fp32 choice made per projection.
+
+    Projection ``p`` of an expert with ``m`` routed rows multiplies fp32
+    activations when ``fp32_min[p]`` is not None and ``m >= fp32_min[p]``, else
+    the q8-rounded ones (``q8_activations``); a q8 down adds the tie slack.
+    """
+    gate, up, down = dense
+    with single_threaded_torch():
+        xf = x.float()
+        ids = ids.long()
+        w = topk_weights.float()
+        out = torch.zeros(xf.shape, dtype=torch.float32)
+        slack = torch.zeros(xf.shape, dtype=torch.float32)
+
+        for e in torch.unique(ids[ids >= 0]).tolist():
+            tok, slot = torch.nonzero(ids == e, as_tuple=True)
+            m = len(tok)
+
+            def q8(p: int, m: int = m) -> bool:
+                return fp32_min[p] is None or m < fp32_min[p]
+
+            xe = xf[tok]
+            xg = q8_activations(xe) if q8(0) else xe
+            xu = q8_activations(xe) if q8(1) else xe
+            h = torch.nn.functional.silu(xg @ gate[e].float().T) * (xu @ up[e].float().T)
+            wd = down[e].float()
+            we = w[tok, slot].unsqueeze(1)
+            if q8(2):
+                slack.index_add_(0, tok, (q8_tie_steps(h) @ wd.abs().T) * we.abs())
+                h = q8_activations(h)
+            out.index_add_(0, tok, (h @ wd.T) * we)
+    return QuantReference(out, slack)
+
+
+def reference_for(
+    experts: kt_ops.ExpertWeights, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor
+) -> QuantReference:
+    """The reference of ``kt_ops.moe_forward(hidden_states, ..., experts)`` (no LoRA).
+
+    Any formats, mixed per projection. Follows the process-wide compute path
+    (``kt_ops.get_quant_activations()``) per projection
+    (:func:`fp32_min_tokens_of`): under ``'auto'`` each expert's path depends on
+    its token count and each projection's format.
+    """
+    mins = tuple(fp32_min_tokens_of(p.weight_format) for p in experts.projections)
+    dense = dense_weights(experts)
+    if all(m is None for m in mins):
+        return reference_quant_moe_forward(
+            hidden_states, topk_ids, topk_weights, *dense, activation="q8"
+        )
+    if all(m == 1 for m in mins):
+        return reference_quant_moe_forward(
+            hidden_states, topk_ids, topk_weights, *dense, activation="fp32"
+        )
+    if len(set(mins)) == 1:
+        return reference_quant_moe_forward(
+            hidden_states,
+            topk_ids,
+            topk_weights,
+            *dense,
+            activation="q8",
+            fp32_min_tokens=mins[0],
+        )
+    return per_projection_reference(hidden_states, topk_ids, topk_weights, dense, mins)
 
 
 def quant_mismatch_report(
@@ -798,3 +819,66 @@ def random_gguf_raw(qtype: str, num_experts: int, n: int, k: int, *, seed: int =
     else:  # q6_k: W = d*sc*(q - 32), |sc| <= 128
         set_f16(208, 0.5 * s / (64 * 32), 2 * s / (64 * 32))
     return torch.from_numpy(raw.reshape(num_experts, n, k // bs * ts))
+
+
+def map_packed(experts: kt_ops.ExpertWeights, fn, parts=("weight", "scales", "zeros")):
+    """``experts`` with ``fn`` applied to each present packed tensor named in ``parts``."""
+
+    def one(p: Any) -> Any:
+        new = {k: fn(getattr(p, k)) for k in parts if getattr(p, k) is not None}
+        return dataclasses.replace(p, **new)
+
+    return kt_ops.ExpertWeights(*(one(p) for p in experts.projections))
+
+
+def replace_weights(
+    experts: kt_ops.ExpertWeights, gate: Tensor, up: Tensor, down: Tensor
+) -> kt_ops.ExpertWeights:
+    """``experts`` with the packed ``weight`` tensors replaced (scales, zeros, sizes kept)."""
+    return kt_ops.ExpertWeights(
+        *(dataclasses.replace(p, weight=t) for p, t in zip(experts.projections, (gate, up, down)))
+    )
+
+
+def packed_weights(experts: kt_ops.ExpertWeights) -> tuple[Tensor, Tensor, Tensor]:
+    """The packed ``weight`` tensors of gate, up, down."""
+    return experts.gate.weight, experts.up.weight, experts.down.weight
+
+
+def lora_weights_from(factors: dict[str, Tensor], scaling: float = 1.0) -> kt_ops.LoRAWeights:
+    """A ``LoRAWeights`` of factors named ``{gate,up,down}_lora_{a,b}`` (missing: no LoRA).
+
+    A projection with only one of its factors keeps it (and None for the other),
+    so that the op can name the lone factor.
+    """
+    pairs = {}
+    for p in ("gate", "up", "down"):
+        a, b = factors.get(f"{p}_lora_a"), factors.get(f"{p}_lora_b")
+        pairs[p] = None if a is None and b is None else (a, b)
+    return kt_ops.LoRAWeights(**pairs, scaling=scaling)
+
+
+#: The entries of the ops' ``weights`` list and ``lora`` list, by name (op order).
+WEIGHT_NAMES = tuple(
+    f"{p}_{part}" for p in ("gate", "up", "down") for part in ("weight", "scales", "zeros")
+)
+LORA_NAMES = tuple(f"{p}_lora_{f}" for p in ("gate", "up", "down") for f in ("a", "b"))
+
+
+def raw_op_kwargs(named: dict[str, Any]) -> dict[str, Any]:
+    """Keyword arguments of ``torch.ops.kt.moe_forward`` from per-tensor names.
+
+    ``named`` holds the op's arguments, except that the entries of ``weights``
+    may be given one by one as ``gate_weight`` ... ``down_zeros`` and those of
+    ``lora`` as ``gate_lora_a`` ... ``down_lora_b`` (None or missing: absent,
+    a ``[0]``-shaped placeholder; all absent: ``lora=[]``).
+    """
+    args = {k: v for k, v in named.items() if k not in WEIGHT_NAMES and k not in LORA_NAMES}
+    if any(n in named for n in WEIGHT_NAMES):
+        args["weights"] = [named.get(n) for n in WEIGHT_NAMES]
+    factors = [named.get(n) for n in LORA_NAMES]
+    if any(t is not None for t in factors):
+        like = args["hidden_states"]
+        args["lora"] = [t if t is not None else like.new_empty((0,)) for t in factors]
+    args.setdefault("lora", [])
+    return args

@@ -12,6 +12,7 @@ import torch
 from reference import make_expert_weights, make_hidden, make_routing, reference_moe_forward
 
 import kt_ops
+from kt_ops.layer import PROJECTIONS
 
 E, H, I, T, K = 4, 32, 16, 3, 2
 
@@ -21,22 +22,43 @@ def layer():
     return make_expert_weights(E, H, I, seed=0)
 
 
+#: The 9 entries of the op's ``weights`` list and the 6 of its ``lora`` list, by name.
+WEIGHT_NAMES = [f"{p}_{part}" for p in PROJECTIONS for part in ("weight", "scales", "zeros")]
+LORA_NAMES = [f"{p}_lora_{f}" for p in PROJECTIONS for f in ("a", "b")]
+
+
 @pytest.fixture
 def call(layer):
-    """``call(**overrides)``: moe_forward on valid arguments, some replaced by ``overrides``."""
+    """``call(**overrides)``: ``torch.ops.kt.moe_forward`` on valid arguments, some replaced.
+
+    Arguments are named as the op's (``weight_format``, ``sizes``, ...), and
+    one entry of the ``weights`` list (``gate_weight`` ... ``down_zeros``) or of
+    the ``lora`` list (``gate_lora_a`` ... ``down_lora_b``; the others then
+    ``[0]``-shaped) by its name.
+    """
     ids, weights = make_routing(T, E, K)
     valid = dict(
         hidden_states=make_hidden(T, H),
         topk_ids=ids,
         topk_weights=weights,
-        gate_weight=layer.gate,
-        up_weight=layer.up,
-        down_weight=layer.down,
-        intermediate_size=I,
+        **dict(zip(WEIGHT_NAMES, layer.tensors())),
+        weight_format="bf16",
+        sizes=[H, I],
+        group_sizes=[0, 0, 0],
+        lora_scaling=1.0,
+        activation="silu",
     )
 
     def run(**overrides):
-        return kt_ops.moe_forward(**{**valid, **overrides})
+        a = {**valid, **overrides}
+        lora = [a.pop(n, None) for n in LORA_NAMES]
+        if any(t is not None for t in lora):
+            lora = [t if t is not None else torch.empty(0) for t in lora]
+        else:
+            lora = a.pop("lora", [])
+        args = {k: v for k, v in a.items() if k not in WEIGHT_NAMES}
+        weights = a.get("weights", [a[n] for n in WEIGHT_NAMES])
+        return torch.ops.kt.moe_forward(**{**args, "weights": weights, "lora": lora})
 
     run.valid = valid
     return run
@@ -134,24 +156,48 @@ def test_dense_unpacked_weight(call, name):
 def test_weight_packed_for_another_hidden_size(call, name):
     other = make_expert_weights(E, 2 * H, I, seed=1)
     with pytest.raises(RuntimeError, match=name):
-        call(**{name: getattr(other, name.split("_")[0])})
+        call(**{name: getattr(other, name.split("_")[0]).weight})
 
 
-def test_hidden_states_of_another_hidden_size(call):
-    with pytest.raises(RuntimeError, match="gate_weight"):
-        call(hidden_states=make_hidden(T, H + 16))
+@pytest.mark.parametrize("cols", [H + 16, H - 1, H + 1, 1], ids=["H+16", "H-1", "H+1", "1"])
+def test_hidden_states_of_another_hidden_size(call, cols):
+    # issue 13 item 7: H-1 and H+1 lie inside the bf16 packing's padding (k pairs) and
+    # used to compute silently; the experts' true hidden_size (sizes[0]) rules now.
+    with pytest.raises(
+        RuntimeError,
+        match=rf"kt.moe_forward: hidden_states has {cols} columns but the experts' hidden_size "
+        rf"is {H}",
+    ):
+        call(hidden_states=make_hidden(T, cols))
+
+
+@pytest.mark.parametrize("fmt,h", [("bf16", 250), ("int4", 256), ("q8_0", 64), ("fp8", 256)])
+def test_hidden_size_inside_the_padding(fmt, h):
+    # The same through the Python API, for layers whose packing also holds h - 1
+    # columns: bf16 (k pairs), int4 / q8_0 (blocks of 32 along K), fp8 (128 blocks).
+    w = make_expert_weights(E, h, 128, weight_format=fmt)
+    ids, weights = make_routing(T, E, K)
+    msg = rf"hidden_states has {h - 1} columns but the experts' hidden_size is {h}"
+    x = make_hidden(T, h - 1, torch.float32)
+    with pytest.raises(RuntimeError, match="kt.moe_forward: " + msg):
+        kt_ops.moe_forward(x, ids, weights, w)
+    with pytest.raises(RuntimeError, match="kt.moe_forward_train: " + msg):
+        kt_ops.ops.moe_forward_train(x, ids, weights, w)
+    with pytest.raises(RuntimeError, match="kt.moe_backward: " + msg):
+        kt_ops.ops.moe_backward(torch.ones_like(x), x, ids, weights, w)
+    assert kt_ops.moe_forward(make_hidden(T, h), ids, weights, w).shape == (T, h)
 
 
 @pytest.mark.parametrize("name", ["up_weight", "down_weight"])
 def test_weight_with_another_expert_count(call, name):
     other = make_expert_weights(E + 1, H, I, seed=2)
     with pytest.raises(RuntimeError, match=name):
-        call(**{name: getattr(other, name.split("_")[0])})
+        call(**{name: getattr(other, name.split("_")[0]).weight})
 
 
 def test_intermediate_size_not_matching_weights(call):
     with pytest.raises(RuntimeError, match="gate_weight"):
-        call(intermediate_size=I + 16)
+        call(sizes=[H, I + 16])
 
 
 @pytest.mark.parametrize("name", ["gate_weight", "up_weight", "down_weight"])
@@ -181,9 +227,35 @@ def test_scales_for_bf16(call, name):
         call(**{name: torch.ones(E, I)})
 
 
-def test_group_size_for_bf16(call):
-    with pytest.raises(RuntimeError, match="group_size"):
-        call(group_size=32)
+@pytest.mark.parametrize("proj", range(3))
+def test_group_size_for_bf16(call, proj):
+    groups = [0, 0, 0]
+    groups[proj] = 32
+    name = PROJECTIONS[proj]
+    with pytest.raises(RuntimeError, match=rf"group size 32 of {name} is not valid.*'bf16'"):
+        call(group_sizes=groups)
+
+
+@pytest.mark.parametrize(
+    "override,match",
+    [
+        (dict(weights=[None] * 8), "weights must hold 9 entries"),
+        (dict(weights=[None] * 10), "weights must hold 9 entries"),
+        (dict(sizes=[H]), r"sizes must be \[hidden_size, intermediate_size\]"),
+        (dict(sizes=[H, I, 1]), r"sizes must be \[hidden_size, intermediate_size\]"),
+        (dict(group_sizes=[0, 0]), "group_sizes must hold 3 values"),
+        (dict(group_sizes=[0, 0, 0, 0]), "group_sizes must hold 3 values"),
+        (dict(lora=[torch.empty(0)] * 5), "lora must be empty or hold 6 tensors"),
+        (dict(weight_format="bf16,bf16"), "weight_format='bf16,bf16' must be one format name"),
+        (dict(weight_format="bf16,bf16,bf16,bf16"), "weight_format='bf16,.*got 4 names"),
+        (dict(gate_weight=None), "gate_weight must be a packed"),
+        (dict(down_weight=None), "down_weight (is missing|must be a packed)"),
+    ],
+    ids=lambda v: str(v)[:40] if isinstance(v, str) else None,
+)
+def test_layer_argument_lists(call, override, match):
+    with pytest.raises(RuntimeError, match="kt.moe_forward: " + match):
+        call(**override)
 
 
 @pytest.mark.parametrize(
@@ -204,8 +276,10 @@ def test_activation(call, act):
 
 @pytest.mark.parametrize("size", [0, -1, -I])
 def test_intermediate_size_not_positive(call, size):
-    with pytest.raises(RuntimeError, match="intermediate_size"):
-        call(intermediate_size=size)
+    with pytest.raises(RuntimeError, match=r"sizes must be \[hidden_size, intermediate_size\]"):
+        call(sizes=[H, size])
+    with pytest.raises(RuntimeError, match=r"sizes must be \[hidden_size, intermediate_size\]"):
+        call(sizes=[size, I])
 
 
 # --------------------------------------------------------------------------
@@ -234,7 +308,7 @@ def test_meta_tensor_mixed_with_cpu(call, name):
 
 def test_all_meta_is_fine(call):
     meta = {k: (v.to("meta") if isinstance(v, torch.Tensor) else v) for k, v in call.valid.items()}
-    out = kt_ops.moe_forward(**meta)
+    out = call(**meta)
     assert out.device.type == "meta" and out.shape == (T, H)
 
 
@@ -255,23 +329,42 @@ def test_cuda_tensor_on_cpu_build(call, name):
 def test_backward_matches_reference(call, layer, wrt, checkpointing):
     # Gradients must be there and correct: PyTorch's deprecated not-implemented
     # fallback (None gradients, a warning) would let a training loop silently not train.
-    args = {k: (v.detach().float() if k in ("hidden_states", "topk_weights") else v)
-            for k, v in call.valid.items()}  # fmt: skip
+    args = {k: call.valid[k].detach().float() for k in ("hidden_states", "topk_weights")}
     args[wrt] = args[wrt].clone().requires_grad_(True)
-    out = kt_ops.moe_forward(**args, activation_checkpointing=checkpointing)
+    ids = call.valid["topk_ids"]
+    out = kt_ops.moe_forward(
+        args["hidden_states"],
+        ids,
+        args["topk_weights"],
+        layer,
+        activation_checkpointing=checkpointing,
+    )
     out.sum().backward()
-    ref_args = {k: (v.detach().clone().requires_grad_(k == wrt) if k == wrt else v)
-                for k, v in args.items()}  # fmt: skip
-    reference_moe_forward(**ref_args).sum().backward()
+    ref_args = {k: (v.detach().clone().requires_grad_(k == wrt)) for k, v in args.items()}
+    reference_moe_forward(
+        ref_args["hidden_states"], ids, ref_args["topk_weights"], layer
+    ).sum().backward()
     assert args[wrt].grad is not None, f"backward returned no gradient for {wrt}"
     torch.testing.assert_close(args[wrt].grad, ref_args[wrt].grad, rtol=1e-3, atol=1e-4)
 
 
-def test_backward_for_frozen_weight_raises(call):
-    # The packed base weights are frozen: asking for their gradient is refused at once.
-    w = call.valid["down_weight"].clone().requires_grad_(True)
-    with pytest.raises(RuntimeError, match="down_weight requires grad"):
-        call(hidden_states=call.valid["hidden_states"].float(), down_weight=w)
+@pytest.mark.parametrize("name", WEIGHT_NAMES[::3])
+def test_backward_for_frozen_weight_raises(call, layer, name):
+    # The packed base weights are frozen: asking for their gradient is refused at once,
+    # through the Python API even when nothing else requires grad ...
+    w = call.valid[name].clone().requires_grad_(True)
+    ts = [w if n == name else t for n, t in zip(WEIGHT_NAMES, layer.tensors())]
+    frozen = kt_ops.ExpertWeights.from_op_args(ts, "bf16", [H, I], [0, 0, 0])
+    x = call.valid["hidden_states"].float()
+    ids, weights = call.valid["topk_ids"], call.valid["topk_weights"]
+    for fn in (kt_ops.moe_forward, kt_ops.ops.moe_forward_train):
+        with pytest.raises(RuntimeError, match=f"{name} requires grad"):
+            fn(x, ids, weights, frozen)
+    # ... and through the raw op once autograd records the call.
+    with pytest.raises(RuntimeError, match=f"{name} requires grad"):
+        call(hidden_states=x.requires_grad_(True), **{name: w})
+    with torch.no_grad():
+        assert kt_ops.moe_forward(x, ids, weights, frozen).shape == (T, H)
 
 
 # --------------------------------------------------------------------------
@@ -357,7 +450,7 @@ import kt_ops
 from reference import make_expert_weights, make_hidden, make_routing
 w = make_expert_weights(2, 8, 4); ids, wt = make_routing(2, 2, 1)
 try:
-    kt_ops.moe_forward(make_hidden(2, 8), ids, wt, *w.args())
+    kt_ops.moe_forward(make_hidden(2, 8), ids, wt, w)
 except Exception as e:
     print(type(e).__name__ + ': ' + str(e).splitlines()[0])
 else:

@@ -18,19 +18,24 @@ from typing import Any, Optional
 import pytest
 import torch
 from reference import (
-    ExpertWeights,
+    LORA_NAMES,
+    WEIGHT_NAMES,
     assert_matches_reference,
+    bf16_projection,
+    lora_weights_from,
     make_expert_weights,
     make_hidden,
     make_routing,
     mismatch_report,
+    raw_op_kwargs,
     reference_moe_forward,
 )
+from torch.utils._pytree import tree_map
 
 import kt_ops
+from kt_ops.layer import layer_args
 
 PROJECTIONS = ("gate", "up", "down")
-LORA_NAMES = tuple(f"{p}_lora_{f}" for p in PROJECTIONS for f in ("a", "b"))
 
 
 def make_lora(
@@ -94,7 +99,7 @@ CASES = [
 @dataclasses.dataclass
 class Problem:
     case: Case
-    weights: ExpertWeights  # or reference.QuantExperts (test_lora_quant.py)
+    weights: kt_ops.ExpertWeights  # bf16 here, quantized in test_lora_quant.py
     x: torch.Tensor
     ids: torch.Tensor
     topk_weights: torch.Tensor
@@ -102,15 +107,22 @@ class Problem:
     grad_output: torch.Tensor
 
     def op_args(self) -> tuple:
-        return (self.x, self.ids, self.topk_weights, *self.weights.args())
+        """``(hidden_states, topk_ids, topk_weights, experts)`` of the Python API."""
+        return (self.x, self.ids, self.topk_weights, self.weights)
 
-    def format_kwargs(self) -> dict:
-        """weight_format, scales, zeros, group_size of a quantized base; {} for bf16."""
-        kwargs = getattr(self.weights, "kwargs", None)
-        return kwargs() if kwargs is not None else {}
+    def lora_weights(self, factors: Optional[dict] = None) -> kt_ops.LoRAWeights:
+        """``self.lora`` (or ``factors``) as a ``LoRAWeights`` with the case's scaling."""
+        return lora_weights_from(self.lora if factors is None else factors, self.case.scaling)
 
     def op_kwargs(self) -> dict:
-        return {**self.format_kwargs(), **self.lora, "lora_scaling": self.case.scaling}
+        """``lora=`` of the Python API."""
+        return {"lora": self.lora_weights()}
+
+    def raw_args(self) -> tuple:
+        """The positional arguments of ``torch.ops.kt.moe_forward`` (LoRA included)."""
+        return (self.x, self.ids, self.topk_weights) + layer_args(
+            self.weights, self.lora_weights(), "silu", self.x
+        )
 
 
 def make_problem(case: Case, seed: int = 0, weights: Optional[Any] = None) -> Problem:
@@ -136,9 +148,7 @@ def reference_grads(p: Problem) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     x = p.x.detach().float().requires_grad_(True)
     tw = p.topk_weights.detach().float().requires_grad_(True)
     lora = {k: v.detach().float().requires_grad_(True) for k, v in p.lora.items()}
-    out = reference_moe_forward(
-        x, p.ids, tw, *p.weights.args(), **p.format_kwargs(), lora=lora, lora_scaling=p.case.scaling
-    )
+    out = reference_moe_forward(x, p.ids, tw, p.weights, p.lora_weights(lora))
     if out.requires_grad:  # not when no slot reaches an expert (T = 0, all ids -1)
         out.backward(p.grad_output.float())
     leaves = {"hidden_states": x, "topk_weights": tw, **lora}
@@ -152,14 +162,7 @@ def op_grads(p: Problem, checkpointing: bool) -> tuple[torch.Tensor, dict[str, t
     tw = p.topk_weights.detach().clone().requires_grad_(True)
     lora = {k: v.detach().clone().requires_grad_(True) for k, v in p.lora.items()}
     out = kt_ops.moe_forward(
-        x,
-        p.ids,
-        tw,
-        *p.weights.args(),
-        **p.format_kwargs(),
-        **lora,
-        lora_scaling=p.case.scaling,
-        activation_checkpointing=checkpointing,
+        x, p.ids, tw, p.weights, p.lora_weights(lora), activation_checkpointing=checkpointing
     )
     out.backward(p.grad_output)
     grads = {"hidden_states": x.grad, "topk_weights": tw.grad}
@@ -195,9 +198,7 @@ def test_forward_matches_reference(case: Case, isa: str):
     p = make_problem(case)
     out = kt_ops.moe_forward(*p.op_args(), **p.op_kwargs())
     assert out.dtype == p.x.dtype and out.shape == p.x.shape
-    ref = reference_moe_forward(
-        *p.op_args(), lora=p.lora, lora_scaling=case.scaling, out_dtype=torch.float32
-    )
+    ref = reference_moe_forward(*p.op_args(), p.lora_weights(), out_dtype=torch.float32)
     assert_matches_reference(out, ref)
 
 
@@ -244,7 +245,7 @@ def test_lora_b_zero_matches_base_forward():
     p = make_problem(case)
     lora = {k: (torch.zeros_like(v) if k.endswith("_b") else v) for k, v in p.lora.items()}
     base = kt_ops.moe_forward(*p.op_args())
-    with_lora = kt_ops.moe_forward(*p.op_args(), **lora, lora_scaling=2.0)
+    with_lora = kt_ops.moe_forward(*p.op_args(), lora_weights_from(lora, 2.0))
     assert_matches_reference(with_lora, reference_moe_forward(*p.op_args()))
     torch.testing.assert_close(with_lora, base, rtol=1e-5, atol=1e-5)
 
@@ -283,7 +284,7 @@ def test_gradient_for_lora_only():
     # hidden_states and topk_weights need no gradient: only the LoRA factors get one.
     p = make_problem(CASES[4])
     lora = {k: v.clone().requires_grad_(True) for k, v in p.lora.items()}
-    out = kt_ops.moe_forward(*p.op_args(), **lora, lora_scaling=p.case.scaling)
+    out = kt_ops.moe_forward(*p.op_args(), p.lora_weights(lora))
     out.backward(p.grad_output)
     _, ref = reference_grads(p)
     assert_grads_match({k: v.grad for k, v in lora.items()}, {k: ref[k] for k in lora})
@@ -291,19 +292,27 @@ def test_gradient_for_lora_only():
 
 def test_moe_backward_direct_call_and_outputs():
     p = make_problem(CASES[6])  # gate only
-    grads = kt_ops.ops.moe_backward(p.grad_output, *p.op_args(), **p.op_kwargs())
-    assert len(grads) == 8
-    gx, gw, ga, gb, ua, ub, da, db = grads
+    gx, gw, glora = kt_ops.ops.moe_backward(p.grad_output, *p.op_args(), **p.op_kwargs())
     assert gx.shape == p.x.shape and gw.shape == p.topk_weights.shape
+    assert isinstance(glora, kt_ops.LoRAWeights) and glora.scaling == p.case.scaling
+    ga, gb = glora.gate
     assert ga.shape == p.lora["gate_lora_a"].shape and gb.shape == p.lora["gate_lora_b"].shape
-    for absent in (ua, ub, da, db):
+    assert glora.up is None and glora.down is None
+    # The raw op: 6 LoRA gradients, [0]-shaped where the factor is absent.
+    raw = torch.ops.kt.moe_backward(p.grad_output, *p.raw_args())
+    assert len(raw) == 3 and len(raw[2]) == 6
+    assert torch.equal(raw[0], gx) and torch.equal(raw[1], gw)
+    assert torch.equal(raw[2][0], ga) and torch.equal(raw[2][1], gb)
+    for absent in raw[2][2:]:
         assert absent.shape == (0,) and absent.dtype == p.x.dtype
+    # Without LoRA: no LoRA gradients at all.
+    assert torch.ops.kt.moe_backward(p.grad_output, *p.raw_args()[:7], [])[2] == []
     no_gx = kt_ops.ops.moe_backward(
         p.grad_output, *p.op_args(), **p.op_kwargs(), compute_grad_hidden_states=False
     )
     assert no_gx[0].shape == (0,)
-    for a, b in zip(grads[1:], no_gx[1:]):
-        assert torch.equal(a, b)
+    assert torch.equal(no_gx[1], gw)
+    assert all(torch.equal(a, b) for a, b in zip(no_gx[2].gate, glora.gate))
     # With the saved pre-activations of moe_forward_train: the same gradients.
     out, gate_pre, up_pre = kt_ops.ops.moe_forward_train(*p.op_args(), **p.op_kwargs())
     assert gate_pre.shape == (p.case.T * p.case.K, p.case.I) and gate_pre.dtype == torch.float32
@@ -311,15 +320,15 @@ def test_moe_backward_direct_call_and_outputs():
     with_pre = kt_ops.ops.moe_backward(
         p.grad_output, *p.op_args(), **p.op_kwargs(), gate_pre=gate_pre, up_pre=up_pre
     )
-    for a, b in zip(grads, with_pre):
-        assert torch.equal(a, b)
+    assert torch.equal(with_pre[0], gx) and torch.equal(with_pre[1], gw)
+    assert all(torch.equal(a, b) for a, b in zip(with_pre[2].gate, glora.gate))
 
 
 def test_forward_train_pre_activations():
     case = Case("pre", 5, 32, 24, 4, 2, ALL3, skip_rows=(1,))
     p = make_problem(case)
     _, gate_pre, up_pre = kt_ops.ops.moe_forward_train(*p.op_args(), **p.op_kwargs())
-    wg = kt_ops.unpack_weights(p.weights.gate, case.I, case.H)
+    wg = kt_ops.unpack_weights(p.weights.gate.weight, case.I, case.H)
     a, b = p.lora["gate_lora_a"], p.lora["gate_lora_b"]
     for t in range(case.T):
         for k in range(case.K):
@@ -377,18 +386,17 @@ def _requires_grad(p: Problem) -> Problem:
 def test_opcheck_forward_with_lora(case: Case, op_name: str):
     p = _requires_grad(make_problem(case))
     op = getattr(torch.ops.kt, op_name).default
-    torch.library.opcheck(op, p.op_args(), p.op_kwargs())
+    torch.library.opcheck(op, p.raw_args())
 
 
 @pytest.mark.parametrize("case", OPCHECK_CASES, ids=lambda c: c.name)
 def test_opcheck_backward(case: Case):
     p = make_problem(case)
     op = torch.ops.kt.moe_backward.default
-    torch.library.opcheck(op, (p.grad_output, *p.op_args()), p.op_kwargs())
+    torch.library.opcheck(op, (p.grad_output, *p.raw_args()))
     _, gate_pre, up_pre = kt_ops.ops.moe_forward_train(*p.op_args(), **p.op_kwargs())
-    kwargs = {**p.op_kwargs(), "gate_pre": gate_pre, "up_pre": up_pre}
-    kwargs["compute_grad_hidden_states"] = False
-    torch.library.opcheck(op, (p.grad_output, *p.op_args()), kwargs)
+    kwargs = {"gate_pre": gate_pre, "up_pre": up_pre, "compute_grad_hidden_states": False}
+    torch.library.opcheck(op, (p.grad_output, *p.raw_args()), kwargs)
 
 
 # --------------------------------------------------------------------------
@@ -402,10 +410,10 @@ class LoraExperts(torch.nn.Module):
     def __init__(self, E: int, H: int, I: int, r: int = 4):
         super().__init__()
         w = make_expert_weights(E, H, I, seed=3)
-        self.register_buffer("gate", w.gate)
-        self.register_buffer("up", w.up)
-        self.register_buffer("down", w.down)
-        self.I = I
+        self.register_buffer("gate", w.gate.weight)
+        self.register_buffer("up", w.up.weight)
+        self.register_buffer("down", w.down.weight)
+        self.H, self.I = H, I
         lora = make_lora(E, H, I, ranks={"gate": r, "down": r}, seed=3)
         self.lora = torch.nn.ParameterDict({k: torch.nn.Parameter(v) for k, v in lora.items()})
 
@@ -414,15 +422,16 @@ class LoraExperts(torch.nn.Module):
             x * 0.5,
             ids,
             weights,
-            self.gate,
-            self.up,
-            self.down,
-            self.I,
-            gate_lora_a=self.lora["gate_lora_a"],
-            gate_lora_b=self.lora["gate_lora_b"],
-            down_lora_a=self.lora["down_lora_a"],
-            down_lora_b=self.lora["down_lora_b"],
-            lora_scaling=0.5,
+            kt_ops.ExpertWeights(
+                bf16_projection(self.gate, self.I, self.H),
+                bf16_projection(self.up, self.I, self.H),
+                bf16_projection(self.down, self.H, self.I),
+            ),
+            kt_ops.LoRAWeights(
+                gate=(self.lora["gate_lora_a"], self.lora["gate_lora_b"]),
+                down=(self.lora["down_lora_a"], self.lora["down_lora_b"]),
+                scaling=0.5,
+            ),
         )
         return x + y
 
@@ -535,24 +544,45 @@ def layer():
 
 @pytest.fixture
 def call(layer):
-    """``call(**overrides)``: moe_forward with all six LoRA factors, some replaced."""
+    """``call(**overrides)``: ``kt_ops.moe_forward`` with all six LoRA factors, some replaced.
+
+    Arguments are the raw op's, with the packed tensors and the LoRA factors
+    named one by one (``reference.raw_op_kwargs``; a factor set to None is
+    absent). ``call.raw(**overrides)`` returns the raw op's keyword arguments.
+    """
     ids, weights = make_routing(T, E, K)
     valid = dict(
         hidden_states=make_hidden(T, H),
         topk_ids=ids,
         topk_weights=weights,
-        gate_weight=layer.gate,
-        up_weight=layer.up,
-        down_weight=layer.down,
-        intermediate_size=I,
+        **dict(zip(WEIGHT_NAMES, layer.tensors())),
+        weight_format="bf16",
+        sizes=[H, I],
+        group_sizes=[0, 0, 0],
+        lora_scaling=1.0,
         **make_lora(E, H, I, ranks={"gate": R, "up": R, "down": R}),
     )
 
-    def run(**overrides):
-        kwargs = {k: v for k, v in {**valid, **overrides}.items() if v is not None}
-        return kt_ops.moe_forward(**kwargs)
+    def raw(**overrides):
+        return raw_op_kwargs({**valid, **overrides})
+
+    def run(activation_checkpointing=None, **overrides):
+        kw = raw(**overrides)
+        experts = kt_ops.ExpertWeights.from_op_args(
+            kw["weights"], kw["weight_format"], kw["sizes"], kw["group_sizes"]
+        )
+        lora = kt_ops.LoRAWeights.from_op_args(kw["lora"], kw["lora_scaling"])
+        return kt_ops.moe_forward(
+            kw["hidden_states"],
+            kw["topk_ids"],
+            kw["topk_weights"],
+            experts,
+            lora,
+            activation_checkpointing=activation_checkpointing,
+        )
 
     run.valid = valid
+    run.raw = raw
     return run
 
 
@@ -617,7 +647,9 @@ def test_lora_dtype(call, name, dtype):
 
 
 def test_mixed_lora_dtypes(call):
-    with pytest.raises(RuntimeError, match="one dtype.*gate_lora_a.*down_lora_b"):
+    # (The message used to name gate_lora_a and down_lora_b; the redesigned C++ check
+    # names the two dtypes.)
+    with pytest.raises(RuntimeError, match="one dtype, got Float and BFloat16"):
         call(down_lora_b=call.valid["down_lora_b"].bfloat16())
 
 
@@ -650,11 +682,16 @@ def test_fake_kernel_rejects_bad_lora(call):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode() as mode:
-        fake = {k: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v
-                for k, v in call.valid.items()}  # fmt: skip
-        assert torch.ops.kt.moe_forward(**fake).shape == (T, H)
-        bad = dict(fake, up_lora_b=mode.from_tensor(torch.zeros(E, I, R + 1)))
+
+        def fake(kw):
+            return tree_map(lambda v: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v, kw)
+
+        assert torch.ops.kt.moe_forward(**fake(call.raw())).shape == (T, H)
+        bad = fake(call.raw(up_lora_b=torch.zeros(E, I, R + 1)))
         with pytest.raises(RuntimeError, match="up_lora_b"):
+            torch.ops.kt.moe_forward(**bad)
+        bad = fake(call.raw(down_lora_a=torch.zeros(E, R, I + 1)))
+        with pytest.raises(RuntimeError, match="down_lora_a"):
             torch.ops.kt.moe_forward(**bad)
 
 
@@ -685,22 +722,21 @@ def test_double_backward_raises(call):
 
 
 def test_backward_argument_errors(call):
-    v = call.valid
-    args = [v[k] for k in ("hidden_states", "topk_ids", "topk_weights")]
-    args += [v["gate_weight"], v["up_weight"], v["down_weight"], I]
-    lora = {k: v[k] for k in LORA_NAMES}
+    kw = call.raw()
     bwd = torch.ops.kt.moe_backward
     go = torch.ones(T, H)
     with pytest.raises(RuntimeError, match="grad_output must have the shape"):
-        bwd(go[:1], *args, **lora)
+        bwd(go[:1], **kw)
     with pytest.raises(RuntimeError, match="grad_output must be fp32"):
-        bwd(go.double(), *args, **lora)
+        bwd(go.double(), **kw)
     pre = torch.zeros(T * K, I)
     with pytest.raises(RuntimeError, match="gate_pre was given without up_pre"):
-        bwd(go, *args, **lora, gate_pre=pre)
+        bwd(go, **kw, gate_pre=pre)
     with pytest.raises(
         RuntimeError, match=re.escape(f"up_pre must be a contiguous fp32 [T*K={T * K}")
     ):
-        bwd(go, *args, **lora, gate_pre=pre, up_pre=pre[:1])
+        bwd(go, **kw, gate_pre=pre, up_pre=pre[:1])
     with pytest.raises(RuntimeError, match="up_lora_b"):
-        bwd(go, *args, **dict(lora, up_lora_b=torch.zeros(E, I, R + 1)))
+        bwd(go, **call.raw(up_lora_b=torch.zeros(E, I, R + 1)))
+    with pytest.raises(RuntimeError, match="kt.moe_backward: lora must be empty or hold 6"):
+        bwd(go, **dict(kw, lora=kw["lora"][:4]))

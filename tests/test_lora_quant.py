@@ -31,7 +31,6 @@ import functools
 import pytest
 import torch
 from reference import (
-    QuantExperts,
     assert_matches_reference,
     make_quant_experts,
     reference_moe_forward,
@@ -49,9 +48,9 @@ from test_lora import (
 from test_quant_forward import Variant
 
 import kt_ops
+from kt_ops.formats import FORMATS as WEIGHT_FORMATS
 from kt_ops.formats import PackedProjection, dequantize_weights, format_spec
 from kt_ops.nn import MoEExperts
-from kt_ops.ops import WEIGHT_FORMATS
 
 QUANT_FORMATS = [f for f in WEIGHT_FORMATS if f != "bf16"]
 
@@ -138,16 +137,17 @@ def decoded_by_op(p: PackedProjection, down: PackedProjection, **scale_casts) ->
     E, n, k = p.num_experts, p.n, p.k
     x = torch.eye(k).repeat(E, 1)
     ids = torch.arange(E).repeat_interleave(k).view(-1, 1)
-    kwargs = dict(weight_format=p.weight_format, group_size=p.group_size)
-    for proj, q in (("gate", p), ("up", p), ("down", down)):
-        if q.scales is None:  # bf16
-            continue
-        kwargs[f"{proj}_scales"] = scale_casts.get("scales", lambda t: t)(q.scales)
-        if q.zeros is not None:
-            kwargs[f"{proj}_zeros"] = scale_casts.get("zeros", lambda t: t)(q.zeros)
-    _, gate_pre, _ = kt_ops.ops.moe_forward_train(
-        x, ids, torch.ones(E * k, 1), p.weight, p.weight, down.weight, n, **kwargs
-    )
+
+    def cast(q: PackedProjection) -> PackedProjection:
+        kw = {
+            name: scale_casts.get(name, lambda t: t)(getattr(q, name))
+            for name in ("scales", "zeros")
+            if getattr(q, name) is not None  # bf16: none; zeros: some formats
+        }
+        return dataclasses.replace(q, **kw)
+
+    experts = kt_ops.ExpertWeights(cast(p), cast(p), cast(down))
+    _, gate_pre, _ = kt_ops.ops.moe_forward_train(x, ids, torch.ones(E * k, 1), experts)
     return gate_pre.view(E, k, n).transpose(1, 2)
 
 
@@ -230,7 +230,7 @@ E_TOTAL = 6
 
 
 @functools.cache
-def layer(v: Variant) -> QuantExperts:
+def layer(v: Variant) -> kt_ops.ExpertWeights:
     return make_quant_experts(
         v.fmt, E_TOTAL, v.H, v.I, group_size=v.group_size, symmetric=v.symmetric, seed=1
     )
@@ -323,10 +323,10 @@ def test_lora_path_vs_kernel_path(v):
     # two differ by that rounding (~1e-2 of max|out| here); fp8 kernels keep fp32 activations.
     p = problem(v, 16)
     lora = {k: (torch.zeros_like(t) if k.endswith("_b") else t) for k, t in p.lora.items()}
-    args, fmt = p.op_args(), p.format_kwargs()
-    with_lora = kt_ops.moe_forward(*args, **fmt, **lora)
-    assert_matches_reference(with_lora, reference_moe_forward(*args, **fmt))
-    kernel = kt_ops.moe_forward(*args, **fmt)
+    args = p.op_args()
+    with_lora = kt_ops.moe_forward(*args, p.lora_weights(lora))
+    assert_matches_reference(with_lora, reference_moe_forward(*args))
+    kernel = kt_ops.moe_forward(*args)
     diff = ((with_lora - kernel).abs().max() / kernel.abs().max()).item()
     if format_spec(v.fmt).activation == "q8":
         assert 1e-4 < diff < 5e-2, diff
@@ -338,11 +338,11 @@ def test_opcheck():
     p = problem(VARIANTS[2], 7)  # int4 asymmetric: scales and zeros
     q = _requires_grad(p)
     for op in (torch.ops.kt.moe_forward.default, torch.ops.kt.moe_forward_train.default):
-        torch.library.opcheck(op, q.op_args(), q.op_kwargs())
-    args, kwargs = (p.grad_output, *p.op_args()), p.op_kwargs()
-    torch.library.opcheck(torch.ops.kt.moe_backward.default, args, kwargs)
-    _, gate_pre, up_pre = kt_ops.ops.moe_forward_train(*p.op_args(), **kwargs)
-    kwargs = {**kwargs, "gate_pre": gate_pre, "up_pre": up_pre}
+        torch.library.opcheck(op, q.raw_args())
+    args = (p.grad_output, *p.raw_args())
+    torch.library.opcheck(torch.ops.kt.moe_backward.default, args)
+    _, gate_pre, up_pre = kt_ops.ops.moe_forward_train(*p.op_args(), **p.op_kwargs())
+    kwargs = {"gate_pre": gate_pre, "up_pre": up_pre}
     torch.library.opcheck(torch.ops.kt.moe_backward.default, args, kwargs)
 
 
@@ -356,7 +356,7 @@ def test_moe_experts_from_dense_int4_trains():
     g = torch.Generator().manual_seed(0)
     dense = [torch.randn(E, n, k, generator=g) / k**0.5 for n, k in ((I, H), (I, H), (H, I))]
     m = MoEExperts.from_dense(*dense, "int4", group_size=32, activation_checkpointing=True)
-    assert m.activation_checkpointing is True and m.group_size == 32
+    assert m.activation_checkpointing is True and m.group_sizes == (32, 32, 32)
     m.add_lora(4, 8, generator=torch.Generator().manual_seed(1))
     buffers = {n: b.clone() for n, b in m.named_buffers()}
     x = torch.randn(T, H, generator=g)
@@ -390,7 +390,7 @@ def test_hf_model_int4_base_trains_and_saves_adapter(tmp_path):
 
     model = quantized().train()
     experts = model.model.layers[0].mlp.experts
-    assert experts.weight_format == "int4" and experts.group_size == 32
+    assert experts.weight_format == "int4" and experts.group_sizes == (32, 32, 32)
     apply_lora(model, rank=4, alpha=8, seed=0, freeze_base=True)
     opt = torch.optim.SGD([p for _, p in lora_parameters(model)], lr=0.5)
     losses = []

@@ -1,9 +1,10 @@
 """Per-projection weight formats: ``weight_format='gate,up,down'`` (e.g. ``'q4_k,q4_k,q6_k'``).
 
 GGUF Q4_K_M files store some layers' ``ffn_down`` in q6_k while gate/up are q4_k;
-``kt.moe_forward`` takes one format name or three comma-separated names. Only the
-qint formats (int8, int4, mxfp4, q8_0, q4_0, q4_k, q5_k, q6_k) mix; a format with a
-single group size keeps its own, ``group_size`` is that of int4.
+``kt.moe_forward`` takes one format name or three comma-separated names, and one
+group size per projection (``group_sizes``). Any formats mix, bf16 and fp8 included
+(issue 9: one driver); each projection keeps its own format, group size, scale and
+zero dtypes.
 
 Reference: the three projections dequantized by ``kt_ops.formats.dequantize_weights``
 (each in its own format) and ``reference_quant_moe_forward`` of tests/reference.py
@@ -38,30 +39,33 @@ import torch
 from checkpoints import ROLES, Q, write_gguf
 from reference import (
     TINY_MOE_CONFIG,
-    QuantExperts,
-    QuantReference,
+    WEIGHT_NAMES,
     assert_matches_reference,
     dense_expert_weights,
+    dense_weights,
     make_hidden,
     make_routing,
     mismatch_report,
-    q8_activations,
-    q8_tie_steps,
+    per_projection_reference,
     quant_mismatch_report,
+    raw_op_kwargs,
+    reference_for,
     reference_quant_moe_forward,
     single_threaded_torch,
+    tolerance_for,
 )
 from test_lora import ALL3, Case, assert_grads_match, make_problem, op_grads
 from test_quant_forward import _cast_params, _heavy_and_light_routing, _poison
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_map
 
 import kt_ops
 from kt_ops.convert import ConvertedExperts, convert, load_converted
 from kt_ops.formats import dequantize_weights, format_spec, quantize_weights
+from kt_ops.layer import join_weight_format, layer_args, split_weight_format
 from kt_ops.loaders import GGUFCheckpoint
 from kt_ops.nn import MoEExperts
-from kt_ops.ops import join_weight_format, split_weight_format
 
 OP = torch.ops.kt.moe_forward
 E_TOTAL, TOP_K = 6, 2
@@ -75,31 +79,9 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 # --------------------------------------------------------------------------
 
 
-class MixedExperts(QuantExperts):
-    """``QuantExperts`` whose projections may be in different formats.
-
-    ``QuantExperts.weight_format`` / ``group_size`` are the gate's; here they are
-    the op's arguments for per-projection formats: ``'gate,up,down'`` (one name
-    when they agree) and the group size of the int4 projections (the formats
-    with a choice), else the gate's (ignored by the others).
-    """
-
-    @property
-    def formats(self) -> tuple[str, str, str]:
-        return tuple(p.weight_format for p in self.projections())
-
-    @property
-    def weight_format(self) -> str:
-        return join_weight_format(*self.formats)
-
-    @property
-    def group_size(self) -> int:
-        free = [
-            p.group_size
-            for p in self.projections()
-            if len(format_spec(p.weight_format).group_sizes) > 1
-        ]
-        return free[0] if free else self.gate.group_size
+def formats(w: kt_ops.ExpertWeights) -> tuple[str, str, str]:
+    """The (gate, up, down) format names of ``w``."""
+    return tuple(p.weight_format for p in w.projections)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +119,13 @@ MIXES = [
     # K not a multiple of 32 and N not a multiple of 16 (the packers pad), gate != up
     Mix(("int8", "mxfp4", "int8"), 50, 40),
     Mix(("mxfp4", "int8", "mxfp4"), 17, 15),
+    # issue 9: bf16 and fp8 mix with anything (one driver); odd sizes too
+    Mix(("bf16", "bf16", "q4_k"), 256, 256),
+    Mix(("q4_k", "q4_k", "bf16"), 256, 256),
+    Mix(("fp8", "fp8", "q6_k"), 256, 256),
+    Mix(("int4", "fp8", "bf16"), 96, 64, 32, False),
+    Mix(("bf16", "fp8", "int8"), 50, 40),
+    Mix(("fp8", "bf16", "fp8"), 17, 15),
 ]
 MIX_IDS = [m.id for m in MIXES]
 #: The six mixes of the brief (the first six).
@@ -150,90 +139,61 @@ def _quantize(w: Tensor, fmt: str, mix: Mix):
 
 
 @functools.cache
-def mixed_layer(mix: Mix, E: int = E_TOTAL, seed: int = 0) -> MixedExperts:
+def mixed_layer(mix: Mix, E: int = E_TOTAL, seed: int = 0) -> kt_ops.ExpertWeights:
     """``dense_expert_weights`` of ``mix``'s shape, each projection quantized in its format."""
     dense = dense_expert_weights(E, mix.H, mix.I, seed=seed)
     with single_threaded_torch():
-        return MixedExperts(*(_quantize(w, f, mix) for w, f in zip(dense, mix.fmts)))
+        return kt_ops.ExpertWeights(*(_quantize(w, f, mix) for w, f in zip(dense, mix.fmts)))
 
 
 @functools.cache
-def uniform_layer(mix: Mix, fmt: str, E: int = E_TOTAL, seed: int = 0) -> MixedExperts:
+def uniform_layer(mix: Mix, fmt: str, E: int = E_TOTAL, seed: int = 0) -> kt_ops.ExpertWeights:
     """The same dense weights with all three projections in ``fmt``."""
     dense = dense_expert_weights(E, mix.H, mix.I, seed=seed)
     with single_threaded_torch():
-        return MixedExperts(*(_quantize(w, fmt, mix) for w in dense))
+        return kt_ops.ExpertWeights(*(_quantize(w, fmt, mix) for w in dense))
 
 
-def run_op(x, ids, weights, w: QuantExperts, **overrides) -> Tensor:
-    return kt_ops.moe_forward(x, ids, weights, *w.args(), **{**w.kwargs(), **overrides})
+def run_op(x, ids, weights, w: kt_ops.ExpertWeights, **overrides) -> Tensor:
+    """``kt_ops.moe_forward``; with ``overrides``, the raw op with those arguments replaced.
 
-
-def fp32_min_tokens(fmt: str) -> Optional[int]:
-    """Rows per expert from which ``fmt`` takes the fp32 path in the current mode (None: never)."""
-    mode = kt_ops.get_quant_activations()
-    if mode == "fp32":
-        return 1
-    if mode == "q8":
-        return None
-    return kt_ops.quant_fp32_min_tokens(fmt)
-
-
-def per_projection_reference(
-    x: Tensor,
-    ids: Tensor,
-    topk_weights: Tensor,
-    dense: tuple[Tensor, Tensor, Tensor],
-    fp32_min: tuple[Optional[int], Optional[int], Optional[int]],
-) -> QuantReference:
-    """``reference_quant_moe_forward`` with the q8-or-fp32 choice made per projection.
-
-    Projection ``p`` of an expert with ``m`` routed rows multiplies fp32
-    activations when ``fp32_min[p]`` is not None and ``m >= fp32_min[p]``, else
-    the q8-rounded ones (``q8_activations``); a q8 down adds the tie slack.
+    Overrides are the raw op's (``weight_format``, ``group_sizes``, one packed
+    tensor by name: ``reference.raw_op_kwargs``). A ``weight_format`` override
+    without ``group_sizes`` takes each named format's group size when it has
+    one, else ``w``'s.
     """
-    gate, up, down = dense
-    with single_threaded_torch():
-        xf = x.float()
-        ids = ids.long()
-        w = topk_weights.float()
-        out = torch.zeros(xf.shape, dtype=torch.float32)
-        slack = torch.zeros(xf.shape, dtype=torch.float32)
-
-        for e in torch.unique(ids[ids >= 0]).tolist():
-            tok, slot = torch.nonzero(ids == e, as_tuple=True)
-            m = len(tok)
-
-            def q8(p: int, m: int = m) -> bool:
-                return fp32_min[p] is None or m < fp32_min[p]
-
-            xe = xf[tok]
-            xg = q8_activations(xe) if q8(0) else xe
-            xu = q8_activations(xe) if q8(1) else xe
-            h = torch.nn.functional.silu(xg @ gate[e].float().T) * (xu @ up[e].float().T)
-            wd = down[e].float()
-            we = w[tok, slot].unsqueeze(1)
-            if q8(2):
-                slack.index_add_(0, tok, (q8_tie_steps(h) @ wd.abs().T) * we.abs())
-                h = q8_activations(h)
-            out.index_add_(0, tok, (h @ wd.T) * we)
-    return QuantReference(out, slack)
+    if not overrides:
+        return kt_ops.moe_forward(x, ids, weights, w)
+    fmt = overrides.get("weight_format", w.weight_format)
+    if "group_sizes" not in overrides:
+        try:
+            own = [format_spec(f).group_sizes for f in split_weight_format(fmt)]
+        except ValueError:  # a bad weight_format: the op names it
+            own = [()] * 3
+        groups = zip(own, w.group_sizes)
+        overrides["group_sizes"] = [g[0] if len(g) == 1 else wg for g, wg in groups]
+        overrides["group_sizes"] += list(w.group_sizes)[len(overrides["group_sizes"]) :]
+    named = {
+        "hidden_states": x,
+        "topk_ids": ids,
+        "topk_weights": weights,
+        **dict(zip(WEIGHT_NAMES, w.tensors())),
+        "weight_format": w.weight_format,
+        "sizes": [w.hidden_size, w.intermediate_size],
+        **overrides,
+    }
+    return OP(**raw_op_kwargs(named))
 
 
-def mixed_reference(w: MixedExperts, x: Tensor, ids: Tensor, topk_weights: Tensor):
+def mixed_reference(w: kt_ops.ExpertWeights, x: Tensor, ids: Tensor, topk_weights: Tensor):
     """The reference of ``run_op(x, ids, topk_weights, w)`` in the current activation mode."""
-    mins = tuple(fp32_min_tokens(f) for f in w.formats)
-    if all(m is None for m in mins):
-        return reference_quant_moe_forward(x, ids, topk_weights, *w.dense(), activation="q8")
-    if all(m == 1 for m in mins):
-        return reference_quant_moe_forward(x, ids, topk_weights, *w.dense(), activation="fp32")
-    return per_projection_reference(x, ids, topk_weights, w.dense(), mins)
+    return reference_for(w, x, ids, topk_weights)
 
 
-def check(x, ids, weights, w: MixedExperts) -> Tensor:
+def check(x, ids, weights, w: kt_ops.ExpertWeights) -> Tensor:
     out = run_op(x, ids, weights, w)
     assert out.dtype == x.dtype and out.shape == x.shape
-    msg = quant_mismatch_report(out, mixed_reference(w, x, ids, weights))
+    msg = quant_mismatch_report(out, mixed_reference(w, x, ids, weights), tolerance_for(w))
     assert msg is None, f"{w.weight_format} (mode {kt_ops.get_quant_activations()}): {msg}"
     return out
 
@@ -253,8 +213,8 @@ def test_per_projection_reference_reduces_to_the_shared_one():
     ids, weights = routing(T, seed=1)
     x = make_hidden(T, MIXES[4].H, torch.float32, seed=1)
     for mins, act in (((None,) * 3, "q8"), ((1,) * 3, "fp32")):
-        got = per_projection_reference(x, ids, weights, w.dense(), mins)
-        want = reference_quant_moe_forward(x, ids, weights, *w.dense(), activation=act)
+        got = per_projection_reference(x, ids, weights, dense_weights(w), mins)
+        want = reference_quant_moe_forward(x, ids, weights, *dense_weights(w), activation=act)
         assert torch.equal(got.out, want.out) and torch.equal(got.slack, want.slack), act
 
 
@@ -263,6 +223,9 @@ def test_split_and_join_weight_format():
     assert split_weight_format("q4_k,q4_k,q6_k") == ("q4_k", "q4_k", "q6_k")
     assert split_weight_format("int8,q4_k,q6_k") == ("int8", "q4_k", "q6_k")
     assert split_weight_format("bf16,bf16,bf16") == ("bf16",) * 3
+    # any mix, bf16 and fp8 included (issue 9)
+    assert split_weight_format("q4_k,q4_k,bf16") == ("q4_k", "q4_k", "bf16")
+    assert split_weight_format("fp8,bf16,int4") == ("fp8", "bf16", "int4")
     assert join_weight_format("q4_k", "q4_k", "q6_k") == "q4_k,q4_k,q6_k"
     assert join_weight_format("q6_k", "q6_k", "q6_k") == "q6_k"
     for m in MIXES:
@@ -272,8 +235,8 @@ def test_split_and_join_weight_format():
 @pytest.mark.parametrize("mix", MIXES, ids=MIX_IDS)
 def test_mixed_layer_is_what_it_claims(mix):
     w = mixed_layer(mix)
-    assert w.formats == mix.fmts and w.weight_format == mix.weight_format
-    for p, (n, k) in zip(w.projections(), ((mix.I, mix.H), (mix.I, mix.H), (mix.H, mix.I))):
+    assert formats(w) == mix.fmts and w.weight_format == mix.weight_format
+    for p, (n, k) in zip(w.projections, ((mix.I, mix.H), (mix.I, mix.H), (mix.H, mix.I))):
         p.validate()
         assert (p.n, p.k) == (n, k)
 
@@ -308,7 +271,7 @@ def test_experts_without_tokens_are_not_read(isa, mix):
     x = make_hidden(T, mix.H, torch.float32, seed=4)
     clean = check(x, ids, weights, w)
     unused = slice(E_TOTAL - 2, E_TOTAL)
-    poisoned = MixedExperts(*(_poison(p, unused) for p in w.projections()))
+    poisoned = kt_ops.ExpertWeights(*(_poison(p, unused) for p in w.projections))
     assert torch.equal(run_op(x, ids, weights, poisoned), clean)
 
 
@@ -345,15 +308,19 @@ def test_three_equal_names_are_one_format(fmt):
     assert torch.equal(one, three)
 
 
-def test_group_size_ignored_without_int4():
-    # Every format of 'q4_k,q4_k,q6_k' has one group size (32, 32, 16) and keeps it.
+def test_group_sizes_are_per_projection():
+    # 'q4_k,q4_k,q6_k' has one group size per format (32, 32, 16): the op takes exactly
+    # those, each projection its own (there is no shared group_size to ignore any more).
     w = mixed_layer(MIXES[0])
+    assert w.group_sizes == (32, 32, 16)
     T = 7
     ids, weights = routing(T, seed=3)
     x = make_hidden(T, 256, torch.float32, seed=3)
     want = run_op(x, ids, weights, w)
-    for gs in (0, 16, 32):
-        assert torch.equal(run_op(x, ids, weights, w, group_size=gs), want), gs
+    assert torch.equal(run_op(x, ids, weights, w, group_sizes=[32, 32, 16]), want)
+    for gs, proj in (([16, 32, 16], "gate"), ([32, 16, 16], "up"), ([32, 32, 32], "down")):
+        with pytest.raises(RuntimeError, match=rf"group size \d+ of {proj} is not valid"):
+            run_op(x, ids, weights, w, group_sizes=gs)
 
 
 @pytest.mark.parametrize(
@@ -371,9 +338,9 @@ def test_scale_dtypes_per_projection(dtypes):
     mix = MIXES[2]
     base = mixed_layer(mix)
     with single_threaded_torch():
-        cast = [_cast_params(p, d) for p, d in zip(base.projections(), dtypes)]
-    w = MixedExperts(*(p for p, _ in cast))
-    assert tuple(p.scales.dtype for p in w.projections()) == dtypes
+        cast = [_cast_params(p, d) for p, d in zip(base.projections, dtypes)]
+    w = kt_ops.ExpertWeights(*(p for p, _ in cast))
+    assert tuple(p.scales.dtype for p in w.projections) == dtypes
     T = 23
     ids, weights = routing(T, seed=10)
     x = make_hidden(T, mix.H, torch.float32, seed=10)
@@ -401,7 +368,7 @@ def test_modes_match_reference(isa, mix, mode):
     with kt_ops.use_quant_activations(mode):
         out = check(x, ids, weights, w)
     act = "fp32" if mode == "fp32" else "q8"
-    ref = reference_quant_moe_forward(x, ids, weights, *w.dense(), activation=act)
+    ref = reference_quant_moe_forward(x, ids, weights, *dense_weights(w), activation=act)
     assert quant_mismatch_report(out, ref) is None
 
 
@@ -437,7 +404,7 @@ def test_auto_decides_per_projection(isa, mix):
     assert not torch.equal(outs["auto"][heavy], outs["fp32"][heavy])
     # ... and a reference that switched all three projections at once would not pass
     whole = reference_quant_moe_forward(
-        x, ids, weights, *w.dense(), activation="q8", fp32_min_tokens=n
+        x, ids, weights, *dense_weights(w), activation="q8", fp32_min_tokens=n
     )
     assert quant_mismatch_report(outs["auto"], whole) is not None
 
@@ -468,12 +435,12 @@ def test_thread_counts_bit_identical(mix):
 # --------------------------------------------------------------------------
 
 
-def _k_inputs(w: MixedExperts, T: int = 3):
+def _k_inputs(w: kt_ops.ExpertWeights, T: int = 3):
     ids, weights = make_routing(T, w.num_experts, TOP_K, seed=0)
     return make_hidden(T, w.hidden_size, torch.float32, seed=0), ids, weights
 
 
-def call(w: MixedExperts, **overrides) -> Tensor:
+def call(w: kt_ops.ExpertWeights, **overrides) -> Tensor:
     return run_op(*_k_inputs(w), w, **overrides)
 
 
@@ -483,10 +450,11 @@ def call(w: MixedExperts, **overrides) -> Tensor:
         ("q4_k,q6_k", r"weight_format='q4_k,q6_k' must be one format name or three "
                       r"comma-separated names.*got 2 names"),
         ("q4_k,q4_k,q6_k,q6_k", "one format name or three comma-separated names.*got 4"),
-        ("q4_k,q4_k,bf16", r"weight_format='q4_k,q4_k,bf16' mixes bf16"),
-        ("bf16,q4_k,q4_k", "mixes bf16"),
-        ("fp8,fp8,q6_k", r"weight_format='fp8,fp8,q6_k' mixes fp8"),
-        ("q4_k,fp8,q6_k", "mixes fp8"),
+        # bf16 / fp8 mix with anything now: q4_k tensors called so are named instead
+        ("q4_k,q4_k,bf16", r"down_weight must be bf16 for weight_format='bf16'"),
+        ("bf16,q4_k,q4_k", r"gate_weight must be bf16 for weight_format='bf16'"),
+        ("fp8,fp8,q6_k", r"gate_zeros was given, but weight_format='fp8' takes no zeros"),
+        ("q4_k,fp8,q6_k", r"up_zeros was given, but weight_format='fp8' takes no zeros"),
         ("q4_k,q4_k,nope", r"weight_format='nope'.*q4_k.*q6_k"),
         ("q4_k,,q6_k", r"weight_format=''"),
         ("q4_k, q4_k, q6_k", r"weight_format=' q4_k'"),
@@ -501,8 +469,7 @@ def test_bad_weight_format(fmt, match):
     "fmt,match",
     [
         ("q4_k,q6_k", "one format name or three comma-separated names"),
-        ("q4_k,q4_k,bf16", "mixes bf16"),
-        ("fp8,fp8,q6_k", "mixes fp8"),
+        ("q4_k,q4_k,bf16,fp8", "one format name or three comma-separated names"),
         ("q4_k,q4_k,nope", "unknown weight_format 'nope'"),
         ("", "unknown weight_format ''"),
     ],
@@ -514,22 +481,26 @@ def test_split_weight_format_errors(fmt, match):
 
 @pytest.mark.parametrize("bad", [48, 0, 16, 256])
 def test_int4_group_size_in_a_mix(bad):
-    # The error names the int4 projection: gate/up in 'int4,int4,q8_0', down in
+    # The error names the int4 projection: gate in 'int4,int4,q8_0', down in
     # 'q8_0,q8_0,int4'.
     with pytest.raises(
-        RuntimeError, match=rf"group_size={bad} is not valid for gate weight_format='int4'"
+        RuntimeError, match=rf"group size {bad} of gate is not valid for weight_format='int4'"
     ):
-        call(mixed_layer(MIXES[2]), group_size=bad)
+        call(mixed_layer(MIXES[2]), group_sizes=[bad, bad, 32])
     with pytest.raises(
-        RuntimeError, match=rf"group_size={bad} is not valid for down weight_format='int4'"
+        RuntimeError, match=rf"group size {bad} of up is not valid for weight_format='int4'"
     ):
-        call(mixed_layer(MIXES[7]), group_size=bad)
+        call(mixed_layer(MIXES[2]), group_sizes=[32, bad, 32])
+    with pytest.raises(
+        RuntimeError, match=rf"group size {bad} of down is not valid for weight_format='int4'"
+    ):
+        call(mixed_layer(MIXES[7]), group_sizes=[32, 32, bad])
 
 
 def test_int4_group_size_of_another_packing_in_a_mix():
     # down int4 packed with group 64 (I = 64), called as group 32: the scales disagree.
     with pytest.raises(RuntimeError, match="down_scales has shape"):
-        call(mixed_layer(MIXES[7]), group_size=32)
+        call(mixed_layer(MIXES[7]), group_sizes=[32, 32, 32])
 
 
 def test_tensors_packed_for_another_down_format():
@@ -561,56 +532,86 @@ def test_scales_and_zeros_of_another_projection_format():
 def test_fake_kernel_checks_each_projection():
     w = uniform_layer(MIXES[0], "q4_k")
     x, ids, weights = _k_inputs(w)
-    args = (x, ids, weights, *w.args())
-    kwargs = {**w.kwargs(), "weight_format": "q4_k,q4_k,q6_k"}
+    args = (x, ids, weights) + layer_args(w, None, "silu", x)
     with FakeTensorMode() as mode:
-
-        def fake(v):
-            return mode.from_tensor(v) if isinstance(v, torch.Tensor) else v
-
-        fargs = [fake(a) for a in args]
-        fkw = {k: fake(v) for k, v in kwargs.items()}
-        with pytest.raises(RuntimeError, match="down_weight"):
-            OP(*fargs, **fkw)
-        with pytest.raises(RuntimeError, match="mixes bf16"):
-            OP(*fargs, **{**fkw, "weight_format": "q4_k,q4_k,bf16"})
+        fx, fids, fw, fweights, _, sizes, _, *rest = tree_map(
+            lambda v: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v, args
+        )
+        with pytest.raises(RuntimeError, match="down"):
+            OP(fx, fids, fw, fweights, "q4_k,q4_k,q6_k", sizes, [32, 32, 16], *rest)
+        with pytest.raises(RuntimeError, match="down"):
+            OP(fx, fids, fw, fweights, "q4_k,q4_k,bf16", sizes, [32, 32, 0], *rest)
 
 
-def test_from_packed_errors():
+def test_from_packed_any_mix():
+    # Each projection keeps its own format and group size (issue 9): int4 with different
+    # group sizes per projection, and bf16 / fp8 next to integer formats, all compute.
     E, H, I = 3, 128, 128
     gi, ui, dn = dense_expert_weights(E, H, I, seed=3)
     gate32, up32 = quantize_weights(gi, "int4", 32), quantize_weights(ui, "int4", 32)
-    # int4 gate/up with group 32 and an int4 down with group 128: one op group_size cannot
-    # describe both
-    with pytest.raises(ValueError, match=r"from_packed: .*share one group size"):
-        MoEExperts.from_packed(gate32, up32, quantize_weights(dn, "int4", 128))
-    with pytest.raises(ValueError, match=r"from_packed: .*share one group size"):
-        MoEExperts.from_packed(
-            gate32, quantize_weights(ui, "int4", 128), quantize_weights(dn, "q8_0")
-        )
-    with pytest.raises(ValueError, match=r"from_packed: .*mixes bf16"):
-        MoEExperts.from_packed(quantize_weights(gi, "bf16"), quantize_weights(ui, "q4_0"),
-                               quantize_weights(dn, "q4_0"))  # fmt: skip
-    with pytest.raises(ValueError, match=r"from_packed: .*mixes bf16"):
-        MoEExperts.from_packed(gate32, up32, quantize_weights(dn, "bf16"))
-    with pytest.raises(ValueError, match=r"from_packed: .*mixes fp8"):
-        MoEExperts.from_packed(quantize_weights(gi, "fp8"), quantize_weights(ui, "fp8"),
-                               quantize_weights(dn, "q8_0"))  # fmt: skip
-    # int4 g32 gate/up with a q8_0 down, and with an int4 g32 down: fine
-    m = MoEExperts.from_packed(gate32, up32, quantize_weights(dn, "q8_0"))
-    assert m.weight_format == "int4,int4,q8_0" and m.group_size == 32
-    m = MoEExperts.from_packed(quantize_weights(gi, "q8_0"), up32, quantize_weights(dn, "int4", 32))
-    assert m.weight_format == "q8_0,int4,int4" and m.group_size == 32
+    cases = [
+        ((gate32, up32, quantize_weights(dn, "int4", 128)), "int4", (32, 32, 128)),
+        (
+            (gate32, quantize_weights(ui, "int4", 128), quantize_weights(dn, "q8_0")),
+            "int4,int4,q8_0",
+            (32, 128, 32),
+        ),
+        (
+            (
+                quantize_weights(gi, "bf16"),
+                quantize_weights(ui, "q4_0"),
+                quantize_weights(dn, "q4_0"),
+            ),  # fmt: skip
+            "bf16,q4_0,q4_0",
+            (0, 32, 32),
+        ),
+        ((gate32, up32, quantize_weights(dn, "bf16")), "int4,int4,bf16", (32, 32, 0)),
+        (
+            (
+                quantize_weights(gi, "fp8"),
+                quantize_weights(ui, "fp8"),
+                quantize_weights(dn, "q8_0"),
+            ),  # fmt: skip
+            "fp8,fp8,q8_0",
+            (128, 128, 32),
+        ),
+        ((gate32, up32, quantize_weights(dn, "q8_0")), "int4,int4,q8_0", (32, 32, 32)),
+        (
+            (quantize_weights(gi, "q8_0"), up32, quantize_weights(dn, "int4", 32)),
+            "q8_0,int4,int4",
+            (32, 32, 32),
+        ),
+    ]
+    T = 9
+    ids, weights = make_routing(T, E, TOP_K, seed=4)
+    x = make_hidden(T, H, torch.float32, seed=4)
+    for projs, fmt, groups in cases:
+        m = MoEExperts.from_packed(*projs)
+        assert m.weight_format == fmt and m.group_sizes == groups, fmt
+        w = m.expert_weights()
+        with torch.no_grad():
+            out = m(x, ids, weights)
+        assert torch.equal(out, run_op(x, ids, weights, w)), fmt
+        msg = quant_mismatch_report(out, mixed_reference(w, x, ids, weights), tolerance_for(w))
+        assert msg is None, f"{fmt}: {msg}"
+    # what stays an error: projections that disagree on E, H or I
+    with pytest.raises(ValueError, match=r"from_packed: .*expected gate and up \[E, I, H\]"):
+        MoEExperts.from_packed(gate32, up32, quantize_weights(dn[:, :, :64], "q8_0"))
+    with pytest.raises(ValueError, match=r"from_packed: .*different expert counts"):
+        MoEExperts.from_packed(gate32, up32, quantize_weights(dn[:2], "q8_0"))
 
 
 def test_module_checks_each_projection_shape():
     w = uniform_layer(MIXES[0], "q4_k")
-    with pytest.raises(ValueError, match=r"down_weight has shape .*'q4_k,q4_k,q6_k'"):
-        MoEExperts(*w.args()[:3], hidden_size=256, intermediate_size=256,
-                   weight_format="q4_k,q4_k,q6_k")  # fmt: skip
-    with pytest.raises(ValueError, match="mixes bf16"):
-        MoEExperts(*w.args()[:3], hidden_size=256, intermediate_size=256,
-                   weight_format="bf16,q4_k,q4_k")  # fmt: skip
+    sizes = [256, 256]
+    with pytest.raises(ValueError, match=r"ExpertWeights.down: PackedProjection.weight has"):
+        MoEExperts(
+            kt_ops.ExpertWeights.from_op_args(w.tensors(), "q4_k,q4_k,q6_k", sizes, [32, 32, 16])
+        )
+    with pytest.raises(ValueError, match=r"ExpertWeights.gate: PackedProjection.weight has"):
+        MoEExperts(
+            kt_ops.ExpertWeights.from_op_args(w.tensors(), "bf16,q4_k,q4_k", sizes, [0, 32, 32])
+        )
 
 
 # --------------------------------------------------------------------------
@@ -623,20 +624,21 @@ def test_opcheck(mix):
     w = mixed_layer(mix, E=4)
     ids, weights = make_routing(3, 4, TOP_K, seed=5, skip_fraction=0.2)
     x = make_hidden(3, mix.H, torch.bfloat16, seed=5)
-    torch.library.opcheck(OP.default, (x, ids, weights, *w.args()), w.kwargs())
+    torch.library.opcheck(OP.default, (x, ids, weights) + layer_args(w, None, "silu", x))
 
 
 def test_fake_kernel_shape_and_dtype():
     w = mixed_layer(MIXES[0], E=4)
     ids, weights = make_routing(5, 4, TOP_K, seed=5)
-    args = (make_hidden(5, 256, torch.bfloat16, seed=5), ids, weights, *w.args())
-    real = OP(*args, **w.kwargs())
+    x = make_hidden(5, 256, torch.bfloat16, seed=5)
+    args = (x, ids, weights) + layer_args(w, None, "silu", x)
+    real = OP(*args)
     with FakeTensorMode() as mode:
 
         def fake(v):
             return mode.from_tensor(v) if isinstance(v, torch.Tensor) else v
 
-        out = OP(*(fake(a) for a in args), **{k: fake(v) for k, v in w.kwargs().items()})
+        out = OP(*tree_map(fake, args))
     assert (out.shape, out.dtype, out.stride()) == (real.shape, real.dtype, real.stride())
 
 
@@ -654,7 +656,7 @@ def test_compile_fullgraph_module(fresh_dynamo):
     from torch._dynamo.testing import CompileCounterWithBackend
 
     mix = MIXES[2]  # int4 (zeros) + q8_0 (no zeros)
-    module = MoEExperts.from_packed(*mixed_layer(mix).projections())
+    module = MoEExperts.from_packed(*mixed_layer(mix).projections)
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(module, backend=counter, fullgraph=True, dynamic=True)
     frames = []
@@ -675,15 +677,16 @@ def test_compile_fullgraph_module(fresh_dynamo):
 @pytest.mark.parametrize("mix", MIXES, ids=MIX_IDS)
 def test_from_packed_module(mix):
     w = mixed_layer(mix)
-    module = MoEExperts.from_packed(*w.projections())
+    module = MoEExperts.from_packed(*w.projections)
     assert module.weight_format == mix.weight_format
     assert (module.num_experts, module.hidden_size, module.intermediate_size) == (
         E_TOTAL,
         mix.H,
         mix.I,
     )
-    if "int4" in mix.fmts:
-        assert module.group_size == mix.group_size
+    assert module.group_sizes == w.group_sizes
+    if "int4" in mix.fmts and mix.group_size is not None:
+        assert mix.group_size in module.group_sizes
     T = 9
     ids, weights = routing(T, seed=8)
     x = make_hidden(T, mix.H, torch.bfloat16, seed=8)
@@ -699,7 +702,7 @@ def test_from_packed_q4_k_m():
     assert module.weight_format == "q4_k,q4_k,q6_k"
     assert module.down_zeros is None and module.gate_zeros is not None
     # state_dict round trip into a fresh module of the same format
-    clone = MoEExperts.from_packed(*mixed_layer(MIXES[0], seed=1).projections())
+    clone = MoEExperts.from_packed(*mixed_layer(MIXES[0], seed=1).projections)
     clone.load_state_dict(module.state_dict())
     ids, weights = routing(5, seed=1)
     x = make_hidden(5, 256, torch.float32, seed=1)
@@ -756,9 +759,9 @@ def test_lora_forward_and_gradients(mix, checkpointing, ranks):
     case = Case(mix.id, 9, mix.H, mix.I, E_TOTAL, TOP_K, ranks, skip_fraction=0.2)
     p = make_problem(case, seed=3, weights=w)
     p.ids[p.ids == E_TOTAL - 1] = -1
-    assert p.format_kwargs()["weight_format"] == mix.weight_format
+    assert p.weights.weight_format == mix.weight_format
     out, grads = op_grads(p, checkpointing)
-    ref_out, ref_grads = dense_lora_reference(p, w.dense(), p.lora, case.scaling)
+    ref_out, ref_grads = dense_lora_reference(p, dense_weights(w), p.lora, case.scaling)
     if ranks or not checkpointing:  # without LoRA the recomputing forward is the q8 kernel
         assert_matches_reference(out, ref_out)
     assert_grads_match(grads, ref_grads)
@@ -774,7 +777,7 @@ def test_lora_gradients_need_each_projections_own_format():
     case = Case(mix.id, 9, mix.H, mix.I, E_TOTAL, TOP_K, ALL3)
     p = make_problem(case, seed=3, weights=w)
     out, _ = op_grads(p, checkpointing=False)
-    wrong = uniform_layer(mix, "q4_k").dense()
+    wrong = dense_weights(uniform_layer(mix, "q4_k"))
     ref_out, _ = dense_lora_reference(p, wrong, p.lora, case.scaling)
     assert mismatch_report(out, ref_out) is not None
 
@@ -796,7 +799,7 @@ def test_lora_thread_counts_bit_identical():
 def test_add_lora_on_mixed_module_gradients():
     mix = MIXES[0]
     w = mixed_layer(mix)
-    module = MoEExperts.from_packed(*w.projections())
+    module = MoEExperts.from_packed(*w.projections)
     module.add_lora(4, 8, generator=torch.Generator().manual_seed(1))
     assert module.weight_format == "q4_k,q4_k,q6_k"
     with torch.no_grad():  # random B so that every gradient is nonzero
@@ -815,7 +818,7 @@ def test_add_lora_on_mixed_module_gradients():
     case = Case("module", T, mix.H, mix.I, E_TOTAL, TOP_K, ALL3)
     p = make_problem(case, weights=w)
     p = dataclasses.replace(p, x=x.detach(), ids=ids, topk_weights=weights, grad_output=grad_out)
-    ref_out, ref_grads = dense_lora_reference(p, w.dense(), lora, module.lora_scaling)
+    ref_out, ref_grads = dense_lora_reference(p, dense_weights(w), lora, module.lora_scaling)
     assert_matches_reference(out.detach(), ref_out)
     got = {"hidden_states": x.grad, **{k: v.grad for k, v in module.lora_parameters().items()}}
     assert_grads_match(got, {k: ref_grads[k] for k in got})
@@ -829,13 +832,10 @@ def test_opcheck_with_lora():
     p = make_problem(case, seed=5, weights=mixed_layer(mix, E=4))
     x = p.x.clone().requires_grad_(True)
     lora = {k: v.clone().requires_grad_(True) for k, v in p.lora.items()}
-    kwargs = {**p.format_kwargs(), **lora, "lora_scaling": case.scaling}
-    args = (x, p.ids, p.topk_weights, *p.weights.args())
+    args = dataclasses.replace(p, x=x, lora=lora).raw_args()
     for op in (OP.default, torch.ops.kt.moe_forward_train.default):
-        torch.library.opcheck(op, args, kwargs)
-    torch.library.opcheck(
-        torch.ops.kt.moe_backward.default, (p.grad_output, *p.op_args()), p.op_kwargs()
-    )
+        torch.library.opcheck(op, args)
+    torch.library.opcheck(torch.ops.kt.moe_backward.default, (p.grad_output, *p.raw_args()))
 
 
 # --------------------------------------------------------------------------
@@ -998,9 +998,17 @@ def test_replace_experts_online_mixed_format():
     model = _tiny_qwen3_moe(64, 32, 4, 2, num_layers=1)
     replace_experts(model, "int4,int4,q8_0", group_size=32)
     (m,) = [m for m in model.modules() if isinstance(m, MoEExperts)]
-    assert m.weight_format == "int4,int4,q8_0" and m.group_size == 32
+    assert m.weight_format == "int4,int4,q8_0" and m.group_sizes == (32, 32, 32)
     with torch.inference_mode():
         logits = model(torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(0)))
     assert torch.isfinite(logits.logits).all()
     with pytest.raises(ValueError, match="per-projection 'gate,up,down'"):
-        replace_experts(_tiny_qwen3_moe(64, 32, 4, 2, num_layers=1), "q4_k,bf16,q6_k")
+        replace_experts(_tiny_qwen3_moe(64, 32, 4, 2, num_layers=1), "q4_k,bf17,q6_k")
+    # bf16 and fp8 mix with the integer formats online too (issue 9)
+    model = _tiny_qwen3_moe(64, 32, 4, 2, num_layers=1)
+    replace_experts(model, "bf16,fp8,int8")
+    (m,) = [m for m in model.modules() if isinstance(m, MoEExperts)]
+    assert m.weight_formats == ("bf16", "fp8", "int8") and m.group_sizes == (0, 128, 0)
+    with torch.inference_mode():
+        logits = model(torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(0)))
+    assert torch.isfinite(logits.logits).all()

@@ -23,14 +23,15 @@ import torch
 from reference import (
     ACTIVATION_DTYPES,
     TOL_BF16,
-    ExpertWeights,
     assert_matches_reference,
     make_expert_weights,
     make_hidden,
     make_large_expert_weights,
     make_routing,
     mismatch_report,
+    packed_weights,
     reference_moe_forward,
+    replace_weights,
 )
 
 import kt_ops
@@ -38,15 +39,15 @@ import kt_ops
 THREAD_COUNTS = (1, 2, 3)
 
 
-def run_op(x, ids, weights, w: ExpertWeights, **kwargs):
-    return kt_ops.moe_forward(x, ids, weights, *w.args(), weight_format=w.weight_format, **kwargs)
+def run_op(x, ids, weights, w: kt_ops.ExpertWeights, **kwargs):
+    return kt_ops.moe_forward(x, ids, weights, w, **kwargs)
 
 
-def run_ref(x, ids, weights, w: ExpertWeights):
-    return reference_moe_forward(x, ids, weights, *w.args(), w.weight_format)
+def run_ref(x, ids, weights, w: kt_ops.ExpertWeights):
+    return reference_moe_forward(x, ids, weights, w)
 
 
-def check(x, ids, weights, w: ExpertWeights, **kwargs):
+def check(x, ids, weights, w: kt_ops.ExpertWeights, **kwargs):
     """Run the op, check dtype/shape/finiteness and every element against the reference."""
     out = run_op(x, ids, weights, w, **kwargs)
     assert out.dtype == x.dtype
@@ -57,7 +58,7 @@ def check(x, ids, weights, w: ExpertWeights, **kwargs):
 
 
 @functools.cache
-def small_layer(E: int, H: int, I: int, seed: int = 0) -> ExpertWeights:
+def small_layer(E: int, H: int, I: int, seed: int = 0) -> kt_ops.ExpertWeights:
     return make_expert_weights(E, H, I, seed=seed)
 
 
@@ -199,8 +200,8 @@ def test_experts_without_tokens_are_not_read(isa):
     ids[0, 0] = 1
     x = make_hidden(T, H, seed=4)
     clean = run_op(x, ids, weights, w)
-    poisoned = ExpertWeights(E, H, I, w.gate.clone(), w.up.clone(), w.down.clone())
-    for t in (poisoned.gate, poisoned.up, poisoned.down):
+    poisoned = replace_weights(w, *(t.clone() for t in packed_weights(w)))
+    for t in packed_weights(poisoned):
         t[4:] = float("nan")
     assert torch.equal(run_op(x, ids, weights, poisoned), clean)
 
@@ -234,7 +235,7 @@ QWEN3_E, QWEN3_H, QWEN3_I, QWEN3_K = 128, 2048, 768, 8
 
 
 @pytest.fixture(scope="module")
-def qwen3_layer() -> ExpertWeights:
+def qwen3_layer() -> kt_ops.ExpertWeights:
     return make_large_expert_weights(QWEN3_E, QWEN3_H, QWEN3_I, seed=0)
 
 
@@ -260,7 +261,7 @@ def qwen3_inputs(T: int):
 _qwen3_ref_cache: dict[int, torch.Tensor] = {}
 
 
-def qwen3_reference(layer: ExpertWeights, T: int) -> torch.Tensor:
+def qwen3_reference(layer: kt_ops.ExpertWeights, T: int) -> torch.Tensor:
     if T not in _qwen3_ref_cache:
         _qwen3_ref_cache[T] = run_ref(*qwen3_inputs(T), layer)
     return _qwen3_ref_cache[T]
@@ -356,9 +357,9 @@ def test_inputs_are_not_modified(isa):
     w = small_layer(E, H, I)
     ids, weights = make_routing(T, E, K, skip_fraction=0.3, ids_dtype=torch.int32)
     x = make_hidden(T, H)
-    before = [t.clone() for t in (x, ids, weights, *w.args()[:3])]
+    before = [t.clone() for t in (x, ids, weights, *packed_weights(w))]
     run_op(x, ids, weights, w)
-    for t0, t1 in zip(before, (x, ids, weights, *w.args()[:3])):
+    for t0, t1 in zip(before, (x, ids, weights, *packed_weights(w))):
         assert torch.equal(t0, t1)
 
 
@@ -391,13 +392,14 @@ def test_views_with_storage_offset(isa):
     # tensor argument, packed weights included (e.g. one layer sliced from a stack).
     E, H, I, T, K = 5, 33, 17, 8, 2
     stack = make_expert_weights(E + 2, H, I, seed=13)
-    w = ExpertWeights(E, H, I, stack.gate[1 : E + 1], stack.up[2:], stack.down[1 : E + 1])
-    assert all(t.storage_offset() > 0 and t.is_contiguous() for t in w.args()[:3])
+    g, u, d = packed_weights(stack)
+    w = replace_weights(stack, g[1 : E + 1], u[2:], d[1 : E + 1])
+    assert all(t.storage_offset() > 0 and t.is_contiguous() for t in packed_weights(w))
     ids, weights = make_routing(T + 3, E, K, seed=13)
     x = make_hidden(T + 3, H, seed=13)[3:]
     ids, weights = ids[3:], weights[3:]
     out = check(x, ids, weights, w)
-    copies = ExpertWeights(E, H, I, *(t.clone() for t in w.args()[:3]))
+    copies = replace_weights(w, *(t.clone() for t in packed_weights(w)))
     assert torch.equal(out, run_op(x.clone(), ids.clone(), weights.clone(), copies))
 
 
@@ -435,8 +437,8 @@ for isa in kt_ops.supported_isas():
             ids, wt = make_routing(T, E, K, seed=T, skip_fraction=0.2, skip_rows=(0,))
             for dt in (torch.float32, torch.bfloat16, torch.float16):
                 x = make_hidden(T, H, dt, seed=T)
-                out = kt_ops.moe_forward(x, ids, wt, w.gate, w.up, w.down, I)
-                ref = reference_moe_forward(x, ids, wt, w.gate, w.up, w.down, I)
+                out = kt_ops.moe_forward(x, ids, wt, w)
+                ref = reference_moe_forward(x, ids, wt, w)
                 results.append([isa, T, H, I, str(dt), mismatch_report(out, ref)])
 print(json.dumps({"poison_active": poison_active, "results": results}))
 """
@@ -472,8 +474,8 @@ def test_checker_detects_a_perturbed_weight():
     ref = run_ref(x, ids, weights, w)
     e = int(ids[0, 0])
     for proj in ("gate", "up", "down"):
-        bad = ExpertWeights(E, H, I, w.gate.clone(), w.up.clone(), w.down.clone())
-        t = getattr(bad, proj)
+        bad = replace_weights(w, *(t.clone() for t in packed_weights(w)))
+        t = getattr(bad, proj).weight
         # one element of one used expert, by about its own magnitude (~1/sqrt(fan-in))
         t[e, 0, 0, 0, 0] += 0.25
         for dtype in (torch.float32, torch.bfloat16):

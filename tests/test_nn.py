@@ -11,6 +11,7 @@ weights to the dense ones the module was built from.
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -18,7 +19,8 @@ import torch._dynamo.testing
 from reference import assert_matches_reference, make_hidden, make_routing, reference_moe_forward
 
 import kt_ops
-import kt_ops.nn as kt_nn
+import kt_ops.layer as kt_layer
+from kt_ops.layer import PROJECTIONS as PROJ
 from kt_ops.nn import MoEExpertList, MoEExperts
 
 E, H, I = 8, 64, 40  # I not a multiple of 16: exercises the packed padding
@@ -50,10 +52,8 @@ def reference(module: MoEExperts, x, ids, weights):
         x2,
         ids.reshape(x2.shape[0], -1),
         weights.reshape(x2.shape[0], -1),
-        module.gate_weight,
-        module.up_weight,
-        module.down_weight,
-        module.intermediate_size,
+        module.expert_weights(),
+        module.lora_weights(),
     )
     return ref.view(x.shape)
 
@@ -131,7 +131,7 @@ def test_dtype_and_device_casts_leave_packed_weights_alone(experts):
 
 
 def test_chunked_packing_equals_pack_weights(dense, monkeypatch):
-    monkeypatch.setattr(kt_nn, "_PACK_CHUNK_ELEMS", 3 * I * H)  # 3 experts per chunk
+    monkeypatch.setattr(kt_layer, "_QUANTIZE_CHUNK_ELEMS", 3 * I * H)  # 3 experts per chunk
     chunked = MoEExperts.from_dense(*dense)
     for name, w in zip(("gate_weight", "up_weight", "down_weight"), dense):
         assert torch.equal(getattr(chunked, name), kt_ops.pack_weights(w))
@@ -150,13 +150,32 @@ def test_from_dense_errors(dense):
 
 
 def test_constructor_checks_packed_shapes(experts):
-    packed = (experts.gate_weight, experts.up_weight, experts.down_weight)
-    with pytest.raises(ValueError, match="down_weight has shape"):
-        MoEExperts(*packed[:2], packed[0], hidden_size=H, intermediate_size=I)
-    with pytest.raises(ValueError, match="gate_weight has shape"):
-        MoEExperts(*packed, hidden_size=H + 2, intermediate_size=I)
-    with pytest.raises(ValueError, match="must be positive"):
-        MoEExperts(*packed, hidden_size=H, intermediate_size=0)
+    ew = experts.expert_weights()
+    with pytest.raises(ValueError, match=r"expected gate and up \[E, I, H\] and down \[E, H, I\]"):
+        MoEExperts(kt_ops.ExpertWeights(ew.gate, ew.up, ew.gate))
+    wider = [dataclasses.replace(p, k=H + 2) for p in (ew.gate, ew.up)]
+    wider.append(dataclasses.replace(ew.down, n=H + 2))
+    with pytest.raises(ValueError, match=r"ExpertWeights.gate: PackedProjection.weight has"):
+        MoEExperts(kt_ops.ExpertWeights(*wider))
+    empty = [dataclasses.replace(p, n=0) for p in (ew.gate, ew.up)]
+    empty.append(dataclasses.replace(ew.down, k=0))
+    with pytest.raises(ValueError, match="must be a positive int"):
+        MoEExperts(kt_ops.ExpertWeights(*empty))
+    with pytest.raises(ValueError, match="experts must be a kt_ops.ExpertWeights"):
+        MoEExperts(ew.tensors())
+    fewer = dataclasses.replace(ew.down, weight=ew.down.weight[:4])
+    with pytest.raises(ValueError, match=r"different expert counts \[4, 8\]"):
+        kt_ops.ExpertWeights(ew.gate, ew.up, fewer)
+
+
+def test_module_round_trips_expert_weights(experts):
+    ew = experts.expert_weights()
+    again = MoEExperts(ew)
+    assert again.weight_formats == ("bf16",) * 3 and again.group_sizes == (0, 0, 0)
+    assert again.weight_format == "bf16"
+    for a, b in zip(ew.tensors(), again.expert_weights().tensors()):
+        assert (a is None and b is None) or torch.equal(a, b)
+    assert (ew.num_experts, ew.hidden_size, ew.intermediate_size) == (E, H, I)
 
 
 def test_forward_errors(experts):
@@ -268,8 +287,8 @@ def test_add_lora_on_expert_list(dense):
     x = make_hidden(3, H, torch.float32)
     lora = {k: v.detach() for k, v in module.lora_parameters().items()}
     ids = torch.full((3, 1), 5)
-    want = kt_ops.moe_forward(x, ids, torch.ones(3, 1), module.gate_weight, module.up_weight,
-                              module.down_weight, I, **lora, lora_scaling=1.0)  # fmt: skip
+    lw = kt_ops.LoRAWeights(**{p: (lora[f"{p}_lora_a"], lora[f"{p}_lora_b"]) for p in PROJ})
+    want = kt_ops.moe_forward(x, ids, torch.ones(3, 1), module.expert_weights(), lw)
     torch.testing.assert_close(module[5](x), want, rtol=0, atol=0)
 
 

@@ -13,10 +13,10 @@ from reference import (
     make_expert_weights,
     make_hidden,
     make_routing,
-    reference_moe_forward,
     sample_inputs,
 )
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_map
 
 import kt_ops
 
@@ -24,22 +24,31 @@ SAMPLES = list(sample_inputs())
 OP = torch.ops.kt.moe_forward
 
 
+LAYER_ARGS = ["weights", "weight_format", "sizes", "group_sizes", "lora", "lora_scaling",
+              "activation"]  # fmt: skip
+
+
 def test_schema_is_functional_and_documented():
     schema = OP.default._schema
     assert str(schema.returns[0].type) == "Tensor"
     assert not schema.is_mutable
     names = [a.name for a in schema.arguments]
-    assert names[:7] == [
-        "hidden_states",
-        "topk_ids",
-        "topk_weights",
-        "gate_weight",
-        "up_weight",
-        "down_weight",
-        "intermediate_size",
-    ]
-    assert {"weight_format", "activation", "lora_scaling", "group_size"} <= set(names)
+    assert names == ["hidden_states", "topk_ids", "topk_weights", *LAYER_ARGS]
+    types = {a.name: str(a.type) for a in schema.arguments}
+    assert types["weights"] == "List[Optional[Tensor]]" and types["lora"] == "List[Tensor]"
+    assert (types["sizes"], types["group_sizes"]) == ("List[int]", "List[int]")
+    assert not any(a.kwarg_only for a in schema.arguments)
     assert kt_ops.moe_forward.__doc__
+
+
+def test_out_overload_schema():
+    out = OP.out._schema
+    fwd = OP.default._schema
+    assert [a.name for a in out.arguments] == [a.name for a in fwd.arguments] + ["out"]
+    (arg,) = [a for a in out.arguments if a.name == "out"]
+    assert arg.kwarg_only and arg.alias_info is not None and arg.alias_info.is_write
+    assert out.is_mutable
+    assert out.returns[0].alias_info is not None and out.returns[0].alias_info.is_write
 
 
 def test_training_op_schemas():
@@ -49,13 +58,17 @@ def test_training_op_schemas():
     assert [a.name for a in train.arguments] == [a.name for a in fwd.arguments]
     assert [r.name for r in train.returns] == ["out", "gate_pre", "up_pre"]
     # moe_backward: grad_output, moe_forward's arguments, the optional saved
-    # pre-activations; eight plain tensors back (no optional/list returns).
+    # pre-activations; two tensors and the list of LoRA gradients back.
     bwd = torch.ops.kt.moe_backward.default._schema
     names = [a.name for a in bwd.arguments]
     assert names == ["grad_output", *[a.name for a in fwd.arguments], "gate_pre", "up_pre",
                      "compute_grad_hidden_states"]  # fmt: skip
-    assert [str(r.type) for r in bwd.returns] == ["Tensor"] * 8
-    assert [r.name for r in bwd.returns][:2] == ["grad_hidden_states", "grad_topk_weights"]
+    assert [str(r.type) for r in bwd.returns] == ["Tensor", "Tensor", "List[Tensor]"]
+    assert [r.name for r in bwd.returns] == [
+        "grad_hidden_states",
+        "grad_topk_weights",
+        "grad_lora",
+    ]
     for schema in (train, bwd):
         assert not schema.is_mutable
     assert kt_ops.ops.moe_backward.__doc__ and kt_ops.ops.moe_forward_train.__doc__
@@ -72,14 +85,16 @@ def test_sample_matches_reference(sample: Sample):
     out = OP(*sample.args, **sample.kwargs)
     x = sample.args[0]
     assert out.dtype == x.dtype and out.shape == x.shape
-    assert_matches_reference(out, reference_moe_forward(*sample.args, **sample.kwargs))
+    assert_matches_reference(out, sample.reference())
 
 
 @pytest.mark.parametrize("sample", SAMPLES, ids=lambda s: s.name)
 def test_fake_kernel_shape_and_dtype(sample: Sample):
     real = OP(*sample.args, **sample.kwargs)
     with FakeTensorMode() as mode:
-        fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in sample.args]
+        fake_args = tree_map(
+            lambda a: mode.from_tensor(a) if isinstance(a, torch.Tensor) else a, sample.args
+        )
         fake = OP(*fake_args, **sample.kwargs)
     assert fake.shape == real.shape
     assert fake.dtype == real.dtype
@@ -87,24 +102,39 @@ def test_fake_kernel_shape_and_dtype(sample: Sample):
     assert fake.stride() == real.stride()
 
 
+def to_meta(args):
+    return tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, args)
+
+
 def test_meta_tensors_give_meta_output():
-    x, ids, weights, g, u, d, I = SAMPLES[1].args
-    meta = [t.to("meta") if isinstance(t, torch.Tensor) else t for t in (x, ids, weights, g, u, d)]
-    out = OP(*meta, I)
+    args = SAMPLES[1].args
+    out = OP(*to_meta(args))
+    x = args[0]
     assert out.device.type == "meta"
     assert out.shape == x.shape and out.dtype == x.dtype
 
 
 def test_fake_kernel_rejects_bad_shapes():
-    x, ids, weights, g, u, d, I = SAMPLES[0].args
+    x, ids, weights, *layer = SAMPLES[0].args
+    H = x.shape[1]
     with FakeTensorMode() as mode:
-        fx, fids, fw, fg, fu, fd = (mode.from_tensor(t) for t in (x, ids, weights, g, u, d))
+        fx, fids, fw, *flayer = tree_map(
+            lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t,
+            (x, ids, weights, *layer),
+        )
         with pytest.raises(RuntimeError, match="topk_weights"):
-            OP(fx, fids, fw[:, :1], fg, fu, fd, I)
+            OP(fx, fids, fw[:, :1], *flayer)
         with pytest.raises(RuntimeError, match="hidden_states"):
-            OP(fx.unsqueeze(0), fids, fw, fg, fu, fd, I)
+            OP(fx.unsqueeze(0), fids, fw, *flayer)
         with pytest.raises(RuntimeError, match="topk_ids"):
-            OP(fx, fids.float(), fw, fg, fu, fd, I)
+            OP(fx, fids.float(), fw, *flayer)
+        # issue 13 item 7: hidden_states one column short of sizes[0] (inside the padding)
+        with pytest.raises(RuntimeError, match=f"has {H - 1} columns but .* hidden_size is {H}"):
+            OP(fx[:, : H - 1], fids, fw, *flayer)
+        with pytest.raises(RuntimeError, match="weights must hold 9 entries"):
+            OP(fx, fids, fw, flayer[0][:8], *flayer[1:])
+        with pytest.raises(RuntimeError, match=r"gate(_weight|: PackedProjection\.weight) has"):
+            OP(fx, fids, fw, flayer[0], flayer[1], [H, 2 * x.shape[1]], *flayer[3:])
 
 
 # --------------------------------------------------------------------------
@@ -118,16 +148,17 @@ class MoEBlock(torch.nn.Module):
     def __init__(self, E: int, H: int, I: int, K: int):
         super().__init__()
         w = make_expert_weights(E, H, I, seed=21)
-        self.register_buffer("gate", w.gate)
-        self.register_buffer("up", w.up)
-        self.register_buffer("down", w.down)
-        self.intermediate_size = I
+        self.register_buffer("gate", w.gate.weight)
+        self.register_buffer("up", w.up.weight)
+        self.register_buffer("down", w.down.weight)
+        self.sizes = [H, I]
         self.K = K
 
     def forward(self, x, topk_ids, topk_weights):
         h = x * 0.5
+        weights = [self.gate, None, None, self.up, None, None, self.down, None, None]
         y = torch.ops.kt.moe_forward(
-            h, topk_ids, topk_weights, self.gate, self.up, self.down, self.intermediate_size
+            h, topk_ids, topk_weights, weights, "bf16", self.sizes, [0, 0, 0], []
         )
         return x + y
 

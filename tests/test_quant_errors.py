@@ -16,19 +16,23 @@ import re
 
 import pytest
 import torch
+from conftest import record_isa
 from reference import (
-    QuantExperts,
+    WEIGHT_NAMES,
     make_expert_weights,
     make_hidden,
     make_quant_experts,
     make_routing,
     quant_mismatch_report,
+    raw_op_kwargs,
     reference_for,
 )
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_map
 
 import kt_ops
-from kt_ops.formats import quantize_weights
+from kt_ops.formats import format_spec, quantize_weights
+from kt_ops.layer import layer_args
 
 OP = torch.ops.kt.moe_forward
 E, H, I, T, K = 4, 64, 32, 3, 2
@@ -41,7 +45,7 @@ def layer(fmt: str, group_size=None, symmetric: bool = True, h: int = H, i: int 
 
 
 @functools.cache
-def k_layer(fmt: str) -> QuantExperts:
+def k_layer(fmt: str) -> kt_ops.ExpertWeights:
     """q4_k / q5_k / q6_k need K a multiple of 256."""
     return make_quant_experts(fmt, 2, 256, 256, seed=2)
 
@@ -51,20 +55,25 @@ def inputs(h: int = H, n_experts: int = E):
     return make_hidden(T, h, torch.float32, seed=0), ids, weights
 
 
-def call(w: QuantExperts, **overrides):
-    """moe_forward on valid arguments for ``w``, some replaced by ``overrides``."""
+def call(w: kt_ops.ExpertWeights, **overrides):
+    """``torch.ops.kt.moe_forward`` on valid arguments for ``w``, some replaced by ``overrides``.
+
+    Packed tensors are named one by one (``gate_weight`` ... ``down_zeros``,
+    ``reference.raw_op_kwargs``); ``group_size=g`` stands for ``group_sizes=[g, g, g]``.
+    """
     x, ids, weights = inputs(w.hidden_size, w.num_experts)
     kwargs = {
         "hidden_states": x,
         "topk_ids": ids,
         "topk_weights": weights,
-        "gate_weight": w.gate.weight,
-        "up_weight": w.up.weight,
-        "down_weight": w.down.weight,
-        "intermediate_size": w.intermediate_size,
-        **w.kwargs(),
+        **dict(zip(WEIGHT_NAMES, w.tensors())),
+        "weight_format": w.weight_format,
+        "sizes": [w.hidden_size, w.intermediate_size],
+        "group_sizes": list(w.group_sizes),
     }
-    return kt_ops.moe_forward(**{**kwargs, **overrides})
+    if "group_size" in overrides:
+        overrides["group_sizes"] = [overrides.pop("group_size")] * 3
+    return torch.ops.kt.moe_forward(**raw_op_kwargs({**kwargs, **overrides}))
 
 
 @pytest.mark.parametrize(
@@ -103,27 +112,32 @@ def test_unknown_format_name(fmt):
      ("q8_0", None, 0), ("q4_0", None, 64)],
 )  # fmt: skip
 def test_group_size_not_allowed_for_format(fmt, gs, bad):
-    with pytest.raises(RuntimeError, match=rf"group_size={bad} is not valid for weight_format"):
+    match = rf"group size {bad} of gate is not valid for weight_format='{fmt}'; expected one of"
+    with pytest.raises(RuntimeError, match=match):
         call(layer(fmt, gs), group_size=bad)
 
 
 @pytest.mark.parametrize("fmt", ["q4_k", "q5_k", "q6_k"])
 def test_group_size_not_allowed_for_k_quants(fmt):
-    with pytest.raises(RuntimeError, match="group_size=64 is not valid"):
+    with pytest.raises(RuntimeError, match=f"group size 64 of gate is not valid for .*'{fmt}'"):
         call(k_layer(fmt), group_size=64)
 
 
 def test_group_size_not_dividing_k():
     # gate/up K = H = 96 (group 32 fits, 64 does not): named with the projection.
     w = layer("int4", 32, h=96, i=64)
-    with pytest.raises(RuntimeError, match=r"group_size=64 must divide the K of gate_weight.*96"):
+    with pytest.raises(
+        RuntimeError, match=r"group size 64 of gate must divide the K of gate_weight.*96"
+    ):
         call(w, group_size=64)
     # down K = I = 96 while gate/up (K = H = 128) are packed with group 64
     g = torch.Generator().manual_seed(4)
     gate, up = (quantize_weights(torch.randn(E, 96, 128, generator=g), "int4", 64) for _ in "gu")
     down = quantize_weights(torch.randn(E, 128, 96, generator=g), "int4", 32)
-    w = QuantExperts(gate, up, down)
-    with pytest.raises(RuntimeError, match=r"group_size=64 must divide the K of down_weight.*96"):
+    w = kt_ops.ExpertWeights(gate, up, down)
+    with pytest.raises(
+        RuntimeError, match=r"group size 64 of down must divide the K of down_weight.*96"
+    ):
         call(w, group_size=64)
 
 
@@ -143,7 +157,7 @@ def test_group_size_of_another_packing():
     "packed,fmt,gs,match",
     [
         (("int4", 32), "int8", 0, "gate_weight has shape"),
-        (("int4", 32), "int8", 32, "group_size=32 is not valid"),
+        (("int4", 32), "int8", 32, "group size 32 of gate is not valid"),
         (("int8", None), "int4", 32, "gate_weight has shape"),
         (("int8", None), "q4_0", 32, "gate_weight has shape"),
         (("fp8", None), "int8", 0, "gate_weight has shape"),
@@ -182,7 +196,9 @@ def test_bf16_tensors_with_a_quantized_format():
     bf16 = make_expert_weights(E, H, I, seed=0)
     w = layer("int4", 32)
     with pytest.raises(RuntimeError, match=r"gate_weight must be uint8 for weight_format='int4'"):
-        call(w, gate_weight=bf16.gate, up_weight=bf16.up, down_weight=bf16.down)
+        call(
+            w, gate_weight=bf16.gate.weight, up_weight=bf16.up.weight, down_weight=bf16.down.weight
+        )
 
 
 def test_quantized_tensors_with_bf16():
@@ -194,7 +210,7 @@ def test_quantized_tensors_with_bf16():
     x, ids, weights = inputs()
     for name in ("gate_scales", "down_zeros"):
         with pytest.raises(RuntimeError, match=rf"{name} was given, but weight_format='bf16'"):
-            kt_ops.moe_forward(x, ids, weights, *bf16.args(), **{name: w.gate.scales})
+            call(bf16, **{name: w.gate.scales})
 
 
 @pytest.mark.parametrize("proj", PROJ)
@@ -291,21 +307,45 @@ def test_scales_dtype_mxfp4(dtype):
         call(w, down_scales=w.down.scales.to(dtype))
 
 
+def _matches_reference(w: kt_ops.ExpertWeights) -> None:
+    """The op on ``w`` matches ``reference_for`` on every ISA path (per-projection data)."""
+    x, ids, weights = inputs(w.hidden_size, w.num_experts)
+
+    def canonical(p):
+        # the reference dequantizer takes the packers' scale dtype: cast back (exactly,
+        # from values already rounded to the narrower of the two dtypes)
+        dt = format_spec(p.weight_format).scale_dtype
+        kw = {n: getattr(p, n).to(dt) for n in ("scales", "zeros") if getattr(p, n) is not None}
+        return dataclasses.replace(p, **kw)
+
+    ref = reference_for(kt_ops.ExpertWeights(*map(canonical, w.projections)), x, ids, weights)
+    for isa in kt_ops.supported_isas():
+        with kt_ops.use_isa(isa):
+            record_isa(isa)
+            msg = quant_mismatch_report(kt_ops.moe_forward(x, ids, weights, w), ref)
+        assert msg is None, f"{isa}: {msg}"
+
+
 @pytest.mark.parametrize("proj", ["up", "down"])
 @pytest.mark.parametrize("fmt,gs", [("int8", None), ("int4", 32), ("q4_0", None)])
-def test_mixed_scale_dtypes(fmt, gs, proj):
+def test_scale_dtype_per_projection(fmt, gs, proj):
+    # Each projection is described on its own (issue 9): one projection's scales in
+    # another float dtype than the gate's is fine (it used to be refused), and the
+    # op dequantizes it with its own dtype.
     w = layer(fmt, gs)
     p = getattr(w, proj)
     other = torch.float16 if p.scales.dtype == torch.float32 else torch.float32
-    name = f"{proj}_scales"
-    with pytest.raises(RuntimeError, match=rf"{name} is .* but gate_scales has another dtype"):
-        call(w, **{name: p.scales.to(other)})
+    kw = {proj: dataclasses.replace(p, scales=p.scales.to(other))}
+    w2 = kt_ops.ExpertWeights(*(kw.get(n, q) for n, q in zip(PROJ, w.projections)))
+    assert getattr(w2, proj).scales.dtype != w2.gate.scales.dtype
+    _matches_reference(w2)
 
 
-def test_mixed_zero_dtypes():
+def test_zero_dtype_per_projection():
     w = layer("int4", 32, False)
-    with pytest.raises(RuntimeError, match="down_zeros must be given for all three .* one dtype"):
-        call(w, down_zeros=w.down.zeros.float())
+    w2 = dataclasses.replace(w, down=dataclasses.replace(w.down, zeros=w.down.zeros.float()))
+    assert w2.down.zeros.dtype != w2.gate.zeros.dtype
+    _matches_reference(w2)
 
 
 @pytest.mark.parametrize("fmt,gs", [("int8", None), ("mxfp4", None), ("q8_0", None),
@@ -344,13 +384,19 @@ def test_zeros_missing_for_k_quants(fmt, proj):
 
 @pytest.mark.parametrize("proj", ["up", "down"])
 def test_zeros_for_some_projections_only(proj):
-    # int4 zeros are optional, but all three projections or none.
-    w = layer("int4", 32, False)
-    with pytest.raises(RuntimeError, match=rf"{proj}_zeros must be given for all three"):
-        call(w, **{f"{proj}_zeros": None})
+    # int4 zeros are optional per projection (issue 9: one description per projection):
+    # an asymmetric projection among symmetric ones computes what its own data says.
+    asym = layer("int4", 32, False)
     sym = layer("int4", 32, True)
-    with pytest.raises(RuntimeError, match=rf"{proj}_zeros must be given for all three"):
-        call(sym, **{f"{proj}_zeros": getattr(w, proj).zeros})
+    without = dataclasses.replace(asym, **{proj: getattr(sym, proj)})
+    assert getattr(without, proj).zeros is None and without.gate.zeros is not None
+    _matches_reference(without)
+    only = dataclasses.replace(sym, **{proj: getattr(asym, proj)})
+    assert getattr(only, proj).zeros is not None and only.gate.zeros is None
+    _matches_reference(only)
+    # zeros of a symmetric packing's shape but the wrong dtype are still refused
+    with pytest.raises(RuntimeError, match=rf"{proj}_zeros"):
+        call(sym, **{f"{proj}_zeros": getattr(asym, proj).zeros.to(torch.int32)})
 
 
 def _non_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -392,11 +438,8 @@ def test_meta_tensor_mixed_with_cpu(what, proj):
 def test_all_meta_quantized_call():
     w = layer("int4", 32, False)
     x, ids, weights = inputs()
-    kwargs = {
-        k: (v.to("meta") if isinstance(v, torch.Tensor) else v) for k, v in w.kwargs().items()
-    }
-    args = [t.to("meta") for t in (x, ids, weights, w.gate.weight, w.up.weight, w.down.weight)]
-    out = kt_ops.moe_forward(*args, I, **kwargs)
+    meta = w.to("meta")
+    out = kt_ops.moe_forward(x.to("meta"), ids.to("meta"), weights.to("meta"), meta)
     assert out.device.type == "meta" and out.shape == (T, H) and out.dtype == x.dtype
 
 
@@ -418,12 +461,12 @@ def test_mxfp4_packer_output_is_accepted_by_the_op():
     dense = [torch.randn(E, i, h, generator=g), torch.randn(E, i, h, generator=g),
              torch.randn(E, h, i, generator=g)]  # fmt: skip
     try:
-        w = QuantExperts(*(quantize_weights(d, "mxfp4") for d in dense))
+        w = kt_ops.ExpertWeights(*(quantize_weights(d, "mxfp4") for d in dense))
     except ValueError as e:  # the packer refusing such K is a fine outcome too
         assert "K" in str(e) or "k=" in str(e)
         return
     x, ids, weights = inputs(h)
-    out = kt_ops.moe_forward(x, ids, weights, *w.args(), **w.kwargs())
+    out = kt_ops.moe_forward(x, ids, weights, w)
     assert quant_mismatch_report(out, reference_for(w, x, ids, weights)) is None
 
 
@@ -452,7 +495,7 @@ def opcheck_sample(name):
     w = make_quant_experts(fmt, 4, h, i, group_size=gs, symmetric=sym, seed=5)
     ids, weights = make_routing(t, 4, 2, seed=5, ids_dtype=idt, skip_fraction=0.2)
     x = make_hidden(t, h, act, seed=5)
-    return (x, ids, weights, *w.args()), w.kwargs()
+    return (x, ids, weights) + layer_args(w, None, "silu", x), {}
 
 
 @pytest.mark.parametrize("name", [c[0] for c in _opcheck_cases()])
@@ -470,7 +513,7 @@ def test_fake_kernel_shape_and_dtype(name):
         def fake(v):
             return mode.from_tensor(v) if isinstance(v, torch.Tensor) else v
 
-        out = OP(*(fake(a) for a in args), **{k: fake(v) for k, v in kwargs.items()})
+        out = OP(*tree_map(fake, args), **kwargs)
     assert (out.shape, out.dtype, out.device, out.stride()) == (
         real.shape,
         real.dtype,
@@ -480,51 +523,44 @@ def test_fake_kernel_shape_and_dtype(name):
 
 
 def test_fake_kernel_rejects_tensors_of_another_format():
-    args, kwargs = opcheck_sample("int4_sym_g32")
+    args, _ = opcheck_sample("int4_sym_g32")
     with FakeTensorMode() as mode:
-        fargs = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
-        fkw = {k: (mode.from_tensor(v) if isinstance(v, torch.Tensor) else v)
-               for k, v in kwargs.items()}  # fmt: skip
-        with pytest.raises(RuntimeError, match="gate_weight"):
-            OP(*fargs, **{**fkw, "weight_format": "int8", "group_size": 0})
-        with pytest.raises(RuntimeError, match="gate_weight"):
-            OP(*fargs, **{**fkw, "weight_format": "bf16", "group_size": 0})
+        x, ids, w, weights, fmt, sizes, groups, *rest = tree_map(
+            lambda a: mode.from_tensor(a) if isinstance(a, torch.Tensor) else a, args
+        )
+        with pytest.raises(RuntimeError, match="gate"):
+            OP(x, ids, w, weights, "int8", sizes, [0, 0, 0], *rest)
+        with pytest.raises(RuntimeError, match="gate"):
+            OP(x, ids, w, weights, "bf16", sizes, [0, 0, 0], *rest)
         with pytest.raises(RuntimeError, match="weight_format"):
-            OP(*fargs, **{**fkw, "weight_format": "int5"})
+            OP(x, ids, w, weights, "int5", sizes, groups, *rest)
+        with pytest.raises(RuntimeError, match="hidden_states has 63 columns"):
+            OP(x[:, :63], ids, w, weights, fmt, sizes, groups, *rest)
 
 
 class QuantMoEBlock(torch.nn.Module):
     """A small module around the op with quantized experts held as buffers."""
 
-    def __init__(self, w: QuantExperts):
+    def __init__(self, w: kt_ops.ExpertWeights):
         super().__init__()
         self.weight_format = w.weight_format
-        self.group_size = w.group_size
-        self.intermediate_size = w.intermediate_size
-        for proj, p in zip(PROJ, w.projections()):
+        self.group_sizes = list(w.group_sizes)
+        self.sizes = [w.hidden_size, w.intermediate_size]
+        for proj, p in zip(PROJ, w.projections):
             for what, t in p.tensors().items():
                 self.register_buffer(f"{proj}_{what}", t)
 
     def forward(self, x, topk_ids, topk_weights):
-        def get(name):
-            return getattr(self, name, None)
-
+        weights = [getattr(self, n, None) for n in WEIGHT_NAMES]
         y = torch.ops.kt.moe_forward(
             x * 0.5,
             topk_ids,
             topk_weights,
-            self.gate_weight,
-            self.up_weight,
-            self.down_weight,
-            self.intermediate_size,
+            weights,
             self.weight_format,
-            get("gate_scales"),
-            get("up_scales"),
-            get("down_scales"),
-            get("gate_zeros"),
-            get("up_zeros"),
-            get("down_zeros"),
-            self.group_size,
+            self.sizes,
+            self.group_sizes,
+            [],
         )
         return x + y
 
@@ -557,8 +593,8 @@ def test_compile_fullgraph_quantized(fresh_dynamo, fmt, gs, sym):
 def test_compile_fullgraph_bf16_scales(fresh_dynamo):
     # bf16 scales through the compiled graph give the eager result too.
     w = layer("int4", 32)
-    projs = [dataclasses.replace(p, scales=p.scales.to(torch.bfloat16)) for p in w.projections()]
-    model = QuantMoEBlock(QuantExperts(*projs))
+    projs = [dataclasses.replace(p, scales=p.scales.to(torch.bfloat16)) for p in w.projections]
+    model = QuantMoEBlock(kt_ops.ExpertWeights(*projs))
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     x = make_hidden(6, H, torch.bfloat16, seed=1)
     ids, weights = make_routing(6, E, K, seed=1, ids_dtype=torch.int32)

@@ -44,10 +44,11 @@ import math
 import pytest
 import torch
 from reference import (
-    QuantExperts,
     QuantReference,
     Tolerance,
+    activation_of,
     dense_expert_weights,
+    dense_weights,
     make_hidden,
     make_quant_experts,
     make_routing,
@@ -70,7 +71,7 @@ from kt_ops.formats import (
     from_gguf,
     from_mxfp4,
 )
-from kt_ops.ops import WEIGHT_FORMATS
+from kt_ops.formats import FORMATS as WEIGHT_FORMATS
 
 THREAD_COUNTS = (1, 2, 3)
 
@@ -137,17 +138,17 @@ def test_every_quantized_format_is_covered():
 
 
 @functools.cache
-def layer(v: Variant, seed: int = 0) -> QuantExperts:
+def layer(v: Variant, seed: int = 0) -> kt_ops.ExpertWeights:
     return make_quant_experts(
         v.fmt, E_TOTAL, v.H, v.I, group_size=v.group_size, symmetric=v.symmetric, seed=seed
     )
 
 
-def run_op(x, ids, weights, w: QuantExperts, **overrides):
-    return kt_ops.moe_forward(x, ids, weights, *w.args(), **{**w.kwargs(), **overrides})
+def run_op(x, ids, weights, w: kt_ops.ExpertWeights, **overrides):
+    return kt_ops.moe_forward(x, ids, weights, w, **overrides)
 
 
-def check(x, ids, weights, w: QuantExperts):
+def check(x, ids, weights, w: kt_ops.ExpertWeights):
     """Run the op; check dtype/shape and every element against the quantized reference."""
     out = run_op(x, ids, weights, w)
     assert out.dtype == x.dtype and out.shape == x.shape
@@ -178,12 +179,12 @@ def routing(T: int, *, seed: int, ids_dtype=torch.int64, weights_dtype=torch.flo
 @pytest.mark.parametrize("v", VARIANTS, ids=VARIANT_IDS)
 def test_packed_layer_is_valid(v):
     w = layer(v)
-    for p, (n, k) in zip(w.projections(), ((v.I, v.H), (v.I, v.H), (v.H, v.I))):
+    for p, (n, k) in zip(w.projections, ((v.I, v.H), (v.I, v.H), (v.H, v.I))):
         p.validate()
         assert (p.n, p.k, p.weight_format) == (n, k, v.fmt)
         assert (p.zeros is not None) == (format_spec(v.fmt).zeros_required or not v.symmetric)
     # dequantized weights are close to the dense weights they were made from
-    for got, want in zip(w.dense(), dense_expert_weights(E_TOTAL, v.H, v.I)):
+    for got, want in zip(dense_weights(w), dense_expert_weights(E_TOTAL, v.H, v.I)):
         err = ((got - want).norm() / want.norm()).item()
         assert err < 0.2, f"{v.id}: weight quantization error {err:.3g}"
 
@@ -240,7 +241,7 @@ def test_experts_without_tokens_are_not_read(qisa, v):
     x = make_hidden(T, v.H, seed=4)
     clean = check(x, ids, weights, w)
     unused = slice(E_TOTAL - 2, E_TOTAL)
-    poisoned = QuantExperts(*(_poison(p, unused) for p in w.projections()))
+    poisoned = kt_ops.ExpertWeights(*(_poison(p, unused) for p in w.projections))
     assert torch.equal(run_op(x, ids, weights, poisoned), clean)
 
 
@@ -321,7 +322,7 @@ def test_fp32_path_matches_the_unrounded_reference(qisa, v, T):
     x = make_hidden(T, v.H, torch.bfloat16, seed=T)
     with kt_ops.use_quant_activations("fp32"):
         out = check(x, ids, weights, w)  # reference_for follows the mode: no q8 rounding
-    ref = reference_quant_moe_forward(x, ids, weights, *w.dense(), activation="fp32")
+    ref = reference_quant_moe_forward(x, ids, weights, *dense_weights(w), activation="fp32")
     assert quant_mismatch_report(out, ref) is None
 
 
@@ -394,10 +395,10 @@ GGUF_TYPES = ["q8_0", "q4_0", "q4_k", "q5_k", "q6_k"]
 
 
 @functools.cache
-def gguf_layer(qtype: str) -> QuantExperts:
+def gguf_layer(qtype: str) -> kt_ops.ExpertWeights:
     H, I = (96, 64) if qtype in ("q8_0", "q4_0") else (256, 256)
     shapes = ((I, H), (I, H), (H, I))
-    return QuantExperts(
+    return kt_ops.ExpertWeights(
         *(from_gguf(qtype, random_gguf_raw(qtype, 4, n, k, seed=i), n, k)
           for i, (n, k) in enumerate(shapes))
     )  # fmt: skip
@@ -420,7 +421,7 @@ def _all_fp8_bits(shape, gen):
 
 
 @functools.cache
-def fp8_raw_layer() -> QuantExperts:
+def fp8_raw_layer() -> kt_ops.ExpertWeights:
     gen = torch.Generator().manual_seed(8)
     E, H, I = 4, 200, 136
     projs = []
@@ -428,11 +429,11 @@ def fp8_raw_layer() -> QuantExperts:
         bits = _all_fp8_bits((E, n, k), gen)
         scale = torch.rand(E, math.ceil(n / 128), math.ceil(k / 128), generator=gen)
         projs.append(from_fp8(bits.view(torch.float8_e4m3fn), (scale + 0.5) / (40 * math.sqrt(k))))
-    return QuantExperts(*projs)
+    return kt_ops.ExpertWeights(*projs)
 
 
 @functools.cache
-def mxfp4_raw_layer() -> QuantExperts:
+def mxfp4_raw_layer() -> kt_ops.ExpertWeights:
     gen = torch.Generator().manual_seed(9)
     E, H, I = 4, 96, 64
     projs = []
@@ -441,7 +442,7 @@ def mxfp4_raw_layer() -> QuantExperts:
         # 2^(E-127) * e2m1 with E around 122: weights ~0.1
         ebytes = torch.randint(119, 125, (E, n, k // 32), dtype=torch.uint8, generator=gen)
         projs.append(from_mxfp4(blocks, ebytes))
-    return QuantExperts(*projs)
+    return kt_ops.ExpertWeights(*projs)
 
 
 @pytest.mark.parametrize("source", ["fp8", "mxfp4"])
@@ -492,8 +493,8 @@ SCALE_DTYPE_VARIANTS = [
 def test_scale_dtypes(qisa, v, dtype):
     base = layer(v)
     with single_threaded_torch():
-        cast = [_cast_params(p, dtype) for p in base.projections()]
-    w = QuantExperts(*(p for p, _ in cast))
+        cast = [_cast_params(p, dtype) for p in base.projections]
+    w = kt_ops.ExpertWeights(*(p for p, _ in cast))
     dense = tuple(d for _, d in cast)
     assert w.gate.scales.dtype == dtype
     T = 23
@@ -507,7 +508,7 @@ def test_scale_dtypes(qisa, v, dtype):
         # bf16 scales are a coarser rounding of the fp16/fp32 ones: the op must see
         # the difference (it reads the bf16 values, not the originals).
         assert not torch.equal(out, run_op(x, ids, weights, base)) or all(
-            torch.equal(a, b) for a, b in zip(dense, base.dense())
+            torch.equal(a, b) for a, b in zip(dense, dense_weights(base))
         )
 
 
@@ -521,8 +522,8 @@ def test_zeros_dtype_independent_of_scales(qisa):
     ref = reference_for(base, x, ids, weights)  # fp16 -> fp32 is exact, so the same reference
     for sdt, zdt in ((torch.float32, torch.float16), (torch.float16, torch.float32)):
         projs = [dataclasses.replace(p, scales=p.scales.to(sdt), zeros=p.zeros.to(zdt))
-                 for p in base.projections()]  # fmt: skip
-        out = run_op(x, ids, weights, QuantExperts(*projs))
+                 for p in base.projections]  # fmt: skip
+        out = run_op(x, ids, weights, kt_ops.ExpertWeights(*projs))
         assert quant_mismatch_report(out, ref) is None, (sdt, zdt)
 
 
@@ -568,9 +569,9 @@ def test_total_error_against_dense_layer(v):
     total = _rel(out, reference_quant_moe_forward(x, ids, weights, *dense, activation="fp32").out)
     assert total < TOTAL_ERROR[v.fmt], f"{v.id}: total error {total:.3g}"
     # The activation rounding alone (dequantized weights, fp32 activations).
-    plain = reference_quant_moe_forward(x, ids, weights, *w.dense(), activation="fp32").out
+    plain = reference_quant_moe_forward(x, ids, weights, *dense_weights(w), activation="fp32").out
     act_err = _rel(out, plain)
-    if w.activation == "q8":
+    if activation_of(w) == "q8":
         assert 1e-4 < act_err < ACTIVATION_ERROR, f"{v.id}: activation error {act_err:.3g}"
     else:  # fp8: fp32 activations, nothing but summation order
         assert act_err < 1e-5, f"{v.id}: {act_err:.3g}"
@@ -635,7 +636,7 @@ def test_the_op_rounds_activation_ties_as_documented(qisa):
     out = run_op(x, ids, weights, w)
     ref = reference_for(w, x, ids, weights)
     assert quant_mismatch_report(out, ref) is None
-    gate, up, down = w.dense()
+    gate, up, down = dense_weights(w)
     other = q8_activations(x)
     other[0, 1] = -64 * (torch.tensor(2.375) / torch.tensor(127.0))  # the neighbouring code
     h = q8_activations(torch.nn.functional.silu(other @ gate[0].T) * (other @ up[0].T))
@@ -660,23 +661,23 @@ def test_checker_detects_wrong_weights(v):
     # one code byte of a used expert changed: first block (rows 0-15), all rows of the
     # byte's word change, so some token sees it
     for proj in ("gate", "up", "down"):
-        projs = dict(zip(("gate", "up", "down"), w.projections()))
+        projs = dict(zip(("gate", "up", "down"), w.projections))
         p = projs[proj]
         weight = p.weight.clone()
         flat = weight.view(weight.shape[0], -1)
         flat[e, :64] ^= 0x44  # one [16 rows][4 bytes] word: codes move by 4 (or 64)
         projs[proj] = dataclasses.replace(p, weight=weight)
-        out = run_op(x, ids, weights, QuantExperts(**projs))
+        out = run_op(x, ids, weights, kt_ops.ExpertWeights(**projs))
         assert quant_mismatch_report(out, ref) is not None, proj
     # a scale of a used expert doubled
-    projs = list(w.projections())
+    projs = list(w.projections)
     scales = projs[0].scales.clone()
     if scales.dtype == torch.uint8:
         scales[e] += 1  # UE8M0: x2
     else:
         scales[e] *= 2
     projs[0] = dataclasses.replace(projs[0], scales=scales)
-    out = run_op(x, ids, weights, QuantExperts(*projs))
+    out = run_op(x, ids, weights, kt_ops.ExpertWeights(*projs))
     assert quant_mismatch_report(out, ref) is not None
 
 
@@ -689,7 +690,7 @@ def test_reference_without_activation_rounding_is_not_close(v):
     ids, weights = routing(T, seed=14)
     x = make_hidden(T, v.H, torch.float32, seed=14)
     out = run_op(x, ids, weights, w)
-    plain = reference_quant_moe_forward(x, ids, weights, *w.dense(), activation="fp32")
+    plain = reference_quant_moe_forward(x, ids, weights, *dense_weights(w), activation="fp32")
     assert quant_mismatch_report(out, plain, Tolerance(compute=2e-3)) is not None
     # ... while the tie slack of the real reference stays a small part of the output
     ref = reference_for(w, x, ids, weights)

@@ -29,7 +29,6 @@ import pytest
 import torch
 from reference import (
     TINY_MOE_CONFIG,
-    QuantExperts,
     dense_expert_weights,
     make_hidden,
     make_routing,
@@ -80,8 +79,8 @@ def dense_layer(H: int, I: int):
 
 
 @functools.cache
-def packed_layer(fmt, gs, sym, H, I) -> QuantExperts:
-    return QuantExperts(*(quantize_weights(w, fmt, gs, sym) for w in dense_layer(H, I)))
+def packed_layer(fmt, gs, sym, H, I) -> kt_ops.ExpertWeights:
+    return kt_ops.ExpertWeights(*(quantize_weights(w, fmt, gs, sym) for w in dense_layer(H, I)))
 
 
 def module_inputs(H: int, dtype=torch.float32):
@@ -112,7 +111,7 @@ def test_from_dense_packs_like_quantize_weights(fmt, gs, sym, H, I):
     with torch.no_grad():
         out = module(x, ids, weights)
     # the same packed tensors as quantize_weights: the very same result as the op on them
-    assert torch.equal(out, kt_ops.moe_forward(x, ids, weights, *w.args(), **w.kwargs()))
+    assert torch.equal(out, kt_ops.moe_forward(x, ids, weights, w))
     assert quant_mismatch_report(out, reference_for(w, x, ids, weights)) is None
     # within the format's error of the dense layer
     dense = reference_quant_moe_forward(x, ids, weights, gate, up, down, activation="fp32")

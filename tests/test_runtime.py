@@ -28,7 +28,7 @@ def small_call(T: int = 9, seed: int = 0):
     w = make_expert_weights(6, 40, 24, seed=seed)
     ids, weights = make_routing(T, 6, 2, seed=seed)
     x = make_hidden(T, 40, torch.float32, seed=seed)
-    return (x, ids, weights, *w.args())
+    return (x, ids, weights, w)
 
 
 # --------------------------------------------------------------------------
@@ -162,9 +162,9 @@ import json, kt_ops
 from reference import *
 x, ids, wt = make_hidden(5, 40), *make_routing(5, 6, 2)
 w = make_expert_weights(6, 40, 24)
-out = kt_ops.moe_forward(x, ids, wt, *w.args())
+out = kt_ops.moe_forward(x, ids, wt, w)
 print(json.dumps({"active": kt_ops.active_isa(), "info": kt_ops.info()["active_isa"],
-                  "err": mismatch_report(out, reference_moe_forward(x, ids, wt, *w.args()))}))
+                  "err": mismatch_report(out, reference_moe_forward(x, ids, wt, w))}))
 """
     proc = python_subprocess(code, env={"KT_OPS_ISA": name})
     assert proc.returncode == 0, proc.stderr
