@@ -38,12 +38,30 @@ BINDING = r"""
 #include <chrono>
 #include "moe/expert_weights.h"
 
+namespace {
+// One projection as the op's layer description holds it (csrc/moe/moe_layer.h);
+// dense_expert_weight reads the format row, the tensors and the sizes.
+kt::moe::Projection projection(at::Tensor weight, c10::optional<at::Tensor> scales,
+                               c10::optional<at::Tensor> zeros, const std::string& format,
+                               int64_t group_size, int64_t n, int64_t k) {
+  kt::moe::Projection p;
+  p.format = kt::formats::find_format(format);
+  TORCH_CHECK(p.format != nullptr, "unknown format ", format);
+  p.weight = weight;
+  p.scales = scales.value_or(at::Tensor());
+  p.zeros = zeros.value_or(at::Tensor());
+  p.n = n;
+  p.k = k;
+  p.group_size = group_size;
+  return p;
+}
+}  // namespace
+
 // Seconds per walk over every expert, one per repetition.
 std::vector<double> time_decode(at::Tensor weight, c10::optional<at::Tensor> scales,
                                 c10::optional<at::Tensor> zeros, std::string format,
                                 int64_t group_size, int64_t n, int64_t k, int64_t reps) {
-  kt::moe::ProjectionWeights p{weight, scales.value_or(at::Tensor()),
-                               zeros.value_or(at::Tensor()), format, group_size, n, k};
+  const kt::moe::Projection p = projection(weight, scales, zeros, format, group_size, n, k);
   at::Tensor scratch = at::empty({kt::moe::dense_expert_weight_numel(p)}, at::kFloat);
   scratch.zero_();  // fault the pages in before timing
   std::vector<double> out;
@@ -58,8 +76,7 @@ std::vector<double> time_decode(at::Tensor weight, c10::optional<at::Tensor> sca
 at::Tensor decode(at::Tensor weight, c10::optional<at::Tensor> scales,
                   c10::optional<at::Tensor> zeros, std::string format, int64_t group_size,
                   int64_t n, int64_t k, int64_t expert) {
-  kt::moe::ProjectionWeights p{weight, scales.value_or(at::Tensor()),
-                               zeros.value_or(at::Tensor()), format, group_size, n, k};
+  const kt::moe::Projection p = projection(weight, scales, zeros, format, group_size, n, k);
   return kt::moe::dense_expert_weight(p, expert).contiguous();
 }
 
@@ -94,7 +111,7 @@ def build():
         sources=[
             str(src_dir / "binding.cpp"),
             str(ROOT / "csrc/moe/expert_weights.cpp"),
-            str(ROOT / "csrc/formats/format_registry.cpp"),
+            str(ROOT / "csrc/formats/format_table.cpp"),
         ],
         extra_include_paths=[str(ROOT / "csrc")],
         extra_cflags=["-O3", "-ffp-contract=off"],
