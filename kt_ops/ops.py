@@ -170,7 +170,8 @@ def moe_forward(
         _check_frozen(args[3])
     if out is not None:
         _check_out(hidden_states, topk_weights, lora, out)
-        return torch.ops.kt.moe_forward.out(*args, out=out)
+        torch.ops.kt.moe_forward.out(*args, out=out)
+        return out
     has_lora = lora is not None and lora.any()
     if activation_checkpointing is None:
         activation_checkpointing = _ACTIVATION_CHECKPOINTING if has_lora else True
@@ -474,7 +475,6 @@ def _moe_forward_out_fake(*args, out, **kwargs):
             f"{list(x.shape)}, got {list(out.shape)}"
         ),
     )
-    return out
 
 
 @torch.library.register_fake("kt::moe_forward_train")

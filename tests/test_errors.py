@@ -248,7 +248,7 @@ def test_group_size_for_bf16(call, proj):
         (dict(lora=[torch.empty(0)] * 5), "lora must be empty or hold 6 tensors"),
         (dict(weight_format="bf16,bf16"), "weight_format='bf16,bf16' must be one format name"),
         (dict(weight_format="bf16,bf16,bf16,bf16"), "weight_format='bf16,.*got 4 names"),
-        (dict(gate_weight=None), "gate_weight must be a packed"),
+        (dict(gate_weight=None), "gate_weight is missing"),
         (dict(down_weight=None), "down_weight (is missing|must be a packed)"),
     ],
     ids=lambda v: str(v)[:40] if isinstance(v, str) else None,

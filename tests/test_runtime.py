@@ -21,7 +21,7 @@ from reference import (
 
 import kt_ops
 
-ALL_ISAS = ("ref", "avx2", "avx512")
+ALL_ISAS = ("ref", "avx2", "avx512", "avx512_vnni")
 
 
 def small_call(T: int = 9, seed: int = 0):
@@ -72,7 +72,11 @@ def test_isa_lists_are_consistent():
     assert info["active_isa"] in supported
     # A built path is supported exactly when the CPU has its features.
     features = info["cpu_features"]
-    needs = {"avx2": features["avx2"], "avx512": features["avx512"]}
+    needs = {
+        "avx2": features["avx2"],
+        "avx512": features["avx512"],
+        "avx512_vnni": features["avx512"] and features["avx512_vnni"],
+    }
     for name in built:
         if name in needs:
             assert (name in supported) == needs[name], (name, features)

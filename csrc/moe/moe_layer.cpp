@@ -249,8 +249,8 @@ MoeLayer parse_moe_layer(const char* op, const at::Tensor& hidden_states,
   const std::string fmt(weight_format.data(), weight_format.size());
   const std::vector<std::string> names = split_formats(op, fmt);
   const std::optional<at::Tensor> gate_weight = weights.get(0);
-  TORCH_CHECK(gate_weight.has_value() && gate_weight->dim() >= 1, op,
-              ": gate_weight must be a packed [E, ...] tensor");
+  TORCH_CHECK(gate_weight.has_value(), op, ": gate_weight is missing (None)");
+  TORCH_CHECK(gate_weight->dim() >= 1, op, ": gate_weight must be a packed [E, ...] tensor");
   const int64_t E = layer.num_experts = gate_weight->size(0);
   Projection* projs[3] = {&layer.gate, &layer.up, &layer.down};
   for (int i = 0; i < 3; ++i) {
@@ -276,13 +276,16 @@ MoeLayer parse_moe_layer(const char* op, const at::Tensor& hidden_states,
     }
     // One dtype for all factors: PEFT keeps a layer's adapters in one dtype,
     // and a mix is almost always an accidental cast.
-    const at::Tensor* first = nullptr;
-    for (const at::Tensor& t : lora) {
+    static const char* kNames[6] = {"gate_lora_a", "gate_lora_b", "up_lora_a",
+                                    "up_lora_b",   "down_lora_a", "down_lora_b"};
+    int first = -1;
+    for (int i = 0; i < 6; ++i) {
+      const at::Tensor& t = lora[i];
       if (t.dim() == 1 && t.numel() == 0) continue;
-      if (first == nullptr) first = &t;
-      TORCH_CHECK(t.scalar_type() == first->scalar_type(), op,
-                  ": all LoRA tensors must have one dtype, got ", first->scalar_type(), " and ",
-                  t.scalar_type());
+      if (first < 0) first = i;
+      TORCH_CHECK(t.scalar_type() == lora[first].scalar_type(), op,
+                  ": all LoRA tensors must have one dtype, but ", kNames[first], " is ",
+                  lora[first].scalar_type(), " and ", kNames[i], " is ", t.scalar_type());
     }
     TORCH_CHECK(std::isfinite(lora_scaling), op, ": lora_scaling must be finite, got ",
                 lora_scaling);

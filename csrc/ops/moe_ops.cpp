@@ -3,6 +3,7 @@
 // argument), then computed by the one driver (csrc/moe), or on the ATen LoRA
 // path when LoRA factors are given.
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 #include <torch/library.h>
 
 #include "kernels/dispatch.h"
@@ -26,8 +27,10 @@ void check_out(const at::Tensor& out, const at::Tensor& hidden_states) {
               ": out must be a contiguous tensor of the shape of hidden_states ",
               hidden_states.sizes(), ", got ", out.sizes(),
               out.is_contiguous() ? "" : " (not contiguous)");
-  TORCH_CHECK(!out.is_same(hidden_states), kOp,
-              ": out must not be hidden_states (the kernels read it while writing out)");
+  const at::MemOverlapStatus overlap = at::get_overlap_status(out, hidden_states);
+  TORCH_CHECK(overlap != at::MemOverlapStatus::Full && overlap != at::MemOverlapStatus::Partial, kOp,
+              ": out must not overlap hidden_states in memory (the kernels read hidden_states "
+              "while writing out)");
 }
 
 void forward_into(const at::Tensor& hidden_states, const at::Tensor& topk_ids,
@@ -55,14 +58,13 @@ at::Tensor moe_forward_cpu(const at::Tensor& hidden_states, const at::Tensor& to
   return out;
 }
 
-at::Tensor& moe_forward_out_cpu(const at::Tensor& hidden_states, const at::Tensor& topk_ids,
-                                const at::Tensor& topk_weights, KT_LAYER_PARAMS, at::Tensor& out) {
+void moe_forward_out_cpu(const at::Tensor& hidden_states, const at::Tensor& topk_ids,
+                         const at::Tensor& topk_weights, KT_LAYER_PARAMS, at::Tensor& out) {
   runtime::ThreadPool::global().prewake();
   const moe::MoeLayer layer =
       moe::parse_moe_layer(kOp, hidden_states, topk_ids, topk_weights, KT_LAYER_ARGS);
   check_out(out, hidden_states);
   forward_into(hidden_states, topk_ids, topk_weights, layer, out);
-  return out;
 }
 
 TORCH_LIBRARY_IMPL(kt, CPU, m) {

@@ -29,8 +29,11 @@ TORCH_LIBRARY(kt, m) {
   // See kt_ops/ops.py::moe_forward for the argument reference.
   m.def(schema("moe_forward(" + kRouted + kLayer + ") -> Tensor"));
   // The same, into a caller-owned contiguous [T, H] tensor of the dtype of
-  // hidden_states (static buffers: CUDA graphs, serving engines).
-  m.def(schema("moe_forward.out(" + kRouted + kLayer + ", *, Tensor(a!) out) -> Tensor(a!)"));
+  // hidden_states (static buffers: CUDA graphs, serving engines). Returns
+  // nothing: AOTAutograd (torch.compile) refuses custom ops whose outputs
+  // alias an input, and a mutated argument with no return is the form it
+  // functionalizes.
+  m.def(schema("moe_forward.out(" + kRouted + kLayer + ", *, Tensor(a!) out) -> ()"));
 
   // moe_forward for training: the same output plus the gate and up
   // pre-activations (LoRA terms included), fp32 [T*K, I], row t*K + k for
