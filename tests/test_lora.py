@@ -647,9 +647,9 @@ def test_lora_dtype(call, name, dtype):
 
 
 def test_mixed_lora_dtypes(call):
-    # (The message used to name gate_lora_a and down_lora_b; the redesigned C++ check
-    # names the two dtypes.)
-    with pytest.raises(RuntimeError, match="one dtype, got Float and BFloat16"):
+    with pytest.raises(
+        RuntimeError, match="one dtype, but gate_lora_a is Float and down_lora_b is BFloat16"
+    ):
         call(down_lora_b=call.valid["down_lora_b"].bfloat16())
 
 
