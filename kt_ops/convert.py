@@ -171,7 +171,7 @@ def _check_layer_desc(where: Any, prefix: str, shape: Any, projections: Any) -> 
         f = f"{prefix}projections.{role}"
         if not isinstance(p, dict):
             raise _bad(where, f, p, "an object with format, group_size, n, k, tensors")
-        if p.get("format") not in FORMATS:
+        if not isinstance(p.get("format"), str) or p["format"] not in FORMATS:
             raise _bad(where, f"{f}.format", p.get("format"), f"one of {', '.join(FORMATS)}")
         gs = p.get("group_size")
         if not _is_int(gs) or gs not in format_spec(p["format"]).group_sizes:
@@ -187,6 +187,7 @@ def _check_layer_desc(where: Any, prefix: str, shape: Any, projections: Any) -> 
         names = p.get("tensors")
         if (
             not isinstance(names, list)
+            or not all(isinstance(n, str) for n in names)
             or "weight" not in names
             or not set(names) <= {"weight", "scales", "zeros"}
             or len(set(names)) != len(names)
@@ -560,6 +561,13 @@ def _load_entry(out: Path, manifest: dict, layer: int, verify: bool) -> dict[str
         raise FileNotFoundError(
             f"{path} (layer {layer}) is missing from the converted directory; rerun kt-ops "
             "convert into it to rewrite the layer"
+        )
+    size = path.stat().st_size
+    if not verify and size != entry["bytes"]:  # the cheap check; the sha256 covers it
+        raise ValueError(
+            f"{path} (layer {layer}) has {size} bytes, the manifest records {entry['bytes']}: "
+            "the file is truncated or altered; rerun kt-ops convert into the directory to "
+            "rewrite it"
         )
     if verify:
         digest = sha256_file(path)
