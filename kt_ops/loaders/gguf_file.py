@@ -139,7 +139,8 @@ class GGUFCheckpoint:
         self.native_format = GGUF_NATIVE_FORMATS.get(gate_type, "bf16")
 
     def _check_tensor_offsets(self) -> None:
-        """Every tensor's data must lie inside the data section, aligned, and not overlap another.
+        """Every tensor's data must lie inside the data section, aligned, not overlap
+        another, and follow the previous tensor's (padded) data, as llama.cpp requires.
 
         ``gguf.GGUFReader`` takes the offsets of the tensor infos as they are; an
         edited offset would otherwise read shifted bytes (of the padding or of
@@ -164,13 +165,30 @@ class GGUFCheckpoint:
                     f"of the file's alignment {align} (corrupt tensor info?)"
                 )
             spans.append((off, end, t.name))
-        spans.sort()
-        for (a0, a1, a), (b0, _b1, b) in zip(spans, spans[1:]):
+        for (a0, a1, a), (b0, _b1, b) in zip(sorted(spans), sorted(spans)[1:]):
             if b0 < a1:
                 raise ValueError(
                     f"{self.path}: the data of tensors {a} (bytes {a0}..{a1}) and {b} (from "
                     f"{b0}) overlap (corrupt tensor info?)"
                 )
+        # As llama.cpp's gguf_init_from_file: the data follow each other in
+        # tensor-info order, each padded to the alignment. This also catches an
+        # edited type or dims that changes a tensor's size (a gap would remain).
+        expect = 0
+        for off, end, name in spans:
+            if off - start != expect:
+                raise ValueError(
+                    f"{self.path}: tensor {name} has data offset {off - start}, expected "
+                    f"{expect} (the tensors' data must follow each other in tensor-info order; "
+                    "corrupt tensor info?)"
+                )
+            expect += -(-(end - off) // align) * align
+        if spans and size > start + expect:
+            raise ValueError(
+                f"{self.path}: {size - start - expect} bytes after the last tensor's data (the "
+                f"tensors end at {start + expect}, the file at {size}); an edited tensor type or "
+                "dims, or a corrupt file"
+            )
 
     def _check_layer_tensors(self, layer: int) -> tuple[int, int, int]:
         ts = self._layers[layer]
