@@ -21,10 +21,27 @@ reads SRC, a Hugging Face model directory (bf16/fp16/fp32, fp8, MXFP4: see
 file, flushed, then renamed into place; the manifest is rewritten the same way
 (temporary file + ``os.replace``) after every layer (it first appears with the
 first finished layer). A rerun into the same OUT
-skips every layer whose file is listed in the manifest and whose sha256 still
-matches (it does not touch those files), and redoes the others. A manifest
+skips every layer whose file is listed in the manifest, whose sha256 still
+matches and whose own metadata agrees with its entry (it does not touch those
+files), and redoes the others. A manifest
 with another format, group size, symmetry, source path or kind, or kt_ops
-version is refused (ValueError), as is a non-empty OUT without a manifest.
+version is refused (ValueError), as is a non-empty OUT without a manifest,
+unless everything in it is the converter's own: temporary files and layer
+files whose ``kt_ops`` metadata names the layer of their file name (left by a
+run killed between renaming its first layer into place and writing the first
+manifest). Those are rewritten (or removed when their layer is not asked for),
+so a run killed at any point resumes.
+
+**Integrity.** :func:`read_manifest` checks the type and value of every
+manifest field and the consistency of each entry (``file`` must be
+``layer_{L:03d}.safetensors``, ``n``/``k`` must follow from ``shape``);
+anything else is a ValueError naming ``manifest.json`` and the field. The
+layer file's own metadata (``kt_ops``: ``layer``, ``shape``, ``projections``;
+covered by the file's sha256) is the source of truth when loading: its layer
+index must be the one asked for, and the manifest entry's ``shape`` and
+``projections`` must equal it, so an edited manifest (``n``/``k``, swapped
+``file``/``sha256`` pairs) is refused, never loaded. Files without that
+metadata are refused; every version of the converter wrote it.
 
 **Memory.** One layer's packed weights plus one chunk of dense experts (see
 :mod:`kt_ops.loaders`); never the whole model.
@@ -32,8 +49,9 @@ version is refused (ValueError), as is a non-empty OUT without a manifest.
 **Reading back.** :func:`load_converted` and :class:`ConvertedExperts` verify
 each file's sha256 against the manifest before loading it and raise a
 FileNotFoundError / ValueError naming the file when it is missing, truncated,
-altered or not valid safetensors. The tensors are bit-identical to
-``open_checkpoint(SRC).load_layer(L, ...)`` with the same arguments.
+altered, not valid safetensors, or does not match its manifest entry. The
+tensors are bit-identical to ``open_checkpoint(SRC).load_layer(L, ...)`` with
+the same arguments.
 """
 
 from __future__ import annotations
