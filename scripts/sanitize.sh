@@ -103,12 +103,12 @@ run_asan() {
     export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:log_path=$DIR/reports/ubsan"
     export PYTHONPATH="$DIR/pkg${PYTHONPATH:+:$PYTHONPATH}"
     export HF_HUB_OFFLINE=1
-    # No checkout directory ahead of PYTHONPATH (python -m / -c would put the
-    # working directory first and import the checkout's kt_ops).
-    export PYTHONSAFEPATH=1
-    "$PYTHON" -c 'import kt_ops, sys; sys.exit(0 if kt_ops.__file__.startswith(sys.argv[1]) else 1)' "$DIR/pkg" ||
+    # -P: no checkout directory ahead of PYTHONPATH (python -m / -c would put
+    # the working directory first and import the checkout's kt_ops). Not the
+    # PYTHONSAFEPATH variable: the tests' subprocesses need their own cwd.
+    "$PYTHON" -P -c 'import kt_ops, sys; sys.exit(0 if kt_ops.__file__.startswith(sys.argv[1]) else 1)' "$DIR/pkg" ||
       { echo "kt_ops is not imported from $DIR/pkg"; exit 3; }
-    "$PYTHON" -m pytest -q -p no:cacheprovider "${tests[@]}" "${pytest_args[@]}"
+    "$PYTHON" -P -m pytest -q -p no:cacheprovider "${tests[@]}" "${pytest_args[@]}"
   ) || rc=$?
   local reports
   reports="$(find "$DIR/reports" -type f | wc -l)"
