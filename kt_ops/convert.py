@@ -258,7 +258,7 @@ def _validate_manifest(path: Path, m: dict) -> None:
     if not isinstance(layers, dict):
         raise _bad(path, "layers", layers, 'an object {"L": entry}')
     for key, entry in layers.items():
-        if not (isinstance(key, str) and key.isdigit() and key == str(int(key))):
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and key == str(int(key))):
             raise _bad(path, "layers", key, "layer indices as keys ('0', '1', ...)")
         L = int(key)
         f = f"layers.{key}"
