@@ -21,10 +21,27 @@ reads SRC, a Hugging Face model directory (bf16/fp16/fp32, fp8, MXFP4: see
 file, flushed, then renamed into place; the manifest is rewritten the same way
 (temporary file + ``os.replace``) after every layer (it first appears with the
 first finished layer). A rerun into the same OUT
-skips every layer whose file is listed in the manifest and whose sha256 still
-matches (it does not touch those files), and redoes the others. A manifest
+skips every layer whose file is listed in the manifest, whose sha256 still
+matches and whose own metadata agrees with its entry (it does not touch those
+files), and redoes the others. A manifest
 with another format, group size, symmetry, source path or kind, or kt_ops
-version is refused (ValueError), as is a non-empty OUT without a manifest.
+version is refused (ValueError), as is a non-empty OUT without a manifest,
+unless everything in it is the converter's own: temporary files and layer
+files whose ``kt_ops`` metadata names the layer of their file name (left by a
+run killed between renaming its first layer into place and writing the first
+manifest). Those are rewritten (or removed when their layer is not asked for),
+so a run killed at any point resumes.
+
+**Integrity.** :func:`read_manifest` checks the type and value of every
+manifest field and the consistency of each entry (``file`` must be
+``layer_{L:03d}.safetensors``, ``n``/``k`` must follow from ``shape``);
+anything else is a ValueError naming ``manifest.json`` and the field. The
+layer file's own metadata (``kt_ops``: ``layer``, ``shape``, ``projections``;
+covered by the file's sha256) is the source of truth when loading: its layer
+index must be the one asked for, and the manifest entry's ``shape`` and
+``projections`` must equal it, so an edited manifest (``n``/``k``, swapped
+``file``/``sha256`` pairs) is refused, never loaded. Files without that
+metadata are refused; every version of the converter wrote it.
 
 **Memory.** One layer's packed weights plus one chunk of dense experts (see
 :mod:`kt_ops.loaders`); never the whole model.
@@ -32,8 +49,9 @@ version is refused (ValueError), as is a non-empty OUT without a manifest.
 **Reading back.** :func:`load_converted` and :class:`ConvertedExperts` verify
 each file's sha256 against the manifest before loading it and raise a
 FileNotFoundError / ValueError naming the file when it is missing, truncated,
-altered or not valid safetensors. The tensors are bit-identical to
-``open_checkpoint(SRC).load_layer(L, ...)`` with the same arguments.
+altered, not valid safetensors, or does not match its manifest entry. The
+tensors are bit-identical to ``open_checkpoint(SRC).load_layer(L, ...)`` with
+the same arguments.
 """
 
 from __future__ import annotations
@@ -43,6 +61,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -119,24 +138,151 @@ def _atomic_write_bytes(path: Path, data: bytes) -> None:
 def read_manifest(out_dir: _PathLike) -> dict:
     """The parsed ``manifest.json`` of a converted directory.
 
-    Raises FileNotFoundError when it is absent and ValueError when it is not a
-    JSON object with ``manifest_version``, ``format`` and ``layers``.
+    Raises FileNotFoundError when it is absent and ValueError (naming the file
+    and the field) when it is not JSON, lacks a field, or has a field of the
+    wrong type or value (see :func:`_validate_manifest`).
     """
     path = Path(out_dir) / MANIFEST_NAME
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist: {out_dir} is not a converted directory")
     try:
         m = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise ValueError(f"{path}: cannot read it as JSON ({e})") from e
     if not isinstance(m, dict) or not all(k in m for k in ("manifest_version", "format", "layers")):
         raise ValueError(f"{path}: not a kt_ops manifest (needs manifest_version, format, layers)")
-    if m["manifest_version"] != MANIFEST_VERSION:
+    if m["manifest_version"] != MANIFEST_VERSION or isinstance(m["manifest_version"], bool):
         raise ValueError(
             f"{path}: manifest_version {m['manifest_version']!r}; this kt_ops reads "
             f"{MANIFEST_VERSION}"
         )
+    _validate_manifest(path, m)
     return m
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _bad(where: Any, field: str, value: Any, expected: str) -> ValueError:
+    text = repr(value)
+    if len(text) > 80:
+        text = text[:77] + "..."
+    return ValueError(f"{where}: field {field!r} is {text}; expected {expected}")
+
+
+def _check_layer_desc(where: Any, prefix: str, shape: Any, projections: Any) -> None:
+    """Check ``shape`` ``[E, I, H]`` and ``projections`` of one layer, and that they agree.
+
+    Used for the manifest's entries and for each layer file's own metadata.
+    """
+    if not (
+        isinstance(shape, list) and len(shape) == 3 and all(_is_int(v) and v > 0 for v in shape)
+    ):
+        raise _bad(where, f"{prefix}shape", shape, "[E, I, H], three positive ints")
+    E, inter, hidden = shape
+    if not isinstance(projections, dict) or sorted(projections) != sorted(PROJECTIONS):
+        raise _bad(where, f"{prefix}projections", projections, "an object with gate, up, down")
+    nk = {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
+    for role in PROJECTIONS:
+        p = projections[role]
+        f = f"{prefix}projections.{role}"
+        if not isinstance(p, dict):
+            raise _bad(where, f, p, "an object with format, group_size, n, k, tensors")
+        if not isinstance(p.get("format"), str) or p["format"] not in FORMATS:
+            raise _bad(where, f"{f}.format", p.get("format"), f"one of {', '.join(FORMATS)}")
+        gs = p.get("group_size")
+        if not _is_int(gs) or gs not in format_spec(p["format"]).group_sizes:
+            raise _bad(
+                where,
+                f"{f}.group_size",
+                gs,
+                f"one of {format_spec(p['format']).group_sizes} for {p['format']}",
+            )
+        for dim, want in zip(("n", "k"), nk[role]):
+            if not _is_int(p.get(dim)) or p.get(dim) != want:
+                raise _bad(where, f"{f}.{dim}", p.get(dim), f"{want} (from {prefix}shape {shape})")
+        names = p.get("tensors")
+        if (
+            not isinstance(names, list)
+            or not all(isinstance(n, str) for n in names)
+            or "weight" not in names
+            or not set(names) <= {"weight", "scales", "zeros"}
+            or len(set(names)) != len(names)
+        ):
+            raise _bad(
+                where, f"{f}.tensors", names, "a list of weight and optionally scales, zeros"
+            )
+        extra = set(p) - {"format", "group_size", "n", "k", "tensors"}
+        if extra:
+            raise _bad(where, f"{f}", sorted(extra), "no other keys")
+
+
+def _validate_manifest(path: Path, m: dict) -> None:
+    """Raise ValueError naming ``path`` and the field unless ``m`` is a well-formed manifest.
+
+    Checks every field's type and the consistency of each layer entry (file
+    name, checksum, shape against the projections' ``n``/``k``). Whether an
+    entry matches its file is checked when the file is loaded
+    (:func:`_load_entry`): the layer file's own metadata, covered by its
+    sha256, is the source of truth.
+    """
+    if not isinstance(m["format"], str) or (m["format"] != "native" and m["format"] not in FORMATS):
+        raise _bad(path, "format", m["format"], f"'native' or one of {', '.join(FORMATS)}")
+    if not isinstance(m.get("kt_ops_version"), str):
+        raise _bad(path, "kt_ops_version", m.get("kt_ops_version"), "a version string")
+    gs = m.get("group_size")
+    if gs is not None and (not _is_int(gs) or gs < 0):
+        raise _bad(path, "group_size", gs, "a non-negative int or null")
+    if not isinstance(m.get("symmetric"), bool):
+        raise _bad(path, "symmetric", m.get("symmetric"), "true or false")
+    src = m.get("source")
+    if not isinstance(src, dict):
+        raise _bad(path, "source", src, "an object with path, kind, dtype")
+    for key in ("path", "kind"):
+        if not isinstance(src.get(key), str):
+            raise _bad(path, f"source.{key}", src.get(key), "a string")
+    if src.get("dtype") is not None and not isinstance(src.get("dtype"), str):
+        raise _bad(path, "source.dtype", src.get("dtype"), "a string or null")
+    num_layers = m.get("num_layers")
+    if not _is_int(num_layers) or num_layers < 0:
+        raise _bad(path, "num_layers", num_layers, "a non-negative int")
+    moe = m.get("moe_layers")
+    if (
+        not isinstance(moe, list)
+        or not all(_is_int(v) and v >= 0 for v in moe)
+        or moe != sorted(set(moe))
+    ):
+        raise _bad(path, "moe_layers", moe, "a sorted list of distinct layer indices")
+    layers = m["layers"]
+    if not isinstance(layers, dict):
+        raise _bad(path, "layers", layers, 'an object {"L": entry}')
+    for key, entry in layers.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and key == str(int(key))):
+            raise _bad(path, "layers", key, "layer indices as keys ('0', '1', ...)")
+        L = int(key)
+        f = f"layers.{key}"
+        if L not in moe:
+            raise _bad(path, f, L, f"a layer of moe_layers {moe}")
+        if not isinstance(entry, dict):
+            raise _bad(path, f, entry, "an object with file, sha256, bytes, shape, projections")
+        if entry.get("file") != layer_file_name(L):
+            raise _bad(path, f"{f}.file", entry.get("file"), repr(layer_file_name(L)))
+        digest = entry.get("sha256")
+        if not (
+            isinstance(digest, str)
+            and len(digest) == 64
+            and all(c in "0123456789abcdef" for c in digest)
+        ):
+            raise _bad(path, f"{f}.sha256", digest, "64 lower-case hex digits")
+        if not _is_int(entry.get("bytes")) or entry["bytes"] < 0:
+            raise _bad(path, f"{f}.bytes", entry.get("bytes"), "a non-negative int")
+        _check_layer_desc(path, f"{f}.", entry.get("shape"), entry.get("projections"))
+        if m["format"] != "native":
+            for role in PROJECTIONS:
+                fmt = entry["projections"][role]["format"]
+                if fmt != m["format"]:
+                    raise _bad(path, f"{f}.projections.{role}.format", fmt, repr(m["format"]))
 
 
 def _write_manifest(out_dir: Path, manifest: dict) -> None:
@@ -171,12 +317,83 @@ def _write_layer_file(path: Path, packed: dict[str, PackedProjection], meta: dic
         os.fsync(f.fileno())
 
 
-def _layer_ok(out_dir: Path, entry: Any) -> bool:
-    """Whether a manifest entry's file exists and still has the recorded sha256."""
+_LAYER_FILE_RE = re.compile(r"^layer_(\d{3,})\.safetensors$")
+
+
+def _layer_of_name(name: str) -> Optional[int]:
+    m = _LAYER_FILE_RE.match(name)
+    return int(m[1]) if m and layer_file_name(int(m[1])) == name else None
+
+
+def _own_orphan(path: Path) -> bool:
+    """Whether ``path`` is a layer file of this converter (name and ``kt_ops`` metadata agree)."""
+    layer = _layer_of_name(path.name)
+    if layer is None or not path.is_file():
+        return False
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return _file_meta(path, f)["layer"] == layer
+    except Exception:
+        return False
+
+
+def _layer_ok(out_dir: Path, layer: int, entry: Any) -> bool:
+    """Whether a manifest entry's file exists, has the recorded sha256 and agrees with it."""
     if not isinstance(entry, dict) or "file" not in entry or "sha256" not in entry:
         return False
     path = out_dir / entry["file"]
-    return path.is_file() and sha256_file(path) == entry["sha256"]
+    if not (path.is_file() and sha256_file(path) == entry["sha256"]):
+        return False
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = _file_meta(path, f)
+            keys = set(f.keys())
+        _check_file_agrees(path, layer, entry, meta, keys)
+    except Exception:
+        return False
+    return True
+
+
+def _file_meta(path: Path, f: Any) -> dict:
+    """The ``kt_ops`` metadata of an open layer file, checked (ValueError naming the file)."""
+    raw = (f.metadata() or {}).get("kt_ops")
+    if raw is None:
+        raise ValueError(
+            f"{path}: has no 'kt_ops' metadata (layer, shape, projections); it was not written "
+            "by kt-ops convert"
+        )
+    try:
+        meta = json.loads(raw)
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise ValueError(f"{path}: its 'kt_ops' metadata is not JSON ({e})") from e
+    if not isinstance(meta, dict):
+        raise _bad(path, "kt_ops metadata", meta, "an object with layer, shape, projections")
+    if not _is_int(meta.get("layer")) or meta["layer"] < 0:
+        raise _bad(path, "kt_ops metadata layer", meta.get("layer"), "a layer index")
+    _check_layer_desc(path, "kt_ops metadata ", meta.get("shape"), meta.get("projections"))
+    return meta
+
+
+def _check_file_agrees(path: Path, layer: int, entry: dict, meta: dict, keys: set) -> None:
+    """The layer file's own metadata (covered by its sha256) must match the manifest entry."""
+    if meta["layer"] != layer:
+        raise ValueError(
+            f"{path}: holds MoE layer {meta['layer']} (its own metadata) but the manifest lists "
+            f"it for layer {layer}; the manifest does not match the files"
+        )
+    for field in ("shape", "projections"):
+        if meta[field] != entry.get(field):
+            raise ValueError(
+                f"{path} (layer {layer}): the manifest's {field} {entry.get(field)!r} differs "
+                f"from the file's own {meta[field]!r}; the manifest was edited or does not "
+                "belong to these files"
+            )
+    want = {f"{r}.{n}" for r in PROJECTIONS for n in meta["projections"][r]["tensors"]}
+    if keys != want:
+        raise ValueError(
+            f"{path} (layer {layer}): holds tensors {sorted(keys)}; its metadata lists "
+            f"{sorted(want)}"
+        )
 
 
 def _check_compatible(out_dir: Path, m: dict, want: dict) -> None:
@@ -272,12 +489,21 @@ def convert(
         manifest = read_manifest(out)
         _check_compatible(out, manifest, want)
     else:
-        others = [p.name for p in out.iterdir() if not p.name.endswith(_TMP_SUFFIX)]
+        others = [
+            p.name for p in out.iterdir() if not p.name.endswith(_TMP_SUFFIX) and not _own_orphan(p)
+        ]
         if others:
             raise ValueError(
                 f"output directory {out} is not empty ({', '.join(sorted(others)[:5])}) and has "
                 f"no {MANIFEST_NAME}; refusing to write into it"
             )
+        # Layer files without a manifest were left by a run killed between
+        # renaming its first layer into place and writing the manifest: they
+        # are not trusted (no manifest records their arguments) and are
+        # rewritten, or removed if not asked for now.
+        for p in out.iterdir():
+            if _own_orphan(p) and _layer_of_name(p.name) not in todo:
+                p.unlink()
         manifest = want  # written once the first layer is done
     check = getattr(source, "check_weight_format", None)
     if check is not None:  # fail before any work, e.g. a GGUF Q6_K tensor asked as q4_k
@@ -296,7 +522,7 @@ def convert(
     try:
         for L in todo:
             entry = manifest["layers"].get(str(L))
-            if entry is not None and _layer_ok(out, entry):
+            if entry is not None and _layer_ok(out, L, entry):
                 bar.update(1)
                 continue
             if entry is not None:
@@ -334,59 +560,68 @@ def convert(
 
 
 def _load_entry(out: Path, manifest: dict, layer: int, verify: bool) -> dict[str, PackedProjection]:
+    """Load one layer; the manifest entry must agree with the file's own metadata.
+
+    The manifest was checked by :func:`read_manifest`. The sha256 (with
+    ``verify``) covers the file, whose metadata records its layer index, shape
+    and projections: those decide what is loaded, and any manifest field that
+    differs is an error. So an edited manifest (``n``/``k``, swapped files and
+    checksums) cannot change what is computed.
+    """
     entry = manifest["layers"].get(str(layer))
     if entry is None:
         have = sorted(int(k) for k in manifest["layers"])
         raise ValueError(
             f"{out / MANIFEST_NAME}: layer {layer} was not converted; converted layers: {have}"
         )
-    try:
-        path = out / entry["file"]
-        projections = entry["projections"]
-    except (KeyError, TypeError) as e:
-        raise ValueError(f"{out / MANIFEST_NAME}: malformed entry for layer {layer}") from e
+    path = out / entry["file"]
     if not path.is_file():
         raise FileNotFoundError(
             f"{path} (layer {layer}) is missing from the converted directory; rerun kt-ops "
             "convert into it to rewrite the layer"
         )
+    size = path.stat().st_size
+    if not verify and size != entry["bytes"]:  # the cheap check; the sha256 covers it
+        raise ValueError(
+            f"{path} (layer {layer}) has {size} bytes, the manifest records {entry['bytes']}: "
+            "the file is truncated or altered; rerun kt-ops convert into the directory to "
+            "rewrite it"
+        )
     if verify:
         digest = sha256_file(path)
-        if digest != entry.get("sha256"):
+        if digest != entry["sha256"]:
             raise ValueError(
                 f"{path} (layer {layer}) does not match the manifest (sha256 {digest}, expected "
-                f"{entry.get('sha256')}): the file is truncated or altered; rerun kt-ops convert "
+                f"{entry['sha256']}): the file is truncated or altered; rerun kt-ops convert "
                 "into the directory to rewrite it"
             )
     try:
         with safe_open(str(path), framework="pt") as f:
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
+            keys = set(f.keys())
+            meta = _file_meta(path, f)
+            tensors = {k: f.get_tensor(k) for k in keys}
+    except ValueError:
+        raise
     except Exception as e:
         raise ValueError(f"{path} (layer {layer}): not a valid safetensors file: {e}") from e
+    _check_file_agrees(path, layer, entry, meta, keys)
+    E = meta["shape"][0]
     out_dict = {}
     for role in PROJECTIONS:
+        pm = meta["projections"][role]
+        ts = {n: tensors[f"{role}.{n}"] for n in pm["tensors"]}
         try:
-            meta = projections[role]
-            names = meta["tensors"]
-            if "weight" not in names:
-                raise KeyError("weight")
-            ts = {n: tensors[f"{role}.{n}"] for n in names}
             p = PackedProjection(
                 weight=ts["weight"],
                 scales=ts.get("scales"),
                 zeros=ts.get("zeros"),
-                weight_format=meta["format"],
-                group_size=meta["group_size"],
-                n=meta["n"],
-                k=meta["k"],
-            )
-        except (KeyError, TypeError) as e:
-            raise ValueError(
-                f"{path} (layer {layer}): tensor or manifest field {e} of projection {role!r} "
-                "is missing"
-            ) from e
-        try:
-            p.validate()
+                weight_format=pm["format"],
+                group_size=pm["group_size"],
+                n=pm["n"],
+                k=pm["k"],
+            ).validate()
+            if p.weight.dim() < 1 or p.weight.shape[0] != E:
+                raise ValueError(f"{E} experts in the metadata, {p.weight.shape[0]} in the weight")
         except Exception as e:
             raise ValueError(f"{path} (layer {layer}) {role}: invalid packed tensors: {e}") from e
         out_dict[role] = p

@@ -18,9 +18,22 @@ from kt_ops import _C
 def set_num_threads(n: int) -> None:
     """Resize the kt_ops thread pool to ``n`` threads (the caller included).
 
-    Raises ``ValueError`` when ``n < 1``. Results are bit-identical for any ``n``.
+    ``n`` is capped at 4 x the physical cores (at least 64): more threads only
+    oversubscribe the cores. Results are bit-identical for any ``n``.
+
+    Raises:
+        ValueError: ``n`` is not in ``[1, cap]`` (the message gives the cap).
+        RuntimeError: the OS refused a worker thread (e.g. a pids limit); the
+            pool then keeps its previous size (or one thread), which
+            :func:`get_num_threads` reports.
     """
-    _C.set_num_threads(int(n))
+    n = int(n)
+    if not -(2**63) <= n < 2**63:  # the extension checks [1, cap] and names the cap
+        raise ValueError(
+            f"kt_ops.set_num_threads: n must be in [1, 4 x the physical cores (at least 64)], "
+            f"got {n}"
+        )
+    _C.set_num_threads(n)
 
 
 def get_num_threads() -> int:

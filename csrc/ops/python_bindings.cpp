@@ -124,11 +124,16 @@ PYBIND11_MODULE(_C, m) {
       PyErr_SetString(PyExc_ValueError, e.what());
     }
   });
-  m.def("set_num_threads", [](int n) {
-    if (n < 1)
-      throw std::invalid_argument("kt_ops.set_num_threads: n must be >= 1, got " +
-                                  std::to_string(n));
-    kt::runtime::ThreadPool::set_global_num_threads(n);
+  m.def("set_num_threads", [](int64_t n) {
+    // int64_t so that a huge n gets the range message, not a pybind TypeError.
+    const int cap = kt::runtime::ThreadPool::max_threads();
+    if (n < 1 || n > cap)
+      throw std::invalid_argument("kt_ops.set_num_threads: n must be in [1, " +
+                                  std::to_string(cap) + "], got " + std::to_string(n) + " (" +
+                                  std::to_string(kt::runtime::ThreadPool::kMaxThreadsPerCore) +
+                                  " x the physical cores, at least " +
+                                  std::to_string(kt::runtime::ThreadPool::kMinMaxThreads) + ")");
+    kt::runtime::ThreadPool::set_global_num_threads(static_cast<int>(n));
   });
   m.def("get_num_threads", [] { return kt::runtime::ThreadPool::global().num_threads(); });
   m.def("workers_bound", [] { return kt::runtime::ThreadPool::global().workers_bound(); });

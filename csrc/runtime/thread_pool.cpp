@@ -8,6 +8,7 @@
 #include <new>
 #include <stdexcept>
 #include <string>
+#include <system_error>
 
 #include "runtime/topology.h"
 
@@ -36,13 +37,29 @@ int default_num_threads() {
   if (const char* env = std::getenv("KT_OPS_NUM_THREADS"); env != nullptr && env[0] != '\0') {
     char* end = nullptr;
     const long n = std::strtol(env, &end, 10);
-    if (end == env || *end != '\0' || n < 1 || n > 4096) {
+    const int cap = ThreadPool::max_threads();
+    if (end == env || *end != '\0' || n < 1 || n > cap) {
       throw std::invalid_argument(std::string("KT_OPS_NUM_THREADS='") + env +
-                                  "' must be a positive integer (threads, the caller included)");
+                                  "' must be an integer in [1, " + std::to_string(cap) +
+                                  "] (threads, the caller included; the cap is " +
+                                  std::to_string(ThreadPool::kMaxThreadsPerCore) +
+                                  " x the physical cores, at least " +
+                                  std::to_string(ThreadPool::kMinMaxThreads) + ")");
     }
     return static_cast<int>(n);
   }
   return static_cast<int>(topology().cores.size());
+}
+
+void check_thread_count(int n) {
+  const int cap = ThreadPool::max_threads();
+  if (n < 1 || n > cap) {
+    throw std::invalid_argument(
+        "kt_ops.set_num_threads: n must be in [1, " + std::to_string(cap) + "], got " +
+        std::to_string(n) + " (the cap is " + std::to_string(ThreadPool::kMaxThreadsPerCore) +
+        " x the " + std::to_string(topology().cores.size()) + " physical cores, at least " +
+        std::to_string(ThreadPool::kMinMaxThreads) + ")");
+  }
 }
 
 int g_threads_before_fork = 0;
@@ -80,7 +97,13 @@ ThreadPool& ThreadPool::global() {
   return *g_pool;
 }
 
+int ThreadPool::max_threads() {
+  const int cores = static_cast<int>(topology().cores.size());
+  return std::max(kMinMaxThreads, kMaxThreadsPerCore * std::max(cores, 1));
+}
+
 void ThreadPool::set_global_num_threads(int n) {
+  check_thread_count(n);
   {
     std::lock_guard<std::mutex> lock(g_pool_mutex);
     if (g_pool == nullptr) {  // never read $KT_OPS_NUM_THREADS: the caller decided
@@ -94,16 +117,39 @@ void ThreadPool::set_global_num_threads(int n) {
 }
 
 ThreadPool::ThreadPool(int num_threads) : num_threads_(num_threads < 1 ? 1 : num_threads) {
-  start_workers();
+  try {
+    start_workers();
+  } catch (const std::runtime_error& e) {
+    throw std::runtime_error("kt_ops thread pool of " + std::to_string(num_threads) +
+                             " threads: " + e.what());
+  }
 }
 
 ThreadPool::~ThreadPool() { stop_workers(); }
 
 void ThreadPool::set_num_threads(int n) {
   std::lock_guard<std::mutex> run_lock(run_mutex_);
+  const int previous = num_threads_.load();
   stop_workers();
   num_threads_ = n < 1 ? 1 : n;
-  start_workers();
+  try {
+    start_workers();
+  } catch (const std::runtime_error& e) {
+    // start_workers() left no workers: go back to the previous size, which
+    // worked before (or to one thread, which needs none), then report.
+    num_threads_ = previous;
+    int now = previous;
+    try {
+      start_workers();
+    } catch (const std::runtime_error&) {
+      num_threads_ = 1;
+      num_workers_.store(0);
+      now = 1;
+    }
+    throw std::runtime_error(std::string("kt_ops.set_num_threads(") + std::to_string(n) +
+                             "): " + e.what() + "; the pool keeps " + std::to_string(now) +
+                             " thread(s)");
+  }
 }
 
 void ThreadPool::start_workers() {
@@ -116,16 +162,27 @@ void ThreadPool::start_workers() {
   // would take the stop_workers() bump for a job and decrement busy_workers_
   // for a job it never joined, leaving a later run() waiting forever.
   const uint64_t start_generation = generation_.load();
-  for (int i = 1; i < num_threads_; ++i) {
-    workers_.emplace_back([this, i, num_cores, &topo, start_generation] {
-      // Worker i takes core i: the caller, usually on core 0, keeps its own.
-      if (bind_current_thread(topo.cores[i % num_cores])) bound_workers_.fetch_add(1);
-      started_workers_.fetch_add(1);
-      worker_loop(i, start_generation);
-    });
+  const int want = num_threads_.load() - 1;
+  try {
+    workers_.reserve(static_cast<size_t>(want));
+    for (int i = 1; i <= want; ++i) {
+      workers_.emplace_back([this, i, num_cores, &topo, start_generation] {
+        // Worker i takes core i: the caller, usually on core 0, keeps its own.
+        if (bind_current_thread(topo.cores[i % num_cores])) bound_workers_.fetch_add(1);
+        started_workers_.fetch_add(1);
+        worker_loop(i, start_generation);
+      });
+    }
+  } catch (const std::exception& e) {  // std::system_error (EAGAIN), std::bad_alloc
+    const int started = static_cast<int>(workers_.size());
+    stop_workers();  // joins the workers that did start: none is left running
+    throw std::runtime_error("could start only " + std::to_string(started) + " of " +
+                             std::to_string(want) + " worker threads (" + e.what() +
+                             "; a limit on threads or processes?)");
   }
-  while (started_workers_.load() < num_threads_ - 1) std::this_thread::yield();
-  workers_bound_ = num_threads_ > 1 && bound_workers_.load() == num_threads_ - 1;
+  while (started_workers_.load() < want) std::this_thread::yield();
+  workers_bound_ = want > 0 && bound_workers_.load() == want;
+  num_workers_.store(want, std::memory_order_release);
 }
 
 void ThreadPool::stop_workers() {
@@ -137,6 +194,7 @@ void ThreadPool::stop_workers() {
   work_cv_.notify_all();
   for (auto& t : workers_) t.join();
   workers_.clear();
+  num_workers_.store(0, std::memory_order_release);
 }
 
 void ThreadPool::do_tasks(int thread_index) {
@@ -188,11 +246,21 @@ void ThreadPool::prewake() {
 
 void ThreadPool::run(int64_t num_tasks, const TaskFn& fn) {
   if (num_tasks <= 0) return;
-  if (num_tasks == 1 || workers_.empty() || t_inside_pool_task) {
+  const auto run_inline = [&] {
     for (int64_t t = 0; t < num_tasks; ++t) fn(t, 0);
+  };
+  // workers_ is only read under run_mutex_: set_num_threads() rebuilds it under
+  // that lock. The atomic count lets a pool without workers skip the lock.
+  if (num_tasks == 1 || t_inside_pool_task || num_workers_.load(std::memory_order_acquire) == 0) {
+    run_inline();
     return;
   }
-  std::lock_guard<std::mutex> run_lock(run_mutex_);
+  std::unique_lock<std::mutex> run_lock(run_mutex_);
+  if (workers_.empty()) {  // resized to one thread since the check above
+    run_lock.unlock();
+    run_inline();
+    return;
+  }
   {
     std::lock_guard<std::mutex> lock(mutex_);
     job_ = &fn;

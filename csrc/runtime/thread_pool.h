@@ -30,8 +30,17 @@ class ThreadPool {
   // $KT_OPS_NUM_THREADS or set_num_threads() says otherwise.
   // Throws std::invalid_argument for a malformed $KT_OPS_NUM_THREADS.
   static ThreadPool& global();
-  // Sizes the global pool to n threads, creating it if needed.
+  // Sizes the global pool to n threads, creating it if needed. Throws
+  // std::invalid_argument when n is outside [1, max_threads()] and
+  // std::runtime_error when the OS refuses a worker thread (the pool then keeps
+  // its previous size, or one thread).
   static void set_global_num_threads(int n);
+  // The largest pool: kMaxThreadsPerCore x the physical cores (hwloc), at least
+  // kMinMaxThreads. More threads than that only oversubscribe the cores; a huge
+  // count exhausts the OS's threads and makes every op call crawl.
+  static int max_threads();
+  static constexpr int kMaxThreadsPerCore = 4;
+  static constexpr int kMinMaxThreads = 64;
 
   explicit ThreadPool(int num_threads);
   ~ThreadPool();
@@ -40,10 +49,12 @@ class ThreadPool {
 
   int num_threads() const { return num_threads_.load(); }
   // Joins the current workers and starts n-1 new ones. Not to be called
-  // while a job runs (it waits for it).
+  // while a job runs (it waits for it). When a thread cannot be created the
+  // pool goes back to its previous size (or to one thread if even that fails)
+  // and std::runtime_error is thrown: num_threads() always matches the workers.
   void set_num_threads(int n);
   // Whether worker threads could be bound to cores (false for synthetic topologies).
-  bool workers_bound() const { return workers_bound_; }
+  bool workers_bound() const { return workers_bound_.load(); }
 
   // Runs fn for every task in [0, num_tasks) and returns when all are done.
   // Exceptions thrown by fn are rethrown here (the first one). Calls from
@@ -65,14 +76,18 @@ class ThreadPool {
                     const std::function<void(int64_t, int64_t)>& fn);
 
  private:
-  void start_workers();
+  void start_workers();  // throws std::runtime_error (no workers left) on failure
   void stop_workers();
   void worker_loop(int thread_index, uint64_t seen_generation);
   void do_tasks(int thread_index);
 
   std::atomic<int> num_threads_{1};  // read without run_mutex_ by prewake()
-  bool workers_bound_ = false;
+  std::atomic<bool> workers_bound_{false};
+  // workers_ changes only under run_mutex_ (set_num_threads); run() reads its
+  // size under that lock. num_workers_ mirrors it for the lock-free check of a
+  // pool without workers (re-checked under the lock).
   std::vector<std::thread> workers_;
+  std::atomic<int> num_workers_{0};
   std::atomic<int> started_workers_{0};
   std::atomic<int> bound_workers_{0};
 

@@ -113,6 +113,7 @@ class GGUFCheckpoint:
                 f"{type(e).__name__}: {e}"
             ) from e
         self._tensors = {t.name: t for t in self._reader.tensors}
+        self._check_tensor_offsets()
         self.architecture = _field(self._reader, "general.architecture") or "unknown"
         layers: dict[int, dict[str, Any]] = {}
         for name, t in self._tensors.items():
@@ -136,6 +137,58 @@ class GGUFCheckpoint:
         gate_type = layers[first]["gate"].tensor_type
         self.source_dtype = gate_type.name.lower()
         self.native_format = GGUF_NATIVE_FORMATS.get(gate_type, "bf16")
+
+    def _check_tensor_offsets(self) -> None:
+        """Every tensor's data must lie inside the data section, aligned, not overlap
+        another, and follow the previous tensor's (padded) data, as llama.cpp requires.
+
+        ``gguf.GGUFReader`` takes the offsets of the tensor infos as they are; an
+        edited offset would otherwise read shifted bytes (of the padding or of
+        another tensor) without any error.
+        """
+        r = self._reader
+        size = len(r.data)
+        start = int(r.data_offset)
+        align = int(getattr(r, "alignment", 32) or 32)
+        spans = []
+        for t in r.tensors:
+            off = int(t.data_offset)
+            end = off + int(t.n_bytes)
+            if off < start or end > size:
+                raise ValueError(
+                    f"{self.path}: tensor {t.name} has data at bytes {off}..{end} of the file, "
+                    f"outside the data section {start}..{size} (truncated or corrupt file?)"
+                )
+            if (off - start) % align:
+                raise ValueError(
+                    f"{self.path}: tensor {t.name} has data offset {off - start}, not a multiple "
+                    f"of the file's alignment {align} (corrupt tensor info?)"
+                )
+            spans.append((off, end, t.name))
+        for (a0, a1, a), (b0, _b1, b) in zip(sorted(spans), sorted(spans)[1:]):
+            if b0 < a1:
+                raise ValueError(
+                    f"{self.path}: the data of tensors {a} (bytes {a0}..{a1}) and {b} (from "
+                    f"{b0}) overlap (corrupt tensor info?)"
+                )
+        # As llama.cpp's gguf_init_from_file: the data follow each other in
+        # tensor-info order, each padded to the alignment. This also catches an
+        # edited type or dims that changes a tensor's size (a gap would remain).
+        expect = 0
+        for off, end, name in spans:
+            if off - start != expect:
+                raise ValueError(
+                    f"{self.path}: tensor {name} has data offset {off - start}, expected "
+                    f"{expect} (the tensors' data must follow each other in tensor-info order; "
+                    "corrupt tensor info?)"
+                )
+            expect += -(-(end - off) // align) * align
+        if spans and size > start + expect:
+            raise ValueError(
+                f"{self.path}: {size - start - expect} bytes after the last tensor's data (the "
+                f"tensors end at {start + expect}, the file at {size}); an edited tensor type or "
+                "dims, or a corrupt file"
+            )
 
     def _check_layer_tensors(self, layer: int) -> tuple[int, int, int]:
         ts = self._layers[layer]

@@ -476,11 +476,50 @@ class HFCheckpoint:
             "(with weight_scale_inv) and MXFP4 blocks/scales"
         )
 
+    def _fused_gate_up_interleaved(self, t: _LayerTensors, mxfp4: bool) -> bool:
+        """Whether a fused ``gate_up_proj`` interleaves gate and up (gpt-oss) or concatenates.
+
+        The tensors cannot tell (both splits have the same shapes), so
+        ``config.json`` decides: ``model_type`` (of ``text_config`` first) in
+        :data:`INTERLEAVED_GATE_UP_MODEL_TYPES` means interleaved. It is
+        checked, not guessed: a missing ``config.json`` or ``model_type`` is a
+        ValueError, as are ``architectures`` that disagree with it
+        (``GptOss*`` with another model type, or the reverse), and MXFP4
+        experts of another model type than gpt-oss (transformers' MXFP4
+        layout is gpt-oss's only).
+        """
+        where = f"{self.path}: layer {t.layer}"
+        cfg_path = (self.path if self.path.is_dir() else self.path.parent) / "config.json"
+        model_type = self._text_config.get("model_type") or self.config.get("model_type")
+        if not isinstance(model_type, str) or not model_type:
+            raise ValueError(
+                f"{where}: fused experts ({t.base}gate_up_proj...) need config.json's "
+                f"model_type to tell whether gate and up rows are interleaved (gpt-oss) or "
+                f"concatenated; {cfg_path} "
+                + ("has no model_type" if cfg_path.is_file() else "does not exist")
+            )
+        interleaved = model_type in INTERLEAVED_GATE_UP_MODEL_TYPES
+        archs = self.config.get("architectures")
+        if isinstance(archs, list) and archs and all(isinstance(a, str) for a in archs):
+            gpt_oss_arch = any(a.startswith("GptOss") for a in archs)
+            if gpt_oss_arch != interleaved:
+                raise ValueError(
+                    f"{cfg_path}: model_type {model_type!r} and architectures {archs} disagree "
+                    "on the gate/up layout of the fused experts (interleaved for gpt-oss only); "
+                    "fix config.json"
+                )
+        if mxfp4 and not interleaved:
+            raise ValueError(
+                f"{where}: MXFP4 fused experts with model_type {model_type!r} in {cfg_path}; "
+                "kt_ops knows the MXFP4 layout of gpt-oss only (model_type 'gpt_oss', "
+                "interleaved gate/up)"
+            )
+        return interleaved
+
     def _make_fused_plan(self, t: _LayerTensors, handles: dict) -> _LayerPlan:
         where = f"{self.path}: layer {t.layer}"
-        model_type = self._text_config.get("model_type") or self.config.get("model_type")
-        interleaved = model_type in INTERLEAVED_GATE_UP_MODEL_TYPES
         f = t.fused
+        interleaved = self._fused_gate_up_interleaved(t, mxfp4="gate_up_proj_blocks" in f)
         if "gate_up_proj_blocks" in f:
             gb_dt, gb = self._header(f["gate_up_proj_blocks"], handles)
             gs_dt, gs = self._header(f["gate_up_proj_scales"], handles)

@@ -1,0 +1,140 @@
+// Stress test of kt::runtime::ThreadPool for ThreadSanitizer (scripts/sanitize.sh tsan).
+//
+// Several caller threads hammer run() and parallel_for() while another thread
+// resizes the pool with set_num_threads(), and others call prewake(),
+// num_threads() and workers_bound(). Every job checks its own result (each
+// task index exactly once, parallel_for covering [0, n) exactly once), so a
+// lost or duplicated task fails the program even without a sanitizer. Task
+// exceptions are thrown now and then and must reach the caller. The pool is
+// also asked for more threads than the cap allows (set_global_num_threads
+// must refuse it and keep its size).
+//
+// Build (what sanitize.sh does):
+//   g++ -std=c++17 -O1 -g -fsanitize=thread -Icsrc tests/cpp/thread_pool_stress.cpp \
+//       csrc/runtime/thread_pool.cpp csrc/runtime/topology.cpp $(pkg-config --cflags --libs hwloc) \
+//       -pthread -o /tmp/thread_pool_stress
+// Run: /tmp/thread_pool_stress [seconds]   (exit status 0 = passed)
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "runtime/thread_pool.h"
+
+using kt::runtime::ThreadPool;
+
+namespace {
+
+std::atomic<bool> g_failed{false};
+std::atomic<long> g_jobs{0};
+
+void fail(const std::string& what) {
+  std::fprintf(stderr, "FAIL: %s\n", what.c_str());
+  g_failed = true;
+}
+
+void check_run(ThreadPool& pool, int64_t tasks, unsigned seed) {
+  std::vector<std::atomic<int>> hits(static_cast<size_t>(tasks));
+  for (auto& h : hits) h.store(0);
+  const int64_t bad = (seed % 7 == 0) ? static_cast<int64_t>(seed % tasks) : -1;
+  bool threw = false;
+  try {
+    pool.run(tasks, [&](int64_t t, int thread_index) {
+      if (thread_index < 0) fail("negative thread index");
+      hits[static_cast<size_t>(t)].fetch_add(1);
+      if (t == bad) throw std::runtime_error("task error");
+    });
+  } catch (const std::runtime_error& e) {
+    threw = true;
+    if (std::string(e.what()) != "task error") fail(std::string("unexpected error ") + e.what());
+  }
+  if (threw != (bad >= 0)) fail("task exception lost or invented");
+  // After a task error the remaining tasks may be skipped (the inline path
+  // stops at the first one); none may run twice.
+  for (int64_t t = 0; t < tasks; ++t) {
+    const int h = hits[static_cast<size_t>(t)].load();
+    if (h > 1 || (h == 0 && !threw))
+      fail("task " + std::to_string(t) + " ran " + std::to_string(h) + " times");
+  }
+  g_jobs.fetch_add(1);
+}
+
+void check_parallel_for(ThreadPool& pool, int64_t items) {
+  std::vector<std::atomic<int>> hits(static_cast<size_t>(items));
+  for (auto& h : hits) h.store(0);
+  pool.parallel_for(items, 4, [&](int64_t b, int64_t e) {
+    if (b < 0 || e > items || b >= e) fail("bad chunk");
+    for (int64_t i = b; i < e; ++i) hits[static_cast<size_t>(i)].fetch_add(1);
+  });
+  for (int64_t i = 0; i < items; ++i)
+    if (hits[static_cast<size_t>(i)].load() != 1) fail("item covered twice or never");
+  g_jobs.fetch_add(1);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const double seconds = argc > 1 ? std::atof(argv[1]) : 5.0;
+  const auto deadline =
+      std::chrono::steady_clock::now() + std::chrono::milliseconds(static_cast<long>(seconds * 1e3));
+  ThreadPool::set_global_num_threads(3);
+  ThreadPool& pool = ThreadPool::global();
+
+  // The cap: a huge count is refused and the pool keeps its size.
+  try {
+    ThreadPool::set_global_num_threads(ThreadPool::max_threads() + 1);
+    fail("a count above max_threads() was accepted");
+  } catch (const std::invalid_argument&) {
+  }
+  if (pool.num_threads() != 3) fail("a refused resize changed the pool");
+
+  std::atomic<bool> stop{false};
+  std::vector<std::thread> callers;
+  for (int c = 0; c < 3; ++c) {
+    callers.emplace_back([&, c] {
+      unsigned seed = 12345u + static_cast<unsigned>(c);
+      while (!stop.load()) {
+        seed = seed * 1103515245u + 12345u;
+        const int64_t n = 1 + static_cast<int64_t>((seed >> 8) % 97);
+        if (seed & 1)
+          check_run(pool, n, seed >> 4);
+        else
+          check_parallel_for(pool, n * 13);
+      }
+    });
+  }
+  std::thread observer([&] {
+    while (!stop.load()) {
+      pool.prewake();
+      const int n = pool.num_threads();
+      if (n < 1 || n > 6) fail("num_threads() out of range: " + std::to_string(n));
+      (void)pool.workers_bound();
+      std::this_thread::yield();
+    }
+  });
+  std::thread resizer([&] {
+    int i = 0;
+    while (!stop.load()) {
+      ThreadPool::set_global_num_threads(1 + (i++ % 6));  // 1..6, through one thread
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+  });
+  while (std::chrono::steady_clock::now() < deadline && !g_failed.load())
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  stop = true;
+  resizer.join();
+  observer.join();
+  for (auto& t : callers) t.join();
+  // Nested calls run inline on the calling worker.
+  pool.set_num_threads(4);
+  std::atomic<int> inner{0};
+  pool.run(8, [&](int64_t, int) { pool.run(3, [&](int64_t, int) { inner.fetch_add(1); }); });
+  if (inner.load() != 24) fail("nested run() lost tasks");
+  std::printf("thread_pool_stress: %ld jobs checked, %s\n", g_jobs.load(),
+              g_failed.load() ? "FAILED" : "ok");
+  return g_failed.load() ? 1 : 0;
+}
