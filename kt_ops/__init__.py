@@ -6,6 +6,8 @@ kernels), and their fake kernels and autograd formula. See ``ops`` for the op
 wrappers, ``nn`` for the expert module, ``hf`` for Hugging Face models.
 """
 
+import torch  # noqa: F401  (first: loads libtorch*.so, which kt_ops._C links)
+
 from kt_ops import _C  # noqa: F401  (registers the kt:: ops)
 from kt_ops.ops import (
     lora_activation_checkpointing,
