@@ -73,6 +73,7 @@ endif()
 
 set(_kt_torch_libs "")
 foreach(_lib torch torch_cpu c10 torch_python)
+  unset(KT_TORCH_LIB_${_lib} CACHE)  # a build dir reused with another torch must not keep the old one
   find_library(KT_TORCH_LIB_${_lib} NAMES ${_lib} PATHS "${KT_TORCH_LIBRARY_DIR}"
                NO_DEFAULT_PATH REQUIRED)
   list(APPEND _kt_torch_libs "${KT_TORCH_LIB_${_lib}}")
