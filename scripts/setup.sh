@@ -31,7 +31,7 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
   "$PY" -m pip install -q "${KT_OPS_TORCH}"
 fi
 # The installed torch stays: pip may not swap it while installing the requirements.
-torch_version=$("$PY" -c "import torch; print(torch.__version__)")
+torch_version=$("$PY" -c "import importlib.metadata as m; print(m.version('torch'))")
 constraints=$(mktemp)
 trap 'rm -f "$constraints"' EXIT
 echo "torch==${torch_version}" >"$constraints"
