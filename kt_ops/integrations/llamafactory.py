@@ -206,6 +206,11 @@ def _ensure_torchaudio() -> None:
         return
     except (ImportError, OSError) as exc:
         reason = f"{type(exc).__name__}: {exc}"
+    sys.modules.pop("torchaudio", None)  # a failed import may leave a half-made module
+    # transformers checks its optional backends with importlib.util.find_spec when it is first
+    # imported (and caches the answers); a module without __spec__ in sys.modules makes that
+    # check raise ValueError. Import it first, so that it records torchaudio as absent.
+    importlib.import_module("transformers")
     stub = types.ModuleType("torchaudio")
     stub.__doc__ = "kt_ops stand-in: torchaudio could not be imported"
 
