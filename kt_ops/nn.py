@@ -456,8 +456,8 @@ class MoEExperts(nn.Module):
         # Module.to/.half/.cuda/.float go through _apply. The packed weights are a
         # layout in host memory that the CPU kernels read, not values in the
         # model's dtype: casting would corrupt them, and a GPU copy would go unused
-        # (the kernels run on the CPU; a CUDA build of the op copies CUDA hidden
-        # states to the host and back). So they are left untouched.
+        # (the op runs on CPU tensors only; CUDA hidden states raise a clear error
+        # naming the argument, there is no host round trip). So they are left untouched.
         packed = {name: self._buffers.pop(name) for name in _PACKED + _QUANT}
         try:
             return super()._apply(fn, recurse)
