@@ -148,17 +148,23 @@ kt_ops.__file__); sys.exit('site-packages' not in kt_ops.__file__)"
   RESULTS+=("wheel: $(basename "$whl") installed in a clean venv passed the op tests ($((SECONDS - start)) s)")
 }
 
-targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(cpu cuda oldest wheel)
-mkdir -p "$VENVS"
-for t in "${targets[@]}"; do
-  case $t in
-  cpu | cuda | oldest) run_checkout "$t" ;;
-  wheel) run_wheel ;;
-  *)
-    echo "unknown target $t (cpu, cuda, oldest, wheel)" >&2
-    exit 2
-    ;;
-  esac
-done
-printf '[kt_ops versions] %s\n' "${RESULTS[@]}"
+main() {
+  local targets=("$@") t
+  [ ${#targets[@]} -gt 0 ] || targets=(cpu cuda oldest wheel)
+  mkdir -p "$VENVS"
+  for t in "${targets[@]}"; do
+    case $t in
+    cpu | cuda | oldest) run_checkout "$t" ;;
+    wheel) run_wheel ;;
+    *)
+      echo "unknown target $t (cpu, cuda, oldest, wheel)" >&2
+      exit 2
+      ;;
+    esac
+  done
+  printf '[kt_ops versions] %s\n' "${RESULTS[@]}"
+}
+
+# One call at the end: bash has read the whole file before it runs (safe to edit meanwhile).
+main "$@"
+exit
