@@ -3,11 +3,14 @@
 # no CUDA toolkit visible (CUDA_HOME unset, nvcc not on PATH). Not part of the default test
 # run (scripts/test.sh, CI); run it when the build, the torch floor or a pin changes.
 #
-#   bash scripts/test_torch_versions.sh [cpu] [cuda] [oldest] [wheel]   (default: all four)
+#   bash scripts/test_torch_versions.sh [cpu] [cuda] [oldest] [floor] [wheel]  (default: all)
 #
 #   cpu     torch==2.13.0, CPU build (scripts/setup.sh's default)
 #   cuda    torch==2.14.1, CUDA 13.0 build from PyPI (C++20 headers)
-#   oldest  torch==2.4.1, CUDA 12.1 build from PyPI: the oldest torch kt_ops supports
+#   oldest  torch==2.6.0, CUDA 12.4 build from PyPI: the oldest torch for all of kt_ops
+#           (transformers 5, which the Hugging Face parts and their tests use, needs >= 2.6)
+#   floor   torch==2.4.1, CUDA 12.1 build from PyPI: the oldest torch for the ops alone
+#           (torch.library.register_fake / register_autograd); runs the op tests only
 #   wheel   `pip wheel --no-build-isolation --no-deps .` in the cpu venv, `auditwheel repair`
 #           (bundles libhwloc.so.15; KT_OPS_BUNDLE_HWLOC=0 skips it), then a clean venv
 #           with torch, the test requirements and that wheel only runs the op tests from the
@@ -23,7 +26,7 @@
 # Environment:
 #   KT_OPS_VENV_DIR   where the venvs live (default ~/.cache/kt_ops/venvs); a venv whose torch
 #                     matches is reused, KT_OPS_FRESH=1 recreates it
-#   KT_OPS_TESTS      all (default) or ops (only the op test files, about 1250 tests)
+#   KT_OPS_TESTS      all (default; floor: ops) or ops (only the op test files, ~1250 tests)
 #   KT_OPS_BUILD_JOBS build parallelism (default 2)
 #   PYTHON3           the interpreter that creates the venvs (default python3)
 set -euo pipefail
@@ -36,7 +39,7 @@ export KT_OPS_BUILD_JOBS=${KT_OPS_BUILD_JOBS:-2} KT_OPS_SKIP_APT=1 HF_HUB_OFFLIN
 OP_TESTS=(tests/test_moe_forward.py tests/test_quant_forward.py tests/test_errors.py
   tests/test_quant_errors.py tests/test_op_registration.py tests/test_mixed_formats.py
   tests/test_runtime.py)
-declare -A TORCH=([cpu]=2.13.0 [cuda]=2.14.1 [oldest]=2.4.1 [wheel]=2.13.0)
+declare -A TORCH=([cpu]=2.13.0 [cuda]=2.14.1 [oldest]=2.6.0 [floor]=2.4.1 [wheel]=2.13.0)
 RESULTS=()
 
 log() { echo "[kt_ops versions] $*" >&2; }
@@ -94,7 +97,7 @@ run_checkout() {  # NAME: README commands in a fresh copy of the checkout
 'cuda', torch.version.cuda, '| CUDA_HOME', __import__('os').environ.get('CUDA_HOME'))"
     PYTHON=$venv/bin/python no_cuda "$venv" bash scripts/setup.sh
     check_no_cuda_links "$dir"
-    if [ "${KT_OPS_TESTS:-all}" = ops ]; then
+    if [ "${KT_OPS_TESTS:-all}" = ops ] || [ "$name" = floor ]; then
       no_cuda "$venv" python -m pytest -q -p no:cacheprovider "${OP_TESTS[@]}"
     else
       PYTHON=$venv/bin/python no_cuda "$venv" bash scripts/test.sh -q -p no:cacheprovider
@@ -150,14 +153,14 @@ kt_ops.__file__); sys.exit('site-packages' not in kt_ops.__file__)"
 
 main() {
   local targets=("$@") t
-  [ ${#targets[@]} -gt 0 ] || targets=(cpu cuda oldest wheel)
+  [ ${#targets[@]} -gt 0 ] || targets=(cpu cuda oldest floor wheel)
   mkdir -p "$VENVS"
   for t in "${targets[@]}"; do
     case $t in
-    cpu | cuda | oldest) run_checkout "$t" ;;
+    cpu | cuda | oldest | floor) run_checkout "$t" ;;
     wheel) run_wheel ;;
     *)
-      echo "unknown target $t (cpu, cuda, oldest, wheel)" >&2
+      echo "unknown target $t (cpu, cuda, oldest, floor, wheel)" >&2
       exit 2
       ;;
     esac
