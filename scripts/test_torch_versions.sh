@@ -10,7 +10,8 @@
 #   oldest  torch==2.6.0, CUDA 12.4 build from PyPI: the oldest torch for all of kt_ops
 #           (transformers 5, which the Hugging Face parts and their tests use, needs >= 2.6)
 #   floor   torch==2.4.1, CUDA 12.1 build from PyPI: the oldest torch for the ops alone
-#           (torch.library.register_fake / register_autograd); runs the op tests only
+#           (torch.library.register_fake / register_autograd); runs the op tests only, less
+#           the two that build a transformers model
 #   wheel   `pip wheel --no-build-isolation --no-deps .` in the cpu venv, `auditwheel repair`
 #           (bundles libhwloc.so.15; KT_OPS_BUNDLE_HWLOC=0 skips it), then a clean venv
 #           with torch, the test requirements and that wheel only runs the op tests from the
@@ -97,7 +98,12 @@ run_checkout() {  # NAME: README commands in a fresh copy of the checkout
 'cuda', torch.version.cuda, '| CUDA_HOME', __import__('os').environ.get('CUDA_HOME'))"
     PYTHON=$venv/bin/python no_cuda "$venv" bash scripts/setup.sh
     check_no_cuda_links "$dir"
-    if [ "${KT_OPS_TESTS:-all}" = ops ] || [ "$name" = floor ]; then
+    if [ "$name" = floor ]; then
+      # transformers 5 disables torch < 2.6: leave out the two op tests that build a
+      # transformers model (test_mixed_formats.py, *replace_experts*).
+      no_cuda "$venv" python -m pytest -q -p no:cacheprovider "${OP_TESTS[@]}" \
+        -k "not replace_experts"
+    elif [ "${KT_OPS_TESTS:-all}" = ops ]; then
       no_cuda "$venv" python -m pytest -q -p no:cacheprovider "${OP_TESTS[@]}"
     else
       PYTHON=$venv/bin/python no_cuda "$venv" bash scripts/test.sh -q -p no:cacheprovider
