@@ -46,7 +46,8 @@ $constraints"
 stamp=$VENV/kt_ops-setup.stamp
 
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$stamp_want" ] &&
-  "$VENV/bin/python" -c "import llamafactory.train.tuner" >/dev/null 2>&1; then
+  "$VENV/bin/python" -c "import importlib.metadata as m; \
+[m.version(p) for p in ('llamafactory', 'datasets', 'trl', 'omegaconf')]" >/dev/null 2>&1; then
   log "up to date: $VENV"
 else
   start=$SECONDS
