@@ -175,5 +175,4 @@ main() {
 }
 
 # One call at the end: bash has read the whole file before it runs (safe to edit meanwhile).
-main "$@"
-exit
+main "$@"; exit
