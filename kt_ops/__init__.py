@@ -8,6 +8,8 @@ wrappers, ``layer`` for the description of a layer's experts
 ``hf`` for Hugging Face models.
 """
 
+import torch  # noqa: F401  (first: loads libtorch*.so, which kt_ops._C links)
+
 from kt_ops import _C  # noqa: F401  (registers the kt:: ops)
 from kt_ops.formats.bf16 import pack_weights, unpack_weights
 from kt_ops.info import info, print_info

@@ -46,9 +46,10 @@ Nothing is replaced unless every experts module of the model is supported.
 After replacement the state-dict keys of the experts are ``gate_weight``,
 ``up_weight``, ``down_weight`` (packed), so ``save_pretrained`` checkpoints of
 a converted model do not load back into the unconverted class. The experts run
-on the CPU: keep hidden states there (CUDA tensors get a clear error naming the
-argument). The packed expert weights are frozen; gradients flow through the
-experts to the rest of the model (kt.moe_backward), and
+on the CPU: keep hidden states there (the op takes CPU tensors only; CUDA
+hidden states raise an error naming the argument). The packed expert weights
+are frozen; gradients flow through the experts to the rest of the model
+(kt.moe_backward), and
 ``MoEExperts.add_lora`` adds trainable LoRA adapters to the experts.
 """
 

@@ -103,11 +103,32 @@ _FUSED_KEY = re.compile(r"^((?:base_layer\.)*)lora_(A|B)\.weight$")
 _LINEAR_KEY = re.compile(r"^(\d+)\.([A-Za-z_][A-Za-z0-9_]*)\.lora_(A|B)\.weight$")
 
 
+#: The oldest peft that round-trips these adapters (tests/test_peft_adapters.py, 14/14 with
+#: peft 0.20.0 and transformers 5.23.0). peft 0.18.1 (LLaMA-Factory 0.9.5's pin) lays out
+#: ``target_parameters`` LoRA of fused 3-D experts differently: its ``from_pretrained`` fails
+#: with a size mismatch of ``experts.lora_A.default.weight``; peft 0.19.1 fails on
+#: transformers 5.23's weight-conversion API.
+MIN_PEFT_VERSION = "0.20.0"
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    return tuple(int(m) for m in re.findall(r"\d+", version.split("+")[0])[:3])
+
+
 def _peft():
     try:
         import peft
     except ImportError as exc:  # pragma: no cover - peft is in requirements.txt
-        raise ImportError("kt_ops.peft_adapters needs the peft package (pip install peft)") from exc
+        raise ImportError(
+            f"kt_ops.peft_adapters needs the peft package (pip install 'peft>={MIN_PEFT_VERSION}')"
+        ) from exc
+    if _version_tuple(peft.__version__) < _version_tuple(MIN_PEFT_VERSION):
+        raise ImportError(
+            f"kt_ops.peft_adapters needs peft>={MIN_PEFT_VERSION}, found peft "
+            f"{peft.__version__}: older peft lays out LoRA of fused 3-D experts "
+            "(target_parameters) differently and fails to load these adapters with a size "
+            f"mismatch; pip install 'peft>={MIN_PEFT_VERSION}'"
+        )
     return peft
 
 

@@ -3,7 +3,7 @@
 #   - system: a C++17 compiler, CMake >= 3.18, pkg-config, hwloc headers
 #     (Debian/Ubuntu: apt-get install build-essential cmake pkg-config libhwloc-dev)
 #   - torch: $KT_OPS_TORCH (default torch==2.13.0) when no torch is installed;
-#     an installed torch >= 2.4 is kept as it is
+#     an installed torch >= 2.4 (CPU or CUDA build; no CUDA toolkit needed) is kept as it is
 #   - Python packages: requirements.txt
 #   - kt_ops itself: pip install --no-build-isolation -e .
 # Set KT_OPS_SKIP_APT=1 to never call apt-get (then install the system packages yourself).
@@ -30,13 +30,20 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
   echo "[kt_ops setup] installing ${KT_OPS_TORCH:=torch==2.13.0}"
   "$PY" -m pip install -q "${KT_OPS_TORCH}"
 fi
-"$PY" -m pip install -q -r requirements.txt
+# The installed torch stays: pip may not swap it while installing the requirements.
+torch_version=$("$PY" -c "import importlib.metadata as m; print(m.version('torch'))")
+constraints=$(mktemp)
+trap 'rm -f "$constraints"' EXIT
+echo "torch==${torch_version}" >"$constraints"
+"$PY" -m pip install -q -c "$constraints" -r requirements.txt
 
-# Rebuild only when the sources changed since the last build.
+# Rebuild only when the sources, the interpreter or its torch changed since the last build.
 stamp=build/.kt_ops_build_stamp
-if [ ! -f "$stamp" ] || [ -n "$(find csrc CMakeLists.txt cmake setup.py pyproject.toml -newer "$stamp" -print -quit)" ] \
+built_for="$("$PY" -c "import sys; print(sys.executable)") torch ${torch_version}"
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$built_for" ] \
+   || [ -n "$(find csrc CMakeLists.txt cmake setup.py pyproject.toml -newer "$stamp" -print -quit)" ] \
    || ! "$PY" -c "import kt_ops._C" 2>/dev/null; then
-  echo "[kt_ops setup] building kt_ops (pip install --no-build-isolation -e .)"
+  echo "[kt_ops setup] building kt_ops for ${built_for} (pip install --no-build-isolation -e .)"
   "$PY" -m pip install -q --no-build-isolation --no-deps -e .
-  mkdir -p build && touch "$stamp"
+  mkdir -p build && echo "$built_for" >"$stamp"
 fi

@@ -39,13 +39,17 @@ DoRA, no ``adapter_name_or_path`` (resume with
 pins ``transformers<=5.6.0``, ``peft<=0.18.1``, ``accelerate<=1.11.0``,
 ``trl<=0.24.0``, ``datasets<=4.0.0`` and needs ``torchaudio``; pip resolves that
 by replacing torch 2.13.0 with 2.15.0 and transformers 5.23.0 with 5.6.0, which
-kt_ops is not built for. What works (and what the test was run with)::
+kt_ops is not built for, and peft 0.18.1 cannot load the experts' adapters
+(:data:`kt_ops.peft_adapters.MIN_PEFT_VERSION`). What works, and what CI runs
+``tests/test_llamafactory.py`` in, is one command::
 
-    python -m venv --system-site-packages /tmp/lf-venv
-    /tmp/lf-venv/bin/pip install --no-deps llamafactory==0.9.5
-    /tmp/lf-venv/bin/pip install -c constraints.txt datasets==4.0.0 trl==0.24.0 omegaconf
-    # constraints.txt pins this environment's torch, transformers, peft, accelerate,
-    # tokenizers, huggingface_hub, safetensors, numpy (pip freeze | grep ...)
+    bash scripts/setup_llamafactory.sh   # prints the venv's python on its last line
+
+It makes a venv with ``--system-site-packages`` on top of this environment, installs
+``llamafactory==0.9.5`` with ``--no-deps`` and ``datasets==4.0.0 trl==0.24.0 omegaconf``
+under a constraints file that it writes from this environment's torch, transformers, peft,
+accelerate, tokenizers, huggingface_hub, safetensors and numpy (cached in
+``~/.cache/kt_ops/llamafactory-venv``).
 
 ``torchaudio`` has no build for torch 2.13 (the newest, 2.11.0, links
 ``libc10_cuda.so`` and fails to load), yet LLaMA-Factory's data package imports
@@ -206,6 +210,11 @@ def _ensure_torchaudio() -> None:
         return
     except (ImportError, OSError) as exc:
         reason = f"{type(exc).__name__}: {exc}"
+    sys.modules.pop("torchaudio", None)  # a failed import may leave a half-made module
+    # transformers checks its optional backends with importlib.util.find_spec when it is first
+    # imported (and caches the answers); a module without __spec__ in sys.modules makes that
+    # check raise ValueError. Import it first, so that it records torchaudio as absent.
+    importlib.import_module("transformers")
     stub = types.ModuleType("torchaudio")
     stub.__doc__ = "kt_ops stand-in: torchaudio could not be imported"
 
