@@ -71,14 +71,17 @@ import kt_ops.nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import machine_peaks  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
-from bench_formats import Call, Flusher, _tile, cold_inputs  # noqa: E402
 from bench_moe import (  # noqa: E402
     PRESETS,
+    Call,
+    Flusher,
     Shape,
     TorchEagerExperts,
     _cpu_model,
     _mem_available_gb,
+    _tile,
     _time,
+    cold_inputs,
     make_weights,
     render_table,
 )
@@ -654,7 +657,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
 
     info = kt_ops.info()
+    so = getattr(getattr(kt_ops, "_C", None), "__file__", None)
+    built = time.strftime("%Y-%m-%d %H:%M", time.localtime(os.path.getmtime(so))) if so else "?"
     print(f"# kt_ops vs kt-kernel vs torch eager: {shape.model} layer")
+    print(f"#   kt_ops from {os.path.dirname(kt_ops.__file__)}, extension {so} built {built}")
     print(
         f"#   H={H} I={Im} E={E} top-{shape.top_k}; {unique} distinct random experts copied to "
         f"fill {E}; {_cpu_model()}, {info['topology']['num_cores']} cores, features "
@@ -786,6 +792,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             "threads": threads,
             "cpu": _cpu_model(),
             "kt_ops_isa": info["active_isa"],
+            "kt_ops_path": os.path.dirname(kt_ops.__file__),
+            "kt_ops_extension_built": built,
             "torch": torch.__version__,
             "kt_kernel": None if kt_kernel is None else kt_kernel.__version__,
             "kt_kernel_variant": None if kt_kernel is None else kt_kernel.__cpu_variant__,
