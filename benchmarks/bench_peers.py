@@ -53,6 +53,7 @@ Not part of the test suite (pytest only collects ``tests/``).
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -210,6 +211,7 @@ class System:
     fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
     bytes_per_expert: float
     workers: Optional[int] = None  # kt-kernel pool workers
+    call: Optional[str] = None  # kt-kernel: "submit" (task queue) or "direct" (forward())
     backend: Optional[str] = None  # KT_BACKENDS key
     keep: list = field(default_factory=list)  # tensors the C++ side points at
 
@@ -243,14 +245,13 @@ class KtKernelExperts:
         up: torch.Tensor,
         down: torch.Tensor,
         unique: int,
-        direct: bool = False,
     ):
         import kt_kernel_ext.moe as moe_mod
         from kt_kernel_ext.moe import MOEConfig
 
         spec = KT_BACKENDS[name]
         E, K, H, Im = shape.experts, shape.top_k, shape.hidden, shape.intermediate
-        self.name, self.spec, self.pool, self.direct = name, spec, pool, direct
+        self.name, self.spec, self.pool = name, spec, pool
         self.hidden, self.top_k = H, K
         self.mask = torch.zeros(E, dtype=torch.bool)  # no expert on a GPU
         self.p2l = torch.arange(E, dtype=torch.int64)  # physical -> logical expert ids
@@ -316,7 +317,10 @@ class KtKernelExperts:
         if spec.load == "online":
             self.keep.clear()  # quantized copies live in the C++ object
 
-    def __call__(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, direct: bool = False
+    ) -> torch.Tensor:
+        """``direct``: the class's ``forward()`` in this thread instead of the task queue."""
         T = x.shape[0]
         x = x.to(torch.bfloat16).contiguous()
         ids = ids.to(torch.int64).contiguous()
@@ -332,7 +336,7 @@ class KtKernelExperts:
             out.data_ptr(),
             False,  # incremental (deferred experts): off
         )
-        if self.direct:
+        if direct:
             self.moe.forward(*args)
         else:
             self.pool.cpu_infer.submit(self.moe.forward_task(*args))
@@ -468,6 +472,7 @@ class Row:
     family: str
     what: str
     workers: Optional[int]
+    call: Optional[str]
     tokens: int
     repeats: int
     ms: float
@@ -485,7 +490,7 @@ def summarize(
     samples: dict[str, Samples],
     peaks: machine_peaks.Peaks,
 ) -> list[Row]:
-    """Rows of one T; kt-kernel's rows keep the faster worker count of each backend."""
+    """Rows of one T; kt-kernel's rows keep the fastest (workers, call) of each backend."""
     T = next(iter(samples.values())).tokens
     flops = 2 * T * shape.top_k * 3 * shape.hidden * shape.intermediate
     decode = T * shape.top_k < shape.experts
@@ -528,6 +533,7 @@ def summarize(
                 family=s.family,
                 what=s.what,
                 workers=s.workers,
+                call=s.call,
                 tokens=T,
                 repeats=len(smp.seconds),
                 ms=1e3 * t,
@@ -549,7 +555,7 @@ def table(rows: list[Row], markdown: bool) -> str:
     head = ["system", "format", "T", "ms", "vs kt-kernel", "rel err", "MB/call", "roofline"]
     body = []
     for r in rows:
-        name = r.label + (f" ({r.workers}w)" if r.workers else "")
+        name = r.label + (f" ({r.workers}w, {r.call})" if r.workers else "")
         unit = "GB/s" if r.bound == "BW" else "GFLOP/s"
         roof = f"{r.roofline_pct:.0f}% {r.bound} ({r.achieved:.1f} {unit})"
         body.append(
@@ -616,10 +622,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--kt-call",
+        nargs="+",
         choices=("submit", "direct"),
-        default="submit",
-        help="kt-kernel call: CPUInfer.submit(forward_task) + sync (KTMoEWrapper's path, "
-        "default) or the backend's forward() in the calling thread",
+        default=["submit", "direct"],
+        help="kt-kernel calls to try: CPUInfer.submit(forward_task) + sync (KTMoEWrapper's "
+        "path) and/or the backend's forward() in the calling thread (default: both)",
     )
     p.add_argument("--no-kt-kernel", action="store_true", help="kt_ops and torch only")
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch eager loop")
@@ -701,9 +708,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 spec = KT_BACKENDS[name]
                 t1 = time.perf_counter()
                 try:
-                    m = KtKernelExperts(
-                        name, pool, shape, gate_c, up_c, down, unique, args.kt_call == "direct"
-                    )
+                    m = KtKernelExperts(name, pool, shape, gate_c, up_c, down, unique)
                 except Exception as err:  # a backend this build / CPU does not run
                     failed[name] = f"{type(err).__name__}: {err}"
                     print(f"#   kt-kernel {name}: FAILED {failed[name]}", flush=True)
@@ -711,19 +716,21 @@ def main(argv: Optional[list[str]] = None) -> int:
                 bpe = spec.bits_per_weight / 8 * 3 * H * Im
                 if spec.load == "online":  # + one fp32 scale per output row
                     bpe += 4 * (2 * Im + H)
-                systems.append(
-                    System(
-                        f"kt-kernel {name} w{workers}",
-                        "kt-kernel",
-                        spec.family,
-                        spec.what,
-                        m,
-                        bpe,
-                        workers=workers,
-                        backend=name,
-                        keep=[pool],
+                for call in args.kt_call:
+                    systems.append(
+                        System(
+                            f"kt-kernel {name} w{workers} {call}",
+                            "kt-kernel",
+                            spec.family,
+                            spec.what,
+                            functools.partial(m, direct=call == "direct"),
+                            bpe,
+                            workers=workers,
+                            backend=name,
+                            call=call,
+                            keep=[pool, m],
+                        )
                     )
-                )
                 print(
                     f"#   built kt-kernel {name} ({spec.cls}), {workers} worker(s) in "
                     f"{time.perf_counter() - t1:.1f}s",
@@ -755,6 +762,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         t1 = time.perf_counter()
         samples = run_tokens(systems, calls, lead, ref, warmup, args.budget, settle, flush)
         per_tokens[T] = samples
+        peaks = peaks.merge(machine_peaks.measure(threads))  # sampled between the T's too
         line = " ".join(
             f"{k}={1e3 * statistics.median(v.seconds):.2f}" for k, v in samples.items() if v.seconds
         )
@@ -763,7 +771,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     after = machine_peaks.measure(threads)
     best = peaks.merge(after)
     print(f"#   after the runs: {machine_peaks.describe(after)}")
-    print(f"#   limits used (best of both): {machine_peaks.describe(best)}")
+    print(
+        f"#   limits used (best samples, before / between / after): {machine_peaks.describe(best)}"
+    )
     rows = [r for T in args.tokens for r in summarize(shape, systems, per_tokens[T], best)]
     if failed:
         print(f"#   kt-kernel backends that failed: {failed}")
@@ -771,15 +781,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     if nan:
         print(f"#   NaN outputs: {sorted(set(nan))}")
     print(
-        "#   vs kt-kernel = ms of the family's kt-kernel row / ms; kt-kernel rows: the faster "
-        "worker count per backend and T; rel err vs fp32 on the unquantized weights"
+        "#   vs kt-kernel = ms of the family's kt-kernel row / ms; kt-kernel rows: the fastest "
+        "(workers, call) per backend and T; rel err vs fp32 on the unquantized weights"
     )
     print(table(rows, markdown=False))
     if args.markdown:
         print()
         print(
             f"{shape.model} layer (H={H}, I={Im}, E={E}, top-{shape.top_k}), {_cpu_model()}, "
-            f"{threads} threads (kt-kernel: the faster of {args.kt_workers} workers); "
+            f"{threads} threads (kt-kernel: the fastest of {args.kt_workers} workers x "
+            f"{args.kt_call} calls per backend and T); "
             f"{machine_peaks.describe(best)} (best samples, same run)."
         )
         print()
@@ -800,7 +811,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             "kt_call": args.kt_call,
             "kt_workers": args.kt_workers,
             "failed": failed,
-            "peaks_before": asdict(peaks),
+            "peaks_best": asdict(best),
             "peaks_after": asdict(after),
         }
         with open(args.json, "w") as f:

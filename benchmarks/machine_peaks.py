@@ -75,7 +75,7 @@ def _best_rate(fn: Callable[[], object], ops: float, samples: int) -> float:
     return ops / best / 1e9
 
 
-def measure_bf16_peak(samples: int = 40) -> float:
+def measure_bf16_peak(samples: int = 100) -> float:
     """GFLOP/s of torch.mm on cache-resident bf16 512^3 matrices (best sample)."""
     n = PEAK_MNK
     a, b = torch.randn(n, n).bfloat16(), torch.randn(n, n).bfloat16()
@@ -83,7 +83,7 @@ def measure_bf16_peak(samples: int = 40) -> float:
     return _best_rate(lambda: torch.mm(a, b, out=c), 2 * n**3, samples)
 
 
-def measure_int8_peak(samples: int = 40) -> Optional[float]:
+def measure_int8_peak(samples: int = 100) -> Optional[float]:
     """GOP/s of torch._int_mm on int8 512^3 matrices (best sample), or None without it."""
     n = PEAK_MNK
     a = torch.randint(-128, 128, (n, n), dtype=torch.int8)
@@ -105,7 +105,7 @@ def measure(threads: int, bw_samples: int = 5) -> Peaks:
             read_gbs=max(measure_read_bandwidth(bw_samples)),
             bf16_gflops=measure_bf16_peak(),
             int8_gops=measure_int8_peak(),
-            fp32_gflops=max(measure_fma_peak(40)),
+            fp32_gflops=max(measure_fma_peak(100)),
         )
     finally:
         torch.set_num_threads(prev)
