@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The machine's limits for the roofline columns: read bandwidth and bf16 / int8 / fp32 peaks.
 
-Small and fast (a few seconds); every figure is the **best** of several samples
+Small and fast (~4 s per thread count); every figure is the **best** of many samples
 (STREAM's convention: load from other processes only ever lowers a sample), at a
 given thread count:
 
@@ -64,18 +64,26 @@ class Peaks:
         )
 
 
+#: Seconds of sampling per compute peak: on a loaded host a quiet moment has to come by.
+SAMPLE_SECONDS = 1.0
+
+
 def _best_rate(fn: Callable[[], object], ops: float, samples: int) -> float:
+    """Best rate over at least ``samples`` calls, continued up to ``SAMPLE_SECONDS``."""
     for _ in range(3):
         fn()
     best = float("inf")
-    for _ in range(samples):
+    start = time.perf_counter()
+    n = 0
+    while n < samples or time.perf_counter() - start < SAMPLE_SECONDS:
         t0 = time.perf_counter()
         fn()
         best = min(best, time.perf_counter() - t0)
+        n += 1
     return ops / best / 1e9
 
 
-def measure_bf16_peak(samples: int = 100) -> float:
+def measure_bf16_peak(samples: int = 40) -> float:
     """GFLOP/s of torch.mm on cache-resident bf16 512^3 matrices (best sample)."""
     n = PEAK_MNK
     a, b = torch.randn(n, n).bfloat16(), torch.randn(n, n).bfloat16()
@@ -83,7 +91,7 @@ def measure_bf16_peak(samples: int = 100) -> float:
     return _best_rate(lambda: torch.mm(a, b, out=c), 2 * n**3, samples)
 
 
-def measure_int8_peak(samples: int = 100) -> Optional[float]:
+def measure_int8_peak(samples: int = 40) -> Optional[float]:
     """GOP/s of torch._int_mm on int8 512^3 matrices (best sample), or None without it."""
     n = PEAK_MNK
     a = torch.randint(-128, 128, (n, n), dtype=torch.int8)
@@ -105,7 +113,7 @@ def measure(threads: int, bw_samples: int = 5) -> Peaks:
             read_gbs=max(measure_read_bandwidth(bw_samples)),
             bf16_gflops=measure_bf16_peak(),
             int8_gops=measure_int8_peak(),
-            fp32_gflops=max(measure_fma_peak(100)),
+            fp32_gflops=max(measure_fma_peak(40)),
         )
     finally:
         torch.set_num_threads(prev)
