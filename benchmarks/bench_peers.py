@@ -11,8 +11,9 @@ For one Qwen3-30B-A3B MoE layer (H=2048, I=768, E=128, top-8) at T = 1, 8 and
   of ``kt_kernel_ext.moe`` that run on the CPU, driven the way its
   ``KTMoEWrapper`` drives them (``MOEConfig`` -> backend class ->
   ``load_weights_task``; per call ``forward_task`` + ``CPUInfer.submit`` /
-  ``sync``), with 1 and 2 pool workers (``WorkerPoolConfig``); see
-  ``KT_BACKENDS`` for what each one is fed;
+  ``sync``), and also through the class's ``forward()`` in the calling thread,
+  each with 1 and 2 pool workers (``WorkerPoolConfig``); a backend's row keeps
+  the fastest of these per T. ``KT_BACKENDS`` says what each backend is fed;
 * **torch**: the transformers eager expert loop (``bench_moe.TorchEagerExperts``)
   on bf16 weights.
 
@@ -34,7 +35,7 @@ bytes of the experts hit (distinct experts x bytes per expert, scales
 included) over the read bandwidth, at prefill the FLOPs over the bf16 peak
 (bf16 formats) or the int8 peak (integer formats), divided by the time. The
 limits come from ``machine_peaks`` at the benchmark's thread count, measured
-before and after the runs in the same process (best samples).
+before, between and after the runs in the same process (best samples).
 
 By default 16 distinct random experts are made and copied to fill all 128
 (every expert still has its own memory, so the bytes streamed are the full
