@@ -81,10 +81,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_moe import (  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
     BW_BYTES,
     PRESETS,
+    Call,
+    Flusher,
     Shape,
     _cpu_model,
     _mem_available_gb,
+    _tile,
     _time,
+    cold_inputs,
     make_weights,
     measure_read_bandwidth,
     render_table,
@@ -102,8 +106,6 @@ DEFAULT_REPEATS = {1: 41, 8: 25}  # decode: >= 15 timed calls per format
 DEFAULT_REPEATS_LARGE = 5
 QUICK_REPEATS = 9
 TARGET_FRACTION = 0.7  # a format must reach 70% of its byte ratio over bf16 at decode
-FLUSH_BYTES = 96 << 20  # 3x the 32 MiB L3 of the development machine
-LEAD_EXPERTS = 8  # experts of the untimed lead call; timed routings never use them
 
 
 @dataclass(frozen=True)
@@ -185,17 +187,6 @@ class Packed:
         return kt_ops.ExpertWeights(self.gate, self.up, self.down)
 
 
-def _tile(t: Optional[torch.Tensor], experts: int) -> Optional[torch.Tensor]:
-    """A fresh ``[experts, ...]`` tensor holding copies of ``t``'s experts, cyclically."""
-    if t is None or t.shape[0] == experts:
-        return t
-    out = torch.empty((experts, *t.shape[1:]), dtype=t.dtype)
-    u = t.shape[0]
-    for e in range(0, experts, u):
-        out[e : e + u].copy_(t[: min(u, experts - e)])
-    return out
-
-
 def build_variant(
     variant: Variant, dense: tuple[torch.Tensor, torch.Tensor, torch.Tensor], experts: int
 ) -> Packed:
@@ -213,42 +204,6 @@ def build_variant(
 # --------------------------------------------------------------------------- inputs
 
 
-@dataclass
-class Call:
-    x: torch.Tensor
-    ids: torch.Tensor
-    weights: torch.Tensor
-    experts_hit: int
-
-
-def cold_inputs(shape: Shape, tokens: int, n: int, seed: int) -> tuple[list[Call], Call]:
-    """``n`` timed inputs on fresh routing that avoids the lead's experts, and the lead input.
-
-    Routing: softmax of random logits, top-k (distinct experts per token),
-    renormalized when the preset says so. The lead call (T = 1) uses the last
-    ``top_k`` experts; at decode (``tokens * top_k < E``) the timed routings
-    draw from the first ``E - LEAD_EXPERTS`` experts only, so that the lead
-    leaves none of theirs in cache. Prefill routes over all experts (it reads
-    every expert anyway, and is compute-bound).
-    """
-    gen = torch.Generator().manual_seed(seed + tokens)
-    E, K, H = shape.experts, shape.top_k, shape.hidden
-    pool = E - max(LEAD_EXPERTS, K)
-    if tokens * K >= E or pool < K:  # prefill, or too few experts to keep the lead's apart
-        pool = E
-    calls = []
-    for _ in range(n):
-        x = torch.randn(tokens, H, generator=gen).to(torch.bfloat16)
-        probs = torch.softmax(torch.randn(tokens, pool, generator=gen), dim=-1)
-        w, ids = torch.topk(probs, K, dim=-1)
-        if shape.norm_topk_prob:
-            w = w / w.sum(dim=-1, keepdim=True)
-        calls.append(Call(x, ids, w.float(), int(torch.unique(ids).numel())))
-    x = torch.randn(1, H, generator=gen).to(torch.bfloat16)
-    lead = Call(x, torch.arange(E - K, E).view(1, K), torch.full((1, K), 1.0 / K), K)
-    return calls, lead
-
-
 # --------------------------------------------------------------------------- timing
 
 
@@ -261,16 +216,6 @@ class PairSamples:
     fmt_s: list[float] = field(default_factory=list)
     bf16_s: list[float] = field(default_factory=list)
     rel_err: Optional[float] = None  # ||y - y_bf16|| / ||y_bf16|| on the first warm-up input
-
-
-class Flusher:
-    """Evicts the caches: one read of a buffer several times the L3."""
-
-    def __init__(self, nbytes: int = FLUSH_BYTES):
-        self.buf = torch.ones(nbytes // 4, dtype=torch.float32)
-
-    def __call__(self) -> None:
-        self.buf.sum()
 
 
 def time_pair(
