@@ -74,7 +74,7 @@ from typing import Optional
 import torch
 
 import kt_ops
-from kt_ops.formats import FORMATS as WEIGHT_FORMATS
+from kt_ops.formats import FORMATS
 from kt_ops.formats import PackedProjection, quantize_weights
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -94,9 +94,9 @@ from bench_moe import (  # noqa: E402  (benchmarks/ is a folder of scripts, not 
     render_table,
 )
 
-#: Headline variant of each format, in WEIGHT_FORMATS order; int4 also at group 32.
+#: Headline variant of each format, in FORMATS order; int4 also at group 32.
 DEFAULT_VARIANTS = tuple(
-    v for f in WEIGHT_FORMATS for v in ((f,) if f != "int4" else ("int4-g128", "int4-g32"))
+    v for f in FORMATS for v in ((f,) if f != "int4" else ("int4-g128", "int4-g32"))
 )
 QUICK_VARIANTS = ("bf16", "int8", "int4-g128", "q4_k")
 
@@ -135,10 +135,9 @@ def parse_variant(label: str) -> Variant:
         return Variant(label, "int4", int(m.group(1)), m.group(2) is None)
     if label == "int4":
         return Variant("int4-g128", "int4", 128, True)
-    if label not in WEIGHT_FORMATS:
+    if label not in FORMATS:
         raise argparse.ArgumentTypeError(
-            f"unknown format {label!r}; expected one of {WEIGHT_FORMATS} or "
-            "int4-g<32|64|128>[-asym]"
+            f"unknown format {label!r}; expected one of {FORMATS} or int4-g<32|64|128>[-asym]"
         )
     return Variant(label, label)
 
