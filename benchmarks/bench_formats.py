@@ -74,8 +74,7 @@ from typing import Optional
 import torch
 
 import kt_ops
-from kt_ops.formats import FORMATS
-from kt_ops.formats import PackedProjection, quantize_weights
+from kt_ops.formats import FORMATS, PackedProjection, quantize_weights
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_moe import (  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
