@@ -1,43 +1,47 @@
 # One object library per ISA tier, each compiled with only that tier's flags
-# (style rule 5: ODR safety). Code in these files lives in its own namespace
-# and is reached only through csrc/kernels/dispatch.cpp after a CPUID check.
+# (style rule 5: ODR safety). A tier is a directory csrc/kernels/<name>/ whose
+# vec.h (its vector traits) names its compiler flags on a line
+#   // ISA flags: -mavx2 -mfma ...
+# Code in these files lives in its own namespace and is reached only through
+# the tier table of csrc/kernels/dispatch.cpp after a CPUID check; a tier the
+# compiler cannot target is left out (its weak entry points stay null).
 include(CheckCXXCompilerFlag)
 
-set(KT_AVX2_FLAGS -mavx2 -mfma -mf16c)
-set(KT_AVX512_FLAGS -mavx512f -mavx512bw -mavx512vl -mavx512dq -mfma -mf16c)
-set(KT_AVX512_VNNI_FLAGS ${KT_AVX512_FLAGS} -mavx512vnni)
-
-function(kt_isa_library name flags_var define)
-  set(flags ${${flags_var}})
-  set(ok TRUE)
+function(kt_isa_library name flags)
   foreach(f ${flags})
     string(MAKE_C_IDENTIFIER "KT_HAS_FLAG${f}" var)
     check_cxx_compiler_flag(${f} ${var})
     if(NOT ${var})
-      set(ok FALSE)
+      message(STATUS "kt_ops: compiler cannot target ${name} (${f}); that path is not built")
+      return()
     endif()
   endforeach()
-  if(NOT ok)
-    message(STATUS "kt_ops: compiler cannot target ${name}; that path is not built")
-    return()
-  endif()
   file(GLOB srcs CONFIGURE_DEPENDS ${CMAKE_CURRENT_SOURCE_DIR}/csrc/kernels/${name}/*.cpp)
   add_library(kt_kernels_${name} OBJECT ${srcs})
   target_include_directories(kt_kernels_${name} PRIVATE ${CMAKE_CURRENT_SOURCE_DIR}/csrc)
   target_compile_options(kt_kernels_${name} PRIVATE -O3 ${flags} -Wall -Wextra)
   set(KT_ISA_OBJECTS ${KT_ISA_OBJECTS} $<TARGET_OBJECTS:kt_kernels_${name}> PARENT_SCOPE)
-  set(KT_ISA_DEFINES ${KT_ISA_DEFINES} ${define} PARENT_SCOPE)
+  set(KT_ISA_BUILT ${KT_ISA_BUILT} ${name} PARENT_SCOPE)
 endfunction()
 
 function(kt_add_isa_kernels target)
   set(KT_ISA_OBJECTS "")
-  set(KT_ISA_DEFINES "")
+  set(KT_ISA_BUILT "")
   if(CMAKE_SYSTEM_PROCESSOR MATCHES "x86_64|AMD64|amd64")
-    kt_isa_library(avx2 KT_AVX2_FLAGS KT_BUILD_AVX2)
-    kt_isa_library(avx512 KT_AVX512_FLAGS KT_BUILD_AVX512)
-    kt_isa_library(avx512_vnni KT_AVX512_VNNI_FLAGS KT_BUILD_AVX512_VNNI)
+    file(GLOB headers CONFIGURE_DEPENDS ${CMAKE_CURRENT_SOURCE_DIR}/csrc/kernels/*/vec.h)
+    list(SORT headers)
+    foreach(h ${headers})
+      get_filename_component(dir ${h} DIRECTORY)
+      get_filename_component(name ${dir} NAME)
+      file(STRINGS ${h} line REGEX "^// ISA flags:")
+      if(NOT line)
+        continue()  # ref: portable C++, part of the main target
+      endif()
+      string(REGEX REPLACE "^// ISA flags:[ ]*" "" flags "${line}")
+      separate_arguments(flags)
+      kt_isa_library(${name} "${flags}")
+    endforeach()
   endif()
   target_sources(${target} PRIVATE ${KT_ISA_OBJECTS})
-  target_compile_definitions(${target} PRIVATE ${KT_ISA_DEFINES})
-  message(STATUS "kt_ops: ISA paths built: ref ${KT_ISA_DEFINES}")
+  message(STATUS "kt_ops: ISA paths built: ref ${KT_ISA_BUILT}")
 endfunction()

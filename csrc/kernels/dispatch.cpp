@@ -7,68 +7,64 @@
 #include "kernels/tiers.h"
 #include "runtime/cpu_features.h"
 
+// Each tier's entry points. Declared weak: a tier whose object library the
+// compiler could not build (cmake/isa_kernels.cmake) leaves them null, which
+// is how the table below knows what is built, with no #ifdef per tier.
+#define KT_WEAK __attribute__((weak))
+// (avx2's are in kernels/tiers.h: other tiers reuse its fp8 and fp32-path kernels.)
 namespace kt::kernels {
-
-const char* isa_name(Isa isa) {
-  switch (isa) {
-    case Isa::kRef:
-      return "ref";
-    case Isa::kAvx2:
-      return "avx2";
-    case Isa::kAvx512:
-      return "avx512";
-    case Isa::kAvx512Vnni:
-      return "avx512_vnni";
-  }
-  return "?";
-}
-
-Isa parse_isa(const std::string& name) {
-  if (name == "ref") return Isa::kRef;
-  if (name == "avx2") return Isa::kAvx2;
-  if (name == "avx512") return Isa::kAvx512;
-  if (name == "avx512_vnni") return Isa::kAvx512Vnni;
-  throw std::invalid_argument("kt_ops: unknown ISA '" + name +
-                              "'; expected one of ref, avx2, avx512, avx512_vnni");
-}
+namespace avx512 {
+KT_WEAK const ProjectionKernels& bf16_kernels();
+KT_WEAK const ProjectionKernels& qint_kernels();
+KT_WEAK void silu_mul_rows(float* g, const float* u, int m);
+}  // namespace avx512
+namespace avx512_vnni {
+KT_WEAK const ProjectionKernels& qint_kernels();
+}  // namespace avx512_vnni
 
 namespace {
 
+using KernelsFn = const ProjectionKernels& (*)();
+
+// THE tier table, lowest first; a tier's rank is its index. Per tier: its
+// name, whether this CPU runs it (and what it lacks otherwise), its kernels
+// per layout (index: formats::Layout; nullptr: not specialized at this tier)
+// and its SwiGLU epilogue. THE fallback chain: a layout a tier does not
+// specialize is served by the next lower tier that does; ref has every entry.
+// Adding an ISA: its traits header (with its compiler flags), its
+// instantiation file(s), and a row here.
+struct Tier {
+  const char* name;
+  bool (*runs)(const runtime::CpuFeatures&);
+  const char* needs;
+  KernelsFn layouts[3];  // kBf16, kQint, kFp8
+  SiluMulRows silu;
+};
+
+const Tier kTiers[] = {
+    {"ref", [](const runtime::CpuFeatures&) { return true; }, "",
+     {ref::bf16_kernels, ref::qint_kernels, ref::fp8_kernels}, ref::silu_mul_rows},
+    {"avx2", [](const runtime::CpuFeatures& f) { return f.avx2; }, "AVX2+FMA",
+     {avx2::bf16_kernels, avx2::qint_kernels, avx2::fp8_kernels}, avx2::silu_mul_rows},
+    // fp8 and the weight-only fp32 path stay on AVX2 code, which every AVX-512 CPU runs.
+    {"avx512", [](const runtime::CpuFeatures& f) { return f.avx512; }, "AVX-512 F/BW/VL/DQ",
+     {avx512::bf16_kernels, avx512::qint_kernels, nullptr}, avx512::silu_mul_rows},
+    // vpdpbusd for the integer formats; the rest from the avx512 row.
+    {"avx512_vnni", [](const runtime::CpuFeatures& f) { return f.avx512 && f.avx512_vnni; },
+     "AVX-512 F/BW/VL/DQ + AVX512_VNNI", {nullptr, avx512_vnni::qint_kernels, nullptr}, nullptr},
+};
+constexpr int kNumTiers = static_cast<int>(sizeof(kTiers) / sizeof(kTiers[0]));
+
 bool is_built(Isa isa) {
-  switch (isa) {
-    case Isa::kRef:
-      return true;
-#ifdef KT_BUILD_AVX2
-    case Isa::kAvx2:
-      return true;
-#endif
-#ifdef KT_BUILD_AVX512
-    case Isa::kAvx512:
-      return true;
-#endif
-#ifdef KT_BUILD_AVX512_VNNI
-    case Isa::kAvx512Vnni:
-      return true;
-#endif
-    default:
-      return false;
-  }
+  const Tier& t = kTiers[isa];
+  for (KernelsFn k : t.layouts)
+    if (k != nullptr) return true;
+  return t.silu != nullptr;
 }
 
 // Why this CPU cannot run `isa`, or nullptr when it can.
 const char* missing_feature(Isa isa) {
-  const auto& f = runtime::cpu_features();
-  switch (isa) {
-    case Isa::kRef:
-      return nullptr;
-    case Isa::kAvx2:
-      return f.avx2 ? nullptr : "AVX2+FMA";
-    case Isa::kAvx512:
-      return f.avx512 ? nullptr : "AVX-512 F/BW/VL/DQ";
-    case Isa::kAvx512Vnni:
-      return f.avx512_vnni ? nullptr : "AVX-512 F/BW/VL/DQ + AVX512_VNNI";
-  }
-  return "?";
+  return kTiers[isa].runs(runtime::cpu_features()) ? nullptr : kTiers[isa].needs;
 }
 
 void check_usable(Isa isa) {
@@ -89,7 +85,7 @@ void check_usable(Isa isa) {
 struct ActiveIsa {
   std::mutex mutex;
   bool initialized = false;
-  Isa isa = Isa::kRef;
+  Isa isa = 0;  // ref
   std::string env_error;
 };
 
@@ -116,13 +112,23 @@ ActiveIsa& active_state() {
 
 }  // namespace
 
+const char* isa_name(Isa isa) { return isa >= 0 && isa < kNumTiers ? kTiers[isa].name : "?"; }
+
+Isa parse_isa(const std::string& name) {
+  std::string known;
+  for (Isa i = 0; i < kNumTiers; ++i) {
+    if (name == kTiers[i].name) return i;
+    known += (i ? ", " : "") + std::string(kTiers[i].name);
+  }
+  throw std::invalid_argument("kt_ops: unknown ISA '" + name + "'; expected one of " + known);
+}
+
 std::vector<Isa> built_isas() {
   std::vector<Isa> out;
-  for (Isa isa : {Isa::kRef, Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Vnni})
+  for (Isa isa = 0; isa < kNumTiers; ++isa)
     if (is_built(isa)) out.push_back(isa);
   return out;
 }
-
 std::vector<Isa> supported_isas() {
   std::vector<Isa> out;
   for (Isa isa : built_isas())
@@ -145,52 +151,16 @@ void set_active_isa(Isa isa) {
   state.env_error.clear();
 }
 
-namespace {
-
-// Each tier's kernels per layout (index: formats::Layout), nullptr where the
-// tier has none. THE fallback chain: a missing entry is served by the next
-// lower tier that has one (avx512 -> avx2 -> ref); ref has every entry.
-struct TierKernels {
-  Isa isa;
-  const ProjectionKernels* layouts[3];  // kBf16, kQint, kFp8
-  SiluMulRows silu;
-};
-
-const std::vector<TierKernels>& tier_table() {
-  static const std::vector<TierKernels> table = {
-      {Isa::kRef, {&ref::bf16_kernels(), &ref::qint_kernels(), &ref::fp8_kernels()}, ref::silu_mul_rows},
-#ifdef KT_BUILD_AVX2
-      {Isa::kAvx2, {&avx2::bf16_kernels(), &avx2::qint_kernels(), &avx2::fp8_kernels()}, avx2::silu_mul_rows},
-#endif
-#ifdef KT_BUILD_AVX512
-      // fp8 stays on the AVX2 kernels (256-bit code every AVX-512 CPU runs).
-      {Isa::kAvx512, {&avx512::bf16_kernels(), &avx512::qint_kernels(), nullptr},
-       avx512::silu_mul_rows},
-#endif
-#ifdef KT_BUILD_AVX512_VNNI
-      // vpdpbusd for the integer formats; the rest from the avx512 row.
-      {Isa::kAvx512Vnni, {nullptr, &avx512_vnni::qint_kernels(), nullptr}, nullptr},
-#endif
-  };
-  return table;
-}
-
-}  // namespace
-
 const ProjectionKernels& projection_kernels(formats::Layout layout, Isa isa) {
-  const auto& table = tier_table();
-  for (auto it = table.rbegin(); it != table.rend(); ++it) {
-    if (it->isa > isa) continue;
-    if (const ProjectionKernels* k = it->layouts[static_cast<int>(layout)]) return *k;
-  }
-  return *table.front().layouts[static_cast<int>(layout)];
+  for (Isa i = isa; i > 0; --i)
+    if (KernelsFn k = kTiers[i].layouts[static_cast<int>(layout)]) return k();
+  return kTiers[0].layouts[static_cast<int>(layout)]();
 }
 
 SiluMulRows silu_mul_rows(Isa isa) {
-  const auto& table = tier_table();
-  for (auto it = table.rbegin(); it != table.rend(); ++it)
-    if (it->isa <= isa && it->silu != nullptr) return it->silu;
-  return table.front().silu;
+  for (Isa i = isa; i > 0; --i)
+    if (kTiers[i].silu != nullptr) return kTiers[i].silu;
+  return kTiers[0].silu;
 }
 
 }  // namespace kt::kernels

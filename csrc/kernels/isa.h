@@ -1,15 +1,17 @@
-// ISA tiers of the kernels, lowest to highest.
+// ISA tiers of the kernels. A tier is its rank in the tier table of
+// dispatch.cpp (0 = ref, the portable path; higher ranks need more of the
+// CPU); names ("avx2", "avx512_vnni", ...) come from that table.
 #pragma once
 
 #include <string>
-#include <vector>
 
 namespace kt::kernels {
 
-enum class Isa { kRef = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Vnni = 3 };
+using Isa = int;
 
+// The name of tier `isa` ("ref", "avx2", ...).
 const char* isa_name(Isa isa);
-// Parses "ref" | "avx2" | "avx512" | "avx512_vnni"; throws std::invalid_argument otherwise.
+// The tier called `name`; throws std::invalid_argument listing the known ones.
 Isa parse_isa(const std::string& name);
 
 }  // namespace kt::kernels

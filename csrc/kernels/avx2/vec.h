@@ -1,5 +1,6 @@
 // Vector traits for the AVX2 + FMA tier (8 fp32 lanes). Included only by
 // files in kernels/avx2/, which are compiled with -mavx2 -mfma -mf16c.
+// ISA flags: -mavx2 -mfma -mf16c
 #pragma once
 
 #include <immintrin.h>

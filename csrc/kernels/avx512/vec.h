@@ -1,5 +1,6 @@
 // Vector traits for the AVX-512 tier (F/BW/VL/DQ, 16 fp32 lanes). Included
 // only by files in kernels/avx512/, compiled with -mavx512f -mavx512bw ...
+// ISA flags: -mavx512f -mavx512bw -mavx512vl -mavx512dq -mfma -mf16c
 #pragma once
 
 #include <immintrin.h>

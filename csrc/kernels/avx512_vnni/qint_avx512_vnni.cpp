@@ -3,7 +3,7 @@
 // int32, one zmm per 16-row line). The weight-only fp32 path is the AVX2
 // tier's. Bit-identical to the avx2 and avx512 tiers: the int32 sums are exact
 // and the fp32 fold is the same sequence of operations.
-#include "kernels/avx512/vec.h"
+#include "kernels/avx512_vnni/vec.h"
 #include "kernels/qint_tiles.h"
 #include "kernels/tiers.h"
 
@@ -13,7 +13,7 @@ namespace {
 
 void qint_run(const DotArgs& a) {
   for (int64_t nb = a.nb_begin; nb < a.nb_end; ++nb)
-    kernels::qint_dot<avx512::QintVec512<true>>(qint_block(a, nb), ref::qint_block_dot);
+    kernels::qint_dot<QintVec>(qint_block(a, nb), ref::qint_block_dot);
 }
 
 }  // namespace
