@@ -44,9 +44,12 @@ def main() -> int:
     ap.add_argument("old", type=Path)
     ap.add_argument("new", type=Path)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("bench", nargs=argparse.REMAINDER, help="-- SCRIPT [ARGS...]")
-    a = ap.parse_args()
-    bench = a.bench[1:] if a.bench[:1] == ["--"] else a.bench
+    argv = sys.argv[1:]
+    if "--" not in argv:
+        ap.error("give the benchmark after --, e.g. -- bench_moe.py --tokens 1 8")
+    cut = argv.index("--")
+    a = ap.parse_args(argv[:cut])
+    bench = argv[cut + 1 :]
     if not bench:
         ap.error("give the benchmark after --, e.g. -- bench_moe.py --tokens 1 8")
     script, args = bench[0], bench[1:]

@@ -198,9 +198,11 @@ def experts_modules(model: nn.Module) -> list[nn.Module]:
 #: Relative Frobenius error of the logits of the 2-layer tiny model with replaced experts
 #: against the unmodified model. Simulated (expert weights replaced by their dequantized
 #: values, plus the q8 activation rounding): int4 g32 0.17 (fp32 and bf16 models), int8
-#: 0.05 (a router decision of layer 2 flips). A broken replacement (experts' down
-#: projections permuted or zeroed) gives 0.7-1.0.
-LOGIT_ERROR = {"int4": 0.3, "int8": 0.1}
+#: 0.05 (a router decision of layer 2 flips). Which router decisions flip depends on the
+#: bf16 arithmetic of the torch version: the bf16 int8 model measured 0.131 with torch
+#: 2.6.0, below 0.1 with 2.13 and 2.14. A broken replacement (experts' down projections
+#: permuted or zeroed) gives 0.7-1.0.
+LOGIT_ERROR = {"int4": 0.3, "int8": 0.2}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
