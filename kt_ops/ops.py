@@ -185,9 +185,8 @@ def moe_forward(
 def _check_out(hidden_states: Tensor, topk_weights: Tensor, lora, out: Tensor) -> None:
     """What ``moe_forward(..., out=)`` refuses before the op runs.
 
-    ``out`` is not differentiable (as PyTorch's out= variants), and must not
-    share memory with ``hidden_states`` (the op itself refuses only ``out is
-    hidden_states``; an overlapping view would be read while being written).
+    ``out`` is not differentiable (as PyTorch's out= variants). Overlap with
+    ``hidden_states`` is the op's own check (csrc/ops/moe_ops.cpp).
     """
     if torch.is_grad_enabled():
         factors = [t for t in (lora.factors() if lora is not None else ()) if t is not None]
@@ -196,30 +195,6 @@ def _check_out(hidden_states: Tensor, topk_weights: Tensor, lora, out: Tensor) -
                 "kt.moe_forward: out= does not support automatic differentiation (an input "
                 "requires grad); call it without out=, or under torch.no_grad()"
             )
-    if (
-        isinstance(out, Tensor)
-        and out.device == hidden_states.device
-        and out.device.type != "meta"
-        and _overlaps(out, hidden_states)
-    ):
-        raise RuntimeError(
-            "kt.moe_forward: out must not overlap hidden_states in memory (the kernels read "
-            "hidden_states while writing out)"
-        )
-
-
-def _byte_range(t: Tensor) -> tuple[int, int]:
-    if t.numel() == 0:
-        return (0, 0)
-    start = t.data_ptr()
-    span = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()) if size > 0)
-    return start, start + (span + 1) * t.element_size()
-
-
-def _overlaps(a: Tensor, b: Tensor) -> bool:
-    """True when ``a`` and ``b`` may share bytes (their address ranges intersect)."""
-    (a0, a1), (b0, b1) = _byte_range(a), _byte_range(b)
-    return a0 < a1 and b0 < b1 and a0 < b1 and b0 < a1
 
 
 def moe_forward_train(
