@@ -110,10 +110,19 @@ class MoEExperts(nn.Module):
         return g if g == u == d else f"{g},{u},{d}"
 
     def expert_weights(self) -> ExpertWeights:
-        """The packed experts as an :class:`~kt_ops.layer.ExpertWeights` (views of the buffers)."""
+        """The packed experts as an :class:`~kt_ops.layer.ExpertWeights` (views of the buffers).
+
+        Built once and reused while the buffers are the same tensor objects (a
+        decode step pays no Python construction); rebuilt when one is replaced.
+        """
+        compiling = torch.compiler.is_compiling()  # traced once: no cache (no graph break)
+        buffers = tuple(self._buffers[f"{p}_{part}"] for p in PROJECTIONS for part in _PARTS)
+        cached = None if compiling else self.__dict__.get("_expert_weights_cache")
+        if cached is not None and all(a is b for a, b in zip(cached[0], buffers)):
+            return cached[1]
         H, inter = self.hidden_size, self.intermediate_size
         dims = ((inter, H), (inter, H), (H, inter))
-        return ExpertWeights(
+        experts = ExpertWeights(
             *(
                 PackedProjection(
                     *(self._buffers[f"{proj}_{part}"] for part in _PARTS), fmt, g, n, k
@@ -123,6 +132,9 @@ class MoEExperts(nn.Module):
                 )
             )
         )
+        if not compiling:
+            self.__dict__["_expert_weights_cache"] = (buffers, experts)
+        return experts
 
     def lora_weights(self) -> LoRAWeights:
         """The LoRA factors as a :class:`~kt_ops.layer.LoRAWeights` (``scaling`` included)."""
