@@ -53,6 +53,11 @@ at::Tensor moe_forward_cpu(const at::Tensor& hidden_states, const at::Tensor& to
   runtime::ThreadPool::global().prewake();
   const moe::MoeLayer layer =
       moe::parse_moe_layer(kOp, hidden_states, topk_ids, topk_weights, KT_LAYER_ARGS);
+  if (layer.lora.any()) {  // the ATen path allocates its own output: no copy
+    return moe::moe_forward_lora(hidden_states.contiguous(), topk_ids, topk_weights, layer,
+                                 /*save_pre=*/false)
+        .out;
+  }
   at::Tensor out = at::empty(hidden_states.sizes(), hidden_states.options());
   forward_into(hidden_states, topk_ids, topk_weights, layer, out);
   return out;
