@@ -107,7 +107,8 @@ void bf16_dot(const DotArgs& a) {
     const auto* w = reinterpret_cast<const uint16_t*>(a.proj->block(a.expert, nb));
     float* out = a.out + 16 * (nb - a.nb_begin);
     int i = 0;
-    for (; i + MT <= a.m; i += MT) Bf16Tile<V, MT>::run(a.x + i, w, k_pairs, out + i * a.ldo, a.ldo);
+    for (; i + MT <= a.m; i += MT)
+      Bf16Tile<V, MT>::run(a.x + i, w, k_pairs, out + i * a.ldo, a.ldo);
     run_remainder_tile<V, Bf16Tile, MT - 1>(a.m - i, a.x + i, w, k_pairs, out + i * a.ldo, a.ldo);
   }
 }

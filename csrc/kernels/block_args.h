@@ -53,8 +53,7 @@ inline QintBlock qint_block(const DotArgs& a, int64_t nb) {
   const ProjectionView& p = *a.proj;
   const int64_t params = (a.expert * p.row_blocks + nb) * p.groups * formats::kQintBlockRows;
   auto at = [&](const void* base, formats::ScaleType t) -> const void* {
-    return base == nullptr ? nullptr
-                           : static_cast<const uint8_t*>(base) + params * scale_bytes(t);
+    return base == nullptr ? nullptr : static_cast<const uint8_t*>(base) + params * scale_bytes(t);
   };
   return {a.xq,
           a.m,

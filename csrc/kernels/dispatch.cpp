@@ -42,16 +42,28 @@ struct Tier {
 };
 
 const Tier kTiers[] = {
-    {"ref", [](const runtime::CpuFeatures&) { return true; }, "",
-     {ref::bf16_kernels, ref::qint_kernels, ref::fp8_kernels}, ref::silu_mul_rows},
-    {"avx2", [](const runtime::CpuFeatures& f) { return f.avx2; }, "AVX2+FMA",
-     {avx2::bf16_kernels, avx2::qint_kernels, avx2::fp8_kernels}, avx2::silu_mul_rows},
+    {"ref",
+     [](const runtime::CpuFeatures&) { return true; },
+     "",
+     {ref::bf16_kernels, ref::qint_kernels, ref::fp8_kernels},
+     ref::silu_mul_rows},
+    {"avx2",
+     [](const runtime::CpuFeatures& f) { return f.avx2; },
+     "AVX2+FMA",
+     {avx2::bf16_kernels, avx2::qint_kernels, avx2::fp8_kernels},
+     avx2::silu_mul_rows},
     // fp8 and the weight-only fp32 path stay on AVX2 code, which every AVX-512 CPU runs.
-    {"avx512", [](const runtime::CpuFeatures& f) { return f.avx512; }, "AVX-512 F/BW/VL/DQ",
-     {avx512::bf16_kernels, avx512::qint_kernels, nullptr}, avx512::silu_mul_rows},
+    {"avx512",
+     [](const runtime::CpuFeatures& f) { return f.avx512; },
+     "AVX-512 F/BW/VL/DQ",
+     {avx512::bf16_kernels, avx512::qint_kernels, nullptr},
+     avx512::silu_mul_rows},
     // vpdpbusd for the integer formats; the rest from the avx512 row.
-    {"avx512_vnni", [](const runtime::CpuFeatures& f) { return f.avx512 && f.avx512_vnni; },
-     "AVX-512 F/BW/VL/DQ + AVX512_VNNI", {nullptr, avx512_vnni::qint_kernels, nullptr}, nullptr},
+    {"avx512_vnni",
+     [](const runtime::CpuFeatures& f) { return f.avx512 && f.avx512_vnni; },
+     "AVX-512 F/BW/VL/DQ + AVX512_VNNI",
+     {nullptr, avx512_vnni::qint_kernels, nullptr},
+     nullptr},
 };
 constexpr int kNumTiers = static_cast<int>(sizeof(kTiers) / sizeof(kTiers[0]));
 

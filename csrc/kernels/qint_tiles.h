@@ -86,7 +86,7 @@ KT_ALWAYS_INLINE void qint_tile(const QintBlock& a, const uint8_t* const* x_rows
                                 int part0) {
   using I = typename V::I;
   using F = typename V::F;
-  constexpr int NQ = Unit / 4;  // k-quads per fold unit
+  constexpr int NQ = Unit / 4;                                            // k-quads per fold unit
   constexpr int D = V::depth(Bits, Lut) < NQ ? V::depth(Bits, Lut) : NQ;  // quads per flush
   static_assert(D % 2 == 0 && NQ % D == 0, "quads go in pairs; flushes divide the unit");
   constexpr int kHighMask = Bits == 5 ? 0x10 : 0x30;
@@ -109,7 +109,8 @@ KT_ALWAYS_INLINE void qint_tile(const QintBlock& a, const uint8_t* const* x_rows
     [[maybe_unused]] I hb[P];  // 5/6 bit: the unit's one high-plane line
     if constexpr (Bits == 5 || Bits == 6) {
       static_assert(Unit * (Bits - 4) == 32, "one high-plane line per unit");
-      for (int p = 0; p < P; ++p) hb[p] = V::load(high + (k0 / Unit) * 64 + (part0 + p) * V::kBytes);
+      for (int p = 0; p < P; ++p)
+        hb[p] = V::load(high + (k0 / Unit) * 64 + (part0 + p) * V::kBytes);
     }
     for (int q0 = 0; q0 < NQ; q0 += D) {
       [[maybe_unused]] I st[M][P];
@@ -207,10 +208,14 @@ void qint_block_dot(const QintBlock& a) {
     const uint8_t* const* x = a.x_rows + i;
     float* out = a.out + i * a.ldo;
     // Remainder tiles (MT <= 8).
-    if constexpr (MT > 7) if (rem == 7) qint_tile<V, Bits, Lut, Unit, Z, 7, 1>(a, x, out, part);
-    if constexpr (MT > 6) if (rem == 6) qint_tile<V, Bits, Lut, Unit, Z, 6, 1>(a, x, out, part);
-    if constexpr (MT > 5) if (rem == 5) qint_tile<V, Bits, Lut, Unit, Z, 5, 1>(a, x, out, part);
-    if constexpr (MT > 4) if (rem == 4) qint_tile<V, Bits, Lut, Unit, Z, 4, 1>(a, x, out, part);
+    if constexpr (MT > 7)
+      if (rem == 7) qint_tile<V, Bits, Lut, Unit, Z, 7, 1>(a, x, out, part);
+    if constexpr (MT > 6)
+      if (rem == 6) qint_tile<V, Bits, Lut, Unit, Z, 6, 1>(a, x, out, part);
+    if constexpr (MT > 5)
+      if (rem == 5) qint_tile<V, Bits, Lut, Unit, Z, 5, 1>(a, x, out, part);
+    if constexpr (MT > 4)
+      if (rem == 4) qint_tile<V, Bits, Lut, Unit, Z, 4, 1>(a, x, out, part);
     if (rem == 3) qint_tile<V, Bits, Lut, Unit, Z, 3, 1>(a, x, out, part);
     if (rem == 2) qint_tile<V, Bits, Lut, Unit, Z, 2, 1>(a, x, out, part);
     if (rem == 1) qint_tile<V, Bits, Lut, Unit, Z, 1, 1>(a, x, out, part);

@@ -247,11 +247,11 @@ void dequantize_qint_transposed(const Projection& p, int64_t expert, float* wt, 
   x.offset = static_cast<int32_t>(f.zero_offset);
   TORCH_CHECK(p.weight.scalar_type() == at::kByte && p.weight.dim() == 3 &&
                   p.weight.size(1) == nb && p.weight.size(2) == x.block_bytes,
-              "dense_expert_weight: weight_format='", p.format->name, "' weight must be uint8 [E, ", nb,
-              ", ", x.block_bytes, "], got ", p.weight.scalar_type(), " ", p.weight.sizes());
+              "dense_expert_weight: weight_format='", p.format->name, "' weight must be uint8 [E, ",
+              nb, ", ", x.block_bytes, "], got ", p.weight.scalar_type(), " ", p.weight.sizes());
   TORCH_CHECK(p.scales.defined() && p.scales.numel() == p.num_experts() * nb * x.groups * kRows,
-              "dense_expert_weight: weight_format='", p.format->name, "' needs scales [E, ", nb, ", ",
-              x.groups, ", 16]");
+              "dense_expert_weight: weight_format='", p.format->name, "' needs scales [E, ", nb,
+              ", ", x.groups, ", 16]");
   x.scale_type = param_type(p.scales, p.format->packed_scale_type == formats::ScaleType::kE8M0);
   TORCH_CHECK(x.scale_type != formats::ScaleType::kNone, "dense_expert_weight: scales dtype ",
               p.scales.scalar_type(), " is not fp32/fp16/bf16 (or uint8 UE8M0 for mxfp4)");
@@ -344,8 +344,7 @@ int64_t dense_ld(int64_t n) { return (n * 4) % 2048 == 0 ? n + 16 : n; }
 
 int64_t dense_expert_weight_numel(const Projection& p) { return p.k * dense_ld(p.n); }
 
-at::Tensor dense_expert_weight(const Projection& p, int64_t expert,
-                               const at::Tensor& scratch) {
+at::Tensor dense_expert_weight(const Projection& p, int64_t expert, const at::Tensor& scratch) {
   TORCH_CHECK(expert >= 0 && expert < p.num_experts(), "dense_expert_weight: expert ", expert,
               " out of range [0, ", p.num_experts(), ")");
   const int64_t ld = dense_ld(p.n);

@@ -49,9 +49,9 @@ size_t capacity_bytes(const std::vector<T>& v) {
 }
 
 size_t scratch_bytes(const Scratch& s) {
-  return capacity_bytes(s.x) + capacity_bytes(s.xq) + capacity_bytes(s.h) +
-         capacity_bytes(s.hq) + capacity_bytes(s.y) + capacity_bytes(s.x_rows) +
-         capacity_bytes(s.xq_rows) + capacity_bytes(s.h_rows) + capacity_bytes(s.hq_rows);
+  return capacity_bytes(s.x) + capacity_bytes(s.xq) + capacity_bytes(s.h) + capacity_bytes(s.hq) +
+         capacity_bytes(s.y) + capacity_bytes(s.x_rows) + capacity_bytes(s.xq_rows) +
+         capacity_bytes(s.h_rows) + capacity_bytes(s.hq_rows);
 }
 
 // Releases the calling thread's buffers when they hold more than kScratchKeepBytes.
@@ -60,6 +60,7 @@ void trim_scratch(Scratch& s) {
   Scratch empty;
   std::swap(s, empty);
 }
+
 // Per-task dot products [m][16] and the weight-only path's decoded block;
 // grown once per pool thread.
 thread_local std::vector<float> t_gate_out, t_up_out, t_block;
@@ -75,10 +76,10 @@ struct ProjectionPlan {
 
   void dot(int64_t e, int64_t nb, const float* const* x, const uint8_t* const* xq, int m,
            float* out) const {
-    std::vector<float>& block = t_block;
-    grow(block, static_cast<size_t>(kRows) * view->kp);
-    const kernels::DotArgs args{view, e, nb, nb + 1, x, xq, m, out, kRows, block.data()};
+    kernels::DotArgs args{view, e, nb, nb + 1, x, xq, m, out, kRows, nullptr};
     if (m >= fp32_min) {
+      grow(t_block, static_cast<size_t>(kRows) * view->kp);  // the block decoded to fp32
+      args.scratch = t_block.data();
       kernels->dot_fp32(args);
     } else {
       kernels->dot(args);
@@ -112,8 +113,8 @@ void set_quant_activations(QuantActivations mode) { g_quant_activations.store(mo
 QuantActivations quant_activations() { return g_quant_activations.load(); }
 
 void moe_forward_experts(const at::Tensor& hidden_states, const at::Tensor& topk_ids,
-                         const at::Tensor& topk_weights, const MoeLayer& layer,
-                         kernels::Isa isa, at::Tensor& out) {
+                         const at::Tensor& topk_weights, const MoeLayer& layer, kernels::Isa isa,
+                         at::Tensor& out) {
   const int64_t T = hidden_states.size(0);
   const int64_t H = layer.hidden_size;
   const int64_t I = layer.intermediate_size;
@@ -159,37 +160,37 @@ void moe_forward_experts(const at::Tensor& hidden_states, const at::Tensor& topk
   }
 
   // Phase 2: gate/up + SwiGLU, one item per (active expert, 16-row block of I).
-  for_each_expert_block(plan, layer.gate.view.row_blocks, [&](int64_t e, int64_t nb, int64_t r0,
-                                                              int m) {
-    const int n_valid = static_cast<int>(std::min<int64_t>(kRows, I - nb * kRows));
-    grow(t_gate_out, static_cast<size_t>(m) * kRows);
-    grow(t_up_out, static_cast<size_t>(m) * kRows);
-    gate.dot(e, nb, s.x_rows.data() + r0, s.xq_rows.data() + r0, m, t_gate_out.data());
-    up.dot(e, nb, s.x_rows.data() + r0, s.xq_rows.data() + r0, m, t_up_out.data());
-    silu_mul(t_gate_out.data(), t_up_out.data(), m);
-    for (int i = 0; i < m; ++i) {
-      const float* g = t_gate_out.data() + i * kRows;
-      std::copy(g, g + n_valid, s.h.data() + (r0 + i) * Ip + nb * kRows);
-    }
-  });
+  for_each_expert_block(
+      plan, layer.gate.view.row_blocks, [&](int64_t e, int64_t nb, int64_t r0, int m) {
+        const int n_valid = static_cast<int>(std::min<int64_t>(kRows, I - nb * kRows));
+        grow(t_gate_out, static_cast<size_t>(m) * kRows);
+        grow(t_up_out, static_cast<size_t>(m) * kRows);
+        gate.dot(e, nb, s.x_rows.data() + r0, s.xq_rows.data() + r0, m, t_gate_out.data());
+        up.dot(e, nb, s.x_rows.data() + r0, s.xq_rows.data() + r0, m, t_up_out.data());
+        silu_mul(t_gate_out.data(), t_up_out.data(), m);
+        for (int i = 0; i < m; ++i) {
+          const float* g = t_gate_out.data() + i * kRows;
+          std::copy(g, g + n_valid, s.h.data() + (r0 + i) * Ip + nb * kRows);
+        }
+      });
 
   // Phase 2b: the SwiGLU outputs to q8 records.
   if (down.q8) quantize_rows(s.h.data(), Ip, R, Ip, s.hq.data());
 
   // Phase 3: down projection scaled by the routing weight, per (expert, 16-row block of H).
   float* y = s.y.data();
-  for_each_expert_block(plan, layer.down.view.row_blocks, [&](int64_t e, int64_t nb, int64_t r0,
-                                                              int m) {
-    const int n_valid = static_cast<int>(std::min<int64_t>(kRows, H - nb * kRows));
-    grow(t_gate_out, static_cast<size_t>(m) * kRows);
-    down.dot(e, nb, s.h_rows.data() + r0, s.hq_rows.data() + r0, m, t_gate_out.data());
-    for (int i = 0; i < m; ++i) {
-      float* dst = y + plan.row_slot[r0 + i] * H + nb * kRows;
-      const float w = plan.row_weight[r0 + i];
-      const float* d = t_gate_out.data() + i * kRows;
-      for (int r = 0; r < n_valid; ++r) dst[r] = w * d[r];
-    }
-  });
+  for_each_expert_block(
+      plan, layer.down.view.row_blocks, [&](int64_t e, int64_t nb, int64_t r0, int m) {
+        const int n_valid = static_cast<int>(std::min<int64_t>(kRows, H - nb * kRows));
+        grow(t_gate_out, static_cast<size_t>(m) * kRows);
+        down.dot(e, nb, s.h_rows.data() + r0, s.hq_rows.data() + r0, m, t_gate_out.data());
+        for (int i = 0; i < m; ++i) {
+          float* dst = y + plan.row_slot[r0 + i] * H + nb * kRows;
+          const float w = plan.row_weight[r0 + i];
+          const float* d = t_gate_out.data() + i * kRows;
+          for (int r = 0; r < n_valid; ++r) dst[r] = w * d[r];
+        }
+      });
 
   // Phase 4: sum the top-k slots of each token in k order, cast to the output dtype.
   combine_slots(y, plan, out);

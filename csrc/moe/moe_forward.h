@@ -39,8 +39,8 @@ QuantActivations quant_activations();
 //   3. tasks (expert, 16-row block of H): y[t,k] = w[t,k] * h Wd^T
 //   4. tasks (token range): out[t] = sum over k (ascending) of y[t,k]
 void moe_forward_experts(const at::Tensor& hidden_states, const at::Tensor& topk_ids,
-                         const at::Tensor& topk_weights, const MoeLayer& layer,
-                         kernels::Isa isa, at::Tensor& out);
+                         const at::Tensor& topk_weights, const MoeLayer& layer, kernels::Isa isa,
+                         at::Tensor& out);
 
 // Bytes of scratch the calling thread keeps between calls of
 // moe_forward_experts (activations, SwiGLU outputs, slot outputs). At most

@@ -108,8 +108,9 @@ Projection parse_projection(const char* op, int i, const formats::FormatRow& f, 
       break;
     }
     case formats::Layout::kFp8: {
-      TORCH_CHECK(w.scalar_type() == at::kByte, op, ": ", wname, " must be uint8 for weight_format='",
-                  fmt, "' (got ", w.scalar_type(), ")", kPackHint);
+      TORCH_CHECK(w.scalar_type() == at::kByte, op, ": ", wname,
+                  " must be uint8 for weight_format='", fmt, "' (got ", w.scalar_type(), ")",
+                  kPackHint);
       absent(zeros, zname);
       TORCH_CHECK(scales.has_value(), op, ": weight_format='", fmt, "' needs ", sname);
       check_tensor(op, w, wname, fmt, {E, v.row_blocks, v.kp, 16}, dims);
@@ -126,9 +127,9 @@ Projection parse_projection(const char* op, int i, const formats::FormatRow& f, 
       break;
     }
     case formats::Layout::kQint: {
-      TORCH_CHECK(w.scalar_type() == at::kByte, op, ": ", wname, " must be uint8 for weight_format='",
-                  fmt, "' (got ", w.scalar_type(), "); a weight packed for another format was ",
-                  "probably passed");
+      TORCH_CHECK(w.scalar_type() == at::kByte, op, ": ", wname,
+                  " must be uint8 for weight_format='", fmt, "' (got ", w.scalar_type(),
+                  "); a weight packed for another format was ", "probably passed");
       TORCH_CHECK(group == 0 || v.kp % group == 0, op, ": group size ", group, " of ", proj,
                   " must divide the K of ", wname, " (", dims,
                   ") padded to a multiple of 32, which is ", v.kp);
@@ -199,8 +200,9 @@ LoraProjection parse_lora(const char* op, int i, const at::Tensor& a, const at::
   const int64_t r = a.size(1);
   TORCH_CHECK(a.size(0) == E && a.size(2) == k && r > 0, op, ": ", a_name, " must be [E=", E,
               ", r, ", k_name, "=", k, "] with LoRA rank r >= 1, got ", a.sizes());
-  TORCH_CHECK(b.size(0) == E && b.size(1) == n && b.size(2) == r, op, ": ", b_name, " must be [E=",
-              E, ", ", n_name, "=", n, ", r=", r, "] (r = rank of ", a_name, "), got ", b.sizes());
+  TORCH_CHECK(b.size(0) == E && b.size(1) == n && b.size(2) == r, op, ": ", b_name,
+              " must be [E=", E, ", ", n_name, "=", n, ", r=", r, "] (r = rank of ", a_name,
+              "), got ", b.sizes());
   return {a, b};
 }
 
@@ -258,9 +260,9 @@ MoeLayer parse_moe_layer(const char* op, const at::Tensor& hidden_states,
     TORCH_CHECK(f != nullptr, op, ": weight_format='", names[i],
                 "' is not a kt_ops format; expected one of ", formats::known_format_names());
     const bool down = i == 2;
-    *projs[i] = parse_projection(op, i, *f, group_sizes[i], weights.get(3 * i),
-                                 weights.get(3 * i + 1), weights.get(3 * i + 2), E, down ? H : I,
-                                 down ? I : H);
+    *projs[i] =
+        parse_projection(op, i, *f, group_sizes[i], weights.get(3 * i), weights.get(3 * i + 1),
+                         weights.get(3 * i + 2), E, down ? H : I, down ? I : H);
   }
 
   // --- LoRA ------------------------------------------------------------------

@@ -4,8 +4,8 @@
 // read this struct; nothing downstream looks at the raw argument list again.
 #pragma once
 
-#include <ATen/core/Tensor.h>
 #include <ATen/core/List.h>
+#include <ATen/core/Tensor.h>
 #include <c10/util/string_view.h>
 
 #include <cstdint>
@@ -25,9 +25,9 @@
 //   lora          [] or 6 tensors (gate A, B, up A, B, down A, B); a [0]-shaped
 //                 tensor stands for an absent factor
 //   lora_scaling, activation
-#define KT_LAYER_PARAMS                                                                          \
-  const c10::List<std::optional<at::Tensor>>&weights, c10::string_view weight_format,            \
-      at::IntArrayRef sizes, at::IntArrayRef group_sizes, const at::TensorList &lora,            \
+#define KT_LAYER_PARAMS                                                               \
+  const c10::List<std::optional<at::Tensor>>&weights, c10::string_view weight_format, \
+      at::IntArrayRef sizes, at::IntArrayRef group_sizes, const at::TensorList &lora, \
       double lora_scaling, c10::string_view activation
 #define KT_LAYER_ARGS weights, weight_format, sizes, group_sizes, lora, lora_scaling, activation
 

@@ -256,8 +256,8 @@ LoraForwardResult moe_forward_lora(const at::Tensor& x, const at::Tensor& topk_i
 
 MoeGrads moe_backward_lora(const at::Tensor& grad_output, const at::Tensor& x,
                            const at::Tensor& topk_ids, const at::Tensor& topk_weights,
-                           const MoeLayer& w, const at::Tensor& gate_pre,
-                           const at::Tensor& up_pre, bool compute_grad_x) {
+                           const MoeLayer& w, const at::Tensor& gate_pre, const at::Tensor& up_pre,
+                           bool compute_grad_x) {
   const LoraParams& lora = w.lora;
   const int64_t T = x.size(0), H = x.size(1), K = topk_ids.size(1);
   const int64_t E = w.gate.num_experts(), I = w.gate.n;

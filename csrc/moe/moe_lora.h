@@ -53,7 +53,7 @@ struct MoeGrads {
 };
 MoeGrads moe_backward_lora(const at::Tensor& grad_output, const at::Tensor& x,
                            const at::Tensor& topk_ids, const at::Tensor& topk_weights,
-                           const MoeLayer& layer, const at::Tensor& gate_pre, const at::Tensor& up_pre,
-                           bool compute_grad_x);
+                           const MoeLayer& layer, const at::Tensor& gate_pre,
+                           const at::Tensor& up_pre, bool compute_grad_x);
 
 }  // namespace kt::moe

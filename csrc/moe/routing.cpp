@@ -6,8 +6,8 @@
 
 namespace kt::moe {
 
-void build_routing_plan(const char* op, const at::Tensor& topk_ids,
-                        const at::Tensor& topk_weights, int64_t num_experts, RoutingPlan& plan) {
+void build_routing_plan(const char* op, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                        int64_t num_experts, RoutingPlan& plan) {
   const int64_t T = topk_ids.size(0);
   const int64_t K = topk_ids.size(1);
   const int64_t S = T * K;

@@ -28,7 +28,7 @@ struct RoutingPlan {
 // ids [T, K] int32/int64, weights [T, K] fp32/bf16/fp16 (shapes and dtypes
 // checked by the op layer). Reads each id once and raises c10::Error, naming
 // `op`, when one lies outside [-1, num_experts).
-void build_routing_plan(const char* op, const at::Tensor& topk_ids,
-                        const at::Tensor& topk_weights, int64_t num_experts, RoutingPlan& plan);
+void build_routing_plan(const char* op, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                        int64_t num_experts, RoutingPlan& plan);
 
 }  // namespace kt::moe

@@ -47,21 +47,20 @@ Grads moe_backward_cpu(const at::Tensor& grad_output, const at::Tensor& hidden_s
                        const std::optional<at::Tensor>& gate_pre,
                        const std::optional<at::Tensor>& up_pre, bool compute_grad_hidden_states) {
   runtime::ThreadPool::global().prewake();
-  const moe::MoeLayer layer = moe::parse_moe_layer("kt.moe_backward", hidden_states, topk_ids,
-                                                   topk_weights, KT_LAYER_ARGS);
+  const moe::MoeLayer layer =
+      moe::parse_moe_layer("kt.moe_backward", hidden_states, topk_ids, topk_weights, KT_LAYER_ARGS);
   TORCH_CHECK(grad_output.device().is_cpu(), "kt.moe_backward: grad_output is on ",
               grad_output.device(), "; the kt_ops experts run on the CPU");
   TORCH_CHECK(grad_output.sizes() == hidden_states.sizes(),
               "kt.moe_backward: grad_output must have the shape of hidden_states ",
               hidden_states.sizes(), ", got ", grad_output.sizes());
-  TORCH_CHECK(grad_output.scalar_type() == at::kFloat ||
-                  grad_output.scalar_type() == at::kBFloat16 ||
-                  grad_output.scalar_type() == at::kHalf,
-              "kt.moe_backward: grad_output must be fp32, bf16 or fp16, got ",
-              grad_output.scalar_type());
-  TORCH_CHECK(gate_pre.has_value() == up_pre.has_value(), "kt.moe_backward: ",
-              gate_pre.has_value() ? "gate_pre" : "up_pre", " was given without ",
-              gate_pre.has_value() ? "up_pre" : "gate_pre",
+  TORCH_CHECK(
+      grad_output.scalar_type() == at::kFloat || grad_output.scalar_type() == at::kBFloat16 ||
+          grad_output.scalar_type() == at::kHalf,
+      "kt.moe_backward: grad_output must be fp32, bf16 or fp16, got ", grad_output.scalar_type());
+  TORCH_CHECK(gate_pre.has_value() == up_pre.has_value(),
+              "kt.moe_backward: ", gate_pre.has_value() ? "gate_pre" : "up_pre",
+              " was given without ", gate_pre.has_value() ? "up_pre" : "gate_pre",
               "; pass both saved pre-activations of kt.moe_forward_train (or neither)");
   const int64_t rows = topk_ids.size(0) * topk_ids.size(1);
   if (gate_pre.has_value()) {

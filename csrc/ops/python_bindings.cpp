@@ -161,7 +161,8 @@ PYBIND11_MODULE(_C, m) {
     }
   });
   m.def("formats", &formats_report);
-  m.def("kernel_names", [](const std::string& isa) { return kernel_names(kt::kernels::parse_isa(isa)); });
+  m.def("kernel_names",
+        [](const std::string& isa) { return kernel_names(kt::kernels::parse_isa(isa)); });
   m.def("retained_scratch_bytes", &kt::moe::retained_scratch_bytes);
   m.def("topology", &topology_report);
   m.def("cpu_features", &cpu_features_report);

@@ -39,12 +39,11 @@ int default_num_threads() {
     const long n = std::strtol(env, &end, 10);
     const int cap = ThreadPool::max_threads();
     if (end == env || *end != '\0' || n < 1 || n > cap) {
-      throw std::invalid_argument(std::string("KT_OPS_NUM_THREADS='") + env +
-                                  "' must be an integer in [1, " + std::to_string(cap) +
-                                  "] (threads, the caller included; the cap is " +
-                                  std::to_string(ThreadPool::kMaxThreadsPerCore) +
-                                  " x the physical cores, at least " +
-                                  std::to_string(ThreadPool::kMinMaxThreads) + ")");
+      throw std::invalid_argument(
+          std::string("KT_OPS_NUM_THREADS='") + env + "' must be an integer in [1, " +
+          std::to_string(cap) + "] (threads, the caller included; the cap is " +
+          std::to_string(ThreadPool::kMaxThreadsPerCore) + " x the physical cores, at least " +
+          std::to_string(ThreadPool::kMinMaxThreads) + ")");
     }
     return static_cast<int>(n);
   }
@@ -146,9 +145,8 @@ void ThreadPool::set_num_threads(int n) {
       num_workers_.store(0);
       now = 1;
     }
-    throw std::runtime_error(std::string("kt_ops.set_num_threads(") + std::to_string(n) +
-                             "): " + e.what() + "; the pool keeps " + std::to_string(now) +
-                             " thread(s)");
+    throw std::runtime_error(std::string("kt_ops.set_num_threads(") + std::to_string(n) + "): " +
+                             e.what() + "; the pool keeps " + std::to_string(now) + " thread(s)");
   }
 }
 

@@ -19,10 +19,10 @@
 #include "formats/qint.h"
 #include "kernels/avx2/vec.h"
 #include "kernels/block_args.h"
-#include "kernels/qint_tiles.h"
-#include "kernels/tiers.h"
 #include "kernels/kernel_api.h"
+#include "kernels/qint_tiles.h"
 #include "kernels/swiglu.h"
+#include "kernels/tiers.h"
 
 namespace kt::kernels::avx2 {
 

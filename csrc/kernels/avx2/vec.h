@@ -70,8 +70,8 @@ struct QintVec {
   using I = __m256i;
   using F = __m256;
   static constexpr int kBytes = 32;
-  static constexpr int kRows = 8;   // rows per register
-  static constexpr int kParts = 2;  // registers per 64-byte line
+  static constexpr int kRows = 8;     // rows per register
+  static constexpr int kParts = 2;    // registers per 64-byte line
   static constexpr int kMaxTile = 4;  // tokens per tile: 4 x (int16 + int32 + fp32 accs) + 2 codes
 
   // Quads whose pmaddubsw products may be summed in int16 before widening:
@@ -104,8 +104,8 @@ struct QintVec {
   }
   // st += w0 . x0 + w1 . x1 per 16-bit pair (u8 codes x s8 activations).
   static inline void dot2(I& st, I w0, I x0, I w1, I x1) {
-    st = _mm256_add_epi16(st, _mm256_add_epi16(_mm256_maddubs_epi16(w0, x0),
-                                                _mm256_maddubs_epi16(w1, x1)));
+    st = _mm256_add_epi16(
+        st, _mm256_add_epi16(_mm256_maddubs_epi16(w0, x0), _mm256_maddubs_epi16(w1, x1)));
   }
   static inline I flush(I isum, I st) {
     return _mm256_add_epi32(isum, _mm256_madd_epi16(st, _mm256_set1_epi16(1)));

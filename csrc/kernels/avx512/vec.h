@@ -102,8 +102,8 @@ struct QintVec512 {
     if constexpr (kVnni) {
       st = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(st, w0, x0), w1, x1);
     } else {
-      st = _mm512_add_epi16(st, _mm512_add_epi16(_mm512_maddubs_epi16(w0, x0),
-                                                 _mm512_maddubs_epi16(w1, x1)));
+      st = _mm512_add_epi16(
+          st, _mm512_add_epi16(_mm512_maddubs_epi16(w0, x0), _mm512_maddubs_epi16(w1, x1)));
     }
   }
   static inline I flush(I isum, I st) {

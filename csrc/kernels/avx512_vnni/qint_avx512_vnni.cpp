@@ -19,8 +19,8 @@ void qint_run(const DotArgs& a) {
 }  // namespace
 
 const ProjectionKernels& qint_kernels() {
-  static const ProjectionKernels k{"avx512_vnni/qint_q8", &qint_run,
-                                   avx2::qint_kernels().dot_fp32, avx2::qint_kernels().fp32_name};
+  static const ProjectionKernels k{"avx512_vnni/qint_q8", &qint_run, avx2::qint_kernels().dot_fp32,
+                                   avx2::qint_kernels().fp32_name};
   return k;
 }
 
