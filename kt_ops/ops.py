@@ -516,9 +516,16 @@ def _moe_backward_fake(*args, **kwargs):
 _ARG_NAMES = tuple(_FORWARD_SIGNATURE.parameters)
 
 
+def _any_true(flags) -> bool:
+    return any(map(_any_true, flags)) if isinstance(flags, (tuple, list)) else bool(flags)
+
+
 def _setup_context_common(ctx, inputs, saved_pre) -> None:
     bound = dict(zip(_ARG_NAMES, inputs))
-    _check_frozen(bound["weights"])
+    # Older torch (2.4) runs setup_context under no_grad too; autograd records
+    # nothing then (no input needs grad), and nothing is refused.
+    if _any_true(ctx.needs_input_grad):
+        _check_frozen(bound["weights"])
     weights = bound["weights"]
     present = [t for t in weights if t is not None]
     # save_for_backward (not ctx attributes): autograd frees them after the
