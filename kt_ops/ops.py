@@ -516,15 +516,15 @@ def _moe_backward_fake(*args, **kwargs):
 _ARG_NAMES = tuple(_FORWARD_SIGNATURE.parameters)
 
 
-def _any_true(flags) -> bool:
-    return any(map(_any_true, flags)) if isinstance(flags, (tuple, list)) else bool(flags)
+#: torch < 2.6 (2.4.1 measured) runs a registered op's setup_context even under
+#: no_grad, with needs_input_grad set: there, a frozen weight that requires grad
+#: cannot be told from a recorded call, so only the Python wrappers refuse it.
+_SETUP_CONTEXT_RUNS_UNDER_NO_GRAD = torch.__version__ < "2.6"
 
 
 def _setup_context_common(ctx, inputs, saved_pre) -> None:
     bound = dict(zip(_ARG_NAMES, inputs))
-    # Older torch (2.4) runs setup_context under no_grad too; autograd records
-    # nothing then (no input needs grad), and nothing is refused.
-    if _any_true(ctx.needs_input_grad):
+    if not _SETUP_CONTEXT_RUNS_UNDER_NO_GRAD:
         _check_frozen(bound["weights"])
     weights = bound["weights"]
     present = [t for t in weights if t is not None]
