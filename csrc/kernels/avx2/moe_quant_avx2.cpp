@@ -33,57 +33,29 @@ namespace {
 using formats::QintFormat;
 using formats::ScaleType;
 
-// Moves the 1 or 2 high bits of half-set h (stored at bit `from` of each
-// byte) to bit 4 of each byte. 16-bit shifts are safe: the mask keeps only
-// bits that came from the same byte.
-KT_INLINE __m256i high_bits_to_bit4(__m256i hb, int from, int mask) {
-  const __m256i m = _mm256_set1_epi8(static_cast<char>(mask));
-  if (from < 4) return _mm256_and_si256(_mm256_sll_epi16(hb, _mm_cvtsi32_si128(4 - from)), m);
-  return _mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(from - 4)), m);
-}
-
-// Decodes the codes of k in [k0, k0 + 4*NV) for the rows of one half into NV
-// vectors of [8 rows][4 k] bytes: unsigned codes for 4/5/6 bit and E2M1,
-// |w| for signed 8 bit.
+// Decodes the codes of k in [k0, k0 + 4*NV) (NV even) for the rows of one
+// half into NV vectors of [8 rows][4 k] unsigned codes (4/5/6 bit, E2M1),
+// with the integer traits of the dot product (QintVec).
 template <int Bits, bool Lut, int NV>
 KT_INLINE void decode_unit(const uint8_t* block, [[maybe_unused]] const uint8_t* high, int64_t k0,
                            int half, __m256i* w) {
-  if constexpr (Bits == 8) {
-    for (int v = 0; v < NV; ++v) {
-      const uint8_t* p = block + (k0 / 4 + v) * 64 + half * 32;
-      w[v] = _mm256_abs_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    }
-  } else {
-    const __m256i low4 = _mm256_set1_epi8(0x0F);
-    const int64_t h0 = k0 / 4;  // first half-set
-    for (int v = 0; v < NV; v += 2) {
-      const uint8_t* p = block + ((h0 + v) / 2) * 64 + half * 32;
-      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-      w[v] = _mm256_and_si256(raw, low4);
-      w[v + 1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-    }
-    if constexpr (Lut) {
-      // E2M1 code -> 2*value + 12 (formats::e2m1_kernel_code), per 128-bit lane.
-      const __m256i lut =
-          _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0, 12, 13, 14,
-                           15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0);
-      for (int v = 0; v < NV; ++v) w[v] = _mm256_shuffle_epi8(lut, w[v]);
-    }
+  static_assert(Bits != 8 && NV % 2 == 0, "8-bit codes are loaded as they are");
+  const int64_t h0 = k0 / 4;  // first half-set (quad)
+  for (int v = 0; v < NV; v += 2) {
+    const __m256i raw = QintVec::load(block + ((h0 + v) / 2) * 64 + half * 32);
+    w[v] = QintVec::lo_nibbles(raw);
+    w[v + 1] = QintVec::hi_nibbles(raw);
+  }
+  for (int v = 0; v < NV; ++v) {
+    const int64_t h = h0 + v;
+    if constexpr (Lut) w[v] = QintVec::e2m1_codes(w[v]);
     if constexpr (Bits == 5) {
-      for (int v = 0; v < NV; ++v) {
-        const int64_t h = h0 + v;
-        const uint8_t* p = high + (h / 8) * 64 + half * 32;
-        const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-        w[v] = _mm256_or_si256(w[v], high_bits_to_bit4(hb, static_cast<int>(h % 8), 0x10));
-      }
+      const __m256i hb = QintVec::load(high + (h / 8) * 64 + half * 32);
+      w[v] = QintVec::or_(w[v], QintVec::high_bits(hb, static_cast<int>(h % 8), 0x10));
     }
     if constexpr (Bits == 6) {
-      for (int v = 0; v < NV; ++v) {
-        const int64_t h = h0 + v;
-        const uint8_t* p = high + (h / 4) * 64 + half * 32;
-        const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-        w[v] = _mm256_or_si256(w[v], high_bits_to_bit4(hb, static_cast<int>(2 * (h % 4)), 0x30));
-      }
+      const __m256i hb = QintVec::load(high + (h / 4) * 64 + half * 32);
+      w[v] = QintVec::or_(w[v], QintVec::high_bits(hb, static_cast<int>(2 * (h % 4)), 0x30));
     }
   }
 }
