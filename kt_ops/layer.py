@@ -305,11 +305,16 @@ class LoRAWeights:
 
 
 def layer_args(
-    experts: ExpertWeights, lora: Optional[LoRAWeights], activation: str, like: Tensor
+    experts: ExpertWeights,
+    lora: Optional[LoRAWeights],
+    activation: str,
+    like: Tensor,
+    gpu_experts_mask: Optional[Tensor] = None,
 ) -> tuple:
     """The layer arguments of every ``kt::`` op, in schema order (module docstring).
 
-    ``like`` supplies the device and dtype of the ``[0]``-shaped placeholders.
+    ``like`` supplies the device and dtype of the ``[0]``-shaped placeholders;
+    ``gpu_experts_mask`` (bool ``[E]`` or None) marks the experts the op skips.
     """
     lora = lora if lora is not None else LoRAWeights()
     return (
@@ -320,4 +325,5 @@ def layer_args(
         lora.op_args(like),
         float(lora.scaling),
         activation,
+        gpu_experts_mask,
     )

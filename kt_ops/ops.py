@@ -96,6 +96,7 @@ def moe_forward(
     activation: str = "silu",
     activation_checkpointing: Optional[bool] = None,
     out: Optional[Tensor] = None,
+    gpu_experts_mask: Optional[Tensor] = None,
 ) -> Tensor:
     """Routed-expert MLPs of one MoE layer for a batch of tokens (``torch.ops.kt.moe_forward``).
 
@@ -138,6 +139,11 @@ def moe_forward(
         out: optional caller-owned contiguous ``[T, H]`` tensor in the dtype of
             ``hidden_states`` to write the result into (``kt.moe_forward.out``;
             static buffers, CUDA graphs); not differentiable.
+        gpu_experts_mask: optional bool ``[E]`` on the device of
+            ``hidden_states``: ``True`` marks an expert served elsewhere (its
+            weights on the GPU, CPU/GPU hybrid inference). The op skips its
+            slots exactly as it skips id ``-1``: they add nothing to ``out``
+            and get zero gradients. The caller adds the GPU experts' output.
 
     Returns:
         ``[T, H]`` tensor in the dtype of ``hidden_states`` (``out`` when
@@ -162,7 +168,7 @@ def moe_forward(
         grad (the base weights are frozen).
     """
     args = (hidden_states, topk_ids, topk_weights) + layer_args(
-        experts, lora, activation, hidden_states
+        experts, lora, activation, hidden_states, gpu_experts_mask
     )
     if torch.is_grad_enabled():
         # Autograd does not see into the Tensor?[] weights list: a base weight that
@@ -205,6 +211,7 @@ def moe_forward_train(
     lora: Optional[LoRAWeights] = None,
     *,
     activation: str = "silu",
+    gpu_experts_mask: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``torch.ops.kt.moe_forward_train``: :func:`moe_forward` plus what backward reuses.
 
@@ -216,7 +223,7 @@ def moe_forward_train(
     (``gate_pre``/``up_pre`` are not). Raises what :func:`moe_forward` raises.
     """
     args = (hidden_states, topk_ids, topk_weights) + layer_args(
-        experts, lora, activation, hidden_states
+        experts, lora, activation, hidden_states, gpu_experts_mask
     )
     if torch.is_grad_enabled():
         _check_frozen(args[3])
@@ -235,6 +242,7 @@ def moe_backward(
     gate_pre: Optional[Tensor] = None,
     up_pre: Optional[Tensor] = None,
     compute_grad_hidden_states: bool = True,
+    gpu_experts_mask: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, LoRAWeights]:
     """``torch.ops.kt.moe_backward``: gradients of :func:`moe_forward`; autograd calls it for you.
 
@@ -257,7 +265,7 @@ def moe_backward(
     ``gate_pre``/``up_pre`` that are not both given or not fp32 ``[T*K, I]``.
     """
     args = (grad_output, hidden_states, topk_ids, topk_weights) + layer_args(
-        experts, lora, activation, hidden_states
+        experts, lora, activation, hidden_states, gpu_experts_mask
     )
     gx, gw, grad_lora = torch.ops.kt.moe_backward.default(
         *args,
@@ -320,18 +328,33 @@ def _check_fake_layer(op: str, bound: dict) -> ExpertWeights:
     except ValueError as err:
         torch._check(False, lambda err=err: f"{op}: {err}")
     # A meta tensor mixed with real ones also lands here: name the odd one out
-    # instead of returning an uninitialized tensor.
-    named = {"topk_ids": ids, "topk_weights": w}
+    # instead of returning an uninitialized tensor. With CUDA hidden states (the
+    # CUDA-stream bridge) the packed weights stay on the CPU and everything else
+    # is on the GPU.
+    packed_device = torch.device("cpu") if x.device.type == "cuda" else x.device
+    named = {}
     for name, p in zip(PROJECTIONS, experts.projections):
-        named.update({f"{name}_{k}": t for k, t in p.tensors().items()})
+        named.update({f"{name}_{k}": (t, packed_device) for k, t in p.tensors().items()})
+    named.update({"topk_ids": (ids, x.device), "topk_weights": (w, x.device)})
     factor_names = (f"{p}_lora_{f}" for p in PROJECTIONS for f in ("a", "b"))
-    named.update({n: t for n, t in zip(factor_names, lora.factors()) if t is not None})
-    for name, t in named.items():
+    named.update({n: (t, x.device) for n, t in zip(factor_names, lora.factors()) if t is not None})
+    mask = bound.get("gpu_experts_mask")
+    if mask is not None:
+        named["gpu_experts_mask"] = (mask, x.device)
+    for name, (t, device) in named.items():
         torch._check(
-            t.device == x.device,
-            lambda name=name, t=t: (
-                f"{op}: {name} is on {t.device} but hidden_states is on {x.device}; "
-                "all tensors must be on one device"
+            t.device == device,
+            lambda name=name, t=t, device=device: (
+                f"{op}: {name} is on {t.device} but must be on {device} (hidden_states is "
+                f"on {x.device}; the packed expert weights live on the CPU)"
+            ),
+        )
+    if mask is not None:
+        torch._check(
+            mask.dtype == torch.bool and mask.dim() == 1 and mask.shape[0] == experts.num_experts,
+            lambda: (
+                f"{op}: gpu_experts_mask must be a bool [E={experts.num_experts}] tensor, got "
+                f"{mask.dtype} {list(mask.shape)}"
             ),
         )
     torch._check(x.dim() == 2, lambda: f"{op}: hidden_states must be 2-D [T, H]")
@@ -543,6 +566,7 @@ def _setup_context_common(ctx, inputs, saved_pre) -> None:
     ctx.non_tensor = {k: bound[k] for k in ("weight_format", "sizes", "group_sizes")}
     ctx.scaling = bound.get("lora_scaling", 1.0)
     ctx.activation = bound.get("activation", "silu")
+    ctx.gpu_experts_mask = bound.get("gpu_experts_mask")
     ctx.num_saved_pre = len(saved_pre)
 
 
@@ -592,6 +616,7 @@ def _moe_backward_formula(ctx, grad_output, *_grads_of_saved_pre):
         lora,
         ctx.scaling,
         ctx.activation,
+        ctx.gpu_experts_mask,
         gate_pre=pre[0],
         up_pre=pre[1],
         compute_grad_hidden_states=bool(needs_x),

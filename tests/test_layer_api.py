@@ -276,7 +276,7 @@ def test_expert_weights_describe_the_layer():
     assert w.validate() is w
     x = make_hidden(2, 256)
     args = layer_args(w, None, "silu", x)
-    assert args[1:] == ("q4_k,q4_k,bf16", [256, 256], [32, 32, 0], [], 1.0, "silu")
+    assert args[1:] == ("q4_k,q4_k,bf16", [256, 256], [32, 32, 0], [], 1.0, "silu", None)
 
 
 def test_expert_weights_from_dense_any_mix():

@@ -25,7 +25,7 @@ OP = torch.ops.kt.moe_forward
 
 
 LAYER_ARGS = ["weights", "weight_format", "sizes", "group_sizes", "lora", "lora_scaling",
-              "activation"]  # fmt: skip
+              "activation", "gpu_experts_mask"]  # fmt: skip
 
 
 def test_schema_is_functional_and_documented():
@@ -37,6 +37,7 @@ def test_schema_is_functional_and_documented():
     types = {a.name: str(a.type) for a in schema.arguments}
     assert types["weights"] == "List[Optional[Tensor]]" and types["lora"] == "List[Tensor]"
     assert (types["sizes"], types["group_sizes"]) == ("List[int]", "List[int]")
+    assert types["gpu_experts_mask"] == "Optional[Tensor]"
     assert not any(a.kwarg_only for a in schema.arguments)
     assert kt_ops.moe_forward.__doc__
 

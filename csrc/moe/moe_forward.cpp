@@ -120,7 +120,8 @@ void moe_forward_experts(const at::Tensor& hidden_states, const at::Tensor& topk
   const int64_t I = layer.intermediate_size;
   const int64_t K = topk_ids.size(1);
   Scratch& s = t_scratch;
-  build_routing_plan(layer.op, topk_ids, topk_weights, layer.num_experts, s.plan);
+  build_routing_plan(layer.op, topk_ids, topk_weights, layer.num_experts, layer.skip_mask(),
+                     s.plan);
   if (T == 0) return;
   const RoutingPlan& plan = s.plan;
   const int64_t R = plan.num_rows();

@@ -293,6 +293,19 @@ MoeLayer parse_moe_layer(const char* op, const at::Tensor& hidden_states,
                 lora_scaling);
   }
   layer.lora.scaling = lora_scaling;
+
+  // --- experts served elsewhere -------------------------------------------------
+  if (gpu_experts_mask.has_value()) {
+    const at::Tensor& m = *gpu_experts_mask;
+    check_cpu(op, m, "gpu_experts_mask");
+    TORCH_CHECK(m.scalar_type() == at::kBool, op,
+                ": gpu_experts_mask must be a bool tensor (True = the expert runs on the GPU), "
+                "got ",
+                m.scalar_type());
+    TORCH_CHECK(m.dim() == 1 && m.size(0) == E, op, ": gpu_experts_mask must be [E=", E,
+                "] (one flag per expert), got shape ", m.sizes());
+    layer.skip_experts = m.contiguous();
+  }
   return layer;
 }
 

@@ -25,11 +25,15 @@
 //   lora          [] or 6 tensors (gate A, B, up A, B, down A, B); a [0]-shaped
 //                 tensor stands for an absent factor
 //   lora_scaling, activation
+//   gpu_experts_mask  None, or bool [E]: True marks an expert that lives on the
+//                 GPU; the op skips its slots as it skips id -1
 #define KT_LAYER_PARAMS                                                               \
   const c10::List<std::optional<at::Tensor>>&weights, c10::string_view weight_format, \
       at::IntArrayRef sizes, at::IntArrayRef group_sizes, const at::TensorList &lora, \
-      double lora_scaling, c10::string_view activation
-#define KT_LAYER_ARGS weights, weight_format, sizes, group_sizes, lora, lora_scaling, activation
+      double lora_scaling, c10::string_view activation,                               \
+      const std::optional<at::Tensor>&gpu_experts_mask
+#define KT_LAYER_ARGS \
+  weights, weight_format, sizes, group_sizes, lora, lora_scaling, activation, gpu_experts_mask
 
 namespace kt::moe {
 
@@ -67,6 +71,12 @@ struct MoeLayer {
   int64_t intermediate_size = 0;  // I
   Projection gate, up, down;      // [E, I, H], [E, I, H], [E, H, I]
   LoraParams lora;
+  // bool [E], contiguous CPU: experts the op skips (served on the GPU); undefined: none.
+  at::Tensor skip_experts;
+
+  const bool* skip_mask() const {
+    return skip_experts.defined() ? skip_experts.data_ptr<bool>() : nullptr;
+  }
 };
 
 // Checks every argument of a kt:: op that takes a layer (errors name the

@@ -203,7 +203,7 @@ LoraForwardResult moe_forward_lora(const at::Tensor& x, const at::Tensor& topk_i
   if (T == 0 || H == 0) return res;
 
   RoutingPlan plan;
-  build_routing_plan(w.op, topk_ids, topk_weights, E, plan);
+  build_routing_plan(w.op, topk_ids, topk_weights, E, w.skip_mask(), plan);
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   const float* xp = xf.data_ptr<float>();
   const LoraF32 lg = lora_f32(lora.gate), lu = lora_f32(lora.up), ld = lora_f32(lora.down);
@@ -282,7 +282,7 @@ MoeGrads moe_backward_lora(const at::Tensor& grad_output, const at::Tensor& x,
 
   if (T > 0 && H > 0) {
     RoutingPlan plan;
-    build_routing_plan(w.op, topk_ids, topk_weights, E, plan);
+    build_routing_plan(w.op, topk_ids, topk_weights, E, w.skip_mask(), plan);
     const at::Tensor xf = x.to(at::kFloat).contiguous();
     const at::Tensor gof = grad_output.to(at::kFloat).contiguous();
     const float* xp = xf.data_ptr<float>();

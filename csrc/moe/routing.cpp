@@ -7,7 +7,7 @@
 namespace kt::moe {
 
 void build_routing_plan(const char* op, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
-                        int64_t num_experts, RoutingPlan& plan) {
+                        int64_t num_experts, const bool* skip, RoutingPlan& plan) {
   const int64_t T = topk_ids.size(0);
   const int64_t K = topk_ids.size(1);
   const int64_t S = T * K;
@@ -33,6 +33,10 @@ void build_routing_plan(const char* op, const at::Tensor& topk_ids, const at::Te
   TORCH_CHECK(lo >= -1 && hi < num_experts, op, ": topk_ids must lie in [-1, ", num_experts,
               ") (E = number of experts in gate_weight; -1 skips a slot), got values in [", lo,
               ", ", hi, "]");
+  if (skip != nullptr) {  // an expert on the GPU: its slots are skipped like id -1
+    for (int64_t s = 0; s < S; ++s)
+      if (plan.ids[s] >= 0 && skip[plan.ids[s]]) plan.ids[s] = -1;
+  }
   const int64_t* id = plan.ids.data();
   const at::Tensor w = topk_weights.to(at::kFloat).contiguous();
   const float* wt = w.data_ptr<float>();

@@ -17,7 +17,7 @@ struct RoutingPlan {
   std::vector<int64_t> row_token;       // token of each row
   std::vector<int64_t> row_slot;        // t * top_k + k of each row
   std::vector<float> row_weight;        // routing weight of each row, fp32
-  std::vector<uint8_t> slot_valid;      // [T * K]: 1 where the id is not -1
+  std::vector<uint8_t> slot_valid;      // [T * K]: 1 where the id is not -1 nor skipped
   std::vector<int64_t> active_experts;  // experts with at least one row, ascending
   std::vector<int64_t> ids;             // [T * K] the ids as read (once) and range-checked
   std::vector<int64_t> cursor;          // scratch of build_routing_plan, kept to reuse its memory
@@ -27,8 +27,9 @@ struct RoutingPlan {
 
 // ids [T, K] int32/int64, weights [T, K] fp32/bf16/fp16 (shapes and dtypes
 // checked by the op layer). Reads each id once and raises c10::Error, naming
-// `op`, when one lies outside [-1, num_experts).
+// `op`, when one lies outside [-1, num_experts). `skip` (nullable, [num_experts])
+// marks experts served elsewhere: their slots are dropped as id -1 is.
 void build_routing_plan(const char* op, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
-                        int64_t num_experts, RoutingPlan& plan);
+                        int64_t num_experts, const bool* skip, RoutingPlan& plan);
 
 }  // namespace kt::moe

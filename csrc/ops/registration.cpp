@@ -12,10 +12,12 @@ namespace {
 // documents each; kt_ops/layer.py builds them from PackedProjections):
 //   weights: gate, up, down x (weight, scales, zeros), None where absent;
 //   lora: [] or 6 tensors (gate A, B, up A, B, down A, B), [0]-shaped where a
-//   projection has none (autograd needs every entry of a list to be a tensor).
+//   projection has none (autograd needs every entry of a list to be a tensor);
+//   gpu_experts_mask: bool [E], True for the experts served elsewhere (on the
+//   GPU): the op skips them as it skips id -1.
 const std::string kLayer =
     "Tensor?[] weights, str weight_format, int[] sizes, int[] group_sizes, Tensor[] lora, "
-    "float lora_scaling=1.0, str activation='silu'";
+    "float lora_scaling=1.0, str activation='silu', Tensor? gpu_experts_mask=None";
 const std::string kRouted = "Tensor hidden_states, Tensor topk_ids, Tensor topk_weights, ";
 
 c10::FunctionSchema schema(const std::string& text) {
