@@ -23,6 +23,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <optional>
+
 #include "moe/expert_weights.h"
 #include "moe/moe_layer.h"
 
@@ -51,6 +53,13 @@ struct MoeGrads {
   at::Tensor topk_weights;   // [T, K], dtype of topk_weights
   at::Tensor gate_a, gate_b, up_a, up_b, down_a, down_b;  // dtype of the LoRA tensors
 };
+// The checks of kt.moe_backward's own arguments (grad_output, the saved
+// pre-activations), after parse_moe_layer; errors name the argument.
+void check_backward_args(const MoeLayer& layer, const at::Tensor& grad_output,
+                         const at::Tensor& hidden_states, const at::Tensor& topk_ids,
+                         const std::optional<at::Tensor>& gate_pre,
+                         const std::optional<at::Tensor>& up_pre);
+
 MoeGrads moe_backward_lora(const at::Tensor& grad_output, const at::Tensor& x,
                            const at::Tensor& topk_ids, const at::Tensor& topk_weights,
                            const MoeLayer& layer, const at::Tensor& gate_pre,

@@ -19,17 +19,6 @@ namespace {
 using TrainOut = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
 using Grads = std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>>;
 
-// A saved pre-activation: fp32 [T*K, I], contiguous, on the CPU.
-void check_pre(const at::Tensor& t, const char* name, int64_t rows, int64_t I) {
-  TORCH_CHECK(t.device().is_cpu(), "kt.moe_backward: ", name, " is on ", t.device(),
-              "; it must be the CPU tensor that kt.moe_forward_train returned");
-  TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 2 && t.size(0) == rows &&
-                  t.size(1) == I && t.is_contiguous(),
-              "kt.moe_backward: ", name, " must be a contiguous fp32 [T*K=", rows, ", I=", I,
-              "] tensor as returned by kt.moe_forward_train, got ", t.scalar_type(), " ",
-              t.sizes());
-}
-
 }  // namespace
 
 TrainOut moe_forward_train_cpu(const at::Tensor& hidden_states, const at::Tensor& topk_ids,
@@ -49,24 +38,7 @@ Grads moe_backward_cpu(const at::Tensor& grad_output, const at::Tensor& hidden_s
   runtime::ThreadPool::global().prewake();
   const moe::MoeLayer layer =
       moe::parse_moe_layer("kt.moe_backward", hidden_states, topk_ids, topk_weights, KT_LAYER_ARGS);
-  TORCH_CHECK(grad_output.device().is_cpu(), "kt.moe_backward: grad_output is on ",
-              grad_output.device(), "; the kt_ops experts run on the CPU");
-  TORCH_CHECK(grad_output.sizes() == hidden_states.sizes(),
-              "kt.moe_backward: grad_output must have the shape of hidden_states ",
-              hidden_states.sizes(), ", got ", grad_output.sizes());
-  TORCH_CHECK(
-      grad_output.scalar_type() == at::kFloat || grad_output.scalar_type() == at::kBFloat16 ||
-          grad_output.scalar_type() == at::kHalf,
-      "kt.moe_backward: grad_output must be fp32, bf16 or fp16, got ", grad_output.scalar_type());
-  TORCH_CHECK(gate_pre.has_value() == up_pre.has_value(),
-              "kt.moe_backward: ", gate_pre.has_value() ? "gate_pre" : "up_pre",
-              " was given without ", gate_pre.has_value() ? "up_pre" : "gate_pre",
-              "; pass both saved pre-activations of kt.moe_forward_train (or neither)");
-  const int64_t rows = topk_ids.size(0) * topk_ids.size(1);
-  if (gate_pre.has_value()) {
-    check_pre(*gate_pre, "gate_pre", rows, layer.intermediate_size);
-    check_pre(*up_pre, "up_pre", rows, layer.intermediate_size);
-  }
+  moe::check_backward_args(layer, grad_output, hidden_states, topk_ids, gate_pre, up_pre);
   moe::MoeGrads g = moe::moe_backward_lora(
       grad_output, hidden_states.contiguous(), topk_ids, topk_weights, layer,
       gate_pre.value_or(at::Tensor()), up_pre.value_or(at::Tensor()), compute_grad_hidden_states);

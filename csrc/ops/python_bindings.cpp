@@ -16,6 +16,10 @@
 namespace py = pybind11;
 using kt::kernels::Isa;
 
+namespace kt::hybrid {
+void register_host_bridge(pybind11::module& m);  // csrc/hybrid/host_transport.cpp
+}
+
 namespace {
 
 std::vector<std::string> names(const std::vector<Isa>& isas) {
@@ -166,4 +170,5 @@ PYBIND11_MODULE(_C, m) {
   m.def("retained_scratch_bytes", &kt::moe::retained_scratch_bytes);
   m.def("topology", &topology_report);
   m.def("cpu_features", &cpu_features_report);
+  kt::hybrid::register_host_bridge(m);
 }

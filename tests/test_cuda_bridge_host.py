@@ -1,0 +1,198 @@
+"""The CPU/GPU bridge's host side, on machines without a GPU.
+
+``csrc/hybrid/bridge.cpp`` runs the kt:: ops on device tensors as copy-in,
+host function, copy-out on a stream. Everything above the device runtime
+(staging layout, the staging pool, the parse over staged views, the host
+function, outputs, the deferred id-range error, capture and replay) is driven
+here through ``kt_ops._C._HostBridge``, a transport whose "device" is host
+memory: memcpy for the copies, a direct call for the host function, and, with
+``capture=True``, recorded steps that ``replay()`` runs again (as a CUDA graph
+replays its memcpy and host nodes). Each result must be bit-identical to the
+CPU op on the same inputs: the bridge runs the same driver on a copy.
+The CUDA transport itself runs in tests/test_cuda_bridge.py (GPU only).
+"""
+
+# ruff: noqa: E741
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kt_ops
+import kt_ops.ops
+from kt_ops import _C
+from kt_ops.layer import ExpertWeights, LoRAWeights, layer_args
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+E, H, I, K = 8, 256, 256, 3
+
+
+def _experts(fmt: str, seed: int = 0) -> ExpertWeights:
+    g = torch.Generator().manual_seed(seed)
+    dense = [torch.randn(E, I, H, generator=g) * 0.1, torch.randn(E, I, H, generator=g) * 0.1]
+    return ExpertWeights.from_dense(*dense, torch.randn(E, H, I, generator=g) * 0.1, fmt)
+
+
+def _routing(T: int, seed: int = 1, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).to(dtype)
+    ids = torch.randint(-1, E, (T, K), generator=g)
+    w = torch.rand(T, K, generator=g)
+    return x, ids, w
+
+
+def _lora(rank: int = 4) -> LoRAWeights:
+    g = torch.Generator().manual_seed(3)
+
+    def f(*shape):
+        return torch.randn(*shape, generator=g) * 0.1
+
+    return LoRAWeights(up=(f(E, rank, H), f(E, I, rank)), down=(f(E, rank, I), f(E, H, rank)))
+
+
+def _args(experts, lora=None, mask=None, like=None):
+    weights, fmt, sizes, gs, lora_list, scaling, activation, mask = layer_args(
+        experts, lora, "silu", like, mask
+    )
+    return [weights, fmt, sizes, gs, lora_list, scaling, activation, mask]
+
+
+FORMATS = ["bf16", "int8", "int4", "q4_k,q4_k,q6_k", "fp8"]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("T", [0, 1, 9])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_eager_forward_matches_cpu_op(fmt, T, dtype):
+    experts = _experts(fmt)
+    x, ids, w = _routing(T, dtype=dtype)
+    got = _C._HostBridge().moe_forward(x, ids, w, *_args(experts, like=x), None)
+    assert got.dtype == dtype and got.shape == x.shape
+    assert torch.equal(got, kt_ops.moe_forward(x, ids, w, experts))
+
+
+def test_eager_forward_mask_lora_and_out():
+    experts = _experts("int8")
+    x, ids, w = _routing(7)
+    mask = torch.zeros(E, dtype=torch.bool)
+    mask[[1, 5]] = True
+    lora = _lora()
+    bridge = _C._HostBridge()
+    got = bridge.moe_forward(x, ids, w, *_args(experts, lora, mask, x), None)
+    want = kt_ops.moe_forward(x, ids, w, experts, lora, gpu_experts_mask=mask)
+    assert torch.equal(got, want)
+    out = torch.full_like(x, float("nan"))
+    assert bridge.moe_forward(x, ids, w, *_args(experts, like=x), out) is not None
+    assert torch.equal(out, kt_ops.moe_forward(x, ids, w, experts))
+
+
+def test_training_and_backward_match_cpu_ops():
+    experts = _experts("int4")
+    x, ids, w = _routing(6)
+    lora = _lora()
+    mask = torch.zeros(E, dtype=torch.bool)
+    mask[2] = True
+    bridge = _C._HostBridge()
+    args = _args(experts, lora, mask, x)
+    got = bridge.moe_forward_train(x, ids, w, *args)
+    want = kt_ops.ops.moe_forward_train(x, ids, w, experts, lora, gpu_experts_mask=mask)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    gy = torch.randn_like(x)
+    for pre in (None, got[1:]):
+        for compute_gx in (True, False):
+            gp, up = pre if pre is not None else (None, None)
+            gx, gw, gl = bridge.moe_backward(gy, x, ids, w, *args, gp, up, compute_gx)
+            rx, rw, rl = torch.ops.kt.moe_backward.default(
+                gy, x, ids, w, *args, gate_pre=gp, up_pre=up,
+                compute_grad_hidden_states=compute_gx,
+            )  # fmt: skip
+            assert torch.equal(gx, rx) and torch.equal(gw, rw)
+            assert len(gl) == len(rl) == 6
+            for a, b in zip(gl, rl):
+                assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_capture_records_and_replays_with_stable_staging():
+    """Two layers captured into one "graph"; replays see the inputs' current contents."""
+    _C._release_captured_staging()
+    layers = [_experts("int8", seed=0), _experts("q4_k,q4_k,q6_k", seed=1)]
+    x, ids, w = _routing(4)
+    static_x, static_ids, static_w = x.clone(), ids.clone(), w.clone()
+    outs = [torch.full_like(x, float("nan")) for _ in layers]
+    graph = _C._HostBridge(capture=True)
+    h = static_x
+    for experts, out in zip(layers, outs):
+        graph.moe_forward(h, static_ids, static_w, *_args(experts, like=x), out)
+        h = out  # layer 2 reads layer 1's output, as in a model
+    stats = _C._staging_stats()
+    assert stats["captured_blocks"] == 2 and stats["captured_bytes"] > 0
+    # Capture records; nothing ran yet.
+    assert all(torch.isnan(o).all() for o in outs)
+
+    def eager(x, ids, w):
+        y = kt_ops.moe_forward(x, ids, w, layers[0])
+        return y, kt_ops.moe_forward(y, ids, w, layers[1])
+
+    for step in range(20):
+        new_x, new_ids, new_w = _routing(4, seed=10 + step)
+        static_x.copy_(new_x)
+        static_ids.copy_(new_ids)
+        static_w.copy_(new_w)
+        assert graph.replay() == 2 * 5  # per call: 3 copies in, the host function, 1 copy out
+        want = eager(new_x, new_ids, new_w)
+        assert torch.equal(outs[0], want[0]) and torch.equal(outs[1], want[1])
+    _C._release_captured_staging()
+    assert _C._staging_stats()["captured_blocks"] == 0
+
+
+def test_eager_staging_is_reused_and_grows():
+    experts = _experts("int8")
+    bridge = _C._HostBridge()
+    bridge.moe_forward(*_routing(1), *_args(experts, like=torch.empty(0)), None)
+    before = _C._staging_stats()
+    for _ in range(5):
+        bridge.moe_forward(*_routing(1), *_args(experts, like=torch.empty(0)), None)
+    assert _C._staging_stats()["eager_bytes"] == before["eager_bytes"]
+    big = _routing(300)
+    bridge.moe_forward(*big, *_args(experts, like=torch.empty(0)), None)
+    after = _C._staging_stats()
+    assert after["eager_bytes"] > before["eager_bytes"]
+    assert after["eager_blocks"] == before["eager_blocks"]  # one block per stream
+
+
+def test_out_of_range_id_is_deferred_and_outputs_are_nan():
+    experts = _experts("int8")
+    x, ids, w = _routing(3)
+    ids[1, 2] = E  # out of range: found only when the host function reads the ids
+    bridge = _C._HostBridge()
+    _C._bridge_take_error()
+    out = bridge.moe_forward(x, ids, w, *_args(experts, like=x), None)
+    assert torch.isnan(out).all()
+    with pytest.raises(
+        RuntimeError, match=r"earlier kt_ops call .* failed in its CPU part.*topk_ids"
+    ):
+        bridge.moe_forward(*_routing(2), *_args(experts, like=x), None)
+    # Raised once: the next call runs.
+    ok = bridge.moe_forward(*_routing(2), *_args(experts, like=x), None)
+    assert torch.isfinite(ok).all()
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda a: a.__setitem__(1, a[1].int().float()), "topk_ids must be int32 or int64"),
+        (lambda a: a.__setitem__(0, a[0][:, :-1]), "hidden_states has 255 columns"),
+        (lambda a: a.__setitem__(2, a[2][:1]), "topk_weights must have the shape"),
+        (lambda a: a.__setitem__(4, "int9"), "not a kt_ops format"),
+    ],
+)
+def test_bad_arguments_raise_before_anything_runs(mutate, message):
+    experts = _experts("int8")
+    x, ids, w = _routing(3)
+    a = [x, ids, w, *_args(experts, like=x)]
+    mutate(a)
+    with pytest.raises(RuntimeError, match=message):
+        _C._HostBridge().moe_forward(*a, None)
+    assert _C._bridge_take_error() == ""
