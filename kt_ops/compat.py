@@ -345,8 +345,9 @@ class _CompressedInt4Checkpoint:
     or uint8 ``[N, K/2]``, first code in the low nibble), ``.weight_scale`` (bf16
     ``[N, K/group]``) and optionally ``.weight_shape`` (``[N, K]``). A stored code
     ``c`` in ``[0, 16)`` means the weight ``scale * (c - 8)``: kt_ops' symmetric
-    ``int4``, whose scales are kept in bf16 (the op reads bf16 scales), so the
-    packed weights are exact.
+    ``int4``. Its scales convert to fp16 exactly when they lie in fp16's normal
+    range (int4 scales of real checkpoints do); otherwise they stay bf16, which
+    the op also reads. Either way the packed weights are exact.
     """
 
     kind = "compressed_tensors_int4"
@@ -429,16 +430,20 @@ class _CompressedInt4Checkpoint:
                     f"{s.shape[2]} scales a row); kt_ops int4 takes groups of "
                     f"{format_spec('int4').group_sizes}"
                 )
+            # kt_ops int4 stores fp16 scales; bf16 ones convert exactly unless they are
+            # tiny (fp16 subnormals) or huge. Then they stay bf16, which the op reads too
+            # (validate() and the reference dequantizer want fp16, so check against those).
+            s16 = s.to(torch.float16)
+            exact = bool(torch.equal(s16.to(torch.bfloat16), s))
             p = PackedProjection(
                 pack_codes(q, 4, pad_code=8),
-                pack_group_params(s, torch.bfloat16),
+                pack_group_params(s16 if exact else s, s16.dtype if exact else s.dtype),
                 None,
                 "int4",
                 group,
                 n,
                 k,
             )
-            # The op reads bf16 scales; validate() checks the layout against fp16 ones.
             dataclasses.replace(p, scales=p.scales.to(torch.float16)).validate()
             out[role] = p
         return out
