@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import tempfile
 import traceback
@@ -175,6 +176,7 @@ def main(out_json: str) -> int:
 
     for fn in (BF16, BF16_p2l, BF16_mask, FP8, RAWINT4, LLAMAFILE, AMXINT8, AMXINT4):
         case(fn)
+    shutil.rmtree(tmp, ignore_errors=True)
     meta = {"kt_kernel": kt_kernel.__version__, "variant": kt_kernel.__cpu_variant__}
     Path(out_json).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     return 0
