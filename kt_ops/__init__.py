@@ -59,6 +59,15 @@ __all__ = [
 ]
 
 
+def __getattr__(name: str):
+    """Lazy ``kt_ops.KTMoEWrapper`` (:class:`kt_ops.compat.KTMoEWrapper`, kt-kernel's API)."""
+    if name == "KTMoEWrapper":
+        from kt_ops.compat import KTMoEWrapper
+
+        return KTMoEWrapper
+    raise AttributeError(f"module 'kt_ops' has no attribute {name!r}")
+
+
 def replace_experts(model, weight_format: str = "bf16", **kwargs):
     """Move the routed experts of every MoE layer of ``model`` onto kt_ops.
 

@@ -10,6 +10,8 @@ computed here independently of the loaders:
   fused tensors (plain, transposed, gpt-oss interleaved), optionally sharded.
 * :func:`write_hf_fp8` — DeepSeek-V3 style fp8 (per expert or fused).
 * :func:`write_hf_mxfp4` — gpt-oss style MXFP4 blocks/scales.
+* :func:`write_compressed_int4` — compressed-tensors ``pack-quantized`` int4
+  (kt-kernel's ``RAWINT4``: ``weight_packed`` int32, ``weight_scale`` bf16).
 * :func:`write_gguf` — GGUF files with stacked expert tensors (Q8_0/Q4_0 from
   ``gguf.quants.quantize``, k-quants as random valid blocks, F16/BF16/F32).
 """
@@ -234,6 +236,47 @@ def write_hf_fp8(
             "weight_block_size": [128, 128],
         },
     )
+    save_tensors(out, tensors)
+    return expected
+
+
+def write_compressed_int4(
+    out: Path,
+    *,
+    E: int = 4,
+    H: int = 128,
+    I: int = 64,
+    num_layers: int = 2,
+    group_size: int = 32,
+    seed: int = 0,
+) -> dict[int, dict[str, torch.Tensor]]:
+    """A compressed-tensors ``pack-quantized`` int4 checkpoint (every layer MoE).
+
+    Per expert and projection: ``...weight_packed`` int32 ``[N, K/8]`` (eight 4-bit
+    codes a word, first code in the low bits, code = q + 8 for q in [-8, 7]),
+    ``...weight_scale`` bf16 ``[N, K/group_size]`` (absmax / 7) and
+    ``...weight_shape`` int32 ``[N, K]``: what kt-kernel's ``RAWINT4`` reads.
+    Returns the dequantized values ``scale * q`` (fp32).
+    """
+    tensors = _other_tensors(num_layers, H, torch.bfloat16)
+    expected = {}
+    for L in range(num_layers):
+        p = f"model.layers.{L}.mlp.experts."
+        expected[L] = {}
+        for r, w in dense_experts(E, I, H, seed + L).items():
+            _, N, K = w.shape
+            g = w.view(E, N, K // group_size, group_size)
+            s = (g.abs().amax(-1, keepdim=True) / 7).to(torch.bfloat16).float()
+            q = torch.round(g / s.clamp_min(1e-30)).clamp(-8, 7)
+            expected[L][r] = (q * s).view(E, N, K)
+            u = (q + 8).to(torch.uint8).view(E, N, K)
+            packed = (u[..., 0::2] | (u[..., 1::2] << 4)).contiguous().view(torch.int32)
+            for e in range(E):
+                base = p + f"{e}.{r}_proj."
+                tensors[base + "weight_packed"] = packed[e].clone()
+                tensors[base + "weight_scale"] = s[e].view(N, K // group_size).to(torch.bfloat16)
+                tensors[base + "weight_shape"] = torch.tensor([N, K], dtype=torch.int32)
+    write_config(out, model_type="kimi_k2", num_hidden_layers=num_layers, hidden_size=H)
     save_tensors(out, tensors)
     return expected
 

@@ -1,0 +1,1091 @@
+"""kt-kernel compatibility: ``KTMoEWrapper`` with kt-kernel 0.7.2's API, on ``torch.ops.kt``.
+
+Code written for kt-kernel (``from kt_kernel import KTMoEWrapper``) runs on kt_ops
+by changing the import to ``from kt_ops.compat import KTMoEWrapper``: the
+constructor takes the same arguments (same names, same positional order), and
+``load_weights``, ``load_weights_from_tensors``, ``submit_forward``,
+``sync_forward``, ``forward`` and the buffer-cache static methods are there.
+The API is that of kt-kernel 0.7.2 (PyPI), read from its ``experts.py``,
+``experts_base.py`` and ``utils/{amx,llamafile,moe_kernel,loader}.py``.
+
+**Methods.** Each kt-kernel ``method`` maps to a kt_ops weight format
+(:data:`METHODS`), or is refused with a ValueError naming the nearest kt_ops
+format (:data:`REFUSED`):
+
+================  ==================  ==============================================
+method            kt_ops format       ``load_weights`` reads ``weight_path`` as
+================  ==================  ==============================================
+``BF16``          ``bf16``            HF safetensors (bf16/fp16/fp32), exact
+``FP8``           ``fp8``             HF fp8 + ``weight_scale_inv`` 128x128, exact
+``AMXINT8``       ``int8``            HF float/fp8, quantized per output channel
+``MOE_INT8``      ``int8``            as ``AMXINT8``
+``AMXINT4``       ``int4`` g128 sym   HF float/fp8, quantized per group of 128
+``MOE_INT4``      ``int4`` g128 sym   as ``AMXINT4``
+``RAWINT4``       ``int4`` sym        compressed-tensors ``weight_packed`` (bf16
+                                      scales, group from the scales), exact
+``LLAMAFILE``     GGUF types          ``.gguf`` file (or a folder of them): Q8_0,
+                                      Q4_0, Q4_K, Q5_K, Q6_K exact per tensor;
+                                      F16/BF16/F32 as ``bf16``
+================  ==================  ==============================================
+
+Any method also reads a ``kt-ops convert`` directory (``manifest.json``) of its
+format. kt-kernel's *own* converted AMX layout
+(``blk.{L}.ffn_*_exps.{e}.numa.{n}.weight``) is kt-kernel's internal tile
+layout and is refused with a message saying what to pass instead.
+``AMXINT4``/``MOE_INT4`` are not bit-compatible with kt-kernel: kt-kernel
+quantizes int4 per output channel, which kt_ops' ``int4`` lacks; kt_ops uses
+groups of ``group_size`` (default 128) along K, which is the same bits plus a
+scale per group and a smaller error. Refused: ``FP8_PERCHANNEL`` (nearest
+``fp8``), ``GPTQ_INT4`` and ``SYCL_GPTQ_INT4`` (``int4``), ``MXFP4`` (DeepSeek-V4
+layout; ``mxfp4``), ``NVFP4`` (``mxfp4``), ``MXFP8`` (``fp8``), and
+``mode='sft'`` (kt_ops trains LoRA through ``replace_experts`` + ``apply_lora``).
+
+**Arguments kt_ops has no use for.** ``cpuinfer_threads``: the first wrapper of
+the process calls :func:`kt_ops.set_num_threads` with it (kt-kernel creates
+its ``CPUInfer`` once, from its first wrapper, likewise); later wrappers'
+values are ignored. ``threadpool_count`` and ``numa_nodes`` (kt-kernel's NUMA
+subpools) are validated and ignored: kt_ops' one pool spans the machine
+(hwloc). ``chunked_prefill_size`` sizes kt-kernel's buffers; kt_ops has none,
+so any token count runs. ``cpu_save`` is accepted and ignored (kt_ops always
+quantizes from the source). SFT-only arguments (``lora_*``,
+``max_cache_depth``, ``full_weight_grad``, ``zero_point``) are ignored in
+inference mode, as in kt-kernel; ``group_size`` picks the int4 group of the
+methods kt_ops quantizes to ``int4`` (32, 64 or 128). Refused with a
+ValueError: ``max_deferred_experts_per_token > 0`` (kt-kernel adds deferred
+experts' output to the *next* layer's), ``swiglu_limit`` / ``swiglu_alpha``
+other than 0 (kt_ops' activation is plain SiLU).
+
+**GPU experts.** ``gpu_experts_mask`` (bool ``[E]``, True = the expert lives on
+the GPU) makes the CPU skip those experts, as in kt-kernel; it is read at
+every forward, so updating ``wrapper.gpu_experts_mask`` in place takes effect
+(kt-kernel shares it with its C++ side the same way). ``num_gpu_experts=n`` in
+inference mode is ignored by kt-kernel 0.7.2 (its README still passes it);
+here it means experts ``0..n-1`` are on the GPU when no mask is given.
+
+**Forward.** kt-kernel copies the inputs into bf16 buffers, so its results are
+rounded through bf16; kt_ops computes from the caller's dtype (bf16, fp16 or
+fp32; others go through fp32) and returns that dtype, flattened to
+``[T, H]`` as kt-kernel returns it, in a new tensor (kt-kernel returns a
+buffer reused by its next call). On CPU tensors ``submit_forward`` runs the
+experts to completion and ``sync_forward`` hands the result back. On CUDA
+tensors the op is called on the CUDA tensors (stream-ordered) when this
+kt_ops build has the CUDA bridge; otherwise the wrapper copies to the host,
+runs the op, and copies back on ``cuda_stream`` (not capturable in a CUDA
+graph).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import json
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Any, ClassVar, Optional, Union
+
+import torch
+from torch import Tensor
+
+from kt_ops.formats import PackedProjection, format_spec, pack_codes, pack_group_params
+from kt_ops.layer import PROJECTIONS, ExpertWeights
+
+__all__ = [
+    "KT_KERNEL_VERSION",
+    "METHODS",
+    "REFUSED",
+    "SFT_METHODS",
+    "KTMoEWrapper",
+    "MethodMapping",
+    "generate_gpu_experts_masks",
+    "method_mapping",
+]
+
+logger = logging.getLogger(__name__)
+
+#: The kt-kernel release whose ``KTMoEWrapper`` API this module follows.
+KT_KERNEL_VERSION = "0.7.2"
+
+
+@dataclasses.dataclass(frozen=True)
+class MethodMapping:
+    """How a kt-kernel ``method`` runs on kt_ops.
+
+    Attributes:
+        method: the kt-kernel name (``"AMXINT4"``, ...).
+        weight_format: the kt_ops format; None for ``LLAMAFILE`` (each GGUF
+            tensor keeps its own type: ``q4_k,q4_k,q6_k`` mixes stay as they are).
+        source: what ``load_weights`` reads: ``"hf"`` (Hugging Face safetensors
+            through :class:`kt_ops.loaders.HFCheckpoint`), ``"rawint4"``
+            (compressed-tensors int4) or ``"gguf"``
+            (:class:`kt_ops.loaders.GGUFCheckpoint`).
+        exact: True when kt_ops holds exactly the weights kt-kernel holds.
+        note: one line for the table.
+    """
+
+    method: str
+    weight_format: Optional[str]
+    source: str
+    exact: bool
+    note: str
+
+
+#: kt-kernel inference methods that kt_ops runs.
+METHODS: dict[str, MethodMapping] = {
+    m.method: m
+    for m in (
+        MethodMapping("BF16", "bf16", "hf", True, "bf16 HF safetensors"),
+        MethodMapping("FP8", "fp8", "hf", True, "E4M3 + 128x128 weight_scale_inv, repacked"),
+        MethodMapping("AMXINT8", "int8", "hf", True, "int8 per output channel"),
+        MethodMapping("MOE_INT8", "int8", "hf", True, "int8 per output channel"),
+        MethodMapping(
+            "AMXINT4", "int4", "hf", False, "int4 per group of group_size (kt-kernel: per channel)"
+        ),
+        MethodMapping(
+            "MOE_INT4", "int4", "hf", False, "int4 per group of group_size (kt-kernel: per channel)"
+        ),
+        MethodMapping("RAWINT4", "int4", "rawint4", True, "compressed-tensors int4, bf16 scales"),
+        MethodMapping("LLAMAFILE", None, "gguf", True, "GGUF blocks, each tensor its own type"),
+    )
+}
+
+#: kt-kernel inference methods kt_ops refuses: method -> (nearest kt_ops format, why).
+REFUSED: dict[str, tuple[str, str]] = {
+    "FP8_PERCHANNEL": (
+        "fp8",
+        "its per-output-channel fp8 scales do not fit kt_ops fp8's 128x128 block scales",
+    ),
+    "GPTQ_INT4": (
+        "int4",
+        "kt_ops has no reader for GPTQ qweight/scales tensors; convert the dense model "
+        "with `kt-ops convert SRC OUT --format int4 --group-size G`",
+    ),
+    "SYCL_GPTQ_INT4": ("int4", "it runs GPTQ experts on a SYCL device; kt_ops runs on the CPU"),
+    "MXFP4": (
+        "mxfp4",
+        "kt_ops reads gpt-oss MXFP4 checkpoints (gate_up_proj_blocks/_scales), not the "
+        "DeepSeek-V4 ffn.experts.{i}.w1.weight/.scale layout",
+    ),
+    "NVFP4": ("mxfp4", "NVFP4's E4M3 scales per 16 values do not fit mxfp4's UE8M0 per 32"),
+    "MXFP8": ("fp8", "kt_ops fp8 has 128x128 block scales, not UE8M0 scales per 32 values"),
+}
+
+#: kt-kernel 0.7.2's ``mode='sft'`` methods (all refused).
+SFT_METHODS = frozenset(
+    {
+        "AMXBF16_SFT",
+        "AMXFP8_SFT",
+        "MXFP4_SFT",
+        "INT8_SFT",
+        "AMXINT8_SFT",
+        "AMXINT4_SFT",
+        "AMXINT4_1_SFT",
+        "RAWINT4_SFT",
+        "AMXINT4_KGroup_SFT",
+        "AMXINT4_1KGroup_SFT",
+        "AMXBF16_SFT_SkipLoRA",
+        "AMXINT8_SFT_SkipLoRA",
+        "AMXINT4_SFT_SkipLoRA",
+        "AMXINT4_1_SFT_SkipLoRA",
+        "AMXINT4_KGroup_SFT_SkipLoRA",
+        "AMXINT4_1KGroup_SFT_SkipLoRA",
+    }
+)
+
+_SFT_HINT = (
+    "kt_ops trains LoRA on the experts through kt_ops.replace_experts(model, fmt) + "
+    "kt_ops.apply_lora(model) (README, 'LoRA fine-tuning')"
+)
+
+
+def method_mapping(method: str) -> MethodMapping:
+    """The :class:`MethodMapping` of kt-kernel inference ``method``.
+
+    Raises:
+        ValueError: ``method`` is refused (the message names the nearest kt_ops
+            format and why), an SFT method, or unknown (the message lists the
+            supported methods).
+    """
+    if method in METHODS:
+        return METHODS[method]
+    if method in REFUSED:
+        nearest, why = REFUSED[method]
+        raise ValueError(
+            f"method={method!r} is not supported by kt_ops.compat: {why}. The nearest kt_ops "
+            f"weight format is {nearest!r}; supported methods: {sorted(METHODS)}"
+        )
+    if method in SFT_METHODS:
+        raise ValueError(f"method={method!r} is a kt-kernel SFT method; {_SFT_HINT}")
+    raise ValueError(
+        f"unknown method {method!r}; kt_ops.compat runs {sorted(METHODS)} (kt-kernel "
+        f"{KT_KERNEL_VERSION} methods it refuses: {sorted(REFUSED)})"
+    )
+
+
+def generate_gpu_experts_masks(activation_freq: Tensor, num_gpu_experts: int) -> Tensor:
+    """The ``num_gpu_experts`` most frequently activated experts over all layers, as masks.
+
+    kt-kernel 0.7.2's ``kt_kernel.generate_gpu_experts_masks``, same semantics:
+    ``activation_freq`` ``[num_layers, num_experts]`` (higher = more often
+    routed); ``num_gpu_experts`` is clamped to ``[0, num_layers * num_experts]``.
+    Returns a CPU bool tensor ``[num_layers, num_experts]``, True = on the GPU;
+    row ``L`` is the ``gpu_experts_mask`` of layer ``L``. Raises ValueError for
+    a tensor that is not 2-D.
+    """
+    if not isinstance(activation_freq, Tensor) or activation_freq.dim() != 2:
+        raise ValueError("activation_freq must be a 2-D tensor [num_layers, num_experts]")
+    layers, experts = activation_freq.shape
+    n = max(0, min(int(num_gpu_experts), layers * experts))
+    mask = torch.zeros(layers * experts, dtype=torch.bool)
+    if n:
+        top = torch.topk(activation_freq.reshape(-1).float().cpu(), k=n, sorted=False).indices
+        mask[top] = True
+    return mask.view(layers, experts)
+
+
+# ---------------------------------------------------------------------- GPU expert masking
+
+
+@functools.cache
+def _op_takes_mask() -> bool:
+    """Whether ``kt_ops.ops.moe_forward`` has the ``gpu_experts_mask`` keyword (CUDA bridge)."""
+    from kt_ops import ops
+
+    return "gpu_experts_mask" in inspect.signature(ops.moe_forward).parameters
+
+
+def _mask_topk_ids(topk_ids: Tensor, mask: Tensor) -> Tensor:
+    """``topk_ids`` with the ids of GPU experts (``mask[id]`` True) replaced by -1.
+
+    The op skips id -1. Ids outside ``[0, E)`` are left alone, so the op still
+    reports them.
+    """
+    ids = topk_ids.long()
+    mask = mask.to(ids.device, non_blocking=True)
+    valid = (ids >= 0) & (ids < mask.shape[0])
+    on_gpu = valid & mask[ids.clamp(0, mask.shape[0] - 1)]
+    return ids.masked_fill(on_gpu, -1)
+
+
+def _moe_forward_masked(
+    x: Tensor, ids: Tensor, weights: Tensor, experts: ExpertWeights, mask: Optional[Tensor]
+) -> Tensor:
+    """``kt_ops.ops.moe_forward``, skipping the experts of ``mask`` (None: no GPU experts)."""
+    from kt_ops import ops
+
+    if mask is None:
+        return ops.moe_forward(x, ids, weights, experts)
+    if _op_takes_mask():
+        return ops.moe_forward(x, ids, weights, experts, gpu_experts_mask=mask)
+    return ops.moe_forward(x, _mask_topk_ids(ids, mask), weights, experts)
+
+
+# ---------------------------------------------------------------------- weight sources
+
+_KT_KERNEL_AMX_RE = re.compile(r"\.ffn_(?:gate|up|down)_exps\.\d+\.numa\.\d+\.(?:weight|scale)$")
+_RAWINT4_RE = re.compile(
+    r"^(?P<prefix>(?:.+\.)?)layers\.(?P<layer>\d+)\.mlp\.experts\.(?P<expert>\d+)\."
+    r"(?P<proj>gate|up|down)_proj\.weight_packed$"
+)
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    """The ``*.safetensors`` files of ``path`` (a file, or a folder with or without an index)."""
+    if path.is_file():
+        return [path]
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            wmap = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{index}: cannot read its weight_map ({e})") from e
+        return sorted({path / str(f) for f in wmap.values()})
+    return sorted(path.glob("*.safetensors"))
+
+
+def _tensor_names(files: list[Path]) -> dict[str, Path]:
+    from safetensors import safe_open
+
+    out = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as h:
+                for name in h.keys():
+                    out[name] = f
+        except Exception as e:
+            raise ValueError(f"{f}: not a valid safetensors file: {e}") from e
+    return out
+
+
+def _kt_kernel_layout_error(path: Path, method: str, fmt: Optional[str]) -> Optional[ValueError]:
+    """A ValueError when ``path`` holds kt-kernel's own converted layout, else None."""
+    try:
+        names = _tensor_names(_safetensors_files(path))
+    except (ValueError, OSError):
+        return None
+    hit = next((n for n in names if _KT_KERNEL_AMX_RE.search(n)), None)
+    if hit is None:
+        return None
+    return ValueError(
+        f"{path} holds kt-kernel's own converted {method} layout (e.g. {hit!r}), kt-kernel's "
+        "internal tile layout, which kt_ops cannot read; pass the original Hugging Face "
+        f"checkpoint as weight_path (kt_ops packs it as {fmt!r} while loading) or a directory "
+        f"written by `kt-ops convert SRC OUT --format {fmt}`"
+    )
+
+
+class _CompressedInt4Checkpoint:
+    """The routed experts of a compressed-tensors ``pack-quantized`` int4 checkpoint (RAWINT4).
+
+    Tensors, as kt-kernel's ``CompressedSafeTensorLoader`` reads them:
+    ``{prefix}layers.{L}.mlp.experts.{e}.{gate,up,down}_proj.weight_packed``
+    (int32 ``[N, K/8]``, eight 4-bit codes a word, first code in the low bits;
+    or uint8 ``[N, K/2]``, first code in the low nibble), ``.weight_scale`` (bf16
+    ``[N, K/group]``) and optionally ``.weight_shape`` (``[N, K]``). A stored code
+    ``c`` in ``[0, 16)`` means the weight ``scale * (c - 8)``: kt_ops' symmetric
+    ``int4``. Its scales convert to fp16 exactly when they lie in fp16's normal
+    range (int4 scales of real checkpoints do); otherwise they stay bf16, which
+    the op also reads. Either way the packed weights are exact.
+    """
+
+    kind = "compressed_tensors_int4"
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        files = _safetensors_files(path)
+        if not files:
+            raise FileNotFoundError(f"{path}: no *.safetensors files (RAWINT4 checkpoint)")
+        self._names = _tensor_names(files)
+        layers: dict[int, dict[tuple[int, str], str]] = {}
+        prefixes = set()
+        for name in self._names:
+            m = _RAWINT4_RE.match(name)
+            if m:
+                prefixes.add(m["prefix"])
+                layers.setdefault(int(m["layer"]), {})[(int(m["expert"]), m["proj"])] = name
+        if not layers:
+            raise ValueError(
+                f"{path}: no compressed-tensors int4 experts (names like "
+                "'model.layers.{L}.mlp.experts.{e}.gate_proj.weight_packed') for method RAWINT4"
+            )
+        if len(prefixes) > 1:
+            raise ValueError(f"{path}: RAWINT4 experts under several prefixes {sorted(prefixes)}")
+        self._layers = layers
+        self.moe_layers = sorted(layers)
+
+    def _get(self, name: str) -> Tensor:
+        from safetensors import safe_open
+
+        if name not in self._names:
+            raise ValueError(f"{self.path}: tensor {name} is missing")
+        with safe_open(str(self._names[name]), framework="pt") as h:
+            return h.get_tensor(name)
+
+    def load_layer(
+        self, layer: int, group_size: Optional[int] = None
+    ) -> dict[str, PackedProjection]:
+        if layer not in self._layers:
+            raise ValueError(
+                f"{self.path}: layer {layer} has no RAWINT4 experts; MoE layers: {self.moe_layers}"
+            )
+        entries = self._layers[layer]
+        num_experts = max(e for e, _ in entries) + 1
+        out = {}
+        for role in PROJECTIONS:
+            codes, scales = [], []
+            for e in range(num_experts):
+                name = entries.get((e, role))
+                if name is None:
+                    raise ValueError(
+                        f"{self.path}: layer {layer} expert {e} has no {role}_proj.weight_packed"
+                    )
+                base = name[: -len("weight_packed")]
+                w = self._get(name)
+                s = self._get(base + "weight_scale")
+                if w.dtype == torch.int32:
+                    w = w.contiguous().view(torch.uint8)  # little-endian: first codes first
+                if w.dtype != torch.uint8 or w.dim() != 2:
+                    raise ValueError(
+                        f"{self.path}: {name} is {w.dtype} {list(w.shape)}; expected int32 "
+                        "[N, K/8] or uint8 [N, K/2]"
+                    )
+                n, k = int(w.shape[0]), int(w.shape[1]) * 2
+                if s.dim() != 2 or s.shape[0] != n or s.shape[1] < 1 or k % s.shape[1]:
+                    raise ValueError(
+                        f"{self.path}: {base}weight_scale has shape {list(s.shape)}; expected "
+                        f"[{n}, K/group] for K={k}"
+                    )
+                q = torch.stack([w & 15, w >> 4], dim=-1).view(n, k)
+                codes.append(q)
+                scales.append(s.to(torch.bfloat16))
+            q = torch.stack(codes)
+            s = torch.stack(scales)
+            E, n, k = q.shape
+            group = k // s.shape[2]
+            if group not in format_spec("int4").group_sizes:
+                raise ValueError(
+                    f"{self.path}: layer {layer} {role}: RAWINT4 group size {group} (K={k}, "
+                    f"{s.shape[2]} scales a row); kt_ops int4 takes groups of "
+                    f"{format_spec('int4').group_sizes}"
+                )
+            # kt_ops int4 stores fp16 scales; bf16 ones convert exactly unless they are
+            # tiny (fp16 subnormals) or huge. Then they stay bf16, which the op reads too
+            # (validate() and the reference dequantizer want fp16, so check against those).
+            s16 = s.to(torch.float16)
+            exact = bool(torch.equal(s16.to(torch.bfloat16), s))
+            p = PackedProjection(
+                pack_codes(q, 4, pad_code=8),
+                pack_group_params(s16 if exact else s, s16.dtype if exact else s.dtype),
+                None,
+                "int4",
+                group,
+                n,
+                k,
+            )
+            dataclasses.replace(p, scales=p.scales.to(torch.float16)).validate()
+            out[role] = p
+        return out
+
+
+#: What LLAMAFILE runs: the GGUF block types kt_ops repacks, and bf16 for float tensors.
+_GGUF_RUN_FORMATS = frozenset({"q8_0", "q4_0", "q4_k", "q5_k", "q6_k", "bf16"})
+
+
+def _converted_dir(path: Path) -> bool:
+    return path.is_dir() and (path / "manifest.json").is_file()
+
+
+def _find_gguf(path: Path, layer: int) -> Path:
+    """``path`` if a file, else the ``*.gguf`` file of folder ``path`` holding block ``layer``."""
+    if path.is_file():
+        return path
+    files = sorted(path.glob("*.gguf"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no .gguf file for method LLAMAFILE")
+    if len(files) == 1:
+        return files[0]
+    pattern = f"blk.{layer}.ffn_gate_exps.weight"
+    from gguf import GGUFReader
+
+    for f in files:
+        try:
+            if any(t.name == pattern for t in GGUFReader(str(f)).tensors):
+                return f
+        except Exception as e:
+            raise ValueError(f"{f}: not a readable GGUF file: {e}") from e
+    raise ValueError(f"{path}: no .gguf file has tensor {pattern}")
+
+
+# ---------------------------------------------------------------------- the wrapper
+
+
+@dataclasses.dataclass
+class _Pending:
+    """A submitted forward: its result (CPU/bridge) or the host copies (CUDA fallback)."""
+
+    rows: int
+    out: Optional[Tensor] = None
+    host_inputs: Optional[tuple[Tensor, Tensor, Tensor]] = None
+    event: Any = None
+    stream: Any = None
+    device: Optional[torch.device] = None
+    dtype: Optional[torch.dtype] = None
+
+
+def _int(name: str, v: Any, lo: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+    return v
+
+
+class KTMoEWrapper:
+    """kt-kernel 0.7.2's ``KTMoEWrapper`` (inference mode), running on ``torch.ops.kt``.
+
+    Same constructor as ``kt_kernel.KTMoEWrapper`` (kt-kernel 0.7.2,
+    ``experts.py``): the same names in the same positional order. The arguments
+    kt-kernel requires are optional here (``gpu_experts_mask``, ``cpuinfer_threads``,
+    ``threadpool_count``, ``weight_path``, ``chunked_prefill_size``), so kt-kernel's
+    README call (``num_gpu_experts=2``, no mask) works too. See the module
+    docstring for what each argument does on kt_ops.
+
+    Args:
+        layer_idx: MoE layer index: picks ``layers.{L}`` / ``blk.{L}`` in the checkpoint.
+        num_experts: ``E`` (the physical experts when a ``physical_to_logical_map`` is used).
+        num_experts_per_tok: top-k ``K``; ``topk_ids`` / ``topk_weights`` are ``[T, K]``.
+        hidden_size: ``H``.
+        moe_intermediate_size: ``I``.
+        gpu_experts_mask: bool ``[E]`` (any tensor convertible to it), True = the
+            expert runs on the GPU and is skipped here; None = all on the CPU.
+        cpuinfer_threads: kt_ops' thread count, set by the first wrapper of the
+            process (None or <= 0: leave it).
+        threadpool_count, numa_nodes: validated (``len(numa_nodes) ==
+            threadpool_count``), then ignored.
+        weight_path: what :meth:`load_weights` reads (per method, module docstring).
+        chunked_prefill_size, cpu_save: accepted, unused.
+        max_deferred_experts_per_token: None or 0 (deferring is refused).
+        method: a kt-kernel inference method (:data:`METHODS`).
+        mode: ``"inference"`` (``"sft"`` is refused).
+        num_gpu_experts: without a mask, ``n > 0`` puts experts ``0..n-1`` on the
+            GPU; with a mask, 0 or the mask's count.
+        group_size: int4 group of ``AMXINT4``/``MOE_INT4`` (and of ``RAWINT4`` /
+            ``AMXINT4`` via :meth:`load_weights_from_tensors`): 32, 64 or 128.
+        lora_rank, lora_alpha, lora_dropout, max_cache_depth, zero_point,
+            full_weight_grad: kt-kernel SFT arguments, ignored.
+        swiglu_limit, swiglu_alpha: 0 only.
+
+    Attributes:
+        the arguments above; ``gpu_experts_mask`` (CPU bool ``[E]``),
+        ``num_gpu_experts``, ``mapping`` (:class:`MethodMapping`), ``experts``
+        (:class:`kt_ops.ExpertWeights` once loaded, else None; ``moe`` is the same).
+
+    Raises:
+        ValueError: a bad argument (named), a refused method (naming the nearest
+            kt_ops format), ``mode='sft'``, deferred experts or a SwiGLU clamp.
+    """
+
+    _threads_configured: ClassVar[bool] = False
+    _capture_batch_sizes: ClassVar[list[int]] = []
+    _sources: ClassVar[dict[tuple[str, str], Any]] = {}
+
+    def __init__(
+        self,
+        layer_idx: int,
+        num_experts: int,
+        num_experts_per_tok: int,
+        hidden_size: int,
+        moe_intermediate_size: int,
+        gpu_experts_mask: Optional[Tensor] = None,
+        cpuinfer_threads: Optional[int] = None,
+        threadpool_count: int = 1,
+        weight_path: Optional[Union[str, os.PathLike]] = None,
+        chunked_prefill_size: Optional[int] = None,
+        cpu_save: bool = False,
+        max_deferred_experts_per_token: Optional[int] = None,
+        method: str = "AMXINT4",
+        numa_nodes: Optional[list[int]] = None,
+        mode: str = "inference",
+        num_gpu_experts: int = 0,
+        lora_rank: int = 16,
+        lora_alpha: float = 32.0,
+        lora_dropout: float = 0.0,
+        max_cache_depth: int = 1,
+        group_size: int = 128,
+        zero_point: bool = True,
+        full_weight_grad: bool = False,
+        swiglu_limit: float = 0.0,
+        swiglu_alpha: float = 0.0,
+    ) -> None:
+        if mode not in ("inference", "sft"):
+            raise ValueError(f"Unknown mode: {mode!r}. Supported modes: 'inference', 'sft'")
+        if mode == "sft":
+            raise ValueError(f"mode='sft' is not supported by kt_ops.compat; {_SFT_HINT}")
+        self.mapping = method_mapping(method)
+        self.method = method
+        self.layer_idx = _int("layer_idx", layer_idx, 0)
+        self.num_experts = _int("num_experts", num_experts, 1)
+        self.num_experts_per_tok = _int("num_experts_per_tok", num_experts_per_tok, 1)
+        self.hidden_size = _int("hidden_size", hidden_size, 1)
+        self.moe_intermediate_size = _int("moe_intermediate_size", moe_intermediate_size, 1)
+        if num_experts_per_tok > num_experts:
+            raise ValueError(
+                f"num_experts_per_tok ({num_experts_per_tok}) cannot exceed num_experts "
+                f"({num_experts})"
+            )
+        self.threadpool_count = _int("threadpool_count", threadpool_count, 1)
+        if numa_nodes is not None and len(numa_nodes) != threadpool_count:
+            raise ValueError(
+                f"numa_nodes length ({len(numa_nodes)}) must match threadpool_count "
+                f"({threadpool_count})"
+            )
+        self.numa_nodes = numa_nodes
+        deferred = 0 if max_deferred_experts_per_token is None else max_deferred_experts_per_token
+        if _int("max_deferred_experts_per_token", deferred, 0) > 0:
+            raise ValueError(
+                f"max_deferred_experts_per_token={deferred}: kt-kernel's deferred experts (whose "
+                "output is added to the next layer's) are not supported by kt_ops.compat; pass 0"
+            )
+        self.max_deferred_experts_per_token = 0
+        if swiglu_limit != 0.0 or swiglu_alpha != 0.0:
+            raise ValueError(
+                f"swiglu_limit={swiglu_limit}, swiglu_alpha={swiglu_alpha}: kt_ops' experts use "
+                "plain SiLU (activation 'silu'); only 0.0 is supported"
+            )
+        self.swiglu_limit = 0.0
+        if self.mapping.weight_format == "int4" and group_size not in (32, 64, 128):
+            raise ValueError(f"group_size must be 32, 64 or 128 for method {method!r}")
+        self.group_size = group_size
+        self.mask_from_num_gpu_experts = False
+        self.gpu_experts_mask = self._make_mask(gpu_experts_mask, num_gpu_experts)
+        self.weight_path = None if weight_path is None else os.fspath(weight_path)
+        self.chunked_prefill_size = chunked_prefill_size
+        self.cpu_save = bool(cpu_save)
+        self.cpuinfer_threads = cpuinfer_threads
+        self._configure_threads(cpuinfer_threads)
+        self.experts: Optional[ExpertWeights] = None
+        self._pending: Optional[_Pending] = None
+
+    # ------------------------------------------------------------------ set-up
+
+    def _make_mask(self, mask: Optional[Tensor], num_gpu_experts: int) -> Tensor:
+        E = self.num_experts
+        n = _int("num_gpu_experts", num_gpu_experts, 0)
+        if n > E:
+            raise ValueError(f"num_gpu_experts ({n}) cannot exceed num_experts ({E})")
+        if mask is None:
+            out = torch.zeros(E, dtype=torch.bool)
+            out[:n] = True
+            self.mask_from_num_gpu_experts = n > 0
+            return out
+        t = torch.as_tensor(mask)
+        if t.dim() != 1 or t.shape[0] != E:
+            raise ValueError(
+                f"gpu_experts_mask must have shape [{E}] (num_experts), got {list(t.shape)}"
+            )
+        if t.dtype != torch.bool and not bool(((t == 0) | (t == 1)).all()):
+            raise ValueError("gpu_experts_mask must be boolean (True = the expert is on the GPU)")
+        out = t.to("cpu", torch.bool).clone()
+        if n not in (0, int(out.sum())):
+            raise ValueError(
+                f"num_gpu_experts={n} disagrees with gpu_experts_mask, which puts "
+                f"{int(out.sum())} experts on the GPU"
+            )
+        return out
+
+    @classmethod
+    def _configure_threads(cls, threads: Optional[int]) -> None:
+        if cls._threads_configured or threads is None:
+            return
+        if isinstance(threads, bool) or not isinstance(threads, int):
+            raise ValueError(f"cpuinfer_threads must be an int or None, got {threads!r}")
+        if threads <= 0:
+            return
+        import kt_ops
+
+        try:
+            kt_ops.set_num_threads(threads)
+        except ValueError as e:
+            logger.warning("cpuinfer_threads=%d not applied: %s", threads, e)
+        cls._threads_configured = True
+
+    @property
+    def num_gpu_experts(self) -> int:
+        """How many experts ``gpu_experts_mask`` puts on the GPU (read live)."""
+        return int(self.gpu_experts_mask.sum())
+
+    @property
+    def moe(self) -> Optional[ExpertWeights]:
+        """kt-kernel's name for the loaded backend: here the :class:`ExpertWeights` (or None)."""
+        return self.experts
+
+    # ------------------------------------------------------------------ weights
+
+    def _source(self) -> Any:
+        """The (cached) checkpoint reader of ``weight_path`` for this method."""
+        if self.weight_path is None:
+            raise ValueError(f"weight_path is None; method {self.method!r} loads from weight_path")
+        path = Path(self.weight_path)
+        if not path.exists():
+            raise FileNotFoundError(f"weight_path {path} does not exist (method {self.method!r})")
+        src = self.mapping.source
+        if _converted_dir(path):
+            src = "converted"
+        elif src == "gguf":
+            path = _find_gguf(path, self.layer_idx)
+        key = (src, os.path.realpath(path))
+        reader = KTMoEWrapper._sources.get(key)
+        if reader is not None:
+            return reader
+        if src == "converted":
+            from kt_ops.convert import ConvertedExperts
+
+            reader = ConvertedExperts(path)
+        elif src == "gguf":
+            from kt_ops.loaders import GGUFCheckpoint
+
+            reader = GGUFCheckpoint(path)
+        elif src == "rawint4":
+            reader = _CompressedInt4Checkpoint(path)
+        else:
+            from kt_ops.loaders import HFCheckpoint
+
+            try:
+                reader = HFCheckpoint(path)
+            except (ValueError, FileNotFoundError) as e:
+                better = _kt_kernel_layout_error(path, self.method, self.mapping.weight_format)
+                if better is not None:
+                    raise better from e
+                raise
+        KTMoEWrapper._sources[key] = reader
+        return reader
+
+    def _load_packed(self) -> dict[str, PackedProjection]:
+        reader = self._source()
+        L, fmt = self.layer_idx, self.mapping.weight_format
+        from kt_ops.convert import ConvertedExperts
+
+        if isinstance(reader, ConvertedExperts):
+            packed = reader.load_layer(L)
+            got = {p.weight_format for p in packed.values()}
+            ok = got == {fmt} if fmt is not None else got <= _GGUF_RUN_FORMATS
+            if not ok:
+                raise ValueError(
+                    f"{reader.path}: layer {L} is converted to {sorted(got)}, method "
+                    f"{self.method!r} runs {fmt or 'GGUF types'!r}"
+                )
+            return packed
+        if isinstance(reader, _CompressedInt4Checkpoint):
+            return reader.load_layer(L)
+        if self.mapping.source == "gguf":
+            return reader.load_layer(L, None)
+        group = self.group_size if fmt == "int4" else None
+        return reader.load_layer(L, fmt, group, True)
+
+    def _check_map(self, p2l: Optional[Tensor], logical: int) -> Optional[Tensor]:
+        """The physical -> logical expert map as int64 indices, or None for the identity."""
+        E = self.num_experts
+        if p2l is None:
+            if logical != E:
+                raise ValueError(
+                    f"the weights hold {logical} experts, the wrapper was built for "
+                    f"num_experts={E}; pass a physical_to_logical_map to pick them"
+                )
+            return None
+        m = torch.as_tensor(p2l)
+        if m.dim() != 1 or m.shape[0] != E or m.is_floating_point() or m.dtype == torch.bool:
+            raise ValueError(
+                f"physical_to_logical_map must be an integer tensor [{E}] (num_experts), got "
+                f"{m.dtype} {list(m.shape)}"
+            )
+        m = m.to("cpu", torch.int64)
+        if E and (int(m.min()) < 0 or int(m.max()) >= logical):
+            raise ValueError(
+                f"physical_to_logical_map holds ids outside [0, {logical}) (the weights' experts)"
+            )
+        if logical == E and torch.equal(m, torch.arange(E)):
+            return None
+        return m
+
+    def _check_shape(self, where: str, E: int, inter: int, hidden: int) -> None:
+        if (inter, hidden) != (self.moe_intermediate_size, self.hidden_size):
+            raise ValueError(
+                f"{where}: experts are [I={inter}, H={hidden}], the wrapper was built for "
+                f"moe_intermediate_size={self.moe_intermediate_size}, "
+                f"hidden_size={self.hidden_size}"
+            )
+
+    def load_weights(self, physical_to_logical_map_cpu: Optional[Tensor] = None) -> None:
+        """Load layer ``layer_idx`` from ``weight_path`` (kt-kernel ``load_weights``).
+
+        What ``weight_path`` must hold depends on the method (module docstring);
+        the readers are :class:`kt_ops.loaders.HFCheckpoint`,
+        :class:`kt_ops.loaders.GGUFCheckpoint`, :class:`kt_ops.convert.ConvertedExperts`
+        and, for ``RAWINT4``, a compressed-tensors int4 reader. Readers are cached
+        per path across wrappers (:meth:`force_release_loader` drops them).
+
+        Args:
+            physical_to_logical_map_cpu: optional integer ``[num_experts]``: physical
+                expert ``p`` (the id in ``topk_ids``) computes with the weights of
+                logical expert ``map[p]`` of the checkpoint (kt-kernel's expert
+                placement map); None is the identity.
+
+        Raises:
+            FileNotFoundError: ``weight_path`` missing.
+            ValueError: ``weight_path`` is None, holds kt-kernel's own converted
+                layout, or a layer / format / shape that does not match; a bad map.
+        """
+        packed = self._load_packed()
+        g = packed["gate"]
+        self._check_shape(f"{self.weight_path} layer {self.layer_idx}", 0, g.n, g.k)
+        m = self._check_map(physical_to_logical_map_cpu, g.num_experts)
+        if m is not None:
+            packed = {r: _select_experts(p, m) for r, p in packed.items()}
+        self.experts = ExpertWeights(packed["gate"], packed["up"], packed["down"])
+
+    def load_weights_from_tensors(
+        self,
+        gate_proj: Tensor,
+        up_proj: Tensor,
+        down_proj: Tensor,
+        physical_to_logical_map_cpu: Optional[Tensor] = None,
+    ) -> None:
+        """Quantize dense expert weights online (kt-kernel ``load_weights_from_tensors``).
+
+        ``gate_proj``/``up_proj`` ``[E, I, H]`` and ``down_proj`` ``[E, H, I]``, any
+        float dtype and device, packed into the method's format with
+        :meth:`kt_ops.ExpertWeights.from_dense` (``int4`` with ``group_size``).
+        kt-kernel offers this for AMXINT4/AMXINT8/MOE_INT4/MOE_INT8 and also writes
+        the quantized layer under ``weight_path``; kt_ops writes nothing and also
+        accepts BF16, FP8 and RAWINT4 (int4, symmetric).
+
+        Raises:
+            NotImplementedError: ``LLAMAFILE`` (no GGUF type to quantize to; as kt-kernel).
+            ValueError: shapes that do not match the wrapper, a bad map, or what
+                ``quantize_weights`` raises.
+        """
+        fmt = self.mapping.weight_format
+        if fmt is None:
+            raise NotImplementedError(
+                "LLAMAFILE does not support online quantization (load_weights_from_tensors), as "
+                "in kt-kernel; load a GGUF file with load_weights(), or build the experts with "
+                "kt_ops.ExpertWeights.from_dense(gate, up, down, 'q4_k')"
+            )
+        shapes = [
+            tuple(t.shape) if isinstance(t, Tensor) else None
+            for t in (gate_proj, up_proj, down_proj)
+        ]
+        E = shapes[0][0] if shapes[0] and len(shapes[0]) == 3 else None
+        I, H = self.moe_intermediate_size, self.hidden_size  # noqa: E741
+        if shapes != [(E, I, H), (E, I, H), (E, H, I)] or E is None:
+            raise ValueError(
+                f"load_weights_from_tensors: expected gate/up [E, {I}, {H}] and down "
+                f"[E, {H}, {I}], got {shapes}"
+            )
+        m = self._check_map(physical_to_logical_map_cpu, E)
+        if m is not None:
+            gate_proj, up_proj, down_proj = (
+                t[m.to(t.device)] for t in (gate_proj, up_proj, down_proj)
+            )
+        group = self.group_size if fmt == "int4" else None
+        self.experts = ExpertWeights.from_dense(
+            gate_proj, up_proj, down_proj, fmt, group_size=group
+        )
+
+    # ------------------------------------------------------------------ forward
+
+    def _inputs(self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor):
+        if self.experts is None:
+            raise RuntimeError(
+                "KTMoEWrapper: no weights loaded; call load_weights() or "
+                "load_weights_from_tensors()"
+            )
+        for name, t in (
+            ("hidden_states", hidden_states),
+            ("topk_ids", topk_ids),
+            ("topk_weights", topk_weights),
+        ):
+            if not isinstance(t, Tensor):
+                raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
+        H, K = self.hidden_size, self.num_experts_per_tok
+        if (
+            hidden_states.dim() < 1
+            or hidden_states.shape[-1] != H
+            or not hidden_states.is_floating_point()
+        ):
+            raise ValueError(
+                f"hidden_states must be a floating tensor [..., {H}] (hidden_size), got "
+                f"{hidden_states.dtype} {list(hidden_states.shape)}"
+            )
+        x = hidden_states.reshape(-1, H)
+        T = x.shape[0]
+        if topk_ids.shape != (T, K) or topk_ids.is_floating_point() or topk_ids.dtype == torch.bool:
+            raise ValueError(
+                f"topk_ids must be an integer tensor [{T}, {K}] (tokens, num_experts_per_tok), got "
+                f"{topk_ids.dtype} {list(topk_ids.shape)}"
+            )
+        if topk_weights.shape != (T, K) or not topk_weights.is_floating_point():
+            raise ValueError(
+                f"topk_weights must be a floating tensor [{T}, {K}], got {topk_weights.dtype} "
+                f"{list(topk_weights.shape)}"
+            )
+        if len({hidden_states.device, topk_ids.device, topk_weights.device}) != 1:
+            raise ValueError(
+                "hidden_states, topk_ids and topk_weights must be on one device, got "
+                f"{hidden_states.device}, {topk_ids.device}, {topk_weights.device}"
+            )
+        if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            x = x.float()
+        ids = topk_ids if topk_ids.dtype in (torch.int32, torch.int64) else topk_ids.long()
+        return x.contiguous(), ids.contiguous(), topk_weights.float().contiguous()
+
+    def _mask(self) -> Optional[Tensor]:
+        mask = self.gpu_experts_mask
+        return mask if bool(mask.any()) else None
+
+    def submit_forward(
+        self,
+        hidden_states: Tensor,
+        topk_ids: Tensor,
+        topk_weights: Tensor,
+        cuda_stream: Any = None,
+    ) -> None:
+        """Start the routed experts of one batch (kt-kernel ``submit_forward``).
+
+        Args:
+            hidden_states: ``[T, H]`` (or ``[..., H]``, flattened) floating, CPU or CUDA.
+            topk_ids: integer ``[T, K]``, ids in ``[-1, E)`` (-1 skips a slot).
+            topk_weights: floating ``[T, K]``.
+            cuda_stream: CUDA tensors: the stream to order the work on (a
+                ``torch.cuda.Stream``, or its ``cuda_stream`` handle as kt-kernel
+                takes it; None = the current stream); ignored for CPU tensors.
+
+        CPU tensors run to completion here; :meth:`sync_forward` returns the result.
+
+        Raises:
+            RuntimeError: no weights loaded, or a forward already submitted and not synced.
+            ValueError: wrong shapes, dtypes or devices (named).
+        """
+        if self._pending is not None:
+            raise RuntimeError(
+                "submit_forward called again before sync_forward; call sync_forward first"
+            )
+        x, ids, w = self._inputs(hidden_states, topk_ids, topk_weights)
+        if x.is_cuda:
+            self._pending = self._submit_cuda(x, ids, w, hidden_states.dtype, cuda_stream)
+        else:
+            out = _moe_forward_masked(x, ids, w, self.experts, self._mask())
+            self._pending = _Pending(rows=x.shape[0], out=out.to(hidden_states.dtype))
+
+    def sync_forward(self, hidden_states: Tensor, cuda_stream: Any = None) -> Tensor:
+        """The result of the last :meth:`submit_forward` (kt-kernel ``sync_forward``).
+
+        Returns ``[T, H]`` in the dtype and on the device of ``hidden_states``
+        (flattened like kt-kernel's), a new tensor.
+
+        Raises:
+            RuntimeError: nothing submitted.
+            ValueError: ``hidden_states`` has another token count than the submitted batch.
+        """
+        p = self._pending
+        if p is None:
+            raise RuntimeError("sync_forward called without submit_forward")
+        rows = (
+            hidden_states.numel() // max(1, hidden_states.shape[-1]) if hidden_states.dim() else -1
+        )
+        if rows != p.rows:
+            raise ValueError(
+                f"sync_forward: hidden_states has {rows} tokens, the submitted batch {p.rows}"
+            )
+        self._pending = None
+        if p.out is not None:
+            return p.out
+        return self._finish_cuda(p)
+
+    def forward(
+        self,
+        hidden_states: Tensor,
+        topk_ids: Tensor,
+        topk_weights: Tensor,
+        cuda_stream: Any = None,
+    ) -> Tensor:
+        """:meth:`submit_forward` then :meth:`sync_forward` (kt-kernel ``forward``)."""
+        self.submit_forward(hidden_states, topk_ids, topk_weights, cuda_stream)
+        return self.sync_forward(hidden_states, cuda_stream)
+
+    # ------------------------------------------------------------------ CUDA
+
+    _cuda_bridge: ClassVar[Optional[bool]] = None
+
+    @staticmethod
+    def _stream(cuda_stream: Any, device: torch.device):
+        if cuda_stream is None:
+            return torch.cuda.current_stream(device)
+        if isinstance(cuda_stream, torch.cuda.Stream):
+            return cuda_stream
+        return torch.cuda.ExternalStream(int(cuda_stream), device=device)
+
+    def _submit_cuda(self, x, ids, w, dtype, cuda_stream) -> _Pending:  # pragma: no cover - GPU
+        stream = self._stream(cuda_stream, x.device)
+        with torch.cuda.stream(stream):
+            if KTMoEWrapper._cuda_bridge is not False:
+                try:
+                    out = _moe_forward_masked(x, ids, w, self.experts, self._mask())
+                    KTMoEWrapper._cuda_bridge = True
+                    return _Pending(rows=x.shape[0], out=out.to(dtype))
+                except RuntimeError as e:
+                    if "on the CPU only" not in str(e):
+                        raise
+                    KTMoEWrapper._cuda_bridge = False
+                    logger.info("kt_ops has no CUDA bridge: KTMoEWrapper copies through the host")
+            host = tuple(
+                torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                for t in (x, ids, w)
+            )
+            event = torch.cuda.Event()
+            event.record(stream)
+        return _Pending(x.shape[0], None, host, event, stream, x.device, dtype)
+
+    def _finish_cuda(self, p: _Pending) -> Tensor:  # pragma: no cover - GPU
+        p.event.synchronize()
+        x, ids, w = p.host_inputs
+        out = _moe_forward_masked(x, ids, w, self.experts, self._mask()).to(p.dtype).pin_memory()
+        with torch.cuda.stream(p.stream):
+            return out.to(p.device, non_blocking=True)
+
+    # ------------------------------------------------------------------ kt-kernel statics
+
+    @staticmethod
+    def set_capture_batch_sizes(capture_bs: list[int]) -> None:
+        """Recorded only: kt_ops keeps no per-batch-size buffers (kt-kernel pre-allocates them)."""
+        KTMoEWrapper._capture_batch_sizes = list(capture_bs)
+
+    @staticmethod
+    def get_capture_batch_sizes() -> list[int]:
+        """The list given to :meth:`set_capture_batch_sizes`."""
+        return KTMoEWrapper._capture_batch_sizes
+
+    @staticmethod
+    def clear_buffer_cache() -> None:
+        """No-op: kt_ops keeps no input/output buffers."""
+
+    @staticmethod
+    def clear_sft_buffer_cache() -> None:
+        """No-op (kt-kernel's SFT buffers)."""
+
+    @staticmethod
+    def force_release_loader() -> None:
+        """Drop the cached checkpoint readers (as kt-kernel's ``force_release_loader``)."""
+        KTMoEWrapper._sources.clear()
+
+    def _refused(self, name: str, what: str):
+        raise NotImplementedError(f"KTMoEWrapper.{name} ({what}) is not supported by kt_ops.compat")
+
+    def select_deferred_experts(self, *args, **kwargs):
+        """Refused: kt-kernel's deferred experts (NotImplementedError)."""
+        self._refused("select_deferred_experts", "deferred experts")
+
+    def copy_inputs_to_cpu_buffers(self, *args, **kwargs):
+        """Refused: kt-kernel's NPU graph host-callback path (NotImplementedError)."""
+        self._refused("copy_inputs_to_cpu_buffers", "NPU graph host callbacks")
+
+    def forward_on_pinned_buffers(self, *args, **kwargs):
+        """Refused: kt-kernel's NPU graph host-callback path (NotImplementedError)."""
+        self._refused("forward_on_pinned_buffers", "NPU graph host callbacks")
+
+    def run_pinned_forward_sync(self, *args, **kwargs):
+        """Refused: kt-kernel's NPU graph host-callback path (NotImplementedError)."""
+        self._refused("run_pinned_forward_sync", "NPU graph host callbacks")
+
+    def copy_forward_output_to_device(self, *args, **kwargs):
+        """Refused: kt-kernel's NPU graph host-callback path (NotImplementedError)."""
+        self._refused("copy_forward_output_to_device", "NPU graph host callbacks")
+
+    def submit_write_weight_scale_to_buffer(self, *args, **kwargs):
+        """Refused: kt-kernel's GPU layerwise prefill (NotImplementedError)."""
+        self._refused("submit_write_weight_scale_to_buffer", "GPU layerwise prefill")
+
+    def sync_write_weight_scale_to_buffer(self, *args, **kwargs):
+        """Refused: kt-kernel's GPU layerwise prefill (NotImplementedError)."""
+        self._refused("sync_write_weight_scale_to_buffer", "GPU layerwise prefill")
+
+    def run_layerwise_fp8_batch(self, *args, **kwargs):
+        """Refused: kt-kernel's GPU layerwise prefill (NotImplementedError)."""
+        self._refused("run_layerwise_fp8_batch", "GPU layerwise prefill")
+
+    def __repr__(self) -> str:
+        fmt = self.experts.weight_format if self.experts is not None else "not loaded"
+        return (
+            f"KTMoEWrapper(layer_idx={self.layer_idx}, method={self.method!r} -> {fmt}, "
+            f"E={self.num_experts}, K={self.num_experts_per_tok}, H={self.hidden_size}, "
+            f"I={self.moe_intermediate_size}, gpu_experts={self.num_gpu_experts})"
+        )
+
+
+def _select_experts(p: PackedProjection, index: Tensor) -> PackedProjection:
+    """``p`` with its experts reordered/selected by ``index`` (every tensor's dim 0)."""
+
+    def sel(t: Optional[Tensor]) -> Optional[Tensor]:
+        return None if t is None else t.index_select(0, index.to(t.device)).contiguous()
+
+    return dataclasses.replace(p, weight=sel(p.weight), scales=sel(p.scales), zeros=sel(p.zeros))

@@ -1,0 +1,186 @@
+"""kt-kernel 0.7.2's KTMoEWrapper and kt_ops.compat.KTMoEWrapper on the same weights.
+
+Run with the peers venv's python (``scripts/setup_peers.sh``: kt-kernel 0.7.2 and
+the system torch / kt_ops), by ``tests/test_compat.py::test_cross_check_kt_kernel``::
+
+    ~/.cache/kt_ops/peers-venv/bin/python tests/kt_kernel_crosscheck.py OUT.json
+
+For each case it writes the weights into a temporary folder (the writers of
+``tests/checkpoints.py``), builds both wrappers with the same arguments, loads
+them the same way (``load_weights`` from ``weight_path``, or
+``load_weights_from_tensors`` for the online-quantized methods), runs
+``forward`` on the same bf16 inputs and writes, per case: ``rel`` =
+||y_kt_kernel - y_kt_ops|| / ||y_kt_ops||, ``max_abs`` = max |y_kt_kernel -
+y_kt_ops|, ``max_rel`` = max_abs / max |y_kt_ops|, and each side's relative error
+against the fp32 dense reference of the stored weights (``ref_kt_kernel``,
+``ref_kt_ops``). A case kt-kernel cannot run here is recorded with its error.
+
+Two adjustments let kt-kernel's wrapper run on a CPU-only torch, neither of
+which changes what it computes: its buffers ask for pinned memory, which a
+CPU-only torch refuses (``pin_memory`` is dropped), and its submit path would
+enqueue on a CUDA stream (``KT_FORCE_SYNC_SUBMIT=1`` selects its synchronous
+``submit`` / ``sync`` path, which the environment sets before the import).
+"""
+
+# ruff: noqa: E741
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+
+os.environ.setdefault("KT_FORCE_SYNC_SUBMIT", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+
+    def _no_pin(fn):
+        def call(*args, pin_memory=False, **kwargs):
+            return fn(*args, **kwargs)
+
+        return call
+
+    for _name in ("zeros", "full", "empty"):
+        setattr(torch, _name, _no_pin(getattr(torch, _name)))
+
+import kt_kernel  # noqa: E402
+from checkpoints import write_compressed_int4, write_gguf, write_hf, write_hf_fp8  # noqa: E402
+from gguf import GGMLQuantizationType as Q  # noqa: E402
+
+from kt_ops.compat import KTMoEWrapper  # noqa: E402
+
+E, K, H, I, T = 8, 2, 256, 256, 16
+LAYER = 1
+
+
+def reference(x, ids, w, dense, p2l=None, mask=None):
+    """fp32 SwiGLU experts on dense ``{gate, up, down}`` (physical id p -> logical p2l[p])."""
+    out = torch.zeros(x.shape[0], H)
+    xf = x.float()
+    for t in range(x.shape[0]):
+        for k in range(ids.shape[1]):
+            e = int(ids[t, k])
+            if mask is not None and bool(mask[e]):
+                continue
+            le = e if p2l is None else int(p2l[e])
+            g = dense["gate"][le].float() @ xf[t]
+            u = dense["up"][le].float() @ xf[t]
+            h = torch.nn.functional.silu(g) * u
+            out[t] += float(w[t, k]) * (dense["down"][le].float() @ h)
+    return out
+
+
+def rel(a, b) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+def run_case(name, method, path, dense, *, tensors=None, p2l=None, mask=None, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    w = torch.softmax(torch.randn(T, K, generator=g), -1)
+    args = dict(
+        layer_idx=LAYER,
+        num_experts=E,
+        num_experts_per_tok=K,
+        hidden_size=H,
+        moe_intermediate_size=I,
+        gpu_experts_mask=mask,
+        cpuinfer_threads=2,
+        threadpool_count=1,
+        weight_path=str(path),
+        chunked_prefill_size=64,
+        method=method,
+    )
+    ident = torch.arange(E, dtype=torch.int64)
+    m = ident if p2l is None else p2l
+    outs = {}
+    for side, cls in (("kt_kernel", kt_kernel.KTMoEWrapper), ("kt_ops", KTMoEWrapper)):
+        wrapper = cls(**args)
+        if tensors is not None:
+            wrapper.load_weights_from_tensors(*tensors, m)
+        else:
+            wrapper.load_weights(m)
+        outs[side] = wrapper.forward(x, ids, w, 0).clone()
+    ref = reference(x, ids, w, dense, p2l, mask)
+    a, b = outs["kt_kernel"], outs["kt_ops"]
+    diff = (a.float() - b.float()).abs()
+    return {
+        "case": name,
+        "method": method,
+        "rel": rel(a, b),
+        "max_abs": float(diff.max()),
+        "max_rel": float(diff.max() / b.float().abs().max()),
+        "ref_kt_kernel": rel(a, ref),
+        "ref_kt_ops": rel(b, ref),
+        "finite_kt_kernel": bool(torch.isfinite(a.float()).all()),
+    }
+
+
+def main(out_json: str) -> int:
+    results = []
+    tmp = Path(tempfile.mkdtemp(prefix="kt_compat_"))
+
+    def case(fn):
+        try:
+            results.append(fn())
+        except Exception as e:  # recorded, the test decides
+            results.append({"case": fn.__name__, "error": f"{type(e).__name__}: {e}"})
+            traceback.print_exc()
+
+    bf16 = write_hf(tmp / "bf16", E=E, H=H, I=I, num_layers=2, dense_layers=(0,))[LAYER]
+    fp8 = write_hf_fp8(tmp / "fp8", E=E, H=H, I=I, num_layers=2)[LAYER]
+    raw = write_compressed_int4(tmp / "rawint4", E=E, H=H, I=I, num_layers=2, group_size=32)
+    gg = write_gguf(tmp / "m.gguf", {"gate": Q.Q4_K, "up": Q.Q4_K, "down": Q.Q6_K}, E=E, H=H, I=I)[
+        LAYER
+    ]
+    gguf_dense = {r: v["dense"] for r, v in gg.items()}
+    perm = torch.randperm(E, generator=torch.Generator().manual_seed(7))
+    mask = torch.zeros(E, dtype=torch.bool)
+    mask[[1, 4, 6]] = True
+    dense_bf16 = tuple(bf16[r].to(torch.bfloat16) for r in ("gate", "up", "down"))
+
+    def BF16():
+        return run_case("BF16", "BF16", tmp / "bf16", bf16)
+
+    def BF16_p2l():
+        return run_case("BF16_p2l", "BF16", tmp / "bf16", bf16, p2l=perm)
+
+    def BF16_mask():
+        return run_case("BF16_mask", "BF16", tmp / "bf16", bf16, mask=mask)
+
+    def FP8():
+        return run_case("FP8", "FP8", tmp / "fp8", fp8)
+
+    def RAWINT4():
+        return run_case("RAWINT4", "RAWINT4", tmp / "rawint4", raw[LAYER])
+
+    def LLAMAFILE():
+        return run_case("LLAMAFILE", "LLAMAFILE", tmp / "m.gguf", gguf_dense)
+
+    def AMXINT8():
+        (tmp / "amx8").mkdir()
+        return run_case("AMXINT8", "AMXINT8", tmp / "amx8", bf16, tensors=dense_bf16)
+
+    def AMXINT4():
+        (tmp / "amx4").mkdir()
+        return run_case("AMXINT4", "AMXINT4", tmp / "amx4", bf16, tensors=dense_bf16)
+
+    for fn in (BF16, BF16_p2l, BF16_mask, FP8, RAWINT4, LLAMAFILE, AMXINT8, AMXINT4):
+        case(fn)
+    shutil.rmtree(tmp, ignore_errors=True)
+    meta = {"kt_kernel": kt_kernel.__version__, "variant": kt_kernel.__cpu_variant__}
+    Path(out_json).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
