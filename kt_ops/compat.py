@@ -77,8 +77,6 @@ graph).
 from __future__ import annotations
 
 import dataclasses
-import functools
-import inspect
 import json
 import logging
 import os
@@ -248,38 +246,13 @@ def generate_gpu_experts_masks(activation_freq: Tensor, num_gpu_experts: int) ->
 # ---------------------------------------------------------------------- GPU expert masking
 
 
-@functools.cache
-def _op_takes_mask() -> bool:
-    """Whether ``kt_ops.ops.moe_forward`` has the ``gpu_experts_mask`` keyword (CUDA bridge)."""
-    from kt_ops import ops
-
-    return "gpu_experts_mask" in inspect.signature(ops.moe_forward).parameters
-
-
-def _mask_topk_ids(topk_ids: Tensor, mask: Tensor) -> Tensor:
-    """``topk_ids`` with the ids of GPU experts (``mask[id]`` True) replaced by -1.
-
-    The op skips id -1. Ids outside ``[0, E)`` are left alone, so the op still
-    reports them.
-    """
-    ids = topk_ids.long()
-    mask = mask.to(ids.device, non_blocking=True)
-    valid = (ids >= 0) & (ids < mask.shape[0])
-    on_gpu = valid & mask[ids.clamp(0, mask.shape[0] - 1)]
-    return ids.masked_fill(on_gpu, -1)
-
-
 def _moe_forward_masked(
     x: Tensor, ids: Tensor, weights: Tensor, experts: ExpertWeights, mask: Optional[Tensor]
 ) -> Tensor:
     """``kt_ops.ops.moe_forward``, skipping the experts of ``mask`` (None: no GPU experts)."""
     from kt_ops import ops
 
-    if mask is None:
-        return ops.moe_forward(x, ids, weights, experts)
-    if _op_takes_mask():
-        return ops.moe_forward(x, ids, weights, experts, gpu_experts_mask=mask)
-    return ops.moe_forward(x, _mask_topk_ids(ids, mask), weights, experts)
+    return ops.moe_forward(x, ids, weights, experts, gpu_experts_mask=mask)
 
 
 # ---------------------------------------------------------------------- weight sources

@@ -348,13 +348,7 @@ def test_gpu_experts_mask_skips_those_experts(tmp_path):
     check_forward(n, 64, ids_for_ref=ids.masked_fill(ids < 3, -1))
 
 
-def test_mask_helper_keeps_out_of_range_ids_for_the_op():
-    mask = torch.tensor([True, False, True])
-    ids = torch.tensor([[0, 1], [2, -1], [5, 1]], dtype=torch.int32)
-    assert compat._mask_topk_ids(ids, mask).tolist() == [[-1, 1], [-1, -1], [5, 1]]
-
-
-def test_mask_goes_to_the_op_keyword_when_it_has_one(monkeypatch):
+def test_mask_goes_to_the_op_keyword(monkeypatch):
     seen = {}
 
     def fake(x, ids, w, experts, gpu_experts_mask=None):
@@ -362,16 +356,12 @@ def test_mask_goes_to_the_op_keyword_when_it_has_one(monkeypatch):
         return x
 
     monkeypatch.setattr(kt_ops.ops, "moe_forward", fake)
-    compat._op_takes_mask.cache_clear()
-    try:
-        mask = torch.tensor([True, False])
-        ids = torch.tensor([[0, 1]])
-        compat._moe_forward_masked(torch.zeros(1, 2), ids, torch.ones(1, 2), None, mask)
-        assert seen["mask"] is mask and seen["ids"] is ids
-        compat._moe_forward_masked(torch.zeros(1, 2), ids, torch.ones(1, 2), None, None)
-        assert seen["mask"] is None
-    finally:
-        compat._op_takes_mask.cache_clear()
+    mask = torch.tensor([True, False])
+    ids = torch.tensor([[0, 1]])
+    compat._moe_forward_masked(torch.zeros(1, 2), ids, torch.ones(1, 2), None, mask)
+    assert seen["mask"] is mask and seen["ids"] is ids
+    compat._moe_forward_masked(torch.zeros(1, 2), ids, torch.ones(1, 2), None, None)
+    assert seen["mask"] is None
 
 
 def test_generate_gpu_experts_masks_as_kt_kernel():
