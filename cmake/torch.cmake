@@ -18,7 +18,7 @@
 #   KT_TORCH_LIBRARY_DIR   torch/lib
 #   KT_TORCH_CXX_STANDARD  17, or 20 where torch's headers require C++20
 #   KT_CUDA_WHEEL_INCLUDE_DIRS  CUDA runtime headers installed by the nvidia-* wheels of a
-#                          CUDA torch (for a future hybrid CUDA path; empty otherwise)
+#                          CUDA torch (the CUDA bridge, cmake/cuda_bridge.cmake; empty otherwise)
 
 set(_kt_torch_query [=[
 import os, sys
@@ -95,7 +95,7 @@ target_compile_definitions(kt_torch INTERFACE _GLIBCXX_USE_CXX11_ABI=${_kt_torch
 target_link_libraries(kt_torch INTERFACE ${_kt_torch_libs})
 
 if(KT_TORCH_CUDA_VERSION)
-  set(_kt_kind "CUDA ${KT_TORCH_CUDA_VERSION} build; CUDA parts not used")
+  set(_kt_kind "CUDA ${KT_TORCH_CUDA_VERSION} build")
 else()
   set(_kt_kind "CPU build")
 endif()

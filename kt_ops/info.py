@@ -15,7 +15,8 @@ def info() -> dict:
 
     Returns a dict with keys ``topology`` (cores, NUMA nodes, PUs, source),
     ``cpu_features``, ``num_threads``, ``workers_bound``, ``built_isas``,
-    ``supported_isas``, ``active_isa`` and ``kernels``: per weight format, the
+    ``supported_isas``, ``active_isa``, ``cuda_bridge`` (whether this build runs
+    the ops on CUDA tensors, :mod:`kt_ops.hybrid`) and ``kernels``: per weight format, the
     kernel that runs its own path and the kernel of its weight-only fp32 path
     (``None`` where the format has one path) on the active ISA, after the
     fallback chain (e.g. ``{'int4': ['avx2/qint_q8', 'avx2/qint_fp32'], ...}``).
@@ -29,6 +30,7 @@ def info() -> dict:
         "built_isas": list(_C.built_isas()),
         "supported_isas": list(_C.supported_isas()),
         "active_isa": active,
+        "cuda_bridge": bool(_C.cuda_bridge_built()),
         "kernels": dict(_C.kernel_names(active)),
     }
 
@@ -46,6 +48,8 @@ def format_info(report: dict) -> str:
         f"ISA active     : {report['active_isa']}",
         f"threads        : {report['num_threads']} "
         f"(workers bound to cores: {'yes' if report['workers_bound'] else 'no'})",
+        "CUDA bridge    : "
+        + ("built (CUDA tensors run through it)" if report.get("cuda_bridge") else "not built"),
     ]
     for fmt, (own, fp32) in report["kernels"].items():
         lines.append(f"kernels {fmt:<7}: {own}" + (f" (fp32 path: {fp32})" if fp32 else ""))

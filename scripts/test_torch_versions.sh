@@ -21,8 +21,9 @@
 # cpu/cuda/oldest copy the checkout (tracked and untracked, not ignored, files) to a scratch
 # directory and run the README's commands there with the venv's python:
 # `bash scripts/setup.sh` (requirements + pip install --no-build-isolation -e .) and
-# `bash scripts/test.sh` (ruff + the whole pytest suite). They also check that the built
-# extension links no CUDA library.
+# `bash scripts/test.sh` (ruff + the whole pytest suite). They also check the built
+# extension's CUDA links: none with a CPU torch; with a CUDA torch only libcudart (the CUDA
+# bridge) and the CUDA kernels registered.
 #
 # Environment:
 #   KT_OPS_VENV_DIR   where the venvs live (default ~/.cache/kt_ops/venvs); a venv whose torch
@@ -73,16 +74,36 @@ copy_checkout() {
     (cd "$ROOT" && xargs -0 tar -cf - --ignore-failed-read 2>/dev/null) | tar -xf - -C "$dest"
 }
 
-check_no_cuda_links() {
-  local so
-  so=$(ls "$1"/kt_ops/_C*.so)
-  if readelf -d "$so" | grep -E "NEEDED.*(cuda|cudart|nvrtc|cublas)"; then
-    log "FAIL: $so links a CUDA library"
+# The extension's CUDA links: none for a CPU torch; for a CUDA torch, the CUDA bridge
+# (cmake/cuda_bridge.cmake) links exactly libcudart (the nvidia wheel's), never libtorch_cuda,
+# cuBLAS or nvrtc, and registers the CUDA kernels of the kt:: ops.
+check_cuda_links() {
+  local dir=$1 venv=$2 so needed
+  so=$(ls "$dir"/kt_ops/_C*.so)
+  needed=$(readelf -d "$so" | sed -n 's/.*NEEDED.*\[\(.*\)\]/\1/p' | tr '\n' ' ')
+  log "$(basename "$so") links: $needed"
+  if echo "$needed" | grep -qE "torch_cuda|cublas|nvrtc|c10_cuda"; then
+    log "FAIL: $so links a CUDA library other than libcudart"
     return 1
   fi
-  log "$(basename "$so") links: $(readelf -d "$so" | sed -n 's/.*NEEDED.*\[\(.*\)\]/\1/p' | tr '\n' ' ')"
+  if [ "$("$venv/bin/python" -c 'import torch; print(torch.version.cuda or "")')" = "" ]; then
+    if echo "$needed" | grep -q cudart; then
+      log "FAIL: a CPU torch build links libcudart"
+      return 1
+    fi
+    return 0
+  fi
+  echo "$needed" | grep -q "libcudart.so" || { log "FAIL: no CUDA bridge (libcudart not linked)"; return 1; }
+  log "libcudart resolves to: $(ldd "$so" | grep cudart | tr -s ' \t' ' ')"
+  (cd "$dir" && no_cuda "$venv" python -c "
+import torch, kt_ops
+dump = torch._C._dispatch_dump('kt::moe_forward')
+cuda = [l for l in dump.splitlines() if l.startswith('CUDA:')]
+assert cuda and 'moe_cuda_ops.cpp' in cuda[0], dump
+assert kt_ops.info()['cuda_bridge']
+print('[kt_ops versions] CUDA kernel:', cuda[0].split(' :: ')[0])
+")
 }
-
 run_checkout() {  # NAME: README commands in a fresh copy of the checkout
   local name=$1 version=${TORCH[$1]} venv dir start
   venv=$(make_venv "torch-$version" "$version")
@@ -97,7 +118,7 @@ run_checkout() {  # NAME: README commands in a fresh copy of the checkout
     no_cuda "$venv" python -c "import torch; print('[kt_ops versions] torch', torch.__version__, \
 'cuda', torch.version.cuda, '| CUDA_HOME', __import__('os').environ.get('CUDA_HOME'))"
     PYTHON=$venv/bin/python no_cuda "$venv" bash scripts/setup.sh
-    check_no_cuda_links "$dir"
+    check_cuda_links "$dir" "$venv"
     if [ "$name" = floor ]; then
       # transformers 5 disables torch < 2.6: leave out the two op tests that build a
       # transformers model (test_mixed_formats.py, *replace_experts*).

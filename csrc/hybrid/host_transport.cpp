@@ -135,6 +135,13 @@ void register_host_bridge(pybind11::module& m) {
       .def("moe_backward", &HostBridge::moe_backward)
       .def("replay", &HostBridge::replay);
   m.def("_bridge_take_error", &take_deferred_error);
+  m.def("cuda_bridge_built", [] {
+#ifdef KT_OPS_HAS_CUDA_BRIDGE
+    return true;
+#else
+    return false;
+#endif
+  });
   m.def("_staging_stats", [] {
     const StagingStats s = StagingPool::global().stats();
     py::dict d;

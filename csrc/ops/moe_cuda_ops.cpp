@@ -1,0 +1,78 @@
+// CUDA kernels of the kt:: ops: the CPU/GPU bridge (csrc/hybrid/bridge.h).
+// hidden_states and the other activations on a CUDA device, the packed expert
+// weights in host memory: the call is enqueued on the current CUDA stream
+// (copies to pinned staging memory, the CPU experts in a host function,
+// copies back) and returns at once; it is captured by torch.cuda.graph like
+// any other stream work. Compiled only against a CUDA build of torch with
+// its runtime headers (KT_OPS_CUDA_BRIDGE); cuda_unsupported.cpp otherwise.
+#include <c10/core/DeviceGuard.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#include "hybrid/bridge.h"
+#include "hybrid/cuda_transport.h"
+#include "moe/moe_layer.h"
+
+namespace kt::ops {
+
+namespace {
+
+void check_cuda_hidden(const char* op, const at::Tensor& hidden_states) {
+  TORCH_CHECK(hidden_states.is_cuda(), op, ": hidden_states is on ", hidden_states.device(),
+              " but other arguments are on a CUDA device; pass hidden_states, topk_ids, "
+              "topk_weights (and LoRA factors, gpu_experts_mask) all on the CPU or all on one "
+              "CUDA device (the packed expert weights stay on the CPU)");
+}
+
+at::Tensor moe_forward_cuda(const at::Tensor& hidden_states, const at::Tensor& topk_ids,
+                            const at::Tensor& topk_weights, KT_LAYER_PARAMS) {
+  check_cuda_hidden("kt.moe_forward", hidden_states);
+  const c10::DeviceGuard guard(hidden_states.device());
+  hybrid::CudaTransport t(hidden_states.device());
+  return hybrid::bridge_moe_forward(t, hidden_states, topk_ids, topk_weights, KT_LAYER_ARGS,
+                                    nullptr);
+}
+
+void moe_forward_out_cuda(const at::Tensor& hidden_states, const at::Tensor& topk_ids,
+                          const at::Tensor& topk_weights, KT_LAYER_PARAMS, at::Tensor& out) {
+  check_cuda_hidden("kt.moe_forward", hidden_states);
+  const c10::DeviceGuard guard(hidden_states.device());
+  hybrid::CudaTransport t(hidden_states.device());
+  hybrid::bridge_moe_forward(t, hidden_states, topk_ids, topk_weights, KT_LAYER_ARGS, &out);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_forward_train_cuda(
+    const at::Tensor& hidden_states, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+    KT_LAYER_PARAMS) {
+  check_cuda_hidden("kt.moe_forward_train", hidden_states);
+  const c10::DeviceGuard guard(hidden_states.device());
+  hybrid::CudaTransport t(hidden_states.device());
+  return hybrid::bridge_moe_forward_train(t, hidden_states, topk_ids, topk_weights,
+                                          KT_LAYER_ARGS);
+}
+
+std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> moe_backward_cuda(
+    const at::Tensor& grad_output, const at::Tensor& hidden_states, const at::Tensor& topk_ids,
+    const at::Tensor& topk_weights, KT_LAYER_PARAMS, const std::optional<at::Tensor>& gate_pre,
+    const std::optional<at::Tensor>& up_pre, bool compute_grad_hidden_states) {
+  check_cuda_hidden("kt.moe_backward", hidden_states);
+  const c10::DeviceGuard guard(hidden_states.device());
+  hybrid::CudaTransport t(hidden_states.device());
+  return hybrid::bridge_moe_backward(t, grad_output, hidden_states, topk_ids, topk_weights,
+                                     KT_LAYER_ARGS, gate_pre, up_pre,
+                                     compute_grad_hidden_states);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(kt, CUDA, m) {
+  m.impl("moe_forward", &moe_forward_cuda);
+  m.impl("moe_forward.out", &moe_forward_out_cuda);
+  m.impl("moe_forward_train", &moe_forward_train_cuda);
+  m.impl("moe_backward", &moe_backward_cuda);
+}
+
+}  // namespace kt::ops
