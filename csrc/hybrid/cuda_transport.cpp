@@ -3,21 +3,21 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 
-#include "hybrid/cuda_runtime_subset.h"
-
 #include <mutex>
 #include <utility>
 #include <vector>
+
+#include "hybrid/cuda_runtime_subset.h"
 
 namespace kt::hybrid {
 
 namespace {
 
-#define KT_CUDA_CHECK(expr)                                                             \
-  do {                                                                                \
-    const cudaError_t kt_err = (expr);                                                \
-    TORCH_CHECK(kt_err == cudaSuccess, "kt_ops CUDA bridge: ", #expr, " failed: ",     \
-                cudaGetErrorString(kt_err));                                          \
+#define KT_CUDA_CHECK(expr)                                           \
+  do {                                                                \
+    const cudaError_t kt_err = (expr);                                \
+    TORCH_CHECK(kt_err == cudaSuccess, "kt_ops CUDA bridge: ", #expr, \
+                " failed: ", cudaGetErrorString(kt_err));             \
   } while (0)
 
 cudaStream_t as_stream(void* handle) { return static_cast<cudaStream_t>(handle); }
@@ -67,8 +67,7 @@ std::string CudaTransport::device_name() const { return device_.str(); }
 
 uint64_t CudaTransport::stream_key() const {
   // The legacy default stream is the same handle on every device.
-  return reinterpret_cast<uint64_t>(handle_) ^
-         (static_cast<uint64_t>(device_.index()) << 56);
+  return reinterpret_cast<uint64_t>(handle_) ^ (static_cast<uint64_t>(device_.index()) << 56);
 }
 
 bool CudaTransport::capturing() const {
@@ -103,12 +102,12 @@ Transport::HostDeleter CudaTransport::host_deleter() const { return &cuda_free_h
 
 void CudaTransport::copy_to_host(void* dst, const at::Tensor& src) {
   KT_CUDA_CHECK(cudaMemcpyAsync(dst, src.data_ptr(), src.numel() * src.element_size(),
-                                 cudaMemcpyDeviceToHost, as_stream(handle_)));
+                                cudaMemcpyDeviceToHost, as_stream(handle_)));
 }
 
 void CudaTransport::copy_to_device(const at::Tensor& dst, const void* src) {
   KT_CUDA_CHECK(cudaMemcpyAsync(dst.data_ptr(), src, dst.numel() * dst.element_size(),
-                                 cudaMemcpyHostToDevice, as_stream(handle_)));
+                                cudaMemcpyHostToDevice, as_stream(handle_)));
 }
 
 void CudaTransport::launch_host_func(void (*fn)(void*), void* arg) {

@@ -50,8 +50,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_forward_train_cuda(
   check_cuda_hidden("kt.moe_forward_train", hidden_states);
   const c10::DeviceGuard guard(hidden_states.device());
   hybrid::CudaTransport t(hidden_states.device());
-  return hybrid::bridge_moe_forward_train(t, hidden_states, topk_ids, topk_weights,
-                                          KT_LAYER_ARGS);
+  return hybrid::bridge_moe_forward_train(t, hidden_states, topk_ids, topk_weights, KT_LAYER_ARGS);
 }
 
 std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> moe_backward_cuda(
@@ -62,8 +61,7 @@ std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> moe_backward_cuda(
   const c10::DeviceGuard guard(hidden_states.device());
   hybrid::CudaTransport t(hidden_states.device());
   return hybrid::bridge_moe_backward(t, grad_output, hidden_states, topk_ids, topk_weights,
-                                     KT_LAYER_ARGS, gate_pre, up_pre,
-                                     compute_grad_hidden_states);
+                                     KT_LAYER_ARGS, gate_pre, up_pre, compute_grad_hidden_states);
 }
 
 }  // namespace

@@ -244,8 +244,18 @@ void ThreadPool::prewake() {
 
 void ThreadPool::run(int64_t num_tasks, const TaskFn& fn) {
   if (num_tasks <= 0) return;
+  // Inline as pooled: every task runs, then the first exception is rethrown
+  // (a task's failure never leaves later tasks' outputs unwritten on one path only).
   const auto run_inline = [&] {
-    for (int64_t t = 0; t < num_tasks; ++t) fn(t, 0);
+    std::exception_ptr first;
+    for (int64_t t = 0; t < num_tasks; ++t) {
+      try {
+        fn(t, 0);
+      } catch (...) {
+        if (!first) first = std::current_exception();
+      }
+    }
+    if (first) std::rethrow_exception(first);
   };
   // workers_ is only read under run_mutex_: set_num_threads() rebuilds it under
   // that lock. The atomic count lets a pool without workers skip the lock.
