@@ -112,6 +112,39 @@ def test_thread_creation_failure_leaves_a_consistent_pool(python_subprocess):
     assert threads == "threads 2 0", threads  # back to 2 threads, the same OS threads
 
 
+_FIRST_USE_LIMIT_SCRIPT = r"""
+import os, resource, torch
+# Before kt_ops starts its pool: room for a few thread stacks, not for KT_OPS_NUM_THREADS.
+import kt_ops._C  # noqa: loads the library (no pool yet)
+vm = int([l for l in open("/proc/self/status") if l.startswith("VmSize")][0].split()[1]) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (vm + (48 << 20), resource.RLIM_INFINITY))
+import kt_ops
+print("threads", kt_ops.get_num_threads())
+resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+from test_runtime import small_call
+args = small_call(T=8)
+out = kt_ops.moe_forward(*args)
+kt_ops.set_num_threads(2)
+assert torch.equal(kt_ops.moe_forward(*args), out)
+print("ok")
+"""
+
+
+@pytest.mark.skipif(
+    "libasan" in os.environ.get("LD_PRELOAD", ""),
+    reason="ASan reserves terabytes of address space: RLIMIT_AS cannot model a thread limit",
+)
+def test_pool_that_cannot_start_falls_back_to_one_thread(python_subprocess):
+    cap = max(64, 4 * kt_ops.info()["topology"]["num_cores"])
+    proc = python_subprocess(
+        _FIRST_USE_LIMIT_SCRIPT, env={"KT_OPS_NUM_THREADS": str(cap)}, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert lines[-1] == "ok" and "threads 1" in lines, proc.stdout
+    assert "could start only" in proc.stderr and "running on 1 thread" in proc.stderr
+
+
 def _tsan_available() -> bool:
     cxx = shutil.which("g++")
     if cxx is None or shutil.which("pkg-config") is None:

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <new>
 #include <stdexcept>
@@ -89,7 +90,16 @@ ThreadPool& ThreadPool::global() {
   std::lock_guard<std::mutex> lock(g_pool_mutex);
   if (g_pool == nullptr) {
     const int n = g_threads_before_fork > 0 ? g_threads_before_fork : default_num_threads();
-    g_pool = new ThreadPool(n);  // never destroyed: outlives Python
+    try {
+      g_pool = new ThreadPool(n);  // never destroyed: outlives Python
+    } catch (const std::runtime_error& e) {
+      // Threads refused (a process limit under a large KT_OPS_NUM_THREADS): run
+      // on the calling thread, which needs none, and say so once, instead of
+      // failing this call and every later one.
+      std::fprintf(stderr, "kt_ops: %s; running on 1 thread (kt_ops.set_num_threads to retry)\n",
+                   e.what());
+      g_pool = new ThreadPool(1);
+    }
     if (!g_atfork_registered) pthread_atfork(nullptr, nullptr, reset_after_fork);
     g_atfork_registered = true;
   }
