@@ -138,10 +138,12 @@ def set_compute_path(path: str) -> None:
       (``bf16``: AVX-512 with AVX512_BF16, or AMX; :func:`compute_paths` says
       which); every other format and CPU keeps the streaming kernels. bf16
       brgemm rounds the activations (and the SwiGLU outputs) to bf16 first.
-    * ``'auto'`` (default): per expert and call, ``'brgemm'`` when the expert
-      has at least the format's measured break-even token count on this CPU
+    * ``'auto'`` (default): for bf16 activations, per expert and call,
+      ``'brgemm'`` when the expert has at least the format's measured
+      break-even token count on this CPU
       (``kt_ops.formats.format_spec(name).brgemm_min_tokens``;
-      docs/formats.md, "Compute paths"), else ``'streaming'``.
+      docs/formats.md, "Compute paths"), else ``'streaming'``. fp32 and fp16
+      activations stay on ``'streaming'`` (brgemm would round them to bf16).
 
     As with :func:`set_quant_activations`, the paths round differently, so
     under ``'auto'`` a token's output can depend on how many tokens share its
@@ -180,7 +182,8 @@ def compute_paths(isa: Optional[str] = None) -> dict:
     Returns ``{format: {'brgemm_kernel': name or None, 'brgemm_min_tokens': n or None}}``
     for ISA path ``isa`` (default: the active one) under the current
     :func:`set_compute_path`: experts with at least ``brgemm_min_tokens``
-    tokens run on ``brgemm_kernel``, the others on the streaming kernels;
+    tokens run on ``brgemm_kernel`` (under ``'auto'``: with bf16 activations),
+    the others on the streaming kernels;
     ``None`` where brgemm never runs (format without a brgemm path, a CPU or
     ISA path on which oneDNN does not run it, a torch without it, or
     ``torch.backends.mkldnn`` disabled).

@@ -149,7 +149,9 @@ struct ProjectionPlan {
   }
 };
 
-ProjectionPlan plan_projection(const Projection& p, kernels::Isa isa, QuantActivations mode) {
+// brgemm_min: brgemm_min_tokens() of the projection's format, or kNoBrgemm for this call.
+ProjectionPlan plan_projection(const Projection& p, kernels::Isa isa, QuantActivations mode,
+                               bool brgemm_allowed) {
   const kernels::ProjectionKernels& k = kernels::projection_kernels(p.format->layout, isa);
   int fp32_min = formats::kNoFp32Path;
   if (k.dot_fp32 != nullptr) {
@@ -157,7 +159,8 @@ ProjectionPlan plan_projection(const Projection& p, kernels::Isa isa, QuantActiv
     if (mode == QuantActivations::kAuto) fp32_min = p.format->fp32_min_tokens;
   }
   const bool q8 = p.format->activation == formats::ActType::kQ8 && fp32_min > 1;
-  return {&p.view, &k, fp32_min, q8, brgemm_min_tokens(*p.format, isa)};
+  const int brgemm_min = brgemm_allowed ? brgemm_min_tokens(*p.format, isa) : formats::kNoBrgemm;
+  return {&p.view, &k, fp32_min, q8, brgemm_min};
 }
 
 void quantize_rows(const float* src, int64_t stride, int64_t rows, int64_t kp, uint8_t* dst) {
@@ -198,9 +201,17 @@ void moe_forward_experts(const at::Tensor& hidden_states, const at::Tensor& topk
   const int64_t R = plan.num_rows();
 
   const QuantActivations mode = quant_activations();
-  const ProjectionPlan gate = plan_projection(layer.gate, isa, mode);
-  const ProjectionPlan up = plan_projection(layer.up, isa, mode);
-  const ProjectionPlan down = plan_projection(layer.down, isa, mode);
+  // 'auto' takes brgemm only for bf16 activations, which it multiplies exactly
+  // (the SwiGLU outputs are rounded to bf16, as in torch's bf16 expert MLP);
+  // fp32 and fp16 activations keep their precision on the streaming kernels
+  // unless 'brgemm' is forced.
+  const ComputePath path = compute_path();
+  const bool brgemm_allowed =
+      path == ComputePath::kBrgemm ||
+      (path == ComputePath::kAuto && hidden_states.scalar_type() == at::kBFloat16);
+  const ProjectionPlan gate = plan_projection(layer.gate, isa, mode, brgemm_allowed);
+  const ProjectionPlan up = plan_projection(layer.up, isa, mode, brgemm_allowed);
+  const ProjectionPlan down = plan_projection(layer.down, isa, mode, brgemm_allowed);
   const kernels::SiluMulRows silu_mul = kernels::silu_mul_rows(isa);
   const int64_t Hp = formats::qint_k_padded(H);
   const int64_t Ip = formats::qint_k_padded(I);

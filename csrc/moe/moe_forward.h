@@ -30,8 +30,10 @@ QuantActivations quant_activations();
 //   kBrgemm:    oneDNN's brgemm ukernel (kernels/brgemm.h) on tiles of the
 //               packed blocks, at any token count, for the formats and CPUs on
 //               which it runs (kernels::brgemm::runs); the others stream;
-//   kAuto:      kBrgemm for experts with at least the format row's
-//               brgemm.min_tokens for this CPU class, else kStreaming.
+//   kAuto:      for bf16 activations, kBrgemm for experts with at least the
+//               format row's brgemm.min_tokens for this CPU class, else
+//               kStreaming; fp32 / fp16 activations stream (brgemm would
+//               round them to bf16).
 // Process-wide; kAuto by default.
 enum class ComputePath { kAuto, kStreaming, kBrgemm };
 void set_compute_path(ComputePath path);
