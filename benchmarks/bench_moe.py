@@ -451,6 +451,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, help="kt_ops and torch threads (default: kt_ops')")
     p.add_argument("--isa", choices=kt_ops.supported_isas(), help="kt_ops ISA path")
     p.add_argument(
+        "--compute-path",
+        choices=("auto", "streaming", "brgemm"),
+        help="kt_ops.set_compute_path (default: auto)",
+    )
+    p.add_argument(
         "--repeats",
         type=int,
         help=f"timed runs per T (default {DEFAULT_REPEATS} else {DEFAULT_REPEATS_LARGE})",
@@ -514,6 +519,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     torch.set_num_threads(threads)
     if args.isa:
         kt_ops.set_isa(args.isa)
+    if args.compute_path:
+        kt_ops.set_compute_path(args.compute_path)
 
     dense_gb = 3 * E * H * Im * 2 / 1e9
     # torch's bf16 copy + the packed copy + one projection being packed (2 transients).
@@ -537,6 +544,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "dense_weights_gb": dense_gb,
         "threads": threads,
         "kt_isa": kt_ops.active_isa(),
+        "kt_compute_path": kt_ops.get_compute_path(),
         "kt_supported_isas": info["supported_isas"],
         "cpu_features": [k for k, v in info["cpu_features"].items() if v],
         "cores": topo["num_cores"],
@@ -578,6 +586,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     )
     print(
         f"#   kt_ops {kt_ops.__version__}: isa={header['kt_isa']} "
+        f"compute_path={header['kt_compute_path']} "
         f"(supported {header['kt_supported_isas']}), threads={threads}, "
         f"{header['cpu']}, {header['cores']} cores / {header['numa_nodes']} NUMA node(s), "
         f"features={header['cpu_features']}"

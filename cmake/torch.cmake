@@ -17,6 +17,7 @@
 #   KT_TORCH_CUDA_VERSION  torch.version.cuda, empty for a CPU build
 #   KT_TORCH_LIBRARY_DIR   torch/lib
 #   KT_TORCH_CXX_STANDARD  17, or 20 where torch's headers require C++20
+#   KT_TORCH_HAS_BRGEMM    ON where ATen/native/CPUBlas.h declares the bf16 brgemm (torch >= 2.6)
 #   KT_CUDA_WHEEL_INCLUDE_DIRS  CUDA runtime headers installed by the nvidia-* wheels of a
 #                          CUDA torch (the CUDA bridge, cmake/cuda_bridge.cmake; empty otherwise)
 
@@ -88,6 +89,21 @@ if(_kt_aten_cxx)
   set(KT_TORCH_CXX_STANDARD 20)
 endif()
 
+# oneDNN's brgemm ukernel through libtorch (at::native::cpublas::brgemm with a
+# bf16 VNNI overload and brgemm_release): declared in CPUBlas.h from torch 2.6
+# on (2.4 has none). A header check, not a version number: KT_TORCH_HAS_BRGEMM.
+set(KT_TORCH_HAS_BRGEMM OFF)
+set(_kt_cpublas "${_kt_torch_inc0}/ATen/native/CPUBlas.h")
+if(EXISTS "${_kt_cpublas}")
+  file(READ "${_kt_cpublas}" _kt_cpublas_text)
+  string(REGEX MATCH "const at::BFloat16\\* B,[ \n]*float\\* C,[ \n]*bool is_vnni"
+         _kt_brgemm_bf16 "${_kt_cpublas_text}")
+  string(FIND "${_kt_cpublas_text}" "brgemm_release" _kt_brgemm_release)
+  if(_kt_brgemm_bf16 AND NOT _kt_brgemm_release EQUAL -1)
+    set(KT_TORCH_HAS_BRGEMM ON)
+  endif()
+endif()
+
 add_library(kt_torch INTERFACE)
 add_library(kt_ops::torch ALIAS kt_torch)
 target_include_directories(kt_torch SYSTEM INTERFACE ${KT_TORCH_INCLUDE_DIRS})
@@ -100,7 +116,8 @@ else()
   set(_kt_kind "CPU build")
 endif()
 message(STATUS "kt_ops: torch ${KT_TORCH_VERSION} (${_kt_kind}), C++${KT_TORCH_CXX_STANDARD}, "
-               "CXX11 ABI ${_kt_torch_abi}, ${KT_TORCH_LIBRARY_DIR}")
+               "CXX11 ABI ${_kt_torch_abi}, ${KT_TORCH_LIBRARY_DIR}, "
+               "oneDNN brgemm in CPUBlas.h: ${KT_TORCH_HAS_BRGEMM}")
 if(KT_CUDA_WHEEL_INCLUDE_DIRS)
   message(STATUS "kt_ops: CUDA runtime headers from the nvidia wheels: ${KT_CUDA_WHEEL_INCLUDE_DIRS}")
 endif()

@@ -21,13 +21,17 @@ from kt_ops.ops import (
 )
 from kt_ops.runtime import (
     active_isa,
+    compute_paths,
+    get_compute_path,
     get_num_threads,
     get_quant_activations,
     quant_fp32_min_tokens,
+    set_compute_path,
     set_isa,
     set_num_threads,
     set_quant_activations,
     supported_isas,
+    use_compute_path,
     use_isa,
     use_quant_activations,
 )
@@ -54,6 +58,10 @@ __all__ = [
     "quant_fp32_min_tokens",
     "set_quant_activations",
     "use_quant_activations",
+    "compute_paths",
+    "get_compute_path",
+    "set_compute_path",
+    "use_compute_path",
     "replace_experts",
     "apply_lora",
 ]

@@ -19,7 +19,11 @@ def info() -> dict:
     the ops on CUDA tensors, :mod:`kt_ops.hybrid`) and ``kernels``: per weight format, the
     kernel that runs its own path and the kernel of its weight-only fp32 path
     (``None`` where the format has one path) on the active ISA, after the
-    fallback chain (e.g. ``{'int4': ['avx2/qint_q8', 'avx2/qint_fp32'], ...}``).
+    fallback chain (e.g. ``{'int4': ['avx2/qint_q8', 'avx2/qint_fp32'], ...}``),
+    ``compute_path`` (:func:`kt_ops.set_compute_path`: ``'auto'``,
+    ``'streaming'`` or ``'brgemm'``) and ``brgemm``: per weight format, the
+    brgemm kernel and the tokens per expert from which it runs under that path
+    on the active ISA (``None`` where it does not run; :func:`kt_ops.compute_paths`).
     """
     active = _C.active_isa()
     return {
@@ -32,6 +36,8 @@ def info() -> dict:
         "active_isa": active,
         "cuda_bridge": bool(_C.cuda_bridge_built()),
         "kernels": dict(_C.kernel_names(active)),
+        "compute_path": _C.compute_path(),
+        "brgemm": dict(_C.compute_paths(active)),
     }
 
 
@@ -51,8 +57,13 @@ def format_info(report: dict) -> str:
         "CUDA bridge    : "
         + ("built (CUDA tensors run through it)" if report.get("cuda_bridge") else "not built"),
     ]
+    lines.append(f"compute path   : {report['compute_path']}")
     for fmt, (own, fp32) in report["kernels"].items():
-        lines.append(f"kernels {fmt:<7}: {own}" + (f" (fp32 path: {fp32})" if fp32 else ""))
+        brg = report["brgemm"][fmt]
+        extra = f" (fp32 path: {fp32})" if fp32 else ""
+        if brg["brgemm_kernel"]:
+            extra += f" (from {brg['brgemm_min_tokens']} tokens/expert: {brg['brgemm_kernel']})"
+        lines.append(f"kernels {fmt:<7}: {own}" + extra)
     return "\n".join(lines)
 
 

@@ -3,7 +3,8 @@
 The thread pool is process-wide, one worker per physical core (from hwloc),
 bound to its core, reused across calls; the calling thread does its share.
 ``KT_OPS_NUM_THREADS`` sets its initial size and ``KT_OPS_ISA`` (``ref``,
-``avx2``, ``avx512``) forces an ISA path at start-up.
+``avx2``, ``avx512``) forces an ISA path at start-up. :func:`set_compute_path`
+chooses between the streaming kernels and oneDNN's brgemm.
 """
 
 from __future__ import annotations
@@ -120,3 +121,71 @@ def use_quant_activations(mode: str) -> Iterator[None]:
         yield
     finally:
         set_quant_activations(previous)
+
+
+_COMPUTE_PATHS = ("auto", "streaming", "brgemm")
+
+
+def set_compute_path(path: str) -> None:
+    """Choose which kernels compute the expert products (process-wide).
+
+    * ``'streaming'``: kt_ops' own per-ISA kernels, which stream each 16-row
+      weight block once and multiply it with the expert's tokens in registers
+      (decode; the only path before oneDNN's brgemm was added).
+    * ``'brgemm'``: oneDNN's brgemm ukernel (through libtorch's
+      ``at::native::cpublas::brgemm``) on the packed weight blocks, at any
+      token count, for the formats and CPUs on which oneDNN runs the product
+      (``bf16``: AVX-512 with AVX512_BF16, or AMX; :func:`compute_paths` says
+      which); every other format and CPU keeps the streaming kernels. bf16
+      brgemm rounds the activations (and the SwiGLU outputs) to bf16 first.
+    * ``'auto'`` (default): for bf16 activations, per expert and call,
+      ``'brgemm'`` when the expert has at least the format's measured
+      break-even token count on this CPU
+      (``kt_ops.formats.format_spec(name).brgemm_min_tokens``;
+      docs/formats.md, "Compute paths"), else ``'streaming'``. fp32 and fp16
+      activations stay on ``'streaming'`` (brgemm would round them to bf16).
+
+    As with :func:`set_quant_activations`, the paths round differently, so
+    under ``'auto'`` a token's output can depend on how many tokens share its
+    experts; pin ``'streaming'`` or ``'brgemm'`` for batch-invariant results.
+    Results are bit-identical for any thread count on every path.
+
+    Raises:
+        ValueError: ``path`` is not ``'auto'``, ``'streaming'`` or ``'brgemm'``.
+    """
+    if not isinstance(path, str) or path not in _COMPUTE_PATHS:
+        raise ValueError(
+            f"kt_ops.set_compute_path: path must be 'auto', 'streaming' or 'brgemm', got {path!r}"
+        )
+    _C.set_compute_path(path)
+
+
+def get_compute_path() -> str:
+    """The path set by :func:`set_compute_path`: ``'auto'``, ``'streaming'`` or ``'brgemm'``."""
+    return _C.compute_path()
+
+
+@contextlib.contextmanager
+def use_compute_path(path: str) -> Iterator[None]:
+    """Context manager: :func:`set_compute_path` ``path``, then restore the previous one."""
+    previous = get_compute_path()
+    set_compute_path(path)
+    try:
+        yield
+    finally:
+        set_compute_path(previous)
+
+
+def compute_paths(isa: Optional[str] = None) -> dict:
+    """Per weight format, where oneDNN's brgemm computes its products now.
+
+    Returns ``{format: {'brgemm_kernel': name or None, 'brgemm_min_tokens': n or None}}``
+    for ISA path ``isa`` (default: the active one) under the current
+    :func:`set_compute_path`: experts with at least ``brgemm_min_tokens``
+    tokens run on ``brgemm_kernel`` (under ``'auto'``: with bf16 activations),
+    the others on the streaming kernels;
+    ``None`` where brgemm never runs (format without a brgemm path, a CPU or
+    ISA path on which oneDNN does not run it, a torch without it, or
+    ``torch.backends.mkldnn`` disabled).
+    """
+    return dict(_C.compute_paths(active_isa() if isa is None else str(isa)))

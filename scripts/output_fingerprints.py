@@ -3,6 +3,10 @@
 Runs ``kt_ops.nn.MoEExperts`` (the stable module API) over a grid of weight
 formats, ISA paths, compute paths, token counts, activation dtypes and LoRA
 (forward and backward), and records a SHA-256 of every output tensor's bytes.
+The grid runs on the streaming kernels (``kt_ops.set_compute_path('streaming')``,
+the kernels that existed before the brgemm path, so their fingerprints stay
+comparable across trees); the brgemm path adds its own cases
+(``fwd/<format>/.../brgemm/...``) for the formats and ISA paths it runs on.
 
     python scripts/output_fingerprints.py --save before.json   # on the old tree
     python scripts/output_fingerprints.py --check before.json  # on the new tree
@@ -74,19 +78,39 @@ def routing(T: int, seed: int):
     return ids, weights
 
 
+def brgemm_runs(fmt: str, isa: str) -> bool:
+    """Whether oneDNN's brgemm computes some projection of ``fmt`` on ISA path ``isa``."""
+    with kt_ops.use_compute_path("brgemm"):
+        paths = kt_ops.compute_paths(isa)
+    return any(paths[f]["brgemm_kernel"] for f in fmt.split(","))
+
+
 def cases():
     for fmt, group, sym, H, I in FORMATS:  # noqa: E741
         experts = make_experts(fmt, group, sym, H, I)
         modes = ("q8", "fp32", "auto") if fmt != "bf16" else ("auto",)
-        for isa, mode, T, dtype in itertools.product(
-            kt_ops.supported_isas(), modes, TOKENS, (torch.float32, torch.bfloat16)
+        for isa, mode, path, T, dtype in itertools.product(
+            kt_ops.supported_isas(),
+            modes,
+            ("streaming", "brgemm"),
+            TOKENS,
+            (torch.float32, torch.bfloat16),
         ):
+            if path == "brgemm" and not brgemm_runs(fmt, isa):
+                continue
             g = torch.Generator().manual_seed(T * 7 + 1)
             x = torch.randn(T, H, generator=g).to(dtype)
             ids, w = routing(T, T + 3)
-            with kt_ops.use_isa(isa), kt_ops.use_quant_activations(mode), torch.no_grad():
+            with (
+                kt_ops.use_isa(isa),
+                kt_ops.use_quant_activations(mode),
+                kt_ops.use_compute_path(path),
+                torch.no_grad(),
+            ):
                 out = experts(x, ids, w)
-            yield f"fwd/{fmt}/g{group}/{'sym' if sym else 'asym'}/{isa}/{mode}/T{T}/{dtype}", out
+            suffix = "" if path == "streaming" else "/brgemm"
+            tag = "sym" if sym else "asym"
+            yield f"fwd/{fmt}/g{group}/{tag}/{isa}/{mode}{suffix}/T{T}/{dtype}", out
         # LoRA forward + backward (ATen path; ISA-independent but run once per format).
         lora = make_experts(fmt, group, sym, H, I)
         lora.add_lora(4, 8, generator=torch.Generator().manual_seed(5))

@@ -96,6 +96,7 @@ def one_torch_thread() -> Iterator[None]:
 def _restore_runtime() -> Iterator[None]:
     threads, isa_name = kt_ops.get_num_threads(), kt_ops.active_isa()
     quant_mode = kt_ops.get_quant_activations()
+    compute_path = kt_ops.get_compute_path()
     yield
     if kt_ops.get_num_threads() != threads:
         kt_ops.set_num_threads(threads)
@@ -103,6 +104,8 @@ def _restore_runtime() -> Iterator[None]:
         kt_ops.set_isa(isa_name)
     if kt_ops.get_quant_activations() != quant_mode:
         kt_ops.set_quant_activations(quant_mode)
+    if kt_ops.get_compute_path() != compute_path:
+        kt_ops.set_compute_path(compute_path)
 
 
 @pytest.fixture

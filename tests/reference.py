@@ -61,6 +61,13 @@ class Tolerance:
 #: weight_format 'bf16': exact bf16 weights, fp32 accumulation (see module doc).
 TOL_BF16 = Tolerance(compute=1e-4)
 
+#: weight_format 'bf16' on oneDNN's brgemm (kt_ops.set_compute_path('brgemm')) against
+#: the reference with ``bf16_activations=True``: the activations and the SwiGLU
+#: outputs are rounded to bf16 on both sides, so only the fp32 accumulation
+#: order differs, plus the SwiGLU outputs that land on the other side of a bf16
+#: rounding boundary (one bf16 ulp of one term of a down-projection sum).
+TOL_BF16_BRGEMM = Tolerance(compute=5e-4)
+
 #: One tolerance per weight format; a new format adds its line here.
 TOLERANCES = {"bf16": TOL_BF16}
 
@@ -128,6 +135,7 @@ def reference_moe_forward(
     lora: Optional[kt_ops.LoRAWeights] = None,
     *,
     out_dtype: Optional[torch.dtype] = torch.float32,
+    bf16_activations: bool = False,
 ) -> Tensor:
     """Dense fp32 reference of ``kt_ops.moe_forward(hidden_states, ..., experts, lora)``.
 
@@ -148,6 +156,10 @@ def reference_moe_forward(
     ``lora.scaling * (v @ A[e].T) @ B[e].T`` (Hu et al. 2021, PEFT convention).
     Differentiable: autograd through this function gives the reference
     gradients for ``hidden_states``, ``topk_weights`` and the LoRA factors.
+
+    ``bf16_activations=True`` rounds the activations and the SwiGLU outputs to
+    bf16 before they are multiplied (what the bf16 brgemm path computes,
+    ``kt_ops.set_compute_path('brgemm')``).
     """
     T, H = hidden_states.shape
     if H != experts.hidden_size:
@@ -164,6 +176,8 @@ def reference_moe_forward(
 
     with single_threaded_torch():
         x = hidden_states.float()
+        if bf16_activations:
+            x = x.bfloat16().float()
         ids = topk_ids.long()
         w = topk_weights.float()
         out = torch.zeros(T, H, dtype=torch.float32)
@@ -172,6 +186,8 @@ def reference_moe_forward(
             wg, wu, wd = (dense_expert(p, e) for p in experts.projections)
             xe = x[tok]
             h = torch.nn.functional.silu(project(xe, wg, "gate", e)) * project(xe, wu, "up", e)
+            if bf16_activations:
+                h = h.bfloat16().float()
             y = project(h, wd, "down", e) * w[tok, slot].unsqueeze(1)
             out = out.index_add(0, tok, y)
     if out_dtype is None:

@@ -348,6 +348,7 @@ def test_formats_are_the_cpp_table():
             **row,
             "group_sizes": tuple(row["group_sizes"]),
             "scale_dtype": getattr(torch, sd) if sd else None,
+            "brgemm_min_tokens": tuple(sorted(row["brgemm_min_tokens"].items())),
         }
         assert got == want, row["name"]
         assert spec.default_group_size in spec.group_sizes

@@ -39,6 +39,15 @@ import kt_ops
 THREAD_COUNTS = (1, 2, 3)
 
 
+@pytest.fixture(autouse=True)
+def _streaming_kernels():
+    """This file checks the streaming kernels at the bf16 tolerance (fp32 activations
+    times exact bf16 weights); oneDNN's brgemm path, which rounds the activations
+    to bf16, and 'auto' are checked the same way in test_compute_paths.py."""
+    with kt_ops.use_compute_path("streaming"):
+        yield
+
+
 def run_op(x, ids, weights, w: kt_ops.ExpertWeights, **kwargs):
     return kt_ops.moe_forward(x, ids, weights, w, **kwargs)
 
@@ -422,7 +431,7 @@ def test_non_contiguous_routing(isa):
 _POISON_SCRIPT = r"""
 import json, torch, kt_ops
 from reference import make_expert_weights, make_routing, make_hidden, mismatch_report
-from reference import reference_moe_forward
+from reference import reference_moe_forward, TOL_BF16, TOL_BF16_BRGEMM
 
 # Freshly allocated memory must hold the poison (0x7F bytes: 3.4e38 in fp32/bf16,
 # NaN in fp16), or this check proves nothing.
@@ -437,9 +446,15 @@ for isa in kt_ops.supported_isas():
             ids, wt = make_routing(T, E, K, seed=T, skip_fraction=0.2, skip_rows=(0,))
             for dt in (torch.float32, torch.bfloat16, torch.float16):
                 x = make_hidden(T, H, dt, seed=T)
-                out = kt_ops.moe_forward(x, ids, wt, w)
-                ref = reference_moe_forward(x, ids, wt, w)
-                results.append([isa, T, H, I, str(dt), mismatch_report(out, ref)])
+                for path in ("streaming", "brgemm"):  # brgemm falls back where it does not run
+                    with kt_ops.use_compute_path("brgemm"):
+                        brg = kt_ops.compute_paths()["bf16"]["brgemm_kernel"] is not None
+                    rounded = path == "brgemm" and brg
+                    with kt_ops.use_compute_path(path):
+                        out = kt_ops.moe_forward(x, ids, wt, w)
+                    ref = reference_moe_forward(x, ids, wt, w, bf16_activations=rounded)
+                    tol = TOL_BF16_BRGEMM if rounded else TOL_BF16
+                    results.append([isa, path, T, H, I, str(dt), mismatch_report(out, ref, tol)])
 print(json.dumps({"poison_active": poison_active, "results": results}))
 """
 

@@ -25,6 +25,17 @@ constexpr const char* kGgml = "llama.cpp / ggml block structs (ggml-common.h), r
 constexpr int kFp8Fp32Min = 8;
 constexpr int kInt8Fp32Min = 16;
 
+// Formats without a brgemm path (yet): always the streaming kernels.
+constexpr BrgemmPolicy kNoBrgemmPath = {{kNoBrgemm, kNoBrgemm}};
+// bf16 x bf16 -> fp32 brgemm against the streaming fp32-FMA kernel, tokens per
+// expert (benchmarks/bench_compute_paths.py, docs/formats.md "Compute paths"):
+// on Zen 4 (AVX512_BF16, 2 threads, H=2048, I=768) both are bound by the
+// weight stream up to ~10 tokens (brgemm/streaming 1.00-1.08), brgemm wins
+// from 12 (0.93-0.97), 16 (0.83-0.85), 32 (0.77). AMX not measured (no AMX
+// host): the AVX-512 value.
+constexpr int kBf16BrgemmMinAvx512 = 12;
+constexpr BrgemmPolicy kBf16Brgemm = {{kBf16BrgemmMinAvx512, kBf16BrgemmMinAvx512}};
+
 }  // namespace
 
 int FormatRow::bits() const {
@@ -50,29 +61,29 @@ const std::vector<FormatRow>& format_table() {
   using A = ActType;
   // clang-format off
   static const std::vector<FormatRow> rows = {
-      {"bf16", L::kBf16, {}, {0}, 0, S::kNone, Z::kNever, A::kF32, kNoFp32Path, 16.0,
+      {"bf16", L::kBf16, {}, {0}, 0, S::kNone, Z::kNever, A::kF32, kNoFp32Path, kBf16Brgemm, 16.0,
        "bfloat16 weights (round to nearest even)"},
       {"int8", L::kQint, qint(8, true, false, 0.f), {0}, 0, S::kF32, Z::kNever, A::kQ8,
-       kInt8Fp32Min, 8.0, "symmetric per-channel int8 (scale = amax/127)"},
+       kInt8Fp32Min, kNoBrgemmPath, 8.0, "symmetric per-channel int8 (scale = amax/127)"},
       {"int4", L::kQint, qint(4, false, false, 8.f), {32, 64, 128}, 128, S::kF16, Z::kOptional,
-       A::kQ8, kNoFp32Path, 4.125,
+       A::kQ8, kNoFp32Path, kNoBrgemmPath, 4.125,
        "group-wise int4, symmetric or asymmetric (GPTQ/AWQ-style zero point)"},
-      {"fp8", L::kFp8, {}, {128}, 128, S::kF32, Z::kNever, A::kF32, kFp8Fp32Min, 8.0,
+      {"fp8", L::kFp8, {}, {128}, 128, S::kF32, Z::kNever, A::kF32, kFp8Fp32Min, kNoBrgemmPath, 8.0,
        "E4M3 (Micikevicius et al. 2022) with DeepSeek-V3 128x128 weight_scale_inv"},
       // OCP MX: E2M1 codes, one UE8M0 exponent per 32; kernel codes 2v + 12.
       {"mxfp4", L::kQint, qint(4, false, true, 12.f), {32}, 32, S::kE8M0, Z::kNever, A::kQ8,
-       kNoFp32Path, 4.25,
+       kNoFp32Path, kNoBrgemmPath, 4.25,
        "OCP Microscaling Formats (MX) v1.0: E2M1 elements, UE8M0 scales, 32 per block"},
       {"q8_0", L::kQint, qint(8, true, false, 0.f), {32}, 32, S::kF16, Z::kNever, A::kQ8,
-       kInt8Fp32Min, 8.5, kGgml},
+       kInt8Fp32Min, kNoBrgemmPath, 8.5, kGgml},
       {"q4_0", L::kQint, qint(4, false, false, 8.f), {32}, 32, S::kF16, Z::kNever, A::kQ8,
-       kNoFp32Path, 4.5, kGgml},
+       kNoFp32Path, kNoBrgemmPath, 4.5, kGgml},
       {"q4_k", L::kQint, qint(4, false, false, 0.f), {32}, 32, S::kF32, Z::kRequired, A::kQ8,
-       kNoFp32Path, 6.0, kGgml},
+       kNoFp32Path, kNoBrgemmPath, 6.0, kGgml},
       {"q5_k", L::kQint, qint(5, false, false, 0.f), {32}, 32, S::kF32, Z::kRequired, A::kQ8,
-       kNoFp32Path, 7.0, kGgml},
+       kNoFp32Path, kNoBrgemmPath, 7.0, kGgml},
       {"q6_k", L::kQint, qint(6, false, false, 32.f), {16}, 16, S::kF32, Z::kNever, A::kQ8,
-       kNoFp32Path, 8.0, kGgml},
+       kNoFp32Path, kNoBrgemmPath, 8.0, kGgml},
   };
   // clang-format on
   return rows;

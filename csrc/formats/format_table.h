@@ -28,6 +28,28 @@ enum class ZeroPolicy : uint8_t { kNever, kOptional, kRequired };
 // Never take the weight-only fp32 path under 'auto'.
 constexpr int kNoFp32Path = std::numeric_limits<int>::max();
 
+// Never take the brgemm path under 'auto' (kt_ops.set_compute_path).
+constexpr int kNoBrgemm = std::numeric_limits<int>::max();
+
+// The CPU classes on which oneDNN's brgemm ukernel runs a format's product
+// natively (kernels/brgemm.h finds the class at run time, and checks with a
+// probe call that oneDNN does run the type):
+//   kAvx512: AVX-512 F/BW/VL/DQ with AVX512_BF16 (bf16) / AVX512_VNNI (int8);
+//   kAmx:    AMX-BF16 / AMX-INT8 tiles.
+// Without them (AVX2, or AVX-512 without BF16) oneDNN runs no bf16 brgemm
+// and the streaming kernels stay.
+enum class BrgemmIsa : uint8_t { kAvx512, kAmx };
+constexpr int kNumBrgemmIsas = 2;
+
+// Compute-path policy of 'auto' between the streaming kernels and brgemm:
+// experts with at least min_tokens[isa] tokens run their products as brgemm
+// calls; kNoBrgemm: never (no brgemm path for the format, or it never wins).
+// Measured break-evens, docs/formats.md "Compute paths".
+struct BrgemmPolicy {
+  int min_tokens[kNumBrgemmIsas];
+  int min(BrgemmIsa isa) const { return min_tokens[static_cast<int>(isa)]; }
+};
+
 struct FormatRow {
   const char* name;
   Layout layout;
@@ -44,6 +66,9 @@ struct FormatRow {
   // FMAs (the weight-only path); measured break-even, docs/formats.md
   // "Compute paths". kNoFp32Path: always the streaming kernel.
   int fp32_min_tokens;
+  // Compute-path policy of kt_ops.set_compute_path('auto'): from how many
+  // tokens per expert oneDNN's brgemm computes the products, per CPU class.
+  BrgemmPolicy brgemm;
   double bits_per_weight;  // at the default group size, scales and zeros included
   const char* source;      // where the element format is specified
 

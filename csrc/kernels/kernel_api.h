@@ -49,6 +49,11 @@ struct DotArgs {
   float* out;
   int64_t ldo;     // >= 16 * (nb_end - nb_begin)
   float* scratch;  // >= 16 * proj->kp floats, for kernels that decode a block first
+  // The same m rows rounded to bf16, row i at xb + i * ldxb (zero padded past
+  // k to an even count), for the brgemm tile kernels (kernels/brgemm.h);
+  // nullptr for the streaming kernels.
+  const uint16_t* xb = nullptr;
+  int64_t ldxb = 0;
 };
 
 // The kernels of one layout on one ISA tier.

@@ -4,11 +4,13 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <vector>
 
 #include "formats/bf16.h"  // ceil_div
 #include "formats/q8_activations.h"
 #include "formats/qint.h"
+#include "kernels/brgemm.h"
 #include "kernels/dispatch.h"
 #include "moe/moe_phases.h"
 #include "moe/routing.h"
@@ -24,11 +26,13 @@ constexpr int kRows = formats::kQintBlockRows;  // output rows per block, every 
 // decode step allocates nothing, and prefill does not fault in fresh pages.
 struct Scratch {
   RoutingPlan plan;
-  std::vector<float> x;     // [T][Hp] fp32 activations, zero padded
-  std::vector<uint8_t> xq;  // [T] q8 records of x (qint projections)
-  std::vector<float> h;     // [rows][Ip] SwiGLU outputs, zero padded
-  std::vector<uint8_t> hq;  // [rows] q8 records of h
-  std::vector<float> y;     // [T*K][H] weighted expert outputs per slot
+  std::vector<float> x;      // [T][Hp] fp32 activations, zero padded
+  std::vector<uint8_t> xq;   // [T] q8 records of x (qint projections)
+  std::vector<float> h;      // [rows][Ip] SwiGLU outputs, zero padded
+  std::vector<uint8_t> hq;   // [rows] q8 records of h
+  std::vector<uint16_t> xt;  // [T][Hp] bf16 activations (brgemm experts' gate/up)
+  std::vector<uint16_t> hb;  // [rows][Ip] bf16 SwiGLU outputs (brgemm experts' down)
+  std::vector<float> y;      // [T*K][H] weighted expert outputs per slot
   std::vector<const float*> x_rows;
   std::vector<const uint8_t*> xq_rows;
   std::vector<const float*> h_rows;
@@ -50,8 +54,9 @@ size_t capacity_bytes(const std::vector<T>& v) {
 
 size_t scratch_bytes(const Scratch& s) {
   return capacity_bytes(s.x) + capacity_bytes(s.xq) + capacity_bytes(s.h) + capacity_bytes(s.hq) +
-         capacity_bytes(s.y) + capacity_bytes(s.x_rows) + capacity_bytes(s.xq_rows) +
-         capacity_bytes(s.h_rows) + capacity_bytes(s.hq_rows);
+         capacity_bytes(s.xt) + capacity_bytes(s.hb) + capacity_bytes(s.y) +
+         capacity_bytes(s.x_rows) + capacity_bytes(s.xq_rows) + capacity_bytes(s.h_rows) +
+         capacity_bytes(s.hq_rows);
 }
 
 // Releases the calling thread's buffers when they hold more than kScratchKeepBytes.
@@ -66,18 +71,75 @@ void trim_scratch(Scratch& s) {
 thread_local std::vector<float> t_gate_out, t_up_out, t_block;
 
 std::atomic<QuantActivations> g_quant_activations{QuantActivations::kAuto};
+std::atomic<ComputePath> g_compute_path{ComputePath::kAuto};
+
+// Whether the calling thread made brgemm calls since its last release.
+thread_local bool t_brgemm_active = false;
+
+// brgemm's A for gate/up: one expert's bf16 activation rows at a fixed stride,
+// gathered by the pool thread that computes the expert's blocks and kept
+// while it stays on that expert (in L2: 64 rows of H = 2048 are 256 KiB).
+// Keyed by (call, expert): a later call never reuses another call's rows.
+struct GatheredRows {
+  std::vector<uint16_t> rows;
+  uint64_t call = 0;
+  int64_t expert = -1;
+};
+thread_local GatheredRows t_gathered;
+std::atomic<uint64_t> g_call_counter{0};
+
+const uint16_t* gathered_rows(uint64_t call, int64_t e, const uint16_t* xt, const int64_t* tokens,
+                              int m, int64_t Hp) {
+  GatheredRows& g = t_gathered;
+  if (g.call != call || g.expert != e) {
+    grow(g.rows, static_cast<size_t>(m) * Hp);
+    for (int i = 0; i < m; ++i)
+      std::memcpy(g.rows.data() + i * Hp, xt + tokens[i] * Hp, Hp * sizeof(uint16_t));
+    g.call = call;
+    g.expert = e;
+  }
+  return g.rows.data();
+}
+
+// After each thread's run of tiles: release the brgemm context (AMX tiles).
+void release_brgemm() {
+  if (!t_brgemm_active) return;
+  kernels::brgemm::release();
+  t_brgemm_active = false;
+}
+
+// bf16 bits of v, rounded to nearest even (c10::BFloat16's rounding; NaN stays NaN).
+inline uint16_t to_bf16(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof(u));
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return (u & 0x7FFFFFFFu) > 0x7F800000u ? static_cast<uint16_t>((u >> 16) | 0x40u)
+                                         : static_cast<uint16_t>(rounded);
+}
+
+void to_bf16_row(const float* src, int64_t n, uint16_t* dst) {
+  for (int64_t j = 0; j < n; ++j) dst[j] = to_bf16(src[j]);
+}
 
 // How one projection is computed in this call.
 struct ProjectionPlan {
   const kernels::ProjectionView* view;
   const kernels::ProjectionKernels* kernels;
-  int fp32_min;  // experts with at least this many rows take dot_fp32
-  bool q8;       // some expert may take the q8 kernel: q8 records are needed
+  int fp32_min;    // experts with at least this many rows take dot_fp32
+  bool q8;         // some expert may take the q8 kernel: q8 records are needed
+  int brgemm_min;  // experts with at least this many rows take brgemm (bf16 rows xb)
 
-  void dot(int64_t e, int64_t nb, const float* const* x, const uint8_t* const* xq, int m,
-           float* out) const {
+  bool brgemm(int m) const { return m >= brgemm_min; }
+
+  void dot(int64_t e, int64_t nb, const float* const* x, const uint8_t* const* xq,
+           const uint16_t* xb, int64_t ldxb, int m, float* out) const {
     kernels::DotArgs args{view, e, nb, nb + 1, x, xq, m, out, kRows, nullptr};
-    if (m >= fp32_min) {
+    if (brgemm(m)) {
+      args.xb = xb;
+      args.ldxb = ldxb;
+      t_brgemm_active = true;
+      kernels::brgemm::bf16_dot(args);
+    } else if (m >= fp32_min) {
       grow(t_block, static_cast<size_t>(kRows) * view->kp);  // the block decoded to fp32
       args.scratch = t_block.data();
       kernels->dot_fp32(args);
@@ -87,7 +149,9 @@ struct ProjectionPlan {
   }
 };
 
-ProjectionPlan plan_projection(const Projection& p, kernels::Isa isa, QuantActivations mode) {
+// brgemm_min: brgemm_min_tokens() of the projection's format, or kNoBrgemm for this call.
+ProjectionPlan plan_projection(const Projection& p, kernels::Isa isa, QuantActivations mode,
+                               bool brgemm_allowed) {
   const kernels::ProjectionKernels& k = kernels::projection_kernels(p.format->layout, isa);
   int fp32_min = formats::kNoFp32Path;
   if (k.dot_fp32 != nullptr) {
@@ -95,7 +159,8 @@ ProjectionPlan plan_projection(const Projection& p, kernels::Isa isa, QuantActiv
     if (mode == QuantActivations::kAuto) fp32_min = p.format->fp32_min_tokens;
   }
   const bool q8 = p.format->activation == formats::ActType::kQ8 && fp32_min > 1;
-  return {&p.view, &k, fp32_min, q8};
+  const int brgemm_min = brgemm_allowed ? brgemm_min_tokens(*p.format, isa) : formats::kNoBrgemm;
+  return {&p.view, &k, fp32_min, q8, brgemm_min};
 }
 
 void quantize_rows(const float* src, int64_t stride, int64_t rows, int64_t kp, uint8_t* dst) {
@@ -111,6 +176,16 @@ void quantize_rows(const float* src, int64_t stride, int64_t rows, int64_t kp, u
 
 void set_quant_activations(QuantActivations mode) { g_quant_activations.store(mode); }
 QuantActivations quant_activations() { return g_quant_activations.load(); }
+void set_compute_path(ComputePath path) { g_compute_path.store(path); }
+ComputePath compute_path() { return g_compute_path.load(); }
+
+int brgemm_min_tokens(const formats::FormatRow& format, kernels::Isa isa) {
+  const ComputePath path = compute_path();
+  if (path == ComputePath::kStreaming) return formats::kNoBrgemm;
+  const std::optional<formats::BrgemmIsa> cls = kernels::brgemm::runs(format.layout, isa);
+  if (!cls) return formats::kNoBrgemm;
+  return path == ComputePath::kBrgemm ? 1 : format.brgemm.min(*cls);
+}
 
 void moe_forward_experts(const at::Tensor& hidden_states, const at::Tensor& topk_ids,
                          const at::Tensor& topk_weights, const MoeLayer& layer, kernels::Isa isa,
@@ -127,9 +202,17 @@ void moe_forward_experts(const at::Tensor& hidden_states, const at::Tensor& topk
   const int64_t R = plan.num_rows();
 
   const QuantActivations mode = quant_activations();
-  const ProjectionPlan gate = plan_projection(layer.gate, isa, mode);
-  const ProjectionPlan up = plan_projection(layer.up, isa, mode);
-  const ProjectionPlan down = plan_projection(layer.down, isa, mode);
+  // 'auto' takes brgemm only for bf16 activations, which it multiplies exactly
+  // (the SwiGLU outputs are rounded to bf16, as in torch's bf16 expert MLP);
+  // fp32 and fp16 activations keep their precision on the streaming kernels
+  // unless 'brgemm' is forced.
+  const ComputePath path = compute_path();
+  const bool brgemm_allowed =
+      path == ComputePath::kBrgemm ||
+      (path == ComputePath::kAuto && hidden_states.scalar_type() == at::kBFloat16);
+  const ProjectionPlan gate = plan_projection(layer.gate, isa, mode, brgemm_allowed);
+  const ProjectionPlan up = plan_projection(layer.up, isa, mode, brgemm_allowed);
+  const ProjectionPlan down = plan_projection(layer.down, isa, mode, brgemm_allowed);
   const kernels::SiluMulRows silu_mul = kernels::silu_mul_rows(isa);
   const int64_t Hp = formats::qint_k_padded(H);
   const int64_t Ip = formats::qint_k_padded(I);
@@ -151,6 +234,25 @@ void moe_forward_experts(const at::Tensor& hidden_states, const at::Tensor& topk
   grow(s.h_rows, R);
   grow(s.hq_rows, R);
   if (down.q8) grow(s.hq, R * h_rec);
+  const int gu_brgemm_min = std::min(gate.brgemm_min, up.brgemm_min);
+  bool gu_brgemm = false, down_brgemm = false;
+  for (int64_t e : plan.active_experts) {
+    const int m = static_cast<int>(plan.expert_offsets[e + 1] - plan.expert_offsets[e]);
+    gu_brgemm = gu_brgemm || m >= gu_brgemm_min;
+    down_brgemm = down_brgemm || down.brgemm(m);
+  }
+  const uint64_t call = ++g_call_counter;
+  if (gu_brgemm) {
+    // bf16 token rows once; each brgemm expert's rows are gathered by the
+    // thread that computes it (gathered_rows).
+    grow(s.xt, T * Hp);
+    runtime::ThreadPool::global().run(formats::ceil_div(T, 16), [&](int64_t task, int) {
+      const int64_t end = std::min(T, (task + 1) * 16);
+      for (int64_t t = task * 16; t < end; ++t)
+        to_bf16_row(s.x.data() + t * Hp, Hp, s.xt.data() + t * Hp);
+    });
+  }
+  if (down_brgemm) grow(s.hb, R * Ip);
   for (int64_t r = 0; r < R; ++r) {
     const int64_t t = plan.row_token[r];
     s.x_rows[r] = s.x.data() + t * Hp;
@@ -158,22 +260,30 @@ void moe_forward_experts(const at::Tensor& hidden_states, const at::Tensor& topk
     s.h_rows[r] = s.h.data() + r * Ip;
     s.hq_rows[r] = down.q8 ? s.hq.data() + r * h_rec : nullptr;
     std::fill(s.h.data() + r * Ip + I, s.h.data() + (r + 1) * Ip, 0.0f);  // K padding of down
+    if (down_brgemm) std::fill(s.hb.data() + r * Ip + I, s.hb.data() + (r + 1) * Ip, uint16_t{0});
   }
 
   // Phase 2: gate/up + SwiGLU, one item per (active expert, 16-row block of I).
   for_each_expert_block(
-      plan, layer.gate.view.row_blocks, [&](int64_t e, int64_t nb, int64_t r0, int m) {
+      plan, layer.gate.view.row_blocks,
+      [&](int64_t e, int64_t nb, int64_t r0, int m) {
         const int n_valid = static_cast<int>(std::min<int64_t>(kRows, I - nb * kRows));
         grow(t_gate_out, static_cast<size_t>(m) * kRows);
         grow(t_up_out, static_cast<size_t>(m) * kRows);
-        gate.dot(e, nb, s.x_rows.data() + r0, s.xq_rows.data() + r0, m, t_gate_out.data());
-        up.dot(e, nb, s.x_rows.data() + r0, s.xq_rows.data() + r0, m, t_up_out.data());
+        const uint16_t* xb = m >= gu_brgemm_min ? gathered_rows(call, e, s.xt.data(),
+                                                                plan.row_token.data() + r0, m, Hp)
+                                                : nullptr;
+        gate.dot(e, nb, s.x_rows.data() + r0, s.xq_rows.data() + r0, xb, Hp, m, t_gate_out.data());
+        up.dot(e, nb, s.x_rows.data() + r0, s.xq_rows.data() + r0, xb, Hp, m, t_up_out.data());
         silu_mul(t_gate_out.data(), t_up_out.data(), m);
+        const bool hb = down.brgemm(m);
         for (int i = 0; i < m; ++i) {
           const float* g = t_gate_out.data() + i * kRows;
           std::copy(g, g + n_valid, s.h.data() + (r0 + i) * Ip + nb * kRows);
+          if (hb) to_bf16_row(g, n_valid, s.hb.data() + (r0 + i) * Ip + nb * kRows);
         }
-      });
+      },
+      release_brgemm);
 
   // Phase 2b: the SwiGLU outputs to q8 records.
   if (down.q8) quantize_rows(s.h.data(), Ip, R, Ip, s.hq.data());
@@ -181,17 +291,20 @@ void moe_forward_experts(const at::Tensor& hidden_states, const at::Tensor& topk
   // Phase 3: down projection scaled by the routing weight, per (expert, 16-row block of H).
   float* y = s.y.data();
   for_each_expert_block(
-      plan, layer.down.view.row_blocks, [&](int64_t e, int64_t nb, int64_t r0, int m) {
+      plan, layer.down.view.row_blocks,
+      [&](int64_t e, int64_t nb, int64_t r0, int m) {
         const int n_valid = static_cast<int>(std::min<int64_t>(kRows, H - nb * kRows));
         grow(t_gate_out, static_cast<size_t>(m) * kRows);
-        down.dot(e, nb, s.h_rows.data() + r0, s.hq_rows.data() + r0, m, t_gate_out.data());
+        const uint16_t* hb = down_brgemm ? s.hb.data() + r0 * Ip : nullptr;  // brgemm experts' A
+        down.dot(e, nb, s.h_rows.data() + r0, s.hq_rows.data() + r0, hb, Ip, m, t_gate_out.data());
         for (int i = 0; i < m; ++i) {
           float* dst = y + plan.row_slot[r0 + i] * H + nb * kRows;
           const float w = plan.row_weight[r0 + i];
           const float* d = t_gate_out.data() + i * kRows;
           for (int r = 0; r < n_valid; ++r) dst[r] = w * d[r];
         }
-      });
+      },
+      release_brgemm);
 
   // Phase 4: sum the top-k slots of each token in k order, cast to the output dtype.
   combine_slots(y, plan, out);

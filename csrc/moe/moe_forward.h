@@ -24,6 +24,26 @@ enum class QuantActivations { kAuto, kQ8, kFp32 };
 void set_quant_activations(QuantActivations mode);
 QuantActivations quant_activations();
 
+// Which kernels compute an expert's products (docs/formats.md, "Compute paths"):
+//   kStreaming: the per-ISA kernels of kernels/kernel_api.h (decode kernels
+//               that stream each 16-row block once, register-tiled over tokens);
+//   kBrgemm:    oneDNN's brgemm ukernel (kernels/brgemm.h) on tiles of the
+//               packed blocks, at any token count, for the formats and CPUs on
+//               which it runs (kernels::brgemm::runs); the others stream;
+//   kAuto:      for bf16 activations, kBrgemm for experts with at least the
+//               format row's brgemm.min_tokens for this CPU class, else
+//               kStreaming; fp32 / fp16 activations stream (brgemm would
+//               round them to bf16).
+// Process-wide; kAuto by default.
+enum class ComputePath { kAuto, kStreaming, kBrgemm };
+void set_compute_path(ComputePath path);
+ComputePath compute_path();
+
+// Tokens per expert from which projections of `format` run on brgemm in this
+// process under the current compute path and tier `isa`; formats::kNoBrgemm
+// where brgemm never runs.
+int brgemm_min_tokens(const formats::FormatRow& format, kernels::Isa isa);
+
 // out[t] = sum_k topk_weights[t,k] * down_e(silu(gate_e(x[t])) * up_e(x[t])),
 // e = topk_ids[t,k], skipping ids of -1 (the LoRA-free layer). Writes `out`
 // ([T, H], dtype of x, contiguous). Arguments validated by parse_moe_layer;
@@ -33,9 +53,11 @@ QuantActivations quant_activations();
 // whose reduction order is fixed, so results are bit-identical for any
 // thread count):
 //   1. x -> fp32 rows padded to Kp (and q8 records where a qint projection
-//      needs them); routing plan (rows grouped per expert, tokens ascending)
+//      needs them); routing plan (rows grouped per expert, tokens ascending);
+//      for the experts whose gate/up run on brgemm, their rows gathered as bf16
 //   2. tasks (expert, 16-row block of I): h = silu(x Wg^T) * (x Wu^T)
-//      (h -> q8 records where the down projection needs them)
+//      (h -> q8 records where the down projection needs them; h -> bf16 rows
+//      for the experts whose down projection runs on brgemm)
 //   3. tasks (expert, 16-row block of H): y[t,k] = w[t,k] * h Wd^T
 //   4. tasks (token range): out[t] = sum over k (ascending) of y[t,k]
 void moe_forward_experts(const at::Tensor& hidden_states, const at::Tensor& topk_ids,

@@ -26,8 +26,11 @@ void grow(std::vector<T>& v, size_t n) {
 // runs of adjacent blocks (kChunksPerThread per thread) on the global pool:
 // fn(e, nb, r0, m) for expert e, block nb and the expert's plan rows
 // [r0, r0 + m). `blocks` is the number of 16-row blocks per expert.
-template <class Fn>
-void for_each_expert_block(const RoutingPlan& plan, int64_t blocks, const Fn& fn) {
+// `after_run()` is called on the same thread after each run (the brgemm
+// path releases its hardware context there).
+template <class Fn, class AfterRun>
+void for_each_expert_block(const RoutingPlan& plan, int64_t blocks, const Fn& fn,
+                           const AfterRun& after_run) {
   const int64_t items = static_cast<int64_t>(plan.active_experts.size()) * blocks;
   runtime::ThreadPool::global().parallel_for(
       items, kChunksPerThread, [&](int64_t begin, int64_t end) {
@@ -36,6 +39,7 @@ void for_each_expert_block(const RoutingPlan& plan, int64_t blocks, const Fn& fn
           const int64_t r0 = plan.expert_offsets[e];
           fn(e, item % blocks, r0, static_cast<int>(plan.expert_offsets[e + 1] - r0));
         }
+        after_run();
       });
 }
 

@@ -7,6 +7,7 @@
 #include <stdexcept>
 
 #include "formats/format_table.h"
+#include "kernels/brgemm.h"
 #include "kernels/dispatch.h"
 #include "moe/moe_forward.h"
 #include "runtime/cpu_features.h"
@@ -74,6 +75,27 @@ const char* scale_dtype_name(kt::formats::ScaleType t) {
   return nullptr;
 }
 
+py::object min_tokens_or_none(int n) {
+  return n == kt::formats::kNoBrgemm ? py::object(py::none()) : py::object(py::int_(n));
+}
+
+// {format: {"path": "brgemm" | "streaming", "kernel": ..., "min_tokens": n or None}} on
+// tier `isa` under the current compute path: which kernels compute the products of the
+// experts with at least min_tokens tokens (brgemm) and below (streaming).
+py::dict compute_paths(Isa isa) {
+  py::dict out;
+  for (const kt::formats::FormatRow& f : kt::formats::format_table()) {
+    const int min = kt::moe::brgemm_min_tokens(f, isa);
+    py::dict d;
+    d["brgemm_kernel"] = min == kt::formats::kNoBrgemm
+                             ? py::object(py::none())
+                             : py::object(py::str(kt::kernels::brgemm::kernel_name(f.layout)));
+    d["brgemm_min_tokens"] = min_tokens_or_none(min);
+    out[f.name] = d;
+  }
+  return out;
+}
+
 // The format table (formats/format_table.h), one dict per row, in table order:
 // what kt_ops/formats/spec.py builds its FormatSpec objects from.
 py::list formats_report() {
@@ -96,6 +118,10 @@ py::list formats_report() {
     d["fp32_min_tokens"] = f.fp32_min_tokens == kt::formats::kNoFp32Path
                                ? py::object(py::none())
                                : py::object(py::int_(f.fp32_min_tokens));
+    py::dict brgemm;
+    brgemm["avx512"] = min_tokens_or_none(f.brgemm.min(kt::formats::BrgemmIsa::kAvx512));
+    brgemm["amx"] = min_tokens_or_none(f.brgemm.min(kt::formats::BrgemmIsa::kAmx));
+    d["brgemm_min_tokens"] = brgemm;
     d["bits_per_weight"] = f.bits_per_weight;
     d["source"] = f.source;
     out.append(d);
@@ -164,6 +190,28 @@ PYBIND11_MODULE(_C, m) {
         return std::string("auto");
     }
   });
+  m.def("set_compute_path", [](const std::string& path) {
+    using kt::moe::ComputePath;
+    if (path == "auto") return kt::moe::set_compute_path(ComputePath::kAuto);
+    if (path == "streaming") return kt::moe::set_compute_path(ComputePath::kStreaming);
+    if (path == "brgemm") return kt::moe::set_compute_path(ComputePath::kBrgemm);
+    throw std::invalid_argument(
+        "kt_ops.set_compute_path: path must be 'auto', 'streaming' or 'brgemm', got '" + path +
+        "'");
+  });
+  m.def("compute_path", [] {
+    switch (kt::moe::compute_path()) {
+      case kt::moe::ComputePath::kStreaming:
+        return std::string("streaming");
+      case kt::moe::ComputePath::kBrgemm:
+        return std::string("brgemm");
+      default:
+        return std::string("auto");
+    }
+  });
+  m.def("brgemm_built", &kt::kernels::brgemm::built);
+  m.def("compute_paths",
+        [](const std::string& isa) { return compute_paths(kt::kernels::parse_isa(isa)); });
   m.def("formats", &formats_report);
   m.def("kernel_names",
         [](const std::string& isa) { return kernel_names(kt::kernels::parse_isa(isa)); });

@@ -71,6 +71,11 @@ class FormatSpec:
         fp32_min_tokens: the compute-path policy of ``'auto'``
             (:func:`kt_ops.set_quant_activations`): experts with at least this
             many tokens take the weight-only fp32 path; ``None``: never.
+        brgemm_min_tokens: the compute-path policy of ``'auto'``
+            (:func:`kt_ops.set_compute_path`) per CPU class (``'avx512'``:
+            AVX-512 with AVX512_BF16 / VNNI; ``'amx'``): experts with at least
+            this many tokens run on oneDNN's brgemm; ``None``: never (as
+            ``((class, n), ...)`` pairs; :meth:`brgemm_min_tokens_for` reads one).
         bits_per_weight: storage per weight at the default group size, scales
             and zeros included (int4: symmetric, group 128), ignoring padding.
         source: where the element format comes from.
@@ -88,8 +93,19 @@ class FormatSpec:
     default_group_size: int
     activation: str
     fp32_min_tokens: Optional[int]
+    brgemm_min_tokens: tuple[tuple[str, Optional[int]], ...]
     bits_per_weight: float
     source: str
+
+    def brgemm_min_tokens_for(self, cpu_class: str) -> Optional[int]:
+        """The ``'auto'`` brgemm threshold on ``cpu_class`` (``'avx512'`` or ``'amx'``)."""
+        table = dict(self.brgemm_min_tokens)
+        if cpu_class not in table:
+            raise ValueError(
+                f"brgemm_min_tokens_for: cpu_class must be one of {sorted(table)}, "
+                f"got {cpu_class!r}"
+            )
+        return table[cpu_class]
 
     @property
     def zeros_required(self) -> bool:
@@ -157,6 +173,7 @@ def _spec_from_row(row: dict) -> FormatSpec:
         default_group_size=row["default_group_size"],
         activation=row["activation"],
         fp32_min_tokens=row["fp32_min_tokens"],
+        brgemm_min_tokens=tuple(sorted(row["brgemm_min_tokens"].items())),
         bits_per_weight=row["bits_per_weight"],
         source=row["source"],
     )

@@ -1,0 +1,336 @@
+"""Compute paths: the streaming kernels and oneDNN's brgemm, forced one by one.
+
+``kt_ops.set_compute_path('streaming' | 'brgemm' | 'auto')`` picks which kernels
+compute the expert products (docs/formats.md, "Compute paths"). Every test runs
+the paths on the same inputs: each against the dense reference (brgemm rounds
+the activations and SwiGLU outputs to bf16, so its reference does too), per ISA
+path (the ``isa`` fixture), with odd sizes, T = 0 and 1, experts without
+tokens, T at the 'auto' switch-over threshold, and 1/2/3 threads bit-identical.
+Where oneDNN's brgemm does not run (AVX2 tiers, CPUs without AVX512_BF16, a
+torch without it), 'brgemm' must fall back to the streaming kernels bit for bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from reference import (
+    TOL_BF16,
+    TOL_BF16_BRGEMM,
+    Tolerance,
+    assert_matches_reference,
+    make_expert_weights,
+    make_hidden,
+    make_routing,
+    mismatch_report,
+    reference_moe_forward,
+)
+
+import kt_ops
+from kt_ops.info import format_info
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+PATHS = ("streaming", "brgemm", "auto")
+
+#: 'auto' with experts on both paths, against the unrounded reference: the
+#: brgemm experts' bf16 activations (relative rounding 2^-9 per value).
+TOL_MIXED = Tolerance(compute=4e-3)
+THREAD_COUNTS = (1, 2, 3)
+
+
+def brgemm_runs(fmt: str = "bf16") -> bool:
+    """Whether oneDNN's brgemm computes ``fmt`` on the active ISA path when forced."""
+    with kt_ops.use_compute_path("brgemm"):
+        return kt_ops.compute_paths()[fmt]["brgemm_kernel"] is not None
+
+
+def bf16_min_tokens() -> int | None:
+    with kt_ops.use_compute_path("auto"):
+        return kt_ops.compute_paths()["bf16"]["brgemm_min_tokens"]
+
+
+def run(path: str, x, ids, w, experts):
+    with kt_ops.use_compute_path(path):
+        return kt_ops.moe_forward(x, ids, w, experts)
+
+
+def check_path(path: str, x, ids, w, experts):
+    """Run ``path`` and compare it with the reference of what that path computes."""
+    out = run(path, x, ids, w, experts)
+    assert out.dtype == x.dtype and out.shape == x.shape
+    counts = torch.bincount(ids[ids >= 0].flatten(), minlength=experts.num_experts)
+    min_tokens = bf16_min_tokens()
+    on_brgemm = brgemm_runs() and (
+        path == "brgemm"
+        or (
+            path == "auto"
+            and x.dtype == torch.bfloat16  # 'auto' keeps fp32/fp16 activations exact
+            and min_tokens is not None
+            and bool((counts >= min_tokens).any())
+        )
+    )
+    if path == "auto" and on_brgemm and bool(((counts > 0) & (counts < min_tokens)).any()):
+        # Mixed: experts on both paths (each token's path: test_auto_threshold).
+        ref = reference_moe_forward(x, ids, w, experts)
+        assert_matches_reference(out, ref, TOL_MIXED)
+        return out
+    ref = reference_moe_forward(x, ids, w, experts, bf16_activations=on_brgemm)
+    assert_matches_reference(out, ref, TOL_BF16_BRGEMM if on_brgemm else TOL_BF16)
+    return out
+
+
+# --------------------------------------------------------------------------
+# The API
+# --------------------------------------------------------------------------
+
+
+def test_set_get_use_compute_path():
+    assert kt_ops.get_compute_path() == "auto"
+    for path in PATHS:
+        kt_ops.set_compute_path(path)
+        assert kt_ops.get_compute_path() == path
+    kt_ops.set_compute_path("auto")
+    with kt_ops.use_compute_path("streaming"):
+        assert kt_ops.get_compute_path() == "streaming"
+    assert kt_ops.get_compute_path() == "auto"
+    for name in ("set_compute_path", "get_compute_path", "use_compute_path", "compute_paths"):
+        assert name in kt_ops.__all__
+        assert getattr(kt_ops, name).__doc__
+
+
+@pytest.mark.parametrize("bad", ["", "Brgemm", "onednn", "fp32", None, 1])
+def test_bad_compute_path_raises(bad):
+    with pytest.raises(ValueError, match="set_compute_path: path must be"):
+        kt_ops.set_compute_path(bad)
+    with pytest.raises(ValueError, match="set_compute_path"):
+        kt_ops._C.set_compute_path("nope")
+    assert kt_ops.get_compute_path() == "auto"
+
+
+def test_info_reports_the_compute_path(isa):
+    with kt_ops.use_compute_path("streaming"):
+        report = kt_ops.info()
+        assert report["compute_path"] == "streaming"
+        assert all(v["brgemm_kernel"] is None for v in report["brgemm"].values())
+    report = kt_ops.info()
+    assert report["compute_path"] == "auto"
+    assert set(report["brgemm"]) == set(report["kernels"])
+    text = format_info(report)
+    assert "compute path   : auto" in text
+    if brgemm_runs():
+        assert report["brgemm"]["bf16"] == {
+            "brgemm_kernel": "onednn/brgemm_bf16",
+            "brgemm_min_tokens": kt_ops.formats.format_spec("bf16").brgemm_min_tokens_for(
+                "amx" if kt_ops.info()["cpu_features"].get("amx") else "avx512"
+            ),
+        }
+        assert "onednn/brgemm_bf16" in text
+
+
+def test_format_table_records_the_thresholds():
+    spec = kt_ops.formats.format_spec("bf16")
+    assert spec.brgemm_min_tokens_for("avx512") == 12
+    assert spec.brgemm_min_tokens_for("amx") == 12
+    with pytest.raises(ValueError, match="cpu_class"):
+        spec.brgemm_min_tokens_for("avx2")
+    for name in kt_ops.formats.FORMATS:
+        if name != "bf16":  # no brgemm path yet: always the streaming kernels
+            assert dict(kt_ops.formats.format_spec(name).brgemm_min_tokens) == {
+                "avx512": None,
+                "amx": None,
+            }
+
+
+def test_where_brgemm_runs(isa):
+    feats = kt_ops.info()["cpu_features"]
+    with kt_ops.use_compute_path("brgemm"):
+        paths = kt_ops.compute_paths()
+    for name, p in paths.items():
+        if name != "bf16":
+            assert p["brgemm_kernel"] is None
+    expected = (
+        kt_ops._C.brgemm_built()
+        and isa not in ("ref", "avx2")
+        and (feats["avx512_bf16"] or feats.get("amx", False))
+        and torch.backends.mkldnn.is_available()
+    )
+    assert (paths["bf16"]["brgemm_kernel"] is not None) == bool(expected)
+    if expected:
+        assert paths["bf16"]["brgemm_min_tokens"] == 1  # forced: at any token count
+    with kt_ops.use_compute_path("streaming"):
+        assert kt_ops.compute_paths()["bf16"]["brgemm_kernel"] is None
+
+
+def test_mkldnn_disabled_falls_back_to_streaming():
+    experts = make_expert_weights(4, 40, 24, seed=3)
+    ids, w = make_routing(30, 4, 2, seed=3)
+    x = make_hidden(30, 40, seed=3)
+    want = run("streaming", x, ids, w, experts)
+    with torch.backends.mkldnn.flags(enabled=False):
+        with kt_ops.use_compute_path("brgemm"):
+            assert kt_ops.compute_paths()["bf16"]["brgemm_kernel"] is None
+        got = run("brgemm", x, ids, w, experts)
+    assert torch.equal(got, want)
+
+
+def test_onednn_limited_below_bf16_is_queried(python_subprocess):
+    # ONEDNN_MAX_CPU_ISA=AVX512_CORE: the CPU has AVX512_BF16 but oneDNN may not
+    # use it and refuses to generate the bf16 kernel; kt_ops asks oneDNN (a
+    # probe call) instead of trusting CPUID, and streams.
+    if not brgemm_runs():
+        pytest.skip("oneDNN's bf16 brgemm does not run on this CPU / torch")
+    code = (
+        "import torch, kt_ops\n"
+        "from reference import make_expert_weights, make_hidden, make_routing\n"
+        "kt_ops.set_compute_path('brgemm')\n"
+        "print(kt_ops.compute_paths()['bf16']['brgemm_kernel'])\n"
+        "e = make_expert_weights(4, 40, 24)\n"
+        "ids, w = make_routing(20, 4, 2)\n"
+        "print(bool(torch.isfinite(kt_ops.moe_forward(make_hidden(20, 40), ids, w, e)).all()))\n"
+    )
+    proc = python_subprocess(code, env={"ONEDNN_MAX_CPU_ISA": "AVX512_CORE"})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["None", "True"]
+
+
+# --------------------------------------------------------------------------
+# Against the reference, every path
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("T", [0, 1, 5, 40])
+def test_token_counts(isa, path, T):
+    # 8 experts, top-2: at T = 1 and 5 some experts get no tokens.
+    experts = make_expert_weights(8, 130, 70, seed=1)
+    ids, w = make_routing(T, 8, 2, seed=T)
+    check_path(path, make_hidden(T, 130, seed=T), ids, w, experts)
+
+
+@pytest.mark.parametrize("path", ["streaming", "brgemm"])
+@pytest.mark.parametrize(
+    "H,I", [(1, 1), (2, 3), (15, 17), (17, 15), (33, 17), (64, 48), (130, 70), (31, 33)]
+)  # fmt: skip
+def test_odd_sizes(isa, path, H, I):  # noqa: E741
+    E, K, T = 5, 2, 37
+    experts = make_expert_weights(E, H, I, seed=H * 100 + I)
+    ids, w = make_routing(T, E, K, seed=H + I)
+    check_path(path, make_hidden(T, H, torch.float32, seed=H), ids, w, experts)
+
+
+@pytest.mark.parametrize("act_dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_activation_dtypes_on_brgemm(isa, act_dtype):
+    experts = make_expert_weights(4, 96, 80, seed=7)
+    ids, w = make_routing(33, 4, 2, seed=7)
+    check_path("brgemm", make_hidden(33, 96, act_dtype, seed=7), ids, w, experts)
+
+
+def test_tiles_larger_than_one_brgemm_call(isa):
+    # Experts with more rows than one brgemm call takes (64): full tiles + remainder.
+    E, H, I, K, T = 3, 48, 40, 2, 200  # noqa: E741
+    experts = make_expert_weights(E, H, I, seed=11)
+    ids, w = make_routing(T, E, K, seed=11)
+    assert int(torch.bincount(ids.flatten()).max()) > 128
+    check_path("brgemm", make_hidden(T, H, seed=11), ids, w, experts)
+
+
+def test_skipped_slots_and_unused_experts(isa):
+    E, H, I, K, T = 10, 64, 48, 3, 50  # noqa: E741
+    experts = make_expert_weights(E, H, I, seed=2)
+    ids, w = make_routing(T, 6, K, seed=2, skip_fraction=0.3, skip_rows=(0, 7))  # experts 6..9 idle
+    for path in ("streaming", "brgemm"):
+        check_path(path, make_hidden(T, H, seed=2), ids, w, experts)
+
+
+def test_brgemm_reference_is_not_vacuous(isa):
+    # brgemm differs from the unrounded fp32 reference by more than TOL_BF16:
+    # the bf16-rounding reference is what makes its tolerance tight.
+    if not brgemm_runs():
+        pytest.skip("oneDNN's bf16 brgemm does not run here")
+    experts = make_expert_weights(4, 256, 128, seed=5)
+    ids, w = make_routing(40, 4, 2, seed=5)
+    x = make_hidden(40, 256, torch.float32, seed=5)
+    out = run("brgemm", x, ids, w, experts)
+    assert mismatch_report(out, reference_moe_forward(x, ids, w, experts), TOL_BF16) is not None
+    ref = reference_moe_forward(x, ids, w, experts, bf16_activations=True)
+    assert_matches_reference(out, ref, TOL_BF16_BRGEMM)
+
+
+def test_brgemm_forced_where_it_does_not_run_is_streaming(isa):
+    # Forcing 'brgemm' on an ISA path / format without a brgemm kernel keeps
+    # the streaming kernels, bit for bit (int8 has no brgemm path yet).
+    E, H, I, K, T = 4, 64, 48, 2, 30  # noqa: E741
+    fmts = ["int8"] + ([] if brgemm_runs() else ["bf16"])
+    for fmt in fmts:
+        experts = make_expert_weights(E, H, I, seed=4, weight_format=fmt)
+        ids, w = make_routing(T, E, K, seed=4)
+        x = make_hidden(T, H, seed=4)
+        assert torch.equal(run("brgemm", x, ids, w, experts), run("streaming", x, ids, w, experts))
+
+
+# --------------------------------------------------------------------------
+# 'auto': the switch-over threshold
+# --------------------------------------------------------------------------
+
+
+def test_auto_threshold(isa):
+    # Top-1 routing: expert e gets exactly counts[e] tokens (around the
+    # threshold), and each token's output depends only on its expert, so each
+    # token must equal the path its expert takes under 'auto'.
+    min_tokens = bf16_min_tokens() or 12
+    counts = [1, min_tokens - 1, min_tokens, min_tokens + 1, 2 * min_tokens]
+    E, H, I = len(counts), 72, 40  # noqa: E741
+    experts = make_expert_weights(E, H, I, seed=9)
+    ids = torch.cat([torch.full((c,), e) for e, c in enumerate(counts)])
+    ids = ids[torch.randperm(ids.numel(), generator=torch.Generator().manual_seed(9))]
+    T = ids.numel()
+    ids = ids.view(T, 1)
+    w = torch.rand(T, 1, generator=torch.Generator().manual_seed(9)) + 0.5
+    x = make_hidden(T, H, torch.bfloat16, seed=9)
+    outs = {path: run(path, x, ids, w, experts) for path in PATHS}
+    # fp32 and fp16 activations stay exact under 'auto': the streaming kernels.
+    for dtype in (torch.float32, torch.float16):
+        xd = x.to(dtype)
+        assert torch.equal(run("auto", xd, ids, w, experts), run("streaming", xd, ids, w, experts))
+    on_brgemm = brgemm_runs() and bf16_min_tokens() is not None
+    for e, c in enumerate(counts):
+        rows = (ids[:, 0] == e).nonzero().flatten()
+        want = "brgemm" if on_brgemm and c >= min_tokens else "streaming"
+        assert torch.equal(outs["auto"][rows], outs[want][rows]), (e, c, want)
+    ref = reference_moe_forward(x, ids, w, experts, bf16_activations=on_brgemm)
+    assert_matches_reference(outs["brgemm"], ref, TOL_BF16_BRGEMM if on_brgemm else TOL_BF16)
+
+
+# --------------------------------------------------------------------------
+# Determinism
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_thread_counts_bit_identical(isa, path):
+    E, H, I, K, T = 6, 130, 70, 2, 150  # ~50 tokens per expert, some past one 64-row call  # noqa: E741
+    experts = make_expert_weights(E, H, I, seed=6)
+    ids, w = make_routing(T, E, K, seed=6)
+    x = make_hidden(T, H, torch.float32, seed=6)
+    outs = {}
+    for n in THREAD_COUNTS:
+        kt_ops.set_num_threads(n)
+        outs[n] = run(path, x, ids, w, experts)
+    for n in THREAD_COUNTS:
+        assert torch.equal(outs[n], outs[THREAD_COUNTS[0]]), f"{n} threads differ"
+
+
+def test_repeated_and_interleaved_calls_bit_identical(isa):
+    # The brgemm path keeps gathered rows per thread between blocks of one
+    # call; a later call (other experts, other tokens) must never reuse them.
+    a = make_expert_weights(4, 64, 48, seed=1)
+    ids_a, w_a = make_routing(40, 4, 2, seed=1)
+    ids_b, w_b = make_routing(41, 4, 2, seed=2)
+    x_a = make_hidden(40, 64, torch.float32, seed=1)
+    x_b = make_hidden(41, 64, torch.float32, seed=2)
+    with kt_ops.use_compute_path("brgemm"):
+        first = kt_ops.moe_forward(x_a, ids_a, w_a, a)
+        for _ in range(2):
+            kt_ops.moe_forward(x_b, ids_b, w_b, a)
+            assert torch.equal(kt_ops.moe_forward(x_a, ids_a, w_a, a), first)
