@@ -196,3 +196,30 @@ def test_bad_arguments_raise_before_anything_runs(mutate, message):
     with pytest.raises(RuntimeError, match=message):
         _C._HostBridge().moe_forward(*a, None)
     assert _C._bridge_take_error() == ""
+
+
+def test_fake_kernels_take_cuda_activations_with_cpu_weights():
+    """torch.compile's view of the bridge, without a GPU: fake CUDA tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    experts = _experts("int8")
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        x = torch.empty(3, H, device="cuda", dtype=torch.bfloat16)
+        ids = torch.zeros(3, K, dtype=torch.long, device="cuda")
+        w = torch.ones(3, K, device="cuda")
+        mask = torch.zeros(E, dtype=torch.bool, device="cuda")
+        y = torch.ops.kt.moe_forward(x, ids, w, *_args(experts, mask=mask, like=x))
+        assert (y.device.type, y.shape, y.dtype) == ("cuda", x.shape, x.dtype)
+        out, gate_pre, up_pre = torch.ops.kt.moe_forward_train(x, ids, w, *_args(experts, like=x))
+        assert gate_pre.device.type == "cuda" and gate_pre.shape == (3 * K, I)
+        gx, gw, _ = torch.ops.kt.moe_backward(y, x, ids, w, *_args(experts, like=x))
+        assert gx.device.type == "cuda" and gw.shape == w.shape
+        with pytest.raises(RuntimeError, match="topk_ids is on cpu but must be on cuda"):
+            torch.ops.kt.moe_forward(x, ids.cpu(), w, *_args(experts, like=x))
+        with pytest.raises(RuntimeError, match="gpu_experts_mask is on cpu but must be on cuda"):
+            torch.ops.kt.moe_forward(x, ids, w, *_args(experts, mask=mask.cpu(), like=x))
+        cuda_weight = experts.gate.weight.to("meta")
+        bad = _args(experts, like=x)
+        bad[0] = [cuda_weight, *bad[0][1:]]
+        with pytest.raises(RuntimeError, match="gate_weight is on meta but must be on cpu"):
+            torch.ops.kt.moe_forward(x, ids, w, *bad)
