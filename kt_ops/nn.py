@@ -36,7 +36,7 @@ from kt_ops.formats.packed import PackedProjection
 from kt_ops.layer import PROJECTIONS, ExpertWeights, LoRAWeights
 from kt_ops.ops import moe_forward
 
-__all__ = ["MoEExperts", "MoEExpertList", "hottest_experts"]
+__all__ = ["MoEExperts", "MoEExpertList", "hottest_experts", "parse_gpu_experts"]
 
 _PARTS = ("weight", "scales", "zeros")
 
@@ -85,10 +85,89 @@ def hottest_experts(routing_counts: Tensor, n: int) -> Tensor:
         raise ValueError(f"routing_counts must be a 1-D [E] tensor of hit counts, got {what}")
     E = routing_counts.shape[0]
     if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= E:
-        raise ValueError(f"the number of GPU experts must be an int in [0, E={E}], got {n!r}")
+        raise ValueError(f"n must be an int in [0, E={E}], got {n!r}")
     counts = routing_counts.detach().cpu().double()
     order = torch.sort(counts, descending=True, stable=True).indices
     return order[:n].sort().values
+
+
+def parse_gpu_experts(
+    gpu_experts: GpuExperts,
+    routing_counts: Optional[Tensor],
+    num_experts: int,
+    where: str = "MoEExperts.set_gpu_experts",
+) -> Tensor:
+    """``gpu_experts`` (see :meth:`MoEExperts.set_gpu_experts`) as sorted, distinct int64 CPU ids.
+
+    ``None`` gives no ids.
+
+    Raises:
+        ValueError: prefixed with ``where``, naming ``gpu_experts`` or
+            ``routing_counts``, for a selection that is not valid for
+            ``num_experts`` experts.
+    """
+    E = num_experts
+    if gpu_experts is None:
+        return torch.empty(0, dtype=torch.long)
+    if routing_counts is not None and (
+        isinstance(gpu_experts, bool) or not isinstance(gpu_experts, int)
+    ):
+        raise ValueError(
+            f"{where}: routing_counts is used only with an int gpu_experts (a count of "
+            f"hottest experts), got gpu_experts of type {type(gpu_experts).__name__}"
+        )
+    if isinstance(gpu_experts, bool):
+        raise ValueError(
+            f"{where}: gpu_experts must be a bool mask [E={E}], expert ids or an int count, "
+            f"got {gpu_experts!r}"
+        )
+    if isinstance(gpu_experts, int):
+        if routing_counts is None:
+            raise ValueError(
+                f"{where}: gpu_experts={gpu_experts} is a count of hottest experts and needs "
+                "routing_counts ([E] hits per expert, e.g. from "
+                "kt_ops.hf.collect_routing_stats); pass expert ids or a mask instead to "
+                "choose them yourself"
+            )
+        if not 0 <= gpu_experts <= E:
+            raise ValueError(
+                f"{where}: gpu_experts as a count must be in [0, E={E}], got {gpu_experts}"
+            )
+        if isinstance(routing_counts, Tensor) and routing_counts.shape != (E,):
+            raise ValueError(
+                f"{where}: routing_counts must be [E={E}], got {list(routing_counts.shape)}"
+            )
+        try:
+            return hottest_experts(routing_counts, gpu_experts)
+        except ValueError as err:
+            raise ValueError(f"{where}: {err}") from None
+    if isinstance(gpu_experts, Tensor):
+        t = gpu_experts.detach()
+        if t.dtype == torch.bool:
+            if t.shape != (E,):
+                raise ValueError(
+                    f"{where}: gpu_experts as a bool mask must be [E={E}], got {list(t.shape)}"
+                )
+            return t.cpu().nonzero().flatten()
+        if t.is_floating_point() or t.is_complex() or t.dim() > 1:
+            raise ValueError(
+                f"{where}: gpu_experts must be a bool mask [E={E}] or a 1-D integer tensor "
+                f"of expert ids, got {t.dtype} {list(t.shape)}"
+            )
+        ids = t.cpu().long().flatten()
+    else:
+        try:
+            ids = torch.tensor([operator.index(i) for i in gpu_experts], dtype=torch.long)
+        except TypeError:
+            raise ValueError(
+                f"{where}: gpu_experts must be a bool mask [E={E}], a sequence of int expert "
+                f"ids or an int count, got {type(gpu_experts).__name__}"
+            ) from None
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= E):
+        raise ValueError(f"{where}: gpu_experts has expert ids outside [0, E={E}): {ids.tolist()}")
+    if ids.unique().numel() != ids.numel():
+        raise ValueError(f"{where}: gpu_experts has repeated expert ids: {ids.tolist()}")
+    return ids.sort().values
 
 
 class MoEExperts(nn.Module):
@@ -325,68 +404,6 @@ class MoEExperts(nn.Module):
         ids = self.gpu_expert_ids
         return 0 if ids is None else int(ids.shape[0])
 
-    def _gpu_selection(self, gpu_experts: GpuExperts, routing_counts: Optional[Tensor]) -> Tensor:
-        """``gpu_experts`` as sorted, distinct int64 ids on the CPU (ValueError if bad)."""
-        E = self.num_experts
-        where = "MoEExperts.set_gpu_experts"
-        if routing_counts is not None and (
-            isinstance(gpu_experts, bool) or not isinstance(gpu_experts, int)
-        ):
-            raise ValueError(
-                f"{where}: routing_counts is used only with an int gpu_experts (a count of "
-                f"hottest experts), got gpu_experts of type {type(gpu_experts).__name__}"
-            )
-        if isinstance(gpu_experts, bool):
-            raise ValueError(
-                f"{where}: gpu_experts must be a bool mask [E={E}], expert ids or an int count, "
-                f"got {gpu_experts!r}"
-            )
-        if isinstance(gpu_experts, int):
-            if routing_counts is None:
-                raise ValueError(
-                    f"{where}: gpu_experts={gpu_experts} is a count of hottest experts and needs "
-                    "routing_counts ([E] hits per expert, e.g. from "
-                    "kt_ops.hf.collect_routing_stats); pass expert ids or a mask instead to "
-                    "choose them yourself"
-                )
-            if isinstance(routing_counts, Tensor) and routing_counts.shape != (E,):
-                raise ValueError(
-                    f"{where}: routing_counts must be [E={E}], got {list(routing_counts.shape)}"
-                )
-            try:
-                return hottest_experts(routing_counts, gpu_experts)
-            except ValueError as err:
-                raise ValueError(f"{where}: {err}") from None
-        if isinstance(gpu_experts, Tensor):
-            t = gpu_experts.detach()
-            if t.dtype == torch.bool:
-                if t.shape != (E,):
-                    raise ValueError(
-                        f"{where}: gpu_experts as a bool mask must be [E={E}], got {list(t.shape)}"
-                    )
-                return t.cpu().nonzero().flatten()
-            if t.is_floating_point() or t.is_complex() or t.dim() > 1:
-                raise ValueError(
-                    f"{where}: gpu_experts must be a bool mask [E={E}] or a 1-D integer tensor "
-                    f"of expert ids, got {t.dtype} {list(t.shape)}"
-                )
-            ids = t.cpu().long().flatten()
-        else:
-            try:
-                ids = torch.tensor([operator.index(i) for i in gpu_experts], dtype=torch.long)
-            except TypeError:
-                raise ValueError(
-                    f"{where}: gpu_experts must be a bool mask [E={E}], a sequence of int expert "
-                    f"ids or an int count, got {type(gpu_experts).__name__}"
-                ) from None
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= E):
-            raise ValueError(
-                f"{where}: gpu_experts has expert ids outside [0, E={E}): {ids.tolist()}"
-            )
-        if ids.unique().numel() != ids.numel():
-            raise ValueError(f"{where}: gpu_experts has repeated expert ids: {ids.tolist()}")
-        return ids.sort().values
-
     def set_gpu_experts(
         self,
         gpu_experts: GpuExperts,
@@ -438,11 +455,7 @@ class MoEExperts(nn.Module):
                 type the experts compute in.
         """
         where = "MoEExperts.set_gpu_experts"
-        ids = (
-            torch.empty(0, dtype=torch.long)
-            if gpu_experts is None
-            else self._gpu_selection(gpu_experts, routing_counts)
-        )
+        ids = parse_gpu_experts(gpu_experts, routing_counts, self.num_experts)
         if dtype is not None and dtype not in _GPU_DTYPES:
             raise ValueError(f"{where}: dtype must be fp32, bf16 or fp16, got {dtype}")
         E, H, inter = self.num_experts, self.hidden_size, self.intermediate_size
