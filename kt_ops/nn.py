@@ -541,6 +541,7 @@ class MoEExperts(nn.Module):
         symmetric: bool = True,
         gpu_experts: GpuExperts = None,
         routing_counts: Optional[Tensor] = None,
+        gpu_dtype: Optional[torch.dtype] = None,
     ) -> MoEExperts:
         """Pack (and quantize) dense expert weights (``nn.Linear`` convention: ``[E, out, in]``).
 
@@ -565,6 +566,7 @@ class MoEExperts(nn.Module):
                 and on their device, not the quantized values: what a GPU
                 would hold), so with a quantized ``weight_format`` those
                 experts are exact and the rest quantized.
+            gpu_dtype: dtype of those copies (default: that of ``gate``).
 
         Returns:
             A new module; the packed weights are on the CPU, the GPU experts'
@@ -594,7 +596,7 @@ class MoEExperts(nn.Module):
         module = cls(experts, activation_checkpointing=activation_checkpointing)
         if gpu_experts is not None:
             module.set_gpu_experts(
-                gpu_experts, routing_counts=routing_counts, dense=(gate, up, down)
+                gpu_experts, routing_counts=routing_counts, dense=(gate, up, down), dtype=gpu_dtype
             )
         return module
 
