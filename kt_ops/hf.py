@@ -46,8 +46,13 @@ Nothing is replaced unless every experts module of the model is supported.
 After replacement the state-dict keys of the experts are ``gate_weight``,
 ``up_weight``, ``down_weight`` (packed), so ``save_pretrained`` checkpoints of
 a converted model do not load back into the unconverted class. The experts run
-on the CPU: keep hidden states there (the op takes CPU tensors only; CUDA
-hidden states raise an error naming the argument). The packed expert weights
+on the CPU (from CUDA hidden states only through the op's CUDA-stream bridge,
+where the build has it). CPU/GPU hybrid: :func:`collect_routing_stats` counts
+each layer's expert hits on a calibration prompt, and
+``replace_experts(..., num_gpu_experts=n, routing_stats=stats)`` (or
+:func:`set_gpu_experts` afterwards) keeps each layer's ``n`` hottest experts as
+dense PyTorch weights that follow ``model.to()`` and are computed by torch; the
+op skips them (:meth:`kt_ops.nn.MoEExperts.set_gpu_experts`). The packed expert weights
 are frozen; gradients flow through the experts to the rest of the model
 (kt.moe_backward), and
 ``MoEExperts.add_lora`` adds trainable LoRA adapters to the experts.

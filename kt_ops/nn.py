@@ -699,8 +699,10 @@ class MoEExperts(nn.Module):
                 f"MoEExperts: top_k_index {list(ids.shape)} and top_k_weights "
                 f"{list(weights.shape)} must both be [T={x.shape[0]}, K]"
             )
-        if self._all_gpu and ids.numel():
-            # The op, which checks the ids otherwise, is not called.
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        if self._all_gpu and ids.numel() and not capturing:
+            # The op, which checks the ids otherwise, is not called (no check, which
+            # would sync, inside CUDA-graph capture).
             lo, hi = int(ids.min()), int(ids.max())
             if lo < -1 or hi >= self.num_experts:
                 raise ValueError(

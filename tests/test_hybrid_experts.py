@@ -674,3 +674,29 @@ def test_demo_device_cuda(hf):
         pytest.skip("this build's kt.moe_forward takes CPU tensors only (no CUDA bridge)")
     result = demo.run([*DEMO_TINY, "--device", "cuda", "--gpu-experts", "2"], quiet=True)
     assert result.ok and result.device == "cuda"
+
+
+def test_replace_experts_converted_dir_dequantizes_hot_experts(hf, tmp_path):
+    from lora_helpers import INPUT_IDS
+
+    from kt_ops.convert import convert
+    from kt_ops.hf import collect_routing_stats, replace_experts
+
+    model = _tiny()
+    model.save_pretrained(tmp_path / "src")
+    convert(tmp_path / "src", tmp_path / "out", "int8", progress=False)
+    stats = collect_routing_stats(model, input_ids=INPUT_IDS)
+    plain = replace_experts(copy.deepcopy(model), converted_dir=str(tmp_path / "out"))
+    hybrid = replace_experts(
+        model,  # fp32: the dequantized copies in fp32
+        converted_dir=str(tmp_path / "out"),
+        num_gpu_experts=2,
+        routing_stats=stats,
+    )
+    for name in stats.counts:
+        m = hybrid.get_submodule(name)
+        assert m.gpu_gate_weight.dtype == torch.float32
+        want = dequantize_weights(m.expert_weights().down)[stats.hottest(name, 2)]
+        assert torch.equal(m.gpu_down_weight, want)
+    with kt_ops.use_quant_activations("fp32"):
+        assert rel_err(_hf_logits(hybrid), _hf_logits(plain)) <= 1e-4
