@@ -668,6 +668,13 @@ class MoEExperts(nn.Module):
     #: overlaps with the GPU experts (``False``: both on the current stream, in order).
     cuda_overlap: bool = True
 
+    #: How the GPU experts are computed: ``True`` gathers the weights of every (token,
+    #: slot) (no host sync: CUDA graphs, decode), ``False`` groups the slots by expert;
+    #: ``None`` (default): gather on CUDA when capturing a graph or when ``T*K`` is at
+    #: most the number of GPU experts (the copies then stay within the size of the GPU
+    #: experts' weights), else group (always on the CPU, where a sync costs nothing).
+    gpu_gather: Optional[bool] = None
+
     def _cpu_experts(self, x: Tensor, ids: Tensor, weights: Tensor, mask: Optional[Tensor]):
         return moe_forward(
             x,
@@ -713,11 +720,12 @@ class MoEExperts(nn.Module):
     def _gpu_experts(self, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
         """fp32 ``[T, H]``: the GPU-resident experts' share of the output, in plain torch.
 
-        Two ways, same result: few (token, slot) pairs (``T*K`` at most the
-        number of GPU experts, decode) or CUDA-graph capture gather each
-        slot's weights (``index_select``; no host sync, no data-dependent
-        shapes); otherwise the slots are grouped by expert and each GPU expert
-        runs once on its tokens (one host sync for the group sizes).
+        Two ways, same result (:attr:`gpu_gather`): ``gather`` copies each
+        (token, slot)'s expert weights (``index_select``) and runs batched
+        matrix-vector products: no host sync and no data-dependent shapes, at
+        the cost of a weight copy per slot. ``grouped`` groups the slots by
+        expert and runs each GPU expert once on its tokens (one host sync for
+        the group sizes, free on the CPU).
         """
         T, K = ids.shape
         slot = self.gpu_expert_slot
@@ -730,9 +738,11 @@ class MoEExperts(nn.Module):
         cdtype = (
             torch.float32 if has_lora else torch.promote_types(x.dtype, self.gpu_gate_weight.dtype)
         )
-        gather = T * K <= self.num_gpu_experts or (
-            x.is_cuda and torch.cuda.is_current_stream_capturing()
-        )
+        gather = self.gpu_gather
+        if gather is None:
+            gather = x.is_cuda and (
+                T * K <= self.num_gpu_experts or torch.cuda.is_current_stream_capturing()
+            )
         if gather:
             sel = (local >= 0).reshape(-1)  # [S], S = T*K
             j = local.clamp(min=0).reshape(-1)

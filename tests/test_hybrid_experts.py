@@ -117,13 +117,22 @@ def test_split_q8_activations_within_rounding(fmt):
         assert rel_err(hybrid(*x), base(*x)) <= Q8_RTOL
 
 
-@pytest.mark.parametrize("T", [1, 2, 9])  # T*K <= n: per-slot gather; above: grouped loop
-def test_gather_and_grouped_paths(T):
-    base = _module("bf16")
-    hybrid = _hybrid(base, list(range(E - 1)))  # n = 7: gather for T*K <= 7
+@pytest.mark.parametrize("gather", [True, False, None])
+@pytest.mark.parametrize("lora", [False, True])
+@pytest.mark.parametrize("T", [0, 1, 9])
+def test_gather_and_grouped_paths(T, lora, gather):
+    base = _module("int4")
+    if lora:
+        add_lora(base, 2, generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            base.down_lora_b.normal_(generator=torch.Generator().manual_seed(1))
+    hybrid = _hybrid(base, list(range(E - 1)))
+    hybrid.gpu_gather = gather
     x, ids, w = _routing(T)
-    with torch.no_grad():
-        assert rel_err(hybrid(x, ids, w), base(x, ids, w)) <= RTOL
+    with kt_ops.use_quant_activations("fp32"):
+        got, want = _grads(hybrid, x, ids, w), _grads(base, x, ids, w)
+    for a, b in zip(got, want):
+        assert rel_err(a, b) <= RTOL
 
 
 @pytest.mark.parametrize("act_dtype", [torch.bfloat16, torch.float16])
