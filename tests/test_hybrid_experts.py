@@ -336,11 +336,19 @@ def test_expert_list_indexing_on_hybrid():
             assert rel_err(hybrid[i](x), plain[i](x)) <= RTOL
 
 
-def test_compile_all_gpu_and_split():
+def test_compile_split():
+    """gather: one graph (fullgraph, dynamic T); grouped: data-dependent sizes, graph breaks."""
     base = _module("bf16")
     hybrid = _hybrid(base, [1, 2, 3])
-    x, ids, w = _routing(1)
-    compiled = torch.compile(hybrid, backend="eager")
+    hybrid.gpu_gather = True
+    full = torch.compile(hybrid, fullgraph=True, dynamic=True, backend="eager")
+    with torch.no_grad():
+        for T in (5, 3):
+            x, ids, w = _routing(T, seed=T)
+            assert rel_err(full(x, ids, w), base(x, ids, w)) <= RTOL
+    grouped = _hybrid(base, [1, 2, 3])
+    compiled = torch.compile(grouped, backend="eager")
+    x, ids, w = _routing(4)
     with torch.no_grad():
         assert rel_err(compiled(x, ids, w), base(x, ids, w)) <= RTOL
 
