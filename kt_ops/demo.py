@@ -42,8 +42,9 @@ torch, and the op skips them (``replace_experts(num_gpu_experts=N,
 routing_stats=...)``); the same check then covers the split. ``--device cuda``
 runs the model on the GPU: attention, router and the GPU-resident experts
 there, the other experts through kt_ops from CUDA hidden states (the op's
-CUDA-stream bridge). Without a CUDA device, ``--device cuda`` prints that no
-CUDA device is present and exits with status 2 (nothing runs);
+CUDA bridge, :mod:`kt_ops.hybrid`). Without a CUDA device (or without the
+bridge in the build), ``--device cuda`` says so and exits with status 2
+(nothing runs);
 ``--device cpu --gpu-experts N`` exercises the same split on the CPU.
 """
 
@@ -89,7 +90,7 @@ NO_CUDA_STATUS = 2
 
 
 class NoCudaDevice(RuntimeError):
-    """``--device cuda`` was asked for, but torch sees no CUDA device."""
+    """``--device cuda`` was asked for, but torch sees no CUDA device (or kt_ops has no bridge)."""
 
 
 def _sync(device: torch.device) -> None:
@@ -463,8 +464,9 @@ def run(argv: Optional[Sequence[str]] = None, *, quiet: bool = False) -> DemoRes
         ValueError: a size flag below its minimum (``--new-tokens`` >= 2: one
             prefill step and at least one decode step), ``--top-k`` above
             ``--num-experts``, or ``--gpu-experts`` outside ``[0, --num-experts]``.
-        NoCudaDevice: ``--device cuda`` without a CUDA device (``main`` prints
-            it and returns 2).
+        NoCudaDevice: ``--device cuda`` without a CUDA device, or with a
+            kt_ops build without the CUDA bridge (``main`` prints it and
+            returns 2).
     """
     args = _parser().parse_args(argv)
     minimum = dict(layers=1, prompt_tokens=1, new_tokens=2, num_experts=1, top_k=1, warmup=0)
@@ -487,6 +489,15 @@ def run(argv: Optional[Sequence[str]] = None, *, quiet: bool = False) -> DemoRes
             "torch.cuda.is_available() is False). Nothing was run. Use --device cpu; "
             "--gpu-experts N runs the CPU/GPU split of the experts on the CPU."
         )
+    if args.device == "cuda":
+        from kt_ops.hybrid import cuda_bridge_built
+
+        if not cuda_bridge_built():
+            raise NoCudaDevice(
+                "--device cuda: this kt_ops build has no CUDA bridge (kt_ops.hybrid."
+                "cuda_bridge_built() is False: built against a CPU torch, or a CUDA torch older "
+                "than 2.7), so its ops take CPU tensors only. Nothing was run."
+            )
     device = torch.device(args.device)
     if args.threads is not None:
         kt_ops.set_num_threads(args.threads)

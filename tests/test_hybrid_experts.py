@@ -450,18 +450,18 @@ def test_bad_forward_inputs():
 # CUDA (skipped on this project's CPU-only machines)
 # --------------------------------------------------------------------------------------------
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+def cuda(test):
+    """``@pytest.mark.cuda``, skipped without a CUDA device."""
+    skip = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+    return pytest.mark.cuda(skip(test))
 
 
 def _cuda_bridge() -> bool:
-    """Whether this build's op takes CUDA hidden states (the CUDA-stream bridge)."""
-    m = _module("bf16")
-    x, ids, w = _routing(1)
-    try:
-        m(x.cuda(), ids.cuda(), w.cuda())
-    except RuntimeError:
-        return False
-    return True
+    """Whether this build's ops take CUDA hidden states (the CUDA bridge, kt_ops.hybrid)."""
+    import kt_ops.hybrid
+
+    return kt_ops.hybrid.cuda_bridge_built()
 
 
 @cuda
@@ -480,7 +480,7 @@ def test_cuda_all_gpu_experts_without_the_op():
 @pytest.mark.parametrize("T", [1, 7])
 def test_cuda_split_through_the_bridge(T):
     if not _cuda_bridge():
-        pytest.skip("this build's kt.moe_forward takes CPU tensors only (no CUDA bridge)")
+        pytest.skip("this kt_ops build has no CUDA bridge (kt_ops.hybrid.cuda_bridge_built())")
     base = _module("bf16")
     add_lora(base, 2)
     hybrid = _hybrid(base, [0, 3, 5]).cuda()
@@ -688,7 +688,7 @@ def test_demo_device_cuda(hf):
     from kt_ops import demo
 
     if not _cuda_bridge():
-        pytest.skip("this build's kt.moe_forward takes CPU tensors only (no CUDA bridge)")
+        pytest.skip("this kt_ops build has no CUDA bridge (kt_ops.hybrid.cuda_bridge_built())")
     result = demo.run([*DEMO_TINY, "--device", "cuda", "--gpu-experts", "2"], quiet=True)
     assert result.ok and result.device == "cuda"
 
@@ -717,3 +717,33 @@ def test_replace_experts_converted_dir_dequantizes_hot_experts(hf, tmp_path):
         assert torch.equal(m.gpu_down_weight, want)
     with kt_ops.use_quant_activations("fp32"):
         assert rel_err(_hf_logits(hybrid), _hf_logits(plain)) <= 1e-4
+
+
+@cuda
+def test_cuda_graph_capture_of_a_hybrid_layer():
+    """Decode (T = 1) captured in a CUDA graph: the op on the side stream, the GPU experts
+    gathered per slot (no sync); replays with new inputs match eager calls."""
+    if not _cuda_bridge():
+        pytest.skip("this kt_ops build has no CUDA bridge (kt_ops.hybrid.cuda_bridge_built())")
+    import kt_ops.hybrid
+
+    base = _module("int4")
+    hybrid = _hybrid(base, [0, 3, 5]).cuda()
+    x, ids, w = (t.cuda() for t in _routing(1))
+    with torch.no_grad():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            hybrid(x, ids, w)  # warm-up (creates the module's side stream too)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = hybrid(x, ids, w)
+        for seed in range(5):
+            nx, nids, nw = (t.cuda() for t in _routing(1, seed=10 + seed))
+            x.copy_(nx), ids.copy_(nids), w.copy_(nw)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert rel_err(out.cpu(), hybrid(nx, nids, nw).cpu()) <= 1e-5
+    del graph
+    kt_ops.hybrid.release_graph_staging()
