@@ -34,6 +34,18 @@ tokens against each other on this model). So:
   fp32 no exception is made. In bf16 a differing choice is accepted only where
   the reference itself preferred its token by less than the logit tolerance
   (a tie at bf16 precision); the report lists such steps.
+
+CPU/GPU hybrid. ``--gpu-experts N`` keeps, per layer, the ``N`` experts most
+hit on a calibration prompt (a second seeded prompt,
+:func:`kt_ops.hf.collect_routing_stats`) as dense PyTorch weights computed by
+torch, and the op skips them (``replace_experts(num_gpu_experts=N,
+routing_stats=...)``); the same check then covers the split. ``--device cuda``
+runs the model on the GPU: attention, router and the GPU-resident experts
+there, the other experts through kt_ops from CUDA hidden states (the op's
+CUDA bridge, :mod:`kt_ops.hybrid`). Without a CUDA device (or without the
+bridge in the build), ``--device cuda`` says so and exits with status 2
+(nothing runs);
+``--device cpu --gpu-experts N`` exercises the same split on the CPU.
 """
 
 from __future__ import annotations
@@ -53,7 +65,7 @@ from torch import Tensor, nn
 import kt_ops
 from kt_ops.nn import MoEExperts
 
-__all__ = ["ARCHS", "make_config", "build_model", "greedy_generate", "run", "main"]
+__all__ = ["ARCHS", "NoCudaDevice", "make_config", "build_model", "greedy_generate", "run", "main"]
 
 #: Architectures the demo can build (``--arch``), each a transformers-v5 model type.
 ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3")
@@ -72,6 +84,18 @@ LOGIT_RTOL = {"fp32": 1e-4, "bf16": 0.1}
 TIE_RTOL = {"fp32": 0.0, "bf16": LOGIT_RTOL["bf16"]}
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+#: Exit status of ``--device cuda`` without a CUDA device.
+NO_CUDA_STATUS = 2
+
+
+class NoCudaDevice(RuntimeError):
+    """``--device cuda`` was asked for, but torch sees no CUDA device (or kt_ops has no bridge)."""
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def make_config(
@@ -285,9 +309,13 @@ class ExpertTimer:
                 self._handles.append(module.register_forward_hook(self._exit))
 
     def _enter(self, module, args) -> None:
+        if args and isinstance(args[0], Tensor):
+            _sync(args[0].device)  # CUDA: time the experts' work, not its launch
         self._start = time.perf_counter()
 
     def _exit(self, module, args, output) -> None:
+        if isinstance(output, Tensor):
+            _sync(output.device)
         self.seconds += time.perf_counter() - self._start
 
     def remove(self) -> None:
@@ -320,8 +348,10 @@ def greedy_generate(
     tokens, logits = [], []
     experts = (lambda: timer.seconds) if timer is not None else (lambda: 0.0)
     with torch.inference_mode():
+        _sync(prompt.device)
         e0, t0 = experts(), time.perf_counter()
         out = model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        _sync(prompt.device)
         e1, t1 = experts(), time.perf_counter()
         for step in range(new_tokens):
             if step > 0:
@@ -329,8 +359,11 @@ def greedy_generate(
                 out = model(input_ids=fed.view(1, 1), past_key_values=cache, use_cache=True)
             logits.append(out.logits[0, -1].float())
             tokens.append(logits[-1].argmax())
+        _sync(prompt.device)
         e2, t2 = experts(), time.perf_counter()
-    return Generation(torch.stack(tokens), torch.stack(logits), t1 - t0, t2 - t1, e1 - e0, e2 - e1)
+    return Generation(
+        torch.stack(tokens).cpu(), torch.stack(logits).cpu(), t1 - t0, t2 - t1, e1 - e0, e2 - e1
+    )
 
 
 @dataclass
@@ -347,6 +380,10 @@ class DemoResult:
         min_margin: smallest top-1/top-2 logit gap of the reference over the steps.
         reference, kt: the two runs (kt_ops teacher-forced on the reference's tokens).
         replaced: number of experts modules replaced.
+        gpu_experts: GPU-resident experts per layer (``--gpu-experts``).
+        gpu_share: fraction of the prompt's routed (token, slot) pairs that the
+            GPU-resident experts served (0 without them).
+        device: where the model ran (``cpu`` or ``cuda``).
     """
 
     ok: bool
@@ -358,6 +395,9 @@ class DemoResult:
     reference: Generation
     kt: Generation
     replaced: int
+    gpu_experts: int = 0
+    gpu_share: float = 0.0
+    device: str = "cpu"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -392,6 +432,20 @@ def _parser() -> argparse.ArgumentParser:
     )
     add("--seed", type=int, default=0, help="seed of weights and prompt")
     add("--warmup", type=int, default=1, help="untimed warm-up generations per model")
+    add(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where the model runs; cuda: the experts through kt_ops from CUDA hidden states "
+        f"(exits with status {NO_CUDA_STATUS} when no CUDA device is present)",
+    )
+    add(
+        "--gpu-experts",
+        type=int,
+        default=0,
+        help="CPU/GPU hybrid: per layer, the N experts most hit on a calibration prompt run "
+        "in torch on the model's device, the rest in kt_ops (works on --device cpu too)",
+    )
     return p
 
 
@@ -408,8 +462,11 @@ def run(argv: Optional[Sequence[str]] = None, *, quiet: bool = False) -> DemoRes
     Raises:
         SystemExit: bad arguments (from argparse).
         ValueError: a size flag below its minimum (``--new-tokens`` >= 2: one
-            prefill step and at least one decode step), or ``--top-k`` above
-            ``--num-experts``.
+            prefill step and at least one decode step), ``--top-k`` above
+            ``--num-experts``, or ``--gpu-experts`` outside ``[0, --num-experts]``.
+        NoCudaDevice: ``--device cuda`` without a CUDA device, or with a
+            kt_ops build without the CUDA bridge (``main`` prints it and
+            returns 2).
     """
     args = _parser().parse_args(argv)
     minimum = dict(layers=1, prompt_tokens=1, new_tokens=2, num_experts=1, top_k=1, warmup=0)
@@ -420,6 +477,28 @@ def run(argv: Optional[Sequence[str]] = None, *, quiet: bool = False) -> DemoRes
             )
     if args.top_k > args.num_experts:
         raise ValueError(f"--top-k {args.top_k} exceeds --num-experts {args.num_experts}")
+    if not 0 <= args.gpu_experts <= args.num_experts:
+        raise ValueError(
+            f"--gpu-experts must be in [0, --num-experts={args.num_experts}], "
+            f"got {args.gpu_experts}"
+        )
+    if args.device == "cuda" and not torch.cuda.is_available():
+        build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        raise NoCudaDevice(
+            f"--device cuda: no CUDA device is present (torch {torch.__version__}, {build}; "
+            "torch.cuda.is_available() is False). Nothing was run. Use --device cpu; "
+            "--gpu-experts N runs the CPU/GPU split of the experts on the CPU."
+        )
+    if args.device == "cuda":
+        from kt_ops.hybrid import cuda_bridge_built
+
+        if not cuda_bridge_built():
+            raise NoCudaDevice(
+                "--device cuda: this kt_ops build has no CUDA bridge (kt_ops.hybrid."
+                "cuda_bridge_built() is False: built against a CPU torch, or a CUDA torch older "
+                "than 2.7), so its ops take CPU tensors only. Nothing was run."
+            )
+    device = torch.device(args.device)
     if args.threads is not None:
         kt_ops.set_num_threads(args.threads)
     threads = kt_ops.get_num_threads()
@@ -452,11 +531,13 @@ def run(argv: Optional[Sequence[str]] = None, *, quiet: bool = False) -> DemoRes
         quiet,
     )
     t = time.perf_counter()
-    model = build_model(config, dtype=dtype, seed=args.seed)
-    _log(f"build      : {time.perf_counter() - t:.1f} s", quiet)
+    model = build_model(config, dtype=dtype, seed=args.seed).to(device)
+    _log(f"build      : {time.perf_counter() - t:.1f} s ({args.device})", quiet)
 
     gen = torch.Generator().manual_seed(args.seed + 1)
     prompt = torch.randint(0, args.vocab_size, (1, args.prompt_tokens), generator=gen)
+    calibration = torch.randint(0, args.vocab_size, (1, args.prompt_tokens), generator=gen)
+    prompt, calibration = prompt.to(device), calibration.to(device)
     warm_prompt = prompt[:, : min(8, args.prompt_tokens)]
 
     for _ in range(args.warmup):
@@ -465,22 +546,45 @@ def run(argv: Optional[Sequence[str]] = None, *, quiet: bool = False) -> DemoRes
     reference = greedy_generate(model, prompt, args.new_tokens, timer=timer)
     timer.remove()
 
+    hybrid = {}
+    if args.gpu_experts:
+        from kt_ops.hf import collect_routing_stats
+
+        stats = collect_routing_stats(model, input_ids=calibration)
+        hybrid = dict(num_gpu_experts=args.gpu_experts, routing_stats=stats)
     t = time.perf_counter()
-    kt_ops.replace_experts(model)
+    kt_ops.replace_experts(model, **hybrid)
     replaced = sum(isinstance(m, MoEExperts) for m in model.modules())
     _log(
-        f"kt_ops     : replaced {replaced} experts modules in {time.perf_counter() - t:.1f} s",
+        f"kt_ops     : replaced {replaced} experts modules in {time.perf_counter() - t:.1f} s"
+        + (f", {args.gpu_experts} GPU-resident experts per layer" if args.gpu_experts else ""),
         quiet,
     )
+    gpu_share = _gpu_share(model, prompt) if args.gpu_experts else 0.0
     for _ in range(args.warmup):
         greedy_generate(model, warm_prompt, 2)
     timer = ExpertTimer(model)
     kt = greedy_generate(model, prompt, args.new_tokens, feed=reference.tokens, timer=timer)
     timer.remove()
     result = _check(reference, kt, args.dtype, replaced)
+    result.gpu_experts, result.gpu_share, result.device = args.gpu_experts, gpu_share, args.device
     if not quiet:
         print(_report(args, result, threads))
     return result
+
+
+def _gpu_share(model: nn.Module, prompt: Tensor) -> float:
+    """Fraction of ``prompt``'s routed slots that went to GPU-resident experts (untimed pass)."""
+    from kt_ops.hf import collect_routing_stats
+
+    stats = collect_routing_stats(model, input_ids=prompt)
+    hit = total = 0
+    for name, counts in stats.counts.items():
+        module = model.get_submodule(name)
+        total += int(counts.sum())
+        if module.num_gpu_experts:
+            hit += int(counts[module.gpu_expert_ids.cpu()].sum())
+    return hit / total if total else 0.0
 
 
 def _check(reference: Generation, kt: Generation, dtype: str, replaced: int) -> DemoResult:
@@ -551,6 +655,14 @@ def _report(args: argparse.Namespace, r: DemoResult, threads: int) -> str:
         "",
         f"kt_ops     : ISA {info['active_isa']} (supported: {', '.join(info['supported_isas'])}), "
         f"{threads} threads; {topo['num_cores']} cores, {topo['num_numa_nodes']} NUMA node(s)",
+        f"device     : {r.device}"
+        + (
+            f"; hybrid: {r.gpu_experts}/{args.num_experts} experts per layer GPU-resident "
+            f"(hottest on a calibration prompt), computed by torch on {r.device}; they served "
+            f"{100 * r.gpu_share:.1f}% of the prompt's routed slots"
+            if r.gpu_experts
+            else ""
+        ),
         f"tokens     : {tokens}; reference starts {ref.tokens[:8].tolist()}",
         f"logits     : max |kt_ops - reference| = {r.max_abs_logit_diff:.3g} (tolerance "
         f"{r.logit_tol:.3g} = {LOGIT_RTOL[args.dtype]:g} x max |logit|; smallest top-1/top-2 "
@@ -583,7 +695,11 @@ def _report(args: argparse.Namespace, r: DemoResult, threads: int) -> str:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``python -m kt_ops.demo``; returns the exit status (0: check passed)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    return 0 if run(argv).ok else 1
+    try:
+        return 0 if run(argv).ok else 1
+    except NoCudaDevice as err:
+        print(f"error      : {err}", file=sys.stderr, flush=True)
+        return NO_CUDA_STATUS
 
 
 if __name__ == "__main__":

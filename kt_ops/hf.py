@@ -46,8 +46,13 @@ Nothing is replaced unless every experts module of the model is supported.
 After replacement the state-dict keys of the experts are ``gate_weight``,
 ``up_weight``, ``down_weight`` (packed), so ``save_pretrained`` checkpoints of
 a converted model do not load back into the unconverted class. The experts run
-on the CPU: keep hidden states there (the op takes CPU tensors only; CUDA
-hidden states raise an error naming the argument). The packed expert weights
+on the CPU (from CUDA hidden states only through the op's CUDA-stream bridge,
+where the build has it). CPU/GPU hybrid: :func:`collect_routing_stats` counts
+each layer's expert hits on a calibration prompt, and
+``replace_experts(..., num_gpu_experts=n, routing_stats=stats)`` (or
+:func:`set_gpu_experts` afterwards) keeps each layer's ``n`` hottest experts as
+dense PyTorch weights that follow ``model.to()`` and are computed by torch; the
+op skips them (:meth:`kt_ops.nn.MoEExperts.set_gpu_experts`). The packed expert weights
 are frozen; gradients flow through the experts to the rest of the model
 (kt.moe_backward), and
 ``MoEExperts.add_lora`` adds trainable LoRA adapters to the experts.
@@ -55,20 +60,31 @@ are frozen; gradients flow through the experts to the rest of the model
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch import Tensor, nn
 
 from kt_ops.formats import FORMATS
 from kt_ops.layer import split_weight_format
-from kt_ops.nn import MoEExpertList, MoEExperts
+from kt_ops.nn import MoEExpertList, MoEExperts, hottest_experts, parse_gpu_experts
 
-__all__ = ["ExpertsInfo", "UnsupportedExpertsError", "find_experts", "replace_experts"]
+__all__ = [
+    "ExpertsInfo",
+    "RoutingStats",
+    "UnsupportedExpertsError",
+    "collect_routing_stats",
+    "find_experts",
+    "record_routing",
+    "replace_experts",
+    "set_gpu_experts",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -466,6 +482,24 @@ def _build(plan: _Plan, weight_format: str, **quant) -> tuple[MoEExperts, Tensor
     return MoEExpertList.from_dense(gate, up, down, weight_format, **quant), gate
 
 
+def _place_gpu_experts(
+    plan: _Plan, new: MoEExperts, selection, counts, *, from_model: bool
+) -> None:
+    """Give ``new`` its GPU-resident experts: the model's dense weights, or dequantized."""
+    if plan.info.layout == "fused":
+        dense = _dense_fused(plan.module, plan.info)
+    else:
+        dense = _dense_module_list(plan.module)
+    if from_model:
+        new.set_gpu_experts(selection, routing_counts=counts, dense=dense)
+    else:  # converted experts: dequantize them, in the dtype / on the device of the model's
+        dtype = dense[0].dtype if dense[0].dtype in _GPU_DTYPES else None
+        new.set_gpu_experts(selection, routing_counts=counts, dtype=dtype, device=dense[0].device)
+
+
+_GPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def _layer_index(name: str) -> Optional[int]:
     """The decoder layer of a module path such as ``model.layers.7.mlp.experts``."""
     match = re.search(r"(?:^|\.)layers\.(\d+)\.", name + ".")
@@ -501,6 +535,9 @@ def replace_experts(
     symmetric: bool = True,
     converted_dir: Optional[str] = None,
     check: bool = True,
+    num_gpu_experts: Optional[int] = None,
+    routing_stats: Optional[RoutingStats] = None,
+    gpu_experts=None,
 ) -> nn.Module:
     """Replace the routed experts of every MoE layer of ``model`` by :class:`kt_ops.nn.MoEExperts`.
 
@@ -532,6 +569,18 @@ def replace_experts(
             (class and layout) and a bf16 replacement on a small probe batch, and
             refuse when they disagree beyond bf16 rounding (catches gating
             functions no flag describes). Costs one tiny forward per kind.
+        num_gpu_experts: CPU/GPU hybrid: per layer, keep the ``n`` most hit
+            experts of ``routing_stats`` as dense PyTorch weights (the model's
+            own, in its dtype and on its device; with ``converted_dir``,
+            dequantized from the loaded experts) that follow ``model.to()``,
+            computed by torch, while the op skips them
+            (:meth:`kt_ops.nn.MoEExperts.set_gpu_experts`). ``None``/0: none.
+        routing_stats: per-layer hit counts from :func:`collect_routing_stats`
+            on a calibration prompt (run it before ``replace_experts``: the
+            module names stay the same).
+        gpu_experts: instead of ``num_gpu_experts``: one selection (bool mask
+            ``[E]`` or expert ids) for every layer, or ``{module name:
+            selection}``.
 
     Returns:
         ``model`` itself.
@@ -539,7 +588,11 @@ def replace_experts(
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.
         ValueError: unknown ``weight_format``; a ``converted_dir`` that lacks a
-            layer, holds other shapes or fails its checksums.
+            layer, holds other shapes or fails its checksums; GPU-expert
+            arguments that do not fit (``num_gpu_experts`` without
+            ``routing_stats``, outside ``[0, E]`` or with ``gpu_experts``;
+            ``routing_stats`` lacking a layer; a bad selection). Nothing is
+            replaced then.
         UnsupportedExpertsError (a ``ValueError``): the model has no MoE
             experts, or an experts module is unsupported (biases, no gate,
             activation other than SiLU, post-expert norm, extra tensors,
@@ -563,7 +616,17 @@ def replace_experts(
                 f"of {FORMATS} or per-projection 'gate,up,down' formats (e.g. "
                 "'q4_k,q4_k,q6_k')"
             ) from None
+    _check_gpu_args("replace_experts", num_gpu_experts, routing_stats, gpu_experts)
     plans, already = _plan(model)
+    # The GPU experts of every layer, validated before anything is replaced.
+    selections = []
+    for plan in plans:
+        info = plan.info
+        selection, counts = _gpu_selection_for(
+            info.name, info.num_experts, num_gpu_experts, routing_stats, gpu_experts
+        )
+        parse_gpu_experts(selection, counts, info.num_experts, f"replace_experts: '{info.name}'")
+        selections.append((selection, counts))
     if not plans:
         if already:
             logger.info(
@@ -611,15 +674,19 @@ def replace_experts(
                 new = _load_converted(plan, converted)
             else:
                 new = _build(plan, weight_format, **quant)[0]
+            selection, counts = selections[i]
+            if selection is not None:
+                _place_gpu_experts(plan, new, selection, counts, from_model=converted is None)
             new.train(plan.module.training)
             new.source_layout = _source_layout(plan)
             setattr(plan.parent, plan.attr, new)
             plan.module = None  # drop the reference held here to the dense weights
     counts = Counter(p.info.class_name for p in plans)
     first = plans[0].info
+    n_gpu = sum(1 for sel, _ in selections if sel is not None)
     logger.info(
         "kt_ops: replaced %d experts modules of %s (%s; %d experts, hidden %d, intermediate %d) "
-        "with MoEExperts(weight_format=%r)",
+        "with MoEExperts(weight_format=%r)%s",
         len(plans),
         type(model).__name__,
         ", ".join(f"{n} x{c}" for n, c in counts.items()),
@@ -627,5 +694,248 @@ def replace_experts(
         first.hidden_size,
         first.intermediate_size,
         weight_format,
+        f", {n_gpu} of them with GPU-resident experts" if n_gpu else "",
     )
+    return model
+
+
+# --------------------------------------------------------------------------------------------
+# Routing statistics and GPU-resident experts (CPU/GPU hybrid)
+# --------------------------------------------------------------------------------------------
+
+
+class RoutingStats:
+    """Per-layer expert hit counts from :func:`record_routing` / :func:`collect_routing_stats`.
+
+    ``counts[name]`` is an int64 ``[E]`` CPU tensor: how many (token, slot)
+    pairs the router sent to each expert of the experts module ``name`` (its
+    qualified name in the model, the same before and after
+    :func:`replace_experts`). Slots with id ``-1`` are not counted.
+    """
+
+    def __init__(self, counts: Optional[dict[str, Tensor]] = None) -> None:
+        self.counts: dict[str, Tensor] = dict(counts or {})
+
+    def __getitem__(self, name: str) -> Tensor:
+        return self.counts[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.counts
+
+    def __repr__(self) -> str:
+        total = sum(int(c.sum()) for c in self.counts.values())
+        return f"RoutingStats({len(self.counts)} experts modules, {total} routed slots)"
+
+    def hottest(self, name: str, n: int) -> Tensor:
+        """The ``n`` most hit experts of module ``name`` (sorted int64 ids; ties: lower id)."""
+        return hottest_experts(self.counts[name], n)
+
+    def _add(self, name: str, ids: Tensor) -> None:
+        counts = self.counts[name]
+        ids = ids.detach().reshape(-1).to("cpu", torch.long)
+        ids = ids[(ids >= 0) & (ids < counts.numel())]
+        counts += torch.bincount(ids, minlength=counts.numel())
+
+
+def _routed_ids(args: tuple, kwargs: dict) -> Optional[Tensor]:
+    """``top_k_index`` of an ``experts(hidden_states, top_k_index, top_k_weights)`` call."""
+    if len(args) >= 2:
+        return args[1]
+    return kwargs.get("top_k_index")
+
+
+@contextlib.contextmanager
+def record_routing(model: nn.Module) -> Iterator[RoutingStats]:
+    """Count, per experts module of ``model``, the tokens routed to each expert while inside.
+
+    Works before and after :func:`replace_experts`: it hooks every experts
+    module :func:`find_experts` reports and every :class:`kt_ops.nn.MoEExperts`.
+    Modules called as ``experts(hidden_states, top_k_index, top_k_weights)``
+    (transformers' fused experts, ``MoEExperts``) count ``top_k_index``; an
+    ``nn.ModuleList`` of expert MLPs (whose parent loops over them) counts the
+    rows each expert MLP is called on. The hooks are removed on exit.
+
+    Yields:
+        A :class:`RoutingStats`, filled as the model runs (all zeros for
+        modules that saw no token).
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
+        UnsupportedExpertsError: as :func:`find_experts`, or the model has no
+            experts module.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"record_routing: expected a torch.nn.Module, got {type(model).__name__}")
+    plans, _ = _plan(model)
+    targets = {p.info.name: (p.module, p.info) for p in plans}
+    for name, module in model.named_modules():
+        if isinstance(module, MoEExperts):
+            targets[name] = (module, None)
+    if not targets:
+        raise UnsupportedExpertsError(
+            f"record_routing: {type(model).__name__} has no MoE experts module"
+        )
+    stats = RoutingStats()
+    handles = []
+
+    def on_call(name):
+        def hook(module, args, kwargs):
+            ids = _routed_ids(args, kwargs)
+            if isinstance(ids, Tensor):
+                stats._add(name, ids)
+
+        return hook
+
+    def on_expert(name, index):
+        def hook(module, args):
+            if args and isinstance(args[0], Tensor):
+                rows = args[0].reshape(-1, args[0].shape[-1]).shape[0] if args[0].dim() else 1
+                stats.counts[name][index] += rows
+
+        return hook
+
+    try:
+        for name, (module, info) in targets.items():
+            num_experts = info.num_experts if info is not None else module.num_experts
+            stats.counts[name] = torch.zeros(num_experts, dtype=torch.long)
+            if info is not None and info.layout == "module_list":
+                for i, mlp in enumerate(module):
+                    handles.append(mlp.register_forward_pre_hook(on_expert(name, i)))
+            else:
+                handles.append(module.register_forward_pre_hook(on_call(name), with_kwargs=True))
+        yield stats
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def collect_routing_stats(model: nn.Module, *args, **kwargs) -> RoutingStats:
+    """Run ``model(*args, **kwargs)`` once under ``torch.no_grad`` and count the routing.
+
+    A calibration pass: ``collect_routing_stats(model, input_ids)`` with a
+    representative prompt gives the per-layer hit counts that
+    :func:`replace_experts` / :func:`set_gpu_experts` use to keep the hottest
+    experts on the GPU. Call it several times and merge, or use
+    :func:`record_routing` around your own loop, for more data.
+
+    Args:
+        model: a model with MoE experts (before or after :func:`replace_experts`).
+        *args, **kwargs: the forward call's arguments (``input_ids [B, S]``, ...).
+
+    Returns:
+        :class:`RoutingStats`: ``counts[name]``, int64 ``[E]`` per experts module.
+
+    Raises:
+        What :func:`record_routing` and the model's forward raise.
+    """
+    with record_routing(model) as stats, torch.no_grad():
+        model(*args, **kwargs)
+    return stats
+
+
+def _gpu_selection_for(
+    name: str,
+    num_experts: int,
+    num_gpu_experts: Optional[int],
+    routing_stats,
+    gpu_experts,
+):
+    """``(gpu_experts, routing_counts)`` for ``MoEExperts.set_gpu_experts`` of module ``name``."""
+    if gpu_experts is not None:
+        if isinstance(gpu_experts, dict):
+            return gpu_experts.get(name), None
+        return gpu_experts, None
+    if not num_gpu_experts:
+        return None, None
+    counts = routing_stats.counts if isinstance(routing_stats, RoutingStats) else routing_stats
+    if name not in counts:
+        raise ValueError(
+            f"routing_stats has no counts for the experts module '{name}' (it has "
+            f"{sorted(counts)}); collect them on this model (kt_ops.hf.collect_routing_stats)"
+        )
+    if counts[name].shape != (num_experts,):
+        raise ValueError(
+            f"routing_stats['{name}'] has shape {list(counts[name].shape)}, expected "
+            f"[E={num_experts}]"
+        )
+    return num_gpu_experts, counts[name]
+
+
+def _check_gpu_args(where: str, num_gpu_experts, routing_stats, gpu_experts) -> None:
+    if num_gpu_experts is not None and (
+        isinstance(num_gpu_experts, bool) or not isinstance(num_gpu_experts, int)
+    ):
+        raise ValueError(f"{where}: num_gpu_experts must be an int >= 0, got {num_gpu_experts!r}")
+    if num_gpu_experts is not None and num_gpu_experts < 0:
+        raise ValueError(f"{where}: num_gpu_experts must be >= 0, got {num_gpu_experts}")
+    if num_gpu_experts and gpu_experts is not None:
+        raise ValueError(
+            f"{where}: pass num_gpu_experts (with routing_stats) or gpu_experts, not both"
+        )
+    if num_gpu_experts and routing_stats is None:
+        raise ValueError(
+            f"{where}: num_gpu_experts={num_gpu_experts} picks the most used experts of each layer "
+            "and needs routing_stats (kt_ops.hf.collect_routing_stats(model, input_ids) on a "
+            "calibration prompt); or pass gpu_experts= to choose them"
+        )
+    if routing_stats is not None and not isinstance(routing_stats, (RoutingStats, dict)):
+        raise ValueError(
+            f"{where}: routing_stats must be a kt_ops.hf.RoutingStats or a dict "
+            f"{{module name: [E] counts}}, got {type(routing_stats).__name__}"
+        )
+
+
+def set_gpu_experts(
+    model: nn.Module,
+    num_gpu_experts: Optional[int] = None,
+    routing_stats: Optional[RoutingStats] = None,
+    *,
+    gpu_experts=None,
+    dtype: Optional[torch.dtype] = None,
+    device: Optional[Union[str, torch.device]] = None,
+) -> nn.Module:
+    """Choose the GPU-resident experts of every :class:`kt_ops.nn.MoEExperts` of ``model``.
+
+    For a model already on kt_ops (:func:`replace_experts`); each module's
+    chosen experts are dequantized from its packed weights
+    (:meth:`MoEExperts.set_gpu_experts`). To keep the model's own dense
+    weights instead, pass the same arguments to :func:`replace_experts`.
+
+    Args:
+        model: a model holding ``MoEExperts`` modules.
+        num_gpu_experts: per layer, how many of the most hit experts of
+            ``routing_stats`` go to the GPU (0: none, the layers become
+            CPU-only again).
+        routing_stats: a :class:`RoutingStats` (or ``{module name: [E]
+            counts}``) from :func:`collect_routing_stats`.
+        gpu_experts: instead of a count: one selection for every layer (a bool
+            mask ``[E]`` or expert ids), or ``{module name: selection}`` (layers
+            not in the dict get none).
+        dtype: the dense weights' dtype (default: fp32 for a layer that has
+            none yet, else unchanged).
+        device: their device (default: unchanged, else the CPU); ``.to()``
+            moves them later with the model.
+
+    Returns:
+        ``model``.
+
+    Raises:
+        ValueError: naming the argument: ``num_gpu_experts`` not an int in
+            ``[0, E]``, without ``routing_stats`` or together with
+            ``gpu_experts``; ``routing_stats`` lacking a layer or with another
+            ``E``; a bad selection (see ``MoEExperts.set_gpu_experts``); or a
+            model without ``MoEExperts`` (call :func:`replace_experts` first).
+    """
+    _check_gpu_args("set_gpu_experts", num_gpu_experts, routing_stats, gpu_experts)
+    modules = [(n, m) for n, m in model.named_modules() if isinstance(m, MoEExperts)]
+    if not modules:
+        raise ValueError(
+            f"set_gpu_experts: {type(model).__name__} has no kt_ops MoEExperts modules; call "
+            "kt_ops.replace_experts(model, ...) first (it takes the same arguments)"
+        )
+    for name, module in modules:
+        selection, counts = _gpu_selection_for(
+            name, module.num_experts, num_gpu_experts, routing_stats, gpu_experts
+        )
+        module.set_gpu_experts(selection, routing_counts=counts, dtype=dtype, device=device)
     return model
