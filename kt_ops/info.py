@@ -23,7 +23,13 @@ def info() -> dict:
     ``compute_path`` (:func:`kt_ops.set_compute_path`: ``'auto'``,
     ``'streaming'`` or ``'brgemm'``) and ``brgemm``: per weight format, the
     brgemm kernel and the tokens per expert from which it runs under that path
-    on the active ISA (``None`` where it does not run; :func:`kt_ops.compute_paths`).
+    on the active ISA (``None`` where it does not run; :func:`kt_ops.compute_paths`),
+    and ``numa``: the NUMA placement (:func:`kt_ops.set_numa`): ``mode``,
+    ``active``, ``nodes`` (one part of every expert per node), ``threads_per_node``,
+    ``memory_binding`` (whether hwloc can bind pages here; False on a synthetic
+    topology), ``placed`` (live placed tensors, those the OS bound, bytes per
+    node) and ``slices`` (``{rows: [(begin, end) per node]}`` for the row
+    counts of the layers placed so far: I for gate/up, H for down).
     """
     active = _C.active_isa()
     return {
@@ -38,6 +44,7 @@ def info() -> dict:
         "kernels": dict(_C.kernel_names(active)),
         "compute_path": _C.compute_path(),
         "brgemm": dict(_C.compute_paths(active)),
+        "numa": dict(_C.numa_report()),
     }
 
 
@@ -58,6 +65,9 @@ def format_info(report: dict) -> str:
         + ("built (CUDA tensors run through it)" if report.get("cuda_bridge") else "not built"),
     ]
     lines.append(f"compute path   : {report['compute_path']}")
+    numa = report.get("numa")
+    if numa is not None:
+        lines.append(f"NUMA placement : {_numa_line(numa)}")
     for fmt, (own, fp32) in report["kernels"].items():
         brg = report["brgemm"][fmt]
         extra = f" (fp32 path: {fp32})" if fp32 else ""
@@ -65,6 +75,24 @@ def format_info(report: dict) -> str:
             extra += f" (from {brg['brgemm_min_tokens']} tokens/expert: {brg['brgemm_kernel']})"
         lines.append(f"kernels {fmt:<7}: {own}" + extra)
     return "\n".join(lines)
+
+
+def _numa_line(numa: dict) -> str:
+    if not numa["active"]:
+        return f"off (mode {numa['mode']}; one part per expert)"
+    nodes = ", ".join(
+        f"node {n}: {t} thread(s)" for n, t in zip(numa["nodes"], numa["threads_per_node"])
+    )
+    text = f"on (mode {numa['mode']}); {nodes}; memory binding: " + (
+        "yes" if numa["memory_binding"] else "no (not supported on this topology)"
+    )
+    placed = numa["placed"]
+    if placed["tensors"]:
+        mib = ", ".join(f"{b / 2**20:.1f}" for b in placed["bytes_per_node"])
+        text += f"; placed: {placed['tensors']} tensors, MiB per node [{mib}]"
+    for rows, ranges in numa["slices"].items():
+        text += f"; {rows} rows -> " + " ".join(f"[{a},{b})" for a, b in ranges)
+    return text
 
 
 def print_info() -> None:

@@ -316,6 +316,18 @@ class MoEExperts(nn.Module):
             self.__dict__["_expert_weights_cache"] = (buffers, experts)
         return experts
 
+    def numa_placement(self) -> dict:
+        """Where this layer's packed experts live per NUMA node (:func:`kt_ops.numa_placement`).
+
+        With placement on, the first forward (or this call) binds each node's
+        slice of every expert to that node, in place; the binding belongs to
+        the buffers' memory, so it survives ``load_state_dict`` (a copy into
+        them) and a replaced buffer is placed again on its next use.
+        """
+        from kt_ops.runtime import numa_placement
+
+        return numa_placement(self.expert_weights())
+
     def lora_weights(self) -> LoRAWeights:
         """The LoRA factors as a :class:`~kt_ops.layer.LoRAWeights` (``scaling`` included)."""
         pairs = {}

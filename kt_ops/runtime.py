@@ -4,16 +4,20 @@ The thread pool is process-wide, one worker per physical core (from hwloc),
 bound to its core, reused across calls; the calling thread does its share.
 ``KT_OPS_NUM_THREADS`` sets its initial size and ``KT_OPS_ISA`` (``ref``,
 ``avx2``, ``avx512``) forces an ISA path at start-up. :func:`set_compute_path`
-chooses between the streaming kernels and oneDNN's brgemm.
+chooses between the streaming kernels and oneDNN's brgemm. :func:`set_numa`
+(``KT_OPS_NUMA``) splits every expert across the NUMA nodes.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from kt_ops import _C
+
+if TYPE_CHECKING:
+    from kt_ops.layer import ExpertWeights
 
 
 def set_num_threads(n: int) -> None:
@@ -189,3 +193,75 @@ def compute_paths(isa: Optional[str] = None) -> dict:
     ``torch.backends.mkldnn`` disabled).
     """
     return dict(_C.compute_paths(active_isa() if isa is None else str(isa)))
+
+
+_NUMA_MODES = ("auto", "on", "off")
+
+
+def set_numa(mode: str) -> None:
+    """Choose NUMA placement of the experts (process-wide; README, "NUMA").
+
+    * ``'auto'`` (default, or ``KT_OPS_NUMA``): on when hwloc reports more than
+      one NUMA node with cores, else off.
+    * ``'on'``: every expert is split by 16-row output blocks into one
+      contiguous slice per NUMA node (gate/up along the intermediate size I,
+      down along the hidden size H); each node's slices are bound to that node
+      (in place, the packed tensors' own pages, at the first call on a layer)
+      and computed by the pool threads pinned to its cores. With one node
+      this binds the weights to it and changes nothing else.
+    * ``'off'``: no placement; the pool's threads take cores in order.
+
+    Results are bit-identical in every mode. Switching modes rebinds the
+    pool's worker threads; pages already placed stay where they are.
+
+    Raises:
+        ValueError: ``mode`` is not ``'auto'``, ``'on'`` or ``'off'``.
+    """
+    if not isinstance(mode, str) or mode not in _NUMA_MODES:
+        raise ValueError(f"kt_ops.set_numa: mode must be 'auto', 'on' or 'off', got {mode!r}")
+    _C.set_numa(mode)
+
+
+def get_numa() -> str:
+    """The mode set by :func:`set_numa` (or ``KT_OPS_NUMA``): ``'auto'``, ``'on'`` or ``'off'``."""
+    return _C.numa_mode()
+
+
+@contextlib.contextmanager
+def use_numa(mode: str) -> Iterator[None]:
+    """Context manager: :func:`set_numa` ``mode``, then restore the previous one."""
+    previous = get_numa()
+    set_numa(mode)
+    try:
+        yield
+    finally:
+        set_numa(previous)
+
+
+def numa_placement(experts: ExpertWeights) -> dict[str, Any]:
+    """Where one layer's experts live under the current NUMA mode (placing them if on).
+
+    Returns ``{'active', 'parts', 'memory_binding', 'gate', 'up', 'down'}``;
+    each projection is a list with one entry per part (NUMA node):
+    ``{'node', 'rows': (begin, end), 'nodeset', 'bound', 'location', 'bound_to'}``.
+    ``rows`` are the output rows of every expert held by that node
+    (intermediate rows for gate/up, hidden rows for down); ``nodeset`` the
+    OS indices the binding requested; ``bound`` whether the OS bound them;
+    ``location`` the nodes hwloc finds the pages on
+    (``hwloc_get_area_memlocation``) and ``bound_to`` the nodes of their
+    binding policy; both ``None`` where hwloc cannot tell (a synthetic
+    topology: ``memory_binding`` is then False and nothing is bound).
+    """
+    return dict(
+        _C.numa_placement(
+            list(experts.tensors()),
+            experts.weight_format,
+            [experts.hidden_size, experts.intermediate_size],
+            list(experts.group_sizes),
+        )
+    )
+
+
+def memory_nodes(tensor: Any) -> Optional[list[int]]:
+    """NUMA nodes holding the (touched) pages of a CPU tensor's bytes, or ``None`` if unknown."""
+    return _C.memory_nodes(tensor)

@@ -263,9 +263,12 @@ void moe_forward_experts(const at::Tensor& hidden_states, const at::Tensor& topk
     if (down_brgemm) std::fill(s.hb.data() + r * Ip + I, s.hb.data() + (r + 1) * Ip, uint16_t{0});
   }
 
+  // NUMA placement (moe/numa_placement.h): one part unless several nodes.
+  const NumaSplit numa = numa_split(layer);
+
   // Phase 2: gate/up + SwiGLU, one item per (active expert, 16-row block of I).
   for_each_expert_block(
-      plan, layer.gate.view.row_blocks,
+      plan, numa.gate_up,
       [&](int64_t e, int64_t nb, int64_t r0, int m) {
         const int n_valid = static_cast<int>(std::min<int64_t>(kRows, I - nb * kRows));
         grow(t_gate_out, static_cast<size_t>(m) * kRows);
@@ -291,7 +294,7 @@ void moe_forward_experts(const at::Tensor& hidden_states, const at::Tensor& topk
   // Phase 3: down projection scaled by the routing weight, per (expert, 16-row block of H).
   float* y = s.y.data();
   for_each_expert_block(
-      plan, layer.down.view.row_blocks,
+      plan, numa.down,
       [&](int64_t e, int64_t nb, int64_t r0, int m) {
         const int n_valid = static_cast<int>(std::min<int64_t>(kRows, H - nb * kRows));
         grow(t_gate_out, static_cast<size_t>(m) * kRows);

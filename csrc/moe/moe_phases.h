@@ -4,9 +4,11 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
+#include "moe/numa_placement.h"
 #include "moe/routing.h"
 #include "runtime/thread_pool.h"
 
@@ -41,6 +43,42 @@ void for_each_expert_block(const RoutingPlan& plan, int64_t blocks, const Fn& fn
         }
         after_run();
       });
+}
+
+// The same over a NUMA split (moe/numa_placement.h): the blocks of part p
+// ([bounds[p], bounds[p+1]) of every active expert) are handed out in runs to
+// the pool threads of part p first (ThreadPool::run_per_part). One part: the
+// function above, unchanged. Which thread computes an item never changes
+// what it computes, so results are bit-identical for any split.
+template <class Fn, class AfterRun>
+void for_each_expert_block(const RoutingPlan& plan, const BlockSplit& split, const Fn& fn,
+                           const AfterRun& after_run) {
+  if (split.bounds.empty()) {
+    for_each_expert_block(plan, split.blocks, fn, after_run);
+    return;
+  }
+  runtime::ThreadPool& pool = runtime::ThreadPool::global();
+  const int parts = split.parts();
+  const int64_t active = static_cast<int64_t>(plan.active_experts.size());
+  const std::vector<int> threads = pool.threads_per_part();
+  std::vector<int64_t> items(parts), chunk(parts), tasks(parts);
+  for (int p = 0; p < parts; ++p) {
+    items[p] = active * (split.bounds[p + 1] - split.bounds[p]);
+    const int own = threads[static_cast<size_t>(p) % threads.size()];
+    const int64_t chunks = static_cast<int64_t>(kChunksPerThread) * std::max(own, 1);
+    chunk[p] = std::max<int64_t>(1, (items[p] + chunks - 1) / chunks);
+    tasks[p] = (items[p] + chunk[p] - 1) / chunk[p];
+  }
+  pool.run_per_part(tasks, [&](int p, int64_t task, int) {
+    const int64_t b0 = split.bounds[p], width = split.bounds[p + 1] - b0;
+    const int64_t begin = task * chunk[p], end = std::min(items[p], begin + chunk[p]);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t e = plan.active_experts[item / width];
+      const int64_t r0 = plan.expert_offsets[e];
+      fn(e, b0 + item % width, r0, static_cast<int>(plan.expert_offsets[e + 1] - r0));
+    }
+    after_run();
+  });
 }
 
 // Phase 1: hidden_states [T, H] (bf16/fp16/fp32, contiguous) -> fp32 rows

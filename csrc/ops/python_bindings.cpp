@@ -20,6 +20,9 @@ using kt::kernels::Isa;
 namespace kt::hybrid {
 void register_host_bridge(pybind11::module& m);  // csrc/hybrid/host_transport.cpp
 }
+namespace kt::ops {
+void register_numa(pybind11::module& m);  // csrc/ops/numa_bindings.cpp
+}
 
 namespace {
 
@@ -219,4 +222,5 @@ PYBIND11_MODULE(_C, m) {
   m.def("topology", &topology_report);
   m.def("cpu_features", &cpu_features_report);
   kt::hybrid::register_host_bridge(m);
+  kt::ops::register_numa(m);
 }

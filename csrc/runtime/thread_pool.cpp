@@ -6,11 +6,13 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <memory>
 #include <new>
 #include <stdexcept>
 #include <string>
 #include <system_error>
 
+#include "runtime/numa.h"
 #include "runtime/topology.h"
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -72,6 +74,40 @@ void reset_after_fork() {
   if (g_pool != nullptr) g_threads_before_fork = g_pool->num_threads();
   g_pool = nullptr;
   new (&g_pool_mutex) std::mutex();
+}
+
+// The NUMA nodes that have cores, with the range of their cores in
+// topology().cores (ordered by node): the placement parts, in order.
+struct PartCores {
+  std::vector<int> node, first, count;
+};
+
+const PartCores& part_cores() {
+  static const PartCores parts = [] {
+    PartCores p;
+    const Topology& topo = topology();
+    for (int c = 0; c < static_cast<int>(topo.cores.size()); ++c) {
+      const int node = topo.cores[c].numa_node;
+      if (p.node.empty() || p.node.back() != node) {
+        p.node.push_back(node);
+        p.first.push_back(c);
+        p.count.push_back(0);
+      }
+      ++p.count.back();
+    }
+    return p;
+  }();
+  return parts;
+}
+
+// The index in topology().cores of the core that thread i is bound to, spread
+// over `parts` nodes (1: the plain mapping, core i).
+int core_for_thread(int i, int parts) {
+  const int num_cores = static_cast<int>(topology().cores.size());
+  if (parts <= 1) return i % num_cores;
+  const PartCores& pc = part_cores();
+  const int p = i % parts;
+  return pc.first[p] + (i / parts) % pc.count[p];
 }
 
 template <class Pred>
@@ -163,7 +199,6 @@ void ThreadPool::set_num_threads(int n) {
 void ThreadPool::start_workers() {
   stop_ = false;
   const Topology& topo = topology();
-  const int num_cores = static_cast<int>(topo.cores.size());
   started_workers_.store(0);
   bound_workers_.store(0);
   // New workers wait for the next job: a worker that started from generation 0
@@ -171,12 +206,15 @@ void ThreadPool::start_workers() {
   // for a job it never joined, leaving a later run() waiting forever.
   const uint64_t start_generation = generation_.load();
   const int want = num_threads_.load() - 1;
+  const int parts = numa_parts();
+  spread_parts_.store(parts);
   try {
     workers_.reserve(static_cast<size_t>(want));
     for (int i = 1; i <= want; ++i) {
-      workers_.emplace_back([this, i, num_cores, &topo, start_generation] {
-        // Worker i takes core i: the caller, usually on core 0, keeps its own.
-        if (bind_current_thread(topo.cores[i % num_cores])) bound_workers_.fetch_add(1);
+      workers_.emplace_back([this, i, parts, &topo, start_generation] {
+        // Worker i takes core i (spread over the nodes under NUMA placement):
+        // the caller, usually on core 0, keeps its own.
+        if (bind_current_thread(topo.cores[core_for_thread(i, parts)])) bound_workers_.fetch_add(1);
         started_workers_.fetch_add(1);
         worker_loop(i, start_generation);
       });
@@ -300,6 +338,57 @@ void ThreadPool::run(int64_t num_tasks, const TaskFn& fn) {
     error_ = nullptr;
     std::rethrow_exception(e);
   }
+}
+
+int ThreadPool::thread_part(int thread_index) const {
+  const int parts = spread_parts_.load();
+  return parts <= 1 ? 0 : thread_index % parts;
+}
+
+std::vector<int> ThreadPool::threads_per_part() const {
+  const int parts = std::max(1, spread_parts_.load());
+  const int n = num_threads_.load();
+  std::vector<int> out(static_cast<size_t>(parts), 0);
+  for (int i = 0; i < n; ++i) ++out[static_cast<size_t>(thread_part(i))];
+  return out;
+}
+
+void ThreadPool::repin_global_workers() {
+  ThreadPool* pool = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(g_pool_mutex);
+    pool = g_pool;
+  }
+  if (pool != nullptr) pool->set_num_threads(pool->num_threads());
+}
+
+void ThreadPool::run_per_part(const std::vector<int64_t>& tasks_per_part, const PartTaskFn& fn) {
+  const int parts = static_cast<int>(tasks_per_part.size());
+  if (parts == 0) return;
+  std::unique_ptr<std::atomic<int64_t>[]> next(new std::atomic<int64_t>[parts]);
+  for (int p = 0; p < parts; ++p) next[p].store(0, std::memory_order_relaxed);
+  // One slot per thread; each slot drains its own part, then the others. A
+  // thread that gets a second slot (or a late one) finds little or nothing left.
+  // As run(): every task runs, then the first exception is rethrown.
+  std::mutex error_mutex;
+  std::exception_ptr first;
+  run(num_threads_.load(), [&](int64_t, int thread) {
+    const int own = thread_part(thread) % parts;
+    for (int o = 0; o < parts; ++o) {
+      const int p = (own + o) % parts;
+      for (;;) {
+        const int64_t task = next[p].fetch_add(1, std::memory_order_relaxed);
+        if (task >= tasks_per_part[p]) break;
+        try {
+          fn(p, task, thread);
+        } catch (...) {
+          std::lock_guard<std::mutex> lock(error_mutex);
+          if (!first) first = std::current_exception();
+        }
+      }
+    }
+  });
+  if (first) std::rethrow_exception(first);
 }
 
 void ThreadPool::parallel_for(int64_t num_items, int chunks_per_thread,

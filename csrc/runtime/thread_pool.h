@@ -56,6 +56,27 @@ class ThreadPool {
   // Whether worker threads could be bound to cores (false for synthetic topologies).
   bool workers_bound() const { return workers_bound_.load(); }
 
+  // NUMA placement (runtime/numa.h). With runtime::numa_parts() > 1 the
+  // threads are spread over the NUMA nodes that have cores, round robin:
+  // thread i computes for part i % P (node numa_part_nodes()[i % P]) and
+  // worker i is bound to core (i / P) of that node. Otherwise worker i takes
+  // core i as before (the caller, thread 0, keeps its own core and counts as
+  // the first node's). The part thread `thread_index` computes for, and the
+  // threads per part of this pool (one entry when not spread).
+  int thread_part(int thread_index) const;
+  std::vector<int> threads_per_part() const;
+  // Restarts the global pool's workers (if it exists) so that their binding
+  // follows the current NUMA mode; runtime::set_numa_mode calls it.
+  static void repin_global_workers();
+
+  // Runs tasks_per_part[p] tasks for each placement part p:
+  // fn(part, task, thread_index). A thread first takes the tasks of its own
+  // part (thread_part), then helps the other parts in order (p+1, p+2, ...),
+  // so every task runs even when a part has no thread of its own (fewer
+  // threads than nodes). Tasks of one part are handed out dynamically, as run().
+  using PartTaskFn = std::function<void(int, int64_t, int)>;
+  void run_per_part(const std::vector<int64_t>& tasks_per_part, const PartTaskFn& fn);
+
   // Runs fn for every task in [0, num_tasks) and returns when all are done.
   // Exceptions thrown by fn are rethrown here (the first one). Calls from
   // inside a task, or with fewer than two tasks, run inline on this thread.
@@ -83,6 +104,7 @@ class ThreadPool {
 
   std::atomic<int> num_threads_{1};  // read without run_mutex_ by prewake()
   std::atomic<bool> workers_bound_{false};
+  std::atomic<int> spread_parts_{1};  // parts the workers were spread over at their start
   // workers_ changes only under run_mutex_ (set_num_threads); run() reads its
   // size under that lock. num_workers_ mirrors it for the lock-free check of a
   // pool without workers (re-checked under the lock).

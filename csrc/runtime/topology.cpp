@@ -1,10 +1,14 @@
 #include "runtime/topology.h"
 
 #include <hwloc.h>
+#include <unistd.h>
 
+#include <cstdint>
 #include <cstdlib>
 #include <mutex>
 #include <stdexcept>
+#include <utility>
+#include <vector>
 
 namespace kt::runtime {
 
@@ -84,6 +88,96 @@ bool bind_current_thread(const Core& core) {
   const int rc = hwloc_set_cpubind(h.topo, set, HWLOC_CPUBIND_THREAD);
   hwloc_bitmap_free(set);
   return rc == 0;
+}
+
+namespace {
+
+// Logical indices of the NUMA nodes in `nodeset` (a set of OS indices).
+std::vector<int> logical_nodes(hwloc_topology_t topo, hwloc_const_bitmap_t nodeset) {
+  std::vector<int> out;
+  unsigned os;
+  hwloc_bitmap_foreach_begin(os, nodeset) {
+    hwloc_obj_t node = hwloc_get_numanode_obj_by_os_index(topo, os);
+    if (node != nullptr) out.push_back(static_cast<int>(node->logical_index));
+  }
+  hwloc_bitmap_foreach_end();
+  return out;
+}
+
+// [addr, addr + len) shrunk inward to whole pages; len 0 when no page is whole.
+std::pair<void*, size_t> whole_pages(const void* addr, size_t len) {
+  static const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(addr) + page - 1) / page * page;
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(addr) + len) / page * page;
+  if (end <= begin) return {nullptr, 0};
+  return {reinterpret_cast<void*>(begin), static_cast<size_t>(end - begin)};
+}
+
+}  // namespace
+
+bool memory_binding_supported() {
+  HwlocHolder& h = holder();
+  if (h.synthetic) return false;
+  const hwloc_topology_support* support = hwloc_topology_get_support(h.topo);
+  return support != nullptr && support->membind != nullptr &&
+         support->membind->set_area_membind != 0 && support->membind->bind_membind != 0;
+}
+
+std::vector<int> node_os_indices(int node) {
+  HwlocHolder& h = holder();
+  hwloc_obj_t obj = hwloc_get_obj_by_type(h.topo, HWLOC_OBJ_NUMANODE, static_cast<unsigned>(node));
+  std::vector<int> out;
+  if (obj == nullptr || obj->nodeset == nullptr) return out;
+  unsigned os;
+  hwloc_bitmap_foreach_begin(os, obj->nodeset) { out.push_back(static_cast<int>(os)); }
+  hwloc_bitmap_foreach_end();
+  return out;
+}
+
+bool bind_area_to_node(const void* addr, size_t len, int node) {
+  if (!memory_binding_supported()) return false;
+  const auto [begin, bytes] = whole_pages(addr, len);
+  if (bytes == 0) return true;  // nothing of its own to move
+  HwlocHolder& h = holder();
+  hwloc_obj_t obj = hwloc_get_obj_by_type(h.topo, HWLOC_OBJ_NUMANODE, static_cast<unsigned>(node));
+  if (obj == nullptr) return false;
+  return hwloc_set_area_membind(h.topo, begin, bytes, obj->nodeset, HWLOC_MEMBIND_BIND,
+                                HWLOC_MEMBIND_MIGRATE | HWLOC_MEMBIND_BYNODESET) == 0;
+}
+
+std::vector<int> area_memory_nodes(const void* addr, size_t len) {
+  HwlocHolder& h = holder();
+  if (h.synthetic || len == 0) return {};
+  const hwloc_topology_support* support = hwloc_topology_get_support(h.topo);
+  if (support == nullptr || support->membind == nullptr ||
+      support->membind->get_area_memlocation == 0)
+    return {};
+  hwloc_bitmap_t set = hwloc_bitmap_alloc();
+  std::vector<int> out;
+  if (hwloc_get_area_memlocation(h.topo, addr, len, set, HWLOC_MEMBIND_BYNODESET) == 0)
+    out = logical_nodes(h.topo, set);
+  hwloc_bitmap_free(set);
+  return out;
+}
+
+std::vector<int> area_bound_nodes(const void* addr, size_t len, bool* is_bind) {
+  if (is_bind != nullptr) *is_bind = false;
+  HwlocHolder& h = holder();
+  if (h.synthetic || len == 0) return {};
+  const hwloc_topology_support* support = hwloc_topology_get_support(h.topo);
+  if (support == nullptr || support->membind == nullptr || support->membind->get_area_membind == 0)
+    return {};
+  const auto [begin, bytes] = whole_pages(addr, len);  // the pages a binding covers
+  if (bytes == 0) return {};
+  hwloc_bitmap_t set = hwloc_bitmap_alloc();
+  hwloc_membind_policy_t policy;
+  std::vector<int> out;
+  if (hwloc_get_area_membind(h.topo, begin, bytes, set, &policy, HWLOC_MEMBIND_BYNODESET) == 0) {
+    out = logical_nodes(h.topo, set);
+    if (is_bind != nullptr) *is_bind = policy == HWLOC_MEMBIND_BIND;
+  }
+  hwloc_bitmap_free(set);
+  return out;
 }
 
 }  // namespace kt::runtime

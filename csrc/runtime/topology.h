@@ -1,6 +1,7 @@
 // Machine topology from hwloc: physical cores grouped per NUMA node.
 #pragma once
 
+#include <cstddef>
 #include <string>
 #include <vector>
 
@@ -28,5 +29,32 @@ const Topology& topology();
 // (and leaves the thread unbound) when hwloc cannot bind, e.g. for a synthetic
 // topology or inside a restricted container.
 bool bind_current_thread(const Core& core);
+
+// --- Memory placement (NUMA; csrc/moe/numa_placement.h) ---------------------
+// Whether hwloc can bind memory areas and tell where their pages are on this
+// topology: false for a synthetic topology (hwloc's binding calls then succeed
+// without doing anything) and where the OS offers no NUMA memory policy.
+bool memory_binding_supported();
+
+// The OS indices of NUMA node `node` (logical index): the nodeset a binding
+// to that node requests. One index per node in practice.
+std::vector<int> node_os_indices(int node);
+
+// Binds the pages of [addr, addr + len) to NUMA node `node` (logical index),
+// moving the pages already there (HWLOC_MEMBIND_BIND + MIGRATE, by nodeset).
+// The range is shrunk inward to whole pages: a page shared with a neighbour
+// range keeps its place. Returns false, binding nothing, where
+// memory_binding_supported() is false or the OS refuses.
+bool bind_area_to_node(const void* addr, size_t len, int node);
+
+// Logical indices of the NUMA nodes holding the (touched) pages of
+// [addr, addr + len), from hwloc_get_area_memlocation; empty when hwloc
+// cannot tell (synthetic topology, unsupported OS).
+std::vector<int> area_memory_nodes(const void* addr, size_t len);
+
+// Logical indices of the nodes the whole pages of [addr, addr + len) are bound
+// to, and whether the policy is HWLOC_MEMBIND_BIND (hwloc_get_area_membind);
+// empty when hwloc cannot tell or the pages have no single policy.
+std::vector<int> area_bound_nodes(const void* addr, size_t len, bool* is_bind);
 
 }  // namespace kt::runtime
