@@ -11,7 +11,7 @@
 #       sanitizer wrote a report (reports of every process, subprocesses
 #       included, go to $KT_OPS_SANITIZE_DIR/reports/).
 #   scripts/sanitize.sh tsan [SECONDS]
-#       Builds tests/cpp/thread_pool_stress.cpp with csrc/runtime/thread_pool.cpp
+#       Builds tests/cpp/thread_pool_stress.cpp with csrc/runtime/thread_pool.cpp (+ topology, numa)
 #       under ThreadSanitizer and runs it for SECONDS (default 20): run() and
 #       parallel_for() from several threads while another resizes the pool.
 #   scripts/sanitize.sh all      both, with the defaults.
@@ -131,7 +131,7 @@ run_tsan() {
   # shellcheck disable=SC2046
   "$CXX" -std=c++17 -O1 -g -fsanitize=thread -I"$ROOT/csrc" \
     "$ROOT/tests/cpp/thread_pool_stress.cpp" "$ROOT/csrc/runtime/thread_pool.cpp" \
-    "$ROOT/csrc/runtime/topology.cpp" $(pkg-config --cflags --libs hwloc) -pthread -o "$exe"
+    "$ROOT/csrc/runtime/topology.cpp" "$ROOT/csrc/runtime/numa.cpp" $(pkg-config --cflags --libs hwloc) -pthread -o "$exe"
   local rc=0
   env -u LD_PRELOAD TSAN_OPTIONS="halt_on_error=1 exitcode=66" "$exe" "$seconds" || rc=$?
   echo "== TSan: exit $rc"

@@ -172,6 +172,7 @@ def test_thread_pool_under_thread_sanitizer(tmp_path):
             str(ROOT / "tests/cpp/thread_pool_stress.cpp"),
             str(ROOT / "csrc/runtime/thread_pool.cpp"),
             str(ROOT / "csrc/runtime/topology.cpp"),
+            str(ROOT / "csrc/runtime/numa.cpp"),
             *hwloc,
             "-pthread",
             "-o",

@@ -1,6 +1,6 @@
 // Stress test of kt::runtime::ThreadPool for ThreadSanitizer (scripts/sanitize.sh tsan).
 //
-// Several caller threads hammer run() and parallel_for() while another thread
+// Several caller threads hammer run(), parallel_for() and run_per_part() while another thread
 // resizes the pool with set_num_threads(), and others call prewake(),
 // num_threads() and workers_bound(). Every job checks its own result (each
 // task index exactly once, parallel_for covering [0, n) exactly once), so a
@@ -11,8 +11,8 @@
 //
 // Build (what sanitize.sh does):
 //   g++ -std=c++17 -O1 -g -fsanitize=thread -Icsrc tests/cpp/thread_pool_stress.cpp \
-//       csrc/runtime/thread_pool.cpp csrc/runtime/topology.cpp $(pkg-config --cflags --libs hwloc) \
-//       -pthread -o /tmp/thread_pool_stress
+//       csrc/runtime/thread_pool.cpp csrc/runtime/topology.cpp csrc/runtime/numa.cpp $(pkg-config
+//       --cflags --libs hwloc) \ -pthread -o /tmp/thread_pool_stress
 // Run: /tmp/thread_pool_stress [seconds]   (exit status 0 = passed)
 #include <atomic>
 #include <chrono>
@@ -74,12 +74,39 @@ void check_parallel_for(ThreadPool& pool, int64_t items) {
   g_jobs.fetch_add(1);
 }
 
+// run_per_part: every (part, task) runs exactly once, whatever the part of
+// the thread that takes it, and a task's exception reaches the caller.
+void check_run_per_part(ThreadPool& pool, int parts, int64_t tasks, unsigned seed) {
+  std::vector<int64_t> per_part(static_cast<size_t>(parts));
+  for (int p = 0; p < parts; ++p) per_part[static_cast<size_t>(p)] = (tasks * (p + 1)) % 11;
+  std::vector<std::atomic<int>> hits(static_cast<size_t>(parts) * 11);
+  for (auto& h : hits) h.store(0);
+  const bool throw_one = seed % 5 == 0 && per_part[0] > 0;
+  bool threw = false;
+  try {
+    pool.run_per_part(per_part, [&](int p, int64_t t, int thread_index) {
+      if (thread_index < 0 || p < 0 || p >= parts || t < 0 || t >= per_part[p])
+        fail("bad part task");
+      hits[static_cast<size_t>(p) * 11 + static_cast<size_t>(t)].fetch_add(1);
+      if (throw_one && p == 0 && t == 0) throw std::runtime_error("part error");
+    });
+  } catch (const std::runtime_error&) {
+    threw = true;
+  }
+  if (threw != throw_one) fail("run_per_part lost or invented an exception");
+  for (int p = 0; p < parts; ++p)
+    for (int64_t t = 0; t < per_part[static_cast<size_t>(p)]; ++t)
+      if (hits[static_cast<size_t>(p) * 11 + static_cast<size_t>(t)].load() != 1)
+        fail("part task ran twice or never");
+  g_jobs.fetch_add(1);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   const double seconds = argc > 1 ? std::atof(argv[1]) : 5.0;
-  const auto deadline =
-      std::chrono::steady_clock::now() + std::chrono::milliseconds(static_cast<long>(seconds * 1e3));
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::chrono::milliseconds(static_cast<long>(seconds * 1e3));
   ThreadPool::set_global_num_threads(3);
   ThreadPool& pool = ThreadPool::global();
 
@@ -101,8 +128,10 @@ int main(int argc, char** argv) {
         const int64_t n = 1 + static_cast<int64_t>((seed >> 8) % 97);
         if (seed & 1)
           check_run(pool, n, seed >> 4);
-        else
+        else if (seed & 2)
           check_parallel_for(pool, n * 13);
+        else
+          check_run_per_part(pool, 1 + static_cast<int>((seed >> 3) % 4), n, seed >> 5);
       }
     });
   }
@@ -112,6 +141,7 @@ int main(int argc, char** argv) {
       const int n = pool.num_threads();
       if (n < 1 || n > 6) fail("num_threads() out of range: " + std::to_string(n));
       (void)pool.workers_bound();
+      (void)pool.threads_per_part();
       std::this_thread::yield();
     }
   });
