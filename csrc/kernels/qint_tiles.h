@@ -82,46 +82,13 @@ struct Q8Rows {
 
 // k-quants: the fp32 scales s[j * 16 + r] = d[r] * sc_j[r] and (q4_K/q5_K)
 // zeros z[j * 16 + r] = dmin[r] * m_j[r] of the 16 rows of one super-block
-// (256 k), decoded from its record (formats/qint.h) into a stack buffer. The
-// products are exact, so every tier folds with the same fp32 values.
+// (256 k), decoded from its record (formats/qint.h) into a stack buffer by the
+// tier's V::kquant_decode. The products are exact, so every tier folds with
+// the same fp32 values.
 template <class V>
 KT_ALWAYS_INLINE void kquant_decode_super(const uint8_t* rec, formats::ScaleType t, float* s,
                                           float* z) {
-  using F = typename V::F;
-  constexpr auto kF32 = formats::ScaleType::kF32;
-  constexpr auto kF16 = formats::ScaleType::kF16;
-  alignas(64) float sub[16 * 16];
-  if (t == formats::ScaleType::kKq6) {
-    const int8_t* sc = reinterpret_cast<const int8_t*>(rec + formats::kKq6ScaleOffset);
-    for (int i = 0; i < 16 * 16; ++i) sub[i] = static_cast<float>(sc[i]);
-    for (int p = 0; p < 16 / V::kRows; ++p) {
-      const F d = V::load_scales(rec, kF16, p * V::kRows);
-      for (int j = 0; j < 16; ++j)
-        V::store(s + j * 16 + p * V::kRows,
-                 V::mul(d, V::load_scales(sub, kF32, j * 16 + p * V::kRows)));
-    }
-    return;
-  }
-  alignas(64) float mins[8 * 16];
-  const uint8_t* q = rec + formats::kKq45ScaleOffset;  // GGUF scales[12] x 16 rows
-  for (int j = 0; j < 4; ++j) {
-    for (int r = 0; r < 16; ++r) {
-      const int lo = q[j * 16 + r], mid = q[(j + 4) * 16 + r], hi = q[(j + 8) * 16 + r];
-      sub[j * 16 + r] = static_cast<float>(lo & 63);
-      mins[j * 16 + r] = static_cast<float>(mid & 63);
-      sub[(j + 4) * 16 + r] = static_cast<float>((hi & 15) | ((lo >> 6) << 4));
-      mins[(j + 4) * 16 + r] = static_cast<float>((hi >> 4) | ((mid >> 6) << 4));
-    }
-  }
-  for (int p = 0; p < 16 / V::kRows; ++p) {
-    const F d = V::load_scales(rec, kF16, p * V::kRows);
-    const F dmin = V::load_scales(rec + formats::kKq45MinOffset, kF16, p * V::kRows);
-    for (int j = 0; j < 8; ++j) {
-      const int64_t i = j * 16 + p * V::kRows;
-      V::store(s + i, V::mul(d, V::load_scales(sub, kF32, i)));
-      V::store(z + i, V::mul(dmin, V::load_scales(mins, kF32, i)));
-    }
-  }
+  V::kquant_decode(rec, t, s, z);
 }
 
 // Rows [part0 * kRows, (part0 + P) * kRows) of the block for M tokens.
