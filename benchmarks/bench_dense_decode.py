@@ -130,7 +130,12 @@ def random_projection(fmt: str, E: int, n: int, k: int, gs: int, zeros: bool) ->
     if fmt == "fp8":
         weight[(weight & 0x7F) == 0x7F] -= 1
     sshape = spec.scales_shape(E, n, k, gs)
-    if spec.scale_dtype == torch.uint8:
+    if spec.is_kquant:  # scale records: random sub-scale bytes, small finite fp16 d/dmin
+        scales = torch.randint(0, 256, sshape, dtype=torch.uint8, generator=g)
+        n_f16 = 32 if fmt == "q6_k" else 64
+        d = (torch.rand(*sshape[:-1], n_f16 // 2, generator=g) * 1e-3).half()
+        scales[..., :n_f16] = d.view(torch.uint8)
+    elif spec.scale_dtype == torch.uint8:
         scales = torch.randint(100, 130, sshape, dtype=torch.uint8, generator=g)
     else:
         scales = (torch.rand(sshape, generator=g) * 0.01).to(spec.scale_dtype)

@@ -24,8 +24,8 @@ first finished layer). A rerun into the same OUT
 skips every layer whose file is listed in the manifest, whose sha256 still
 matches and whose own metadata agrees with its entry (it does not touch those
 files), and redoes the others. A manifest
-with another format, group size, symmetry, source path or kind, or kt_ops
-version is refused (ValueError), as is a non-empty OUT without a manifest,
+with another format, group size, symmetry, source path or kind, kt_ops
+version or manifest version is refused (ValueError), as is a non-empty OUT without a manifest,
 unless everything in it is the converter's own: temporary files and layer
 files whose ``kt_ops`` metadata names the layer of their file name (left by a
 run killed between renaming its first layer into place and writing the first
@@ -45,6 +45,13 @@ metadata are refused; every version of the converter wrote it.
 
 **Memory.** One layer's packed weights plus one chunk of dense experts (see
 :mod:`kt_ops.loaders`); never the whole model.
+
+**Format versions.** ``manifest_version`` 2 (this kt_ops) stores the GGUF
+k-quants (``q4_k``, ``q5_k``, ``q6_k``) with GGUF's own super-block scales
+(docs/formats.md). Directories of version 1 still load when they hold no
+k-quant projection (no other layout changed); one that does is refused with a
+ValueError naming ``manifest_version 1`` and the layer: convert the source
+again. Resuming into a version-1 directory is refused.
 
 **Reading back.** :func:`load_converted` and :class:`ConvertedExperts` verify
 each file's sha256 against the manifest before loading it and raise a
@@ -90,7 +97,15 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 MANIFEST_NAME = "manifest.json"
-MANIFEST_VERSION = 1
+#: 2: the GGUF k-quants (q4_k, q5_k, q6_k) store GGUF's own super-block scales
+#: (uint8 scale records, 4.5 / 5.5 / 6.5625 bits per weight). 1: they stored
+#: fp32 ``d*sc`` scales and ``dmin*m`` zeros (6 / 7 / 8 bits per weight).
+MANIFEST_VERSION = 2
+#: Versions this kt_ops reads: a version-1 directory still loads where it holds no
+#: k-quant projection (every other layout is unchanged); one with k-quants is refused
+#: (:func:`_check_layout_version`), as is resuming into any version-1 directory.
+_READABLE_VERSIONS = (1, 2)
+_KQUANT_V2 = ("q4_k", "q5_k", "q6_k")
 _TMP_SUFFIX = ".tmp"
 _PathLike = Union[str, Path]
 
@@ -151,13 +166,32 @@ def read_manifest(out_dir: _PathLike) -> dict:
         raise ValueError(f"{path}: cannot read it as JSON ({e})") from e
     if not isinstance(m, dict) or not all(k in m for k in ("manifest_version", "format", "layers")):
         raise ValueError(f"{path}: not a kt_ops manifest (needs manifest_version, format, layers)")
-    if m["manifest_version"] != MANIFEST_VERSION or isinstance(m["manifest_version"], bool):
+    version = m["manifest_version"]
+    if isinstance(version, bool) or version not in _READABLE_VERSIONS:
         raise ValueError(
-            f"{path}: manifest_version {m['manifest_version']!r}; this kt_ops reads "
-            f"{MANIFEST_VERSION}"
+            f"{path}: manifest_version {version!r}; this kt_ops reads "
+            f"{', '.join(map(str, _READABLE_VERSIONS))}"
         )
     _validate_manifest(path, m)
+    _check_layout_version(path, m)
     return m
+
+
+def _check_layout_version(path: Path, m: dict) -> None:
+    """Refuse a version-1 directory that holds k-quants (their old fp32-scale layout)."""
+    if m["manifest_version"] >= 2:
+        return
+    for L in sorted(m["layers"], key=int):
+        for role, pm in sorted(m["layers"][L]["projections"].items()):
+            if pm["format"] in _KQUANT_V2:
+                raise ValueError(
+                    f"{path}: manifest_version 1 directory: layer {L} {role} is "
+                    f"{pm['format']} in the old k-quant layout (fp32 d*sc scales and dmin*m "
+                    "zeros, 6 / 7 / 8 bits per weight), which this kt_ops no longer reads; it "
+                    "stores k-quants as GGUF's own super-block scales (manifest_version "
+                    f"{MANIFEST_VERSION}). Convert the source again into a new directory "
+                    "(kt-ops convert SRC NEW_OUT)"
+                )
 
 
 def _is_int(v: Any) -> bool:
@@ -405,6 +439,7 @@ def _check_compatible(out_dir: Path, m: dict, want: dict) -> None:
         ("source path", (m.get("source") or {}).get("path"), want["source"]["path"]),
         ("source kind", (m.get("source") or {}).get("kind"), want["source"]["kind"]),
         ("kt_ops_version", m.get("kt_ops_version"), want["kt_ops_version"]),
+        ("manifest_version", m.get("manifest_version"), want["manifest_version"]),
     ]
     for what, have, asked in checks:
         if have != asked:

@@ -128,6 +128,11 @@ def test_convert_sources_bit_identical(tmp_path, kind):
     if kind == "gguf":
         formats = {r: m["layers"]["0"]["projections"][r]["format"] for r in ROLES}
         assert formats == {"gate": "q4_k", "up": "q4_k", "down": "q6_k"}
+        # GGUF's own size: 144 (Q4_K) and 210 (Q6_K) bytes per 256 weights, as in the file.
+        layer = load_converted(out, 0)
+        per_256 = {"gate": 144, "up": 144, "down": 210}
+        for r in ROLES:
+            assert layer[r].nbytes == 2 * 256 * 256 // 256 * per_256[r]
 
 
 def test_resume_after_interruption(hf_src, tmp_path, monkeypatch):
@@ -281,3 +286,38 @@ def test_cli_convert(hf_src, tmp_path, capsys):
     assert conv.parse_layers(["0-2,5", "7"]) == [0, 1, 2, 5, 7]
     with pytest.raises(ValueError, match="--layers"):
         conv.parse_layers(["a-b"])
+
+
+def _set_manifest_version(out, version: int) -> None:
+    path = out / MANIFEST_NAME
+    m = json.loads(path.read_text())
+    m["manifest_version"] = version
+    path.write_text(json.dumps(m))
+
+
+def test_manifest_version_1_directories(hf_src, tmp_path):
+    # manifest_version 1 stored k-quants as fp32 d*sc scales + dmin*m zeros; version 2
+    # keeps GGUF's own scales. A version-1 directory with k-quants is refused, naming it.
+    g = tmp_path / "m.gguf"
+    write_gguf(g, {"gate": Q.Q4_K, "up": Q.Q4_K, "down": Q.Q6_K}, E=2, moe_layers=(0,))
+    out = tmp_path / "k"
+    assert convert(g, out)["manifest_version"] == 2
+    _set_manifest_version(out, 1)
+    old = r"manifest_version 1 directory: layer 0 down is q6_k in the old k-quant layout.*convert"
+    with pytest.raises(ValueError, match=old):
+        ConvertedExperts(out)
+    with pytest.raises(ValueError, match=old):
+        load_converted(out, 0)
+    with pytest.raises(ValueError, match=old):
+        convert(g, out)  # not resumed either
+    # No other layout changed: a version-1 int8 directory still loads, bit-identically,
+    # but a conversion is not resumed into it.
+    o8 = tmp_path / "i8"
+    convert(hf_src, o8, "int8")
+    _set_manifest_version(o8, 1)
+    assert_same_layer(load_converted(o8, 2), open_checkpoint(hf_src).load_layer(2, "int8"))
+    with pytest.raises(ValueError, match="manifest_version 1, not 2"):
+        convert(hf_src, o8, "int8")
+    _set_manifest_version(o8, 3)
+    with pytest.raises(ValueError, match="manifest_version 3; this kt_ops reads 1, 2"):
+        ConvertedExperts(o8)

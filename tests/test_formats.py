@@ -32,11 +32,14 @@ from kt_ops.formats import (
     from_mxfp4,
     pack_codes,
     pack_group_params,
+    pack_kquant_scales,
     quantize_activations_q8,
     quantize_gguf_raw,
     quantize_weights,
     unpack_codes,
+    unpack_kquant_scales,
 )
+from kt_ops.formats.gguf_blocks import _pack_scale_min_k4
 
 gguf = pytest.importorskip("gguf")
 
@@ -45,11 +48,32 @@ def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
+def _kquant_head(
+    fmt: str, E: int, N: int, S: int, d: float, sc: int, dmin=0.0, m=0
+) -> torch.Tensor:
+    """GGUF scale bytes per row and super-block (q4_K/q5_K ``d, dmin, scales[12]``; q6_K
+    ``scales[16], d``) with one ``d`` (fp16) and sub-scale ``sc`` (and ``dmin``, min ``m``)."""
+    d16 = torch.tensor([d], dtype=torch.float16).view(torch.uint8)
+    if fmt == "q6_k":
+        one = torch.cat([torch.full((16,), sc, dtype=torch.int8).view(torch.uint8), d16])
+    else:
+        sc6 = np.full((8,), sc, dtype=np.uint8)
+        m6 = np.full((8,), m, dtype=np.uint8)
+        packed = torch.from_numpy(_pack_scale_min_k4(sc6, m6))
+        dm16 = torch.tensor([dmin], dtype=torch.float16).view(torch.uint8)
+        one = torch.cat([d16, dm16, packed])
+    return one.expand(E, N, S, one.numel()).contiguous()
+
+
 def _packed_codes(codes: torch.Tensor, fmt: str, scale: float = 1.0, zero: float = 0.0):
     """A PackedProjection of ``fmt`` holding ``codes`` with constant scales (and zeros)."""
     spec = format_spec(fmt)
     E, N, K = codes.shape
     gs = spec.default_group_size
+    if spec.is_kquant:  # d = scale, sc = 1 (and dmin = zero, m = 1)
+        head = _kquant_head(fmt, E, N, K // 256, scale, 1, zero, 1)
+        s = pack_kquant_scales(head, fmt)
+        return PackedProjection(pack_codes(codes, spec.bits), s, None, fmt, gs, N, K).validate()
     g = 1 if gs == 0 else -(-K // 32) * 32 // gs
     s = pack_group_params(torch.full((E, N, g), scale), spec.scale_dtype)
     z = pack_group_params(torch.full((E, N, g), zero), spec.scale_dtype) if spec.has_zeros else None
@@ -80,9 +104,10 @@ def test_registry_matches_the_table_of_docs_formats_md():
         "mxfp4": (4, torch.uint8, False, (32,), "q8", 4.25),
         "q8_0": (8, torch.float16, False, (32,), "q8", 8.5),
         "q4_0": (4, torch.float16, False, (32,), "q8", 4.5),
-        "q4_k": (4, torch.float32, True, (32,), "q8", 6.0),
-        "q5_k": (5, torch.float32, True, (32,), "q8", 7.0),
-        "q6_k": (6, torch.float32, False, (16,), "q8", 8.0),
+        # GGUF's own sizes: 4.5, 5.5 and 6.5625 bits per weight (scale records)
+        "q4_k": (4, torch.uint8, False, (32,), "q8", 4.5),
+        "q5_k": (5, torch.uint8, False, (32,), "q8", 5.5),
+        "q6_k": (6, torch.uint8, False, (16,), "q8", 6.5625),
     }
     for name, (bits, sdt, zeros, groups, act, bpw) in table.items():
         s = format_spec(name)
@@ -92,7 +117,16 @@ def test_registry_matches_the_table_of_docs_formats_md():
         assert s.bits_per_weight_for(s.default_group_size) == bpw
     assert format_spec("int8").signed and format_spec("q8_0").signed
     assert not format_spec("q4_0").signed and format_spec("mxfp4").lut
-    assert format_spec("int4").zeros_optional and format_spec("q4_k").zeros_required
+    assert format_spec("int4").zeros_optional and not format_spec("q4_k").has_zeros
+    kq = {f: (format_spec(f).scale_record_bytes, format_spec(f).record_mins) for f in FORMATS}
+    assert {f: v for f, v in kq.items() if v != (0, False)} == {
+        "q4_k": (256, True),
+        "q5_k": (256, True),
+        "q6_k": (288, False),
+    }
+    # GGUF's block sizes: 144, 176, 210 bytes per 256 weights.
+    for fmt, gguf_bytes in (("q4_k", 144), ("q5_k", 176), ("q6_k", 210)):
+        assert format_spec(fmt).bits_per_weight == 8 * gguf_bytes / 256
     assert format_spec("int4").bits_per_weight_for(32, zeros=True) == 5.0
     with pytest.raises(ValueError, match="unknown weight_format 'q3_k'.*bf16, int8"):
         format_spec("q3_k")
@@ -166,19 +200,32 @@ def test_6bit_high_plane_bit_positions():
 
 def test_reference_dequantizer_reads_hand_written_bytes():
     # One non-zero byte per plane, written by hand, decoded by dequantize_weights.
-    w = torch.zeros(1, 1, 640, dtype=torch.uint8)  # q5_k, 16 x 64
+    w = torch.zeros(1, 1, 2560, dtype=torch.uint8)  # q5_k, 16 x 256: low plane 2048 bytes
     w[0, 0, 69] = 0x50  # row 1, k = 8 + 4 + 1 = 13, low bits 5
-    w[0, 0, 589] = 0x08  # row 3, k = 32 + 4*3 + 1 = 45, bit 4
-    s = torch.ones(1, 1, 2, 16)
-    p = PackedProjection(w, s, torch.zeros(1, 1, 2, 16), "q5_k", 32, 16, 64)
+    w[0, 0, 2048 + 77] = 0x08  # row 3, k = 32 + 4*3 + 1 = 45, bit 4
+    w[0, 0, 20 * 64 + 4 + 1] = 0x04  # row 1, k = 160 + 1 (sub-block 5), code 4
+    # Scale record (docs/formats.md): d fp16 [16] | dmin fp16 [16] | GGUF scales[12][16 rows].
+    s = torch.zeros(1, 1, 1, 256, dtype=torch.uint8)
+    s[0, 0, 0, 1:32:2] = 0x3C  # d = 1.0 (fp16 0x3C00) for every row
+    s[0, 0, 0, 32 + 2 * 5 + 1] = 0x3C  # dmin = 1.0 for row 5
+    s[0, 0, 0, 64 : 64 + 32] = 1  # scales[0], scales[1]: sc_0 = sc_1 = 1, every row
+    s[0, 0, 0, 64 + 16 * 4 + 5] = 2  # scales[4] of row 5: m_0 = 2 -> W[5, 0:32] = -2
+    s[0, 0, 0, 64 + 16 * 9 + 1] = 0x03  # scales[9] of row 1: sc_5 = 3 (low nibble)
+    p = PackedProjection(w, s, None, "q5_k", 32, 16, 256)
     d = dequantize_weights(p)
-    assert d[0, 1, 13] == 5 and d[0, 3, 45] == 16 and int((d != 0).sum()) == 2
+    assert d[0, 1, 13] == 5 and d[0, 3, 45] == 16 and d[0, 1, 161] == 12
+    assert (d[0, 5, :32] == -2).all() and int((d != 0).sum()) == 3 + 32
     # q6_k: implicit zero 32, so code 0 reads -32 and 48 reads 16.
-    w6 = torch.zeros(1, 1, 384, dtype=torch.uint8)
-    w6[0, 0, 331] = 0x30  # row 2, k 27
-    p6 = PackedProjection(w6, torch.full((1, 1, 2, 16), 0.5), None, "q6_k", 16, 16, 32)
+    w6 = torch.zeros(1, 1, 3072, dtype=torch.uint8)  # 16 x 256, low plane 2048 bytes
+    w6[0, 0, 2048 + 64 + 2 * 4 + 3] = 0x30  # row 2, k 16 + 4*2 + 3 = 27, bits 4, 5
+    s6 = torch.zeros(1, 1, 1, 288, dtype=torch.uint8)  # d fp16 [16] | int8 scales[16][16 rows]
+    s6[0, 0, 0, 1:32:2] = 0x38  # d = 0.5
+    s6[0, 0, 0, 32:] = 1  # sc_j = 1
+    s6[0, 0, 0, 32 + 16 * 3 + 4] = 0xFE  # row 4, sub-block 3 (k 48..63): sc = -2
+    p6 = PackedProjection(w6, s6, None, "q6_k", 16, 16, 256)
     d6 = dequantize_weights(p6)
-    assert d6[0, 2, 27] == 8.0 and int((d6 != -16.0).sum()) == 1
+    assert d6[0, 2, 27] == 8.0 and (d6[0, 4, 48:64] == 32.0).all()
+    assert int((d6 != -16.0).sum()) == 1 + 16
     # fp8: packed[e, nb, k, r] = bits(W8[16nb + r, k]); 0x38 = 1.0, 0xC0 = -2.0
     w8 = torch.zeros(1, 2, 32, 16, dtype=torch.uint8)
     w8[0, 1, 9, 3] = 0x38  # n = 19, k = 9
@@ -224,7 +271,7 @@ def test_reference_decoder_agrees_with_the_packer(fmt):
     lo = -127 if spec.signed else 0
     q = torch.randint(lo, 1 << min(spec.bits, 7), (2, n, k), generator=_gen(1))
     d = dequantize_weights(_packed_codes(q, fmt))
-    implicit = 0 if (spec.signed or spec.has_zeros) else 1 << (spec.bits - 1)
+    implicit = 0 if (spec.signed or spec.has_zeros or spec.record_mins) else 1 << (spec.bits - 1)
     assert torch.equal(d, (q - implicit).float())
 
 
@@ -443,6 +490,14 @@ def test_from_gguf_matches_gguf_dequantize_exactly(name):
     # Same result from a tensor, a flat array and the gguf enum.
     p2 = from_gguf(qt, torch.from_numpy(raw.reshape(-1)), n, k)
     assert torch.equal(p2.weight, p.weight) and torch.equal(p2.scales, p.scales)
+    if spec.is_kquant:
+        # GGUF's size: the 16 padded rows aside, exactly the bytes of its blocks, and the
+        # scale bytes are GGUF's own (d, dmin, scales[12] / scales[16], d), only regrouped.
+        bs, ts = gguf.constants.GGML_QUANT_SIZES[qt]
+        assert p.nbytes == E * 32 * (k // bs) * ts  # n = 21 -> 2 blocks of 16 rows
+        head = raw.reshape(E, n, k // bs, ts)
+        head = head[..., 192:210] if name == "q6_k" else head[..., 0:16]
+        assert torch.equal(unpack_kquant_scales(p.scales, name, n), torch.from_numpy(head))
 
 
 @pytest.mark.parametrize("name", ["q8_0", "q4_0", "q4_k", "q5_k", "q6_k"])
@@ -558,10 +613,16 @@ def test_validate_names_the_bad_field():
             bad(**kw).validate()
             pytest.fail(f"validate accepted {kw}")
     q4k = quantize_weights(torch.randn(1, 16, 256, generator=_gen(19)), "q4_k")
-    with pytest.raises(ValueError, match="zeros is required"):
-        PackedProjection(q4k.weight, q4k.scales, None, "q4_k", 32, 16, 256).validate()
+    z4 = torch.zeros(1, 1, 8, 16)
+    with pytest.raises(ValueError, match="zeros must be None"):  # mins live in the records
+        PackedProjection(q4k.weight, q4k.scales, z4, "q4_k", 32, 16, 256).validate()
+    # The old layout (fp32 d*sc [E, NB, G, 16] + zeros) is refused, naming the expected records.
+    with pytest.raises(ValueError, match=r"scales has torch.float32.*uint8 \[1, 1, 1, 256\]"):
+        PackedProjection(q4k.weight, z4, None, "q4_k", 32, 16, 256).validate()
+    with pytest.raises(ValueError, match="k=128 is not a multiple of the 'q4_k' super-block"):
+        PackedProjection(q4k.weight[..., :1024], q4k.scales, None, "q4_k", 32, 16, 128).validate()
     with pytest.raises(ValueError, match="group_size"):
-        PackedProjection(q4k.weight, q4k.scales, q4k.zeros, "int4", 128, 16, 160).validate()
+        PackedProjection(q4k.weight, q4k.scales, None, "int4", 128, 16, 160).validate()
 
 
 def test_quantize_weights_rejects_bad_input():

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 
 import gguf
+import numpy as np
 import pytest
 import torch
 from checkpoints import (
@@ -28,7 +29,12 @@ from checkpoints import (
 
 import kt_ops.loaders._common as common
 import kt_ops.loaders.hf_checkpoint as hf_mod
-from kt_ops.formats import PackedProjection, dequantize_weights, quantize_weights
+from kt_ops.formats import (
+    PackedProjection,
+    dequantize_weights,
+    quantize_weights,
+    unpack_kquant_scales,
+)
 from kt_ops.loaders import GGUFCheckpoint, HFCheckpoint, open_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -302,6 +308,13 @@ def test_gguf_k_quants_native(tmp_path):
             assert out[r].weight_format == types[r].name.lower()
             want = expected[L][r]["dense"]
             assert torch.equal(dequantize_weights(out[r]), want), (L, r)
+            # Near copy of the blocks: GGUF's size, and its scale bytes as they are.
+            raw = np.asarray(expected[L][r]["raw"]).reshape(2, 256, -1, {"Q4_K": 144,
+                  "Q5_K": 176, "Q6_K": 210}[types[r].name])  # fmt: skip
+            assert out[r].nbytes == raw.size
+            head = raw[..., 192:210] if r == "down" else raw[..., 0:16]
+            got = unpack_kquant_scales(out[r].scales, out[r].weight_format, 256)
+            assert torch.equal(got, torch.from_numpy(np.ascontiguousarray(head)))
 
 
 def test_gguf_q8_0_q4_0_native(tmp_path):

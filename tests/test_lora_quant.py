@@ -90,10 +90,10 @@ LAYOUTS = [
     Layout("mxfp4", 32, False, 72, 40),
     Layout("q8_0", 32, False, 72, 40),
     Layout("q4_0", 32, False, 72, 40),
-    Layout("q4_k", 32, True, 72, 40),
-    Layout("q5_k", 32, True, 72, 40),
-    Layout("q5_k", 32, True, 250, 100),  # several 32-k high-plane words
-    Layout("q6_k", 16, False, 72, 40),
+    # k-quants: K (and so, for the [k, n] down, n) a multiple of 256; scale records.
+    Layout("q4_k", 32, False, 256, 512),
+    Layout("q5_k", 32, False, 512, 256),  # several 32-k high-plane words, 2 super-blocks
+    Layout("q6_k", 16, False, 256, 512),
     # n * 4 bytes a multiple of 2 KiB: the decoder pads the rows of its W^T storage.
     Layout("int4", 32, False, 512, 40),
     Layout("fp8", 128, False, 1024, 40),
@@ -119,7 +119,12 @@ def random_packed(
     if fmt == "fp8":
         weight[(weight & 0x7F) == 0x7F] -= 1
     sshape = spec.scales_shape(E, n, k, group_size)
-    if spec.scale_dtype == torch.uint8:
+    if spec.is_kquant:  # every record byte random, then finite random fp16 d (and dmin)
+        scales = torch.randint(0, 256, sshape, dtype=torch.uint8, generator=g)
+        n_f16 = 32 if fmt == "q6_k" else 64
+        f16 = (torch.randn(*sshape[:-1], n_f16 // 2, generator=g) * 0.05).half()
+        scales[..., :n_f16] = f16.view(torch.uint8)
+    elif spec.scale_dtype == torch.uint8:
         scales = torch.randint(0, 160, sshape, dtype=torch.uint8, generator=g)
     else:
         scales = (torch.randn(sshape, generator=g) * 0.05).to(spec.scale_dtype)

@@ -453,8 +453,8 @@ def call(w: kt_ops.ExpertWeights, **overrides) -> Tensor:
         # bf16 / fp8 mix with anything now: q4_k tensors called so are named instead
         ("q4_k,q4_k,bf16", r"down_weight must be bf16 for weight_format='bf16'"),
         ("bf16,q4_k,q4_k", r"gate_weight must be bf16 for weight_format='bf16'"),
-        ("fp8,fp8,q6_k", r"gate_zeros was given, but weight_format='fp8' takes no zeros"),
-        ("q4_k,fp8,q6_k", r"up_zeros was given, but weight_format='fp8' takes no zeros"),
+        ("fp8,fp8,q6_k", r"gate_weight has shape .* but weight_format='fp8' expects"),
+        ("q4_k,fp8,q6_k", r"up_weight has shape .* but weight_format='fp8' expects"),
         ("q4_k,q4_k,nope", r"weight_format='nope'.*q4_k.*q6_k"),
         ("q4_k,,q6_k", r"weight_format=''"),
         ("q4_k, q4_k, q6_k", r"weight_format=' q4_k'"),
@@ -522,8 +522,9 @@ def test_scales_and_zeros_of_another_projection_format():
     w = mixed_layer(MIXES[0])  # q4_k, q4_k, q6_k
     with pytest.raises(RuntimeError, match="down_zeros was given, but weight_format='q6_k'"):
         call(w, down_zeros=torch.zeros_like(w.down.scales))
-    with pytest.raises(RuntimeError, match="weight_format='q4_k' needs up_zeros"):
-        call(w, up_zeros=None)
+    # q6_k scale records (288 bytes) where q4_k's (256 bytes, with the mins) belong
+    with pytest.raises(RuntimeError, match=r"up_scales has shape .*weight_format='q4_k'"):
+        call(w, up_scales=w.down.scales)
     w = mixed_layer(MIXES[4])  # mxfp4, mxfp4, int8
     with pytest.raises(RuntimeError, match="gate_scales must be uint8 UE8M0"):
         call(w, gate_scales=w.down.scales)
@@ -700,7 +701,9 @@ def test_from_packed_q4_k_m():
     w = mixed_layer(MIXES[0])
     module = MoEExperts.from_packed(w.gate, w.up, w.down)
     assert module.weight_format == "q4_k,q4_k,q6_k"
-    assert module.down_zeros is None and module.gate_zeros is not None
+    # GGUF k-quant scale records, the q4_k mins inside: no zeros tensors
+    assert module.down_zeros is None and module.gate_zeros is None
+    assert module.gate_scales.shape[-1] == 256 and module.down_scales.shape[-1] == 288
     # state_dict round trip into a fresh module of the same format
     clone = MoEExperts.from_packed(*mixed_layer(MIXES[0], seed=1).projections)
     clone.load_state_dict(module.state_dict())

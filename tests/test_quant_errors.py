@@ -165,7 +165,7 @@ def test_group_size_of_another_packing():
         (("int8", None), "fp8", 128, "gate_weight has shape"),
         (("mxfp4", None), "q4_0", 32, "gate_scales must be fp32, fp16 or bf16, got Byte"),
         (("q4_0", None), "mxfp4", 32, "gate_scales must be uint8 UE8M0"),
-        (("int4", 32), "q4_k", 32, "needs gate_zeros"),
+        (("int4", 32), "q4_k", 32, "q4_k' needs the K of gate_weight .* multiple of 256"),
         (("fp8", None), "mxfp4", 32, "gate_weight has shape"),
     ],
     ids=lambda p: p if isinstance(p, str) else None,
@@ -375,11 +375,37 @@ def test_zeros_for_fp8(proj):
         call(w, **{name: torch.ones(3)})
 
 
-@pytest.mark.parametrize("fmt", ["q4_k", "q5_k"])
+@pytest.mark.parametrize("fmt", ["q4_k", "q5_k", "q6_k"])
 @pytest.mark.parametrize("proj", PROJ)
-def test_zeros_missing_for_k_quants(fmt, proj):
-    with pytest.raises(RuntimeError, match=rf"weight_format='{fmt}' needs {proj}_zeros"):
-        call(k_layer(fmt), **{f"{proj}_zeros": None})
+def test_k_quant_scale_records_are_checked(fmt, proj):
+    # The k-quants keep GGUF's own scales in uint8 records [E, NB, K/256, 256 | 288]
+    # (the q4_k/q5_k mins inside): no zeros tensor, and the old layout (fp32 d*sc
+    # [E, NB, G, 16] with fp32 zeros) is refused with a message that names it.
+    w = k_layer(fmt)
+    rec = getattr(w, proj).scales
+    assert rec.dtype == torch.uint8 and rec.shape[-1] == (288 if fmt == "q6_k" else 256)
+    with pytest.raises(RuntimeError, match=rf"{proj}_zeros was given, but weight_format='{fmt}'"):
+        call(w, **{f"{proj}_zeros": torch.zeros(rec.shape[0], rec.shape[1], 8, 16)})
+    g = 16 if fmt == "q6_k" else 8
+    old = torch.ones(rec.shape[0], rec.shape[1], g, 16)
+    with pytest.raises(
+        RuntimeError, match=r"must be uint8 k-quant scale records.*manifest_version 1"
+    ):
+        call(w, **{f"{proj}_scales": old})
+    # A truncated record, a missing super-block, a record of the other k-quant family.
+    for bad in (rec[..., :-1], rec[:, :, :0], torch.zeros(*rec.shape[:-1], 544, dtype=torch.uint8)):
+        with pytest.raises(RuntimeError, match=rf"{proj}_scales has shape"):
+            call(w, **{f"{proj}_scales": bad.contiguous()})
+
+
+def test_k_quants_need_k_a_multiple_of_256():
+    # H = I = 128: codes of the right shape, but no whole 256-k super-block to scale them.
+    w = k_layer("q4_k")
+    x, _, _ = inputs(128, w.num_experts)
+    codes = torch.zeros(w.num_experts, 8, 16 * 128 // 2, dtype=torch.uint8)
+    short = {f"{p}_weight": codes for p in PROJ}
+    with pytest.raises(RuntimeError, match="gate_weight .* to be a multiple of 256 .*got 128"):
+        call(w, hidden_states=x, sizes=[128, 128], **short)
 
 
 @pytest.mark.parametrize("proj", ["up", "down"])

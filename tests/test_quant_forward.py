@@ -95,12 +95,13 @@ class Variant:
     symmetric: bool
     H: int
     I: int
+    tag: str = ""
 
     @property
     def id(self) -> str:
         gs = "" if self.group_size is None else f"_g{self.group_size}"
         sym = "" if self.symmetric else "_asym"
-        return f"{self.fmt}{gs}{sym}"
+        return f"{self.fmt}{gs}{sym}{self.tag}"
 
 
 # Shapes: the smallest that give several 16-row blocks and several groups, with
@@ -121,6 +122,9 @@ VARIANTS = [
     Variant("q4_k", None, True, 256, 256),
     Variant("q5_k", None, True, 256, 256),
     Variant("q6_k", None, True, 256, 256),
+    # Several 256-k super-blocks per 16-row block (scale records decoded per super-block).
+    Variant("q5_k", None, True, 512, 256, "_512x256"),
+    Variant("q6_k", None, True, 256, 768, "_256x768"),
 ]
 VARIANT_IDS = [v.id for v in VARIANTS]
 #: One variant per format (the first listed).
@@ -396,7 +400,7 @@ GGUF_TYPES = ["q8_0", "q4_0", "q4_k", "q5_k", "q6_k"]
 
 @functools.cache
 def gguf_layer(qtype: str) -> kt_ops.ExpertWeights:
-    H, I = (96, 64) if qtype in ("q8_0", "q4_0") else (256, 256)
+    H, I = (96, 64) if qtype in ("q8_0", "q4_0") else (512, 256)  # k-quants: 2 super-blocks
     shapes = ((I, H), (I, H), (H, I))
     return kt_ops.ExpertWeights(
         *(from_gguf(qtype, random_gguf_raw(qtype, 4, n, k, seed=i), n, k)
@@ -485,7 +489,7 @@ def _cast_params(p: PackedProjection, dtype: torch.dtype) -> tuple[PackedProject
 
 SCALE_DTYPE_VARIANTS = [
     v for v in VARIANTS if v.fmt == "int8" or (v.fmt == "int4" and v.group_size == 32)
-] + [v for v in PER_FORMAT if v.fmt in ("q4_0", "q4_k", "q6_k")]
+] + [v for v in PER_FORMAT if v.fmt == "q4_0"]  # k-quants: uint8 scale records, no cast
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)

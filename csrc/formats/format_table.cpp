@@ -78,12 +78,15 @@ const std::vector<FormatRow>& format_table() {
        kInt8Fp32Min, kNoBrgemmPath, 8.5, kGgml},
       {"q4_0", L::kQint, qint(4, false, false, 8.f), {32}, 32, S::kF16, Z::kNever, A::kQ8,
        kNoFp32Path, kNoBrgemmPath, 4.5, kGgml},
-      {"q4_k", L::kQint, qint(4, false, false, 0.f), {32}, 32, S::kF32, Z::kRequired, A::kQ8,
-       kNoFp32Path, kNoBrgemmPath, 6.0, kGgml},
-      {"q5_k", L::kQint, qint(5, false, false, 0.f), {32}, 32, S::kF32, Z::kRequired, A::kQ8,
-       kNoFp32Path, kNoBrgemmPath, 7.0, kGgml},
-      {"q6_k", L::kQint, qint(6, false, false, 32.f), {16}, 16, S::kF32, Z::kNever, A::kQ8,
-       kNoFp32Path, kNoBrgemmPath, 8.0, kGgml},
+      // k-quants: GGUF's own super-block scales (d, dmin fp16 per 256, 6-bit / int8
+      // sub-scales), one record per 16 rows x 256 k (formats/qint.h); the q4_K/q5_K
+      // mins are inside the record, so there is no zeros tensor.
+      {"q4_k", L::kQint, qint(4, false, false, 0.f), {32}, 32, S::kKq45, Z::kNever, A::kQ8,
+       kNoFp32Path, kNoBrgemmPath, 4.5, kGgml},
+      {"q5_k", L::kQint, qint(5, false, false, 0.f), {32}, 32, S::kKq45, Z::kNever, A::kQ8,
+       kNoFp32Path, kNoBrgemmPath, 5.5, kGgml},
+      {"q6_k", L::kQint, qint(6, false, false, 32.f), {16}, 16, S::kKq6, Z::kNever, A::kQ8,
+       kNoFp32Path, kNoBrgemmPath, 6.5625, kGgml},
   };
   // clang-format on
   return rows;

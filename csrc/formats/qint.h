@@ -13,8 +13,40 @@ namespace kt::formats {
 constexpr int kQintBlockRows = 16;  // output rows per block
 constexpr int kQintKAlign = 32;     // K is padded to a multiple of this
 
-// How scales / zeros are stored (one value per 16-row block row and group).
-enum class ScaleType : uint8_t { kNone, kF32, kF16, kBF16, kE8M0 };
+// How scales / zeros are stored (one value per 16-row block row and group),
+// or, for the GGUF k-quants, one record per 16-row block and super-block of
+// 256 k that holds GGUF's own two-level scales (kKq45: q4_K / q5_K, kKq6:
+// q6_K; layout below), decoded by the kernels.
+enum class ScaleType : uint8_t { kNone, kF32, kF16, kBF16, kE8M0, kKq45, kKq6 };
+
+// ---- GGUF k-quant super-block records (docs/formats.md, "k-quant scales") ---
+//
+// One record per (16-row block, super-block of 256 k), the block's 16 rows
+// side by side (row r = lane r), bytes exactly as GGUF stores them per row:
+//   kKq45 (q4_K, q5_K), 256 bytes: d fp16 [16] | dmin fp16 [16] |
+//         scales[12][16] (byte i of GGUF's `scales[12]` of row r at 64 + 16 i + r);
+//         sub-block j (32 k) has the 6-bit scale sc_j and min m_j of
+//         get_scale_min_k4, W = d*sc_j * q - dmin*m_j.
+//   kKq6 (q6_K), 288 bytes: d fp16 [16] | int8 scales[16][16] (sub-block j of
+//         16 k of row r at 32 + 16 j + r); W = d*sc_j * (q - 32).
+// d*sc and dmin*m are exact in fp32 (11-bit by <= 7-bit integers).
+constexpr int64_t kKSuperK = 256;
+inline bool is_kquant(ScaleType t) { return t == ScaleType::kKq45 || t == ScaleType::kKq6; }
+inline int64_t kquant_record_bytes(ScaleType t) { return t == ScaleType::kKq45 ? 256 : 288; }
+// Sub-blocks (scale groups) per super-block.
+inline int64_t kquant_sub_blocks(ScaleType t) { return t == ScaleType::kKq45 ? 8 : 16; }
+constexpr int64_t kKq45MinOffset = 32;    // dmin fp16 [16]
+constexpr int64_t kKq45ScaleOffset = 64;  // scales[12][16]
+constexpr int64_t kKq6ScaleOffset = 32;   // int8 scales[16][16]
+
+// get_scale_min_k4 for one row: the 6-bit scale (min = false) or min of
+// sub-block j from bytes q[i] = GGUF scales[i] of that row (stride 16).
+inline int kquant_sub_q45(const uint8_t* q, int j, bool min) {
+  const int r = 16;  // byte stride between GGUF scales[i] of one row
+  if (j < 4) return min ? (q[(j + 4) * r] & 63) : (q[j * r] & 63);
+  return min ? ((q[(j + 4) * r] >> 4) | ((q[j * r] >> 6) << 4))
+             : ((q[(j + 4) * r] & 15) | ((q[(j - 4) * r] >> 6) << 4));
+}
 
 // Activations a format multiplies with.
 enum class ActType : uint8_t { kF32, kQ8 };
@@ -41,6 +73,13 @@ inline int64_t qint_low_plane_bytes(int bits, int64_t kp) {
 // Groups along K (G): Kp / group_size, or 1 for a per-channel format.
 inline int64_t qint_groups(int64_t group_size, int64_t kp) {
   return group_size == 0 ? 1 : kp / group_size;
+}
+// Bytes of the scales of one 16-row block (`scale_bytes` per stored value;
+// k-quants: their records).
+inline int64_t qint_block_param_bytes(ScaleType t, int64_t groups, int64_t kp,
+                                      int64_t scale_bytes) {
+  if (is_kquant(t)) return kp / kKSuperK * kquant_record_bytes(t);
+  return groups * kQintBlockRows * scale_bytes;
 }
 // The k-granularity at which the kernels fold int32 sums into fp32: a
 // group boundary or an activation block (32), whichever is finer.
@@ -106,9 +145,26 @@ inline float scale_value(const void* base, ScaleType t, int64_t index) {
       return f;
     }
     case ScaleType::kNone:
+    case ScaleType::kKq45:
+    case ScaleType::kKq6:
       break;
   }
   return 0.f;
+}
+
+// Scale (min = false) or zero (min = true: dmin*m; 0 for q6_K) of row r and
+// group g of one block's k-quant records `recs` ([Kp/256][record]).
+inline float kquant_param(const void* recs, ScaleType t, int64_t g, int r, bool min) {
+  const int64_t subs = kquant_sub_blocks(t);
+  const uint8_t* rec = static_cast<const uint8_t*>(recs) + (g / subs) * kquant_record_bytes(t);
+  const int j = static_cast<int>(g % subs);
+  if (t == ScaleType::kKq6) {
+    if (min) return 0.f;
+    return scale_value(rec, ScaleType::kF16, r) *
+           static_cast<float>(static_cast<int8_t>(rec[kKq6ScaleOffset + 16 * j + r]));
+  }
+  const float d = scale_value(rec + (min ? kKq45MinOffset : 0), ScaleType::kF16, r);
+  return d * static_cast<float>(kquant_sub_q45(rec + kKq45ScaleOffset + r, j, min));
 }
 
 // Scalar reference decode of the code q[r][k] (r < 16, k < Kp) of one block,

@@ -30,7 +30,8 @@ struct QintBlock {
   const uint8_t* const* x_rows;  // m q8 records of kp values
   int m;
   const uint8_t* block;  // one block of codes (formats::qint_block_bytes)
-  const void* scales;    // [G][16] scales of this block, in format->scale_type
+  const void* scales;    // [G][16] scales of this block, in format->scale_type (k-quants:
+                         // the block's [Kp/256] super-block records, formats/qint.h)
   const void* zeros;     // [G][16] zeros of this block, or nullptr (implicit zero)
   const formats::QintFormat* format;
   int64_t kp;
@@ -51,9 +52,12 @@ struct Fp8Block {
 
 inline QintBlock qint_block(const DotArgs& a, int64_t nb) {
   const ProjectionView& p = *a.proj;
-  const int64_t params = (a.expert * p.row_blocks + nb) * p.groups * formats::kQintBlockRows;
+  const int64_t block = a.expert * p.row_blocks + nb;
   auto at = [&](const void* base, formats::ScaleType t) -> const void* {
-    return base == nullptr ? nullptr : static_cast<const uint8_t*>(base) + params * scale_bytes(t);
+    return base == nullptr
+               ? nullptr
+               : static_cast<const uint8_t*>(base) +
+                     block * formats::qint_block_param_bytes(t, p.groups, p.kp, scale_bytes(t));
   };
   return {a.xq,
           a.m,

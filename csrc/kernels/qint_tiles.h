@@ -80,8 +80,20 @@ struct Q8Rows {
   }
 };
 
+// k-quants: the fp32 scales s[j * 16 + r] = d[r] * sc_j[r] and (q4_K/q5_K)
+// zeros z[j * 16 + r] = dmin[r] * m_j[r] of the 16 rows of one super-block
+// (256 k), decoded from its record (formats/qint.h) into a stack buffer by the
+// tier's V::kquant_decode. The products are exact, so every tier folds with
+// the same fp32 values.
+template <class V>
+KT_ALWAYS_INLINE void kquant_decode_super(const uint8_t* rec, formats::ScaleType t, float* s,
+                                          float* z) {
+  V::kquant_decode(rec, t, s, z);
+}
+
 // Rows [part0 * kRows, (part0 + P) * kRows) of the block for M tokens.
-template <class V, int Bits, bool Lut, int Unit, ZeroMode Z, int M, int P>
+// KQ: the scales are k-quant records (decoded per super-block, kquant_decode_super).
+template <class V, int Bits, bool Lut, int Unit, ZeroMode Z, bool KQ, int M, int P>
 KT_ALWAYS_INLINE void qint_tile(const QintBlock& a, const uint8_t* const* x_rows, float* out,
                                 int part0) {
   using I = typename V::I;
@@ -99,10 +111,19 @@ KT_ALWAYS_INLINE void qint_tile(const QintBlock& a, const uint8_t* const* x_rows
   F acc[M][P];
   for (int i = 0; i < M; ++i)
     for (int p = 0; p < P; ++p) acc[i][p] = V::fzero();
+  [[maybe_unused]] alignas(64) float kq_s[KQ ? 16 * 16 : 1];
+  [[maybe_unused]] alignas(64) float kq_z[KQ ? 8 * 16 : 1];
   for (int64_t k0 = 0; k0 < kp; k0 += Unit) {
     // Keep the block's stream ahead of the decode, in the first pass only
     // (later parts find the lines in cache).
     if (part0 == 0) qint_prefetch_unit<Bits, Unit>(a.block, high, k0);
+    if constexpr (KQ) {
+      if (k0 % formats::kKSuperK == 0)
+        kquant_decode_super<V>(
+            static_cast<const uint8_t*>(a.scales) +
+                (k0 / formats::kKSuperK) * formats::kquant_record_bytes(f.scale_type),
+            f.scale_type, kq_s, kq_z);
+    }
     I isum[M][P];
     for (int i = 0; i < M; ++i)
       for (int p = 0; p < P; ++p) isum[i][p] = V::zero();
@@ -166,12 +187,22 @@ KT_ALWAYS_INLINE void qint_tile(const QintBlock& a, const uint8_t* const* x_rows
       }
     }
     // Fold the unit into fp32: acc += s * (isum * x_scale) - zero * x_sum.
-    const int64_t sidx = (k0 / gsize) * 16 + part0 * V::kRows;
     F s[P], z[P];
-    for (int p = 0; p < P; ++p) {
-      s[p] = V::load_scales(a.scales, f.scale_type, sidx + p * V::kRows);
-      z[p] = Z == ZeroMode::kExplicit ? V::load_scales(a.zeros, f.zero_type, sidx + p * V::kRows)
-                                      : V::fzero();
+    if constexpr (KQ) {
+      constexpr auto kF32 = formats::ScaleType::kF32;
+      const int64_t sidx = ((k0 % formats::kKSuperK) / Unit) * 16 + part0 * V::kRows;
+      for (int p = 0; p < P; ++p) {
+        s[p] = V::load_scales(kq_s, kF32, sidx + p * V::kRows);
+        z[p] =
+            Z == ZeroMode::kExplicit ? V::load_scales(kq_z, kF32, sidx + p * V::kRows) : V::fzero();
+      }
+    } else {
+      const int64_t sidx = (k0 / gsize) * 16 + part0 * V::kRows;
+      for (int p = 0; p < P; ++p) {
+        s[p] = V::load_scales(a.scales, f.scale_type, sidx + p * V::kRows);
+        z[p] = Z == ZeroMode::kExplicit ? V::load_scales(a.zeros, f.zero_type, sidx + p * V::kRows)
+                                        : V::fzero();
+      }
     }
     for (int i = 0; i < M; ++i) {
       float x_sum = xr.sum16[i][k0 / 16];
@@ -192,33 +223,33 @@ KT_ALWAYS_INLINE void qint_tile(const QintBlock& a, const uint8_t* const* x_rows
     for (int p = 0; p < P; ++p) V::store(out + i * a.ldo + (part0 + p) * V::kRows, acc[i][p]);
 }
 
-template <class V, int Bits, bool Lut, int Unit, ZeroMode Z>
+template <class V, int Bits, bool Lut, int Unit, ZeroMode Z, bool KQ = false>
 void qint_block_dot(const QintBlock& a) {
   if (V::kParts > 1 && a.m <= 2) {  // decode: one sequential pass over the block
-    if (a.m == 2) return qint_tile<V, Bits, Lut, Unit, Z, 2, V::kParts>(a, a.x_rows, a.out, 0);
-    if (a.m == 1) return qint_tile<V, Bits, Lut, Unit, Z, 1, V::kParts>(a, a.x_rows, a.out, 0);
+    if (a.m == 2) return qint_tile<V, Bits, Lut, Unit, Z, KQ, 2, V::kParts>(a, a.x_rows, a.out, 0);
+    if (a.m == 1) return qint_tile<V, Bits, Lut, Unit, Z, KQ, 1, V::kParts>(a, a.x_rows, a.out, 0);
     return;
   }
   constexpr int MT = V::kMaxTile;
   for (int part = 0; part < V::kParts; ++part) {
     int i = 0;
     for (; i + MT <= a.m; i += MT)
-      qint_tile<V, Bits, Lut, Unit, Z, MT, 1>(a, a.x_rows + i, a.out + i * a.ldo, part);
+      qint_tile<V, Bits, Lut, Unit, Z, KQ, MT, 1>(a, a.x_rows + i, a.out + i * a.ldo, part);
     const int rem = a.m - i;
     const uint8_t* const* x = a.x_rows + i;
     float* out = a.out + i * a.ldo;
     // Remainder tiles (MT <= 8).
     if constexpr (MT > 7)
-      if (rem == 7) qint_tile<V, Bits, Lut, Unit, Z, 7, 1>(a, x, out, part);
+      if (rem == 7) qint_tile<V, Bits, Lut, Unit, Z, KQ, 7, 1>(a, x, out, part);
     if constexpr (MT > 6)
-      if (rem == 6) qint_tile<V, Bits, Lut, Unit, Z, 6, 1>(a, x, out, part);
+      if (rem == 6) qint_tile<V, Bits, Lut, Unit, Z, KQ, 6, 1>(a, x, out, part);
     if constexpr (MT > 5)
-      if (rem == 5) qint_tile<V, Bits, Lut, Unit, Z, 5, 1>(a, x, out, part);
+      if (rem == 5) qint_tile<V, Bits, Lut, Unit, Z, KQ, 5, 1>(a, x, out, part);
     if constexpr (MT > 4)
-      if (rem == 4) qint_tile<V, Bits, Lut, Unit, Z, 4, 1>(a, x, out, part);
-    if (rem == 3) qint_tile<V, Bits, Lut, Unit, Z, 3, 1>(a, x, out, part);
-    if (rem == 2) qint_tile<V, Bits, Lut, Unit, Z, 2, 1>(a, x, out, part);
-    if (rem == 1) qint_tile<V, Bits, Lut, Unit, Z, 1, 1>(a, x, out, part);
+      if (rem == 4) qint_tile<V, Bits, Lut, Unit, Z, KQ, 4, 1>(a, x, out, part);
+    if (rem == 3) qint_tile<V, Bits, Lut, Unit, Z, KQ, 3, 1>(a, x, out, part);
+    if (rem == 2) qint_tile<V, Bits, Lut, Unit, Z, KQ, 2, 1>(a, x, out, part);
+    if (rem == 1) qint_tile<V, Bits, Lut, Unit, Z, KQ, 1, 1>(a, x, out, part);
   }
 }
 
@@ -227,8 +258,17 @@ void qint_block_dot(const QintBlock& a) {
 template <class V>
 void qint_dot(const QintBlock& a, void (*fallback)(const QintBlock&)) {
   const formats::QintFormat& f = *a.format;
-  const bool explicit_zero = a.zeros != nullptr;
+  const bool explicit_zero = a.zeros != nullptr;  // k-quants: zeros inside the records
   const int unit = static_cast<int>(formats::qint_fold_unit(f.group_size));
+  if (formats::is_kquant(f.scale_type)) {
+    if (f.bits == 4 && unit == 32)
+      return qint_block_dot<V, 4, false, 32, ZeroMode::kExplicit, true>(a);
+    if (f.bits == 5 && unit == 32)
+      return qint_block_dot<V, 5, false, 32, ZeroMode::kExplicit, true>(a);
+    if (f.bits == 6 && unit == 16)
+      return qint_block_dot<V, 6, false, 16, ZeroMode::kImplicit, true>(a);
+    return fallback(a);
+  }
   if (f.bits == 8 && unit == 32) return qint_block_dot<V, 8, false, 32, ZeroMode::kImplicit>(a);
   if (f.bits == 4 && f.lut_e2m1 && unit == 32)
     return qint_block_dot<V, 4, true, 32, ZeroMode::kImplicit>(a);
@@ -236,13 +276,7 @@ void qint_dot(const QintBlock& a, void (*fallback)(const QintBlock&)) {
     if (explicit_zero) return qint_block_dot<V, 4, false, 32, ZeroMode::kExplicit>(a);
     return qint_block_dot<V, 4, false, 32, ZeroMode::kImplicit>(a);
   }
-  if (f.bits == 5 && unit == 32) {
-    if (explicit_zero) return qint_block_dot<V, 5, false, 32, ZeroMode::kExplicit>(a);
-    return qint_block_dot<V, 5, false, 32, ZeroMode::kImplicit>(a);
-  }
-  if (f.bits == 6 && unit == 16 && !explicit_zero)
-    return qint_block_dot<V, 6, false, 16, ZeroMode::kImplicit>(a);
-  fallback(a);
+  fallback(a);  // 5/6-bit codes are k-quants only
 }
 
 }  // namespace kt::kernels

@@ -127,6 +127,8 @@ void load_params(const void* base, formats::ScaleType type, int64_t index, float
       return;
     }
     case formats::ScaleType::kNone:
+    case formats::ScaleType::kKq45:  // decoded per group by kquant_param
+    case formats::ScaleType::kKq6:
       break;
   }
   TORCH_CHECK(false, "dense_expert_weight: scales/zeros have no fp32 reading");
@@ -164,6 +166,7 @@ struct QintExpert {
   int64_t n, k, kp, groups, group_k;  // group_k: k per group (Kp when one group)
   int64_t ld;                         // row stride of the W^T output
   int64_t block_bytes, low_bytes;
+  int64_t block_param_bytes;  // k-quants: bytes of one block's scale records
   int32_t offset;
 };
 
@@ -180,9 +183,18 @@ void decode_qint_transposed(const QintExpert& x, float* wt) {
       const int64_t k0 = g * x.group_k;
       if (k0 >= k) break;  // padding groups
       float s[kRows], z[kRows] = {};
-      const int64_t pidx = (nb * x.groups + g) * kRows;
-      load_params(x.scales, x.scale_type, pidx, s);
-      if (A == Affine::kZeros) load_params(x.zeros, x.zero_type, pidx, z);
+      if (formats::is_kquant(x.scale_type)) {
+        // GGUF super-block records: d*sc and dmin*m, exact in fp32.
+        const uint8_t* recs = static_cast<const uint8_t*>(x.scales) + nb * x.block_param_bytes;
+        for (int r = 0; r < kRows; ++r) {
+          s[r] = formats::kquant_param(recs, x.scale_type, g, r, false);
+          if (A == Affine::kZeros) z[r] = formats::kquant_param(recs, x.scale_type, g, r, true);
+        }
+      } else {
+        const int64_t pidx = (nb * x.groups + g) * kRows;
+        load_params(x.scales, x.scale_type, pidx, s);
+        if (A == Affine::kZeros) load_params(x.zeros, x.zero_type, pidx, z);
+      }
       const int64_t kend = std::min(k, k0 + x.group_k);
       for (int64_t kw = k0; kw < kend; kw += kWordK) {
         uint32_t lo[kRows];  // one row's 4 bytes per 32-bit lane
@@ -249,15 +261,31 @@ void dequantize_qint_transposed(const Projection& p, int64_t expert, float* wt, 
                   p.weight.size(1) == nb && p.weight.size(2) == x.block_bytes,
               "dense_expert_weight: weight_format='", p.format->name, "' weight must be uint8 [E, ",
               nb, ", ", x.block_bytes, "], got ", p.weight.scalar_type(), " ", p.weight.sizes());
-  TORCH_CHECK(p.scales.defined() && p.scales.numel() == p.num_experts() * nb * x.groups * kRows,
-              "dense_expert_weight: weight_format='", p.format->name, "' needs scales [E, ", nb,
-              ", ", x.groups, ", 16]");
-  x.scale_type = param_type(p.scales, p.format->packed_scale_type == formats::ScaleType::kE8M0);
-  TORCH_CHECK(x.scale_type != formats::ScaleType::kNone, "dense_expert_weight: scales dtype ",
-              p.scales.scalar_type(), " is not fp32/fp16/bf16 (or uint8 UE8M0 for mxfp4)");
+  const bool kquant = formats::is_kquant(p.format->packed_scale_type);
+  x.block_param_bytes = 0;
+  if (kquant) {
+    x.scale_type = p.format->packed_scale_type;
+    x.block_param_bytes = formats::qint_block_param_bytes(x.scale_type, x.groups, x.kp, 1);
+    TORCH_CHECK(x.kp % formats::kKSuperK == 0 && p.scales.defined() &&
+                    p.scales.scalar_type() == at::kByte &&
+                    p.scales.numel() == p.num_experts() * nb * x.block_param_bytes,
+                "dense_expert_weight: weight_format='", p.format->name,
+                "' needs uint8 scale records [E, ", nb, ", ", x.kp / formats::kKSuperK, ", ",
+                formats::kquant_record_bytes(x.scale_type), "]");
+  } else {
+    TORCH_CHECK(p.scales.defined() && p.scales.numel() == p.num_experts() * nb * x.groups * kRows,
+                "dense_expert_weight: weight_format='", p.format->name, "' needs scales [E, ", nb,
+                ", ", x.groups, ", 16]");
+    x.scale_type = param_type(p.scales, p.format->packed_scale_type == formats::ScaleType::kE8M0);
+    TORCH_CHECK(x.scale_type != formats::ScaleType::kNone, "dense_expert_weight: scales dtype ",
+                p.scales.scalar_type(), " is not fp32/fp16/bf16 (or uint8 UE8M0 for mxfp4)");
+  }
   x.weight = p.weight.data_ptr<uint8_t>() + expert * nb * x.block_bytes;
   const int64_t pexp = expert * nb * x.groups * kRows;  // params of one expert
-  x.scales = static_cast<const char*>(p.scales.data_ptr()) + pexp * p.scales.element_size();
+  x.scales = kquant
+                 ? static_cast<const void*>(p.scales.data_ptr<uint8_t>() +
+                                            expert * nb * x.block_param_bytes)
+                 : static_cast<const char*>(p.scales.data_ptr()) + pexp * p.scales.element_size();
   x.zeros = nullptr;
   x.zero_type = formats::ScaleType::kNone;
   if (p.zeros.defined()) {
@@ -268,7 +296,8 @@ void dequantize_qint_transposed(const Projection& p, int64_t expert, float* wt, 
                 p.zeros.scalar_type(), " is not fp32/fp16/bf16");
     x.zeros = static_cast<const char*>(p.zeros.data_ptr()) + pexp * p.zeros.element_size();
   }
-  const bool zeros = x.zeros != nullptr;
+  // q4_K/q5_K: the mins are in the scale records.
+  const bool zeros = x.zeros != nullptr || x.scale_type == formats::ScaleType::kKq45;
   switch (f.bits) {
     case 8:
       TORCH_CHECK(f.is_signed && !zeros, "dense_expert_weight: 8-bit codes are signed, no zeros");

@@ -139,7 +139,23 @@ Projection parse_projection(const char* op, int i, const formats::FormatRow& f, 
       check_tensor(op, w, wname, fmt, {E, v.row_blocks, v.block_bytes}, dims);
       const bool e8m0 = f.packed_scale_type == formats::ScaleType::kE8M0;
       v.qint.scale_type = formats::scale_type_of(scales->scalar_type(), e8m0);
-      if (e8m0) {
+      if (formats::is_kquant(f.packed_scale_type)) {
+        // GGUF k-quant: one scale record per 16 rows x 256 k (docs/formats.md).
+        TORCH_CHECK(v.kp % formats::kKSuperK == 0, op, ": weight_format='", fmt,
+                    "' needs the K of ", wname, " (", dims,
+                    ") to be a multiple of 256 (the GGUF super-block), got ", k);
+        TORCH_CHECK(scales->scalar_type() == at::kByte, op, ": ", sname,
+                    " must be uint8 k-quant scale records for weight_format='", fmt, "', got ",
+                    scales->scalar_type(),
+                    " (fp32 scales with a zeros tensor are the old k-quant layout of "
+                    "manifest_version 1 converted directories; repack from the GGUF file with "
+                    "kt_ops.formats.from_gguf or kt-ops convert)");
+        check_tensor(op, *scales, sname, fmt,
+                     {E, v.row_blocks, v.kp / formats::kKSuperK,
+                      formats::kquant_record_bytes(f.packed_scale_type)},
+                     "[E, ceil(N/16), K/256, record bytes]: GGUF super-block scales");
+        v.qint.scale_type = f.packed_scale_type;
+      } else if (e8m0) {
         TORCH_CHECK(scales->scalar_type() == at::kByte, op, ": ", sname,
                     " must be uint8 UE8M0 exponents for weight_format='", fmt, "', got ",
                     scales->scalar_type());
@@ -147,8 +163,9 @@ Projection parse_projection(const char* op, int i, const formats::FormatRow& f, 
         TORCH_CHECK(is_float_dtype(scales->scalar_type()), op, ": ", sname,
                     " must be fp32, fp16 or bf16, got ", scales->scalar_type());
       }
-      check_tensor(op, *scales, sname, fmt, {E, v.row_blocks, v.groups, 16},
-                   "[E, ceil(N/16), groups, 16]");
+      if (!formats::is_kquant(f.packed_scale_type))
+        check_tensor(op, *scales, sname, fmt, {E, v.row_blocks, v.groups, 16},
+                     "[E, ceil(N/16), groups, 16]");
       p.scales = *scales;
       v.scales = scales->data_ptr();
       v.qint.zero_type = formats::ScaleType::kNone;

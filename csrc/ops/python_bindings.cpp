@@ -71,6 +71,8 @@ const char* scale_dtype_name(kt::formats::ScaleType t) {
     case kt::formats::ScaleType::kBF16:
       return "bfloat16";
     case kt::formats::ScaleType::kE8M0:
+    case kt::formats::ScaleType::kKq45:
+    case kt::formats::ScaleType::kKq6:
       return "uint8";
     case kt::formats::ScaleType::kNone:
       break;
@@ -113,6 +115,11 @@ py::list formats_report() {
     d["lut"] = f.layout == Layout::kQint && f.qint.lut_e2m1;
     const char* sd = scale_dtype_name(f.packed_scale_type);
     d["scale_dtype"] = sd ? py::object(py::str(sd)) : py::object(py::none());
+    const bool kq = kt::formats::is_kquant(f.packed_scale_type);
+    // k-quants: bytes of one scale record (16 rows x 256 k), whether it holds mins.
+    d["scale_record_bytes"] = kq ? kt::formats::kquant_record_bytes(f.packed_scale_type) : 0;
+    d["super_block"] = kq ? kt::formats::kKSuperK : 0;
+    d["record_mins"] = f.packed_scale_type == kt::formats::ScaleType::kKq45;
     d["has_zeros"] = f.zeros != kt::formats::ZeroPolicy::kNever;
     d["zeros_optional"] = f.zeros == kt::formats::ZeroPolicy::kOptional;
     d["group_sizes"] = f.group_sizes;

@@ -18,7 +18,15 @@ from kt_ops.formats.fp8 import from_fp8
 from kt_ops.formats.gguf_blocks import GGUF_FORMATS, from_gguf, quantize_gguf_raw
 from kt_ops.formats.mxfp4 import E2M1_VALUES, from_mxfp4
 from kt_ops.formats.packed import PackedProjection
-from kt_ops.formats.qint import pack_codes, pack_group_params, unpack_codes, unpack_group_params
+from kt_ops.formats.qint import (
+    kquant_scale_values,
+    pack_codes,
+    pack_group_params,
+    pack_kquant_scales,
+    unpack_codes,
+    unpack_group_params,
+    unpack_kquant_scales,
+)
 from kt_ops.formats.quantize import quantize_weights
 from kt_ops.formats.spec import BLOCK_ROWS, FORMATS, K_ALIGN, FormatSpec, format_spec, padded_k
 
@@ -44,4 +52,7 @@ __all__ = [
     "unpack_codes",
     "pack_group_params",
     "unpack_group_params",
+    "pack_kquant_scales",
+    "unpack_kquant_scales",
+    "kquant_scale_values",
 ]

@@ -62,6 +62,43 @@ def _expand_groups(p: Tensor, kp: int, group_size: int) -> Tensor:
     return p[:, :, g.reshape(-1), :].transpose(2, 3)
 
 
+def _kquant_params(rec: Tensor, spec, kp: int) -> tuple[Tensor, Tensor]:
+    """k-quant records ``[E, NB, Kp/256, R]`` -> fp32 scale and zero ``[E, NB, 16, Kp]``.
+
+    By the byte offsets of docs/formats.md: sub-block ``j`` (``g = k // group``,
+    super-block ``s = k // 256``) of row ``r`` has ``d`` = fp16 bytes ``2r, 2r+1``;
+    q4_k/q5_k: ``dmin`` at ``32 + 2r``, GGUF ``scales[i]`` at ``64 + 16i + r``
+    decoded by ``get_scale_min_k4``; q6_k: int8 ``sc_j`` at ``32 + 16j + r``.
+    """
+    r, k = _rk(kp)
+    E, nb, S, R = rec.shape
+    flat = rec.reshape(E, nb, S * R).to(torch.int64)
+    base = (k // 256) * R  # record of super-block s
+
+    def f16(off: Tensor) -> Tensor:
+        bits = _gather(flat, off) | (_gather(flat, off + 1) << 8)
+        return bits.to(torch.int16).view(torch.float16).float()
+
+    d = f16(base + 2 * r)
+    if spec.name == "q6_k":
+        j = (k % 256) // 16
+        sc = _gather(flat, base + 32 + 16 * j + r)
+        sc = sc - ((sc & 0x80) << 1)  # int8
+        return d * sc.float(), torch.zeros_like(d)
+    dmin = f16(base + 32 + 2 * r)
+    j = (k % 256) // 32
+
+    def byte(i: Tensor) -> Tensor:
+        return _gather(flat, base + 64 + 16 * i + r)
+
+    jl = j % 4  # j < 4: scales[j] & 63, mins scales[j + 4] & 63
+    b_j, b_j4, b_j8 = byte(jl), byte(jl + 4), byte(jl + 8)
+    low = j < 4
+    sc = torch.where(low, b_j & 63, (b_j8 & 15) | ((b_j >> 6) << 4))
+    mn = torch.where(low, b_j4 & 63, (b_j8 >> 4) | ((b_j4 >> 6) << 4))
+    return d * sc.float(), dmin * mn.float()
+
+
 def _rows(x: Tensor, n: int, k: int) -> Tensor:
     """``[E, NB, 16, Kp]`` -> ``[E, n, k]`` (drop the padding rows and columns)."""
     E, nb, r, kp = x.shape
@@ -76,7 +113,9 @@ def dequantize_weights(p: PackedProjection) -> Tensor:
     * ``bf16``: ``W[n, k] = packed[n // 16, k // 2, n % 16, k % 2]``.
     * qint (``int8``, ``int4``, ``mxfp4``, ``q8_0``, ``q4_0``, ``q4_k``,
       ``q5_k``, ``q6_k``): codes from the bit planes, then
-      ``W = scale[g] * q - zero[g]`` with ``g = k // group_size`` in fp32.
+      ``W = scale[g] * q - zero[g]`` with ``g = k // group_size`` in fp32
+      (k-quants: ``scale = d*sc``, ``zero = dmin*m`` decoded from the
+      super-block records, exact).
       8-bit codes are signed (``zero = 0``); unsigned codes without a zeros
       tensor have the implicit ``zero = scale * 2^(bits-1)``, evaluated as
       ``scale * (q - 2^(bits-1))`` (exact, hence bit-identical to ggml's
@@ -114,6 +153,11 @@ def _dequantize_one(spec, group_size, n, k, weight, scales=None, zeros=None) -> 
         vals = bits.to(torch.uint8).view(torch.float8_e4m3fn).float()
         return vals * scales.float()[:, nn // 128, kk // 128]
     q = _decode_codes(w, spec.bits, kp)
+    if spec.is_kquant:
+        scale, zero = _kquant_params(scales, spec, kp)
+        if spec.record_mins:
+            return _rows(scale * q.float() - zero, n, k)
+        return _rows(scale * (q - (1 << (spec.bits - 1))).float(), n, k)
     scale = _expand_groups(scales, kp, group_size)
     if spec.name == "mxfp4":
         qv = torch.tensor(MXFP4_Q_LUT, dtype=torch.float64)[q]

@@ -18,9 +18,11 @@ the same bytes), ``QK_K = 256``, ``d``/``dmin`` fp16, little endian:
   from ``ql[64i + 32(t%2) + l]`` (nibble ``t//2``), high bits ``(qh[32i + l]
   >> 2t) & 3``; 16 weights per scale; ``W = d*sc * (q - 32)``.
 
-The repacked scales/zeros are ``d`` (fp16, q8_0/q4_0) or ``d*sc`` and
-``dmin*m`` (fp32, exact products of an fp16 and a small integer), so the qint
-dequantization reproduces ``gguf.quants.dequantize`` bit for bit.
+The repacked scales are ``d`` (fp16, q8_0/q4_0) or, for the k-quants, GGUF's
+own scale bytes (``d``, ``dmin``, ``scales[12]`` / ``scales[16]``), copied into
+records of 16 rows x 256 k (docs/formats.md, "k-quant scales"); only the codes
+are rearranged. The kernels form ``d*sc`` and ``dmin*m`` (exact in fp32), so
+the qint dequantization reproduces ``gguf.quants.dequantize`` bit for bit.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import torch
 from torch import Tensor
 
 from kt_ops.formats.packed import PackedProjection
-from kt_ops.formats.qint import pack_codes, pack_group_params
+from kt_ops.formats.qint import pack_codes, pack_group_params, pack_kquant_scales
 from kt_ops.formats.spec import format_spec
 
 __all__ = ["GGUF_FORMATS", "from_gguf", "quantize_gguf_raw"]
@@ -118,8 +120,9 @@ def from_gguf(
 
     Returns:
         A validated :class:`PackedProjection` of format ``qtype``: codes in the
-        qint planes, scales ``d`` (fp16, q8_0/q4_0) or ``d*sc`` (fp32,
-        k-quants), zeros ``dmin*m`` (fp32, q4_k/q5_k), group 32 (q6_k: 16).
+        qint planes, scales ``d`` (fp16, q8_0/q4_0) or the k-quants' scale
+        records (uint8 ``[E, NB, K/256, 256 | 288]``, GGUF's bytes), no
+        zeros, group 32 (q6_k: 16).
         Dequantizing it gives exactly ``gguf.quants.dequantize(raw, qtype)``.
 
     Raises:
@@ -147,7 +150,6 @@ def from_gguf(
         )
     E = data.size // (n * row_bytes)
     blk = data.reshape(E, n, k // bs, ts)
-    zeros = None
     if name == "q8_0":
         d = _f16(blk[..., 0:2])
         codes = blk[..., 2:].view(np.int8)
@@ -158,10 +160,8 @@ def from_gguf(
         codes = np.concatenate([qs & 15, qs >> 4], axis=-1)
         scales = d
     elif name in ("q4_k", "q5_k"):
-        d = _f16(blk[..., 0:2]).astype(np.float32)
-        dmin = _f16(blk[..., 2:4]).astype(np.float32)
-        _check_finite(name, d, dmin)
-        sc, mn = _scale_min_k4(blk[..., 4:16])
+        _check_finite(name, _f16(blk[..., 0:2]), _f16(blk[..., 2:4]))
+        head = blk[..., 0:16]  # d, dmin, scales[12]: copied as they are
         if name == "q4_k":
             qs = blk[..., 16:144].reshape(E, n, -1, 4, 1, 32)
             codes = qs >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)  # [..., 4, 2, 32]
@@ -172,29 +172,29 @@ def from_gguf(
             low = (qs >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)) & 15  # [..., 4, 2, 32]
             high = (qh >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & 1  # [..., 8, 32]
             codes = low.reshape(E, n, -1, 8, 32) | (high << 4)
-        scales = d[..., None] * sc.astype(np.float32)
-        zeros = dmin[..., None] * mn.astype(np.float32)
     else:  # q6_k
         ql = blk[..., 0:128].reshape(E, n, -1, 2, 1, 2, 32)  # [i][.][a][l]
         qh = blk[..., 128:192].reshape(E, n, -1, 2, 1, 32)  # [i][.][l]
-        sc = blk[..., 192:208].view(np.int8).astype(np.float32)
-        d = _f16(blk[..., 208:210]).astype(np.float32)
+        _check_finite(name, _f16(blk[..., 208:210]))
+        head = blk[..., 192:210]  # int8 scales[16], d: copied as they are
         # weight 32t + l of half i, t = 2s + a: nibble s of ql[64i + 32a + l]
         low = (ql >> np.array([0, 4], dtype=np.uint8).reshape(2, 1, 1)) & 15  # [..., 2, 2, 2, 32]
         high = (qh >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)) & 3  # [..., 2, 4, 32]
         codes = low.reshape(E, n, -1, 2, 4, 32) | (high << 4)
-        scales = d[..., None] * sc
-    _check_finite(name, scales.astype(np.float32))
     spec = format_spec(name)
     codes_t = torch.from_numpy(np.ascontiguousarray(codes).reshape(E, n, k))
     pad = 0 if spec.signed else 1 << (spec.bits - 1)
     g = spec.default_group_size
+    weight = pack_codes(codes_t, spec.bits, pad_code=pad)
+    if spec.is_kquant:
+        scales = pack_kquant_scales(torch.from_numpy(np.ascontiguousarray(head)), name)
+    else:
+        _check_finite(name, scales.astype(np.float32))
+        scales = pack_group_params(torch.from_numpy(scales.reshape(E, n, k // g)), spec.scale_dtype)
     p = PackedProjection(
-        weight=pack_codes(codes_t, spec.bits, pad_code=pad),
-        scales=pack_group_params(torch.from_numpy(scales.reshape(E, n, k // g)), spec.scale_dtype),
-        zeros=None
-        if zeros is None
-        else pack_group_params(torch.from_numpy(zeros.reshape(E, n, k // g)), spec.scale_dtype),
+        weight=weight,
+        scales=scales,
+        zeros=None,
         weight_format=name,
         group_size=g,
         n=n,

@@ -23,7 +23,9 @@ class PackedProjection:
             uint8 ``[E, NB, 16*Kp*bits/8]`` for the qint formats; uint8
             ``[E, NB, Kp, 16]`` (n16k1) for fp8).
         scales: ``[E, NB, G, 16]`` in the format's scale dtype (fp8:
-            fp32 ``[E, ceil(n/128), ceil(k/128)]``), or ``None`` for bf16.
+            fp32 ``[E, ceil(n/128), ceil(k/128)]``; GGUF k-quants: uint8
+            super-block records ``[E, NB, Kp/256, 256 | 288]``), or ``None``
+            for bf16.
         zeros: ``[E, NB, G, 16]`` in weight units (``W = scale*q - zero``), or
             ``None`` where the zero is implicit.
         weight_format: one of ``FORMATS``.
@@ -85,6 +87,11 @@ class PackedProjection:
             raise ValueError(
                 f"PackedProjection.group_size={gs!r} is not allowed for {spec.name!r}; "
                 f"allowed: {spec.group_sizes}"
+            )
+        if spec.is_kquant and self.k % spec.super_block:
+            raise ValueError(
+                f"PackedProjection.k={self.k} is not a multiple of the {spec.name!r} "
+                f"super-block ({spec.super_block})"
             )
         if spec.layout == "qint" and gs and padded_k(self.k) % gs:
             raise ValueError(

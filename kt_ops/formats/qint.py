@@ -20,12 +20,22 @@ instead, so the two check each other.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
 from kt_ops.formats.spec import BLOCK_ROWS, ceil_div, padded_k
 
-__all__ = ["pack_codes", "unpack_codes", "pack_group_params", "unpack_group_params"]
+__all__ = [
+    "pack_codes",
+    "unpack_codes",
+    "pack_group_params",
+    "unpack_group_params",
+    "pack_kquant_scales",
+    "unpack_kquant_scales",
+    "kquant_scale_values",
+]
 
 _BITS = (4, 5, 6, 8)
 
@@ -147,3 +157,97 @@ def unpack_group_params(p: Tensor, n: int) -> Tensor:
     """Inverse of :func:`pack_group_params`: ``[E, NB, G, 16]`` -> ``[E, n, G]`` (same dtype)."""
     E, nb, G, r = p.shape
     return p.transpose(2, 3).reshape(E, nb * r, G)[:, :n].contiguous()
+
+
+# --------------------------------------------------------------------------- k-quant records
+
+#: GGUF k-quant: bytes of the scale fields of one block per row (``head``), record bytes.
+_KQ = {"q4_k": (16, 256), "q5_k": (16, 256), "q6_k": (18, 288)}
+
+
+def _kq(fmt: str) -> tuple[int, int]:
+    if fmt not in _KQ:
+        raise ValueError(f"{fmt!r} is not a GGUF k-quant; expected one of {tuple(_KQ)}")
+    return _KQ[fmt]
+
+
+def pack_kquant_scales(head: Tensor, fmt: str) -> Tensor:
+    """GGUF k-quant scale bytes per row and super-block -> the scale records (docs/formats.md).
+
+    Args:
+        head: uint8 ``[E, N, S]`` x the bytes of GGUF's scale fields of each
+            block, in GGUF order: q4_K/q5_K ``d, dmin, scales[12]`` (16 bytes,
+            the first 16 of ``block_q4_K``/``block_q5_K``); q6_K ``scales[16],
+            d`` (18 bytes, the last 18 of ``block_q6_K``). ``S = K / 256``.
+        fmt: ``'q4_k'``, ``'q5_k'`` or ``'q6_k'``.
+
+    Returns:
+        uint8 ``[E, NB, S, 256 | 288]``: per 16-row block and super-block, ``d``
+        fp16 ``[16]``, (q4_k/q5_k) ``dmin`` fp16 ``[16]`` and the sub-block
+        bytes ``[12 | 16][16 rows]`` (byte ``i`` of row ``r`` at ``16 i + r``):
+        the same bytes, the block's 16 rows side by side. Padding rows are 0.
+    """
+    hb, rb = _kq(fmt)
+    if not isinstance(head, Tensor) or head.dtype != torch.uint8 or head.dim() != 4:
+        raise ValueError(f"pack_kquant_scales: head must be uint8 [E, N, S, {hb}]")
+    E, N, S, h = head.shape
+    if h != hb:
+        raise ValueError(f"pack_kquant_scales: head has {h} bytes per block, {fmt} has {hb}")
+    nb = ceil_div(N, BLOCK_ROWS)
+    full = torch.zeros(E, nb * BLOCK_ROWS, S, hb, dtype=torch.uint8)
+    full[:, :N] = head.cpu()
+    full = full.view(E, nb, BLOCK_ROWS, S, hb).permute(0, 1, 3, 2, 4)  # [E, NB, S, 16 rows, hb]
+    if fmt == "q6_k":
+        parts = [full[..., 16:18], full[..., 0:16].transpose(-1, -2)]  # d [16][2], sc [16 j][16 r]
+    else:
+        parts = [full[..., 0:2], full[..., 2:4], full[..., 4:16].transpose(-1, -2)]
+    out = torch.cat([p.reshape(E, nb, S, -1) for p in parts], dim=-1).contiguous()
+    assert out.shape[-1] == rb
+    return out
+
+
+def unpack_kquant_scales(scales: Tensor, fmt: str, n: int) -> Tensor:
+    """Inverse of :func:`pack_kquant_scales`: records ``[E, NB, S, R]`` -> ``[E, n, S, 16|18]``."""
+    hb, rb = _kq(fmt)
+    if scales.dtype != torch.uint8 or scales.dim() != 4 or scales.shape[-1] != rb:
+        raise ValueError(
+            f"unpack_kquant_scales: scales has {scales.dtype} {list(scales.shape)}, expected "
+            f"uint8 [E, NB, S, {rb}] for {fmt!r}"
+        )
+    E, nb, S, _ = scales.shape
+    rows = scales.view(E, nb, S, -1)
+    d = rows[..., 0:32].reshape(E, nb, S, BLOCK_ROWS, 2)
+    if fmt == "q6_k":
+        sc = rows[..., 32:288].reshape(E, nb, S, 16, BLOCK_ROWS).transpose(-1, -2)
+        head = torch.cat([sc, d], dim=-1)
+    else:
+        dmin = rows[..., 32:64].reshape(E, nb, S, BLOCK_ROWS, 2)
+        sc = rows[..., 64:256].reshape(E, nb, S, 12, BLOCK_ROWS).transpose(-1, -2)
+        head = torch.cat([d, dmin, sc], dim=-1)
+    head = head.permute(0, 1, 3, 2, 4).reshape(E, nb * BLOCK_ROWS, S, hb)
+    return head[:, :n].contiguous()
+
+
+def kquant_scale_values(scales: Tensor, fmt: str, n: int) -> tuple[Tensor, Optional[Tensor]]:
+    """The fp32 scales ``d*sc`` and zeros ``dmin*m`` (None for q6_k) ``[E, n, G]`` of records.
+
+    ``G = K / 32`` (q4_k, q5_k) or ``K / 16`` (q6_k); the products are exact.
+    """
+    head = unpack_kquant_scales(scales, fmt, n).to(torch.int32)
+    E, _, S, _ = head.shape
+
+    def f16(lo: Tensor, hi: Tensor) -> Tensor:
+        return (lo | (hi << 8)).to(torch.int16).view(torch.float16).float()
+
+    if fmt == "q6_k":
+        sc = head[..., 0:16].to(torch.uint8).view(torch.int8).float()
+        d = f16(head[..., 16], head[..., 17])
+        return (d.unsqueeze(-1) * sc).reshape(E, n, S * 16), None
+    d, dmin = f16(head[..., 0], head[..., 1]), f16(head[..., 2], head[..., 3])
+    q = head[..., 4:16]
+    lo, mid, hi = q[..., 0:4], q[..., 4:8], q[..., 8:12]
+    sc = torch.cat([lo & 63, (hi & 15) | ((lo >> 6) << 4)], dim=-1).float()
+    mn = torch.cat([mid & 63, (hi >> 4) | ((mid >> 6) << 4)], dim=-1).float()
+    scale = (d.unsqueeze(-1) * sc).reshape(E, n, S * 8)
+    zero = (dmin.unsqueeze(-1) * mn).reshape(E, n, S * 8)
+    return scale, zero

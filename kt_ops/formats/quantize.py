@@ -137,7 +137,7 @@ def quantize_weights(
             f"quantize_weights: group_size={group_size!r} is not allowed for {spec.name!r}; "
             f"allowed: {spec.group_sizes}"
         )
-    if not symmetric and not spec.has_zeros:
+    if not symmetric and not (spec.has_zeros or spec.record_mins):
         raise ValueError(
             f"quantize_weights: symmetric=False is not supported for {spec.name!r} (it has no "
             "zeros); formats with zeros: int4, q4_k, q5_k"

@@ -79,6 +79,13 @@ class FormatSpec:
         bits_per_weight: storage per weight at the default group size, scales
             and zeros included (int4: symmetric, group 128), ignoring padding.
         source: where the element format comes from.
+        scale_record_bytes: GGUF k-quants (``q4_k``, ``q5_k``, ``q6_k``): bytes
+            of one scale record (16 rows x one 256-k super-block: 256 for
+            q4_k/q5_k, 288 for q6_k); ``scales`` is uint8 ``[E, NB, Kp/256,
+            scale_record_bytes]`` (docs/formats.md, "k-quant scales"). 0 otherwise.
+        super_block: K per scale record (256 for the k-quants, else 0).
+        record_mins: the records hold mins (``dmin*m``, q4_k/q5_k): the
+            format is asymmetric without a ``zeros`` tensor.
     """
 
     name: str
@@ -96,6 +103,9 @@ class FormatSpec:
     brgemm_min_tokens: tuple[tuple[str, Optional[int]], ...]
     bits_per_weight: float
     source: str
+    scale_record_bytes: int = 0
+    super_block: int = 0
+    record_mins: bool = False
 
     def brgemm_min_tokens_for(self, cpu_class: str) -> Optional[int]:
         """The ``'auto'`` brgemm threshold on ``cpu_class`` (``'avx512'`` or ``'amx'``)."""
@@ -111,6 +121,11 @@ class FormatSpec:
     def zeros_required(self) -> bool:
         """True when every packed projection of this format has a ``zeros`` tensor."""
         return self.has_zeros and not self.zeros_optional
+
+    @property
+    def is_kquant(self) -> bool:
+        """True for the GGUF k-quants, whose ``scales`` are super-block records."""
+        return self.scale_record_bytes > 0
 
     @property
     def is_gguf(self) -> bool:
@@ -142,6 +157,13 @@ class FormatSpec:
             return None
         if self.layout == "fp8":
             return (e, ceil_div(n, 128), ceil_div(k, 128))
+        if self.is_kquant:  # one record per 16 rows x 256 k (needs K % 256 == 0)
+            return (
+                e,
+                ceil_div(n, BLOCK_ROWS),
+                padded_k(k) // self.super_block,
+                self.scale_record_bytes,
+            )
         return (e, ceil_div(n, BLOCK_ROWS), self.num_groups(k, group_size), BLOCK_ROWS)
 
     def bits_per_weight_for(self, group_size: int, zeros: bool = False) -> float:
@@ -153,6 +175,8 @@ class FormatSpec:
             return 16.0
         if self.layout == "fp8" or group_size == 0:
             return float(self.bits)
+        if self.is_kquant:
+            return self.bits + 8 * self.scale_record_bytes / (BLOCK_ROWS * self.super_block)
         scale_bits = torch.finfo(self.scale_dtype).bits if self.scale_dtype.is_floating_point else 8
         n_params = 1 + int(self.zeros_required or (zeros and self.has_zeros))
         return self.bits + n_params * scale_bits / group_size
@@ -176,6 +200,9 @@ def _spec_from_row(row: dict) -> FormatSpec:
         brgemm_min_tokens=tuple(sorted(row["brgemm_min_tokens"].items())),
         bits_per_weight=row["bits_per_weight"],
         source=row["source"],
+        scale_record_bytes=row["scale_record_bytes"],
+        super_block=row["super_block"],
+        record_mins=row["record_mins"],
     )
 
 

@@ -147,7 +147,7 @@ void fp8_dot(const Fp8Block& a) {
 // rows x 8 k ([row][4 k] bytes per quad), regrouped by a byte shuffle and a
 // dword permute into 8-byte runs of one k, widened to int32, converted and
 // scaled: w = s * q - z.
-template <int Bits, bool Lut, ZeroMode Z>
+template <int Bits, bool Lut, ZeroMode Z, bool KQ = false>
 void qint_decode_impl(const QintBlock& a, float* w) {
   const QintFormat& f = *a.format;
   const int64_t kp = a.kp;
@@ -159,7 +159,16 @@ void qint_decode_impl(const QintBlock& a, float* w) {
                                         8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   const __m256i rows_together = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   const __m256 offset = _mm256_set1_ps(f.zero_offset);
+  [[maybe_unused]] alignas(64) float kq_s[KQ ? 16 * 16 : 1];
+  [[maybe_unused]] alignas(64) float kq_z[KQ ? 8 * 16 : 1];
   for (int64_t k0 = 0; k0 < kp; k0 += 8) {
+    if constexpr (KQ) {  // k-quants: the super-block's scales (qint_tiles.h)
+      if (k0 % formats::kKSuperK == 0)
+        kquant_decode_super<QintVec>(
+            static_cast<const uint8_t*>(a.scales) +
+                (k0 / formats::kKSuperK) * formats::kquant_record_bytes(f.scale_type),
+            f.scale_type, kq_s, kq_z);
+    }
     for (int half = 0; half < 2; ++half) {
       __m256i c[2];
       if constexpr (Bits == 8) {
@@ -169,10 +178,17 @@ void qint_decode_impl(const QintBlock& a, float* w) {
       } else {
         decode_unit<Bits, Lut, 2>(a.block, high, k0, half, c);
       }
-      const int64_t sidx = (k0 / gsize) * 16 + half * 8;
-      const __m256 sc = QintVec::load_scales(a.scales, f.scale_type, sidx);
-      const __m256 z = Z == ZeroMode::kExplicit ? QintVec::load_scales(a.zeros, f.zero_type, sidx)
-                                                : _mm256_mul_ps(offset, sc);
+      __m256 sc, z;
+      if constexpr (KQ) {
+        const int64_t sidx = ((k0 % formats::kKSuperK) / gsize) * 16 + half * 8;
+        sc = _mm256_load_ps(kq_s + sidx);
+        z = Z == ZeroMode::kExplicit ? _mm256_load_ps(kq_z + sidx) : _mm256_mul_ps(offset, sc);
+      } else {
+        const int64_t sidx = (k0 / gsize) * 16 + half * 8;
+        sc = QintVec::load_scales(a.scales, f.scale_type, sidx);
+        z = Z == ZeroMode::kExplicit ? QintVec::load_scales(a.zeros, f.zero_type, sidx)
+                                     : _mm256_mul_ps(offset, sc);
+      }
       for (int v = 0; v < 2; ++v) {
         const __m256i t =
             _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(c[v], by_k), rows_together);
@@ -192,18 +208,19 @@ void qint_decode_impl(const QintBlock& a, float* w) {
 void qint_decode(const QintBlock& a, float* w) {
   const QintFormat& f = *a.format;
   const bool explicit_zero = a.zeros != nullptr;
+  if (formats::is_kquant(f.scale_type)) {
+    if (f.bits == 4) return qint_decode_impl<4, false, ZeroMode::kExplicit, true>(a, w);
+    if (f.bits == 5) return qint_decode_impl<5, false, ZeroMode::kExplicit, true>(a, w);
+    if (f.bits == 6) return qint_decode_impl<6, false, ZeroMode::kImplicit, true>(a, w);
+    return ref::qint_block_decode(a, w);
+  }
   if (f.bits == 8) return qint_decode_impl<8, false, ZeroMode::kImplicit>(a, w);
   if (f.bits == 4 && f.lut_e2m1) return qint_decode_impl<4, true, ZeroMode::kImplicit>(a, w);
   if (f.bits == 4) {
     if (explicit_zero) return qint_decode_impl<4, false, ZeroMode::kExplicit>(a, w);
     return qint_decode_impl<4, false, ZeroMode::kImplicit>(a, w);
   }
-  if (f.bits == 5) {
-    if (explicit_zero) return qint_decode_impl<5, false, ZeroMode::kExplicit>(a, w);
-    return qint_decode_impl<5, false, ZeroMode::kImplicit>(a, w);
-  }
-  if (f.bits == 6) return qint_decode_impl<6, false, ZeroMode::kImplicit>(a, w);
-  ref::qint_block_decode(a, w);
+  ref::qint_block_decode(a, w);  // 5/6-bit codes are k-quants only
 }
 
 void fp8_decode(const Fp8Block& a, float* w) {

@@ -123,6 +123,50 @@ struct QintVec {
   static inline F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static inline F fnmadd(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
   static inline void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+  // GGUF k-quant record (formats/qint.h) -> s[j * 16 + r] = d[r] * sc_j[r] and
+  // (kKq45) z[j * 16 + r] = dmin[r] * m_j[r] for the 16 rows: get_scale_min_k4
+  // on 16-byte vectors (one byte per row), widened and scaled. Exact products.
+  static inline void kquant_decode(const uint8_t* rec, formats::ScaleType t, float* s, float* z) {
+    F d[kParts], dmin[kParts];
+    kq_load_d(rec, d);
+    if (t == formats::ScaleType::kKq6) {
+      const uint8_t* q = rec + formats::kKq6ScaleOffset;
+      for (int j = 0; j < 16; ++j)
+        kq_widen_store(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * j)), true, d,
+                       s + 16 * j);
+      return;
+    }
+    kq_load_d(rec + formats::kKq45MinOffset, dmin);
+    const uint8_t* q = rec + formats::kKq45ScaleOffset;
+    const __m128i m63 = _mm_set1_epi8(63), m15 = _mm_set1_epi8(15), m48 = _mm_set1_epi8(0x30);
+    for (int j = 0; j < 4; ++j) {
+      const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * j));
+      const __m128i mid = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * (j + 4)));
+      const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * (j + 8)));
+      // (b >> 6) << 4 == (b >> 2) & 0x30; 16-bit shifts, masked to bits of the same byte.
+      const __m128i sc_hi =
+          _mm_or_si128(_mm_and_si128(hi, m15), _mm_and_si128(_mm_srli_epi16(lo, 2), m48));
+      const __m128i mn_hi = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(hi, 4), m15),
+                                         _mm_and_si128(_mm_srli_epi16(mid, 2), m48));
+      kq_widen_store(_mm_and_si128(lo, m63), false, d, s + 16 * j);
+      kq_widen_store(sc_hi, false, d, s + 16 * (j + 4));
+      kq_widen_store(_mm_and_si128(mid, m63), false, dmin, z + 16 * j);
+      kq_widen_store(mn_hi, false, dmin, z + 16 * (j + 4));
+    }
+  }
+  // The 16 rows' fp16 d of a record as fp32 (rows 0-7, 8-15).
+  static inline void kq_load_d(const uint8_t* p, F* d) {
+    d[0] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    d[1] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
+  }
+  // out[r] = d[r] * byte r of b (unsigned, or int8 when is_signed), 16 rows.
+  static inline void kq_widen_store(__m128i b, bool is_signed, const F* d, float* out) {
+    const __m128i b1 = _mm_srli_si128(b, 8);
+    const __m256i v0 = is_signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b);
+    const __m256i v1 = is_signed ? _mm256_cvtepi8_epi32(b1) : _mm256_cvtepu8_epi32(b1);
+    _mm256_storeu_ps(out, _mm256_mul_ps(d[0], _mm256_cvtepi32_ps(v0)));
+    _mm256_storeu_ps(out + 8, _mm256_mul_ps(d[1], _mm256_cvtepi32_ps(v1)));
+  }
   // kRows consecutive stored scales (or zeros) as fp32.
   static inline F load_scales(const void* base, formats::ScaleType t, int64_t index) {
     switch (t) {

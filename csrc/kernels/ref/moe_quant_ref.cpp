@@ -15,6 +15,24 @@ namespace kt::kernels::ref {
 
 using formats::QintFormat;
 
+namespace {
+
+// Scale (min = false) or explicit zero (min = true) of row r, group g.
+inline float param(const QintBlock& a, int64_t g, int r, bool min) {
+  const QintFormat& f = *a.format;
+  if (formats::is_kquant(f.scale_type))
+    return formats::kquant_param(a.scales, f.scale_type, g, r, min);
+  return min ? formats::scale_value(a.zeros, f.zero_type, g * 16 + r)
+             : formats::scale_value(a.scales, f.scale_type, g * 16 + r);
+}
+
+// Whether the block has explicit zeros (a zeros tensor or q4_K/q5_K mins).
+inline bool explicit_zeros(const QintBlock& a) {
+  return a.zeros != nullptr || a.format->scale_type == formats::ScaleType::kKq45;
+}
+
+}  // namespace
+
 void qint_block_dot(const QintBlock& a) {
   const QintFormat& f = *a.format;
   const int64_t kp = a.kp;
@@ -33,12 +51,12 @@ void qint_block_dot(const QintBlock& a) {
           isum += formats::qint_code(a.block, f, kp, r, k) * static_cast<int32_t>(xq[k]);
         }
         const int64_t g = k0 / gsize;
-        const float s = formats::scale_value(a.scales, f.scale_type, g * 16 + r);
+        const float s = param(a, g, r, false);
         const float xa = xscale[k0 / 32] * static_cast<float>(isum);
         float xs = xsum16[k0 / 16];
         if (unit == 32) xs += xsum16[k0 / 16 + 1];
-        if (a.zeros != nullptr) {
-          const float z = formats::scale_value(a.zeros, f.zero_type, g * 16 + r);
+        if (explicit_zeros(a)) {
+          const float z = param(a, g, r, true);
           acc += s * xa - z * xs;
         } else {
           acc += s * (xa - f.zero_offset * xs);
@@ -55,9 +73,8 @@ void qint_block_decode(const QintBlock& a, float* w) {
   for (int64_t k = 0; k < a.kp; ++k) {
     const int64_t g = k / gsize;
     for (int r = 0; r < 16; ++r) {
-      const float s = formats::scale_value(a.scales, f.scale_type, g * 16 + r);
-      const float z = a.zeros != nullptr ? formats::scale_value(a.zeros, f.zero_type, g * 16 + r)
-                                         : f.zero_offset * s;
+      const float s = param(a, g, r, false);
+      const float z = explicit_zeros(a) ? param(a, g, r, true) : f.zero_offset * s;
       const float q = static_cast<float>(formats::qint_code(a.block, f, a.kp, r, k));
       w[k * 16 + r] = s * q - z;
     }
