@@ -35,6 +35,13 @@ constexpr BrgemmPolicy kNoBrgemmPath = {{kNoBrgemm, kNoBrgemm}};
 // host): the AVX-512 value.
 constexpr int kBf16BrgemmMinAvx512 = 12;
 constexpr BrgemmPolicy kBf16Brgemm = {{kBf16BrgemmMinAvx512, kBf16BrgemmMinAvx512}};
+// u8 x s8 -> s32 brgemm (q8 activations, K chunks of 32, bit-identical to the
+// streaming q8 kernels) against the streaming kernels under 'auto' (q8 below
+// fp32_min_tokens, the weight-only fp32 path from there), tokens per expert.
+constexpr int kInt8BrgemmMinAvx512 = 16;
+constexpr BrgemmPolicy kInt8Brgemm = {{kInt8BrgemmMinAvx512, kInt8BrgemmMinAvx512}};
+constexpr int kQ80BrgemmMinAvx512 = 16;
+constexpr BrgemmPolicy kQ80Brgemm = {{kQ80BrgemmMinAvx512, kQ80BrgemmMinAvx512}};
 
 }  // namespace
 
@@ -64,7 +71,7 @@ const std::vector<FormatRow>& format_table() {
       {"bf16", L::kBf16, {}, {0}, 0, S::kNone, Z::kNever, A::kF32, kNoFp32Path, kBf16Brgemm, 16.0,
        "bfloat16 weights (round to nearest even)"},
       {"int8", L::kQint, qint(8, true, false, 0.f), {0}, 0, S::kF32, Z::kNever, A::kQ8,
-       kInt8Fp32Min, kNoBrgemmPath, 8.0, "symmetric per-channel int8 (scale = amax/127)"},
+       kInt8Fp32Min, kInt8Brgemm, 8.0, "symmetric per-channel int8 (scale = amax/127)"},
       {"int4", L::kQint, qint(4, false, false, 8.f), {32, 64, 128}, 128, S::kF16, Z::kOptional,
        A::kQ8, kNoFp32Path, kNoBrgemmPath, 4.125,
        "group-wise int4, symmetric or asymmetric (GPTQ/AWQ-style zero point)"},
@@ -75,7 +82,7 @@ const std::vector<FormatRow>& format_table() {
        kNoFp32Path, kNoBrgemmPath, 4.25,
        "OCP Microscaling Formats (MX) v1.0: E2M1 elements, UE8M0 scales, 32 per block"},
       {"q8_0", L::kQint, qint(8, true, false, 0.f), {32}, 32, S::kF16, Z::kNever, A::kQ8,
-       kInt8Fp32Min, kNoBrgemmPath, 8.5, kGgml},
+       kInt8Fp32Min, kQ80Brgemm, 8.5, kGgml},
       {"q4_0", L::kQint, qint(4, false, false, 8.f), {32}, 32, S::kF16, Z::kNever, A::kQ8,
        kNoFp32Path, kNoBrgemmPath, 4.5, kGgml},
       {"q4_k", L::kQint, qint(4, false, false, 0.f), {32}, 32, S::kF32, Z::kRequired, A::kQ8,
