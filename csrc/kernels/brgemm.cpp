@@ -156,15 +156,20 @@ void bf16_dot(const DotArgs& a) {
 }
 
 void gather_u8s8_rows(const uint8_t* const* records, int m, int64_t kp, uint8_t* dst) {
+  constexpr int kC = kU8S8Chunk;
   for (int i = 0; i < m; i += kMaxTileRows) {
     const int rows = std::min(kMaxTileRows, m - i);
+    // Chunk-major within the tile: chunk c is [rows + 1][32] at dst + c * (rows + 1) * 32.
+    const int64_t chunk_bytes = static_cast<int64_t>(rows + 1) * kC;
     for (int j = 0; j < rows; ++j) {
       const uint8_t* src = records[i + j];  // the record's int8 codes come first
-      for (int64_t k = 0; k < kp; ++k) dst[k] = static_cast<uint8_t>(src[k] ^ 0x80u);  // + 128
-      dst += kp;
+      uint8_t* d = dst + j * kC;
+      for (int64_t c = 0; c < kp / kC; ++c, src += kC, d += chunk_bytes)
+        for (int k = 0; k < kC; ++k) d[k] = static_cast<uint8_t>(src[k] ^ 0x80u);  // + 128
     }
-    std::fill(dst, dst + kp, uint8_t{128});  // the tile's compensation row
-    dst += kp;
+    for (int64_t c = 0; c < kp / kC; ++c)  // the tile's compensation row
+      std::fill_n(dst + c * chunk_bytes + rows * kC, kC, uint8_t{128});
+    dst += (rows + 1) * kp;
   }
 }
 
@@ -182,14 +187,15 @@ void u8s8_dot(const DotArgs& a) {
     for (int i = 0, tile = 0; i < a.m; i += kMaxTileRows, ++tile) {
       const int rows = std::min(kMaxTileRows, a.m - i);
       const uint8_t* xa = a.xu8 + (i + tile) * kp;  // earlier tiles carry one extra row each
+      const int64_t a_chunk = static_cast<int64_t>(rows + 1) * kU8S8Chunk;  // chunk-major A
       float* out = blk.out + i * blk.ldo;
       for (int r = 0; r < rows; ++r) std::fill(out + r * blk.ldo, out + r * blk.ldo + 16, 0.0f);
       const int64_t cstride = static_cast<int64_t>(rows + 1) * 16;
       for (int64_t c0 = 0; c0 < chunks; c0 += kFoldChunks) {
         const int nc = static_cast<int>(std::min<int64_t>(kFoldChunks, chunks - c0));
         for (int j = 0; j < nc; ++j)
-          at::native::cpublas::brgemm(rows + 1, 16, kU8S8Chunk, kp, 16, 16, false,
-                                      xa + (c0 + j) * kU8S8Chunk, w + (c0 + j) * kChunkBytes,
+          at::native::cpublas::brgemm(rows + 1, 16, kU8S8Chunk, kU8S8Chunk, 16, 16, false,
+                                      xa + (c0 + j) * a_chunk, w + (c0 + j) * kChunkBytes,
                                       c.data() + j * cstride, true);
         avx512::brgemm_q8_fold(c.data(), nc, rows, a.xq + i, kp, c0, blk.scales, p.qint.scale_type,
                                p.qint.group_size, out, blk.ldo);

@@ -81,8 +81,10 @@ constexpr int kU8S8Chunk = 32;
 inline int64_t u8s8_rows(int m) { return m + (m + kMaxTileRows - 1) / kMaxTileRows; }
 
 // Writes the u8s8 A operand of m q8 records of kp codes into dst
-// (u8s8_rows(m) rows of kp bytes): code + 128 per token row, tile by tile,
-// each tile followed by a row of 128s.
+// (u8s8_rows(m) * kp bytes): code + 128 per token row, tile by tile, each
+// tile followed by a row of 128s; within a tile chunk-major, [kp/32][rows +
+// 1][32] (lda = 32: a call's A is one contiguous run, where rows kp bytes
+// apart would fall into few L1 sets).
 void gather_u8s8_rows(const uint8_t* const* records, int m, int64_t kp, uint8_t* dst);
 
 // Releases the calling thread's brgemm hardware context (AMX tile
