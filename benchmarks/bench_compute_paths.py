@@ -47,8 +47,13 @@ def paths_for(fmt: str) -> tuple[tuple[str, str, str], ...]:
             ("streaming", "streaming", "auto"),
             ("streaming@q8", "streaming", "q8"),
             ("brgemm", "brgemm", "auto"),
+            ("auto", "auto", "auto"),
         )
-    return (("streaming", "streaming", "auto"), ("brgemm", "brgemm", "auto"))
+    return (
+        ("streaming", "streaming", "auto"),
+        ("brgemm", "brgemm", "auto"),
+        ("auto", "auto", "auto"),
+    )
 
 
 def time_paths(sides, x, ids, w, experts, repeats: int) -> dict[str, float]:
