@@ -6,6 +6,19 @@ inputs and the medians are compared. The ``'auto'`` thresholds in the format
 table (``brgemm_min_tokens``, docs/formats.md "Compute paths") come from this::
 
     python benchmarks/bench_compute_paths.py --tokens 1 2 3 4 6 8 12 16 32
+    python benchmarks/bench_compute_paths.py --format int8 --tokens 4 8 12 16 24 32
+
+For the q8 formats (int8, q8_0) the streaming side is timed twice: under the
+default activation mode (``'auto'``: q8 below the format's
+``fp32_min_tokens``, the weight-only fp32 path from there) and pinned to
+``'q8'`` (the kernels whose results brgemm reproduces bit for bit).
+
+``--layer T ...`` times a whole layer instead (Qwen3-30B-A3B shape: 128
+experts, top-8, seeded random routing; the packed tensors of 8 unique experts
+tiled to 128, as bench_formats.py does) and reports ms, GOP/s and the fraction
+of the int8 (or bf16) peak measured in the same run (machine_peaks.py)::
+
+    python benchmarks/bench_compute_paths.py --format int8 --layer 128 512
 """
 
 from __future__ import annotations
@@ -21,7 +34,83 @@ import torch
 import kt_ops
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from reference import make_expert_weights, make_hidden  # noqa: E402
+
+Q8_FORMATS = ("int8", "q8_0")
+
+
+def paths_for(fmt: str) -> tuple[tuple[str, str, str], ...]:
+    """(label, compute path, activation mode) of every timed side."""
+    if fmt in Q8_FORMATS:
+        return (
+            ("streaming", "streaming", "auto"),
+            ("streaming@q8", "streaming", "q8"),
+            ("brgemm", "brgemm", "auto"),
+            ("auto", "auto", "auto"),
+        )
+    return (
+        ("streaming", "streaming", "auto"),
+        ("brgemm", "brgemm", "auto"),
+        ("auto", "auto", "auto"),
+    )
+
+
+def time_paths(sides, x, ids, w, experts, repeats: int) -> dict[str, float]:
+    """Median ms per side, the sides interleaved (one warm call before each timed one)."""
+    times = {label: [] for label, _, _ in sides}
+    for _ in range(repeats):
+        for label, path, act in sides:
+            with kt_ops.use_compute_path(path), kt_ops.use_quant_activations(act):
+                kt_ops.moe_forward(x, ids, w, experts)  # warm (JIT, caches)
+                t0 = time.perf_counter()
+                kt_ops.moe_forward(x, ids, w, experts)
+                times[label].append(time.perf_counter() - t0)
+    return {label: 1e3 * statistics.median(v) for label, v in times.items()}
+
+
+def layer_main(args) -> int:
+    """A whole layer at T tokens: ms, GOP/s and the fraction of the same-run peak."""
+    import machine_peaks
+    from bench_formats import build_variant, parse_variant
+
+    H, I, E, K = args.hidden, args.intermediate, args.layer_experts, args.topk  # noqa: E741
+    g = torch.Generator().manual_seed(0)
+    dense = (
+        torch.randn(8, I, H, generator=g) / H**0.5,
+        torch.randn(8, I, H, generator=g) / H**0.5,
+        torch.randn(8, H, I, generator=g) / I**0.5,
+    )
+    experts = build_variant(parse_variant(args.format), dense, E).experts
+    threads = kt_ops.get_num_threads()
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        if args.format == "bf16":
+            peak, unit = machine_peaks.measure_bf16_peak(), "bf16 GFLOP/s"
+        else:
+            peak, unit = machine_peaks.measure_int8_peak(), "int8 GOP/s"
+    finally:
+        torch.set_num_threads(prev)
+    sides = paths_for(args.format)
+    print(
+        f"# {args.format} layer H={H} I={I} E={E} top-{K}, isa {kt_ops.active_isa()}, "
+        f"{threads} threads; same-run peak {peak:.0f} {unit} (machine_peaks.py)"
+    )
+    head = "  ".join(f"{label:>22s}" for label, _, _ in sides)
+    print(f"   T  {head}   (ms / GOP/s / % peak)")
+    for T in args.layer:
+        x = make_hidden(T, H)
+        logits = torch.randn(T, E, generator=g)
+        w, ids = torch.topk(torch.softmax(logits, -1), K, dim=-1)
+        ms = time_paths(sides, x, ids, w.float(), experts, args.repeats)
+        ops = 2.0 * T * K * 3 * H * I
+        cells = []
+        for label, _, _ in sides:
+            gops = ops / ms[label] / 1e6
+            cells.append(f"{ms[label]:8.1f} {gops:6.0f} {100 * gops / peak:5.1f}%")
+        print(f"{T:4d}  " + "  ".join(f"{c:>22s}" for c in cells))
+    return 0
 
 
 def main() -> int:
@@ -33,34 +122,35 @@ def main() -> int:
     p.add_argument("--format", default="bf16")
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--isa", choices=kt_ops.supported_isas())
+    p.add_argument("--layer", type=int, nargs="+", help="time a whole layer at these T instead")
+    p.add_argument("--layer-experts", type=int, default=128)
+    p.add_argument("--topk", type=int, default=8)
     args = p.parse_args()
     if args.isa:
         kt_ops.set_isa(args.isa)
+    if args.layer:
+        return layer_main(args)
     E, H, I = args.experts, args.hidden, args.intermediate  # noqa: E741
     experts = make_expert_weights(E, H, I, weight_format=args.format)
-    paths = ("streaming", "brgemm")
+    sides = paths_for(args.format)
     brg = kt_ops.compute_paths()[args.format]["brgemm_kernel"]
     print(
         f"# {args.format} H={H} I={I}, {E} experts all hit, isa {kt_ops.active_isa()}, "
         f"{kt_ops.get_num_threads()} threads, brgemm kernel {brg}"
     )
-    print(" m  streaming ms  brgemm ms  brgemm/streaming")
+    head = "  ".join(f"{label + ' ms':>15s}" for label, _, _ in sides)
+    print(f" m  {head}  brgemm/streaming")
     for T in args.tokens:
         x = make_hidden(T, H)
         ids = torch.arange(E).repeat(T, 1)
         w = torch.full((T, E), 1.0 / E)
-        times = {path: [] for path in paths}
-        for _ in range(args.repeats):
-            for path in paths:
-                with kt_ops.use_compute_path(path):
-                    kt_ops.moe_forward(x, ids, w, experts)  # warm (JIT, caches)
-                    t0 = time.perf_counter()
-                    kt_ops.moe_forward(x, ids, w, experts)
-                    times[path].append(time.perf_counter() - t0)
-        ms = {path: 1e3 * statistics.median(v) for path, v in times.items()}
+        ms = time_paths(sides, x, ids, w, experts, args.repeats)
+        ratio = ms["brgemm"] / ms["streaming"]
+        extra = f"  (vs q8 {ms['brgemm'] / ms['streaming@q8']:.2f})" if "streaming@q8" in ms else ""
         print(
-            f"{T:2d}  {ms['streaming']:12.3f}  {ms['brgemm']:9.3f}  "
-            f"{ms['brgemm'] / ms['streaming']:16.2f}"
+            f"{T:2d}  "
+            + "  ".join(f"{ms[label]:15.3f}" for label, _, _ in sides)
+            + f"  {ratio:16.2f}{extra}"
         )
     return 0
 

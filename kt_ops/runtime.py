@@ -139,15 +139,18 @@ def set_compute_path(path: str) -> None:
     * ``'brgemm'``: oneDNN's brgemm ukernel (through libtorch's
       ``at::native::cpublas::brgemm``) on the packed weight blocks, at any
       token count, for the formats and CPUs on which oneDNN runs the product
-      (``bf16``: AVX-512 with AVX512_BF16, or AMX; :func:`compute_paths` says
+      (``bf16``: AVX-512 with AVX512_BF16, or AMX; ``int8`` and ``q8_0``:
+      AVX512_VNNI or AMX, with q8 activations; :func:`compute_paths` says
       which); every other format and CPU keeps the streaming kernels. bf16
-      brgemm rounds the activations (and the SwiGLU outputs) to bf16 first.
-    * ``'auto'`` (default): for bf16 activations, per expert and call,
-      ``'brgemm'`` when the expert has at least the format's measured
-      break-even token count on this CPU
+      brgemm rounds the activations (and the SwiGLU outputs) to bf16 first;
+      the int8 / q8_0 brgemm (u8 x s8) gives the streaming q8 kernels'
+      results bit for bit.
+    * ``'auto'`` (default): per expert and call, ``'brgemm'`` when the expert
+      has at least the format's measured break-even token count on this CPU
       (``kt_ops.formats.format_spec(name).brgemm_min_tokens``;
-      docs/formats.md, "Compute paths"), else ``'streaming'``. fp32 and fp16
-      activations stay on ``'streaming'`` (brgemm would round them to bf16).
+      docs/formats.md, "Compute paths"), else ``'streaming'``. For bf16 only
+      with bf16 activations: fp32 and fp16 ones stay on ``'streaming'``
+      (brgemm would round them to bf16).
 
     As with :func:`set_quant_activations`, the paths round differently, so
     under ``'auto'`` a token's output can depend on how many tokens share its

@@ -659,6 +659,21 @@ def reference_quant_moe_forward(
     return QuantReference(out, slack)
 
 
+def q8_brgemm_min_tokens_of(weight_format: str) -> Optional[int]:
+    """Rows per expert from which ``weight_format`` runs on the u8s8 brgemm (q8 activations).
+
+    In the current compute path and quant-activation mode
+    (``kt_ops.compute_paths()``): the 8-bit formats (int8, q8_0) on a CPU where
+    oneDNN runs u8s8; ``None`` elsewhere (no brgemm, or a brgemm that takes
+    other activations). Such experts multiply q8 activations even where
+    ``fp32_min_tokens_of`` would send them to the fp32 path.
+    """
+    p = kt_ops.compute_paths().get(weight_format)
+    if p is None or p["brgemm_kernel"] != "onednn/brgemm_u8s8":
+        return None
+    return p["brgemm_min_tokens"]
+
+
 def fp32_min_tokens_of(weight_format: str) -> Optional[int]:
     """Rows per expert from which projections in ``weight_format`` multiply fp32 activations.
 
@@ -683,12 +698,15 @@ def per_projection_reference(
     topk_weights: Tensor,
     dense: tuple[Tensor, Tensor, Tensor],
     fp32_min: tuple[Optional[int], Optional[int], Optional[int]],
+    q8_brgemm_min: tuple[Optional[int], Optional[int], Optional[int]] = (None, None, None),
 ) -> QuantReference:
     """``reference_quant_moe_forward`` with the q8-or-fp32 choice made per projection.
 
     Projection ``p`` of an expert with ``m`` routed rows multiplies fp32
-    activations when ``fp32_min[p]`` is not None and ``m >= fp32_min[p]``, else
-    the q8-rounded ones (``q8_activations``); a q8 down adds the tie slack.
+    activations when ``fp32_min[p]`` is not None and ``m >= fp32_min[p]``
+    (unless ``q8_brgemm_min[p]`` is not None and ``m >= q8_brgemm_min[p]``: the
+    u8s8 brgemm takes q8 activations), else the q8-rounded ones
+    (``q8_activations``); a q8 down adds the tie slack.
     """
     gate, up, down = dense
     with single_threaded_torch():
@@ -703,6 +721,8 @@ def per_projection_reference(
             m = len(tok)
 
             def q8(p: int, m: int = m) -> bool:
+                if q8_brgemm_min[p] is not None and m >= q8_brgemm_min[p]:
+                    return True
                 return fp32_min[p] is None or m < fp32_min[p]
 
             xe = xf[tok]
@@ -730,6 +750,9 @@ def reference_for(
     """
     mins = tuple(fp32_min_tokens_of(p.weight_format) for p in experts.projections)
     dense = dense_weights(experts)
+    brg = tuple(q8_brgemm_min_tokens_of(p.weight_format) for p in experts.projections)
+    if any(b is not None for b in brg) and any(m not in (None, 1) for m in mins):
+        return per_projection_reference(hidden_states, topk_ids, topk_weights, dense, mins, brg)
     if all(m is None for m in mins):
         return reference_quant_moe_forward(
             hidden_states, topk_ids, topk_weights, *dense, activation="q8"

@@ -8,6 +8,11 @@ path (the ``isa`` fixture), with odd sizes, T = 0 and 1, experts without
 tokens, T at the 'auto' switch-over threshold, and 1/2/3 threads bit-identical.
 Where oneDNN's brgemm does not run (AVX2 tiers, CPUs without AVX512_BF16, a
 torch without it), 'brgemm' must fall back to the streaming kernels bit for bit.
+
+int8 and q8_0 run on the u8s8 brgemm (q8 activations, K chunks of 32, the
+streaming kernels' fp32 fold): against the q8 reference (``reference_for``)
+and bit-identical to the streaming q8 kernels of the SIMD tiers (the last
+section).
 """
 
 from __future__ import annotations
@@ -21,8 +26,11 @@ from reference import (
     assert_matches_reference,
     make_expert_weights,
     make_hidden,
+    make_quant_experts,
     make_routing,
     mismatch_report,
+    quant_mismatch_report,
+    reference_for,
     reference_moe_forward,
 )
 
@@ -32,6 +40,8 @@ from kt_ops.info import format_info
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 PATHS = ("streaming", "brgemm", "auto")
+#: The formats on the u8s8 brgemm kernel.
+Q8_BRGEMM_FORMATS = ("int8", "q8_0")
 
 #: 'auto' with experts on both paths, against the unrounded reference: the
 #: brgemm experts' bf16 activations (relative rounding 2^-9 per value).
@@ -134,8 +144,12 @@ def test_format_table_records_the_thresholds():
     assert spec.brgemm_min_tokens_for("amx") == 12
     with pytest.raises(ValueError, match="cpu_class"):
         spec.brgemm_min_tokens_for("avx2")
+    for name in Q8_BRGEMM_FORMATS:  # u8s8 brgemm, docs/formats.md "Compute paths"
+        spec = kt_ops.formats.format_spec(name)
+        assert spec.brgemm_min_tokens_for("avx512") == 16
+        assert spec.brgemm_min_tokens_for("amx") == 16
     for name in kt_ops.formats.FORMATS:
-        if name != "bf16":  # no brgemm path yet: always the streaming kernels
+        if name not in ("bf16", *Q8_BRGEMM_FORMATS):  # no brgemm path yet: streaming
             assert dict(kt_ops.formats.format_spec(name).brgemm_min_tokens) == {
                 "avx512": None,
                 "amx": None,
@@ -147,8 +161,18 @@ def test_where_brgemm_runs(isa):
     with kt_ops.use_compute_path("brgemm"):
         paths = kt_ops.compute_paths()
     for name, p in paths.items():
-        if name != "bf16":
+        if name not in ("bf16", *Q8_BRGEMM_FORMATS):
             assert p["brgemm_kernel"] is None
+    expected_u8s8 = (
+        kt_ops._C.brgemm_built()
+        and isa not in ("ref", "avx2")
+        and (feats["avx512_vnni"] or feats.get("amx", False))
+        and torch.backends.mkldnn.is_available()
+    )
+    for name in Q8_BRGEMM_FORMATS:
+        want = "onednn/brgemm_u8s8" if expected_u8s8 else None
+        assert paths[name]["brgemm_kernel"] == want
+        assert paths[name]["brgemm_min_tokens"] == (1 if expected_u8s8 else None)
     expected = (
         kt_ops._C.brgemm_built()
         and isa not in ("ref", "avx2")
@@ -259,9 +283,11 @@ def test_brgemm_reference_is_not_vacuous(isa):
 
 def test_brgemm_forced_where_it_does_not_run_is_streaming(isa):
     # Forcing 'brgemm' on an ISA path / format without a brgemm kernel keeps
-    # the streaming kernels, bit for bit (int8 has no brgemm path yet).
-    E, H, I, K, T = 4, 64, 48, 2, 30  # noqa: E741
-    fmts = ["int8"] + ([] if brgemm_runs() else ["bf16"])
+    # the streaming kernels, bit for bit (int4 has no brgemm path yet).
+    E, H, I, K, T = 4, 128, 128, 2, 30  # noqa: E741
+    fmts = (
+        ["int4"] + ([] if brgemm_runs() else ["bf16"]) + ([] if brgemm_runs("int8") else ["int8"])
+    )
     for fmt in fmts:
         experts = make_expert_weights(E, H, I, seed=4, weight_format=fmt)
         ids, w = make_routing(T, E, K, seed=4)
@@ -334,3 +360,204 @@ def test_repeated_and_interleaved_calls_bit_identical(isa):
         for _ in range(2):
             kt_ops.moe_forward(x_b, ids_b, w_b, a)
             assert torch.equal(kt_ops.moe_forward(x_a, ids_a, w_a, a), first)
+
+
+# --------------------------------------------------------------------------
+# int8 and q8_0: the u8s8 brgemm
+# --------------------------------------------------------------------------
+
+#: (format, H, I): sizes that are not multiples of a 16-row block or of a
+#: 64-row token tile; q8_0 needs K (H and I) in multiples of 32.
+Q8_SHAPES = [
+    ("int8", 1, 1),
+    ("int8", 17, 15),
+    ("int8", 130, 70),
+    ("int8", 33, 200),
+    ("q8_0", 32, 32),
+    ("q8_0", 160, 96),
+    ("q8_0", 96, 224),
+]
+
+
+def q8_min_tokens(fmt: str) -> int | None:
+    with kt_ops.use_compute_path("auto"):
+        return kt_ops.compute_paths()[fmt]["brgemm_min_tokens"]
+
+
+def check_q8(path: str, x, ids, w, experts, *, quant: str = "q8"):
+    """Run ``path`` under ``quant`` activations; check against the q8 reference."""
+    with kt_ops.use_quant_activations(quant):
+        out = run(path, x, ids, w, experts)
+        ref = reference_for(experts, x, ids, w)
+    assert out.dtype == x.dtype and out.shape == x.shape
+    msg = quant_mismatch_report(out, ref)
+    assert msg is None, f"{experts.weight_format} {path}: {msg}"
+    return out
+
+
+def streaming_q8(x, ids, w, experts):
+    with kt_ops.use_quant_activations("q8"):
+        return run("streaming", x, ids, w, experts)
+
+
+@pytest.mark.parametrize("fmt", Q8_BRGEMM_FORMATS)
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("T", [0, 1, 5, 40])
+def test_q8_formats_token_counts(isa, fmt, path, T):
+    # 8 experts, top-2: at T = 1 and 5 some experts get no tokens.
+    experts = make_quant_experts(fmt, 8, 160, 96, seed=1)
+    ids, w = make_routing(T, 8, 2, seed=T)
+    x = make_hidden(T, 160, seed=T)
+    out = check_q8(path, x, ids, w, experts)
+    if isa not in ("ref",):  # the SIMD tiers' q8 fold: the same bits on every path
+        assert torch.equal(out, streaming_q8(x, ids, w, experts))
+
+
+@pytest.mark.parametrize("path", ["streaming", "brgemm"])
+@pytest.mark.parametrize("fmt,H,I", Q8_SHAPES)
+def test_q8_formats_odd_sizes(isa, path, fmt, H, I):  # noqa: E741
+    E, K, T = 5, 2, 37
+    experts = make_quant_experts(fmt, E, H, I, seed=H * 100 + I)
+    ids, w = make_routing(T, E, K, seed=H + I)
+    check_q8(path, make_hidden(T, H, torch.float32, seed=H), ids, w, experts)
+
+
+@pytest.mark.parametrize("fmt", Q8_BRGEMM_FORMATS)
+def test_q8_formats_bit_identical_to_streaming_q8(isa, fmt):
+    # The u8s8 brgemm's int32 sums are exact and it folds them as the
+    # streaming kernels do: forced brgemm == streaming q8, bit for bit, for
+    # every activation dtype, experts past one 64-row call, and under either
+    # quant mode ('auto' does not send brgemm experts to the fp32 path).
+    if isa == "ref":
+        pytest.skip("the scalar ref tier folds without FMAs (and brgemm does not run on it)")
+    E, H, I, K, T = 3, 96, 160, 2, 200  # noqa: E741
+    experts = make_quant_experts(fmt, E, H, I, seed=12)
+    ids, w = make_routing(T, E, K, seed=12)
+    assert int(torch.bincount(ids.flatten()).max()) > 128  # full 64-row tiles + remainder
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        x = make_hidden(T, H, dtype, seed=12)
+        want = streaming_q8(x, ids, w, experts)
+        # Where brgemm does not run, 'brgemm' under quant 'auto' streams on the fp32 path.
+        for quant in ("q8", "auto") if brgemm_runs(fmt) else ("q8",):
+            with kt_ops.use_quant_activations(quant):
+                assert torch.equal(run("brgemm", x, ids, w, experts), want), (dtype, quant)
+
+
+def test_q8_formats_mixed_with_bf16_projections(isa):
+    # Mixed formats per projection: bf16 and u8s8 brgemm kernels in one call,
+    # each projection against its own reference part.
+    experts = make_quant_experts("int8,q8_0,int8", 4, 96, 64, seed=13)
+    ids, w = make_routing(60, 4, 2, seed=13)
+    x = make_hidden(60, 96, seed=13)
+    for path in PATHS:
+        check_q8(path, x, ids, w, experts)
+
+
+@pytest.mark.parametrize("fmt", Q8_BRGEMM_FORMATS)
+def test_q8_formats_skipped_slots_and_unused_experts(isa, fmt):
+    E, H, I, K, T = 10, 64, 96, 3, 50  # noqa: E741
+    experts = make_quant_experts(fmt, E, H, I, seed=2)
+    ids, w = make_routing(T, 6, K, seed=2, skip_fraction=0.3, skip_rows=(0, 7))  # experts 6..9 idle
+    for path in ("streaming", "brgemm"):
+        check_q8(path, make_hidden(T, H, seed=2), ids, w, experts)
+
+
+@pytest.mark.parametrize("fmt", Q8_BRGEMM_FORMATS)
+def test_q8_formats_auto_threshold(isa, fmt):
+    # Top-1 routing: expert e gets exactly counts[e] tokens around the
+    # threshold; each token must equal the path its expert takes under 'auto'
+    # (activations of any dtype: the u8s8 brgemm takes q8 records either way).
+    min_tokens = q8_min_tokens(fmt) or 16
+    counts = [1, min_tokens - 1, min_tokens, min_tokens + 1, 2 * min_tokens]
+    E, H, I = len(counts), 96, 64  # noqa: E741
+    experts = make_quant_experts(fmt, E, H, I, seed=9)
+    ids = torch.cat([torch.full((c,), e) for e, c in enumerate(counts)])
+    ids = ids[torch.randperm(ids.numel(), generator=torch.Generator().manual_seed(9))]
+    T = ids.numel()
+    ids = ids.view(T, 1)
+    w = torch.rand(T, 1, generator=torch.Generator().manual_seed(9)) + 0.5
+    on_brgemm = brgemm_runs(fmt) and q8_min_tokens(fmt) is not None
+    for dtype in (torch.bfloat16, torch.float32):
+        x = make_hidden(T, H, dtype, seed=9)
+        outs = {path: run(path, x, ids, w, experts) for path in PATHS}  # quant 'auto'
+        for e, c in enumerate(counts):
+            rows = (ids[:, 0] == e).nonzero().flatten()
+            want = "brgemm" if on_brgemm and c >= min_tokens else "streaming"
+            assert torch.equal(outs["auto"][rows], outs[want][rows]), (dtype, e, c, want)
+        check_q8("auto", x, ids, w, experts, quant="auto")
+
+
+@pytest.mark.parametrize("fmt", Q8_BRGEMM_FORMATS)
+@pytest.mark.parametrize("path", ["brgemm", "auto"])
+def test_q8_formats_thread_counts_bit_identical(isa, fmt, path):
+    E, H, I, K, T = 6, 160, 96, 2, 150  # noqa: E741  (~50 tokens per expert)
+    experts = make_quant_experts(fmt, E, H, I, seed=6)
+    ids, w = make_routing(T, E, K, seed=6)
+    x = make_hidden(T, H, torch.float32, seed=6)
+    outs = {}
+    for n in THREAD_COUNTS:
+        kt_ops.set_num_threads(n)
+        outs[n] = run(path, x, ids, w, experts)
+    for n in THREAD_COUNTS:
+        assert torch.equal(outs[n], outs[THREAD_COUNTS[0]]), f"{n} threads differ"
+
+
+def test_q8_formats_repeated_and_interleaved_calls_bit_identical(isa):
+    # Gathered u8 rows are kept per thread, per (call, phase, expert).
+    a = make_quant_experts("int8", 4, 64, 96, seed=1)
+    ids_a, w_a = make_routing(40, 4, 2, seed=1)
+    ids_b, w_b = make_routing(41, 4, 2, seed=2)
+    x_a = make_hidden(40, 64, torch.float32, seed=1)
+    x_b = make_hidden(41, 64, torch.float32, seed=2)
+    with kt_ops.use_compute_path("brgemm"):
+        first = kt_ops.moe_forward(x_a, ids_a, w_a, a)
+        for _ in range(2):
+            kt_ops.moe_forward(x_b, ids_b, w_b, a)
+            assert torch.equal(kt_ops.moe_forward(x_a, ids_a, w_a, a), first)
+
+
+def test_q8_brgemm_needs_q8_activations():
+    # set_quant_activations('fp32') turns q8 activations off: the u8s8 brgemm
+    # does not run even when forced (the weight-only fp32 path streams).
+    experts = make_quant_experts("int8", 4, 64, 96, seed=3)
+    ids, w = make_routing(30, 4, 2, seed=3)
+    x = make_hidden(30, 64, seed=3)
+    with kt_ops.use_quant_activations("fp32"):
+        with kt_ops.use_compute_path("brgemm"):
+            assert kt_ops.compute_paths()["int8"]["brgemm_kernel"] is None
+        want = run("streaming", x, ids, w, experts)
+        assert torch.equal(run("brgemm", x, ids, w, experts), want)
+
+
+def test_q8_formats_mkldnn_disabled_falls_back_to_streaming():
+    experts = make_quant_experts("q8_0", 4, 64, 96, seed=3)
+    ids, w = make_routing(30, 4, 2, seed=3)
+    x = make_hidden(30, 64, seed=3)
+    want = run("streaming", x, ids, w, experts)
+    with torch.backends.mkldnn.flags(enabled=False):
+        with kt_ops.use_compute_path("brgemm"):
+            assert kt_ops.compute_paths()["q8_0"]["brgemm_kernel"] is None
+        got = run("brgemm", x, ids, w, experts)
+    assert torch.equal(got, want)
+
+
+def test_onednn_limited_below_vnni_streams_int8(python_subprocess):
+    # ONEDNN_MAX_CPU_ISA=AVX512_CORE: oneDNN refuses the u8s8 kernel; the
+    # probe call finds out and int8 streams (bit-identical to streaming).
+    if not brgemm_runs("int8"):
+        pytest.skip("oneDNN's u8s8 brgemm does not run on this CPU / torch")
+    code = (
+        "import torch, kt_ops\n"
+        "from reference import make_quant_experts, make_hidden, make_routing\n"
+        "print(kt_ops.compute_paths()['int8']['brgemm_kernel'])\n"
+        "e = make_quant_experts('int8', 4, 40, 24)\n"
+        "ids, w = make_routing(20, 4, 2)\n"
+        "x = make_hidden(20, 40)\n"
+        "kt_ops.set_compute_path('brgemm')\n"
+        "a = kt_ops.moe_forward(x, ids, w, e)\n"
+        "kt_ops.set_compute_path('streaming')\n"
+        "print(torch.equal(a, kt_ops.moe_forward(x, ids, w, e)))\n"
+    )
+    proc = python_subprocess(code, env={"ONEDNN_MAX_CPU_ISA": "AVX512_CORE"})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["None", "True"]

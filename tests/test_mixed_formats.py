@@ -395,8 +395,9 @@ def test_auto_decides_per_projection(isa, mix):
     ids, weights = _heavy_and_light_routing(T, heavy=n, light=n - 1)
     x = make_hidden(T, mix.H, torch.float32, seed=11)
     outs = {}
+    # The streaming kernels' switch (not the u8s8 brgemm's: tests/test_compute_paths.py).
     for mode in ("auto", "q8", "fp32"):
-        with kt_ops.use_quant_activations(mode):
+        with kt_ops.use_quant_activations(mode), kt_ops.use_compute_path("streaming"):
             outs[mode] = check(x, ids, weights, w)
     heavy, light = slice(0, n), slice(n, 2 * n - 1)
     assert torch.equal(outs["auto"][light], outs["q8"][light])

@@ -362,8 +362,11 @@ def test_auto_switches_path_at_the_threshold(qisa, fmt):
     ids, weights = _heavy_and_light_routing(T, heavy=n, light=n - 1)
     x = make_hidden(T, v.H, torch.float32, seed=11)
     outs = {}
+    # The streaming kernels' switch (on a VNNI CPU, 'auto' compute would send
+    # the heavy int8 / q8_0 expert to the u8s8 brgemm, which takes q8: tests/
+    # test_compute_paths.py).
     for mode in ("auto", "q8", "fp32"):
-        with kt_ops.use_quant_activations(mode):
+        with kt_ops.use_quant_activations(mode), kt_ops.use_compute_path("streaming"):
             outs[mode] = check(x, ids, weights, w)
     heavy, light = slice(0, n), slice(n, 2 * n - 1)
     # Expert 0 (n tokens) took the fp32 path, expert 1 (n - 1 tokens) the q8 one.

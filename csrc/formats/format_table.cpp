@@ -35,6 +35,17 @@ constexpr BrgemmPolicy kNoBrgemmPath = {{kNoBrgemm, kNoBrgemm}};
 // host): the AVX-512 value.
 constexpr int kBf16BrgemmMinAvx512 = 12;
 constexpr BrgemmPolicy kBf16Brgemm = {{kBf16BrgemmMinAvx512, kBf16BrgemmMinAvx512}};
+// u8 x s8 -> s32 brgemm (q8 activations, K chunks of 32, bit-identical to the
+// streaming q8 kernels) against the streaming kernels under 'auto' (q8 below
+// fp32_min_tokens, the weight-only fp32 path from there), tokens per expert,
+// Zen 4 (AVX512_VNNI, 2 threads, H=2048, I=768): brgemm/streaming int8 2.23
+// (4), 1.45 (8), 0.63 (16), 0.51 (32); q8_0 1.47 (8), 1.21 (12), 0.62 (16),
+// 0.53 (32). Against q8 streaming alone it breaks even at ~32 (docs/formats.md).
+// AMX not measured: the AVX-512 value.
+constexpr int kInt8BrgemmMinAvx512 = 16;
+constexpr BrgemmPolicy kInt8Brgemm = {{kInt8BrgemmMinAvx512, kInt8BrgemmMinAvx512}};
+constexpr int kQ80BrgemmMinAvx512 = 16;
+constexpr BrgemmPolicy kQ80Brgemm = {{kQ80BrgemmMinAvx512, kQ80BrgemmMinAvx512}};
 
 }  // namespace
 
@@ -64,7 +75,7 @@ const std::vector<FormatRow>& format_table() {
       {"bf16", L::kBf16, {}, {0}, 0, S::kNone, Z::kNever, A::kF32, kNoFp32Path, kBf16Brgemm, 16.0,
        "bfloat16 weights (round to nearest even)"},
       {"int8", L::kQint, qint(8, true, false, 0.f), {0}, 0, S::kF32, Z::kNever, A::kQ8,
-       kInt8Fp32Min, kNoBrgemmPath, 8.0, "symmetric per-channel int8 (scale = amax/127)"},
+       kInt8Fp32Min, kInt8Brgemm, 8.0, "symmetric per-channel int8 (scale = amax/127)"},
       {"int4", L::kQint, qint(4, false, false, 8.f), {32, 64, 128}, 128, S::kF16, Z::kOptional,
        A::kQ8, kNoFp32Path, kNoBrgemmPath, 4.125,
        "group-wise int4, symmetric or asymmetric (GPTQ/AWQ-style zero point)"},
@@ -75,7 +86,7 @@ const std::vector<FormatRow>& format_table() {
        kNoFp32Path, kNoBrgemmPath, 4.25,
        "OCP Microscaling Formats (MX) v1.0: E2M1 elements, UE8M0 scales, 32 per block"},
       {"q8_0", L::kQint, qint(8, true, false, 0.f), {32}, 32, S::kF16, Z::kNever, A::kQ8,
-       kInt8Fp32Min, kNoBrgemmPath, 8.5, kGgml},
+       kInt8Fp32Min, kQ80Brgemm, 8.5, kGgml},
       {"q4_0", L::kQint, qint(4, false, false, 8.f), {32}, 32, S::kF16, Z::kNever, A::kQ8,
        kNoFp32Path, kNoBrgemmPath, 4.5, kGgml},
       // k-quants: GGUF's own super-block scales (d, dmin fp16 per 256, 6-bit / int8

@@ -3,9 +3,13 @@
 #include <algorithm>
 #include <exception>
 #include <mutex>
+#include <vector>
 
 #include "formats/bf16.h"
+#include "formats/q8_activations.h"
+#include "kernels/block_args.h"
 #include "kernels/dispatch.h"
+#include "kernels/tiers.h"
 #include "runtime/cpu_features.h"
 
 #ifdef KT_HAVE_CPUBLAS_BRGEMM
@@ -17,6 +21,9 @@
 namespace kt::kernels::brgemm {
 
 namespace {
+
+// u8s8: K chunks per epilogue pass (their int32 sums stay in L1 in between).
+constexpr int kFoldChunks = 4;
 
 #ifdef KT_HAVE_CPUBLAS_BRGEMM
 // One bf16 brgemm call on the calling thread: a 1 x 16 x 2 product with known
@@ -41,7 +48,38 @@ bool probe_bf16() {
     return false;
   }
 }
+
+// One u8s8 brgemm call: a 1 x 16 x 4 product with known int32 results, B in
+// the VNNI layout [K/4][16][4] with negative codes.
+bool probe_u8s8() {
+  try {
+    alignas(64) unsigned char a[4] = {1, 2, 3, 255};
+    alignas(64) signed char b[64];
+    for (int r = 0; r < 16; ++r)
+      for (int j = 0; j < 4; ++j) b[4 * r + j] = static_cast<signed char>(r - 8 * j);
+    alignas(64) int32_t c[16] = {};
+    at::native::cpublas::brgemm(1, 16, 4, 4, 16, 16, false, a, b, c, true);
+    at::native::cpublas::brgemm_release(true);
+    for (int r = 0; r < 16; ++r) {
+      int32_t want = 0;
+      for (int j = 0; j < 4; ++j) want += static_cast<int32_t>(a[j]) * (r - 8 * j);
+      if (c[r] != want) return false;
+    }
+    return true;
+  } catch (const std::exception&) {
+    return false;
+  }
+}
 #endif
+
+bool u8s8_probed_ok() {
+#ifdef KT_HAVE_CPUBLAS_BRGEMM
+  static const bool ok = probe_u8s8();
+  return ok;
+#else
+  return false;
+#endif
+}
 
 bool bf16_probed_ok() {
 #ifdef KT_HAVE_CPUBLAS_BRGEMM
@@ -62,23 +100,43 @@ bool built() {
 #endif
 }
 
-std::optional<formats::BrgemmIsa> runs(formats::Layout layout, Isa isa) {
-  if (layout != formats::Layout::kBf16 || !built()) return std::nullopt;
-  // oneDNN's bf16 kernels are AVX-512 code: not under a tier below AVX-512
-  // (KT_OPS_ISA=avx2 means no AVX-512 instruction from kt_ops).
+Kind kind(const formats::FormatRow& format) {
+  if (format.layout == formats::Layout::kBf16) return Kind::kBf16;
+  const formats::QintFormat& q = format.qint;
+  if (format.layout == formats::Layout::kQint && q.bits == 8 && q.is_signed && !q.lut_e2m1 &&
+      format.zeros == formats::ZeroPolicy::kNever && format.activation == formats::ActType::kQ8)
+    return Kind::kU8S8;
+  return Kind::kNone;
+}
+
+std::optional<formats::BrgemmIsa> runs(const formats::FormatRow& format, Isa isa) {
+  const Kind k = kind(format);
+  if (k == Kind::kNone || !built()) return std::nullopt;
+  // oneDNN's bf16 / int8 kernels are AVX-512 code: not under a tier below
+  // AVX-512 (KT_OPS_ISA=avx2 means no AVX-512 instruction from kt_ops).
   static const Isa kAvx512 = parse_isa("avx512");
   if (isa < kAvx512) return std::nullopt;
   const runtime::CpuFeatures& f = runtime::cpu_features();
-  if (!f.avx512_bf16 && !f.amx) return std::nullopt;  // oneDNN emulates or refuses
+  if (k == Kind::kBf16 && !f.avx512_bf16 && !f.amx) return std::nullopt;  // emulated or refused
+  if (k == Kind::kU8S8 && (!f.avx512_vnni && !f.amx)) return std::nullopt;
+  if (k == Kind::kU8S8 && avx512::brgemm_q8_fold == nullptr) return std::nullopt;
 #ifdef KT_HAVE_CPUBLAS_BRGEMM
   if (!at::globalContext().userEnabledMkldnn()) return std::nullopt;
 #endif
-  if (!bf16_probed_ok()) return std::nullopt;
+  if (k == Kind::kBf16 && !bf16_probed_ok()) return std::nullopt;
+  if (k == Kind::kU8S8 && !u8s8_probed_ok()) return std::nullopt;
   return f.amx ? formats::BrgemmIsa::kAmx : formats::BrgemmIsa::kAvx512;
 }
 
-const char* kernel_name(formats::Layout layout) {
-  return layout == formats::Layout::kBf16 ? "onednn/brgemm_bf16" : nullptr;
+const char* kernel_name(const formats::FormatRow& format) {
+  switch (kind(format)) {
+    case Kind::kBf16:
+      return "onednn/brgemm_bf16";
+    case Kind::kU8S8:
+      return "onednn/brgemm_u8s8";
+    default:
+      return nullptr;
+  }
 }
 
 void bf16_dot(const DotArgs& a) {
@@ -92,6 +150,56 @@ void bf16_dot(const DotArgs& a) {
       const int rows = std::min(kMaxTileRows, a.m - i);
       at::native::cpublas::brgemm(rows, 16, k, a.ldxb, 16, a.ldo, false, xb + i * a.ldxb, w,
                                   out + i * a.ldo, true);
+    }
+  }
+#endif
+}
+
+void gather_u8s8_rows(const uint8_t* const* records, int m, int64_t kp, uint8_t* dst) {
+  constexpr int kC = kU8S8Chunk;
+  for (int i = 0; i < m; i += kMaxTileRows) {
+    const int rows = std::min(kMaxTileRows, m - i);
+    // Chunk-major within the tile: chunk c is [rows + 1][32] at dst + c * (rows + 1) * 32.
+    const int64_t chunk_bytes = static_cast<int64_t>(rows + 1) * kC;
+    for (int j = 0; j < rows; ++j) {
+      const uint8_t* src = records[i + j];  // the record's int8 codes come first
+      uint8_t* d = dst + j * kC;
+      for (int64_t c = 0; c < kp / kC; ++c, src += kC, d += chunk_bytes)
+        for (int k = 0; k < kC; ++k) d[k] = static_cast<uint8_t>(src[k] ^ 0x80u);  // + 128
+    }
+    for (int64_t c = 0; c < kp / kC; ++c)  // the tile's compensation row
+      std::fill_n(dst + c * chunk_bytes + rows * kC, kC, uint8_t{128});
+    dst += (rows + 1) * kp;
+  }
+}
+
+void u8s8_dot(const DotArgs& a) {
+#ifdef KT_HAVE_CPUBLAS_BRGEMM
+  const ProjectionView& p = *a.proj;
+  const int64_t kp = p.kp;
+  const int64_t chunks = kp / kU8S8Chunk;
+  constexpr int64_t kChunkBytes = int64_t{kU8S8Chunk} * 16;  // one chunk of a 16-row block
+  thread_local std::vector<int32_t> c;  // kFoldChunks chunks of [tile rows + 1][16]
+  c.resize(static_cast<size_t>(kFoldChunks) * (kMaxTileRows + 1) * 16);
+  for (int64_t nb = a.nb_begin; nb < a.nb_end; ++nb) {
+    const QintBlock blk = qint_block(a, nb);
+    const auto* w = reinterpret_cast<const signed char*>(blk.block);
+    for (int i = 0, tile = 0; i < a.m; i += kMaxTileRows, ++tile) {
+      const int rows = std::min(kMaxTileRows, a.m - i);
+      const uint8_t* xa = a.xu8 + (i + tile) * kp;  // earlier tiles carry one extra row each
+      const int64_t a_chunk = static_cast<int64_t>(rows + 1) * kU8S8Chunk;  // chunk-major A
+      float* out = blk.out + i * blk.ldo;
+      for (int r = 0; r < rows; ++r) std::fill(out + r * blk.ldo, out + r * blk.ldo + 16, 0.0f);
+      const int64_t cstride = static_cast<int64_t>(rows + 1) * 16;
+      for (int64_t c0 = 0; c0 < chunks; c0 += kFoldChunks) {
+        const int nc = static_cast<int>(std::min<int64_t>(kFoldChunks, chunks - c0));
+        for (int j = 0; j < nc; ++j)
+          at::native::cpublas::brgemm(rows + 1, 16, kU8S8Chunk, kU8S8Chunk, 16, 16, false,
+                                      xa + (c0 + j) * a_chunk, w + (c0 + j) * kChunkBytes,
+                                      c.data() + j * cstride, true);
+        avx512::brgemm_q8_fold(c.data(), nc, rows, a.xq + i, kp, c0, blk.scales, p.qint.scale_type,
+                               p.qint.group_size, out, blk.ldo);
+      }
     }
   }
 #endif

@@ -8,6 +8,20 @@
 // is brgemm's VNNI B operand for N = 16 (ld_b = 16); A is the m activation
 // rows rounded to bf16 (DotArgs::xb), C the fp32 dot products [m][ldo].
 //
+// u8s8 (8-bit signed qint: int8, q8_0): the packed 16-row block
+// [Kp/4][16][4] (docs/formats.md, b = 8) already is brgemm's VNNI B operand
+// for s8 (ld_b = 16); A is the m q8 activation records' codes shifted to u8
+// (code + 128, DotArgs::xu8, gathered by gather_u8s8_rows). One brgemm call
+// per K chunk of 32 (the q8 activation block, and q8_0's weight group) gives
+// the exact int32 sums C[i][r] = sum (x + 128) * w; each token tile carries
+// one extra A row of 128s, whose C row is the compensation 128 * sum w of
+// the chunk, computed by the same call (no stored sums, no second copy of the
+// weights). The epilogue (kernels/avx512/brgemm_fold_avx512.cpp) folds
+// isum = C[i] - C[comp] into fp32 exactly as the streaming kernels do
+// (kernels/qint_tiles.h: acc = fma(scale, float(isum) * x_scale, acc), chunks
+// in K order), so the result is bit-identical to the avx2 / avx512 /
+// avx512_vnni q8 kernels.
+//
 // Built only against a torch whose CPUBlas.h declares the bf16 brgemm
 // (cmake/torch.cmake defines KT_HAVE_CPUBLAS_BRGEMM); otherwise available()
 // is false and the streaming kernels run everywhere.
@@ -24,16 +38,25 @@ namespace kt::kernels::brgemm {
 // Whether this extension was built with the brgemm path (torch >= 2.6 headers).
 bool built();
 
-// The CPU class on which oneDNN runs `layout`'s brgemm natively while kt_ops
-// runs on tier `isa`, or nullopt: no brgemm for that layout (not built, not a
-// layout with a brgemm kernel, a tier below AVX-512, a CPU without
-// AVX512_BF16, oneDNN disabled with torch.backends.mkldnn, or oneDNN refused
-// a probe call). The probe runs once per process; the rest is checked per call.
-std::optional<formats::BrgemmIsa> runs(formats::Layout layout, Isa isa);
+// Which brgemm kernel a format's products can take.
+enum class Kind : uint8_t {
+  kNone,
+  kBf16,  // bf16 x bf16 -> fp32 (layout kBf16)
+  kU8S8,  // u8 x s8 -> s32 with q8 activations (8-bit signed qint: int8, q8_0)
+};
+Kind kind(const formats::FormatRow& format);
 
-// "onednn/brgemm_bf16" etc.: the name kt_ops.info() reports for `layout`, or
-// nullptr when the layout has no brgemm kernel.
-const char* kernel_name(formats::Layout layout);
+// The CPU class on which oneDNN runs `format`'s brgemm natively while kt_ops
+// runs on tier `isa`, or nullopt: no brgemm for that format (not built, not a
+// format with a brgemm kernel, a tier below AVX-512, a CPU without
+// AVX512_BF16 (bf16) / AVX512_VNNI (u8s8), oneDNN disabled with
+// torch.backends.mkldnn, or oneDNN refused a probe call). The probes run once
+// per process and type; the rest is checked per call.
+std::optional<formats::BrgemmIsa> runs(const formats::FormatRow& format, Isa isa);
+
+// "onednn/brgemm_bf16" etc.: the name kt_ops.info() reports for `format`, or
+// nullptr when the format has no brgemm kernel.
+const char* kernel_name(const formats::FormatRow& format);
 
 // DotArgs -> the dot products of its run of blocks with a.xb (bf16 rows).
 // Token tiles of at most kMaxTileRows rows, then one remainder tile: which
@@ -43,6 +66,26 @@ void bf16_dot(const DotArgs& a);
 // Most A rows per brgemm call: oneDNN generates (JIT) one kernel per distinct
 // M per thread, so M is capped.
 constexpr int kMaxTileRows = 64;
+
+// u8s8: DotArgs -> the dot products of its run of blocks with the m q8
+// records a.xq, whose codes a.xu8 holds as gather_u8s8_rows wrote them.
+// Token tiles as bf16_dot's (kMaxTileRows), K chunks of kU8S8Chunk.
+void u8s8_dot(const DotArgs& a);
+
+// K per u8s8 brgemm call: the q8 activation block, so every call's int32 sums
+// take one activation scale per row (and one q8_0 weight scale per column).
+constexpr int kU8S8Chunk = 32;
+
+// Rows of the u8s8 A operand for m tokens: each token tile (kMaxTileRows
+// rows, the last one shorter) followed by one compensation row of 128s.
+inline int64_t u8s8_rows(int m) { return m + (m + kMaxTileRows - 1) / kMaxTileRows; }
+
+// Writes the u8s8 A operand of m q8 records of kp codes into dst
+// (u8s8_rows(m) * kp bytes): code + 128 per token row, tile by tile, each
+// tile followed by a row of 128s; within a tile chunk-major, [kp/32][rows +
+// 1][32] (lda = 32: a call's A is one contiguous run, where rows kp bytes
+// apart would fall into few L1 sets).
+void gather_u8s8_rows(const uint8_t* const* records, int m, int64_t kp, uint8_t* dst);
 
 // Releases the calling thread's brgemm hardware context (AMX tile
 // configuration): once after each thread's tile loop.

@@ -54,6 +54,10 @@ struct DotArgs {
   // nullptr for the streaming kernels.
   const uint16_t* xb = nullptr;
   int64_t ldxb = 0;
+  // The codes of the m q8 records shifted to u8, with the compensation rows
+  // (kernels/brgemm.h, gather_u8s8_rows: tiles of chunk-major rows), for the u8s8
+  // brgemm kernel; nullptr otherwise.
+  const uint8_t* xu8 = nullptr;
 };
 
 // The kernels of one layout on one ISA tier.

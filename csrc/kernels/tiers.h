@@ -29,4 +29,13 @@ __attribute__((weak)) const ProjectionKernels& fp8_kernels();
 __attribute__((weak)) void silu_mul_rows(float* g, const float* u, int m);
 }  // namespace avx2
 
+// The epilogue of the u8s8 brgemm path (kernels/brgemm.h), AVX-512 code
+// (kernels/avx512/brgemm_fold_avx512.cpp); null when the avx512 tier is not built.
+namespace avx512 {
+__attribute__((weak)) void brgemm_q8_fold(const int32_t* c, int nc, int rows,
+                                          const uint8_t* const* xq, int64_t kp, int64_t chunk0,
+                                          const void* scales, formats::ScaleType scale_type,
+                                          int64_t group_size, float* out, int64_t ldo);
+}  // namespace avx512
+
 }  // namespace kt::kernels

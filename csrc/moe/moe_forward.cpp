@@ -101,6 +101,32 @@ const uint16_t* gathered_rows(uint64_t call, int64_t e, const uint16_t* xt, cons
   return g.rows.data();
 }
 
+// The u8s8 brgemm's A: one expert's q8 codes shifted to u8, with the
+// compensation rows (kernels::brgemm::gather_u8s8_rows), gathered like
+// GatheredRows by the pool thread that computes the expert's blocks. Keyed
+// by (call, phase, expert): phase 0 the gate/up activations, 1 the SwiGLU
+// outputs of the down projection.
+struct GatheredU8Rows {
+  std::vector<uint8_t> rows;
+  uint64_t call = 0;
+  int phase = -1;
+  int64_t expert = -1;
+};
+thread_local GatheredU8Rows t_gathered_u8;
+
+const uint8_t* gathered_u8_rows(uint64_t call, int phase, int64_t e, const uint8_t* const* records,
+                                int m, int64_t kp) {
+  GatheredU8Rows& g = t_gathered_u8;
+  if (g.call != call || g.phase != phase || g.expert != e) {
+    grow(g.rows, static_cast<size_t>(kernels::brgemm::u8s8_rows(m)) * kp);
+    kernels::brgemm::gather_u8s8_rows(records, m, kp, g.rows.data());
+    g.call = call;
+    g.phase = phase;
+    g.expert = e;
+  }
+  return g.rows.data();
+}
+
 // After each thread's run of tiles: release the brgemm context (AMX tiles).
 void release_brgemm() {
   if (!t_brgemm_active) return;
@@ -125,20 +151,32 @@ void to_bf16_row(const float* src, int64_t n, uint16_t* dst) {
 struct ProjectionPlan {
   const kernels::ProjectionView* view;
   const kernels::ProjectionKernels* kernels;
-  int fp32_min;    // experts with at least this many rows take dot_fp32
-  bool q8;         // some expert may take the q8 kernel: q8 records are needed
-  int brgemm_min;  // experts with at least this many rows take brgemm (bf16 rows xb)
+  int fp32_min;                // experts with at least this many rows take dot_fp32
+  bool q8;                     // some expert may take the q8 kernel: q8 records are needed
+  int brgemm_min;              // experts with at least this many rows take brgemm
+  kernels::brgemm::Kind kind;  // which brgemm kernel: bf16 rows xb, or u8s8 rows xu8
 
   bool brgemm(int m) const { return m >= brgemm_min; }
+  // Whether an expert of m rows needs the bf16 rows xb / the u8 rows xu8.
+  bool wants_xb(int m) const { return kind == kernels::brgemm::Kind::kBf16 && brgemm(m); }
+  bool wants_xu8(int m) const { return kind == kernels::brgemm::Kind::kU8S8 && brgemm(m); }
+  int bf16_min() const {
+    return kind == kernels::brgemm::Kind::kBf16 ? brgemm_min : formats::kNoBrgemm;
+  }
 
   void dot(int64_t e, int64_t nb, const float* const* x, const uint8_t* const* xq,
-           const uint16_t* xb, int64_t ldxb, int m, float* out) const {
+           const uint16_t* xb, int64_t ldxb, const uint8_t* xu8, int m, float* out) const {
     kernels::DotArgs args{view, e, nb, nb + 1, x, xq, m, out, kRows, nullptr};
     if (brgemm(m)) {
-      args.xb = xb;
-      args.ldxb = ldxb;
       t_brgemm_active = true;
-      kernels::brgemm::bf16_dot(args);
+      if (kind == kernels::brgemm::Kind::kU8S8) {
+        args.xu8 = xu8;
+        kernels::brgemm::u8s8_dot(args);
+      } else {
+        args.xb = xb;
+        args.ldxb = ldxb;
+        kernels::brgemm::bf16_dot(args);
+      }
     } else if (m >= fp32_min) {
       grow(t_block, static_cast<size_t>(kRows) * view->kp);  // the block decoded to fp32
       args.scratch = t_block.data();
@@ -149,9 +187,12 @@ struct ProjectionPlan {
   }
 };
 
-// brgemm_min: brgemm_min_tokens() of the projection's format, or kNoBrgemm for this call.
+// brgemm_min: brgemm_min_tokens() of the projection's format, or kNoBrgemm
+// for this call. Under 'auto' brgemm takes bf16 activations (bf16 brgemm
+// rounds fp32/fp16 ones) and any activations for the u8s8 kernel (the same
+// q8 records and results as the streaming q8 kernels).
 ProjectionPlan plan_projection(const Projection& p, kernels::Isa isa, QuantActivations mode,
-                               bool brgemm_allowed) {
+                               ComputePath path, bool bf16_activations) {
   const kernels::ProjectionKernels& k = kernels::projection_kernels(p.format->layout, isa);
   int fp32_min = formats::kNoFp32Path;
   if (k.dot_fp32 != nullptr) {
@@ -159,8 +200,12 @@ ProjectionPlan plan_projection(const Projection& p, kernels::Isa isa, QuantActiv
     if (mode == QuantActivations::kAuto) fp32_min = p.format->fp32_min_tokens;
   }
   const bool q8 = p.format->activation == formats::ActType::kQ8 && fp32_min > 1;
+  const kernels::brgemm::Kind kind = kernels::brgemm::kind(*p.format);
+  const bool brgemm_allowed =
+      path == ComputePath::kBrgemm ||
+      (path == ComputePath::kAuto && (bf16_activations || kind == kernels::brgemm::Kind::kU8S8));
   const int brgemm_min = brgemm_allowed ? brgemm_min_tokens(*p.format, isa) : formats::kNoBrgemm;
-  return {&p.view, &k, fp32_min, q8, brgemm_min};
+  return {&p.view, &k, fp32_min, q8, brgemm_min, kind};
 }
 
 void quantize_rows(const float* src, int64_t stride, int64_t rows, int64_t kp, uint8_t* dst) {
@@ -182,7 +227,11 @@ ComputePath compute_path() { return g_compute_path.load(); }
 int brgemm_min_tokens(const formats::FormatRow& format, kernels::Isa isa) {
   const ComputePath path = compute_path();
   if (path == ComputePath::kStreaming) return formats::kNoBrgemm;
-  const std::optional<formats::BrgemmIsa> cls = kernels::brgemm::runs(format.layout, isa);
+  // The u8s8 kernel multiplies q8 activations: not when they are off.
+  if (kernels::brgemm::kind(format) == kernels::brgemm::Kind::kU8S8 &&
+      quant_activations() == QuantActivations::kFp32)
+    return formats::kNoBrgemm;
+  const std::optional<formats::BrgemmIsa> cls = kernels::brgemm::runs(format, isa);
   if (!cls) return formats::kNoBrgemm;
   return path == ComputePath::kBrgemm ? 1 : format.brgemm.min(*cls);
 }
@@ -207,12 +256,10 @@ void moe_forward_experts(const at::Tensor& hidden_states, const at::Tensor& topk
   // fp32 and fp16 activations keep their precision on the streaming kernels
   // unless 'brgemm' is forced.
   const ComputePath path = compute_path();
-  const bool brgemm_allowed =
-      path == ComputePath::kBrgemm ||
-      (path == ComputePath::kAuto && hidden_states.scalar_type() == at::kBFloat16);
-  const ProjectionPlan gate = plan_projection(layer.gate, isa, mode, brgemm_allowed);
-  const ProjectionPlan up = plan_projection(layer.up, isa, mode, brgemm_allowed);
-  const ProjectionPlan down = plan_projection(layer.down, isa, mode, brgemm_allowed);
+  const bool bf16_act = hidden_states.scalar_type() == at::kBFloat16;
+  const ProjectionPlan gate = plan_projection(layer.gate, isa, mode, path, bf16_act);
+  const ProjectionPlan up = plan_projection(layer.up, isa, mode, path, bf16_act);
+  const ProjectionPlan down = plan_projection(layer.down, isa, mode, path, bf16_act);
   const kernels::SiluMulRows silu_mul = kernels::silu_mul_rows(isa);
   const int64_t Hp = formats::qint_k_padded(H);
   const int64_t Ip = formats::qint_k_padded(I);
@@ -234,12 +281,12 @@ void moe_forward_experts(const at::Tensor& hidden_states, const at::Tensor& topk
   grow(s.h_rows, R);
   grow(s.hq_rows, R);
   if (down.q8) grow(s.hq, R * h_rec);
-  const int gu_brgemm_min = std::min(gate.brgemm_min, up.brgemm_min);
-  bool gu_brgemm = false, down_brgemm = false;
+  const int gu_bf16_min = std::min(gate.bf16_min(), up.bf16_min());
+  bool gu_brgemm = false, down_brgemm = false;  // some expert needs bf16 rows (xt / hb)
   for (int64_t e : plan.active_experts) {
     const int m = static_cast<int>(plan.expert_offsets[e + 1] - plan.expert_offsets[e]);
-    gu_brgemm = gu_brgemm || m >= gu_brgemm_min;
-    down_brgemm = down_brgemm || down.brgemm(m);
+    gu_brgemm = gu_brgemm || m >= gu_bf16_min;
+    down_brgemm = down_brgemm || down.wants_xb(m);
   }
   const uint64_t call = ++g_call_counter;
   if (gu_brgemm) {
@@ -273,13 +320,17 @@ void moe_forward_experts(const at::Tensor& hidden_states, const at::Tensor& topk
         const int n_valid = static_cast<int>(std::min<int64_t>(kRows, I - nb * kRows));
         grow(t_gate_out, static_cast<size_t>(m) * kRows);
         grow(t_up_out, static_cast<size_t>(m) * kRows);
-        const uint16_t* xb = m >= gu_brgemm_min ? gathered_rows(call, e, s.xt.data(),
-                                                                plan.row_token.data() + r0, m, Hp)
-                                                : nullptr;
-        gate.dot(e, nb, s.x_rows.data() + r0, s.xq_rows.data() + r0, xb, Hp, m, t_gate_out.data());
-        up.dot(e, nb, s.x_rows.data() + r0, s.xq_rows.data() + r0, xb, Hp, m, t_up_out.data());
+        const uint16_t* xb = m >= gu_bf16_min ? gathered_rows(call, e, s.xt.data(),
+                                                              plan.row_token.data() + r0, m, Hp)
+                                              : nullptr;
+        const uint8_t* xu8 = gate.wants_xu8(m) || up.wants_xu8(m)
+                                 ? gathered_u8_rows(call, 0, e, s.xq_rows.data() + r0, m, Hp)
+                                 : nullptr;
+        gate.dot(e, nb, s.x_rows.data() + r0, s.xq_rows.data() + r0, xb, Hp, xu8, m,
+                 t_gate_out.data());
+        up.dot(e, nb, s.x_rows.data() + r0, s.xq_rows.data() + r0, xb, Hp, xu8, m, t_up_out.data());
         silu_mul(t_gate_out.data(), t_up_out.data(), m);
-        const bool hb = down.brgemm(m);
+        const bool hb = down.wants_xb(m);
         for (int i = 0; i < m; ++i) {
           const float* g = t_gate_out.data() + i * kRows;
           std::copy(g, g + n_valid, s.h.data() + (r0 + i) * Ip + nb * kRows);
@@ -299,7 +350,11 @@ void moe_forward_experts(const at::Tensor& hidden_states, const at::Tensor& topk
         const int n_valid = static_cast<int>(std::min<int64_t>(kRows, H - nb * kRows));
         grow(t_gate_out, static_cast<size_t>(m) * kRows);
         const uint16_t* hb = down_brgemm ? s.hb.data() + r0 * Ip : nullptr;  // brgemm experts' A
-        down.dot(e, nb, s.h_rows.data() + r0, s.hq_rows.data() + r0, hb, Ip, m, t_gate_out.data());
+        const uint8_t* hu8 = down.wants_xu8(m)
+                                 ? gathered_u8_rows(call, 1, e, s.hq_rows.data() + r0, m, Ip)
+                                 : nullptr;
+        down.dot(e, nb, s.h_rows.data() + r0, s.hq_rows.data() + r0, hb, Ip, hu8, m,
+                 t_gate_out.data());
         for (int i = 0; i < m; ++i) {
           float* dst = y + plan.row_slot[r0 + i] * H + nb * kRows;
           const float w = plan.row_weight[r0 + i];

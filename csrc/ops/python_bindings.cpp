@@ -94,7 +94,7 @@ py::dict compute_paths(Isa isa) {
     py::dict d;
     d["brgemm_kernel"] = min == kt::formats::kNoBrgemm
                              ? py::object(py::none())
-                             : py::object(py::str(kt::kernels::brgemm::kernel_name(f.layout)));
+                             : py::object(py::str(kt::kernels::brgemm::kernel_name(f)));
     d["brgemm_min_tokens"] = min_tokens_or_none(min);
     out[f.name] = d;
   }
