@@ -174,6 +174,12 @@ void run_bridge_call(void* arg) noexcept {
 template <typename Fill>
 void enqueue(Transport& t, Staging& staging, std::unique_ptr<BridgeCall> call, Fill&& fill) {
   call->isa = kernels::active_isa();
+  // Two host threads enqueuing on one stream must not interleave their steps:
+  // the second call's copies into the shared eager block would land before
+  // the first call's host function reads it. Enqueueing never waits on the
+  // device, so one lock for all streams costs nothing measurable.
+  static std::mutex enqueue_mu;
+  std::lock_guard<std::mutex> lock(enqueue_mu);
   const bool capturing = t.capturing();
   void* base = StagingPool::global().acquire(t, staging.bytes());
   staging.bind(base);

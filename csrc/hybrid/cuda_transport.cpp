@@ -26,15 +26,18 @@ cudaStream_t as_stream(void* handle) { return static_cast<cudaStream_t>(handle);
 std::mutex g_retired_mu;
 std::vector<std::pair<cudaEvent_t, void*>> g_retired;
 
-// Frees the retired blocks whose event has completed; never blocks.
+// Frees the retired blocks whose event has completed; never blocks. A query
+// that fails (e.g. refused while another thread captures in global mode)
+// keeps the block for a later poll: freeing memory a copy may still read
+// would be worse than holding it.
 void free_completed_locked() {
   for (size_t i = 0; i < g_retired.size();) {
     const cudaError_t q = cudaEventQuery(g_retired[i].first);
-    if (q == cudaErrorNotReady) {
+    if (q != cudaSuccess) {
+      if (q != cudaErrorNotReady) (void)cudaGetLastError();
       ++i;
       continue;
     }
-    (void)cudaGetLastError();  // a failed query: free anyway, as a destroyed context would
     cudaFreeHost(g_retired[i].second);
     cudaEventDestroy(g_retired[i].first);
     g_retired[i] = g_retired.back();
@@ -77,11 +80,11 @@ bool CudaTransport::capturing() const {
 }
 
 void* CudaTransport::alloc_host(size_t bytes) {
+  RelaxedCaptureMode relaxed;
   {
     std::lock_guard<std::mutex> lock(g_retired_mu);
     free_completed_locked();
   }
-  RelaxedCaptureMode relaxed;
   void* p = nullptr;
   const cudaError_t err = cudaHostAlloc(&p, bytes, cudaHostAllocPortable);
   TORCH_CHECK(err == cudaSuccess, "kt_ops CUDA bridge: cudaHostAlloc of ", bytes,
@@ -90,6 +93,7 @@ void* CudaTransport::alloc_host(size_t bytes) {
 }
 
 void CudaTransport::free_host_after_stream(void* p) {
+  RelaxedCaptureMode relaxed;  // event calls are not part of any capture
   cudaEvent_t ev = nullptr;
   KT_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
   KT_CUDA_CHECK(cudaEventRecord(ev, as_stream(handle_)));
