@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "formats/qint.h"
+#include "kernels/kquant_records_sse.h"
 
 namespace kt::kernels::avx2 {
 
@@ -126,33 +127,9 @@ struct QintVec {
   // GGUF k-quant record (formats/qint.h) -> s[j * 16 + r] = d[r] * sc_j[r] and
   // (kKq45) z[j * 16 + r] = dmin[r] * m_j[r] for the 16 rows: get_scale_min_k4
   // on 16-byte vectors (one byte per row), widened and scaled. Exact products.
+  // The byte work is shared by the x86 tiers (kernels/kquant_records_sse.h).
   static inline void kquant_decode(const uint8_t* rec, formats::ScaleType t, float* s, float* z) {
-    F d[kParts], dmin[kParts];
-    kq_load_d(rec, d);
-    if (t == formats::ScaleType::kKq6) {
-      const uint8_t* q = rec + formats::kKq6ScaleOffset;
-      for (int j = 0; j < 16; ++j)
-        kq_widen_store(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * j)), true, d,
-                       s + 16 * j);
-      return;
-    }
-    kq_load_d(rec + formats::kKq45MinOffset, dmin);
-    const uint8_t* q = rec + formats::kKq45ScaleOffset;
-    const __m128i m63 = _mm_set1_epi8(63), m15 = _mm_set1_epi8(15), m48 = _mm_set1_epi8(0x30);
-    for (int j = 0; j < 4; ++j) {
-      const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * j));
-      const __m128i mid = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * (j + 4)));
-      const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * (j + 8)));
-      // (b >> 6) << 4 == (b >> 2) & 0x30; 16-bit shifts, masked to bits of the same byte.
-      const __m128i sc_hi =
-          _mm_or_si128(_mm_and_si128(hi, m15), _mm_and_si128(_mm_srli_epi16(lo, 2), m48));
-      const __m128i mn_hi = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(hi, 4), m15),
-                                         _mm_and_si128(_mm_srli_epi16(mid, 2), m48));
-      kq_widen_store(_mm_and_si128(lo, m63), false, d, s + 16 * j);
-      kq_widen_store(sc_hi, false, d, s + 16 * (j + 4));
-      kq_widen_store(_mm_and_si128(mid, m63), false, dmin, z + 16 * j);
-      kq_widen_store(mn_hi, false, dmin, z + 16 * (j + 4));
-    }
+    kquant_decode_records<QintVec>(rec, t, s, z);
   }
   // The 16 rows' fp16 d of a record as fp32 (rows 0-7, 8-15).
   static inline void kq_load_d(const uint8_t* p, F* d) {
