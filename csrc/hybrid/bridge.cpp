@@ -1,7 +1,6 @@
 #include "hybrid/bridge.h"
 
 #include <ATen/ATen.h>
-#include <ATen/MemoryOverlap.h>
 #include <c10/core/GradMode.h>
 
 #include <array>
@@ -195,12 +194,6 @@ void enqueue(Transport& t, Staging& staging, std::unique_ptr<BridgeCall> call, F
   staging.copy_out(t);
 }
 
-const at::Tensor& checked_hidden(const char* op, const at::Tensor& hidden_states) {
-  TORCH_CHECK(hidden_states.dim() == 2, op, ": hidden_states must be 2-D [T, H], got shape ",
-              hidden_states.sizes());
-  return hidden_states;
-}
-
 // Stages the routed inputs and the layer's device tensors (LoRA, mask).
 struct StagedLayer {
   int x = -1, ids = -1, w = -1, mask = -1;
@@ -211,16 +204,16 @@ StagedLayer stage_layer(const char* op, Staging& s, const at::Tensor& hidden_sta
                         const at::Tensor& topk_ids, const at::Tensor& topk_weights,
                         const at::TensorList& lora,
                         const std::optional<at::Tensor>& gpu_experts_mask) {
+  TORCH_CHECK(hidden_states.dim() == 2, op, ": hidden_states must be 2-D [T, H], got shape ",
+              hidden_states.sizes());
   const at::Device dev = hidden_states.device();
   check_on(op, topk_ids, "topk_ids", dev);
   check_on(op, topk_weights, "topk_weights", dev);
-  static const char* kLoraNames[6] = {"gate_lora_a", "gate_lora_b", "up_lora_a",
-                                      "up_lora_b",   "down_lora_a", "down_lora_b"};
   for (size_t i = 0; i < lora.size(); ++i)
-    check_on(op, lora[i], i < 6 ? kLoraNames[i] : "lora", dev);
+    check_on(op, lora[i], i < 6 ? moe::kLoraFactorNames[i] : "lora", dev);
   if (gpu_experts_mask.has_value()) check_on(op, *gpu_experts_mask, "gpu_experts_mask", dev);
   StagedLayer l;
-  l.x = s.input(checked_hidden(op, hidden_states));
+  l.x = s.input(hidden_states);
   l.ids = s.input(topk_ids);
   l.w = s.input(topk_weights);
   for (const at::Tensor& f : lora) l.lora.push_back(s.input(f));
@@ -228,15 +221,20 @@ StagedLayer stage_layer(const char* op, Staging& s, const at::Tensor& hidden_sta
   return l;
 }
 
-// The layer parsed over the staged views (parse_moe_layer: the CPU op's checks).
-moe::MoeLayer parse_staged(const char* op, const Staging& s, const StagedLayer& l,
-                           KT_LAYER_PARAMS) {
+// The call's routed inputs and its layer, parsed over the staged views
+// (parse_moe_layer: the CPU op's checks).
+void bind_layer(BridgeCall& c, const char* op, const Staging& s, const StagedLayer& l,
+                KT_LAYER_PARAMS) {
   std::vector<at::Tensor> host_lora;
   for (int i : l.lora) host_lora.push_back(s.host(i));
   std::optional<at::Tensor> host_mask;
   if (l.mask >= 0) host_mask = s.host(l.mask);
-  return moe::parse_moe_layer(op, s.host(l.x), s.host(l.ids), s.host(l.w), weights, weight_format,
-                              sizes, group_sizes, host_lora, lora_scaling, activation, host_mask);
+  c.layer =
+      moe::parse_moe_layer(op, s.host(l.x), s.host(l.ids), s.host(l.w), weights, weight_format,
+                           sizes, group_sizes, host_lora, lora_scaling, activation, host_mask);
+  c.x = s.host(l.x);
+  c.ids = s.host(l.ids);
+  c.w = s.host(l.w);
 }
 
 at::Tensor device_empty(at::IntArrayRef sizes, const at::Tensor& like, at::ScalarType dtype) {
@@ -256,16 +254,7 @@ at::Tensor bridge_moe_forward(Transport& t, const at::Tensor& hidden_states,
   at::Tensor result;
   if (out != nullptr) {
     check_on(op, *out, "out", hidden_states.device());
-    TORCH_CHECK(out->scalar_type() == hidden_states.scalar_type(), op,
-                ": out must have the dtype of hidden_states (", hidden_states.scalar_type(),
-                "), got ", out->scalar_type());
-    TORCH_CHECK(out->sizes() == hidden_states.sizes() && out->is_contiguous(), op,
-                ": out must be a contiguous tensor of the shape of hidden_states ",
-                hidden_states.sizes(), ", got ", out->sizes(),
-                out->is_contiguous() ? "" : " (not contiguous)");
-    const at::MemOverlapStatus overlap = at::get_overlap_status(*out, hidden_states);
-    TORCH_CHECK(overlap != at::MemOverlapStatus::Full && overlap != at::MemOverlapStatus::Partial,
-                op, ": out must not overlap hidden_states in memory");
+    moe::check_out(op, *out, hidden_states);
     result = *out;
   } else {
     result = device_empty(hidden_states.sizes(), hidden_states, hidden_states.scalar_type());
@@ -273,10 +262,7 @@ at::Tensor bridge_moe_forward(Transport& t, const at::Tensor& hidden_states,
   const int o = s.output(result);
   enqueue(t, s, std::make_unique<BridgeCall>(), [&](BridgeCall& c) {
     c.kind = Kind::kForward;
-    c.layer = parse_staged(op, s, l, KT_LAYER_ARGS);
-    c.x = s.host(l.x);
-    c.ids = s.host(l.ids);
-    c.w = s.host(l.w);
+    bind_layer(c, op, s, l, KT_LAYER_ARGS);
     c.out = s.host(o);
   });
   return result;
@@ -299,10 +285,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bridge_moe_forward_train(
   const int o = s.output(out), g = s.output(gate_pre), u = s.output(up_pre);
   enqueue(t, s, std::make_unique<BridgeCall>(), [&](BridgeCall& c) {
     c.kind = Kind::kForwardTrain;
-    c.layer = parse_staged(op, s, l, KT_LAYER_ARGS);
-    c.x = s.host(l.x);
-    c.ids = s.host(l.ids);
-    c.w = s.host(l.w);
+    bind_layer(c, op, s, l, KT_LAYER_ARGS);
     c.out = s.host(o);
     c.out_gate_pre = s.host(g);
     c.out_up_pre = s.host(u);
@@ -352,14 +335,11 @@ std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> bridge_moe_backward(
   }
   enqueue(t, s, std::make_unique<BridgeCall>(), [&](BridgeCall& c) {
     c.kind = Kind::kBackward;
-    c.layer = parse_staged(op, s, l, KT_LAYER_ARGS);
+    bind_layer(c, op, s, l, KT_LAYER_ARGS);
     std::optional<at::Tensor> host_gp, host_up;
     if (gp >= 0) host_gp = s.host(gp);
     if (up >= 0) host_up = s.host(up);
-    moe::check_backward_args(c.layer, s.host(go), s.host(l.x), s.host(l.ids), host_gp, host_up);
-    c.x = s.host(l.x);
-    c.ids = s.host(l.ids);
-    c.w = s.host(l.w);
+    moe::check_backward_args(c.layer, s.host(go), c.x, c.ids, host_gp, host_up);
     c.grad_output = s.host(go);
     if (host_gp) c.gate_pre = *host_gp;
     if (host_up) c.up_pre = *host_up;

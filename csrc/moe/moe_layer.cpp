@@ -1,6 +1,7 @@
 #include "moe/moe_layer.h"
 
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 
 #include <cmath>
 #include <string>
@@ -225,6 +226,23 @@ LoraProjection parse_lora(const char* op, int i, const at::Tensor& a, const at::
 
 }  // namespace
 
+const char* const kLoraFactorNames[6] = {"gate_lora_a", "gate_lora_b", "up_lora_a",
+                                         "up_lora_b",   "down_lora_a", "down_lora_b"};
+
+void check_out(const char* op, const at::Tensor& out, const at::Tensor& hidden_states) {
+  TORCH_CHECK(out.scalar_type() == hidden_states.scalar_type(), op,
+              ": out must have the dtype of hidden_states (", hidden_states.scalar_type(),
+              "), got ", out.scalar_type());
+  TORCH_CHECK(out.sizes() == hidden_states.sizes() && out.is_contiguous(), op,
+              ": out must be a contiguous tensor of the shape of hidden_states ",
+              hidden_states.sizes(), ", got ", out.sizes(),
+              out.is_contiguous() ? "" : " (not contiguous)");
+  const at::MemOverlapStatus overlap = at::get_overlap_status(out, hidden_states);
+  TORCH_CHECK(overlap != at::MemOverlapStatus::Full && overlap != at::MemOverlapStatus::Partial, op,
+              ": out must not overlap hidden_states in memory (the kernels read hidden_states "
+              "while writing out)");
+}
+
 MoeLayer parse_moe_layer(const char* op, const at::Tensor& hidden_states,
                          const at::Tensor& topk_ids, const at::Tensor& topk_weights,
                          KT_LAYER_PARAMS) {
@@ -295,16 +313,14 @@ MoeLayer parse_moe_layer(const char* op, const at::Tensor& hidden_states,
     }
     // One dtype for all factors: PEFT keeps a layer's adapters in one dtype,
     // and a mix is almost always an accidental cast.
-    static const char* kNames[6] = {"gate_lora_a", "gate_lora_b", "up_lora_a",
-                                    "up_lora_b",   "down_lora_a", "down_lora_b"};
     int first = -1;
     for (int i = 0; i < 6; ++i) {
       const at::Tensor& t = lora[i];
       if (t.dim() == 1 && t.numel() == 0) continue;
       if (first < 0) first = i;
       TORCH_CHECK(t.scalar_type() == lora[first].scalar_type(), op,
-                  ": all LoRA tensors must have one dtype, but ", kNames[first], " is ",
-                  lora[first].scalar_type(), " and ", kNames[i], " is ", t.scalar_type());
+                  ": all LoRA tensors must have one dtype, but ", kLoraFactorNames[first], " is ",
+                  lora[first].scalar_type(), " and ", kLoraFactorNames[i], " is ", t.scalar_type());
     }
     TORCH_CHECK(std::isfinite(lora_scaling), op, ": lora_scaling must be finite, got ",
                 lora_scaling);

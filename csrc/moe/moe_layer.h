@@ -79,6 +79,14 @@ struct MoeLayer {
   }
 };
 
+// The names of the 6 entries of the `lora` argument, for error messages.
+extern const char* const kLoraFactorNames[6];
+
+// kt.moe_forward.out's `out`, on any device: the dtype and shape of
+// hidden_states, contiguous, not overlapping it (the kernels read
+// hidden_states while writing out). The caller checks the device.
+void check_out(const char* op, const at::Tensor& out, const at::Tensor& hidden_states);
+
 // Checks every argument of a kt:: op that takes a layer (errors name the
 // argument and say what was expected; `op` prefixes them, e.g.
 // "kt.moe_forward") and returns the parsed layer. The values of topk_ids are

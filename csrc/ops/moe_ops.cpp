@@ -3,7 +3,6 @@
 // argument), then computed by the one driver (csrc/moe), or on the ATen LoRA
 // path when LoRA factors are given.
 #include <ATen/ATen.h>
-#include <ATen/MemoryOverlap.h>
 #include <torch/library.h>
 
 #include "kernels/dispatch.h"
@@ -21,18 +20,7 @@ constexpr const char* kOp = "kt.moe_forward";
 void check_out(const at::Tensor& out, const at::Tensor& hidden_states) {
   TORCH_CHECK(out.device().is_cpu(), kOp, ": out is on ", out.device(),
               "; the kt_ops experts write a CPU tensor");
-  TORCH_CHECK(out.scalar_type() == hidden_states.scalar_type(), kOp,
-              ": out must have the dtype of ", "hidden_states (", hidden_states.scalar_type(),
-              "), got ", out.scalar_type());
-  TORCH_CHECK(out.sizes() == hidden_states.sizes() && out.is_contiguous(), kOp,
-              ": out must be a contiguous tensor of the shape of hidden_states ",
-              hidden_states.sizes(), ", got ", out.sizes(),
-              out.is_contiguous() ? "" : " (not contiguous)");
-  const at::MemOverlapStatus overlap = at::get_overlap_status(out, hidden_states);
-  TORCH_CHECK(overlap != at::MemOverlapStatus::Full && overlap != at::MemOverlapStatus::Partial,
-              kOp,
-              ": out must not overlap hidden_states in memory (the kernels read hidden_states "
-              "while writing out)");
+  moe::check_out(kOp, out, hidden_states);
 }
 
 void forward_into(const at::Tensor& hidden_states, const at::Tensor& topk_ids,
