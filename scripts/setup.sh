@@ -37,12 +37,15 @@ trap 'rm -f "$constraints"' EXIT
 echo "torch==${torch_version}" >"$constraints"
 "$PY" -m pip install -q -c "$constraints" -r requirements.txt
 
-# Rebuild only when the sources, the interpreter or its torch changed since the last build.
+# Rebuild only when the sources, the interpreter or its torch changed since the last build, or
+# the installed kt_ops is not this checkout's (checked outside the checkout, where the
+# current directory would shadow the install).
 stamp=build/.kt_ops_build_stamp
 built_for="$("$PY" -c "import sys; print(sys.executable)") torch ${torch_version}"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$built_for" ] \
    || [ -n "$(find csrc CMakeLists.txt cmake setup.py pyproject.toml -newer "$stamp" -print -quit)" ] \
-   || ! "$PY" -c "import kt_ops._C" 2>/dev/null; then
+   || ! (cd / && "$PY" -c "import sys, kt_ops._C, kt_ops; sys.exit(kt_ops.__file__ != sys.argv[1])" \
+          "$OLDPWD/kt_ops/__init__.py") 2>/dev/null; then
   echo "[kt_ops setup] building kt_ops for ${built_for} (pip install --no-build-isolation -e .)"
   "$PY" -m pip install -q --no-build-isolation --no-deps -e .
   mkdir -p build && echo "$built_for" >"$stamp"
