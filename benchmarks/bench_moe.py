@@ -232,13 +232,20 @@ def cold_inputs(shape: Shape, tokens: int, n: int, seed: int) -> tuple[list[Call
 
 
 class Flusher:
-    """Evicts the caches: one read of a buffer several times the L3."""
+    """Evicts the caches: one read of a buffer several times the L3.
+
+    The read is itself a DRAM read-bandwidth sample taken right before the
+    timed call (``__call__`` returns its GB/s): on a shared VM whose bandwidth
+    drifts by 2x within minutes, a decode call's bytes/s over the read rate of
+    its own flush is a steadier "% of bandwidth" than a ratio to a best sample
+    taken minutes apart.
+    """
 
     def __init__(self, nbytes: int = FLUSH_BYTES):
         self.buf = torch.ones(nbytes // 4, dtype=torch.float32)
 
-    def __call__(self) -> None:
-        self.buf.sum()
+    def __call__(self) -> float:
+        return self.buf.nbytes / _time(self.buf.sum) / 1e9
 
 
 def _tile(t: Optional[torch.Tensor], experts: int) -> Optional[torch.Tensor]:

@@ -36,6 +36,9 @@ included) over the read bandwidth, at prefill the FLOPs over the bf16 peak
 (bf16 formats) or the int8 peak (integer formats), divided by the time. The
 limits come from ``machine_peaks`` at the benchmark's thread count, measured
 before, between and after the runs in the same process (best samples).
+``vs adjacent read`` (decode only): the median over the timed calls of the
+call's bytes/s over the read rate of the cache flush (a 96 MiB ``torch.sum``)
+done just before that call; it follows the VM's drifting bandwidth.
 
 By default 16 distinct random experts are made and copied to fill all 128
 (every expert still has its own memory, so the bytes streamed are the full
@@ -421,6 +424,7 @@ class Samples:
     tokens: int
     seconds: list[float] = field(default_factory=list)
     experts_hit: list[int] = field(default_factory=list)
+    read_gbs: list[float] = field(default_factory=list)  # the flush read right before each call
     rel_err: Optional[float] = None
 
 
@@ -444,11 +448,11 @@ def run_tokens(
             if i == 0:
                 out[s.label].rel_err = rel_err(y, ref)
 
-    def timed(s: System, c: Call) -> float:
-        flush()  # nothing of the layer stays in cache, as between decode steps
+    def timed(s: System, c: Call) -> tuple[float, float]:
+        gbs = flush()  # nothing of the layer stays in cache, as between decode steps
         time.sleep(settle_s)  # threads that spin after a parallel region park
         s.fn(lead.x, lead.ids, lead.weights)  # this system's threads are awake
-        return _time(lambda: s.fn(c.x, c.ids, c.weights))
+        return _time(lambda: s.fn(c.x, c.ids, c.weights)), gbs
 
     start = time.perf_counter()
     n = len(systems)
@@ -456,7 +460,9 @@ def run_tokens(
         for j in range(n):
             s = systems[(r + j) % n]
             smp = out[s.label]
-            smp.seconds.append(timed(s, c))
+            seconds, gbs = timed(s, c)
+            smp.seconds.append(seconds)
+            smp.read_gbs.append(gbs)
             smp.experts_hit.append(c.experts_hit)
         if r + 1 >= 3 and time.perf_counter() - start > budget_s:
             break
@@ -483,6 +489,9 @@ class Row:
     bound: str  # "BW" or "bf16" / "int8" peak
     roofline_pct: float
     achieved: float  # GB/s at decode, GFLOP/s at prefill
+    adjacent_pct: Optional[float] = (
+        None  # decode: median of bytes/s over the flush read just before
+    )
 
 
 def summarize(
@@ -519,12 +528,16 @@ def summarize(
                 100 * b / (peaks.read_gbs * 1e9) / x for b, x in zip(nbytes, smp.seconds)
             )
             achieved = statistics.median(b / x / 1e9 for b, x in zip(nbytes, smp.seconds))
+            adjacent = statistics.median(
+                100 * b / x / 1e9 / g for b, x, g in zip(nbytes, smp.seconds, smp.read_gbs)
+            )
         else:
             compute = FAMILIES[s.family].compute
             peak = peaks.bf16_gflops if compute == "bf16" else peaks.int8_gops
             bound = compute
             pct = float("nan") if peak is None else 100 * flops / (peak * 1e9) / t
             achieved = flops / t / 1e9
+            adjacent = None
         peer = best_kt.get(FAMILIES[s.family].kt_kernel_peer)
         vs = med[peer.label] / t if peer is not None else None
         rows.append(
@@ -544,6 +557,7 @@ def summarize(
                 bound=bound,
                 roofline_pct=pct,
                 achieved=achieved,
+                adjacent_pct=adjacent,
             )
         )
     order = list(FAMILIES)
@@ -554,6 +568,7 @@ def summarize(
 
 def table(rows: list[Row], markdown: bool) -> str:
     head = ["system", "format", "T", "ms", "vs kt-kernel", "rel err", "MB/call", "roofline"]
+    head.append("vs adjacent read")
     body = []
     for r in rows:
         name = r.label + (f" ({r.workers}w, {r.call})" if r.workers else "")
@@ -569,6 +584,7 @@ def table(rows: list[Row], markdown: bool) -> str:
                 "-" if r.rel_err is None else f"{r.rel_err:.3g}",
                 f"{r.mb_per_call:.1f}",
                 roof,
+                "-" if r.adjacent_pct is None else f"{r.adjacent_pct:.0f}%",
             ]
         )
     return render_table(head, body, markdown, first_left=True)
