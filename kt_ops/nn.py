@@ -31,6 +31,7 @@ from typing import Callable, Optional, Union
 import torch
 from torch import Tensor, nn
 
+from kt_ops.formats import format_spec
 from kt_ops.formats.dequant import dequantize_weights
 from kt_ops.formats.packed import PackedProjection
 from kt_ops.layer import PROJECTIONS, ExpertWeights, LoRAWeights
@@ -529,12 +530,36 @@ class MoEExperts(nn.Module):
         self._gpu_id_list = ids.tolist()
         return self
 
+    def _refuse_old_kquant_scales(self, state_dict, prefix: str) -> None:
+        """A ValueError for a state_dict of the pre-GGUF-size k-quant layout.
+
+        kt_ops before ``manifest_version`` 2 stored ``q4_k`` / ``q5_k`` /
+        ``q6_k`` scales as fp32 ``d*sc`` (and ``dmin*m`` zeros); today's
+        buffers are GGUF's uint8 scale records (docs/formats.md, "k-quant
+        scales"). torch would report only a size mismatch.
+        """
+        for proj, fmt in zip(PROJECTIONS, self.weight_formats):
+            scales = state_dict.get(f"{prefix}{proj}_scales")
+            if (
+                format_spec(fmt).is_kquant
+                and isinstance(scales, Tensor)
+                and scales.dtype != torch.uint8
+            ):
+                raise ValueError(
+                    f"MoEExperts.load_state_dict: {prefix}{proj}_scales is {scales.dtype} "
+                    f"{tuple(scales.shape)}, the k-quant layout of kt_ops before manifest_version "
+                    f"2 (fp32 d*sc scales and dmin*m zeros); this kt_ops keeps {fmt}'s GGUF scale "
+                    "records (uint8 [E, NB, Kp/256, R]). Pack the source weights again "
+                    "(MoEExperts.from_dense, or kt_ops.loaders from the GGUF file)"
+                )
+
     def _refresh_gpu_weights(self) -> None:
         """Dequantize the current GPU experts again from the packed weights (same dtype/device)."""
         if self.num_gpu_experts:
             self.set_gpu_experts(self.gpu_expert_ids.cpu())
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        self._refuse_old_kquant_scales(state_dict, prefix)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         packed = (f"{prefix}{proj}_{part}" for proj in PROJECTIONS for part in _PARTS)
         if self.num_gpu_experts and any(key in state_dict for key in packed):

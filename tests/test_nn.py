@@ -118,6 +118,29 @@ def test_buffers_state_dict_and_repr(experts, dense):
     assert torch.equal(other(x, ids, weights), experts(x, ids, weights))
 
 
+def test_old_kquant_state_dict_is_refused_by_name():
+    # kt_ops before manifest_version 2 kept k-quant scales as fp32 d*sc plus
+    # fp32 dmin*m zeros; such a state_dict names the buffer and the layout.
+    g = torch.Generator().manual_seed(3)
+    h, i = 256, 32  # k-quants need K % 256 == 0 (gate/up K = h; down K = i -> bf16 down)
+    gate, up = (torch.randn(2, i, h, generator=g) / 16 for _ in range(2))
+    down = torch.randn(2, h, i, generator=g) / 6
+    m = MoEExperts(
+        kt_ops.ExpertWeights(
+            kt_ops.formats.quantize_weights(gate, "q4_k"),
+            kt_ops.formats.quantize_weights(up, "q4_k"),
+            kt_ops.formats.quantize_weights(down, "bf16"),
+        )
+    )
+    sd = m.state_dict()
+    E_, NB, _, _ = sd["up_scales"].shape
+    sd["up_scales"] = torch.ones(E_, NB, h // 32, 16)  # the old fp32 [E, NB, G, 16]
+    sd["up_zeros"] = torch.zeros(E_, NB, h // 32, 16)
+    with pytest.raises(ValueError, match=r"up_scales is torch.float32.*manifest_version 2"):
+        m.load_state_dict(sd)
+    m.load_state_dict(m.state_dict())  # today's layout still loads
+
+
 def test_dtype_and_device_casts_leave_packed_weights_alone(experts):
     m = copy.deepcopy(experts)
     m.half()
