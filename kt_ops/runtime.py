@@ -183,6 +183,51 @@ def use_compute_path(path: str) -> Iterator[None]:
         set_compute_path(previous)
 
 
+_BF16_BRGEMM_KERNELS = ("auto", "onednn", "kt")
+
+
+def set_brgemm_bf16_kernel(name: str) -> None:
+    """Choose the kernel of the bf16 products on the ``'brgemm'`` compute path.
+
+    * ``'auto'`` (default): kt_ops' own vdpbf16ps tile kernel on CPUs with
+      AVX512_BF16 and no AMX (it prefetches the weight stream, which a
+      prefill reads from DRAM; benchmarks/README.md has the measurements),
+      oneDNN's brgemm elsewhere (AMX tiles on CPUs that have them).
+    * ``'onednn'``: always oneDNN's brgemm.
+    * ``'kt'``: kt_ops' kernel wherever the CPU has AVX512_BF16 (AMX CPUs
+      included); oneDNN's brgemm where it has not.
+
+    Both compute the same fp32 sums in the same order (one vdpbf16ps chain
+    per output over k): their results are bit-identical. For tests and
+    benchmarks; ``compute_paths()['bf16']['brgemm_kernel']`` names the
+    kernel that runs.
+
+    Raises:
+        ValueError: ``name`` is not ``'auto'``, ``'onednn'`` or ``'kt'``.
+    """
+    if name not in _BF16_BRGEMM_KERNELS:
+        raise ValueError(
+            f"kt_ops.set_brgemm_bf16_kernel: name must be 'auto', 'onednn' or 'kt', got {name!r}"
+        )
+    _C.set_brgemm_bf16_kernel(name)
+
+
+def get_brgemm_bf16_kernel() -> str:
+    """The setting of :func:`set_brgemm_bf16_kernel`: ``'auto'``, ``'onednn'`` or ``'kt'``."""
+    return _C.brgemm_bf16_kernel()
+
+
+@contextlib.contextmanager
+def use_brgemm_bf16_kernel(name: str) -> Iterator[None]:
+    """Context manager: :func:`set_brgemm_bf16_kernel` ``name``, then restore the previous one."""
+    previous = get_brgemm_bf16_kernel()
+    set_brgemm_bf16_kernel(name)
+    try:
+        yield
+    finally:
+        set_brgemm_bf16_kernel(previous)
+
+
 def compute_paths(isa: Optional[str] = None) -> dict:
     """Per weight format, where oneDNN's brgemm computes its products now.
 

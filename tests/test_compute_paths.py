@@ -129,13 +129,19 @@ def test_info_reports_the_compute_path(isa):
     text = format_info(report)
     assert "compute path   : auto" in text
     if brgemm_runs():
+        feats = report["cpu_features"]
+        kernel = (
+            "avx512_bf16/bf16_dp"  # kt_ops' own tiles: AVX512_BF16 without AMX
+            if feats["avx512_bf16"] and not feats.get("amx")
+            else "onednn/brgemm_bf16"
+        )
         assert report["brgemm"]["bf16"] == {
-            "brgemm_kernel": "onednn/brgemm_bf16",
+            "brgemm_kernel": kernel,
             "brgemm_min_tokens": kt_ops.formats.format_spec("bf16").brgemm_min_tokens_for(
-                "amx" if kt_ops.info()["cpu_features"].get("amx") else "avx512"
+                "amx" if feats.get("amx") else "avx512"
             ),
         }
-        assert "onednn/brgemm_bf16" in text
+        assert kernel in text
 
 
 def test_format_table_records_the_thresholds():
@@ -293,6 +299,80 @@ def test_brgemm_forced_where_it_does_not_run_is_streaming(isa):
         ids, w = make_routing(T, E, K, seed=4)
         x = make_hidden(T, H, seed=4)
         assert torch.equal(run("brgemm", x, ids, w, experts), run("streaming", x, ids, w, experts))
+
+
+# --------------------------------------------------------------------------
+# The bf16 kernels of the brgemm path: kt_ops' vdpbf16ps tiles and oneDNN's brgemm
+# --------------------------------------------------------------------------
+
+
+def kt_bf16_kernel_runs() -> bool:
+    """Whether kt_ops' own bf16 tile kernel runs here when forced (AVX512_BF16 CPU)."""
+    with kt_ops.use_compute_path("brgemm"), kt_ops.use_brgemm_bf16_kernel("kt"):
+        return kt_ops.compute_paths()["bf16"]["brgemm_kernel"] == "avx512_bf16/bf16_dp"
+
+
+def test_set_get_use_brgemm_bf16_kernel():
+    assert kt_ops.get_brgemm_bf16_kernel() == "auto"
+    for name in ("onednn", "kt", "auto"):
+        with kt_ops.use_brgemm_bf16_kernel(name):
+            assert kt_ops.get_brgemm_bf16_kernel() == name
+    assert kt_ops.get_brgemm_bf16_kernel() == "auto"
+    with pytest.raises(ValueError, match=r"set_brgemm_bf16_kernel: name must be .*'AMX'"):
+        kt_ops.set_brgemm_bf16_kernel("AMX")
+    assert kt_ops.get_brgemm_bf16_kernel() == "auto"
+
+
+def test_brgemm_bf16_kernel_reported():
+    if not brgemm_runs():
+        pytest.skip("the bf16 brgemm path does not run here")
+    feats = kt_ops.info()["cpu_features"]
+    with kt_ops.use_compute_path("brgemm"):
+        with kt_ops.use_brgemm_bf16_kernel("onednn"):
+            assert kt_ops.compute_paths()["bf16"]["brgemm_kernel"] == "onednn/brgemm_bf16"
+        with kt_ops.use_brgemm_bf16_kernel("auto"):
+            want = "avx512_bf16/bf16_dp" if feats["avx512_bf16"] and not feats["amx"] else None
+            if want is not None:
+                assert kt_ops.compute_paths()["bf16"]["brgemm_kernel"] == want
+    assert kt_bf16_kernel_runs() == bool(feats["avx512_bf16"])
+
+
+@pytest.mark.parametrize(
+    "H,I,T,E", [(2048, 96, 90, 2), (130, 70, 150, 3), (33, 17, 61, 2), (96, 40, 400, 4)]
+)  # fmt: skip
+def test_kt_and_onednn_bf16_kernels_bit_identical(isa, H, I, T, E):  # noqa: E741
+    # Tokens per expert across the kt kernel's tiles (28 rows: 27, 28, 29,
+    # 56, 57, ... and > 64, oneDNN's call size); H = 2048 is the row stride
+    # that is a multiple of 4 KiB.
+    if not (brgemm_runs() and kt_bf16_kernel_runs()):
+        pytest.skip("needs the bf16 brgemm path and an AVX512_BF16 CPU")
+    experts = make_expert_weights(E, H, I, seed=H + T)
+    ids, w = make_routing(T, E, 2, seed=T)
+    x = make_hidden(T, H, seed=H)
+    outs = {}
+    for name in ("onednn", "kt"):
+        with kt_ops.use_brgemm_bf16_kernel(name):
+            outs[name] = check_path("brgemm", x, ids, w, experts)
+    assert torch.equal(outs["kt"], outs["onednn"])
+
+
+@pytest.mark.parametrize("m", [1, 2, 13, 27, 28, 29, 55, 56, 57, 84, 85, 113])
+def test_kt_bf16_kernel_tiles(isa, m):
+    # One expert with m tokens: every tile split of the kt kernel, 1/2/3 threads.
+    if not (brgemm_runs() and kt_bf16_kernel_runs()):
+        pytest.skip("needs the bf16 brgemm path and an AVX512_BF16 CPU")
+    H, I = 100, 36  # noqa: E741
+    experts = make_expert_weights(2, H, I, seed=m)
+    ids = torch.zeros(m, 1, dtype=torch.long)
+    w = torch.ones(m, 1)
+    x = make_hidden(m, H, torch.float32, seed=m)
+    with kt_ops.use_brgemm_bf16_kernel("onednn"):
+        want = run("brgemm", x, ids, w, experts)
+    with kt_ops.use_brgemm_bf16_kernel("kt"):
+        for n in THREAD_COUNTS:
+            kt_ops.set_num_threads(n)
+            got = check_path("brgemm", x, ids, w, experts)
+            assert torch.equal(got, want), f"{n} threads"
 
 
 # --------------------------------------------------------------------------

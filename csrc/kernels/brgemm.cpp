@@ -1,6 +1,7 @@
 #include "kernels/brgemm.h"
 
 #include <algorithm>
+#include <atomic>
 #include <exception>
 #include <mutex>
 #include <vector>
@@ -128,10 +129,26 @@ std::optional<formats::BrgemmIsa> runs(const formats::FormatRow& format, Isa isa
   return f.amx ? formats::BrgemmIsa::kAmx : formats::BrgemmIsa::kAvx512;
 }
 
+namespace {
+std::atomic<Bf16Kernel> g_bf16_kernel{Bf16Kernel::kAuto};
+}  // namespace
+
+void set_bf16_kernel(Bf16Kernel k) { g_bf16_kernel.store(k, std::memory_order_relaxed); }
+
+Bf16Kernel bf16_kernel_setting() { return g_bf16_kernel.load(std::memory_order_relaxed); }
+
+bool bf16_uses_kt_kernel() {
+  const Bf16Kernel k = bf16_kernel_setting();
+  if (k == Bf16Kernel::kOneDnn || avx512::bf16_dp_dot == nullptr) return false;
+  const runtime::CpuFeatures& f = runtime::cpu_features();
+  if (!f.avx512_bf16) return false;
+  return k == Bf16Kernel::kKt || !f.amx;  // AMX: oneDNN's tiles, unless forced
+}
+
 const char* kernel_name(const formats::FormatRow& format) {
   switch (kind(format)) {
     case Kind::kBf16:
-      return "onednn/brgemm_bf16";
+      return bf16_uses_kt_kernel() ? "avx512_bf16/bf16_dp" : "onednn/brgemm_bf16";
     case Kind::kU8S8:
       return "onednn/brgemm_u8s8";
     default:
@@ -140,6 +157,7 @@ const char* kernel_name(const formats::FormatRow& format) {
 }
 
 void bf16_dot(const DotArgs& a) {
+  if (bf16_uses_kt_kernel()) return avx512::bf16_dp_dot(a);
 #ifdef KT_HAVE_CPUBLAS_BRGEMM
   const int64_t k = 2 * formats::bf16_k_pairs(a.proj->k);  // even: the VNNI pairs
   const auto* xb = reinterpret_cast<const c10::BFloat16*>(a.xb);

@@ -58,6 +58,18 @@ std::optional<formats::BrgemmIsa> runs(const formats::FormatRow& format, Isa isa
 // nullptr when the format has no brgemm kernel.
 const char* kernel_name(const formats::FormatRow& format);
 
+// Which kernel computes the bf16 products of this path. kAuto: kt_ops' own
+// vdpbf16ps tile kernel (kernels/avx512/bf16_dp_avx512bf16.cpp, with software
+// prefetch of the weight stream) on CPUs with AVX512_BF16 and no AMX, oneDNN's
+// brgemm otherwise (AMX tiles where the CPU has them). kOneDnn / kKt force one
+// (kKt falls back to oneDNN where the CPU or the build lacks it), for tests
+// and benchmarks.
+enum class Bf16Kernel : uint8_t { kAuto, kOneDnn, kKt };
+void set_bf16_kernel(Bf16Kernel k);
+Bf16Kernel bf16_kernel_setting();
+// Whether bf16_dot runs kt_ops' kernel now (the setting resolved for this CPU).
+bool bf16_uses_kt_kernel();
+
 // DotArgs -> the dot products of its run of blocks with a.xb (bf16 rows).
 // Token tiles of at most kMaxTileRows rows, then one remainder tile: which
 // tile a token lands in depends only on m (bit-identical for any thread count).

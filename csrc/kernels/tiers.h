@@ -36,6 +36,11 @@ __attribute__((weak)) void brgemm_q8_fold(const int32_t* c, int nc, int rows,
                                           const uint8_t* const* xq, int64_t kp, int64_t chunk0,
                                           const void* scales, formats::ScaleType scale_type,
                                           int64_t group_size, float* out, int64_t ldo);
+
+// The bf16 tile kernel of the compute-bound path on AVX512_BF16 CPUs without
+// AMX (kernels/avx512/bf16_dp_avx512bf16.cpp, vdpbf16ps under a function-level
+// target); null when the avx512 tier or the compiler's avx512bf16 target is missing.
+__attribute__((weak)) void bf16_dp_dot(const DotArgs& a);
 }  // namespace avx512
 
 }  // namespace kt::kernels

@@ -31,8 +31,9 @@ struct Scratch {
   std::vector<float> h;      // [rows][Ip] SwiGLU outputs, zero padded
   std::vector<uint8_t> hq;   // [rows] q8 records of h
   std::vector<uint16_t> xt;  // [T][Hp] bf16 activations (brgemm experts' gate/up)
-  std::vector<uint16_t> hb;  // [rows][Ip] bf16 SwiGLU outputs (brgemm experts' down)
-  std::vector<float> y;      // [T*K][H] weighted expert outputs per slot
+  std::vector<uint16_t>
+      hb;                // [rows][bf16_row_stride(Ip)] bf16 SwiGLU outputs (brgemm experts' down)
+  std::vector<float> y;  // [T*K][H] weighted expert outputs per slot
   std::vector<const float*> x_rows;
   std::vector<const uint8_t*> xq_rows;
   std::vector<const float*> h_rows;
@@ -88,13 +89,21 @@ struct GatheredRows {
 thread_local GatheredRows t_gathered;
 std::atomic<uint64_t> g_call_counter{0};
 
+// Row stride of the bf16 A operands of the brgemm path (gathered rows, hb):
+// kp plus one 64-byte line, so that rows a multiple of 4 KiB apart (H = 2048)
+// do not all fall into one L1 set, where the up to 28 rows one tile
+// broadcasts from would evict each other at every k step.
+int64_t bf16_row_stride(int64_t kp) { return kp + 32; }
+
+// Row i of the result at rows + i * bf16_row_stride(Hp).
 const uint16_t* gathered_rows(uint64_t call, int64_t e, const uint16_t* xt, const int64_t* tokens,
                               int m, int64_t Hp) {
   GatheredRows& g = t_gathered;
   if (g.call != call || g.expert != e) {
-    grow(g.rows, static_cast<size_t>(m) * Hp);
+    const int64_t ld = bf16_row_stride(Hp);
+    grow(g.rows, static_cast<size_t>(m) * ld);
     for (int i = 0; i < m; ++i)
-      std::memcpy(g.rows.data() + i * Hp, xt + tokens[i] * Hp, Hp * sizeof(uint16_t));
+      std::memcpy(g.rows.data() + i * ld, xt + tokens[i] * Hp, Hp * sizeof(uint16_t));
     g.call = call;
     g.expert = e;
   }
@@ -299,7 +308,8 @@ void moe_forward_experts(const at::Tensor& hidden_states, const at::Tensor& topk
         to_bf16_row(s.x.data() + t * Hp, Hp, s.xt.data() + t * Hp);
     });
   }
-  if (down_brgemm) grow(s.hb, R * Ip);
+  const int64_t ld_hb = bf16_row_stride(Ip);
+  if (down_brgemm) grow(s.hb, R * ld_hb);
   for (int64_t r = 0; r < R; ++r) {
     const int64_t t = plan.row_token[r];
     s.x_rows[r] = s.x.data() + t * Hp;
@@ -307,7 +317,8 @@ void moe_forward_experts(const at::Tensor& hidden_states, const at::Tensor& topk
     s.h_rows[r] = s.h.data() + r * Ip;
     s.hq_rows[r] = down.q8 ? s.hq.data() + r * h_rec : nullptr;
     std::fill(s.h.data() + r * Ip + I, s.h.data() + (r + 1) * Ip, 0.0f);  // K padding of down
-    if (down_brgemm) std::fill(s.hb.data() + r * Ip + I, s.hb.data() + (r + 1) * Ip, uint16_t{0});
+    if (down_brgemm)
+      std::fill(s.hb.data() + r * ld_hb + I, s.hb.data() + r * ld_hb + Ip, uint16_t{0});
   }
 
   // NUMA placement (moe/numa_placement.h): one part unless several nodes.
@@ -326,15 +337,17 @@ void moe_forward_experts(const at::Tensor& hidden_states, const at::Tensor& topk
         const uint8_t* xu8 = gate.wants_xu8(m) || up.wants_xu8(m)
                                  ? gathered_u8_rows(call, 0, e, s.xq_rows.data() + r0, m, Hp)
                                  : nullptr;
-        gate.dot(e, nb, s.x_rows.data() + r0, s.xq_rows.data() + r0, xb, Hp, xu8, m,
+        const int64_t ld_xb = bf16_row_stride(Hp);
+        gate.dot(e, nb, s.x_rows.data() + r0, s.xq_rows.data() + r0, xb, ld_xb, xu8, m,
                  t_gate_out.data());
-        up.dot(e, nb, s.x_rows.data() + r0, s.xq_rows.data() + r0, xb, Hp, xu8, m, t_up_out.data());
+        up.dot(e, nb, s.x_rows.data() + r0, s.xq_rows.data() + r0, xb, ld_xb, xu8, m,
+               t_up_out.data());
         silu_mul(t_gate_out.data(), t_up_out.data(), m);
         const bool hb = down.wants_xb(m);
         for (int i = 0; i < m; ++i) {
           const float* g = t_gate_out.data() + i * kRows;
           std::copy(g, g + n_valid, s.h.data() + (r0 + i) * Ip + nb * kRows);
-          if (hb) to_bf16_row(g, n_valid, s.hb.data() + (r0 + i) * Ip + nb * kRows);
+          if (hb) to_bf16_row(g, n_valid, s.hb.data() + (r0 + i) * ld_hb + nb * kRows);
         }
       },
       release_brgemm);
@@ -349,11 +362,11 @@ void moe_forward_experts(const at::Tensor& hidden_states, const at::Tensor& topk
       [&](int64_t e, int64_t nb, int64_t r0, int m) {
         const int n_valid = static_cast<int>(std::min<int64_t>(kRows, H - nb * kRows));
         grow(t_gate_out, static_cast<size_t>(m) * kRows);
-        const uint16_t* hb = down_brgemm ? s.hb.data() + r0 * Ip : nullptr;  // brgemm experts' A
+        const uint16_t* hb = down_brgemm ? s.hb.data() + r0 * ld_hb : nullptr;  // brgemm experts' A
         const uint8_t* hu8 = down.wants_xu8(m)
                                  ? gathered_u8_rows(call, 1, e, s.hq_rows.data() + r0, m, Ip)
                                  : nullptr;
-        down.dot(e, nb, s.h_rows.data() + r0, s.hq_rows.data() + r0, hb, Ip, hu8, m,
+        down.dot(e, nb, s.h_rows.data() + r0, s.hq_rows.data() + r0, hb, ld_hb, hu8, m,
                  t_gate_out.data());
         for (int i = 0; i < m; ++i) {
           float* dst = y + plan.row_slot[r0 + i] * H + nb * kRows;

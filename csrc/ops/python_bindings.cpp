@@ -209,6 +209,24 @@ PYBIND11_MODULE(_C, m) {
         "kt_ops.set_compute_path: path must be 'auto', 'streaming' or 'brgemm', got '" + path +
         "'");
   });
+  m.def("set_brgemm_bf16_kernel", [](const std::string& name) {
+    using kt::kernels::brgemm::Bf16Kernel;
+    if (name == "auto") return kt::kernels::brgemm::set_bf16_kernel(Bf16Kernel::kAuto);
+    if (name == "onednn") return kt::kernels::brgemm::set_bf16_kernel(Bf16Kernel::kOneDnn);
+    if (name == "kt") return kt::kernels::brgemm::set_bf16_kernel(Bf16Kernel::kKt);
+    throw std::invalid_argument(
+        "kt_ops.set_brgemm_bf16_kernel: name must be 'auto', 'onednn' or 'kt', got '" + name + "'");
+  });
+  m.def("brgemm_bf16_kernel", [] {
+    switch (kt::kernels::brgemm::bf16_kernel_setting()) {
+      case kt::kernels::brgemm::Bf16Kernel::kOneDnn:
+        return std::string("onednn");
+      case kt::kernels::brgemm::Bf16Kernel::kKt:
+        return std::string("kt");
+      default:
+        return std::string("auto");
+    }
+  });
   m.def("compute_path", [] {
     switch (kt::moe::compute_path()) {
       case kt::moe::ComputePath::kStreaming:
