@@ -46,6 +46,9 @@ constexpr int kInt8BrgemmMinAvx512 = 16;
 constexpr BrgemmPolicy kInt8Brgemm = {{kInt8BrgemmMinAvx512, kInt8BrgemmMinAvx512}};
 constexpr int kQ80BrgemmMinAvx512 = 16;
 constexpr BrgemmPolicy kQ80Brgemm = {{kQ80BrgemmMinAvx512, kQ80BrgemmMinAvx512}};
+// fp8: PROVISIONAL (to be measured).
+constexpr int kFp8BrgemmMinAvx512 = 12;
+constexpr BrgemmPolicy kFp8Brgemm = {{kFp8BrgemmMinAvx512, kFp8BrgemmMinAvx512}};
 
 }  // namespace
 
@@ -79,7 +82,7 @@ const std::vector<FormatRow>& format_table() {
       {"int4", L::kQint, qint(4, false, false, 8.f), {32, 64, 128}, 128, S::kF16, Z::kOptional,
        A::kQ8, kNoFp32Path, kNoBrgemmPath, 4.125,
        "group-wise int4, symmetric or asymmetric (GPTQ/AWQ-style zero point)"},
-      {"fp8", L::kFp8, {}, {128}, 128, S::kF32, Z::kNever, A::kF32, kFp8Fp32Min, kNoBrgemmPath, 8.0,
+      {"fp8", L::kFp8, {}, {128}, 128, S::kF32, Z::kNever, A::kF32, kFp8Fp32Min, kFp8Brgemm, 8.0,
        "E4M3 (Micikevicius et al. 2022) with DeepSeek-V3 128x128 weight_scale_inv"},
       // OCP MX: E2M1 codes, one UE8M0 exponent per 32; kernel codes 2v + 12.
       {"mxfp4", L::kQint, qint(4, false, true, 12.f), {32}, 32, S::kE8M0, Z::kNever, A::kQ8,

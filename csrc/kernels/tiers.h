@@ -36,6 +36,13 @@ __attribute__((weak)) void brgemm_q8_fold(const int32_t* c, int nc, int rows,
                                           const uint8_t* const* xq, int64_t kp, int64_t chunk0,
                                           const void* scales, formats::ScaleType scale_type,
                                           int64_t group_size, float* out, int64_t ldo);
+// The fp8 brgemm path's decode (kernels/brgemm.h), AVX-512 code
+// (kernels/avx512/brgemm_fp8_avx512.cpp): a block's E4M3 codes [kp][16] times
+// its 128-k scales, rounded to bf16, in the VNNI layout [kp/2][16][2]; `next`
+// (or nullptr) is prefetched to L2 meanwhile.
+__attribute__((weak)) void fp8_to_bf16_vnni_scaled(const uint8_t* codes, int64_t kp,
+                                                   const float* scales, uint16_t* dst,
+                                                   const uint8_t* next);
 }  // namespace avx512
 
 }  // namespace kt::kernels
