@@ -121,7 +121,9 @@ std::optional<formats::BrgemmIsa> runs(const formats::FormatRow& format, Isa isa
   if (takes_bf16_rows(k) && !f.avx512_bf16 && !f.amx) return std::nullopt;  // emulated or refused
   if (k == Kind::kU8S8 && (!f.avx512_vnni && !f.amx)) return std::nullopt;
   if (k == Kind::kU8S8 && avx512::brgemm_q8_fold == nullptr) return std::nullopt;
-  if (k == Kind::kFp8Bf16 && avx512::fp8_to_bf16_vnni_scaled == nullptr) return std::nullopt;
+  // The fp8 decode rounds with vcvtne2ps2bf16 (AVX512_BF16), also on AMX CPUs.
+  if (k == Kind::kFp8Bf16 && (!f.avx512_bf16 || avx512::fp8_to_bf16_vnni_scaled == nullptr))
+    return std::nullopt;
 #ifdef KT_HAVE_CPUBLAS_BRGEMM
   if (!at::globalContext().userEnabledMkldnn()) return std::nullopt;
 #endif
