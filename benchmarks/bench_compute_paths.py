@@ -7,18 +7,23 @@ table (``brgemm_min_tokens``, docs/formats.md "Compute paths") come from this::
 
     python benchmarks/bench_compute_paths.py --tokens 1 2 3 4 6 8 12 16 32
     python benchmarks/bench_compute_paths.py --format int8 --tokens 4 8 12 16 24 32
+    python benchmarks/bench_compute_paths.py --format fp8 --tokens 2 4 8 12 16 32 64 --repeats 7
 
 For the q8 formats (int8, q8_0) the streaming side is timed twice: under the
 default activation mode (``'auto'``: q8 below the format's
 ``fp32_min_tokens``, the weight-only fp32 path from there) and pinned to
-``'q8'`` (the kernels whose results brgemm reproduces bit for bit).
+``'q8'`` (the kernels whose results brgemm reproduces bit for bit). For fp8
+the streaming side under ``'auto'`` is the in-register E4M3 kernel below its
+``fp32_min_tokens`` and the weight-only fp32 path from there.
 
 ``--layer T ...`` times a whole layer instead (Qwen3-30B-A3B shape: 128
 experts, top-8, seeded random routing; the packed tensors of 8 unique experts
 tiled to 128, as bench_formats.py does) and reports ms, GOP/s and the fraction
-of the int8 (or bf16) peak measured in the same run (machine_peaks.py)::
+of the int8 (or, for bf16 and fp8, the bf16) peak measured in the same run
+(machine_peaks.py)::
 
     python benchmarks/bench_compute_paths.py --format int8 --layer 128 512
+    python benchmarks/bench_compute_paths.py --format fp8 --layer 512
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from reference import make_expert_weights, make_hidden  # noqa: E402
 
 Q8_FORMATS = ("int8", "q8_0")
+#: Formats whose brgemm multiplies bf16 (fp8: decoded to bf16 tiles): the bf16 peak.
+BF16_BRGEMM_FORMATS = ("bf16", "fp8")
 
 
 def paths_for(fmt: str) -> tuple[tuple[str, str, str], ...]:
@@ -86,7 +93,7 @@ def layer_main(args) -> int:
     prev = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        if args.format == "bf16":
+        if args.format in BF16_BRGEMM_FORMATS:
             peak, unit = machine_peaks.measure_bf16_peak(), "bf16 GFLOP/s"
         else:
             peak, unit = machine_peaks.measure_int8_peak(), "int8 GOP/s"

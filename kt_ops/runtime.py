@@ -139,18 +139,20 @@ def set_compute_path(path: str) -> None:
     * ``'brgemm'``: oneDNN's brgemm ukernel (through libtorch's
       ``at::native::cpublas::brgemm``) on the packed weight blocks, at any
       token count, for the formats and CPUs on which oneDNN runs the product
-      (``bf16``: AVX-512 with AVX512_BF16, or AMX; ``int8`` and ``q8_0``:
-      AVX512_VNNI or AMX, with q8 activations; :func:`compute_paths` says
-      which); every other format and CPU keeps the streaming kernels. bf16
-      brgemm rounds the activations (and the SwiGLU outputs) to bf16 first;
-      the int8 / q8_0 brgemm (u8 x s8) gives the streaming q8 kernels'
-      results bit for bit.
+      (``bf16`` and ``fp8``: AVX-512 with AVX512_BF16, or AMX; ``int8`` and
+      ``q8_0``: AVX512_VNNI or AMX, with q8 activations; :func:`compute_paths`
+      says which); every other format and CPU keeps the streaming kernels.
+      bf16 brgemm rounds the activations (and the SwiGLU outputs) to bf16
+      first; fp8 decodes each block to bf16 with its scales folded in
+      (``bf16(e4m3 * scale)``: the weights are rounded to bf16 as well), then
+      runs the bf16 brgemm; the int8 / q8_0 brgemm (u8 x s8) gives the
+      streaming q8 kernels' results bit for bit.
     * ``'auto'`` (default): per expert and call, ``'brgemm'`` when the expert
       has at least the format's measured break-even token count on this CPU
       (``kt_ops.formats.format_spec(name).brgemm_min_tokens``;
-      docs/formats.md, "Compute paths"), else ``'streaming'``. For bf16 only
-      with bf16 activations: fp32 and fp16 ones stay on ``'streaming'``
-      (brgemm would round them to bf16).
+      docs/formats.md, "Compute paths"), else ``'streaming'``. For bf16 and
+      fp8 only with bf16 activations: fp32 and fp16 ones stay on
+      ``'streaming'`` (brgemm would round them to bf16).
 
     As with :func:`set_quant_activations`, the paths round differently, so
     under ``'auto'`` a token's output can depend on how many tokens share its

@@ -136,6 +136,7 @@ def reference_moe_forward(
     *,
     out_dtype: Optional[torch.dtype] = torch.float32,
     bf16_activations: bool = False,
+    bf16_weights: bool = False,
 ) -> Tensor:
     """Dense fp32 reference of ``kt_ops.moe_forward(hidden_states, ..., experts, lora)``.
 
@@ -159,7 +160,9 @@ def reference_moe_forward(
 
     ``bf16_activations=True`` rounds the activations and the SwiGLU outputs to
     bf16 before they are multiplied (what the bf16 brgemm path computes,
-    ``kt_ops.set_compute_path('brgemm')``).
+    ``kt_ops.set_compute_path('brgemm')``). ``bf16_weights=True`` also rounds
+    each projection's dequantized weights to bf16 (fp32 product, then round to
+    nearest even): what the fp8 brgemm multiplies (exact for bf16 weights).
     """
     T, H = hidden_states.shape
     if H != experts.hidden_size:
@@ -184,6 +187,8 @@ def reference_moe_forward(
         for e in torch.unique(ids[ids >= 0]).tolist():
             tok, slot = torch.nonzero(ids == e, as_tuple=True)
             wg, wu, wd = (dense_expert(p, e) for p in experts.projections)
+            if bf16_weights:
+                wg, wu, wd = (v.bfloat16().float() for v in (wg, wu, wd))
             xe = x[tok]
             h = torch.nn.functional.silu(project(xe, wg, "gate", e)) * project(xe, wu, "up", e)
             if bf16_activations:

@@ -11,8 +11,12 @@ torch without it), 'brgemm' must fall back to the streaming kernels bit for bit.
 
 int8 and q8_0 run on the u8s8 brgemm (q8 activations, K chunks of 32, the
 streaming kernels' fp32 fold): against the q8 reference (``reference_for``)
-and bit-identical to the streaming q8 kernels of the SIMD tiers (the last
-section).
+and bit-identical to the streaming q8 kernels of the SIMD tiers.
+
+fp8 runs on the bf16 brgemm with each block decoded to a bf16 tile, its scales
+folded in (W = bf16(e4m3 * scale)): against the reference with bf16-rounded
+activations and weights, and bit-identical to the bf16 brgemm on the
+bf16-rounded dequantized weights (the last section).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from reference import (
     TOL_BF16_BRGEMM,
     Tolerance,
     assert_matches_reference,
+    lora_weights_from,
     make_expert_weights,
     make_hidden,
     make_quant_experts,
@@ -42,6 +47,20 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 PATHS = ("streaming", "brgemm", "auto")
 #: The formats on the u8s8 brgemm kernel.
 Q8_BRGEMM_FORMATS = ("int8", "q8_0")
+#: Every format with a brgemm kernel, and its name.
+_FEATS = kt_ops.info()["cpu_features"]
+#: The kernel of each format's brgemm path where it runs: bf16 on kt_ops' own
+#: vdpbf16ps tiles on AVX512_BF16 CPUs without AMX (``set_brgemm_bf16_kernel``).
+BRGEMM_KERNELS = {
+    "bf16": (
+        "avx512_bf16/bf16_dp"
+        if _FEATS["avx512_bf16"] and not _FEATS.get("amx")
+        else "onednn/brgemm_bf16"
+    ),
+    "int8": "onednn/brgemm_u8s8",
+    "q8_0": "onednn/brgemm_u8s8",
+    "fp8": "onednn/brgemm_fp8_bf16",
+}
 
 #: 'auto' with experts on both paths, against the unrounded reference: the
 #: brgemm experts' bf16 activations (relative rounding 2^-9 per value).
@@ -154,8 +173,11 @@ def test_format_table_records_the_thresholds():
         spec = kt_ops.formats.format_spec(name)
         assert spec.brgemm_min_tokens_for("avx512") == 16
         assert spec.brgemm_min_tokens_for("amx") == 16
+    spec = kt_ops.formats.format_spec("fp8")  # fp8 on bf16 tiles, docs/formats.md
+    assert spec.brgemm_min_tokens_for("avx512") == 6
+    assert spec.brgemm_min_tokens_for("amx") == 6
     for name in kt_ops.formats.FORMATS:
-        if name not in ("bf16", *Q8_BRGEMM_FORMATS):  # no brgemm path yet: streaming
+        if name not in BRGEMM_KERNELS:  # no brgemm path yet: streaming
             assert dict(kt_ops.formats.format_spec(name).brgemm_min_tokens) == {
                 "avx512": None,
                 "amx": None,
@@ -167,7 +189,7 @@ def test_where_brgemm_runs(isa):
     with kt_ops.use_compute_path("brgemm"):
         paths = kt_ops.compute_paths()
     for name, p in paths.items():
-        if name not in ("bf16", *Q8_BRGEMM_FORMATS):
+        if name not in BRGEMM_KERNELS:
             assert p["brgemm_kernel"] is None
     expected_u8s8 = (
         kt_ops._C.brgemm_built()
@@ -185,9 +207,11 @@ def test_where_brgemm_runs(isa):
         and (feats["avx512_bf16"] or feats.get("amx", False))
         and torch.backends.mkldnn.is_available()
     )
-    assert (paths["bf16"]["brgemm_kernel"] is not None) == bool(expected)
-    if expected:
-        assert paths["bf16"]["brgemm_min_tokens"] == 1  # forced: at any token count
+    # Both on the bf16 brgemm path; fp8's decode rounds with AVX512_BF16 itself.
+    for name, runs in (("bf16", expected), ("fp8", expected and feats["avx512_bf16"])):
+        want = BRGEMM_KERNELS[name] if runs else None
+        assert paths[name]["brgemm_kernel"] == want
+        assert paths[name]["brgemm_min_tokens"] == (1 if runs else None)  # forced: any count
     with kt_ops.use_compute_path("streaming"):
         assert kt_ops.compute_paths()["bf16"]["brgemm_kernel"] is None
 
@@ -641,3 +665,215 @@ def test_onednn_limited_below_vnni_streams_int8(python_subprocess):
     proc = python_subprocess(code, env={"ONEDNN_MAX_CPU_ISA": "AVX512_CORE"})
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["None", "True"]
+
+
+# --------------------------------------------------------------------------
+# fp8: E4M3 decoded to bf16 tiles (scales folded in), then the bf16 brgemm
+# --------------------------------------------------------------------------
+
+#: (H, I): K not a multiple of 128 (H = 160, 2080: a partial last scale
+#: block; I = 200, 70, 17), N not a multiple of 16 or 128 (I = 200, 70, 17; H
+#: = 130, 33 for down).
+FP8_SHAPES = [(160, 96), (2080, 200), (130, 70), (33, 17), (256, 136)]
+#: Tokens per expert (top-1 routing, one expert each): none, 1, around the
+#: 'auto' threshold (6) and one 64-row call, and past two calls.
+FP8_COUNTS = [0, 1, 5, 6, 7, 11, 12, 13, 64, 65, 130]
+
+
+def fp8_min_tokens() -> int | None:
+    with kt_ops.use_compute_path("auto"):
+        return kt_ops.compute_paths()["fp8"]["brgemm_min_tokens"]
+
+
+def fp8_routing(counts: list[int], seed: int):
+    """Top-1 routing in which expert e gets exactly counts[e] tokens, shuffled."""
+    ids = torch.cat([torch.full((c,), e) for e, c in enumerate(counts)])
+    ids = ids[torch.randperm(ids.numel(), generator=torch.Generator().manual_seed(seed))]
+    T = ids.numel()
+    w = torch.rand(T, 1, generator=torch.Generator().manual_seed(seed)) + 0.5
+    return ids.view(T, 1), w
+
+
+def bf16_twin(experts: kt_ops.ExpertWeights) -> kt_ops.ExpertWeights:
+    """bf16 experts holding the fp8 experts' dequantized weights rounded to bf16."""
+    from reference import dense_expert
+
+    from kt_ops.formats import quantize_weights
+
+    def one(p):
+        dense = torch.stack([dense_expert(p, e) for e in range(p.weight.shape[0])])
+        return quantize_weights(dense.bfloat16().float(), "bf16")
+
+    return kt_ops.ExpertWeights(*(one(p) for p in experts.projections))
+
+
+def check_fp8(path: str, x, ids, w, experts):
+    """Run ``path`` on fp8 experts; check against the reference of what it computes."""
+    out = run(path, x, ids, w, experts)
+    assert out.dtype == x.dtype and out.shape == x.shape
+    if path == "brgemm" and brgemm_runs("fp8"):
+        ref = reference_moe_forward(x, ids, w, experts, bf16_activations=True, bf16_weights=True)
+        assert_matches_reference(out, ref, TOL_BF16_BRGEMM)
+    else:
+        assert quant_mismatch_report(out, reference_for(experts, x, ids, w)) is None
+    return out
+
+
+@pytest.mark.parametrize("path", ["streaming", "brgemm"])
+@pytest.mark.parametrize("H,I", FP8_SHAPES)
+def test_fp8_odd_sizes(isa, path, H, I):  # noqa: E741
+    E, K, T = 5, 2, 37
+    experts = make_quant_experts("fp8", E, H, I, seed=H * 100 + I)
+    ids, w = make_routing(T, E, K, seed=H + I)
+    for dtype in (torch.float32, torch.bfloat16):
+        check_fp8(path, make_hidden(T, H, dtype, seed=H), ids, w, experts)
+
+
+@pytest.mark.parametrize("act_dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_fp8_token_counts_per_expert(isa, act_dtype):
+    # Experts with 0, 1, 7, 8, ... 130 tokens: forced paths against their
+    # references, and 'auto' per expert: brgemm from the threshold for bf16
+    # activations only (fp32 / fp16 ones keep their precision on streaming).
+    experts = make_quant_experts("fp8", len(FP8_COUNTS), 160, 200, seed=21)
+    ids, w = fp8_routing(FP8_COUNTS, seed=21)
+    x = make_hidden(ids.shape[0], 160, act_dtype, seed=21)
+    outs = {path: check_fp8(path, x, ids, w, experts) for path in ("streaming", "brgemm")}
+    auto = run("auto", x, ids, w, experts)
+    min_tokens = fp8_min_tokens()
+    for e, c in enumerate(FP8_COUNTS):
+        rows = (ids[:, 0] == e).nonzero().flatten()
+        on_brgemm = (
+            brgemm_runs("fp8")
+            and act_dtype == torch.bfloat16
+            and min_tokens is not None
+            and c >= min_tokens
+        )
+        want = "brgemm" if on_brgemm else "streaming"
+        assert torch.equal(auto[rows], outs[want][rows]), (e, c, want)
+
+
+def test_fp8_brgemm_is_the_bf16_brgemm_of_the_rounded_weights(isa):
+    # The decoded tile is bf16(e4m3 * scale) in the bf16 block's layout: fp8
+    # on brgemm equals bf16 on brgemm with those weights, bit for bit.
+    if not brgemm_runs("fp8"):
+        pytest.skip("oneDNN's bf16 brgemm does not run fp8 on this ISA path / CPU / torch")
+    for H, I in FP8_SHAPES:  # noqa: E741
+        experts = make_quant_experts("fp8", 4, H, I, seed=H + I)
+        twin = bf16_twin(experts)
+        ids, w = fp8_routing([0, 3, 40, 70], seed=H)
+        for dtype in (torch.float32, torch.bfloat16):
+            x = make_hidden(ids.shape[0], H, dtype, seed=I)
+            assert torch.equal(run("brgemm", x, ids, w, experts), run("brgemm", x, ids, w, twin))
+
+
+def test_fp8_every_code_decodes_exactly(isa):
+    # All 254 finite E4M3 codes (subnormals, zeros, both signs, +-448), with a
+    # scale of 1 and one that is not a power of two: brgemm equals the bf16
+    # brgemm of bf16(float(code) * scale), bit for bit.
+    if not brgemm_runs("fp8"):
+        pytest.skip("oneDNN's bf16 brgemm does not run fp8 on this ISA path / CPU / torch")
+    from reference import dense_expert
+
+    from kt_ops.formats import PackedProjection, quantize_weights
+
+    finite = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    E, N, K = 1, 32, 256  # gate/up [N, K]: 2 blocks of 16 rows, 2 scale blocks along K
+    perm = torch.randperm(N * K, generator=torch.Generator().manual_seed(0))
+    w8 = finite.repeat(N * K // finite.numel() + 1)[: N * K][perm].view(N, K)
+    assert set(w8.flatten().tolist()) == set(finite.tolist())
+    scales = torch.tensor([[[1.0, 0.3]]])  # [E, ceil(N/128), ceil(K/128)]
+    packed = w8.view(E, N // 16, 16, K).transpose(2, 3).contiguous()  # [E, NB, Kp, 16]
+    proj = PackedProjection(packed, scales, None, "fp8", 128, N, K)
+    want = w8.view(torch.float8_e4m3fn).float() * torch.tensor([1.0, 0.3]).repeat_interleave(128)
+    assert torch.equal(dense_expert(proj, 0), want)  # the layout as the reference reads it
+    down = quantize_weights(torch.randn(E, K, N, generator=torch.Generator().manual_seed(1)), "fp8")
+    experts = kt_ops.ExpertWeights(proj, proj, down)
+    ids, w = fp8_routing([20], seed=4)
+    x = make_hidden(20, K, torch.bfloat16, seed=4) * 0.01  # |gate| << SiLU's range of exp overflow
+    out = run("brgemm", x, ids, w, experts)
+    assert torch.isfinite(out).all()
+    assert torch.equal(out, run("brgemm", x, ids, w, bf16_twin(experts)))
+
+
+@pytest.mark.parametrize("path", ["brgemm", "auto"])
+def test_fp8_thread_counts_bit_identical(isa, path):
+    E, H, I, K, T = 6, 2080, 200, 2, 150  # noqa: E741  (~50 tokens per expert, some past 64)
+    experts = make_quant_experts("fp8", E, H, I, seed=6)
+    ids, w = make_routing(T, E, K, seed=6)
+    x = make_hidden(T, H, torch.bfloat16, seed=6)
+    outs = {}
+    for n in THREAD_COUNTS:
+        kt_ops.set_num_threads(n)
+        outs[n] = run(path, x, ids, w, experts)
+    for n in THREAD_COUNTS:
+        assert torch.equal(outs[n], outs[THREAD_COUNTS[0]]), f"{n} threads differ"
+
+
+def test_fp8_info_reports_the_brgemm_kernel(isa):
+    report = kt_ops.info()["brgemm"]["fp8"]
+    if brgemm_runs("fp8"):
+        cls = "amx" if kt_ops.info()["cpu_features"].get("amx") else "avx512"
+        assert report == {
+            "brgemm_kernel": "onednn/brgemm_fp8_bf16",
+            "brgemm_min_tokens": kt_ops.formats.format_spec("fp8").brgemm_min_tokens_for(cls),
+        }
+        assert "onednn/brgemm_fp8_bf16" in format_info(kt_ops.info())
+    else:
+        assert report == {"brgemm_kernel": None, "brgemm_min_tokens": None}
+
+
+def test_fp8_brgemm_where_it_does_not_run_is_streaming(isa):
+    # Where oneDNN's bf16 brgemm does not run (AVX2 tiers, no AVX512_BF16,
+    # mkldnn off), forcing 'brgemm' streams fp8 bit for bit.
+    experts = make_quant_experts("fp8", 4, 160, 96, seed=8)
+    ids, w = make_routing(30, 4, 2, seed=8)
+    x = make_hidden(30, 160, seed=8)
+    want = run("streaming", x, ids, w, experts)
+    with torch.backends.mkldnn.flags(enabled=False):
+        assert torch.equal(run("brgemm", x, ids, w, experts), want)
+    if not brgemm_runs("fp8"):
+        assert torch.equal(run("brgemm", x, ids, w, experts), want)
+
+
+def test_fp8_mixed_with_bf16_and_int8_projections(isa):
+    # Per-projection formats: the three brgemm kernels in one call, each
+    # expert's bf16 rows shared by a bf16 and an fp8 projection.
+    experts = make_quant_experts("fp8,bf16,fp8", 4, 160, 96, seed=14)
+    ids, w = make_routing(60, 4, 2, seed=14)
+    x = make_hidden(60, 160, torch.bfloat16, seed=14)
+    out = run("brgemm", x, ids, w, experts)
+    if brgemm_runs("fp8"):
+        ref = reference_moe_forward(x, ids, w, experts, bf16_activations=True, bf16_weights=True)
+        assert_matches_reference(out, ref, TOL_BF16_BRGEMM)
+    mixed = make_quant_experts("int8,fp8,bf16", 4, 160, 96, seed=15)
+    for path in ("streaming", "brgemm"):
+        y = run(path, x, ids, w, mixed)
+        assert y.shape == x.shape and torch.isfinite(y).all()
+
+
+def test_fp8_lora_with_brgemm_forced(isa):
+    # With LoRA the base projections run on ATen from the dequantized weights
+    # (csrc/moe/moe_lora.cpp), whatever the compute path: fp8 base weights
+    # under 'brgemm' give the unrounded reference, forward and backward.
+    E, H, I, T, r = 4, 160, 96, 40, 4  # noqa: E741
+    experts = make_quant_experts("fp8", E, H, I, seed=16)
+    ids, w = make_routing(T, E, 2, seed=16)
+    g = torch.Generator().manual_seed(16)
+    dims = {"gate": (I, H), "up": (I, H), "down": (H, I)}
+    factors = {}
+    for proj, (n, k) in dims.items():
+        factors[f"{proj}_lora_a"] = torch.randn(E, r, k, generator=g) * 0.3 / k**0.5
+        factors[f"{proj}_lora_b"] = torch.randn(E, n, r, generator=g) * 0.3 / r**0.5
+    x = make_hidden(T, H, torch.float32, seed=16)
+    lora = lora_weights_from(factors)
+    outs = {}
+    for path in ("streaming", "brgemm"):
+        xg = x.clone().requires_grad_(True)
+        with kt_ops.use_compute_path(path):
+            out = kt_ops.moe_forward(xg, ids, w, experts, lora=lora)
+            out.sum().backward()
+        outs[path] = (out.detach(), xg.grad)
+    ref = reference_moe_forward(x, ids, w, experts, lora)
+    assert_matches_reference(outs["brgemm"][0], ref, TOL_BF16)
+    assert torch.equal(outs["brgemm"][0], outs["streaming"][0])
+    assert torch.equal(outs["brgemm"][1], outs["streaming"][1])

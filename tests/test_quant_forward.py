@@ -157,7 +157,7 @@ def check(x, ids, weights, w: kt_ops.ExpertWeights):
     out = run_op(x, ids, weights, w)
     assert out.dtype == x.dtype and out.shape == x.shape
     msg = quant_mismatch_report(out, reference_for(w, x, ids, weights))
-    assert msg is None, f"{w.weight_format} g{w.group_size}: {msg}"
+    assert msg is None, f"{w.weight_format}: {msg}"
     return out
 
 
@@ -324,7 +324,10 @@ def test_fp32_path_matches_the_unrounded_reference(qisa, v, T):
     w = layer(v)
     ids, weights = routing(T, seed=T)
     x = make_hidden(T, v.H, torch.bfloat16, seed=T)
-    with kt_ops.use_quant_activations("fp32"):
+    # Streaming pinned: under 'auto' fp8 experts with bf16 activations take
+    # the brgemm from its threshold, which rounds the weights to bf16
+    # (tests/test_compute_paths.py checks that path).
+    with kt_ops.use_quant_activations("fp32"), kt_ops.use_compute_path("streaming"):
         out = check(x, ids, weights, w)  # reference_for follows the mode: no q8 rounding
     ref = reference_quant_moe_forward(x, ids, weights, *dense_weights(w), activation="fp32")
     assert quant_mismatch_report(out, ref) is None

@@ -103,6 +103,7 @@ bool built() {
 
 Kind kind(const formats::FormatRow& format) {
   if (format.layout == formats::Layout::kBf16) return Kind::kBf16;
+  if (format.layout == formats::Layout::kFp8) return Kind::kFp8Bf16;
   const formats::QintFormat& q = format.qint;
   if (format.layout == formats::Layout::kQint && q.bits == 8 && q.is_signed && !q.lut_e2m1 &&
       format.zeros == formats::ZeroPolicy::kNever && format.activation == formats::ActType::kQ8)
@@ -118,13 +119,16 @@ std::optional<formats::BrgemmIsa> runs(const formats::FormatRow& format, Isa isa
   static const Isa kAvx512 = parse_isa("avx512");
   if (isa < kAvx512) return std::nullopt;
   const runtime::CpuFeatures& f = runtime::cpu_features();
-  if (k == Kind::kBf16 && !f.avx512_bf16 && !f.amx) return std::nullopt;  // emulated or refused
+  if (takes_bf16_rows(k) && !f.avx512_bf16 && !f.amx) return std::nullopt;  // emulated or refused
   if (k == Kind::kU8S8 && (!f.avx512_vnni && !f.amx)) return std::nullopt;
   if (k == Kind::kU8S8 && avx512::brgemm_q8_fold == nullptr) return std::nullopt;
+  // The fp8 decode rounds with vcvtne2ps2bf16 (AVX512_BF16), also on AMX CPUs.
+  if (k == Kind::kFp8Bf16 && (!f.avx512_bf16 || avx512::fp8_to_bf16_vnni_scaled == nullptr))
+    return std::nullopt;
 #ifdef KT_HAVE_CPUBLAS_BRGEMM
   if (!at::globalContext().userEnabledMkldnn()) return std::nullopt;
 #endif
-  if (k == Kind::kBf16 && !bf16_probed_ok()) return std::nullopt;
+  if (takes_bf16_rows(k) && !bf16_probed_ok()) return std::nullopt;
   if (k == Kind::kU8S8 && !u8s8_probed_ok()) return std::nullopt;
   return f.amx ? formats::BrgemmIsa::kAmx : formats::BrgemmIsa::kAvx512;
 }
@@ -151,6 +155,8 @@ const char* kernel_name(const formats::FormatRow& format) {
       return bf16_uses_kt_kernel() ? "avx512_bf16/bf16_dp" : "onednn/brgemm_bf16";
     case Kind::kU8S8:
       return "onednn/brgemm_u8s8";
+    case Kind::kFp8Bf16:
+      return "onednn/brgemm_fp8_bf16";
     default:
       return nullptr;
   }
@@ -218,6 +224,27 @@ void u8s8_dot(const DotArgs& a) {
         avx512::brgemm_q8_fold(c.data(), nc, rows, a.xq + i, kp, c0, blk.scales, p.qint.scale_type,
                                p.qint.group_size, out, blk.ldo);
       }
+    }
+  }
+#endif
+}
+
+void fp8_dot(const DotArgs& a) {
+#ifdef KT_HAVE_CPUBLAS_BRGEMM
+  const int64_t kp = a.proj->kp;  // multiple of 32, zero codes and zero activations past k
+  const auto* xb = reinterpret_cast<const c10::BFloat16*>(a.xb);
+  thread_local std::vector<uint16_t> tile;  // one decoded block [kp/2][16][2]: 64 KiB at K = 2048
+  tile.resize(static_cast<size_t>(kp) * 16);
+  const auto* w = reinterpret_cast<const c10::BFloat16*>(tile.data());
+  for (int64_t nb = a.nb_begin; nb < a.nb_end; ++nb) {
+    const Fp8Block blk = fp8_block(a, nb);
+    // The next block in memory: the driver's next task is usually (expert, nb + 1).
+    avx512::fp8_to_bf16_vnni_scaled(blk.block, kp, blk.scales, tile.data(),
+                                    blk.block + a.proj->block_bytes);
+    for (int i = 0; i < a.m; i += kMaxTileRows) {
+      const int rows = std::min(kMaxTileRows, a.m - i);
+      at::native::cpublas::brgemm(rows, 16, kp, a.ldxb, 16, blk.ldo, false, xb + i * a.ldxb, w,
+                                  blk.out + i * blk.ldo, true);
     }
   }
 #endif

@@ -22,6 +22,21 @@
 // in K order), so the result is bit-identical to the avx2 / avx512 /
 // avx512_vnni q8 kernels.
 //
+// fp8 (E4M3, 128x128 block scales; bf16 x bf16 -> fp32): each 16-row block
+// is decoded once per task, on the calling thread, to a bf16 tile in brgemm's
+// VNNI B layout [kp/2][16][2] (the bf16 block's layout; 64 KiB at K = 2048,
+// stays in L2) with the scales folded in: W = bf16(fp32(e4m3 * scale)), the
+// bits of dequantizing in fp32 and rounding to bf16
+// (kernels/avx512/brgemm_fp8_avx512.cpp). Then the bf16 path: one full-K call
+// per token tile with the bf16 activation rows (DotArgs::xb), C the fp32 dot
+// products. So the fp8 brgemm computes bit for bit what the bf16 brgemm
+// computes on the bf16-rounded dequantized weights, and the weights carry one
+// extra bf16 rounding (relative 2^-9) on top of the activations' (measured
+// error against the dense fp32 reference: docs/formats.md "Compute paths").
+// The exact alternative, one call per 128-k scale chunk with the scale applied
+// to its fp32 sums, measured 2.1x slower at T = 512 (N = 16 x K = 128 calls
+// run at about half of brgemm's full-K rate), so it is not kept.
+//
 // Built only against a torch whose CPUBlas.h declares the bf16 brgemm
 // (cmake/torch.cmake defines KT_HAVE_CPUBLAS_BRGEMM); otherwise available()
 // is false and the streaming kernels run everywhere.
@@ -41,15 +56,19 @@ bool built();
 // Which brgemm kernel a format's products can take.
 enum class Kind : uint8_t {
   kNone,
-  kBf16,  // bf16 x bf16 -> fp32 (layout kBf16)
-  kU8S8,  // u8 x s8 -> s32 with q8 activations (8-bit signed qint: int8, q8_0)
+  kBf16,     // bf16 x bf16 -> fp32 (layout kBf16)
+  kU8S8,     // u8 x s8 -> s32 with q8 activations (8-bit signed qint: int8, q8_0)
+  kFp8Bf16,  // E4M3 x scale decoded to bf16 tiles, then bf16 x bf16 -> fp32 (layout kFp8)
 };
+
+// Whether a kind's A operand is the bf16 activation rows (DotArgs::xb).
+inline bool takes_bf16_rows(Kind k) { return k == Kind::kBf16 || k == Kind::kFp8Bf16; }
 Kind kind(const formats::FormatRow& format);
 
 // The CPU class on which oneDNN runs `format`'s brgemm natively while kt_ops
 // runs on tier `isa`, or nullopt: no brgemm for that format (not built, not a
 // format with a brgemm kernel, a tier below AVX-512, a CPU without
-// AVX512_BF16 (bf16) / AVX512_VNNI (u8s8), oneDNN disabled with
+// AVX512_BF16 (bf16, fp8) / AVX512_VNNI (u8s8), oneDNN disabled with
 // torch.backends.mkldnn, or oneDNN refused a probe call). The probes run once
 // per process and type; the rest is checked per call.
 std::optional<formats::BrgemmIsa> runs(const formats::FormatRow& format, Isa isa);
@@ -98,6 +117,11 @@ inline int64_t u8s8_rows(int m) { return m + (m + kMaxTileRows - 1) / kMaxTileRo
 // 1][32] (lda = 32: a call's A is one contiguous run, where rows kp bytes
 // apart would fall into few L1 sets).
 void gather_u8s8_rows(const uint8_t* const* records, int m, int64_t kp, uint8_t* dst);
+
+// fp8: DotArgs -> the dot products of its run of blocks with a.xb (bf16
+// rows, as bf16_dot). Per block: decoded once (scales folded, rounded to
+// bf16), then the token tiles of bf16_dot (kMaxTileRows rows per call).
+void fp8_dot(const DotArgs& a);
 
 // Releases the calling thread's brgemm hardware context (AMX tile
 // configuration): once after each thread's tile loop.

@@ -41,6 +41,14 @@ __attribute__((weak)) void brgemm_q8_fold(const int32_t* c, int nc, int rows,
 // AMX (kernels/avx512/bf16_dp_avx512bf16.cpp, vdpbf16ps under a function-level
 // target); null when the avx512 tier or the compiler's avx512bf16 target is missing.
 __attribute__((weak)) void bf16_dp_dot(const DotArgs& a);
+
+// The fp8 brgemm path's decode (kernels/brgemm.h), AVX-512 code
+// (kernels/avx512/brgemm_fp8_avx512.cpp): a block's E4M3 codes [kp][16] times
+// its 128-k scales, rounded to bf16, in the VNNI layout [kp/2][16][2]; `next`
+// (or nullptr) is prefetched to L2 meanwhile.
+__attribute__((weak)) void fp8_to_bf16_vnni_scaled(const uint8_t* codes, int64_t kp,
+                                                   const float* scales, uint16_t* dst,
+                                                   const uint8_t* next);
 }  // namespace avx512
 
 }  // namespace kt::kernels

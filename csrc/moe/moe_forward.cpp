@@ -163,14 +163,14 @@ struct ProjectionPlan {
   int fp32_min;                // experts with at least this many rows take dot_fp32
   bool q8;                     // some expert may take the q8 kernel: q8 records are needed
   int brgemm_min;              // experts with at least this many rows take brgemm
-  kernels::brgemm::Kind kind;  // which brgemm kernel: bf16 rows xb, or u8s8 rows xu8
+  kernels::brgemm::Kind kind;  // which brgemm kernel: bf16 rows xb (bf16, fp8), or u8s8 rows xu8
 
   bool brgemm(int m) const { return m >= brgemm_min; }
   // Whether an expert of m rows needs the bf16 rows xb / the u8 rows xu8.
-  bool wants_xb(int m) const { return kind == kernels::brgemm::Kind::kBf16 && brgemm(m); }
+  bool wants_xb(int m) const { return kernels::brgemm::takes_bf16_rows(kind) && brgemm(m); }
   bool wants_xu8(int m) const { return kind == kernels::brgemm::Kind::kU8S8 && brgemm(m); }
   int bf16_min() const {
-    return kind == kernels::brgemm::Kind::kBf16 ? brgemm_min : formats::kNoBrgemm;
+    return kernels::brgemm::takes_bf16_rows(kind) ? brgemm_min : formats::kNoBrgemm;
   }
 
   void dot(int64_t e, int64_t nb, const float* const* x, const uint8_t* const* xq,
@@ -184,7 +184,10 @@ struct ProjectionPlan {
       } else {
         args.xb = xb;
         args.ldxb = ldxb;
-        kernels::brgemm::bf16_dot(args);
+        if (kind == kernels::brgemm::Kind::kFp8Bf16)
+          kernels::brgemm::fp8_dot(args);
+        else
+          kernels::brgemm::bf16_dot(args);
       }
     } else if (m >= fp32_min) {
       grow(t_block, static_cast<size_t>(kRows) * view->kp);  // the block decoded to fp32
@@ -197,9 +200,10 @@ struct ProjectionPlan {
 };
 
 // brgemm_min: brgemm_min_tokens() of the projection's format, or kNoBrgemm
-// for this call. Under 'auto' brgemm takes bf16 activations (bf16 brgemm
-// rounds fp32/fp16 ones) and any activations for the u8s8 kernel (the same
-// q8 records and results as the streaming q8 kernels).
+// for this call. Under 'auto' the bf16-row kernels (bf16, fp8) take bf16
+// activations only (they round fp32/fp16 ones to bf16) and the u8s8 kernel
+// any activations (the same q8 records and results as the streaming q8
+// kernels).
 ProjectionPlan plan_projection(const Projection& p, kernels::Isa isa, QuantActivations mode,
                                ComputePath path, bool bf16_activations) {
   const kernels::ProjectionKernels& k = kernels::projection_kernels(p.format->layout, isa);
@@ -260,10 +264,11 @@ void moe_forward_experts(const at::Tensor& hidden_states, const at::Tensor& topk
   const int64_t R = plan.num_rows();
 
   const QuantActivations mode = quant_activations();
-  // 'auto' takes brgemm only for bf16 activations, which it multiplies exactly
-  // (the SwiGLU outputs are rounded to bf16, as in torch's bf16 expert MLP);
-  // fp32 and fp16 activations keep their precision on the streaming kernels
-  // unless 'brgemm' is forced.
+  // 'auto' takes the bf16-row brgemm kernels (bf16 weights, and fp8 decoded
+  // to bf16 tiles) only for bf16 activations, which they multiply exactly (the
+  // SwiGLU outputs are rounded to bf16, as in torch's bf16 expert MLP); fp32
+  // and fp16 activations keep their precision on the streaming kernels unless
+  // 'brgemm' is forced.
   const ComputePath path = compute_path();
   const bool bf16_act = hidden_states.scalar_type() == at::kBFloat16;
   const ProjectionPlan gate = plan_projection(layer.gate, isa, mode, path, bf16_act);

@@ -32,8 +32,8 @@ QuantActivations quant_activations();
 //               which it runs (kernels::brgemm::runs); the others stream;
 //   kAuto:      kBrgemm for experts with at least the format row's
 //               brgemm.min_tokens for this CPU class, else kStreaming; bf16
-//               only for bf16 activations (fp32 / fp16 activations stream:
-//               bf16 brgemm would round them); the u8s8 kernel (int8, q8_0)
+//               and fp8 only for bf16 activations (fp32 / fp16 activations
+//               stream: bf16 brgemm would round them); the u8s8 kernel (int8, q8_0)
 //               for any activations (it reproduces the q8 kernels' bits).
 // The u8s8 kernel needs q8 activations: never under QuantActivations::kFp32.
 // Process-wide; kAuto by default.
