@@ -27,14 +27,18 @@ constexpr int kInt8Fp32Min = 16;
 
 // Formats without a brgemm path (yet): always the streaming kernels.
 constexpr BrgemmPolicy kNoBrgemmPath = {{kNoBrgemm, kNoBrgemm}};
-// bf16 x bf16 -> fp32 brgemm against the streaming fp32-FMA kernel, tokens per
-// expert (benchmarks/bench_compute_paths.py, docs/formats.md "Compute paths"):
-// on Zen 4 (AVX512_BF16, 2 threads, H=2048, I=768) both are bound by the
-// weight stream up to ~10 tokens (brgemm/streaming 1.00-1.08), brgemm wins
-// from 12 (0.93-0.97), 16 (0.83-0.85), 32 (0.77). AMX not measured (no AMX
-// host): the AVX-512 value.
-constexpr int kBf16BrgemmMinAvx512 = 12;
-constexpr BrgemmPolicy kBf16Brgemm = {{kBf16BrgemmMinAvx512, kBf16BrgemmMinAvx512}};
+// bf16 x bf16 -> fp32 on the brgemm path against the streaming fp32-FMA
+// kernel, tokens per expert (benchmarks/bench_compute_paths.py, docs/formats.md
+// "Compute paths"), Zen 4 (AVX512_BF16, 2 threads, H=2048, I=768). AVX512_BF16
+// without AMX runs kt_ops' own vdpbf16ps tiles (kernels/avx512/
+// bf16_dp_avx512bf16.cpp): brgemm/streaming 0.94-0.98 (4), 0.72-0.98 (6),
+// 0.76-0.87 (8), 0.69-0.72 (10), 0.64 (32). On oneDNN's brgemm (the AMX
+// class's kernel; AMX itself not measured, no AMX host) both were bound by
+// the weight stream up to ~10 tokens (1.00-1.08), brgemm won from 12
+// (0.93-0.97), 16 (0.83-0.85), 32 (0.77).
+constexpr int kBf16BrgemmMinAvx512 = 8;
+constexpr int kBf16BrgemmMinAmx = 12;
+constexpr BrgemmPolicy kBf16Brgemm = {{kBf16BrgemmMinAvx512, kBf16BrgemmMinAmx}};
 // u8 x s8 -> s32 brgemm (q8 activations, K chunks of 32, bit-identical to the
 // streaming q8 kernels) against the streaming kernels under 'auto' (q8 below
 // fp32_min_tokens, the weight-only fp32 path from there), tokens per expert,
