@@ -207,7 +207,7 @@ ProjectionPlan plan_projection(const Projection& p, kernels::Isa isa, QuantActiv
   int fp32_min = formats::kNoFp32Path;
   if (k.dot_fp32 != nullptr) {
     if (mode == QuantActivations::kFp32) fp32_min = 1;
-    if (mode == QuantActivations::kAuto) fp32_min = p.format->fp32_min_tokens;
+    if (mode == QuantActivations::kAuto) fp32_min = fp32_min_tokens(*p.format, isa);
   }
   const bool q8 = p.format->activation == formats::ActType::kQ8 && fp32_min > 1;
   const kernels::brgemm::Kind kind = kernels::brgemm::kind(*p.format);
@@ -243,6 +243,13 @@ void set_quant_activations(QuantActivations mode) { g_quant_activations.store(mo
 QuantActivations quant_activations() { return g_quant_activations.load(); }
 void set_compute_path(ComputePath path) { g_compute_path.store(path); }
 ComputePath compute_path() { return g_compute_path.load(); }
+
+int fp32_min_tokens(const formats::FormatRow& format, kernels::Isa isa) {
+  const kernels::ProjectionKernels& k = kernels::projection_kernels(format.layout, isa);
+  if (k.dot_fp32 == nullptr) return formats::kNoFp32Path;
+  return format.fp32_min_tokens.min(k.u8_codes ? formats::Fp32Class::kVnni
+                                               : formats::Fp32Class::kBase);
+}
 
 int brgemm_min_tokens(const formats::FormatRow& format, kernels::Isa isa) {
   const ComputePath path = compute_path();
