@@ -10,11 +10,12 @@ table (``brgemm_min_tokens``, docs/formats.md "Compute paths") come from this::
     python benchmarks/bench_compute_paths.py --format fp8 --tokens 2 4 8 12 16 32 64 --repeats 7
 
 For the q8 formats (int8, q8_0) the streaming side is timed twice: under the
-default activation mode (``'auto'``: q8 below the format's
-``fp32_min_tokens``, the weight-only fp32 path from there) and pinned to
-``'q8'`` (the kernels whose results brgemm reproduces bit for bit). For fp8
-the streaming side under ``'auto'`` is the in-register E4M3 kernel below its
-``fp32_min_tokens`` and the weight-only fp32 path from there.
+default activation mode (``'auto'``: q8 below the format's fp32 threshold on
+the active tier, ``kt_ops.quant_fp32_min_tokens``, the weight-only fp32 path
+from there; never on avx512_vnni) and pinned to ``'q8'`` (the kernels whose
+results brgemm reproduces bit for bit).
+For fp8 the streaming side under ``'auto'`` is the in-register E4M3 kernel
+below its ``fp32_min_tokens`` and the weight-only fp32 path from there.
 
 ``--layer T ...`` times a whole layer instead (Qwen3-30B-A3B shape: 128
 experts, top-8, seeded random routing; the packed tensors of 8 unique experts
@@ -140,7 +141,8 @@ def main() -> int:
     E, H, I = args.experts, args.hidden, args.intermediate  # noqa: E741
     experts = make_expert_weights(E, H, I, weight_format=args.format)
     sides = paths_for(args.format)
-    brg = kt_ops.compute_paths()[args.format]["brgemm_kernel"]
+    with kt_ops.use_compute_path("brgemm"):  # the kernel that forced 'brgemm' runs
+        brg = kt_ops.compute_paths()[args.format]["brgemm_kernel"]
     print(
         f"# {args.format} H={H} I={I}, {E} experts all hit, isa {kt_ops.active_isa()}, "
         f"{kt_ops.get_num_threads()} threads, brgemm kernel {brg}"

@@ -104,16 +104,20 @@ def get_quant_activations() -> str:
     return _C.quant_activations()
 
 
-def quant_fp32_min_tokens(weight_format: str) -> Optional[int]:
+def quant_fp32_min_tokens(weight_format: str, isa: Optional[str] = None) -> Optional[int]:
     """Tokens per expert from which ``'auto'`` takes the ``'fp32'`` path for ``weight_format``.
 
-    ``None`` when ``'auto'`` always takes ``'q8'`` (4/5/6-bit formats, and
-    ``bf16``, which has one path). The thresholds are measured break-evens
-    (docs/formats.md, "Compute paths"). Raises ``ValueError`` for an unknown format.
+    On ISA path ``isa`` (default: the active one): the thresholds depend on
+    the tier's kernels (``FormatSpec.fp32_min_tokens`` /
+    ``fp32_min_tokens_vnni``). ``None`` when ``'auto'`` always takes ``'q8'``
+    (4/5/6-bit formats; int8 and q8_0 on ``avx512_vnni``; ``bf16``, which has
+    one path). The thresholds are measured break-evens (docs/formats.md,
+    "Compute paths"). Raises ``ValueError`` for an unknown format or ISA path.
     """
     from kt_ops.formats import format_spec
 
-    return format_spec(str(weight_format)).fp32_min_tokens
+    name = format_spec(str(weight_format)).name
+    return _C.fp32_min_tokens(name, _C.active_isa() if isa is None else str(isa))
 
 
 @contextlib.contextmanager

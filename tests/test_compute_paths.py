@@ -21,6 +21,8 @@ bf16-rounded dequantized weights (the last section).
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from reference import (
@@ -171,7 +173,8 @@ def test_format_table_records_the_thresholds():
         spec.brgemm_min_tokens_for("avx2")
     for name in Q8_BRGEMM_FORMATS:  # u8s8 brgemm, docs/formats.md "Compute paths"
         spec = kt_ops.formats.format_spec(name)
-        assert spec.brgemm_min_tokens_for("avx512") == 16
+        # The VNNI streaming kernel wins at every count measured; AMX not measured.
+        assert spec.brgemm_min_tokens_for("avx512") is None
         assert spec.brgemm_min_tokens_for("amx") == 16
     spec = kt_ops.formats.format_spec("fp8")  # fp8 on bf16 tiles, docs/formats.md
     assert spec.brgemm_min_tokens_for("avx512") == 6
@@ -877,3 +880,148 @@ def test_fp8_lora_with_brgemm_forced(isa):
     assert_matches_reference(outs["brgemm"][0], ref, TOL_BF16)
     assert torch.equal(outs["brgemm"][0], outs["streaming"][0])
     assert torch.equal(outs["brgemm"][1], outs["streaming"][1])
+
+
+# --------------------------------------------------------------------------
+# int8 and q8_0 on the avx512_vnni streaming kernel: u8 activations
+# --------------------------------------------------------------------------
+# The VNNI tier multiplies 8-bit signed codes with the q8 codes shifted to u8
+# (vpdpbusd u8 x s8, minus 128 * sum w per row and fold unit; qint_tiles.h,
+# qint8_u8_block_dot), in K chunks of 512; the other tiers use the sign trick.
+# Both sum exactly in int32 and fold the same way: bit-identical to avx2.
+
+#: Tokens per expert (top-1 routing): single tokens, the 8-token tile and its
+#: remainders, several tiles.
+U8_COUNTS = (1, 2, 3, 7, 8, 9, 17, 64, 65)
+#: (format, H, I): K (H for gate/up, I for down) not a multiple of 64 / 128 /
+#: the 512 chunk, N (I, and H for down) not a multiple of 16 where the format
+#: allows it (q8_0 needs K in multiples of 32).
+U8_SHAPES = [
+    ("int8", 96, 40),
+    ("int8", 160, 50),
+    ("int8", 2080, 24),
+    ("int8", 50, 600),
+    ("q8_0", 96, 64),
+    ("q8_0", 160, 32),
+    ("q8_0", 2080, 96),
+]
+
+
+def needs_vnni_and_avx2():
+    missing = {"avx512_vnni", "avx2"} - set(kt_ops.supported_isas())
+    if missing:
+        pytest.skip(f"this CPU / build has no {sorted(missing)} path")
+
+
+def counts_routing(counts, seed: int):
+    """Top-1 ids giving expert e exactly counts[e] tokens (shuffled), and weights."""
+    ids = torch.cat([torch.full((c,), e) for e, c in enumerate(counts)])
+    g = torch.Generator().manual_seed(seed)
+    ids = ids[torch.randperm(ids.numel(), generator=g)].view(-1, 1)
+    w = torch.rand(ids.shape[0], 1, generator=g) + 0.5
+    return ids, w
+
+
+def streaming_q8_on(run_on_isa, isa: str, x, ids, w, experts):
+    return run_on_isa(isa, lambda: streaming_q8(x, ids, w, experts))
+
+
+@pytest.mark.parametrize("fmt,H,I", U8_SHAPES)
+def test_vnni_8bit_u8_kernel_matches_avx2_and_reference(run_on_isa, fmt, H, I):  # noqa: E741
+    needs_vnni_and_avx2()
+    experts = make_quant_experts(fmt, len(U8_COUNTS), H, I, seed=H + I)
+    ids, w = counts_routing(U8_COUNTS, seed=H)
+    x = make_hidden(ids.shape[0], H, torch.float32, seed=I)
+    got = streaming_q8_on(run_on_isa, "avx512_vnni", x, ids, w, experts)
+    want = streaming_q8_on(run_on_isa, "avx2", x, ids, w, experts)
+    with kt_ops.use_quant_activations("q8"):
+        ref = reference_for(experts, x, ids, w)
+    msg = quant_mismatch_report(got, ref)
+    assert msg is None, f"{fmt} H={H} I={I}: {msg}"
+    assert torch.equal(got, want)
+    # The same rows on their own: a token's result does not depend on the tile
+    # it lands in (m = 1 and 3 here against its place in a 65-token expert).
+    big = (ids[:, 0] == len(U8_COUNTS) - 1).nonzero().flatten()
+    for rows in (big[:1], big[:3]):
+        one = streaming_q8_on(run_on_isa, "avx512_vnni", x[rows], ids[rows], w[rows], experts)
+        assert torch.equal(one, got[rows])
+
+
+def sign_pattern(kind: str, shape, seed: int) -> torch.Tensor:
+    if kind == "plus":
+        return torch.ones(shape)
+    if kind == "minus":
+        return -torch.ones(shape)
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 2, shape, generator=g).float() * 2 - 1
+
+
+@pytest.mark.parametrize("fmt", Q8_BRGEMM_FORMATS)
+@pytest.mark.parametrize(
+    "w_kind,x_kind", [("random", "random"), ("plus", "plus"), ("minus", "plus"), ("plus", "minus")]
+)
+def test_vnni_8bit_u8_kernel_extreme_codes(run_on_isa, fmt, w_kind, x_kind):
+    # Codes -127 / 127 everywhere (weights of +-1 with per-row or per-32 scales)
+    # and activations at +-max (q8 codes +-127, shifted: 1 / 255): the largest
+    # int32 partial sums either way; no overflow, the same bits as avx2.
+    needs_vnni_and_avx2()
+    from kt_ops.formats import quantize_weights
+
+    E, H, I = 4, 2080, 96  # noqa: E741
+    # gate . x = +H where x is constant, so that SwiGLU does not vanish.
+    dense = [
+        sign_pattern(w_kind if x_kind == "random" else x_kind, (E, I, H), 1),
+        sign_pattern(w_kind, (E, I, H), 2),
+        sign_pattern(w_kind, (E, H, I), 3),
+    ]
+    packed = [quantize_weights(d, fmt) for d in dense]
+    codes = packed[0].weight.view(torch.int8)
+    assert (
+        int(codes.abs().min()) == 127
+    )  # every code at the extreme (K padding aside: 2080 % 32 == 0)
+    experts = kt_ops.ExpertWeights(*packed)
+    ids, w = counts_routing((1, 9, 17, 65), seed=5)
+    x = sign_pattern(x_kind, (ids.shape[0], H), 4)
+    got = streaming_q8_on(run_on_isa, "avx512_vnni", x, ids, w, experts)
+    want = streaming_q8_on(run_on_isa, "avx2", x, ids, w, experts)
+    assert torch.equal(got, want)
+    with kt_ops.use_quant_activations("q8"):
+        ref = reference_for(experts, x, ids, w)
+    msg = quant_mismatch_report(got, ref)
+    assert msg is None, f"{fmt} {w_kind}/{x_kind}: {msg}"
+
+
+@pytest.mark.parametrize("fmt", Q8_BRGEMM_FORMATS)
+def test_vnni_8bit_u8_kernel_thread_counts_bit_identical(run_on_isa, fmt):
+    needs_vnni_and_avx2()
+    experts = make_quant_experts(fmt, len(U8_COUNTS), 160, 96, seed=21)
+    ids, w = counts_routing(U8_COUNTS, seed=21)
+    x = make_hidden(ids.shape[0], 160, seed=21)
+    outs = []
+    for n in THREAD_COUNTS:
+        kt_ops.set_num_threads(n)
+        outs.append(streaming_q8_on(run_on_isa, "avx512_vnni", x, ids, w, experts))
+    for n, out in zip(THREAD_COUNTS, outs):
+        assert torch.equal(out, outs[0]), f"{n} threads differ"
+    assert torch.equal(outs[0], streaming_q8_on(run_on_isa, "avx2", x, ids, w, experts))
+
+
+@pytest.mark.parametrize("fmt", Q8_BRGEMM_FORMATS)
+def test_vnni_8bit_u8_kernel_under_auto_and_mixed_formats(run_on_isa, fmt):
+    # 'auto' (q8 streaming below the thresholds, brgemm or fp32 above) and a
+    # mix with a 4-bit projection: the u8 rows are made only for the 8-bit
+    # projections' streaming experts; every path stays bit-identical to avx2
+    # where the two tiers run the same path (q8 pinned).
+    needs_vnni_and_avx2()
+    for f in (fmt, f"{fmt},int4,{fmt}", f"int4,{fmt},int4"):
+        gs = 32 if "int4" in f else None  # int4's group must divide I = 64
+        experts = make_quant_experts(f, len(U8_COUNTS), 128, 64, group_size=gs, seed=31)
+        ids, w = counts_routing(U8_COUNTS, seed=31)
+        x = make_hidden(ids.shape[0], 128, seed=31)
+        got = streaming_q8_on(run_on_isa, "avx512_vnni", x, ids, w, experts)
+        assert torch.equal(got, streaming_q8_on(run_on_isa, "avx2", x, ids, w, experts)), f
+        with kt_ops.use_quant_activations("auto"):
+            out = run_on_isa("avx512_vnni", functools.partial(run, "auto", x, ids, w, experts))
+            ref = reference_for(experts, x, ids, w)
+        msg = quant_mismatch_report(out, ref)
+        assert msg is None, f"{f}: {msg}"

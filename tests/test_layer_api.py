@@ -359,10 +359,28 @@ def test_formats_are_the_cpp_table():
 
 
 def test_fp32_min_tokens_follows_the_table():
+    built = kt_ops.info()["built_isas"]
     for name in FORMATS:
         spec = format_spec(name)
         if spec.activation == "q8":
-            assert kt_ops.quant_fp32_min_tokens(name) == spec.fp32_min_tokens, name
+            for isa in ("ref", "avx2", "avx512"):
+                if isa in built:
+                    got = kt_ops.quant_fp32_min_tokens(name, isa)
+                    assert got == spec.fp32_min_tokens, (name, isa)
+            if "avx512_vnni" in built:
+                got = kt_ops.quant_fp32_min_tokens(name, "avx512_vnni")
+                assert got == spec.fp32_min_tokens_vnni, name
+        want = (
+            spec.fp32_min_tokens_vnni
+            if kt_ops.active_isa() == "avx512_vnni"
+            else spec.fp32_min_tokens
+        )
+        assert kt_ops.quant_fp32_min_tokens(name) == want, name
+    for name in ("int8", "q8_0"):  # the vpdpbusd kernel beats the fp32 path at every count
+        assert format_spec(name).fp32_min_tokens == 16
+        assert format_spec(name).fp32_min_tokens_vnni is None
+    with pytest.raises(ValueError, match="avx9"):
+        kt_ops.quant_fp32_min_tokens("int8", "avx9")
 
 
 def _is_kernel_name(name: str, isa: str) -> bool:

@@ -359,8 +359,18 @@ def _heavy_and_light_routing(T: int, heavy: int, light: int) -> tuple[Tensor, Te
 def test_auto_switches_path_at_the_threshold(qisa, fmt):
     v = next(v for v in PER_FORMAT if v.fmt == fmt)
     n = kt_ops.quant_fp32_min_tokens(fmt)
-    assert n is not None and n > 1
     w = layer(v)
+    if n is None:  # int8 / q8_0 on avx512_vnni: 'auto' is q8 at any count
+        assert qisa == "avx512_vnni" and fmt != "fp8"
+        ids, weights = _heavy_and_light_routing(80, heavy=64, light=16)
+        x = make_hidden(80, v.H, torch.float32, seed=11)
+        with kt_ops.use_compute_path("streaming"):
+            with kt_ops.use_quant_activations("auto"):
+                auto = check(x, ids, weights, w)
+            with kt_ops.use_quant_activations("q8"):
+                assert torch.equal(auto, check(x, ids, weights, w))
+        return
+    assert n > 1
     T = 2 * n
     ids, weights = _heavy_and_light_routing(T, heavy=n, light=n - 1)
     x = make_hidden(T, v.H, torch.float32, seed=11)
@@ -392,7 +402,11 @@ def test_quant_activation_modes():
     for fmt in ("int4", "mxfp4", "q4_0", "q4_k", "q5_k", "q6_k", "bf16"):
         assert kt_ops.quant_fp32_min_tokens(fmt) is None, fmt
     for fmt in ("int8", "q8_0", "fp8"):
-        assert kt_ops.quant_fp32_min_tokens(fmt) >= 2, fmt
+        assert kt_ops.quant_fp32_min_tokens(fmt, "avx2") >= 2, fmt
+    if "avx512_vnni" in kt_ops.info()["built_isas"]:
+        assert kt_ops.quant_fp32_min_tokens("fp8", "avx512_vnni") >= 2
+        for fmt in ("int8", "q8_0"):
+            assert kt_ops.quant_fp32_min_tokens(fmt, "avx512_vnni") is None, fmt
     with pytest.raises(ValueError, match="int3"):
         kt_ops.quant_fp32_min_tokens("int3")
 

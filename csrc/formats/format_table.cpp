@@ -21,9 +21,18 @@ constexpr const char* kGgml = "llama.cpp / ggml block structs (ggml-common.h), r
 // Qwen3-30B-A3B shape: decoding a block to fp32 costs about as much as a few
 // tokens' dot products, after which fp32 FMAs beat fp8's in-register decode
 // (~8 tokens) and the int8 sign trick (~16). 4/5/6-bit codes multiply faster
-// as integers at any count.
+// as integers at any count. On the VNNI tier (Fp32Class::kVnni: vpdpbusd on
+// u8 activations, kernels/qint_tiles.h) the 8-bit q8 kernel beats the fp32
+// path at every count measured: fp32/q8 2.9 (4 tokens per expert), 3.1 (8),
+// 2.8 (16), 2.7 (32), 2.5 (64), 2.4 (96), 2.5 (128) for int8, 2.0-2.7 for
+// q8_0 (Zen 4, 2 threads, H=2048, I=768): never there. (On Zen 4 the sign
+// trick also wins: avx512 fp32/q8 1.9 (8) .. 1.3 (64), avx2 1.5 .. 1.0 (64);
+// kBase keeps Zen 3's 16.)
 constexpr int kFp8Fp32Min = 8;
 constexpr int kInt8Fp32Min = 16;
+constexpr Fp32Policy kNoFp32 = {{kNoFp32Path, kNoFp32Path}};
+constexpr Fp32Policy kFp8Fp32 = {{kFp8Fp32Min, kFp8Fp32Min}};
+constexpr Fp32Policy kInt8Fp32 = {{kInt8Fp32Min, kNoFp32Path}};
 
 // Formats without a brgemm path (yet): always the streaming kernels.
 constexpr BrgemmPolicy kNoBrgemmPath = {{kNoBrgemm, kNoBrgemm}};
@@ -40,16 +49,20 @@ constexpr int kBf16BrgemmMinAvx512 = 8;
 constexpr int kBf16BrgemmMinAmx = 12;
 constexpr BrgemmPolicy kBf16Brgemm = {{kBf16BrgemmMinAvx512, kBf16BrgemmMinAmx}};
 // u8 x s8 -> s32 brgemm (q8 activations, K chunks of 32, bit-identical to the
-// streaming q8 kernels) against the streaming kernels under 'auto' (q8 below
-// fp32_min_tokens, the weight-only fp32 path from there), tokens per expert,
-// Zen 4 (AVX512_VNNI, 2 threads, H=2048, I=768): brgemm/streaming int8 2.23
-// (4), 1.45 (8), 0.63 (16), 0.51 (32); q8_0 1.47 (8), 1.21 (12), 0.62 (16),
-// 0.53 (32). Against q8 streaming alone it breaks even at ~32 (docs/formats.md).
-// AMX not measured: the AVX-512 value.
-constexpr int kInt8BrgemmMinAvx512 = 16;
-constexpr BrgemmPolicy kInt8Brgemm = {{kInt8BrgemmMinAvx512, kInt8BrgemmMinAvx512}};
-constexpr int kQ80BrgemmMinAvx512 = 16;
-constexpr BrgemmPolicy kQ80Brgemm = {{kQ80BrgemmMinAvx512, kQ80BrgemmMinAvx512}};
+// streaming q8 kernels) against the streaming q8 kernel of the avx512_vnni
+// tier (u8 activations, per-line compensation, kernels/qint_tiles.h), tokens
+// per expert, Zen 4 (AVX512_VNNI, 2 threads, H=2048, I=768): brgemm/streaming
+// int8 2.16 (4), 1.98 (8), 1.84 (16), 1.53 (32), 1.34 (64), 1.46 (96), 1.41
+// (128), 1.37 (256), 1.38 (512); q8_0 2.34 (4), 1.90 (8), 1.73 (16), 1.52
+// (32), 1.31 (64), 1.37 (96), 1.35 (128), 1.36 (256). Streaming wins at every
+// count measured, so 'auto' never takes it on AVX512_VNNI (forced 'brgemm'
+// still runs it). AMX (tdpbusd) not measured: the earlier AVX-512 value, 16.
+constexpr int kInt8BrgemmMinAvx512 = kNoBrgemm;
+constexpr int kInt8BrgemmMinAmx = 16;
+constexpr BrgemmPolicy kInt8Brgemm = {{kInt8BrgemmMinAvx512, kInt8BrgemmMinAmx}};
+constexpr int kQ80BrgemmMinAvx512 = kNoBrgemm;
+constexpr int kQ80BrgemmMinAmx = 16;
+constexpr BrgemmPolicy kQ80Brgemm = {{kQ80BrgemmMinAvx512, kQ80BrgemmMinAmx}};
 // fp8 (each block decoded to a bf16 tile with its scales folded in, then the
 // bf16 brgemm) against the streaming kernels under 'auto' (the in-register
 // E4M3 kernel below fp32_min_tokens = 8, the weight-only fp32 path from
@@ -86,32 +99,32 @@ const std::vector<FormatRow>& format_table() {
   using A = ActType;
   // clang-format off
   static const std::vector<FormatRow> rows = {
-      {"bf16", L::kBf16, {}, {0}, 0, S::kNone, Z::kNever, A::kF32, kNoFp32Path, kBf16Brgemm, 16.0,
+      {"bf16", L::kBf16, {}, {0}, 0, S::kNone, Z::kNever, A::kF32, kNoFp32, kBf16Brgemm, 16.0,
        "bfloat16 weights (round to nearest even)"},
       {"int8", L::kQint, qint(8, true, false, 0.f), {0}, 0, S::kF32, Z::kNever, A::kQ8,
-       kInt8Fp32Min, kInt8Brgemm, 8.0, "symmetric per-channel int8 (scale = amax/127)"},
+       kInt8Fp32, kInt8Brgemm, 8.0, "symmetric per-channel int8 (scale = amax/127)"},
       {"int4", L::kQint, qint(4, false, false, 8.f), {32, 64, 128}, 128, S::kF16, Z::kOptional,
-       A::kQ8, kNoFp32Path, kNoBrgemmPath, 4.125,
+       A::kQ8, kNoFp32, kNoBrgemmPath, 4.125,
        "group-wise int4, symmetric or asymmetric (GPTQ/AWQ-style zero point)"},
-      {"fp8", L::kFp8, {}, {128}, 128, S::kF32, Z::kNever, A::kF32, kFp8Fp32Min, kFp8Brgemm, 8.0,
+      {"fp8", L::kFp8, {}, {128}, 128, S::kF32, Z::kNever, A::kF32, kFp8Fp32, kFp8Brgemm, 8.0,
        "E4M3 (Micikevicius et al. 2022) with DeepSeek-V3 128x128 weight_scale_inv"},
       // OCP MX: E2M1 codes, one UE8M0 exponent per 32; kernel codes 2v + 12.
       {"mxfp4", L::kQint, qint(4, false, true, 12.f), {32}, 32, S::kE8M0, Z::kNever, A::kQ8,
-       kNoFp32Path, kNoBrgemmPath, 4.25,
+       kNoFp32, kNoBrgemmPath, 4.25,
        "OCP Microscaling Formats (MX) v1.0: E2M1 elements, UE8M0 scales, 32 per block"},
       {"q8_0", L::kQint, qint(8, true, false, 0.f), {32}, 32, S::kF16, Z::kNever, A::kQ8,
-       kInt8Fp32Min, kQ80Brgemm, 8.5, kGgml},
+       kInt8Fp32, kQ80Brgemm, 8.5, kGgml},
       {"q4_0", L::kQint, qint(4, false, false, 8.f), {32}, 32, S::kF16, Z::kNever, A::kQ8,
-       kNoFp32Path, kNoBrgemmPath, 4.5, kGgml},
+       kNoFp32, kNoBrgemmPath, 4.5, kGgml},
       // k-quants: GGUF's own super-block scales (d, dmin fp16 per 256, 6-bit / int8
       // sub-scales), one record per 16 rows x 256 k (formats/qint.h); the q4_K/q5_K
       // mins are inside the record, so there is no zeros tensor.
       {"q4_k", L::kQint, qint(4, false, false, 0.f), {32}, 32, S::kKq45, Z::kNever, A::kQ8,
-       kNoFp32Path, kNoBrgemmPath, 4.5, kGgml},
+       kNoFp32, kNoBrgemmPath, 4.5, kGgml},
       {"q5_k", L::kQint, qint(5, false, false, 0.f), {32}, 32, S::kKq45, Z::kNever, A::kQ8,
-       kNoFp32Path, kNoBrgemmPath, 5.5, kGgml},
+       kNoFp32, kNoBrgemmPath, 5.5, kGgml},
       {"q6_k", L::kQint, qint(6, false, false, 32.f), {16}, 16, S::kKq6, Z::kNever, A::kQ8,
-       kNoFp32Path, kNoBrgemmPath, 6.5625, kGgml},
+       kNoFp32, kNoBrgemmPath, 6.5625, kGgml},
   };
   // clang-format on
   return rows;

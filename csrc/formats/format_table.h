@@ -50,6 +50,20 @@ struct BrgemmPolicy {
   int min(BrgemmIsa isa) const { return min_tokens[static_cast<int>(isa)]; }
 };
 
+// The kernel classes of the 'auto' switch to the weight-only fp32 path:
+// kVnni where the tier's q8 kernel multiplies 8-bit codes with vpdpbusd on u8
+// activations (kernels::ProjectionKernels::u8_codes: avx512_vnni), kBase on
+// the other tiers (sign trick, pmaddubsw).
+enum class Fp32Class : uint8_t { kBase, kVnni };
+constexpr int kNumFp32Classes = 2;
+
+// Experts with at least min_tokens[class] tokens take the fp32 path;
+// kNoFp32Path: never (always the format's own streaming kernel).
+struct Fp32Policy {
+  int min_tokens[kNumFp32Classes];
+  int min(Fp32Class c) const { return min_tokens[static_cast<int>(c)]; }
+};
+
 struct FormatRow {
   const char* name;
   Layout layout;
@@ -63,9 +77,9 @@ struct FormatRow {
   ActType activation;
   // Compute-path policy of 'auto' (kt_ops.set_quant_activations): experts
   // with at least this many tokens decode each block to fp32 and run fp32
-  // FMAs (the weight-only path); measured break-even, docs/formats.md
-  // "Compute paths". kNoFp32Path: always the streaming kernel.
-  int fp32_min_tokens;
+  // FMAs (the weight-only path), per kernel class (Fp32Policy); measured
+  // break-evens, docs/formats.md "Compute paths".
+  Fp32Policy fp32_min_tokens;
   // Compute-path policy of kt_ops.set_compute_path('auto'): from how many
   // tokens per expert oneDNN's brgemm computes the products, per CPU class.
   BrgemmPolicy brgemm;

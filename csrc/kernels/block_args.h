@@ -37,6 +37,8 @@ struct QintBlock {
   int64_t kp;
   float* out;  // out[i * ldo + r], r < 16
   int64_t ldo;
+  // 8-bit signed codes: the m records' codes shifted to u8 (DotArgs::xq_u8), or nullptr.
+  const uint8_t* const* x_u8_rows;
 };
 
 // One 16-row block of an fp8 projection ([Kp][16] E4M3 bytes) with m fp32 rows.
@@ -67,7 +69,8 @@ inline QintBlock qint_block(const DotArgs& a, int64_t nb) {
           &p.qint,
           p.kp,
           a.out + 16 * (nb - a.nb_begin),
-          a.ldo};
+          a.ldo,
+          a.xq_u8};
 }
 
 inline Fp8Block fp8_block(const DotArgs& a, int64_t nb) {

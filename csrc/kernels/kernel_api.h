@@ -58,6 +58,11 @@ struct DotArgs {
   // (kernels/brgemm.h, gather_u8s8_rows: tiles of chunk-major rows), for the u8s8
   // brgemm kernel; nullptr otherwise.
   const uint8_t* xu8 = nullptr;
+  // The codes of the m q8 records shifted to u8 (code ^ 0x80 = code + 128),
+  // row i at xq_u8[i] (kp bytes), for streaming kernels with
+  // ProjectionKernels::u8_codes on 8-bit signed formats (int8, q8_0);
+  // nullptr: those kernels use the sign trick on xq instead (same results).
+  const uint8_t* const* xq_u8 = nullptr;
 };
 
 // The kernels of one layout on one ISA tier.
@@ -71,6 +76,10 @@ struct ProjectionKernels {
   // fp32 activations with exact weights (bf16).
   void (*dot_fp32)(const DotArgs&);
   const char* fp32_name;
+  // `dot` multiplies 8-bit signed codes with DotArgs::xq_u8 when the caller
+  // supplies it (the AVX512_VNNI tier's vpdpbusd, u8 x s8); the driver then
+  // makes those rows once per call.
+  bool u8_codes = false;
 };
 
 // The driver's epilogue, vectorized per tier: g = silu(g) * u over m rows of

@@ -30,6 +30,8 @@ struct Scratch {
   std::vector<uint8_t> xq;   // [T] q8 records of x (qint projections)
   std::vector<float> h;      // [rows][Ip] SwiGLU outputs, zero padded
   std::vector<uint8_t> hq;   // [rows] q8 records of h
+  std::vector<uint8_t> xu;   // [T][Hp] q8 codes of x shifted to u8 (DotArgs::xq_u8)
+  std::vector<uint8_t> hu;   // [rows][Ip] q8 codes of h shifted to u8
   std::vector<uint16_t> xt;  // [T][Hp] bf16 activations (brgemm experts' gate/up)
   std::vector<uint16_t>
       hb;                // [rows][bf16_row_stride(Ip)] bf16 SwiGLU outputs (brgemm experts' down)
@@ -38,6 +40,8 @@ struct Scratch {
   std::vector<const uint8_t*> xq_rows;
   std::vector<const float*> h_rows;
   std::vector<const uint8_t*> hq_rows;
+  std::vector<const uint8_t*> xu_rows;
+  std::vector<const uint8_t*> hu_rows;
 };
 
 thread_local Scratch t_scratch;
@@ -55,9 +59,10 @@ size_t capacity_bytes(const std::vector<T>& v) {
 
 size_t scratch_bytes(const Scratch& s) {
   return capacity_bytes(s.x) + capacity_bytes(s.xq) + capacity_bytes(s.h) + capacity_bytes(s.hq) +
-         capacity_bytes(s.xt) + capacity_bytes(s.hb) + capacity_bytes(s.y) +
-         capacity_bytes(s.x_rows) + capacity_bytes(s.xq_rows) + capacity_bytes(s.h_rows) +
-         capacity_bytes(s.hq_rows);
+         capacity_bytes(s.xu) + capacity_bytes(s.hu) + capacity_bytes(s.xt) + capacity_bytes(s.hb) +
+         capacity_bytes(s.y) + capacity_bytes(s.x_rows) + capacity_bytes(s.xq_rows) +
+         capacity_bytes(s.h_rows) + capacity_bytes(s.hq_rows) + capacity_bytes(s.xu_rows) +
+         capacity_bytes(s.hu_rows);
 }
 
 // Releases the calling thread's buffers when they hold more than kScratchKeepBytes.
@@ -164,8 +169,11 @@ struct ProjectionPlan {
   bool q8;                     // some expert may take the q8 kernel: q8 records are needed
   int brgemm_min;              // experts with at least this many rows take brgemm
   kernels::brgemm::Kind kind;  // which brgemm kernel: bf16 rows xb (bf16, fp8), or u8s8 rows xu8
+  bool u8_codes;               // the q8 kernel takes 8-bit codes with u8 rows (DotArgs::xq_u8)
 
   bool brgemm(int m) const { return m >= brgemm_min; }
+  // Whether an expert of m rows runs the q8 kernel on the u8 rows.
+  bool wants_u8_codes(int m) const { return u8_codes && !brgemm(m) && m < fp32_min; }
   // Whether an expert of m rows needs the bf16 rows xb / the u8 rows xu8.
   bool wants_xb(int m) const { return kernels::brgemm::takes_bf16_rows(kind) && brgemm(m); }
   bool wants_xu8(int m) const { return kind == kernels::brgemm::Kind::kU8S8 && brgemm(m); }
@@ -174,7 +182,8 @@ struct ProjectionPlan {
   }
 
   void dot(int64_t e, int64_t nb, const float* const* x, const uint8_t* const* xq,
-           const uint16_t* xb, int64_t ldxb, const uint8_t* xu8, int m, float* out) const {
+           const uint8_t* const* xq_u8, const uint16_t* xb, int64_t ldxb, const uint8_t* xu8, int m,
+           float* out) const {
     kernels::DotArgs args{view, e, nb, nb + 1, x, xq, m, out, kRows, nullptr};
     if (brgemm(m)) {
       t_brgemm_active = true;
@@ -194,6 +203,7 @@ struct ProjectionPlan {
       args.scratch = t_block.data();
       kernels->dot_fp32(args);
     } else {
+      if (u8_codes) args.xq_u8 = xq_u8;
       kernels->dot(args);
     }
   }
@@ -210,7 +220,7 @@ ProjectionPlan plan_projection(const Projection& p, kernels::Isa isa, QuantActiv
   int fp32_min = formats::kNoFp32Path;
   if (k.dot_fp32 != nullptr) {
     if (mode == QuantActivations::kFp32) fp32_min = 1;
-    if (mode == QuantActivations::kAuto) fp32_min = p.format->fp32_min_tokens;
+    if (mode == QuantActivations::kAuto) fp32_min = fp32_min_tokens(*p.format, isa);
   }
   const bool q8 = p.format->activation == formats::ActType::kQ8 && fp32_min > 1;
   const kernels::brgemm::Kind kind = kernels::brgemm::kind(*p.format);
@@ -218,15 +228,25 @@ ProjectionPlan plan_projection(const Projection& p, kernels::Isa isa, QuantActiv
       path == ComputePath::kBrgemm ||
       (path == ComputePath::kAuto && (bf16_activations || kind == kernels::brgemm::Kind::kU8S8));
   const int brgemm_min = brgemm_allowed ? brgemm_min_tokens(*p.format, isa) : formats::kNoBrgemm;
-  return {&p.view, &k, fp32_min, q8, brgemm_min, kind};
+  const bool u8_codes = q8 && k.u8_codes && p.format->layout == formats::Layout::kQint &&
+                        p.format->qint.bits == 8 && p.format->qint.is_signed;
+  return {&p.view, &k, fp32_min, q8, brgemm_min, kind, u8_codes};
 }
 
-void quantize_rows(const float* src, int64_t stride, int64_t rows, int64_t kp, uint8_t* dst) {
+// q8 records of rows [0, rows) of src into dst; with u8 (not nullptr), their
+// codes shifted to u8 (code ^ 0x80 = code + 128) at u8 + r * kp.
+void quantize_rows(const float* src, int64_t stride, int64_t rows, int64_t kp, uint8_t* dst,
+                   uint8_t* u8) {
   const int64_t rec = formats::q8_record_bytes(kp);
   runtime::ThreadPool::global().run(formats::ceil_div(rows, 16), [&](int64_t task, int) {
     const int64_t end = std::min(rows, (task + 1) * 16);
-    for (int64_t r = task * 16; r < end; ++r)
+    for (int64_t r = task * 16; r < end; ++r) {
       formats::quantize_row_q8(src + r * stride, kp, dst + r * rec);
+      if (u8 == nullptr) continue;
+      const uint8_t* codes = dst + r * rec;
+      uint8_t* shifted = u8 + r * kp;
+      for (int64_t k = 0; k < kp; ++k) shifted[k] = codes[k] ^ 0x80u;
+    }
   });
 }
 
@@ -236,6 +256,13 @@ void set_quant_activations(QuantActivations mode) { g_quant_activations.store(mo
 QuantActivations quant_activations() { return g_quant_activations.load(); }
 void set_compute_path(ComputePath path) { g_compute_path.store(path); }
 ComputePath compute_path() { return g_compute_path.load(); }
+
+int fp32_min_tokens(const formats::FormatRow& format, kernels::Isa isa) {
+  const kernels::ProjectionKernels& k = kernels::projection_kernels(format.layout, isa);
+  if (k.dot_fp32 == nullptr) return formats::kNoFp32Path;
+  return format.fp32_min_tokens.min(k.u8_codes ? formats::Fp32Class::kVnni
+                                               : formats::Fp32Class::kBase);
+}
 
 int brgemm_min_tokens(const formats::FormatRow& format, kernels::Isa isa) {
   const ComputePath path = compute_path();
@@ -284,9 +311,18 @@ void moe_forward_experts(const at::Tensor& hidden_states, const at::Tensor& topk
   convert_activations(hidden_states, Hp, s.x.data());
   const int64_t x_rec = formats::q8_record_bytes(Hp);
   const int64_t h_rec = formats::q8_record_bytes(Ip);
+  // The u8 rows of the 8-bit signed projections' q8 kernels (ProjectionPlan::
+  // wants_u8_codes), once per call, for the experts that stream on q8.
+  bool gu_u8 = false, down_u8 = false;
+  for (int64_t e : plan.active_experts) {
+    const int m = static_cast<int>(plan.expert_offsets[e + 1] - plan.expert_offsets[e]);
+    gu_u8 = gu_u8 || gate.wants_u8_codes(m) || up.wants_u8_codes(m);
+    down_u8 = down_u8 || down.wants_u8_codes(m);
+  }
   if (x_q8) {
     grow(s.xq, T * x_rec);
-    quantize_rows(s.x.data(), Hp, T, Hp, s.xq.data());
+    if (gu_u8) grow(s.xu, T * Hp);
+    quantize_rows(s.x.data(), Hp, T, Hp, s.xq.data(), gu_u8 ? s.xu.data() : nullptr);
   }
   grow(s.h, R * Ip);
   grow(s.y, T * K * H);
@@ -294,7 +330,10 @@ void moe_forward_experts(const at::Tensor& hidden_states, const at::Tensor& topk
   grow(s.xq_rows, R);
   grow(s.h_rows, R);
   grow(s.hq_rows, R);
+  grow(s.xu_rows, R);
+  grow(s.hu_rows, R);
   if (down.q8) grow(s.hq, R * h_rec);
+  if (down_u8) grow(s.hu, R * Ip);
   const int gu_bf16_min = std::min(gate.bf16_min(), up.bf16_min());
   bool gu_brgemm = false, down_brgemm = false;  // some expert needs bf16 rows (xt / hb)
   for (int64_t e : plan.active_experts) {
@@ -321,6 +360,8 @@ void moe_forward_experts(const at::Tensor& hidden_states, const at::Tensor& topk
     s.xq_rows[r] = x_q8 ? s.xq.data() + t * x_rec : nullptr;
     s.h_rows[r] = s.h.data() + r * Ip;
     s.hq_rows[r] = down.q8 ? s.hq.data() + r * h_rec : nullptr;
+    s.xu_rows[r] = gu_u8 ? s.xu.data() + t * Hp : nullptr;
+    s.hu_rows[r] = down_u8 ? s.hu.data() + r * Ip : nullptr;
     std::fill(s.h.data() + r * Ip + I, s.h.data() + (r + 1) * Ip, 0.0f);  // K padding of down
     if (down_brgemm)
       std::fill(s.hb.data() + r * ld_hb + I, s.hb.data() + r * ld_hb + Ip, uint16_t{0});
@@ -343,10 +384,10 @@ void moe_forward_experts(const at::Tensor& hidden_states, const at::Tensor& topk
                                  ? gathered_u8_rows(call, 0, e, s.xq_rows.data() + r0, m, Hp)
                                  : nullptr;
         const int64_t ld_xb = bf16_row_stride(Hp);
-        gate.dot(e, nb, s.x_rows.data() + r0, s.xq_rows.data() + r0, xb, ld_xb, xu8, m,
-                 t_gate_out.data());
-        up.dot(e, nb, s.x_rows.data() + r0, s.xq_rows.data() + r0, xb, ld_xb, xu8, m,
-               t_up_out.data());
+        const uint8_t* const* xq = s.xq_rows.data() + r0;
+        const uint8_t* const* xu = gu_u8 ? s.xu_rows.data() + r0 : nullptr;
+        gate.dot(e, nb, s.x_rows.data() + r0, xq, xu, xb, ld_xb, xu8, m, t_gate_out.data());
+        up.dot(e, nb, s.x_rows.data() + r0, xq, xu, xb, ld_xb, xu8, m, t_up_out.data());
         silu_mul(t_gate_out.data(), t_up_out.data(), m);
         const bool hb = down.wants_xb(m);
         for (int i = 0; i < m; ++i) {
@@ -358,7 +399,7 @@ void moe_forward_experts(const at::Tensor& hidden_states, const at::Tensor& topk
       release_brgemm);
 
   // Phase 2b: the SwiGLU outputs to q8 records.
-  if (down.q8) quantize_rows(s.h.data(), Ip, R, Ip, s.hq.data());
+  if (down.q8) quantize_rows(s.h.data(), Ip, R, Ip, s.hq.data(), down_u8 ? s.hu.data() : nullptr);
 
   // Phase 3: down projection scaled by the routing weight, per (expert, 16-row block of H).
   float* y = s.y.data();
@@ -371,8 +412,8 @@ void moe_forward_experts(const at::Tensor& hidden_states, const at::Tensor& topk
         const uint8_t* hu8 = down.wants_xu8(m)
                                  ? gathered_u8_rows(call, 1, e, s.hq_rows.data() + r0, m, Ip)
                                  : nullptr;
-        down.dot(e, nb, s.h_rows.data() + r0, s.hq_rows.data() + r0, hb, ld_hb, hu8, m,
-                 t_gate_out.data());
+        down.dot(e, nb, s.h_rows.data() + r0, s.hq_rows.data() + r0,
+                 down_u8 ? s.hu_rows.data() + r0 : nullptr, hb, ld_hb, hu8, m, t_gate_out.data());
         for (int i = 0; i < m; ++i) {
           float* dst = y + plan.row_slot[r0 + i] * H + nb * kRows;
           const float w = plan.row_weight[r0 + i];

@@ -17,8 +17,9 @@ namespace kt::moe {
 //          formats (w8a8 / w4a8), codes decoded in registers for fp8;
 //   kFp32: every format decodes each block once to fp32 W (scale * q - zero)
 //          and multiplies fp32 activations (weight-only, the w4a16 path);
-//   kAuto: kFp32 when the expert has at least the format row's
-//          fp32_min_tokens tokens, else kQ8.
+//   kAuto: kFp32 when the expert has at least fp32_min_tokens(format, isa)
+//          tokens (the format row's threshold for the tier's kernel class),
+//          else kQ8.
 // bf16 has one path (fp32 activations). Process-wide; kAuto by default.
 enum class QuantActivations { kAuto, kQ8, kFp32 };
 void set_quant_activations(QuantActivations mode);
@@ -40,6 +41,11 @@ QuantActivations quant_activations();
 enum class ComputePath { kAuto, kStreaming, kBrgemm };
 void set_compute_path(ComputePath path);
 ComputePath compute_path();
+
+// Tokens per expert from which 'auto' sends projections of `format` to the
+// weight-only fp32 path on tier `isa` (the row's Fp32Policy for the class of
+// the tier's kernels); formats::kNoFp32Path: never.
+int fp32_min_tokens(const formats::FormatRow& format, kernels::Isa isa);
 
 // Tokens per expert from which projections of `format` run on brgemm in this
 // process under the current compute path and tier `isa`; formats::kNoBrgemm

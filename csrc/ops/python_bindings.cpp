@@ -80,6 +80,10 @@ const char* scale_dtype_name(kt::formats::ScaleType t) {
   return nullptr;
 }
 
+py::object fp32_min_or_none(int n) {
+  return n == kt::formats::kNoFp32Path ? py::object(py::none()) : py::object(py::int_(n));
+}
+
 py::object min_tokens_or_none(int n) {
   return n == kt::formats::kNoBrgemm ? py::object(py::none()) : py::object(py::int_(n));
 }
@@ -125,9 +129,9 @@ py::list formats_report() {
     d["group_sizes"] = f.group_sizes;
     d["default_group_size"] = f.default_group_size;
     d["activation"] = f.activation == kt::formats::ActType::kQ8 ? "q8" : "fp32";
-    d["fp32_min_tokens"] = f.fp32_min_tokens == kt::formats::kNoFp32Path
-                               ? py::object(py::none())
-                               : py::object(py::int_(f.fp32_min_tokens));
+    d["fp32_min_tokens"] = fp32_min_or_none(f.fp32_min_tokens.min(kt::formats::Fp32Class::kBase));
+    d["fp32_min_tokens_vnni"] =
+        fp32_min_or_none(f.fp32_min_tokens.min(kt::formats::Fp32Class::kVnni));
     py::dict brgemm;
     brgemm["avx512"] = min_tokens_or_none(f.brgemm.min(kt::formats::BrgemmIsa::kAvx512));
     brgemm["amx"] = min_tokens_or_none(f.brgemm.min(kt::formats::BrgemmIsa::kAmx));
@@ -241,6 +245,11 @@ PYBIND11_MODULE(_C, m) {
   m.def("compute_paths",
         [](const std::string& isa) { return compute_paths(kt::kernels::parse_isa(isa)); });
   m.def("formats", &formats_report);
+  m.def("fp32_min_tokens", [](const std::string& format, const std::string& isa) {
+    const kt::formats::FormatRow* f = kt::formats::find_format(format);
+    if (f == nullptr) throw py::value_error("unknown weight_format '" + format + "'");
+    return fp32_min_or_none(kt::moe::fp32_min_tokens(*f, kt::kernels::parse_isa(isa)));
+  });
   m.def("kernel_names",
         [](const std::string& isa) { return kernel_names(kt::kernels::parse_isa(isa)); });
   m.def("retained_scratch_bytes", &kt::moe::retained_scratch_bytes);

@@ -70,7 +70,11 @@ class FormatSpec:
             kernel multiplies.
         fp32_min_tokens: the compute-path policy of ``'auto'``
             (:func:`kt_ops.set_quant_activations`): experts with at least this
-            many tokens take the weight-only fp32 path; ``None``: never.
+            many tokens take the weight-only fp32 path; ``None``: never. On
+            the tiers whose q8 kernels have no VNNI (ref, avx2, avx512).
+        fp32_min_tokens_vnni: the same on ``avx512_vnni`` (int8 and q8_0:
+            ``None``, the vpdpbusd kernel wins at every count measured);
+            :func:`kt_ops.quant_fp32_min_tokens` gives the active tier's.
         brgemm_min_tokens: the compute-path policy of ``'auto'``
             (:func:`kt_ops.set_compute_path`) per CPU class (``'avx512'``:
             AVX-512 with AVX512_BF16 / VNNI; ``'amx'``): experts with at least
@@ -100,6 +104,7 @@ class FormatSpec:
     default_group_size: int
     activation: str
     fp32_min_tokens: Optional[int]
+    fp32_min_tokens_vnni: Optional[int]
     brgemm_min_tokens: tuple[tuple[str, Optional[int]], ...]
     bits_per_weight: float
     source: str
@@ -197,6 +202,7 @@ def _spec_from_row(row: dict) -> FormatSpec:
         default_group_size=row["default_group_size"],
         activation=row["activation"],
         fp32_min_tokens=row["fp32_min_tokens"],
+        fp32_min_tokens_vnni=row["fp32_min_tokens_vnni"],
         brgemm_min_tokens=tuple(sorted(row["brgemm_min_tokens"].items())),
         bits_per_weight=row["bits_per_weight"],
         source=row["source"],

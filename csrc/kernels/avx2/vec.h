@@ -74,6 +74,7 @@ struct QintVec {
   static constexpr int kRows = 8;     // rows per register
   static constexpr int kParts = 2;    // registers per 64-byte line
   static constexpr int kMaxTile = 4;  // tokens per tile: 4 x (int16 + int32 + fp32 accs) + 2 codes
+  static constexpr bool kU8S8 = false;  // no u8 x s8 int32 dot (qint_tiles.h, qint8_u8_block_dot)
 
   // Quads whose pmaddubsw products may be summed in int16 before widening:
   // pairs of u8 * s8 products are at most 2 * qmax * 127, so 4-bit codes

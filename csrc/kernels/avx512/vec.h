@@ -121,8 +121,27 @@ struct QintVec512 {
                             _mm512_madd_epi16(_mm512_maddubs_epi16(w, xs), _mm512_set1_epi16(1)));
   }
 
+  // 8-bit signed codes against q8 activations shifted to u8 (qint_tiles.h,
+  // qint8_u8_block_dot): vpdpbusd takes the u8 rows and the stored codes as
+  // they are, so only the VNNI tier has it (pmaddubsw would saturate in int16
+  // with u8 activations).
+  static constexpr bool kU8S8 = kVnni;
+  static constexpr int kMaxTileU8 =
+      12;  // tokens per tile: 12 int32 + 12 fp32 accs (measured best of 8/10/12/16)
+  static inline I sub_i32(I a, I b) { return _mm512_sub_epi32(a, b); }
+  // acc += u8 quads of u . s8 quads of s, per 32-bit lane.
+  static inline I dpbusd(I acc, I u, I s) {
+    if constexpr (kVnni) return _mm512_dpbusd_epi32(acc, u, s);
+    return acc;  // never instantiated: kU8S8 is false without VNNI
+  }
+  // The 4 bytes at p in every 32-bit lane (vpbroadcastd from memory).
+  static inline I bcast_quad(const uint8_t* p) {
+    return _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(p));
+  }
+
   static inline F fzero() { return _mm512_setzero_ps(); }
   static inline F set1(float v) { return _mm512_set1_ps(v); }
+  static inline F fload(const float* p) { return _mm512_loadu_ps(p); }
   static inline F cvt(I v) { return _mm512_cvtepi32_ps(v); }
   static inline F mul(F a, F b) { return _mm512_mul_ps(a, b); }
   static inline F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }

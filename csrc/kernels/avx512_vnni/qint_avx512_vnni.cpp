@@ -1,8 +1,9 @@
 // qint x q8 integer dot products, AVX512_VNNI tier: the kernels/qint_tiles.h
 // template with vpdpbusd (u8 codes x s8 activations accumulated straight into
-// int32, one zmm per 16-row line). The weight-only fp32 path is the AVX2
-// tier's. Bit-identical to the avx2 and avx512 tiers: the int32 sums are exact
-// and the fp32 fold is the same sequence of operations.
+// int32, one zmm per 16-row line; 8-bit signed codes against the activations
+// shifted to u8 where the driver supplies them, qint8_u8_block_dot). The
+// weight-only fp32 path is the AVX2 tier's. Bit-identical to the avx2 and avx512 tiers: the int32
+// sums are exact and the fp32 fold is the same sequence of operations.
 #include "kernels/avx512_vnni/vec.h"
 #include "kernels/qint_tiles.h"
 #include "kernels/tiers.h"
@@ -20,7 +21,7 @@ void qint_run(const DotArgs& a) {
 
 const ProjectionKernels& qint_kernels() {
   static const ProjectionKernels k{"avx512_vnni/qint_q8", &qint_run, avx2::qint_kernels().dot_fp32,
-                                   avx2::qint_kernels().fp32_name};
+                                   avx2::qint_kernels().fp32_name, /*u8_codes=*/true};
   return k;
 }
 
