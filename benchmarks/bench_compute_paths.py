@@ -49,7 +49,19 @@ BF16_BRGEMM_FORMATS = ("bf16", "fp8")
 
 
 def paths_for(fmt: str) -> tuple[tuple[str, str, str], ...]:
-    """(label, compute path, activation mode) of every timed side."""
+    """(label, compute path, activation mode) of every timed side.
+
+    bf16 also times ``brgemm@onednn``: the brgemm path on oneDNN's kernel
+    (``kt_ops.set_brgemm_bf16_kernel('onednn')``), beside ``brgemm`` on the
+    kernel ``auto`` picks (kt_ops' vdpbf16ps tiles on AVX512_BF16 without AMX).
+    """
+    if fmt == "bf16":
+        return (
+            ("streaming", "streaming", "auto"),
+            ("brgemm", "brgemm", "auto"),
+            ("brgemm@onednn", "brgemm", "auto"),
+            ("auto", "auto", "auto"),
+        )
     if fmt in Q8_FORMATS:
         return (
             ("streaming", "streaming", "auto"),
@@ -69,7 +81,12 @@ def time_paths(sides, x, ids, w, experts, repeats: int) -> dict[str, float]:
     times = {label: [] for label, _, _ in sides}
     for _ in range(repeats):
         for label, path, act in sides:
-            with kt_ops.use_compute_path(path), kt_ops.use_quant_activations(act):
+            kernel = "onednn" if label.endswith("@onednn") else "auto"
+            with (
+                kt_ops.use_compute_path(path),
+                kt_ops.use_quant_activations(act),
+                kt_ops.use_brgemm_bf16_kernel(kernel),
+            ):
                 kt_ops.moe_forward(x, ids, w, experts)  # warm (JIT, caches)
                 t0 = time.perf_counter()
                 kt_ops.moe_forward(x, ids, w, experts)
