@@ -162,20 +162,29 @@ const char* kernel_name(const formats::FormatRow& format) {
   }
 }
 
+#ifdef KT_HAVE_CPUBLAS_BRGEMM
+namespace {
+// oneDNN's bf16 brgemm of the m bf16 rows a.xb with one bf16 VNNI block w
+// ([k/2][16][2]) into out (ldo a.ldo): token tiles of kMaxTileRows rows.
+void onednn_bf16_block(const DotArgs& a, int64_t k, const uint16_t* w, float* out) {
+  const auto* xb = reinterpret_cast<const c10::BFloat16*>(a.xb);
+  const auto* wb = reinterpret_cast<const c10::BFloat16*>(w);
+  for (int i = 0; i < a.m; i += kMaxTileRows) {
+    const int rows = std::min(kMaxTileRows, a.m - i);
+    at::native::cpublas::brgemm(rows, 16, k, a.ldxb, 16, a.ldo, false, xb + i * a.ldxb, wb,
+                                out + i * a.ldo, true);
+  }
+}
+}  // namespace
+#endif
+
 void bf16_dot(const DotArgs& a) {
   if (bf16_uses_kt_kernel()) return avx512::bf16_dp_dot(a);
 #ifdef KT_HAVE_CPUBLAS_BRGEMM
   const int64_t k = 2 * formats::bf16_k_pairs(a.proj->k);  // even: the VNNI pairs
-  const auto* xb = reinterpret_cast<const c10::BFloat16*>(a.xb);
-  for (int64_t nb = a.nb_begin; nb < a.nb_end; ++nb) {
-    const auto* w = reinterpret_cast<const c10::BFloat16*>(a.proj->block(a.expert, nb));
-    float* out = a.out + 16 * (nb - a.nb_begin);
-    for (int i = 0; i < a.m; i += kMaxTileRows) {
-      const int rows = std::min(kMaxTileRows, a.m - i);
-      at::native::cpublas::brgemm(rows, 16, k, a.ldxb, 16, a.ldo, false, xb + i * a.ldxb, w,
-                                  out + i * a.ldo, true);
-    }
-  }
+  for (int64_t nb = a.nb_begin; nb < a.nb_end; ++nb)
+    onednn_bf16_block(a, k, reinterpret_cast<const uint16_t*>(a.proj->block(a.expert, nb)),
+                      a.out + 16 * (nb - a.nb_begin));
 #endif
 }
 
@@ -232,20 +241,14 @@ void u8s8_dot(const DotArgs& a) {
 void fp8_dot(const DotArgs& a) {
 #ifdef KT_HAVE_CPUBLAS_BRGEMM
   const int64_t kp = a.proj->kp;  // multiple of 32, zero codes and zero activations past k
-  const auto* xb = reinterpret_cast<const c10::BFloat16*>(a.xb);
   thread_local std::vector<uint16_t> tile;  // one decoded block [kp/2][16][2]: 64 KiB at K = 2048
   tile.resize(static_cast<size_t>(kp) * 16);
-  const auto* w = reinterpret_cast<const c10::BFloat16*>(tile.data());
   for (int64_t nb = a.nb_begin; nb < a.nb_end; ++nb) {
     const Fp8Block blk = fp8_block(a, nb);
     // The next block in memory: the driver's next task is usually (expert, nb + 1).
     avx512::fp8_to_bf16_vnni_scaled(blk.block, kp, blk.scales, tile.data(),
                                     blk.block + a.proj->block_bytes);
-    for (int i = 0; i < a.m; i += kMaxTileRows) {
-      const int rows = std::min(kMaxTileRows, a.m - i);
-      at::native::cpublas::brgemm(rows, 16, kp, a.ldxb, 16, blk.ldo, false, xb + i * a.ldxb, w,
-                                  blk.out + i * blk.ldo, true);
-    }
+    onednn_bf16_block(a, kp, tile.data(), blk.out);
   }
 #endif
 }

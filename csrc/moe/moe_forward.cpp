@@ -217,11 +217,9 @@ struct ProjectionPlan {
 ProjectionPlan plan_projection(const Projection& p, kernels::Isa isa, QuantActivations mode,
                                ComputePath path, bool bf16_activations) {
   const kernels::ProjectionKernels& k = kernels::projection_kernels(p.format->layout, isa);
-  int fp32_min = formats::kNoFp32Path;
-  if (k.dot_fp32 != nullptr) {
-    if (mode == QuantActivations::kFp32) fp32_min = 1;
-    if (mode == QuantActivations::kAuto) fp32_min = fp32_min_tokens(*p.format, isa);
-  }
+  int fp32_min = formats::kNoFp32Path;  // fp32_min_tokens: kNoFp32Path without dot_fp32
+  if (mode == QuantActivations::kFp32 && k.dot_fp32 != nullptr) fp32_min = 1;
+  if (mode == QuantActivations::kAuto) fp32_min = fp32_min_tokens(*p.format, isa);
   const bool q8 = p.format->activation == formats::ActType::kQ8 && fp32_min > 1;
   const kernels::brgemm::Kind kind = kernels::brgemm::kind(*p.format);
   const bool brgemm_allowed =
@@ -311,13 +309,17 @@ void moe_forward_experts(const at::Tensor& hidden_states, const at::Tensor& topk
   convert_activations(hidden_states, Hp, s.x.data());
   const int64_t x_rec = formats::q8_record_bytes(Hp);
   const int64_t h_rec = formats::q8_record_bytes(Ip);
-  // The u8 rows of the 8-bit signed projections' q8 kernels (ProjectionPlan::
-  // wants_u8_codes), once per call, for the experts that stream on q8.
-  bool gu_u8 = false, down_u8 = false;
+  // Which per-call rows some expert needs: the u8 rows of the 8-bit signed
+  // projections' q8 kernels (ProjectionPlan::wants_u8_codes), for the experts
+  // that stream on q8, and the bf16 rows (xt / hb) of the brgemm experts.
+  const int gu_bf16_min = std::min(gate.bf16_min(), up.bf16_min());
+  bool gu_u8 = false, down_u8 = false, gu_brgemm = false, down_brgemm = false;
   for (int64_t e : plan.active_experts) {
     const int m = static_cast<int>(plan.expert_offsets[e + 1] - plan.expert_offsets[e]);
     gu_u8 = gu_u8 || gate.wants_u8_codes(m) || up.wants_u8_codes(m);
     down_u8 = down_u8 || down.wants_u8_codes(m);
+    gu_brgemm = gu_brgemm || m >= gu_bf16_min;
+    down_brgemm = down_brgemm || down.wants_xb(m);
   }
   if (x_q8) {
     grow(s.xq, T * x_rec);
@@ -334,13 +336,6 @@ void moe_forward_experts(const at::Tensor& hidden_states, const at::Tensor& topk
   grow(s.hu_rows, R);
   if (down.q8) grow(s.hq, R * h_rec);
   if (down_u8) grow(s.hu, R * Ip);
-  const int gu_bf16_min = std::min(gate.bf16_min(), up.bf16_min());
-  bool gu_brgemm = false, down_brgemm = false;  // some expert needs bf16 rows (xt / hb)
-  for (int64_t e : plan.active_experts) {
-    const int m = static_cast<int>(plan.expert_offsets[e + 1] - plan.expert_offsets[e]);
-    gu_brgemm = gu_brgemm || m >= gu_bf16_min;
-    down_brgemm = down_brgemm || down.wants_xb(m);
-  }
   const uint64_t call = ++g_call_counter;
   if (gu_brgemm) {
     // bf16 token rows once; each brgemm expert's rows are gathered by the
@@ -352,6 +347,7 @@ void moe_forward_experts(const at::Tensor& hidden_states, const at::Tensor& topk
         to_bf16_row(s.x.data() + t * Hp, Hp, s.xt.data() + t * Hp);
     });
   }
+  const int64_t ld_xb = bf16_row_stride(Hp);  // row strides of the brgemm experts' bf16 A
   const int64_t ld_hb = bf16_row_stride(Ip);
   if (down_brgemm) grow(s.hb, R * ld_hb);
   for (int64_t r = 0; r < R; ++r) {
@@ -383,7 +379,6 @@ void moe_forward_experts(const at::Tensor& hidden_states, const at::Tensor& topk
         const uint8_t* xu8 = gate.wants_xu8(m) || up.wants_xu8(m)
                                  ? gathered_u8_rows(call, 0, e, s.xq_rows.data() + r0, m, Hp)
                                  : nullptr;
-        const int64_t ld_xb = bf16_row_stride(Hp);
         const uint8_t* const* xq = s.xq_rows.data() + r0;
         const uint8_t* const* xu = gu_u8 ? s.xu_rows.data() + r0 : nullptr;
         gate.dot(e, nb, s.x_rows.data() + r0, xq, xu, xb, ld_xb, xu8, m, t_gate_out.data());
