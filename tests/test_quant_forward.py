@@ -70,6 +70,7 @@ from kt_ops.formats import (
     from_fp8,
     from_gguf,
     from_mxfp4,
+    quantize_activations_q8,
 )
 from kt_ops.formats import FORMATS as WEIGHT_FORMATS
 
@@ -666,6 +667,68 @@ def test_the_op_rounds_activation_ties_as_documented(qisa):
     h = q8_activations(torch.nn.functional.silu(other @ gate[0].T) * (other @ up[0].T))
     wrong = QuantReference(h @ down[0].T, ref.slack)
     assert quant_mismatch_report(out, wrong) is not None
+
+
+def _q8_edge_rows() -> list[list[float]]:
+    """Rows of 64 (two 32-blocks) that stress the q8 quantizer of every tier."""
+    g = torch.Generator().manual_seed(7)
+    rows = [torch.randn(64, generator=g) * s for s in (1e-30, 1e-3, 1.0, 3e4, 1e38)]
+    rows.append(torch.zeros(64))
+    tie = torch.zeros(64)
+    tie[:32] = TIE_BLOCK[0]
+    tie[32:] = torch.arange(32) - 15.5  # many x * 127 / amax near .5
+    rows.append(tie)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        r = torch.randn(64, generator=g)
+        r[40] = bad  # the second block is non-finite, the first is not
+        rows.append(r)
+    return [r.tolist() for r in rows]
+
+
+def test_q8_records_are_bit_identical_on_every_tier():
+    import numpy as np
+
+    rows = _q8_edge_rows()
+    for isa in kt_ops.supported_isas():
+        for x in rows:
+            rec, u8 = kt_ops._C.quantize_row_q8(x, isa)
+            ref_rec, _ = kt_ops._C.quantize_row_q8(x, "ref")
+            assert rec == ref_rec, (isa, x[:4])
+            codes = np.frombuffer(rec[:64], dtype=np.int8)
+            scales = np.frombuffer(rec[64:72], dtype=np.float32)
+            sum16 = np.frombuffer(rec[72:88], dtype=np.float32)
+            assert np.array_equal(np.frombuffer(u8, np.uint8), codes.view(np.uint8) ^ 0x80)
+            xt = torch.tensor(x)
+            want = quantize_activations_q8(xt[None])[0].numpy()
+            got = codes.astype(np.float32) * np.repeat(scales, 32)
+            finite = np.isfinite(want)
+            assert np.array_equal(got[finite], want[finite]), isa
+            # A non-finite block: zero codes, NaN scale and sums (its outputs become NaN).
+            for b in range(2):
+                if not np.isfinite(np.array(x[32 * b : 32 * b + 32])).all():
+                    assert not codes[32 * b : 32 * b + 32].any() and np.isnan(scales[b])
+                    assert np.isnan(sum16[2 * b : 2 * b + 2]).all()
+                else:
+                    for h in range(2):
+                        part = codes[32 * b + 16 * h : 32 * b + 16 * h + 16].astype(np.float32)
+                        assert sum16[2 * b + h] == scales[b] * np.float32(part.sum())
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "q4_k"])
+def test_non_finite_activations_reach_the_output(qisa, fmt):
+    # A NaN or inf in a token's hidden state makes that token's output NaN (as
+    # torch's matmul would), rather than being dropped by the q8 rounding.
+    H, I, E = 256, 256, 4
+    w = make_quant_experts(fmt, E, H, I, seed=5)
+    T = 6
+    x = make_hidden(T, H, torch.float32, seed=2)
+    x[1, 7] = float("nan")
+    x[4, 200] = float("inf")
+    ids = torch.tensor([[e % E, (e + 1) % E] for e in range(T)])
+    out = run_op(x, ids, torch.full((T, 2), 0.5), w)
+    assert torch.isnan(out[1]).all() and torch.isnan(out[4]).all()
+    ok = [0, 2, 3, 5]
+    assert torch.isfinite(out[ok]).all()
 
 
 # --------------------------------------------------------------------------

@@ -6,10 +6,16 @@
 //   float scale[Kp/32]   amax / 127 (0 for an all-zero block)
 //   float sum16[Kp/16]   scale * sum(q over the 16-block): the zero-point term
 // x ~= scale[k/32] * q[k]. Records are padded to 64 bytes.
+// A 32-block holding a NaN or an infinity gets q = 0 and scale = sum16 = NaN,
+// so that every output it reaches is NaN, as in torch's own matmul (a plain
+// amax would skip a NaN and quietly drop it).
+// The SIMD tiers quantize with kernels/q8_quantize.h, bit-identical to this.
 #pragma once
 
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 
 namespace kt::formats {
 
@@ -33,7 +39,18 @@ inline void quantize_row_q8(const float* x, int64_t kp, uint8_t* rec) {
   for (int64_t b = 0; b < kp / 32; ++b) {
     const float* xb = x + 32 * b;
     float amax = 0.f;
-    for (int j = 0; j < 32; ++j) amax = std::fmax(amax, std::fabs(xb[j]));
+    bool finite = true;
+    for (int j = 0; j < 32; ++j) {
+      const float a = std::fabs(xb[j]);
+      finite = finite && a <= FLT_MAX;  // false for NaN and +-inf
+      amax = std::fmax(amax, a);
+    }
+    if (!finite) {
+      const float nan = std::numeric_limits<float>::quiet_NaN();
+      for (int j = 0; j < 32; ++j) q[32 * b + j] = 0;
+      scale[b] = sum16[2 * b] = sum16[2 * b + 1] = nan;
+      continue;
+    }
     const float d = amax / 127.f;
     const float inv = amax > 0.f ? 127.f / amax : 0.f;
     int sums[2] = {0, 0};

@@ -17,6 +17,7 @@ namespace avx512 {
 KT_WEAK const ProjectionKernels& bf16_kernels();
 KT_WEAK const ProjectionKernels& qint_kernels();
 KT_WEAK void silu_mul_rows(float* g, const float* u, int m);
+KT_WEAK void quantize_row_q8(const float* x, int64_t kp, uint8_t* rec, uint8_t* u8);
 }  // namespace avx512
 namespace avx512_vnni {
 KT_WEAK const ProjectionKernels& qint_kernels();
@@ -28,8 +29,8 @@ using KernelsFn = const ProjectionKernels& (*)();
 
 // THE tier table, lowest first; a tier's rank is its index. Per tier: its
 // name, whether this CPU runs it (and what it lacks otherwise), its kernels
-// per layout (index: formats::Layout; nullptr: not specialized at this tier)
-// and its SwiGLU epilogue. THE fallback chain: a layout a tier does not
+// per layout (index: formats::Layout; nullptr: not specialized at this tier),
+// its SwiGLU epilogue and its q8 activation quantizer. THE fallback chain: a layout a tier does not
 // specialize is served by the next lower tier that does; ref has every entry.
 // Adding an ISA: its traits header (with its compiler flags), its
 // instantiation file(s), and a row here.
@@ -39,6 +40,7 @@ struct Tier {
   const char* needs;
   KernelsFn layouts[3];  // kBf16, kQint, kFp8
   SiluMulRows silu;
+  QuantizeRowQ8 quantize_q8;
 };
 
 const Tier kTiers[] = {
@@ -46,23 +48,27 @@ const Tier kTiers[] = {
      [](const runtime::CpuFeatures&) { return true; },
      "",
      {ref::bf16_kernels, ref::qint_kernels, ref::fp8_kernels},
-     ref::silu_mul_rows},
+     ref::silu_mul_rows,
+     ref::quantize_row_q8},
     {"avx2",
      [](const runtime::CpuFeatures& f) { return f.avx2; },
      "AVX2+FMA",
      {avx2::bf16_kernels, avx2::qint_kernels, avx2::fp8_kernels},
-     avx2::silu_mul_rows},
+     avx2::silu_mul_rows,
+     avx2::quantize_row_q8},
     // fp8 and the weight-only fp32 path stay on AVX2 code, which every AVX-512 CPU runs.
     {"avx512",
      [](const runtime::CpuFeatures& f) { return f.avx512; },
      "AVX-512 F/BW/VL/DQ",
      {avx512::bf16_kernels, avx512::qint_kernels, nullptr},
-     avx512::silu_mul_rows},
+     avx512::silu_mul_rows,
+     avx512::quantize_row_q8},
     // vpdpbusd for the integer formats; the rest from the avx512 row.
     {"avx512_vnni",
      [](const runtime::CpuFeatures& f) { return f.avx512 && f.avx512_vnni; },
      "AVX-512 F/BW/VL/DQ + AVX512_VNNI",
      {nullptr, avx512_vnni::qint_kernels, nullptr},
+     nullptr,
      nullptr},
 };
 constexpr int kNumTiers = static_cast<int>(sizeof(kTiers) / sizeof(kTiers[0]));
@@ -173,6 +179,12 @@ SiluMulRows silu_mul_rows(Isa isa) {
   for (Isa i = isa; i > 0; --i)
     if (kTiers[i].silu != nullptr) return kTiers[i].silu;
   return kTiers[0].silu;
+}
+
+QuantizeRowQ8 quantize_row_q8(Isa isa) {
+  for (Isa i = isa; i > 0; --i)
+    if (kTiers[i].quantize_q8 != nullptr) return kTiers[i].quantize_q8;
+  return kTiers[0].quantize_q8;
 }
 
 }  // namespace kt::kernels

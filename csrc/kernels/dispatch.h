@@ -26,5 +26,7 @@ void set_active_isa(Isa isa);
 const ProjectionKernels& projection_kernels(formats::Layout layout, Isa isa);
 // The SwiGLU epilogue of tier `isa`.
 SiluMulRows silu_mul_rows(Isa isa);
+// The q8 activation quantizer of tier `isa`.
+QuantizeRowQ8 quantize_row_q8(Isa isa);
 
 }  // namespace kt::kernels

@@ -86,4 +86,9 @@ struct ProjectionKernels {
 // 16 ([m][16], in place in g). silu(g) = g / (1 + exp(-g)).
 using SiluMulRows = void (*)(float* g, const float* u, int m);
 
+// The q8 activation records of one fp32 row x[kp] (formats/q8_activations.h),
+// vectorized per tier (kernels/q8_quantize.h); with u8 (not nullptr) also the
+// codes shifted to u8 (DotArgs::xq_u8) at u8[0, kp).
+using QuantizeRowQ8 = void (*)(const float* x, int64_t kp, uint8_t* rec, uint8_t* u8);
+
 }  // namespace kt::kernels

@@ -48,7 +48,8 @@ namespace kt::kernels {
 enum class ZeroMode { kImplicit, kExplicit };
 
 // Software prefetch distance of the code streams, in bytes (2 KB ahead of the
-// decode covers DRAM latency at a core's stream rate; measured on Zen 3).
+// decode covers DRAM latency at a core's stream rate; measured on Zen 3; on
+// Zen 4, 1, 2, 4 and 8 KB measured alike, no prefetch 0.5x).
 constexpr int64_t kQintPrefetchBytes = 2048;
 
 // Prefetches every 64-byte line holding the codes of k in [k0, k0 + Unit),
@@ -102,6 +103,9 @@ KT_ALWAYS_INLINE void qint_tile(const QintBlock& a, const uint8_t* const* x_rows
   constexpr int NQ = Unit / 4;                                            // k-quads per fold unit
   constexpr int D = V::depth(Bits, Lut) < NQ ? V::depth(Bits, Lut) : NQ;  // quads per flush
   static_assert(D % 2 == 0 && NQ % D == 0, "quads go in pairs; flushes divide the unit");
+  // Decode tiles spread a unit's quad pairs over C independent sum chains
+  // (V::kDecodeChains); exact int32, so the sums do not depend on C.
+  constexpr int C = M * P <= 2 ? V::kDecodeChains : 1;
   constexpr int kHighMask = Bits == 5 ? 0x10 : 0x30;
   const formats::QintFormat& f = *a.format;
   const int64_t kp = a.kp;
@@ -114,6 +118,9 @@ KT_ALWAYS_INLINE void qint_tile(const QintBlock& a, const uint8_t* const* x_rows
     for (int p = 0; p < P; ++p) acc[i][p] = V::fzero();
   [[maybe_unused]] alignas(64) float kq_s[KQ ? 16 * 16 : 1];
   [[maybe_unused]] alignas(64) float kq_z[KQ ? 8 * 16 : 1];
+  // The scale group of k0, followed without a division per unit (a 64-bit
+  // idiv sat on every unit's fold; a unit never straddles two groups).
+  [[maybe_unused]] int64_t g = 0, g_end = gsize;
   for (int64_t k0 = 0; k0 < kp; k0 += Unit) {
     // Keep the block's stream ahead of the decode, in the first pass only
     // (later parts find the lines in cache).
@@ -126,8 +133,13 @@ KT_ALWAYS_INLINE void qint_tile(const QintBlock& a, const uint8_t* const* x_rows
             f.scale_type, kq_s, kq_z);
     }
     I isum[M][P];
+    [[maybe_unused]] I isum_c[Bits == 8 ? C : 1][M][P];  // 8-bit: the chains of isum
     for (int i = 0; i < M; ++i)
-      for (int p = 0; p < P; ++p) isum[i][p] = V::zero();
+      for (int p = 0; p < P; ++p) {
+        isum[i][p] = V::zero();
+        if constexpr (Bits == 8)
+          for (int c = 0; c < C; ++c) isum_c[c][i][p] = V::zero();
+      }
     [[maybe_unused]] I hb[P];  // 5/6 bit: the unit's one high-plane line
     if constexpr (Bits == 5 || Bits == 6) {
       static_assert(Unit * (Bits - 4) == 32, "one high-plane line per unit");
@@ -135,12 +147,14 @@ KT_ALWAYS_INLINE void qint_tile(const QintBlock& a, const uint8_t* const* x_rows
         hb[p] = V::load(high + (k0 / Unit) * 64 + (part0 + p) * V::kBytes);
     }
     for (int q0 = 0; q0 < NQ; q0 += D) {
-      [[maybe_unused]] I st[M][P];
+      [[maybe_unused]] I st[C][M][P];
       if constexpr (Bits != 8) {
-        for (int i = 0; i < M; ++i)
-          for (int p = 0; p < P; ++p) st[i][p] = V::zero();
+        for (int c = 0; c < C; ++c)
+          for (int i = 0; i < M; ++i)
+            for (int p = 0; p < P; ++p) st[c][i][p] = V::zero();
       }
       for (int q = q0; q < q0 + D; q += 2) {
+        const int c = (q / 2) % C;  // a constant once the loops unroll
         if constexpr (Bits == 8) {
           // Two lines: quads q and q+1, each 4 k of all 16 rows.
           I r0[P], r1[P];
@@ -154,7 +168,7 @@ KT_ALWAYS_INLINE void qint_tile(const QintBlock& a, const uint8_t* const* x_rows
             const I xb =
                 V::set1_i32(*reinterpret_cast<const int32_t*>(xr.codes[i] + k0 + 4 * q + 4));
             for (int p = 0; p < P; ++p)
-              isum[i][p] = V::dot_signed(V::dot_signed(isum[i][p], r0[p], xa), r1[p], xb);
+              isum_c[c][i][p] = V::dot_signed(V::dot_signed(isum_c[c][i][p], r0[p], xa), r1[p], xb);
           }
         } else {
           // One low-plane line: quad q in the low nibbles, q+1 in the high ones.
@@ -178,14 +192,20 @@ KT_ALWAYS_INLINE void qint_tile(const QintBlock& a, const uint8_t* const* x_rows
             const int8_t* xp = xr.codes[i] + k0 + 4 * q;
             const I xa = V::set1_i32(*reinterpret_cast<const int32_t*>(xp));
             const I xb = V::set1_i32(*reinterpret_cast<const int32_t*>(xp + 4));
-            for (int p = 0; p < P; ++p) V::dot2(st[i][p], w0[p], xa, w1[p], xb);
+            for (int p = 0; p < P; ++p) V::dot2(st[c][i][p], w0[p], xa, w1[p], xb);
           }
         }
       }
       if constexpr (Bits != 8) {
-        for (int i = 0; i < M; ++i)
-          for (int p = 0; p < P; ++p) isum[i][p] = V::flush(isum[i][p], st[i][p]);
+        for (int c = 0; c < C; ++c)
+          for (int i = 0; i < M; ++i)
+            for (int p = 0; p < P; ++p) isum[i][p] = V::flush(isum[i][p], st[c][i][p]);
       }
+    }
+    if constexpr (Bits == 8) {
+      for (int c = 0; c < C; ++c)
+        for (int i = 0; i < M; ++i)
+          for (int p = 0; p < P; ++p) isum[i][p] = V::add_i32(isum[i][p], isum_c[c][i][p]);
     }
     // Fold the unit into fp32: acc += s * (isum * x_scale) - zero * x_sum.
     F s[P], z[P];
@@ -198,7 +218,11 @@ KT_ALWAYS_INLINE void qint_tile(const QintBlock& a, const uint8_t* const* x_rows
             Z == ZeroMode::kExplicit ? V::load_scales(kq_z, kF32, sidx + p * V::kRows) : V::fzero();
       }
     } else {
-      const int64_t sidx = (k0 / gsize) * 16 + part0 * V::kRows;
+      if (k0 == g_end) {
+        ++g;
+        g_end += gsize;
+      }
+      const int64_t sidx = g * 16 + part0 * V::kRows;
       for (int p = 0; p < P; ++p) {
         s[p] = V::load_scales(a.scales, f.scale_type, sidx + p * V::kRows);
         z[p] = Z == ZeroMode::kExplicit ? V::load_scales(a.zeros, f.zero_type, sidx + p * V::kRows)
@@ -296,6 +320,7 @@ KT_ALWAYS_INLINE void qint8_u8_tile(const QintBlock& a, int i0, int64_t k_begin,
   const int64_t kp = a.kp;
   const int64_t gsize = f.group_size == 0 ? kp : f.group_size;
   const I c80 = V::set1_i32(static_cast<int32_t>(0x80808080u));
+  constexpr int C = M <= 2 ? 4 / M : 1;  // sum chains per token (and compensation)
   const uint8_t* xu[M];
   const float* xs[M];
   float* out = a.out + i0 * a.ldo;
@@ -310,23 +335,33 @@ KT_ALWAYS_INLINE void qint8_u8_tile(const QintBlock& a, int i0, int64_t k_begin,
   for (int64_t k0 = k_begin; k0 < k_end; k0 += 32) {
     const uint8_t* line = a.block + k0 * 16;  // k0 / 4 lines of 64 bytes
     I* nc = ncomp + (k0 - k_begin) / 32;
-    I isum[M];
-    [[maybe_unused]] I comp = V::zero();
+    // isum[c][i], comp[c]: C independent dpbusd chains (decode: few tokens
+    // leave the chains' latency exposed; exact int32, summed after the unit).
+    I isum[C][M];
+    [[maybe_unused]] I comp[C];
+    for (int c = 0; c < C; ++c) {
+      comp[c] = V::zero();
+      for (int i = 0; i < M; ++i) isum[c][i] = V::zero();
+    }
     if constexpr (First) {
       qint_prefetch_unit<8, 32>(a.block, nullptr, k0);
-      for (int i = 0; i < M; ++i) isum[i] = V::zero();
     } else {
-      for (int i = 0; i < M; ++i) isum[i] = *nc;
+      for (int i = 0; i < M; ++i) isum[0][i] = *nc;
     }
     for (int q = 0; q < 8; ++q) {
+      const int c = q % C;
       const I w = V::load(line + q * 64);
-      if constexpr (First) comp = V::dpbusd(comp, c80, w);
+      if constexpr (First) comp[c] = V::dpbusd(comp[c], c80, w);
       for (int i = 0; i < M; ++i)
-        isum[i] = V::dpbusd(isum[i], V::bcast_quad(xu[i] + k0 + 4 * q), w);
+        isum[c][i] = V::dpbusd(isum[c][i], V::bcast_quad(xu[i] + k0 + 4 * q), w);
+    }
+    for (int c = 1; c < C; ++c) {
+      if constexpr (First) comp[0] = V::add_i32(comp[0], comp[c]);
+      for (int i = 0; i < M; ++i) isum[0][i] = V::add_i32(isum[0][i], isum[c][i]);
     }
     if constexpr (First) {
-      for (int i = 0; i < M; ++i) isum[i] = V::sub_i32(isum[i], comp);
-      *nc = V::sub_i32(V::zero(), comp);
+      for (int i = 0; i < M; ++i) isum[0][i] = V::sub_i32(isum[0][i], comp[0]);
+      *nc = V::sub_i32(V::zero(), comp[0]);
     }
     if (k0 == g_end) {  // k0 / gsize without a division per unit
       ++g;
@@ -334,7 +369,7 @@ KT_ALWAYS_INLINE void qint8_u8_tile(const QintBlock& a, int i0, int64_t k_begin,
     }
     const F s = V::load_scales(a.scales, f.scale_type, g * 16);
     for (int i = 0; i < M; ++i)
-      acc[i] = V::fmadd(s, V::mul(V::cvt(isum[i]), V::set1(xs[i][k0 / 32])), acc[i]);
+      acc[i] = V::fmadd(s, V::mul(V::cvt(isum[0][i]), V::set1(xs[i][k0 / 32])), acc[i]);
   }
   for (int i = 0; i < M; ++i) V::store(out + i * a.ldo, acc[i]);
 }

@@ -231,20 +231,17 @@ ProjectionPlan plan_projection(const Projection& p, kernels::Isa isa, QuantActiv
   return {&p.view, &k, fp32_min, q8, brgemm_min, kind, u8_codes};
 }
 
-// q8 records of rows [0, rows) of src into dst; with u8 (not nullptr), their
-// codes shifted to u8 (code ^ 0x80 = code + 128) at u8 + r * kp.
-void quantize_rows(const float* src, int64_t stride, int64_t rows, int64_t kp, uint8_t* dst,
-                   uint8_t* u8) {
+// q8 records of rows [0, rows) of src into dst (the tier's quantizer); with
+// u8 (not nullptr), their codes shifted to u8 (code ^ 0x80 = code + 128) at
+// u8 + r * kp.
+void quantize_rows(kernels::Isa isa, const float* src, int64_t stride, int64_t rows, int64_t kp,
+                   uint8_t* dst, uint8_t* u8) {
+  const kernels::QuantizeRowQ8 quantize = kernels::quantize_row_q8(isa);
   const int64_t rec = formats::q8_record_bytes(kp);
   runtime::ThreadPool::global().run(formats::ceil_div(rows, 16), [&](int64_t task, int) {
     const int64_t end = std::min(rows, (task + 1) * 16);
-    for (int64_t r = task * 16; r < end; ++r) {
-      formats::quantize_row_q8(src + r * stride, kp, dst + r * rec);
-      if (u8 == nullptr) continue;
-      const uint8_t* codes = dst + r * rec;
-      uint8_t* shifted = u8 + r * kp;
-      for (int64_t k = 0; k < kp; ++k) shifted[k] = codes[k] ^ 0x80u;
-    }
+    for (int64_t r = task * 16; r < end; ++r)
+      quantize(src + r * stride, kp, dst + r * rec, u8 == nullptr ? nullptr : u8 + r * kp);
   });
 }
 
@@ -324,7 +321,7 @@ void moe_forward_experts(const at::Tensor& hidden_states, const at::Tensor& topk
   if (x_q8) {
     grow(s.xq, T * x_rec);
     if (gu_u8) grow(s.xu, T * Hp);
-    quantize_rows(s.x.data(), Hp, T, Hp, s.xq.data(), gu_u8 ? s.xu.data() : nullptr);
+    quantize_rows(isa, s.x.data(), Hp, T, Hp, s.xq.data(), gu_u8 ? s.xu.data() : nullptr);
   }
   grow(s.h, R * Ip);
   grow(s.y, T * K * H);
@@ -394,7 +391,8 @@ void moe_forward_experts(const at::Tensor& hidden_states, const at::Tensor& topk
       release_brgemm);
 
   // Phase 2b: the SwiGLU outputs to q8 records.
-  if (down.q8) quantize_rows(s.h.data(), Ip, R, Ip, s.hq.data(), down_u8 ? s.hu.data() : nullptr);
+  if (down.q8)
+    quantize_rows(isa, s.h.data(), Ip, R, Ip, s.hq.data(), down_u8 ? s.hu.data() : nullptr);
 
   // Phase 3: down projection scaled by the routing weight, per (expert, 16-row block of H).
   float* y = s.y.data();

@@ -26,6 +26,29 @@ struct Vec {
   static inline Reg div(Reg a, Reg b) { return _mm256_div_ps(a, b); }
   static inline Reg neg(Reg a) { return _mm256_xor_ps(a, _mm256_set1_ps(-0.0f)); }
   static inline Reg fma(Reg a, Reg b, Reg c) { return _mm256_fmadd_ps(a, b, c); }
+  static inline Reg abs(Reg a) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), a); }
+  static inline Reg max(Reg a, Reg b) { return _mm256_max_ps(a, b); }
+  static inline float reduce_max(Reg a) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+  }
+  // Whether every lane of a (an |x|) is finite: a <= FLT_MAX fails for NaN and inf.
+  static inline bool all_finite_abs(Reg a) {
+    return _mm256_movemask_ps(_mm256_cmp_ps(a, _mm256_set1_ps(3.40282347e38f), _CMP_LE_OQ)) == 0xFF;
+  }
+  // Rounds the lanes half to even (MXCSR default) to int8 codes at dst (the
+  // values lie in [-127, 127]); returns their sum.
+  static inline int round_store_i8(Reg v, int8_t* dst) {
+    const __m256i i = _mm256_cvtps_epi32(v);
+    const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(dst), _mm_packs_epi16(w, w));
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    return _mm_cvtsi128_si32(s);
+  }
 
   // 64 bytes = 16 rows x (k even, k odd) -> two vectors of even k, two of odd k.
   static inline void load_bf16_pairs(const uint16_t* p, Reg* even, Reg* odd) {
@@ -79,6 +102,10 @@ struct QintVec {
   // Quads whose pmaddubsw products may be summed in int16 before widening:
   // pairs of u8 * s8 products are at most 2 * qmax * 127, so 4-bit codes
   // (qmax 15) allow 8 quads, 5-bit and E2M1 (qmax 24..31) 4, 6-bit 2.
+  // Independent int32 sum chains in decode tiles (see avx512/vec.h): the
+  // pmaddubsw chain is a 1-cycle add, so one.
+  static constexpr int kDecodeChains = 1;
+
   static constexpr int depth(int bits, bool lut) {
     return bits == 4 ? (lut ? 4 : 8) : (bits == 5 ? 4 : 2);
   }
@@ -87,6 +114,7 @@ struct QintVec {
   static inline I zero() { return _mm256_setzero_si256(); }
   static inline I set1_i32(int32_t v) { return _mm256_set1_epi32(v); }
   static inline I or_(I a, I b) { return _mm256_or_si256(a, b); }
+  static inline I add_i32(I a, I b) { return _mm256_add_epi32(a, b); }
   static inline I lo_nibbles(I raw) { return _mm256_and_si256(raw, _mm256_set1_epi8(0x0F)); }
   static inline I hi_nibbles(I raw) {
     return _mm256_and_si256(_mm256_srli_epi16(raw, 4), _mm256_set1_epi8(0x0F));

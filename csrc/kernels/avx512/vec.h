@@ -29,6 +29,20 @@ struct Vec {
         _mm512_xor_si512(_mm512_castps_si512(a), _mm512_set1_epi32(static_cast<int>(0x80000000u))));
   }
   static inline Reg fma(Reg a, Reg b, Reg c) { return _mm512_fmadd_ps(a, b, c); }
+  static inline Reg abs(Reg a) { return _mm512_abs_ps(a); }
+  static inline Reg max(Reg a, Reg b) { return _mm512_max_ps(a, b); }
+  static inline float reduce_max(Reg a) { return _mm512_reduce_max_ps(a); }
+  // Whether every lane of a (an |x|) is finite: a <= FLT_MAX fails for NaN and inf.
+  static inline bool all_finite_abs(Reg a) {
+    return _mm512_cmp_ps_mask(a, _mm512_set1_ps(3.40282347e38f), _CMP_LE_OQ) == 0xFFFF;
+  }
+  // Rounds the lanes half to even (MXCSR default) to int8 codes at dst (the
+  // values lie in [-127, 127]); returns their sum.
+  static inline int round_store_i8(Reg v, int8_t* dst) {
+    const __m512i i = _mm512_cvtps_epi32(v);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(i));
+    return _mm512_reduce_add_epi32(i);
+  }
 
   // 64 bytes = 16 rows x (k even, k odd) -> one vector of even k, one of odd k.
   static inline void load_bf16_pairs(const uint16_t* p, Reg* even, Reg* odd) {
@@ -75,6 +89,13 @@ struct QintVec512 {
 
   // Quads summed before widening to int32: pmaddubsw's int16 bound (see
   // avx2/vec.h); vpdpbusd has no int16 stage.
+  // Independent int32 sum chains per (token, part) in decode tiles (M * P
+  // <= 2). vpdpbusd accumulates in place, so one chain serializes a unit's 8
+  // dpbusd on its latency (~5 cycles on Zen 4): one token's int4 decode then
+  // ran at ~10 weights per cycle, below one core's DRAM stream. int32 sums are
+  // exact: any split gives the same isum. pmaddubsw's chain is a 1-cycle add.
+  static constexpr int kDecodeChains = kVnni ? 4 : 1;
+
   static constexpr int depth(int bits, bool lut) {
     if (kVnni) return 8;
     return bits == 4 ? (lut ? 4 : 8) : (bits == 5 ? 4 : 2);
@@ -84,6 +105,7 @@ struct QintVec512 {
   static inline I zero() { return _mm512_setzero_si512(); }
   static inline I set1_i32(int32_t v) { return _mm512_set1_epi32(v); }
   static inline I or_(I a, I b) { return _mm512_or_si512(a, b); }
+  static inline I add_i32(I a, I b) { return _mm512_add_epi32(a, b); }
   static inline I lo_nibbles(I raw) { return _mm512_and_si512(raw, _mm512_set1_epi8(0x0F)); }
   static inline I hi_nibbles(I raw) {
     return _mm512_and_si512(_mm512_srli_epi16(raw, 4), _mm512_set1_epi8(0x0F));

@@ -1,0 +1,13 @@
+// q8 activation records, AVX2 tier: kernels/q8_quantize.h with this tier's
+// fp32 vector traits (avx2/vec.h).
+#include "kernels/avx2/vec.h"
+#include "kernels/q8_quantize.h"
+#include "kernels/tiers.h"
+
+namespace kt::kernels::avx2 {
+
+void quantize_row_q8(const float* x, int64_t kp, uint8_t* rec, uint8_t* u8) {
+  kernels::quantize_row_q8<Vec>(x, kp, rec, u8);
+}
+
+}  // namespace kt::kernels::avx2
