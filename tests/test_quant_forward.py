@@ -691,13 +691,12 @@ def test_q8_records_are_bit_identical_on_every_tier():
     rows = _q8_edge_rows()
     for isa in kt_ops.supported_isas():
         for x in rows:
-            rec, u8 = kt_ops._C.quantize_row_q8(x, isa)
-            ref_rec, _ = kt_ops._C.quantize_row_q8(x, "ref")
+            rec = kt_ops._C.quantize_row_q8(x, isa)
+            ref_rec = kt_ops._C.quantize_row_q8(x, "ref")
             assert rec == ref_rec, (isa, x[:4])
             codes = np.frombuffer(rec[:64], dtype=np.int8)
             scales = np.frombuffer(rec[64:72], dtype=np.float32)
             sum16 = np.frombuffer(rec[72:88], dtype=np.float32)
-            assert np.array_equal(np.frombuffer(u8, np.uint8), codes.view(np.uint8) ^ 0x80)
             xt = torch.tensor(x)
             want = quantize_activations_q8(xt[None])[0].numpy()
             got = codes.astype(np.float32) * np.repeat(scales, 32)

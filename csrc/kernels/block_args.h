@@ -37,8 +37,9 @@ struct QintBlock {
   int64_t kp;
   float* out;  // out[i * ldo + r], r < 16
   int64_t ldo;
-  // 8-bit signed codes: the m records' codes shifted to u8 (DotArgs::xq_u8), or nullptr.
-  const uint8_t* const* x_u8_rows;
+  // 8-bit signed codes: the m records' codes shifted to u8 in tiles
+  // (DotArgs::xq_u8, pack_u8_tiles), or nullptr.
+  const uint8_t* x_u8;
 };
 
 // One 16-row block of an fp8 projection ([Kp][16] E4M3 bytes) with m fp32 rows.

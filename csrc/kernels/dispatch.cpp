@@ -17,7 +17,7 @@ namespace avx512 {
 KT_WEAK const ProjectionKernels& bf16_kernels();
 KT_WEAK const ProjectionKernels& qint_kernels();
 KT_WEAK void silu_mul_rows(float* g, const float* u, int m);
-KT_WEAK void quantize_row_q8(const float* x, int64_t kp, uint8_t* rec, uint8_t* u8);
+KT_WEAK void quantize_row_q8(const float* x, int64_t kp, uint8_t* rec);
 }  // namespace avx512
 namespace avx512_vnni {
 KT_WEAK const ProjectionKernels& qint_kernels();

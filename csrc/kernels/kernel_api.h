@@ -59,11 +59,33 @@ struct DotArgs {
   // brgemm kernel; nullptr otherwise.
   const uint8_t* xu8 = nullptr;
   // The codes of the m q8 records shifted to u8 (code ^ 0x80 = code + 128),
-  // row i at xq_u8[i] (kp bytes), for streaming kernels with
-  // ProjectionKernels::u8_codes on 8-bit signed formats (int8, q8_0);
-  // nullptr: those kernels use the sign trick on xq instead (same results).
-  const uint8_t* const* xq_u8 = nullptr;
+  // packed in tiles of kU8TileRows tokens (pack_u8_tiles), for streaming
+  // kernels with ProjectionKernels::u8_codes on 8-bit signed formats (int8,
+  // q8_0); nullptr: those kernels use the sign trick on xq instead (same results).
+  const uint8_t* xq_u8 = nullptr;
 };
+
+// Tokens per tile of the u8 streaming kernel (kernels/qint_tiles.h,
+// qint8_u8_block_dot) and of DotArgs::xq_u8's packing.
+constexpr int kU8TileRows = 12;
+
+// DotArgs::xq_u8 of m q8 records of kp codes: the tile of rows [i0, i0 + mt)
+// (i0 a multiple of kU8TileRows, mt = min(kU8TileRows, m - i0)) at dst + i0 * kp
+// as [kp / 4][mt][4]: the 4-byte k-quads of the tile's tokens side by side, so
+// the kernel broadcasts every token's quad from one pointer (12 row pointers
+// spilled to the stack and reloaded per line before). dst: m * kp bytes.
+inline void pack_u8_tiles(const uint8_t* const* records, int m, int64_t kp, uint8_t* dst) {
+  for (int i0 = 0; i0 < m; i0 += kU8TileRows) {
+    const int mt = m - i0 < kU8TileRows ? m - i0 : kU8TileRows;
+    uint8_t* tile = dst + i0 * kp;
+    for (int i = 0; i < mt; ++i) {
+      const uint8_t* codes = records[i0 + i];
+      for (int64_t q = 0; q < kp / 4; ++q)
+        for (int b = 0; b < 4; ++b)
+          tile[(q * mt + i) * 4 + b] = static_cast<uint8_t>(codes[q * 4 + b] ^ 0x80u);
+    }
+  }
+}
 
 // The kernels of one layout on one ISA tier.
 struct ProjectionKernels {
@@ -86,9 +108,8 @@ struct ProjectionKernels {
 // 16 ([m][16], in place in g). silu(g) = g / (1 + exp(-g)).
 using SiluMulRows = void (*)(float* g, const float* u, int m);
 
-// The q8 activation records of one fp32 row x[kp] (formats/q8_activations.h),
-// vectorized per tier (kernels/q8_quantize.h); with u8 (not nullptr) also the
-// codes shifted to u8 (DotArgs::xq_u8) at u8[0, kp).
-using QuantizeRowQ8 = void (*)(const float* x, int64_t kp, uint8_t* rec, uint8_t* u8);
+// The q8 activation record of one fp32 row x[kp] (formats/q8_activations.h),
+// vectorized per tier (kernels/q8_quantize.h).
+using QuantizeRowQ8 = void (*)(const float* x, int64_t kp, uint8_t* rec);
 
 }  // namespace kt::kernels

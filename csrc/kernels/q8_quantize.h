@@ -17,10 +17,9 @@ namespace kt::kernels {
 #define KT_ALWAYS_INLINE inline __attribute__((always_inline))
 #endif
 
-// One row x[kp] (kp a multiple of 32) into the q8 record rec; with u8 (not
-// nullptr), the codes shifted to u8 (code ^ 0x80 = code + 128) at u8[0, kp).
+// One row x[kp] (kp a multiple of 32) into the q8 record rec.
 template <class V>
-void quantize_row_q8(const float* x, int64_t kp, uint8_t* rec, uint8_t* u8) {
+void quantize_row_q8(const float* x, int64_t kp, uint8_t* rec) {
   using Reg = typename V::Reg;
   constexpr int NV = 32 / V::kLanes;  // registers per 32-block
   constexpr int PER16 = 16 / V::kLanes;
@@ -52,9 +51,6 @@ void quantize_row_q8(const float* x, int64_t kp, uint8_t* rec, uint8_t* u8) {
       sum16[2 * b] = d * static_cast<float>(sums[0]);
       sum16[2 * b + 1] = d * static_cast<float>(sums[1]);
     }
-    if (u8 != nullptr)
-      for (int j = 0; j < 32; ++j)
-        u8[32 * b + j] = static_cast<uint8_t>(static_cast<uint8_t>(q[32 * b + j]) ^ 0x80u);
   }
 }
 

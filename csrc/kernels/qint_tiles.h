@@ -281,15 +281,16 @@ void qint_block_dot(const QintBlock& a) {
 // ---------------------------------------------------------------------------
 // 8-bit signed codes with u8 activations (V::kU8S8: AVX512_VNNI).
 //
-// vpdpbusd multiplies u8 by s8. With x' = x + 128 (QintBlock::x_u8_rows: the
-// q8 codes shifted to u8 once per call by the driver) and the stored codes w:
+// vpdpbusd multiplies u8 by s8. With x' = x + 128 (QintBlock::x_u8: the q8
+// codes shifted to u8 and packed in tiles by the driver, pack_u8_tiles in
+// kernel_api.h) and the stored codes w:
 //   sum_{k in u} x'_k w_k - 128 sum_{k in u} w_k = sum_{k in u} x_k w_k
 // exactly in int32 (|sum x' w| <= 32 * 255 * 127). The compensation
 // 128 sum w of each row and fold unit is one vpdpbusd of 0x80 with each line
 // per block and K chunk, shared by all tokens (the chunk's first tile); per token and
 // line one vpbroadcastd of the token's quad and one vpdpbusd, against a
 // vpabsb, a masked negation and a vpdpbusd in the sign trick (dot_signed).
-// Tiles of V::kMaxTileU8 (12) tokens go over K in chunks of kQint8ChunkK: a
+// Tiles of kU8TileRows (12) tokens go over K in chunks of kQint8ChunkK: a
 // chunk's codes (16 rows x 512 k = 8 KiB) stay in L1 while every token tile
 // of the expert passes over them (a whole 16-row block of K = 2048 is 32 KiB,
 // Zen 4's L1D); the fp32 accumulators wait in `out` between chunks (stored
@@ -321,12 +322,12 @@ KT_ALWAYS_INLINE void qint8_u8_tile(const QintBlock& a, int i0, int64_t k_begin,
   const int64_t gsize = f.group_size == 0 ? kp : f.group_size;
   const I c80 = V::set1_i32(static_cast<int32_t>(0x80808080u));
   constexpr int C = M <= 2 ? 4 / M : 1;  // sum chains per token (and compensation)
-  const uint8_t* xu[M];
+  // The tile's u8 codes, [kp / 4][M][4] (pack_u8_tiles): token i's quad q at xt + (q * M + i) * 4.
+  const uint8_t* xt = a.x_u8 + i0 * kp;
   const float* xs[M];
   float* out = a.out + i0 * a.ldo;
   F acc[M];
   for (int i = 0; i < M; ++i) {
-    xu[i] = a.x_u8_rows[i0 + i];
     xs[i] = formats::q8_scales(a.x_rows[i0 + i], kp);
     acc[i] = first_chunk ? V::fzero() : V::fload(out + i * a.ldo);
   }
@@ -334,6 +335,7 @@ KT_ALWAYS_INLINE void qint8_u8_tile(const QintBlock& a, int i0, int64_t k_begin,
   int64_t g_end = (g + 1) * gsize;  // its end
   for (int64_t k0 = k_begin; k0 < k_end; k0 += 32) {
     const uint8_t* line = a.block + k0 * 16;  // k0 / 4 lines of 64 bytes
+    const uint8_t* xq = xt + k0 * M;          // the unit's 8 quads of the M tokens
     I* nc = ncomp + (k0 - k_begin) / 32;
     // isum[c][i], comp[c]: C independent dpbusd chains (decode: few tokens
     // leave the chains' latency exposed; exact int32, summed after the unit).
@@ -353,7 +355,7 @@ KT_ALWAYS_INLINE void qint8_u8_tile(const QintBlock& a, int i0, int64_t k_begin,
       const I w = V::load(line + q * 64);
       if constexpr (First) comp[c] = V::dpbusd(comp[c], c80, w);
       for (int i = 0; i < M; ++i)
-        isum[c][i] = V::dpbusd(isum[c][i], V::bcast_quad(xu[i] + k0 + 4 * q), w);
+        isum[c][i] = V::dpbusd(isum[c][i], V::bcast_quad(xq + (q * M + i) * 4), w);
     }
     for (int c = 1; c < C; ++c) {
       if constexpr (First) comp[0] = V::add_i32(comp[0], comp[c]);
@@ -384,7 +386,7 @@ KT_ALWAYS_INLINE void qint8_u8_tile_rem(const QintBlock& a, int i0, int rows, in
 
 template <class V>
 void qint8_u8_block_dot(const QintBlock& a) {
-  constexpr int MT = V::kMaxTileU8;
+  constexpr int MT = kU8TileRows;  // the packing's tiles
   typename V::I ncomp[kQint8ChunkK / 32];
   for (int64_t kb = 0; kb < a.kp; kb += kQint8ChunkK) {
     const int64_t ke = kb + kQint8ChunkK < a.kp ? kb + kQint8ChunkK : a.kp;
@@ -415,7 +417,7 @@ void qint_dot(const QintBlock& a, void (*fallback)(const QintBlock&)) {
   }
   if (f.bits == 8 && unit == 32) {
     if constexpr (V::kU8S8)
-      if (a.x_u8_rows != nullptr) return qint8_u8_block_dot<V>(a);
+      if (a.x_u8 != nullptr) return qint8_u8_block_dot<V>(a);
     return qint_block_dot<V, 8, false, 32, ZeroMode::kImplicit>(a);
   }
   if (f.bits == 4 && f.lut_e2m1 && unit == 32)

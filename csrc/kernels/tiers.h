@@ -15,7 +15,7 @@ const ProjectionKernels& bf16_kernels();
 const ProjectionKernels& qint_kernels();
 const ProjectionKernels& fp8_kernels();
 void silu_mul_rows(float* g, const float* u, int m);
-void quantize_row_q8(const float* x, int64_t kp, uint8_t* rec, uint8_t* u8);
+void quantize_row_q8(const float* x, int64_t kp, uint8_t* rec);
 // Scalar per-block kernels, also the SIMD tiers' answer for a code width
 // they do not specialise.
 void qint_block_dot(const QintBlock& b);
@@ -28,7 +28,7 @@ __attribute__((weak)) const ProjectionKernels& bf16_kernels();
 __attribute__((weak)) const ProjectionKernels& qint_kernels();
 __attribute__((weak)) const ProjectionKernels& fp8_kernels();
 __attribute__((weak)) void silu_mul_rows(float* g, const float* u, int m);
-__attribute__((weak)) void quantize_row_q8(const float* x, int64_t kp, uint8_t* rec, uint8_t* u8);
+__attribute__((weak)) void quantize_row_q8(const float* x, int64_t kp, uint8_t* rec);
 }  // namespace avx2
 
 // The epilogue of the u8s8 brgemm path (kernels/brgemm.h), AVX-512 code

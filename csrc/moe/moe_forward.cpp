@@ -30,8 +30,6 @@ struct Scratch {
   std::vector<uint8_t> xq;   // [T] q8 records of x (qint projections)
   std::vector<float> h;      // [rows][Ip] SwiGLU outputs, zero padded
   std::vector<uint8_t> hq;   // [rows] q8 records of h
-  std::vector<uint8_t> xu;   // [T][Hp] q8 codes of x shifted to u8 (DotArgs::xq_u8)
-  std::vector<uint8_t> hu;   // [rows][Ip] q8 codes of h shifted to u8
   std::vector<uint16_t> xt;  // [T][Hp] bf16 activations (brgemm experts' gate/up)
   std::vector<uint16_t>
       hb;                // [rows][bf16_row_stride(Ip)] bf16 SwiGLU outputs (brgemm experts' down)
@@ -40,8 +38,6 @@ struct Scratch {
   std::vector<const uint8_t*> xq_rows;
   std::vector<const float*> h_rows;
   std::vector<const uint8_t*> hq_rows;
-  std::vector<const uint8_t*> xu_rows;
-  std::vector<const uint8_t*> hu_rows;
 };
 
 thread_local Scratch t_scratch;
@@ -59,10 +55,9 @@ size_t capacity_bytes(const std::vector<T>& v) {
 
 size_t scratch_bytes(const Scratch& s) {
   return capacity_bytes(s.x) + capacity_bytes(s.xq) + capacity_bytes(s.h) + capacity_bytes(s.hq) +
-         capacity_bytes(s.xu) + capacity_bytes(s.hu) + capacity_bytes(s.xt) + capacity_bytes(s.hb) +
-         capacity_bytes(s.y) + capacity_bytes(s.x_rows) + capacity_bytes(s.xq_rows) +
-         capacity_bytes(s.h_rows) + capacity_bytes(s.hq_rows) + capacity_bytes(s.xu_rows) +
-         capacity_bytes(s.hu_rows);
+         capacity_bytes(s.xt) + capacity_bytes(s.hb) + capacity_bytes(s.y) +
+         capacity_bytes(s.x_rows) + capacity_bytes(s.xq_rows) + capacity_bytes(s.h_rows) +
+         capacity_bytes(s.hq_rows);
 }
 
 // Releases the calling thread's buffers when they hold more than kScratchKeepBytes.
@@ -127,6 +122,8 @@ struct GatheredU8Rows {
   int64_t expert = -1;
 };
 thread_local GatheredU8Rows t_gathered_u8;
+// The same for the u8 streaming kernel's packed tiles (DotArgs::xq_u8).
+thread_local GatheredU8Rows t_u8_tiles;
 
 const uint8_t* gathered_u8_rows(uint64_t call, int phase, int64_t e, const uint8_t* const* records,
                                 int m, int64_t kp) {
@@ -134,6 +131,23 @@ const uint8_t* gathered_u8_rows(uint64_t call, int phase, int64_t e, const uint8
   if (g.call != call || g.phase != phase || g.expert != e) {
     grow(g.rows, static_cast<size_t>(kernels::brgemm::u8s8_rows(m)) * kp);
     kernels::brgemm::gather_u8s8_rows(records, m, kp, g.rows.data());
+    g.call = call;
+    g.phase = phase;
+    g.expert = e;
+  }
+  return g.rows.data();
+}
+
+// One expert's q8 codes shifted to u8 in the streaming kernel's tiles
+// (kernels::pack_u8_tiles), packed by the pool thread that computes the
+// expert's blocks and kept while it stays on that expert; keyed like
+// gathered_u8_rows.
+const uint8_t* u8_tiles(uint64_t call, int phase, int64_t e, const uint8_t* const* records, int m,
+                        int64_t kp) {
+  GatheredU8Rows& g = t_u8_tiles;
+  if (g.call != call || g.phase != phase || g.expert != e) {
+    grow(g.rows, static_cast<size_t>(m) * kp);
+    kernels::pack_u8_tiles(records, m, kp, g.rows.data());
     g.call = call;
     g.phase = phase;
     g.expert = e;
@@ -169,10 +183,10 @@ struct ProjectionPlan {
   bool q8;                     // some expert may take the q8 kernel: q8 records are needed
   int brgemm_min;              // experts with at least this many rows take brgemm
   kernels::brgemm::Kind kind;  // which brgemm kernel: bf16 rows xb (bf16, fp8), or u8s8 rows xu8
-  bool u8_codes;               // the q8 kernel takes 8-bit codes with u8 rows (DotArgs::xq_u8)
+  bool u8_codes;               // the q8 kernel takes 8-bit codes with u8 tiles (DotArgs::xq_u8)
 
   bool brgemm(int m) const { return m >= brgemm_min; }
-  // Whether an expert of m rows runs the q8 kernel on the u8 rows.
+  // Whether an expert of m rows runs the q8 kernel on u8 tiles.
   bool wants_u8_codes(int m) const { return u8_codes && !brgemm(m) && m < fp32_min; }
   // Whether an expert of m rows needs the bf16 rows xb / the u8 rows xu8.
   bool wants_xb(int m) const { return kernels::brgemm::takes_bf16_rows(kind) && brgemm(m); }
@@ -182,7 +196,7 @@ struct ProjectionPlan {
   }
 
   void dot(int64_t e, int64_t nb, const float* const* x, const uint8_t* const* xq,
-           const uint8_t* const* xq_u8, const uint16_t* xb, int64_t ldxb, const uint8_t* xu8, int m,
+           const uint8_t* xq_u8, const uint16_t* xb, int64_t ldxb, const uint8_t* xu8, int m,
            float* out) const {
     kernels::DotArgs args{view, e, nb, nb + 1, x, xq, m, out, kRows, nullptr};
     if (brgemm(m)) {
@@ -231,17 +245,14 @@ ProjectionPlan plan_projection(const Projection& p, kernels::Isa isa, QuantActiv
   return {&p.view, &k, fp32_min, q8, brgemm_min, kind, u8_codes};
 }
 
-// q8 records of rows [0, rows) of src into dst (the tier's quantizer); with
-// u8 (not nullptr), their codes shifted to u8 (code ^ 0x80 = code + 128) at
-// u8 + r * kp.
+// q8 records of rows [0, rows) of src into dst (the tier's quantizer).
 void quantize_rows(kernels::Isa isa, const float* src, int64_t stride, int64_t rows, int64_t kp,
-                   uint8_t* dst, uint8_t* u8) {
+                   uint8_t* dst) {
   const kernels::QuantizeRowQ8 quantize = kernels::quantize_row_q8(isa);
   const int64_t rec = formats::q8_record_bytes(kp);
   runtime::ThreadPool::global().run(formats::ceil_div(rows, 16), [&](int64_t task, int) {
     const int64_t end = std::min(rows, (task + 1) * 16);
-    for (int64_t r = task * 16; r < end; ++r)
-      quantize(src + r * stride, kp, dst + r * rec, u8 == nullptr ? nullptr : u8 + r * kp);
+    for (int64_t r = task * 16; r < end; ++r) quantize(src + r * stride, kp, dst + r * rec);
   });
 }
 
@@ -306,22 +317,19 @@ void moe_forward_experts(const at::Tensor& hidden_states, const at::Tensor& topk
   convert_activations(hidden_states, Hp, s.x.data());
   const int64_t x_rec = formats::q8_record_bytes(Hp);
   const int64_t h_rec = formats::q8_record_bytes(Ip);
-  // Which per-call rows some expert needs: the u8 rows of the 8-bit signed
-  // projections' q8 kernels (ProjectionPlan::wants_u8_codes), for the experts
-  // that stream on q8, and the bf16 rows (xt / hb) of the brgemm experts.
+  // Which per-call rows some expert needs: the bf16 rows (xt / hb) of the
+  // brgemm experts. (The u8 tiles of the q8 kernels on 8-bit signed codes,
+  // ProjectionPlan::wants_u8_codes, are packed per expert by its threads.)
   const int gu_bf16_min = std::min(gate.bf16_min(), up.bf16_min());
-  bool gu_u8 = false, down_u8 = false, gu_brgemm = false, down_brgemm = false;
+  bool gu_brgemm = false, down_brgemm = false;
   for (int64_t e : plan.active_experts) {
     const int m = static_cast<int>(plan.expert_offsets[e + 1] - plan.expert_offsets[e]);
-    gu_u8 = gu_u8 || gate.wants_u8_codes(m) || up.wants_u8_codes(m);
-    down_u8 = down_u8 || down.wants_u8_codes(m);
     gu_brgemm = gu_brgemm || m >= gu_bf16_min;
     down_brgemm = down_brgemm || down.wants_xb(m);
   }
   if (x_q8) {
     grow(s.xq, T * x_rec);
-    if (gu_u8) grow(s.xu, T * Hp);
-    quantize_rows(isa, s.x.data(), Hp, T, Hp, s.xq.data(), gu_u8 ? s.xu.data() : nullptr);
+    quantize_rows(isa, s.x.data(), Hp, T, Hp, s.xq.data());
   }
   grow(s.h, R * Ip);
   grow(s.y, T * K * H);
@@ -329,10 +337,7 @@ void moe_forward_experts(const at::Tensor& hidden_states, const at::Tensor& topk
   grow(s.xq_rows, R);
   grow(s.h_rows, R);
   grow(s.hq_rows, R);
-  grow(s.xu_rows, R);
-  grow(s.hu_rows, R);
   if (down.q8) grow(s.hq, R * h_rec);
-  if (down_u8) grow(s.hu, R * Ip);
   const uint64_t call = ++g_call_counter;
   if (gu_brgemm) {
     // bf16 token rows once; each brgemm expert's rows are gathered by the
@@ -353,8 +358,6 @@ void moe_forward_experts(const at::Tensor& hidden_states, const at::Tensor& topk
     s.xq_rows[r] = x_q8 ? s.xq.data() + t * x_rec : nullptr;
     s.h_rows[r] = s.h.data() + r * Ip;
     s.hq_rows[r] = down.q8 ? s.hq.data() + r * h_rec : nullptr;
-    s.xu_rows[r] = gu_u8 ? s.xu.data() + t * Hp : nullptr;
-    s.hu_rows[r] = down_u8 ? s.hu.data() + r * Ip : nullptr;
     std::fill(s.h.data() + r * Ip + I, s.h.data() + (r + 1) * Ip, 0.0f);  // K padding of down
     if (down_brgemm)
       std::fill(s.hb.data() + r * ld_hb + I, s.hb.data() + r * ld_hb + Ip, uint16_t{0});
@@ -377,7 +380,9 @@ void moe_forward_experts(const at::Tensor& hidden_states, const at::Tensor& topk
                                  ? gathered_u8_rows(call, 0, e, s.xq_rows.data() + r0, m, Hp)
                                  : nullptr;
         const uint8_t* const* xq = s.xq_rows.data() + r0;
-        const uint8_t* const* xu = gu_u8 ? s.xu_rows.data() + r0 : nullptr;
+        const uint8_t* xu = gate.wants_u8_codes(m) || up.wants_u8_codes(m)
+                                ? u8_tiles(call, 0, e, xq, m, Hp)
+                                : nullptr;
         gate.dot(e, nb, s.x_rows.data() + r0, xq, xu, xb, ld_xb, xu8, m, t_gate_out.data());
         up.dot(e, nb, s.x_rows.data() + r0, xq, xu, xb, ld_xb, xu8, m, t_up_out.data());
         silu_mul(t_gate_out.data(), t_up_out.data(), m);
@@ -391,8 +396,7 @@ void moe_forward_experts(const at::Tensor& hidden_states, const at::Tensor& topk
       release_brgemm);
 
   // Phase 2b: the SwiGLU outputs to q8 records.
-  if (down.q8)
-    quantize_rows(isa, s.h.data(), Ip, R, Ip, s.hq.data(), down_u8 ? s.hu.data() : nullptr);
+  if (down.q8) quantize_rows(isa, s.h.data(), Ip, R, Ip, s.hq.data());
 
   // Phase 3: down projection scaled by the routing weight, per (expert, 16-row block of H).
   float* y = s.y.data();
@@ -405,8 +409,10 @@ void moe_forward_experts(const at::Tensor& hidden_states, const at::Tensor& topk
         const uint8_t* hu8 = down.wants_xu8(m)
                                  ? gathered_u8_rows(call, 1, e, s.hq_rows.data() + r0, m, Ip)
                                  : nullptr;
-        down.dot(e, nb, s.h_rows.data() + r0, s.hq_rows.data() + r0,
-                 down_u8 ? s.hu_rows.data() + r0 : nullptr, hb, ld_hb, hu8, m, t_gate_out.data());
+        const uint8_t* hu =
+            down.wants_u8_codes(m) ? u8_tiles(call, 1, e, s.hq_rows.data() + r0, m, Ip) : nullptr;
+        down.dot(e, nb, s.h_rows.data() + r0, s.hq_rows.data() + r0, hu, hb, ld_hb, hu8, m,
+                 t_gate_out.data());
         for (int i = 0; i < m; ++i) {
           float* dst = y + plan.row_slot[r0 + i] * H + nb * kRows;
           const float w = plan.row_weight[r0 + i];

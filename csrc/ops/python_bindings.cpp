@@ -255,8 +255,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("kernel_names",
         [](const std::string& isa) { return kernel_names(kt::kernels::parse_isa(isa)); });
   m.def("retained_scratch_bytes", &kt::moe::retained_scratch_bytes);
-  // Test hook: the q8 record and u8 codes of one fp32 row (len a multiple of
-  // 32) from tier `isa`'s quantizer (formats/q8_activations.h).
+  // Test hook: the q8 record of one fp32 row (len a multiple of 32) from
+  // tier `isa`'s quantizer (formats/q8_activations.h).
   m.def("quantize_row_q8", [](const std::vector<float>& x, const std::string& isa_name) {
     const Isa isa = kt::kernels::parse_isa(isa_name);
     const std::vector<Isa> ok = kt::kernels::supported_isas();
@@ -265,10 +265,8 @@ PYBIND11_MODULE(_C, m) {
     const int64_t kp = static_cast<int64_t>(x.size());
     if (kp % 32 != 0) throw py::value_error("quantize_row_q8: len(x) must be a multiple of 32");
     std::string rec(static_cast<size_t>(kt::formats::q8_record_bytes(kp)), '\0');
-    std::string u8(static_cast<size_t>(kp), '\0');
-    kt::kernels::quantize_row_q8(isa)(x.data(), kp, reinterpret_cast<uint8_t*>(rec.data()),
-                                      reinterpret_cast<uint8_t*>(u8.data()));
-    return py::make_tuple(py::bytes(rec), py::bytes(u8));
+    kt::kernels::quantize_row_q8(isa)(x.data(), kp, reinterpret_cast<uint8_t*>(rec.data()));
+    return py::bytes(rec);
   });
   m.def("topology", &topology_report);
   m.def("cpu_features", &cpu_features_report);

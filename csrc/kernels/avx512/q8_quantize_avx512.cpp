@@ -6,8 +6,8 @@
 
 namespace kt::kernels::avx512 {
 
-void quantize_row_q8(const float* x, int64_t kp, uint8_t* rec, uint8_t* u8) {
-  kernels::quantize_row_q8<Vec>(x, kp, rec, u8);
+void quantize_row_q8(const float* x, int64_t kp, uint8_t* rec) {
+  kernels::quantize_row_q8<Vec>(x, kp, rec);
 }
 
 }  // namespace kt::kernels::avx512

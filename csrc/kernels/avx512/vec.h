@@ -147,9 +147,9 @@ struct QintVec512 {
   // qint8_u8_block_dot): vpdpbusd takes the u8 rows and the stored codes as
   // they are, so only the VNNI tier has it (pmaddubsw would saturate in int16
   // with u8 activations).
+  // Tiles of kU8TileRows (12, kernel_api.h) tokens: 12 int32 + 12 fp32 accs
+  // (measured best of 8/10/12/16).
   static constexpr bool kU8S8 = kVnni;
-  static constexpr int kMaxTileU8 =
-      12;  // tokens per tile: 12 int32 + 12 fp32 accs (measured best of 8/10/12/16)
   static inline I sub_i32(I a, I b) { return _mm512_sub_epi32(a, b); }
   // acc += u8 quads of u . s8 quads of s, per 32-bit lane.
   static inline I dpbusd(I acc, I u, I s) {
