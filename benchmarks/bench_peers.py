@@ -50,6 +50,7 @@ Usage::
     ~/.cache/kt_ops/peers-venv/bin/python benchmarks/bench_peers.py --markdown
     python benchmarks/bench_peers.py --quick                 # re-execs in the venv
     python benchmarks/bench_peers.py --no-kt-kernel          # kt_ops and torch only
+    python benchmarks/bench_peers.py --isolate --markdown    # each side in its own process
 
 Not part of the test suite (pytest only collects ``tests/``).
 """
@@ -622,10 +623,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS), help="token counts")
     p.add_argument(
         "--kt-ops",
-        nargs="+",
+        nargs="*",
         default=list(KT_OPS_VARIANTS),
         choices=list(KT_OPS_VARIANTS),
-        help="kt_ops variants",
+        help="kt_ops variants (none: kt-kernel and/or torch only)",
     )
     p.add_argument(
         "--kt-backends",
@@ -656,12 +657,74 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="few repetitions (development run)")
     p.add_argument("--markdown", action="store_true", help="also print a markdown table")
     p.add_argument("--json", metavar="PATH", help="write header, rows and raw samples as JSON")
+    p.add_argument(
+        "--isolate",
+        action="store_true",
+        help="time kt_ops (+ torch) and kt-kernel each in their own process, one after the "
+        "other, and merge the tables (nothing of one system's threads or memory in the "
+        "other's process; interleaving then holds within each process only)",
+    )
     return p.parse_args(argv)
+
+
+def run_isolated(argv: list[str], args: argparse.Namespace) -> int:
+    """``--isolate``: this script once for kt_ops + torch and once for kt-kernel, merged.
+
+    Same seed, shape and inputs in both processes; each measures its own
+    limits (so each row's roofline is against its own process's samples).
+    ``vs kt-kernel`` is recomputed across the two.
+    """
+    import subprocess
+    import tempfile
+
+    drop = {"--isolate", "--markdown"}
+    base, skip = [], False
+    for a in argv:  # the other options, without --isolate / --markdown / --json PATH
+        if skip:
+            skip = False
+        elif a == "--json":
+            skip = True
+        elif a.startswith("--json="):
+            pass
+        elif a not in drop:
+            base.append(a)
+    groups = [["--no-kt-kernel"]]
+    if not args.no_kt_kernel:
+        groups.append(["--kt-ops", "--no-torch"])  # --kt-ops with no variants: none
+    rows: list[Row] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, extra in enumerate(groups):
+            out = os.path.join(tmp, f"group{i}.json")
+            cmd = [sys.executable, os.path.abspath(__file__), *base, *extra, "--json", out]
+            print(f"# isolated run {i + 1}/{len(groups)}: {' '.join(extra)}", flush=True)
+            rc = subprocess.call(cmd)
+            if rc != 0:
+                return rc
+            with open(out) as f:
+                rows += [Row(**r) for r in json.load(f)["rows"]]
+    kt_ms = {(r.tokens, r.label): r.ms for r in rows if r.kind == "kt-kernel"}
+    for r in rows:
+        peer = kt_ms.get((r.tokens, f"kt-kernel {FAMILIES[r.family].kt_kernel_peer}"))
+        r.vs_kt_kernel = None if peer is None else peer / r.ms
+    order, kinds = list(FAMILIES), ["kt_ops", "kt-kernel", "torch"]
+    rows.sort(key=lambda r: (r.tokens, order.index(r.family), kinds.index(r.kind)))
+    print("# merged (each group timed in its own process; vs kt-kernel across the two)")
+    print(table(rows, markdown=False))
+    if args.markdown:
+        print()
+        print(table(rows, markdown=True))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"isolated": True, "rows": [asdict(r) for r in rows]}, f)
+        print(f"# wrote {args.json}")
+    return 0
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    if args.isolate:
+        return run_isolated(argv, args)
     kt_kernel, kt_ext = (None, None)
     if not args.no_kt_kernel:
         kt_kernel, kt_ext = _import_kt_kernel(argv, required=True)
