@@ -91,9 +91,9 @@ struct QintVec512 {
   // avx2/vec.h); vpdpbusd has no int16 stage.
   // Independent int32 sum chains per (token, part) in decode tiles (M * P
   // <= 2). vpdpbusd accumulates in place, so one chain serializes a unit's 8
-  // dpbusd on its latency (~5 cycles on Zen 4): one token's int4 decode then
-  // ran at ~10 weights per cycle, below one core's DRAM stream. int32 sums are
-  // exact: any split gives the same isum. pmaddubsw's chain is a 1-cycle add.
+  // dpbusd on its latency (~5 cycles on Zen 4); measured within noise on Zen 4
+  // (hot T = 1 int4, 158 vs 161 us). int32 sums are exact: any split gives the
+  // same isum. pmaddubsw's chain is a 1-cycle add.
   static constexpr int kDecodeChains = kVnni ? 4 : 1;
 
   static constexpr int depth(int bits, bool lut) {
