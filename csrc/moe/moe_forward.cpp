@@ -110,49 +110,48 @@ const uint16_t* gathered_rows(uint64_t call, int64_t e, const uint16_t* xt, cons
   return g.rows.data();
 }
 
-// The u8s8 brgemm's A: one expert's q8 codes shifted to u8, with the
-// compensation rows (kernels::brgemm::gather_u8s8_rows), gathered like
-// GatheredRows by the pool thread that computes the expert's blocks. Keyed
-// by (call, phase, expert): phase 0 the gate/up activations, 1 the SwiGLU
-// outputs of the down projection.
-struct GatheredU8Rows {
-  std::vector<uint8_t> rows;
+// Bytes made from one expert's q8 records by the pool thread that computes
+// the expert's blocks, kept while it stays on that expert. Keyed by (call,
+// phase, expert): phase 0 the gate/up activations, 1 the SwiGLU outputs of
+// the down projection; a later call never reuses another call's bytes.
+struct ExpertBytesCache {
+  std::vector<uint8_t> bytes;
   uint64_t call = 0;
   int phase = -1;
   int64_t expert = -1;
-};
-thread_local GatheredU8Rows t_gathered_u8;
-// The same for the u8 streaming kernel's packed tiles (DotArgs::xq_u8).
-thread_local GatheredU8Rows t_u8_tiles;
 
+  // The cached bytes of (c, ph, e); on a miss, n bytes made by fill(dst).
+  template <class Fill>
+  const uint8_t* get(uint64_t c, int ph, int64_t e, size_t n, const Fill& fill) {
+    if (call != c || phase != ph || expert != e) {
+      grow(bytes, n);
+      fill(bytes.data());
+      call = c;
+      phase = ph;
+      expert = e;
+    }
+    return bytes.data();
+  }
+};
+thread_local ExpertBytesCache t_gathered_u8;  // the u8s8 brgemm's A
+thread_local ExpertBytesCache t_u8_tiles;     // the u8 streaming kernel's tiles
+
+// The u8s8 brgemm's A: the expert's q8 codes shifted to u8, with the
+// compensation rows (kernels::brgemm::gather_u8s8_rows).
 const uint8_t* gathered_u8_rows(uint64_t call, int phase, int64_t e, const uint8_t* const* records,
                                 int m, int64_t kp) {
-  GatheredU8Rows& g = t_gathered_u8;
-  if (g.call != call || g.phase != phase || g.expert != e) {
-    grow(g.rows, static_cast<size_t>(kernels::brgemm::u8s8_rows(m)) * kp);
-    kernels::brgemm::gather_u8s8_rows(records, m, kp, g.rows.data());
-    g.call = call;
-    g.phase = phase;
-    g.expert = e;
-  }
-  return g.rows.data();
+  const size_t n = static_cast<size_t>(kernels::brgemm::u8s8_rows(m)) * kp;
+  return t_gathered_u8.get(call, phase, e, n, [&](uint8_t* dst) {
+    kernels::brgemm::gather_u8s8_rows(records, m, kp, dst);
+  });
 }
 
-// One expert's q8 codes shifted to u8 in the streaming kernel's tiles
-// (kernels::pack_u8_tiles), packed by the pool thread that computes the
-// expert's blocks and kept while it stays on that expert; keyed like
-// gathered_u8_rows.
+// The u8 streaming kernel's A (DotArgs::xq_u8): the expert's q8 codes shifted
+// to u8 in tiles (kernels::pack_u8_tiles).
 const uint8_t* u8_tiles(uint64_t call, int phase, int64_t e, const uint8_t* const* records, int m,
                         int64_t kp) {
-  GatheredU8Rows& g = t_u8_tiles;
-  if (g.call != call || g.phase != phase || g.expert != e) {
-    grow(g.rows, static_cast<size_t>(m) * kp);
-    kernels::pack_u8_tiles(records, m, kp, g.rows.data());
-    g.call = call;
-    g.phase = phase;
-    g.expert = e;
-  }
-  return g.rows.data();
+  return t_u8_tiles.get(call, phase, e, static_cast<size_t>(m) * kp,
+                        [&](uint8_t* dst) { kernels::pack_u8_tiles(records, m, kp, dst); });
 }
 
 // After each thread's run of tiles: release the brgemm context (AMX tiles).
