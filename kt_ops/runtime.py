@@ -11,13 +11,24 @@ chooses between the streaming kernels and oneDNN's brgemm. :func:`set_numa`
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Optional
 
 from kt_ops import _C
 
 if TYPE_CHECKING:
     from kt_ops.layer import ExpertWeights
+
+
+@contextlib.contextmanager
+def _scoped(get: Callable[[], str], set_: Callable[[str], None], value: str) -> Iterator[None]:
+    """``set_(value)`` for the block, then ``set_`` back to what ``get()`` returned before."""
+    previous = get()
+    set_(value)
+    try:
+        yield
+    finally:
+        set_(previous)
 
 
 def set_num_threads(n: int) -> None:
@@ -65,15 +76,9 @@ def set_isa(name: str) -> None:
     _C.set_isa(str(name))
 
 
-@contextlib.contextmanager
-def use_isa(name: str) -> Iterator[None]:
+def use_isa(name: str) -> contextlib.AbstractContextManager[None]:
     """Context manager: run the ops on ISA path ``name``, then restore the previous one."""
-    previous = active_isa()
-    set_isa(name)
-    try:
-        yield
-    finally:
-        set_isa(previous)
+    return _scoped(active_isa, set_isa, name)
 
 
 def set_quant_activations(mode: str) -> None:
@@ -120,15 +125,9 @@ def quant_fp32_min_tokens(weight_format: str, isa: Optional[str] = None) -> Opti
     return _C.fp32_min_tokens(name, _C.active_isa() if isa is None else str(isa))
 
 
-@contextlib.contextmanager
-def use_quant_activations(mode: str) -> Iterator[None]:
+def use_quant_activations(mode: str) -> contextlib.AbstractContextManager[None]:
     """Context manager: :func:`set_quant_activations` ``mode``, then restore the previous one."""
-    previous = get_quant_activations()
-    set_quant_activations(mode)
-    try:
-        yield
-    finally:
-        set_quant_activations(previous)
+    return _scoped(get_quant_activations, set_quant_activations, mode)
 
 
 _COMPUTE_PATHS = ("auto", "streaming", "brgemm")
@@ -178,15 +177,9 @@ def get_compute_path() -> str:
     return _C.compute_path()
 
 
-@contextlib.contextmanager
-def use_compute_path(path: str) -> Iterator[None]:
+def use_compute_path(path: str) -> contextlib.AbstractContextManager[None]:
     """Context manager: :func:`set_compute_path` ``path``, then restore the previous one."""
-    previous = get_compute_path()
-    set_compute_path(path)
-    try:
-        yield
-    finally:
-        set_compute_path(previous)
+    return _scoped(get_compute_path, set_compute_path, path)
 
 
 _BF16_BRGEMM_KERNELS = ("auto", "onednn", "kt")
@@ -223,15 +216,9 @@ def get_brgemm_bf16_kernel() -> str:
     return _C.brgemm_bf16_kernel()
 
 
-@contextlib.contextmanager
-def use_brgemm_bf16_kernel(name: str) -> Iterator[None]:
+def use_brgemm_bf16_kernel(name: str) -> contextlib.AbstractContextManager[None]:
     """Context manager: :func:`set_brgemm_bf16_kernel` ``name``, then restore the previous one."""
-    previous = get_brgemm_bf16_kernel()
-    set_brgemm_bf16_kernel(name)
-    try:
-        yield
-    finally:
-        set_brgemm_bf16_kernel(previous)
+    return _scoped(get_brgemm_bf16_kernel, set_brgemm_bf16_kernel, name)
 
 
 def compute_paths(isa: Optional[str] = None) -> dict:
@@ -281,15 +268,9 @@ def get_numa() -> str:
     return _C.numa_mode()
 
 
-@contextlib.contextmanager
-def use_numa(mode: str) -> Iterator[None]:
+def use_numa(mode: str) -> contextlib.AbstractContextManager[None]:
     """Context manager: :func:`set_numa` ``mode``, then restore the previous one."""
-    previous = get_numa()
-    set_numa(mode)
-    try:
-        yield
-    finally:
-        set_numa(previous)
+    return _scoped(get_numa, set_numa, mode)
 
 
 def numa_placement(experts: ExpertWeights) -> dict[str, Any]:
