@@ -440,18 +440,23 @@ def test_auto_threshold(isa):
 # --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("path", PATHS)
-def test_thread_counts_bit_identical(isa, path):
-    E, H, I, K, T = 6, 130, 70, 2, 150  # ~50 tokens per expert, some past one 64-row call  # noqa: E741
-    experts = make_expert_weights(E, H, I, seed=6)
-    ids, w = make_routing(T, E, K, seed=6)
-    x = make_hidden(T, H, torch.float32, seed=6)
+def assert_thread_counts_bit_identical(path, x, ids, w, experts):
+    """The op on ``path`` gives the same bits at every count of THREAD_COUNTS."""
     outs = {}
     for n in THREAD_COUNTS:
         kt_ops.set_num_threads(n)
         outs[n] = run(path, x, ids, w, experts)
     for n in THREAD_COUNTS:
         assert torch.equal(outs[n], outs[THREAD_COUNTS[0]]), f"{n} threads differ"
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_thread_counts_bit_identical(isa, path):
+    E, H, I, K, T = 6, 130, 70, 2, 150  # ~50 tokens per expert, some past one 64-row call  # noqa: E741
+    experts = make_expert_weights(E, H, I, seed=6)
+    ids, w = make_routing(T, E, K, seed=6)
+    x = make_hidden(T, H, torch.float32, seed=6)
+    assert_thread_counts_bit_identical(path, x, ids, w, experts)
 
 
 def test_repeated_and_interleaved_calls_bit_identical(isa):
@@ -601,12 +606,7 @@ def test_q8_formats_thread_counts_bit_identical(isa, fmt, path):
     experts = make_quant_experts(fmt, E, H, I, seed=6)
     ids, w = make_routing(T, E, K, seed=6)
     x = make_hidden(T, H, torch.float32, seed=6)
-    outs = {}
-    for n in THREAD_COUNTS:
-        kt_ops.set_num_threads(n)
-        outs[n] = run(path, x, ids, w, experts)
-    for n in THREAD_COUNTS:
-        assert torch.equal(outs[n], outs[THREAD_COUNTS[0]]), f"{n} threads differ"
+    assert_thread_counts_bit_identical(path, x, ids, w, experts)
 
 
 def test_q8_formats_repeated_and_interleaved_calls_bit_identical(isa):
@@ -804,12 +804,7 @@ def test_fp8_thread_counts_bit_identical(isa, path):
     experts = make_quant_experts("fp8", E, H, I, seed=6)
     ids, w = make_routing(T, E, K, seed=6)
     x = make_hidden(T, H, torch.bfloat16, seed=6)
-    outs = {}
-    for n in THREAD_COUNTS:
-        kt_ops.set_num_threads(n)
-        outs[n] = run(path, x, ids, w, experts)
-    for n in THREAD_COUNTS:
-        assert torch.equal(outs[n], outs[THREAD_COUNTS[0]]), f"{n} threads differ"
+    assert_thread_counts_bit_identical(path, x, ids, w, experts)
 
 
 def test_fp8_info_reports_the_brgemm_kernel(isa):
