@@ -51,11 +51,12 @@ BF16_BRGEMM_FORMATS = ("bf16", "fp8")
 def paths_for(fmt: str) -> tuple[tuple[str, str, str], ...]:
     """(label, compute path, activation mode) of every timed side.
 
-    bf16 also times ``brgemm@onednn``: the brgemm path on oneDNN's kernel
-    (``kt_ops.set_brgemm_bf16_kernel('onednn')``), beside ``brgemm`` on the
-    kernel ``auto`` picks (kt_ops' vdpbf16ps tiles on AVX512_BF16 without AMX).
+    bf16 and fp8 also time ``brgemm@onednn``: the brgemm path on oneDNN's
+    kernel (``kt_ops.set_brgemm_bf16_kernel('onednn')``), beside ``brgemm`` on
+    the kernel ``auto`` picks (kt_ops' vdpbf16ps tiles on AVX512_BF16 without
+    AMX; for fp8 with AVX512_VBMI too).
     """
-    if fmt == "bf16":
+    if fmt in BF16_BRGEMM_FORMATS:
         return (
             ("streaming", "streaming", "auto"),
             ("brgemm", "brgemm", "auto"),

@@ -136,7 +136,7 @@ def reference_moe_forward(
     *,
     out_dtype: Optional[torch.dtype] = torch.float32,
     bf16_activations: bool = False,
-    bf16_weights: bool = False,
+    fp8_scaled_activations: bool = False,
 ) -> Tensor:
     """Dense fp32 reference of ``kt_ops.moe_forward(hidden_states, ..., experts, lora)``.
 
@@ -160,18 +160,23 @@ def reference_moe_forward(
 
     ``bf16_activations=True`` rounds the activations and the SwiGLU outputs to
     bf16 before they are multiplied (what the bf16 brgemm path computes,
-    ``kt_ops.set_compute_path('brgemm')``). ``bf16_weights=True`` also rounds
-    each projection's dequantized weights to bf16 (fp32 product, then round to
-    nearest even): what the fp8 brgemm multiplies (exact for bf16 weights).
+    ``kt_ops.set_compute_path('brgemm')``). ``fp8_scaled_activations=True``
+    computes each fp8 projection (no LoRA) as the fp8 brgemm does: per 128-row
+    band, the fp32 activations times the band's 128-k block scales, rounded
+    once to bf16, times the exact E4M3 values (:func:`fp8_banded_product`).
     """
     T, H = hidden_states.shape
     if H != experts.hidden_size:
         raise ValueError(f"reference: hidden_states has {H} columns, experts {experts.hidden_size}")
     lora = lora if lora is not None else kt_ops.LoRAWeights()
 
-    def project(v: Tensor, w: Tensor, proj: str, e: int) -> Tensor:
-        y = v @ w.T
+    def project(v: Tensor, p: Any, proj: str, e: int) -> Tensor:
         pair = getattr(lora, proj)
+        if fp8_scaled_activations and p.weight_format == "fp8" and pair is None:
+            return fp8_banded_product(v, p, e)
+        if bf16_activations:
+            v = v.bfloat16().float()
+        y = v @ dense_expert(p, e).T
         if pair is not None:
             a, b = pair
             y = y + lora.scaling * ((v @ a[e].float().T) @ b[e].float().T)
@@ -179,25 +184,40 @@ def reference_moe_forward(
 
     with single_threaded_torch():
         x = hidden_states.float()
-        if bf16_activations:
-            x = x.bfloat16().float()
         ids = topk_ids.long()
         w = topk_weights.float()
         out = torch.zeros(T, H, dtype=torch.float32)
         for e in torch.unique(ids[ids >= 0]).tolist():
             tok, slot = torch.nonzero(ids == e, as_tuple=True)
-            wg, wu, wd = (dense_expert(p, e) for p in experts.projections)
-            if bf16_weights:
-                wg, wu, wd = (v.bfloat16().float() for v in (wg, wu, wd))
+            pg, pu, pd = experts.projections
             xe = x[tok]
-            h = torch.nn.functional.silu(project(xe, wg, "gate", e)) * project(xe, wu, "up", e)
-            if bf16_activations:
-                h = h.bfloat16().float()
-            y = project(h, wd, "down", e) * w[tok, slot].unsqueeze(1)
+            h = torch.nn.functional.silu(project(xe, pg, "gate", e)) * project(xe, pu, "up", e)
+            y = project(h, pd, "down", e) * w[tok, slot].unsqueeze(1)
             out = out.index_add(0, tok, y)
     if out_dtype is None:
         out_dtype = hidden_states.dtype
     return out.to(out_dtype)
+
+
+def fp8_banded_product(v: Tensor, p: Any, e: int) -> Tensor:
+    """``v [m, k] @ W[e].T`` as the fp8 brgemm computes it: ``[m, n]`` fp32.
+
+    For each 128-row band ``b`` of the fp8 projection ``p``: ``bf16(v * s[b,
+    k // 128]) @ e4m3[rows of b].T``, the E4M3 values exact (the block scales
+    applied to the activations, rounded once to bf16).
+    """
+    from kt_ops.formats import PackedProjection
+
+    ones = torch.ones_like(p.scales[e : e + 1])
+    codes = dense_expert(
+        PackedProjection(p.weight[e : e + 1], ones, None, "fp8", p.group_size, p.n, p.k), 0
+    )  # the exact E4M3 values [n, k]
+    out = torch.empty(v.shape[0], p.n)
+    for b in range(p.scales.shape[1]):
+        rows = slice(128 * b, min(p.n, 128 * (b + 1)))
+        sk = p.scales[e, b].repeat_interleave(128)[: p.k]
+        out[:, rows] = (v * sk).bfloat16().float() @ codes[rows].T
+    return out
 
 
 def dense_expert(p: Any, e: int) -> Tensor:

@@ -715,7 +715,9 @@ def check_fp8(path: str, x, ids, w, experts):
     out = run(path, x, ids, w, experts)
     assert out.dtype == x.dtype and out.shape == x.shape
     if path == "brgemm" and brgemm_runs("fp8"):
-        ref = reference_moe_forward(x, ids, w, experts, bf16_activations=True, bf16_weights=True)
+        ref = reference_moe_forward(
+            x, ids, w, experts, bf16_activations=True, fp8_scaled_activations=True
+        )
         assert_matches_reference(out, ref, TOL_BF16_BRGEMM)
     else:
         assert quant_mismatch_report(out, reference_for(experts, x, ids, w)) is None
@@ -755,26 +757,78 @@ def test_fp8_token_counts_per_expert(isa, act_dtype):
         assert torch.equal(auto[rows], outs[want][rows]), (e, c, want)
 
 
-def test_fp8_brgemm_is_the_bf16_brgemm_of_the_rounded_weights(isa):
-    # The decoded tile is bf16(e4m3 * scale) in the bf16 block's layout: fp8
-    # on brgemm equals bf16 on brgemm with those weights, bit for bit.
-    if not brgemm_runs("fp8"):
-        pytest.skip("oneDNN's bf16 brgemm does not run fp8 on this ISA path / CPU / torch")
+def fp8_kernels() -> list[str]:
+    """The bf16-kernel settings under which the fp8 brgemm runs a different kernel here.
+
+    ``'kt'``: kt_ops' fused decode-and-multiply tiles (AVX512_BF16 and VBMI,
+    no AMX); ``'onednn'``: the codes decoded to a tile, then oneDNN's brgemm.
+    """
+    names = []
+    for setting in ("kt", "onednn"):
+        with kt_ops.use_compute_path("brgemm"), kt_ops.use_brgemm_bf16_kernel(setting):
+            name = kt_ops.compute_paths()["fp8"]["brgemm_kernel"]
+        if name is not None and name not in [n for _, n in names]:
+            names.append((setting, name))
+    return [setting for setting, _ in names]
+
+
+def with_power_of_two_scales(experts: kt_ops.ExpertWeights) -> kt_ops.ExpertWeights:
+    """The fp8 experts with every block scale rounded to a power of two."""
+    from kt_ops.formats import PackedProjection
+
+    def one(p):
+        scales = torch.exp2(torch.round(torch.log2(p.scales)))
+        return PackedProjection(p.weight, scales, None, "fp8", p.group_size, p.n, p.k)
+
+    return kt_ops.ExpertWeights(*(one(p) for p in experts.projections))
+
+
+def test_fp8_brgemm_with_power_of_two_scales_is_the_bf16_brgemm(isa):
+    # The fp8 brgemm multiplies bf16(x * s) by the exact E4M3 values. With s a
+    # power of two that is bf16(x) * s, and e4m3 * s is exact in bf16: fp8 on
+    # brgemm equals bf16 on brgemm with the dequantized weights, bit for bit,
+    # on every fp8 kernel and for fp32 and bf16 activations.
+    kernels = fp8_kernels()
+    if not kernels or not brgemm_runs("fp8"):
+        pytest.skip("the fp8 brgemm does not run on this ISA path / CPU / torch")
     for H, I in FP8_SHAPES:  # noqa: E741
-        experts = make_quant_experts("fp8", 4, H, I, seed=H + I)
+        experts = with_power_of_two_scales(make_quant_experts("fp8", 4, H, I, seed=H + I))
         twin = bf16_twin(experts)
         ids, w = fp8_routing([0, 3, 40, 70], seed=H)
         for dtype in (torch.float32, torch.bfloat16):
             x = make_hidden(ids.shape[0], H, dtype, seed=I)
-            assert torch.equal(run("brgemm", x, ids, w, experts), run("brgemm", x, ids, w, twin))
+            want = run("brgemm", x, ids, w, twin)
+            for kernel in kernels:
+                with kt_ops.use_brgemm_bf16_kernel(kernel):
+                    assert torch.equal(run("brgemm", x, ids, w, experts), want), (H, I, kernel)
+
+
+@pytest.mark.parametrize("act_dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_fp8_brgemm_kernels_bit_identical(isa, act_dtype):
+    # kt_ops' fused tiles and oneDNN's brgemm on the decoded tile compute the
+    # same sums in the same order (one fp32 chain per output over k pairs).
+    # Token counts across the fused kernel's 28-row tiles and oneDNN's 64.
+    if len(fp8_kernels()) < 2:
+        pytest.skip("one fp8 brgemm kernel runs here (or none)")
+    counts = [0, 1, 3, 27, 28, 29, 57, 64, 65, 130]
+    for H, I in FP8_SHAPES:  # noqa: E741
+        experts = make_quant_experts("fp8", len(counts), H, I, seed=H * 3 + I)
+        ids, w = fp8_routing(counts, seed=I)
+        x = make_hidden(ids.shape[0], H, act_dtype, seed=H)
+        outs = []
+        for kernel in ("kt", "onednn"):
+            with kt_ops.use_brgemm_bf16_kernel(kernel):
+                outs.append(run("brgemm", x, ids, w, experts))
+        assert torch.equal(outs[0], outs[1]), (H, I)
 
 
 def test_fp8_every_code_decodes_exactly(isa):
-    # All 254 finite E4M3 codes (subnormals, zeros, both signs, +-448), with a
-    # scale of 1 and one that is not a power of two: brgemm equals the bf16
-    # brgemm of bf16(float(code) * scale), bit for bit.
-    if not brgemm_runs("fp8"):
-        pytest.skip("oneDNN's bf16 brgemm does not run fp8 on this ISA path / CPU / torch")
+    # All 254 finite E4M3 codes (subnormals, zeros, both signs, +-448), with
+    # scales of 1 and 2^-2: brgemm equals the bf16 brgemm of float(code) *
+    # scale, bit for bit, on every fp8 kernel.
+    kernels = fp8_kernels()
+    if not kernels or not brgemm_runs("fp8"):
+        pytest.skip("the fp8 brgemm does not run on this ISA path / CPU / torch")
     from reference import dense_expert
 
     from kt_ops.formats import PackedProjection, quantize_weights
@@ -784,18 +838,52 @@ def test_fp8_every_code_decodes_exactly(isa):
     perm = torch.randperm(N * K, generator=torch.Generator().manual_seed(0))
     w8 = finite.repeat(N * K // finite.numel() + 1)[: N * K][perm].view(N, K)
     assert set(w8.flatten().tolist()) == set(finite.tolist())
-    scales = torch.tensor([[[1.0, 0.3]]])  # [E, ceil(N/128), ceil(K/128)]
+    scales = torch.tensor([[[1.0, 0.25]]])  # [E, ceil(N/128), ceil(K/128)]
     packed = w8.view(E, N // 16, 16, K).transpose(2, 3).contiguous()  # [E, NB, Kp, 16]
     proj = PackedProjection(packed, scales, None, "fp8", 128, N, K)
-    want = w8.view(torch.float8_e4m3fn).float() * torch.tensor([1.0, 0.3]).repeat_interleave(128)
+    want = w8.view(torch.float8_e4m3fn).float() * torch.tensor([1.0, 0.25]).repeat_interleave(128)
     assert torch.equal(dense_expert(proj, 0), want)  # the layout as the reference reads it
-    down = quantize_weights(torch.randn(E, K, N, generator=torch.Generator().manual_seed(1)), "fp8")
-    experts = kt_ops.ExpertWeights(proj, proj, down)
+    g = torch.Generator().manual_seed(1)
+    down = quantize_weights(torch.randn(E, K, N, generator=g), "fp8")
+    experts = with_power_of_two_scales(kt_ops.ExpertWeights(proj, proj, down))
     ids, w = fp8_routing([20], seed=4)
     x = make_hidden(20, K, torch.bfloat16, seed=4) * 0.01  # |gate| << SiLU's range of exp overflow
-    out = run("brgemm", x, ids, w, experts)
-    assert torch.isfinite(out).all()
-    assert torch.equal(out, run("brgemm", x, ids, w, bf16_twin(experts)))
+    want = run("brgemm", x, ids, w, bf16_twin(experts))
+    for kernel in kernels:
+        with kt_ops.use_brgemm_bf16_kernel(kernel):
+            out = run("brgemm", x, ids, w, experts)
+        assert torch.isfinite(out).all()
+        assert torch.equal(out, want), kernel
+
+
+@pytest.mark.parametrize("decode", ["vbmi", "bw"])
+def test_fp8_tile_decode_of_every_code(decode):
+    # The decode to brgemm's VNNI tile, both implementations, on all 256
+    # codes: word (k // 2) * 32 + 2 * r + k % 2 holds bf16(E4M3 value of
+    # codes[k][r]) exactly (E4M3's NaN codes 0x7F / 0xFF, which the packer
+    # refuses, decode to +-480 as in the streaming kernels).
+    feats = kt_ops.info()["cpu_features"]
+    if not feats["avx512"] or (decode == "vbmi" and not feats.get("avx512_vbmi")):
+        pytest.skip(f"the {decode} decode needs AVX-512{' VBMI' if decode == 'vbmi' else ''}")
+    kp = 64
+    g = torch.Generator().manual_seed(5)
+    codes = torch.cat([torch.arange(256), torch.randint(0, 256, (kp * 16 - 256,), generator=g)])
+    codes = codes.to(torch.uint8).view(kp, 16)
+    out = kt_ops._C.fp8_block_to_bf16_vnni(codes.numpy().tobytes(), decode)
+    tile = torch.frombuffer(bytearray(out), dtype=torch.bfloat16).view(kp // 2, 16, 2)
+    values = codes.view(torch.float8_e4m3fn).float()
+    nan = values.isnan()
+    values[nan] = torch.where(codes[nan] & 0x80 != 0, -480.0, 480.0)
+    want = values.bfloat16().view(kp // 2, 2, 16).transpose(1, 2)
+    assert torch.equal(tile.view(torch.int16), want.contiguous().view(torch.int16))
+
+
+def test_fp8_tile_decode_refuses_bad_arguments():
+    with pytest.raises(ValueError, match="decode must be 'vbmi' or 'bw'"):
+        kt_ops._C.fp8_block_to_bf16_vnni(bytes(512), "avx2")
+    if kt_ops.info()["cpu_features"]["avx512"]:
+        with pytest.raises(ValueError, match="multiple of 512"):
+            kt_ops._C.fp8_block_to_bf16_vnni(bytes(500), "bw")
 
 
 @pytest.mark.parametrize("path", ["brgemm", "auto"])
@@ -810,12 +898,17 @@ def test_fp8_thread_counts_bit_identical(isa, path):
 def test_fp8_info_reports_the_brgemm_kernel(isa):
     report = kt_ops.info()["brgemm"]["fp8"]
     if brgemm_runs("fp8"):
-        cls = "amx" if kt_ops.info()["cpu_features"].get("amx") else "avx512"
+        feats = kt_ops.info()["cpu_features"]
+        cls = "amx" if feats.get("amx") else "avx512"
+        fused = feats["avx512_bf16"] and feats.get("avx512_vbmi") and not feats.get("amx")
+        kernel = "avx512_bf16/fp8_dp" if fused else "onednn/brgemm_fp8_bf16"
         assert report == {
-            "brgemm_kernel": "onednn/brgemm_fp8_bf16",
+            "brgemm_kernel": kernel,
             "brgemm_min_tokens": kt_ops.formats.format_spec("fp8").brgemm_min_tokens_for(cls),
         }
-        assert "onednn/brgemm_fp8_bf16" in format_info(kt_ops.info())
+        assert kernel in format_info(kt_ops.info())
+        with kt_ops.use_brgemm_bf16_kernel("onednn"):
+            assert kt_ops.info()["brgemm"]["fp8"]["brgemm_kernel"] == "onednn/brgemm_fp8_bf16"
     else:
         assert report == {"brgemm_kernel": None, "brgemm_min_tokens": None}
 
@@ -841,7 +934,9 @@ def test_fp8_mixed_with_bf16_and_int8_projections(isa):
     x = make_hidden(60, 160, torch.bfloat16, seed=14)
     out = run("brgemm", x, ids, w, experts)
     if brgemm_runs("fp8"):
-        ref = reference_moe_forward(x, ids, w, experts, bf16_activations=True, bf16_weights=True)
+        ref = reference_moe_forward(
+            x, ids, w, experts, bf16_activations=True, fp8_scaled_activations=True
+        )
         assert_matches_reference(out, ref, TOL_BF16_BRGEMM)
     mixed = make_quant_experts("int8,fp8,bf16", 4, 160, 96, seed=15)
     for path in ("streaming", "brgemm"):

@@ -63,16 +63,20 @@ constexpr BrgemmPolicy kInt8Brgemm = {{kInt8BrgemmMinAvx512, kInt8BrgemmMinAmx}}
 constexpr int kQ80BrgemmMinAvx512 = kNoBrgemm;
 constexpr int kQ80BrgemmMinAmx = 16;
 constexpr BrgemmPolicy kQ80Brgemm = {{kQ80BrgemmMinAvx512, kQ80BrgemmMinAmx}};
-// fp8 (each block decoded to a bf16 tile with its scales folded in, then the
-// bf16 brgemm) against the streaming kernels under 'auto' (the in-register
-// E4M3 kernel below fp32_min_tokens = 8, the weight-only fp32 path from
-// there), tokens per expert, Zen 4 (AVX512_BF16, 2 threads, H=2048, I=768;
-// four interleaved runs, brgemm/streaming): 1.52-1.83 (2), 0.78-1.11 (4),
-// 0.69-0.75 (6), 0.51-0.70 (8), 0.58-0.66 (12), 0.51-0.71 (16), 0.53-0.56
-// (32), 0.52-0.60 (64). Below ~4 tokens decoding the block costs more than
-// streaming it. AMX not measured: the AVX-512 value.
-constexpr int kFp8BrgemmMinAvx512 = 6;
-constexpr BrgemmPolicy kFp8Brgemm = {{kFp8BrgemmMinAvx512, kFp8BrgemmMinAvx512}};
+// fp8 (the activations times the block scales rounded to bf16, times the
+// codes' exact bf16 values, kernels/brgemm.h) against the streaming kernels
+// under 'auto' (the in-register E4M3 kernel below fp32_min_tokens = 8, the
+// weight-only fp32 path from there), tokens per expert, Zen 4 (AVX512_BF16 and
+// VBMI, 2 threads, H=2048, I=768; interleaved runs, brgemm/streaming). kt_ops'
+// fused decode-and-multiply tiles (the avx512 class on such CPUs):
+// 1.18-1.22 (1), 1.00-1.06 (2), 0.71 (3), 0.60-0.65 (4), 0.44-0.49 (6),
+// 0.37-0.41 (8), 0.44-0.48 (16), 0.50 (32), 0.51-0.52 (64). On oneDNN's bf16
+// brgemm (the AMX class's kernel, and AVX512_BF16 CPUs without VBMI), same
+// runs: 1.80 (1), 1.53 (2), 0.92 (3), 0.94 (4), 0.72 (6), 0.59 (8). AMX itself
+// not measured: the earlier value 6, from the oneDNN kernel.
+constexpr int kFp8BrgemmMinAvx512 = 3;
+constexpr int kFp8BrgemmMinAmx = 6;
+constexpr BrgemmPolicy kFp8Brgemm = {{kFp8BrgemmMinAvx512, kFp8BrgemmMinAmx}};
 
 }  // namespace
 

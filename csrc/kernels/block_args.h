@@ -74,13 +74,24 @@ inline QintBlock qint_block(const DotArgs& a, int64_t nb) {
           a.xq_u8};
 }
 
-inline Fp8Block fp8_block(const DotArgs& a, int64_t nb) {
+// The [ceil(k/128)] scales of block nb's 128-row band.
+inline const float* fp8_band_scales(const DotArgs& a, int64_t nb) {
   const ProjectionView& p = *a.proj;
   const int64_t bands = formats::ceil_div(p.n, formats::kFp8ScaleBlock);
   const int64_t kblocks = formats::ceil_div(p.k, formats::kFp8ScaleBlock);
   const int64_t band = nb * formats::kQintBlockRows / formats::kFp8ScaleBlock;
-  const float* scales = static_cast<const float*>(p.scales) + (a.expert * bands + band) * kblocks;
-  return {a.x, a.m, p.block(a.expert, nb), scales, p.kp, a.out + 16 * (nb - a.nb_begin), a.ldo};
+  return static_cast<const float*>(p.scales) + (a.expert * bands + band) * kblocks;
+}
+
+inline Fp8Block fp8_block(const DotArgs& a, int64_t nb) {
+  const ProjectionView& p = *a.proj;
+  return {a.x,
+          a.m,
+          p.block(a.expert, nb),
+          fp8_band_scales(a, nb),
+          p.kp,
+          a.out + 16 * (nb - a.nb_begin),
+          a.ldo};
 }
 
 // The weight-only path over a run of blocks: decode(block, w) writes the

@@ -119,16 +119,17 @@ std::optional<formats::BrgemmIsa> runs(const formats::FormatRow& format, Isa isa
   static const Isa kAvx512 = parse_isa("avx512");
   if (isa < kAvx512) return std::nullopt;
   const runtime::CpuFeatures& f = runtime::cpu_features();
-  if (takes_bf16_rows(k) && !f.avx512_bf16 && !f.amx) return std::nullopt;  // emulated or refused
+  if (uses_bf16_brgemm(k) && !f.avx512_bf16 && !f.amx) return std::nullopt;  // emulated or refused
   if (k == Kind::kU8S8 && (!f.avx512_vnni && !f.amx)) return std::nullopt;
   if (k == Kind::kU8S8 && avx512::brgemm_q8_fold == nullptr) return std::nullopt;
   // The fp8 decode rounds with vcvtne2ps2bf16 (AVX512_BF16), also on AMX CPUs.
-  if (k == Kind::kFp8Bf16 && (!f.avx512_bf16 || avx512::fp8_to_bf16_vnni_scaled == nullptr))
+  if (k == Kind::kFp8Bf16 && (!f.avx512_bf16 || avx512::fp8_to_bf16_vnni == nullptr ||
+                              avx512::scale_rows_to_bf16 == nullptr))
     return std::nullopt;
 #ifdef KT_HAVE_CPUBLAS_BRGEMM
   if (!at::globalContext().userEnabledMkldnn()) return std::nullopt;
 #endif
-  if (takes_bf16_rows(k) && !bf16_probed_ok()) return std::nullopt;
+  if (uses_bf16_brgemm(k) && !bf16_probed_ok()) return std::nullopt;
   if (k == Kind::kU8S8 && !u8s8_probed_ok()) return std::nullopt;
   return f.amx ? formats::BrgemmIsa::kAmx : formats::BrgemmIsa::kAvx512;
 }
@@ -156,7 +157,7 @@ const char* kernel_name(const formats::FormatRow& format) {
     case Kind::kU8S8:
       return "onednn/brgemm_u8s8";
     case Kind::kFp8Bf16:
-      return "onednn/brgemm_fp8_bf16";
+      return fp8_uses_kt_kernel() ? "avx512_bf16/fp8_dp" : "onednn/brgemm_fp8_bf16";
     default:
       return nullptr;
   }
@@ -238,17 +239,117 @@ void u8s8_dot(const DotArgs& a) {
 #endif
 }
 
+#ifdef KT_HAVE_CPUBLAS_BRGEMM
+namespace {
+
+// One projection's fp8 state on a pool thread: the scaled activation rows of
+// one 128-row band and (oneDNN kernel) the dot products of one group of
+// blocks, each kept while the thread's next tasks need them (the driver hands
+// out adjacent blocks of one expert in runs). Keyed by what they were made
+// from, so a later call, phase or expert never reuses them.
+struct Fp8Slot {
+  // Rows key: (rows_id, x, m) and the band's scales (which name the
+  // projection, the expert and the band).
+  uint64_t rows_id = 0;
+  const void* x = nullptr;
+  int m = -1;
+  const float* scales = nullptr;
+  std::vector<uint16_t> rows;      // [m][ld] bf16(x * scale)
+  const uint8_t* group = nullptr;  // the group's first block, or nullptr
+  std::vector<float> c;            // [m][16 * blocks] the group's dot products
+  uint64_t last_use = 0;
+};
+thread_local Fp8Slot t_fp8_slots[2];  // gate and up alternate within a task
+thread_local uint64_t t_fp8_uses = 0;
+thread_local std::vector<uint16_t> t_fp8_tile;  // decoded blocks [kp/2][16 * blocks][2]
+
+// Row stride of the scaled rows: kp plus one 64-byte line (rows 4 KiB apart
+// would share L1 sets, as the driver's bf16 rows).
+int64_t fp8_rows_ld(int64_t kp) { return kp + 32; }
+
+// The slot holding a's rows scaled by `scales` (made on a miss, in the least
+// recently used slot, whose group results are then dropped).
+Fp8Slot& fp8_scaled_rows(const DotArgs& a, const float* scales) {
+  Fp8Slot* pick = &t_fp8_slots[0];
+  bool hit = false;
+  for (Fp8Slot& s : t_fp8_slots) {
+    if (a.rows_id != 0 && s.rows_id == a.rows_id && s.x == a.x && s.m == a.m &&
+        s.scales == scales) {
+      pick = &s;
+      hit = true;
+      break;
+    }
+    if (s.last_use < pick->last_use) pick = &s;
+  }
+  Fp8Slot& s = *pick;
+  s.last_use = ++t_fp8_uses;
+  if (!hit) {
+    const int64_t kp = a.proj->kp;
+    s.rows.resize(static_cast<size_t>(a.m) * fp8_rows_ld(kp));
+    avx512::scale_rows_to_bf16(a.x, a.m, kp, scales, s.rows.data(), fp8_rows_ld(kp));
+    s.rows_id = a.rows_id;
+    s.x = a.x;
+    s.m = a.m;
+    s.scales = scales;
+    s.group = nullptr;
+  }
+  return s;
+}
+
+// oneDNN: block nb's dot products from its group's (computed on a miss).
+void fp8_onednn_block(const DotArgs& a, int64_t nb) {
+  const ProjectionView& p = *a.proj;
+  const int64_t kp = p.kp, ld = fp8_rows_ld(kp);
+  const int64_t g0 = nb - nb % kFp8GroupBlocks;  // the group's blocks [g0, g1), one band
+  const int64_t g1 = std::min<int64_t>(p.row_blocks, g0 + kFp8GroupBlocks);
+  const int ncol = static_cast<int>(16 * (g1 - g0));
+  Fp8Slot& s = fp8_scaled_rows(a, fp8_band_scales(a, g0));
+  const uint8_t* group = p.block(a.expert, g0);
+  if (s.group != group) {
+    t_fp8_tile.resize(static_cast<size_t>(kp) * ncol);
+    for (int64_t b = g0; b < g1; ++b) {
+      const uint8_t* codes = p.block(a.expert, b);
+      // Prefetch the same block of the next group (prefetches never fault).
+      avx512::fp8_to_bf16_vnni(codes, kp, t_fp8_tile.data() + 2 * 16 * (b - g0), ncol,
+                               codes + kFp8GroupBlocks * p.block_bytes, true);
+    }
+    s.c.resize(static_cast<size_t>(a.m) * ncol);
+    const auto* xs = reinterpret_cast<const c10::BFloat16*>(s.rows.data());
+    const auto* w = reinterpret_cast<const c10::BFloat16*>(t_fp8_tile.data());
+    for (int i = 0; i < a.m; i += kMaxTileRows) {
+      const int rows = std::min(kMaxTileRows, a.m - i);
+      at::native::cpublas::brgemm(rows, ncol, kp, ld, ncol, ncol, false, xs + i * ld, w,
+                                  s.c.data() + i * ncol, true);
+    }
+    s.group = group;
+  }
+  float* out = a.out + 16 * (nb - a.nb_begin);
+  const float* c = s.c.data() + 16 * (nb - g0);
+  for (int i = 0; i < a.m; ++i) std::copy(c + i * ncol, c + i * ncol + 16, out + i * a.ldo);
+}
+
+}  // namespace
+#endif
+
+bool fp8_uses_kt_kernel() {
+  return bf16_uses_kt_kernel() && avx512::fp8_dp_block != nullptr &&
+         runtime::cpu_features().avx512_vbmi;
+}
+
 void fp8_dot(const DotArgs& a) {
 #ifdef KT_HAVE_CPUBLAS_BRGEMM
-  const int64_t kp = a.proj->kp;  // multiple of 32, zero codes and zero activations past k
-  thread_local std::vector<uint16_t> tile;  // one decoded block [kp/2][16][2]: 64 KiB at K = 2048
-  tile.resize(static_cast<size_t>(kp) * 16);
+  const ProjectionView& p = *a.proj;
+  const int64_t kp = p.kp;  // multiple of 32, zero codes and zero activations past k
+  const bool kt = fp8_uses_kt_kernel();
   for (int64_t nb = a.nb_begin; nb < a.nb_end; ++nb) {
-    const Fp8Block blk = fp8_block(a, nb);
-    // The next block in memory: the driver's next task is usually (expert, nb + 1).
-    avx512::fp8_to_bf16_vnni_scaled(blk.block, kp, blk.scales, tile.data(),
-                                    blk.block + a.proj->block_bytes);
-    onednn_bf16_block(a, kp, tile.data(), blk.out);
+    if (!kt) {
+      fp8_onednn_block(a, nb);
+      continue;
+    }
+    const Fp8Slot& s = fp8_scaled_rows(a, fp8_band_scales(a, nb));
+    t_fp8_tile.resize(static_cast<size_t>(kp) * 16);
+    avx512::fp8_dp_block(s.rows.data(), fp8_rows_ld(kp), a.m, p.block(a.expert, nb), kp,
+                         t_fp8_tile.data(), a.out + 16 * (nb - a.nb_begin), a.ldo);
   }
 #endif
 }

@@ -22,17 +22,23 @@
 // in K order), so the result is bit-identical to the avx2 / avx512 /
 // avx512_vnni q8 kernels.
 //
-// fp8 (E4M3, 128x128 block scales; bf16 x bf16 -> fp32): each 16-row block
-// is decoded once per task, on the calling thread, to a bf16 tile in brgemm's
-// VNNI B layout [kp/2][16][2] (the bf16 block's layout; 64 KiB at K = 2048,
-// stays in L2) with the scales folded in: W = bf16(fp32(e4m3 * scale)), the
-// bits of dequantizing in fp32 and rounding to bf16
-// (kernels/avx512/brgemm_fp8_avx512.cpp). Then the bf16 path: one full-K call
-// per token tile with the bf16 activation rows (DotArgs::xb), C the fp32 dot
-// products. So the fp8 brgemm computes bit for bit what the bf16 brgemm
-// computes on the bf16-rounded dequantized weights, and the weights carry one
-// extra bf16 rounding (relative 2^-9) on top of the activations' (measured
-// error against the dense fp32 reference: docs/formats.md "Compute paths").
+// fp8 (E4M3, 128x128 block scales; bf16 x bf16 -> fp32): the block scales
+// move to the activations. A 128-row band has one scale per 128-k block, so
+// for its output rows sum_k x[k] * e4m3[k] * s[k/128] = sum_k (x[k] *
+// s[k/128]) * e4m3[k]: the A operand is the fp32 activation rows (DotArgs::x)
+// times the band's scales, rounded once to bf16 (made once per band and kept
+// while the thread computes the band's blocks), and the B operand is the
+// codes' exact bf16 values (every E4M3 value is one), decoded by the pool
+// thread with integer operations into brgemm's VNNI layout
+// (kernels/avx512/brgemm_fp8_avx512.cpp). Each product carries one bf16
+// rounding, of x * s; the weights none. Blocks go in groups of
+// kFp8GroupBlocks (one N = 32 call: faster per column than N = 16); the
+// thread keeps the group's results for its next task, the group's other block.
+// Which thread computes a group never changes its results.
+// Before (kept in the history): the scales were folded into the decoded
+// weights (bf16(e4m3 * s), an fp32 multiply and a rounding per weight, ~20%
+// of an fp8 prefill) and the activations rounded to bf16 on their own: two
+// roundings per product.
 // The exact alternative, one call per 128-k scale chunk with the scale applied
 // to its fp32 sums, measured 2.1x slower at T = 512 (N = 16 x K = 128 calls
 // run at about half of brgemm's full-K rate), so it is not kept.
@@ -58,11 +64,14 @@ enum class Kind : uint8_t {
   kNone,
   kBf16,     // bf16 x bf16 -> fp32 (layout kBf16)
   kU8S8,     // u8 x s8 -> s32 with q8 activations (8-bit signed qint: int8, q8_0)
-  kFp8Bf16,  // E4M3 x scale decoded to bf16 tiles, then bf16 x bf16 -> fp32 (layout kFp8)
+  kFp8Bf16,  // bf16(x * scale) x E4M3 decoded to bf16 tiles -> fp32 (layout kFp8)
 };
 
-// Whether a kind's A operand is the bf16 activation rows (DotArgs::xb).
-inline bool takes_bf16_rows(Kind k) { return k == Kind::kBf16 || k == Kind::kFp8Bf16; }
+// Whether a kind's A operand is the bf16 activation rows (DotArgs::xb); fp8
+// makes its own from the fp32 rows (DotArgs::x) and the scales.
+inline bool takes_bf16_rows(Kind k) { return k == Kind::kBf16; }
+// Whether a kind runs oneDNN's bf16 x bf16 brgemm.
+inline bool uses_bf16_brgemm(Kind k) { return k == Kind::kBf16 || k == Kind::kFp8Bf16; }
 Kind kind(const formats::FormatRow& format);
 
 // The CPU class on which oneDNN runs `format`'s brgemm natively while kt_ops
@@ -88,6 +97,9 @@ void set_bf16_kernel(Bf16Kernel k);
 Bf16Kernel bf16_kernel_setting();
 // Whether bf16_dot runs kt_ops' kernel now (the setting resolved for this CPU).
 bool bf16_uses_kt_kernel();
+// Whether fp8_dot runs kt_ops' fused kernel now: where bf16_dot runs kt_ops'
+// kernel and the CPU has AVX512_VBMI (its decode's byte tables).
+bool fp8_uses_kt_kernel();
 
 // DotArgs -> the dot products of its run of blocks with a.xb (bf16 rows).
 // Token tiles of at most kMaxTileRows rows, then one remainder tile: which
@@ -118,10 +130,16 @@ inline int64_t u8s8_rows(int m) { return m + (m + kMaxTileRows - 1) / kMaxTileRo
 // apart would fall into few L1 sets).
 void gather_u8s8_rows(const uint8_t* const* records, int m, int64_t kp, uint8_t* dst);
 
-// fp8: DotArgs -> the dot products of its run of blocks with a.xb (bf16
-// rows, as bf16_dot). Per block: decoded once (scales folded, rounded to
-// bf16), then the token tiles of bf16_dot (kMaxTileRows rows per call).
+// fp8: DotArgs -> the dot products of its run of blocks with the fp32 rows
+// a.x: per 128-row band, A = bf16(x * scale) (a.rows_id lets a thread keep
+// it across its tasks); per group of kFp8GroupBlocks blocks, the codes
+// decoded to one bf16 tile and one brgemm call per token tile
+// (kMaxTileRows rows).
 void fp8_dot(const DotArgs& a);
+
+// 16-row blocks per fp8 brgemm call (N = 32). Divides the 8 blocks of a
+// 128-row scale band.
+constexpr int kFp8GroupBlocks = 2;
 
 // Releases the calling thread's brgemm hardware context (AMX tile
 // configuration): once after each thread's tile loop.

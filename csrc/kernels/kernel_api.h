@@ -63,6 +63,11 @@ struct DotArgs {
   // kernels with ProjectionKernels::u8_codes on 8-bit signed formats (int8,
   // q8_0); nullptr: those kernels use the sign trick on xq instead (same results).
   const uint8_t* xq_u8 = nullptr;
+  // Names the content of the m rows behind x for kernels that keep results
+  // made from them between calls on one thread (the fp8 brgemm's scaled rows
+  // and 2-block results, kernels/brgemm.h): the same nonzero id and x mean
+  // the same rows. The driver passes its (call, phase); 0: nothing is reused.
+  uint64_t rows_id = 0;
 };
 
 // Tokens per tile of the u8 streaming kernel (kernels/qint_tiles.h,

@@ -44,13 +44,21 @@ __attribute__((weak)) void brgemm_q8_fold(const int32_t* c, int nc, int rows,
 // target); null when the avx512 tier or the compiler's avx512bf16 target is missing.
 __attribute__((weak)) void bf16_dp_dot(const DotArgs& a);
 
-// The fp8 brgemm path's decode (kernels/brgemm.h), AVX-512 code
-// (kernels/avx512/brgemm_fp8_avx512.cpp): a block's E4M3 codes [kp][16] times
-// its 128-k scales, rounded to bf16, in the VNNI layout [kp/2][16][2]; `next`
-// (or nullptr) is prefetched to L2 meanwhile.
-__attribute__((weak)) void fp8_to_bf16_vnni_scaled(const uint8_t* codes, int64_t kp,
-                                                   const float* scales, uint16_t* dst,
-                                                   const uint8_t* next);
+// The fp8 brgemm path (kernels/brgemm.h), AVX-512 code
+// (kernels/avx512/brgemm_fp8_avx512.cpp). fp8_to_bf16_vnni: a block's E4M3
+// codes [kp][16] as their exact bf16 values in brgemm's VNNI B layout with
+// ldb columns, the block's 16 at dst (word ((k/2) * ldb + r) * 2 + k % 2);
+// `next` (or nullptr) is prefetched to L2 meanwhile; vbmi = false forces the
+// AVX512_BW decode on CPUs with AVX512_VBMI (tests). scale_rows_to_bf16: the
+// m fp32 rows x times the 128-k scales of one band, rounded to bf16, row i at
+// dst + i * ld (AVX512_BF16).
+__attribute__((weak)) void fp8_to_bf16_vnni(const uint8_t* codes, int64_t kp, uint16_t* dst,
+                                            int64_t ldb, const uint8_t* next, bool vbmi);
+__attribute__((weak)) void fp8_dp_block(const uint16_t* xs, int64_t ldx, int m,
+                                        const uint8_t* codes, int64_t kp, uint16_t* tile,
+                                        float* out, int64_t ldo);
+__attribute__((weak)) void scale_rows_to_bf16(const float* const* x, int m, int64_t kp,
+                                              const float* scales, uint16_t* dst, int64_t ld);
 }  // namespace avx512
 
 }  // namespace kt::kernels

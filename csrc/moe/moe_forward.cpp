@@ -181,7 +181,8 @@ struct ProjectionPlan {
   int fp32_min;                // experts with at least this many rows take dot_fp32
   bool q8;                     // some expert may take the q8 kernel: q8 records are needed
   int brgemm_min;              // experts with at least this many rows take brgemm
-  kernels::brgemm::Kind kind;  // which brgemm kernel: bf16 rows xb (bf16, fp8), or u8s8 rows xu8
+  kernels::brgemm::Kind kind;  // which brgemm kernel: bf16 rows xb (bf16), fp32 rows x (fp8),
+                               // or u8s8 rows xu8
   bool u8_codes;               // the q8 kernel takes 8-bit codes with u8 tiles (DotArgs::xq_u8)
 
   bool brgemm(int m) const { return m >= brgemm_min; }
@@ -196,8 +197,9 @@ struct ProjectionPlan {
 
   void dot(int64_t e, int64_t nb, const float* const* x, const uint8_t* const* xq,
            const uint8_t* xq_u8, const uint16_t* xb, int64_t ldxb, const uint8_t* xu8, int m,
-           float* out) const {
+           uint64_t rows_id, float* out) const {
     kernels::DotArgs args{view, e, nb, nb + 1, x, xq, m, out, kRows, nullptr};
+    args.rows_id = rows_id;
     if (brgemm(m)) {
       t_brgemm_active = true;
       if (kind == kernels::brgemm::Kind::kU8S8) {
@@ -296,11 +298,11 @@ void moe_forward_experts(const at::Tensor& hidden_states, const at::Tensor& topk
   const int64_t R = plan.num_rows();
 
   const QuantActivations mode = quant_activations();
-  // 'auto' takes the bf16-row brgemm kernels (bf16 weights, and fp8 decoded
-  // to bf16 tiles) only for bf16 activations, which they multiply exactly (the
-  // SwiGLU outputs are rounded to bf16, as in torch's bf16 expert MLP); fp32
-  // and fp16 activations keep their precision on the streaming kernels unless
-  // 'brgemm' is forced.
+  // 'auto' takes the bf16 brgemm kernels (bf16 weights, and fp8 decoded to
+  // bf16 tiles) only for bf16 activations: bf16 multiplies them exactly (the
+  // SwiGLU outputs are rounded to bf16, as in torch's bf16 expert MLP), fp8
+  // rounds them once with its scales; fp32 and fp16 activations keep their
+  // precision on the streaming kernels unless 'brgemm' is forced.
   const ComputePath path = compute_path();
   const bool bf16_act = hidden_states.scalar_type() == at::kBFloat16;
   const ProjectionPlan gate = plan_projection(layer.gate, isa, mode, path, bf16_act);
@@ -382,8 +384,9 @@ void moe_forward_experts(const at::Tensor& hidden_states, const at::Tensor& topk
         const uint8_t* xu = gate.wants_u8_codes(m) || up.wants_u8_codes(m)
                                 ? u8_tiles(call, 0, e, xq, m, Hp)
                                 : nullptr;
-        gate.dot(e, nb, s.x_rows.data() + r0, xq, xu, xb, ld_xb, xu8, m, t_gate_out.data());
-        up.dot(e, nb, s.x_rows.data() + r0, xq, xu, xb, ld_xb, xu8, m, t_up_out.data());
+        gate.dot(e, nb, s.x_rows.data() + r0, xq, xu, xb, ld_xb, xu8, m, 2 * call,
+                 t_gate_out.data());
+        up.dot(e, nb, s.x_rows.data() + r0, xq, xu, xb, ld_xb, xu8, m, 2 * call, t_up_out.data());
         silu_mul(t_gate_out.data(), t_up_out.data(), m);
         const bool hb = down.wants_xb(m);
         for (int i = 0; i < m; ++i) {
@@ -411,7 +414,7 @@ void moe_forward_experts(const at::Tensor& hidden_states, const at::Tensor& topk
         const uint8_t* hu =
             down.wants_u8_codes(m) ? u8_tiles(call, 1, e, s.hq_rows.data() + r0, m, Ip) : nullptr;
         down.dot(e, nb, s.h_rows.data() + r0, s.hq_rows.data() + r0, hu, hb, ld_hb, hu8, m,
-                 t_gate_out.data());
+                 2 * call + 1, t_gate_out.data());
         for (int i = 0; i < m; ++i) {
           float* dst = y + plan.row_slot[r0 + i] * H + nb * kRows;
           const float w = plan.row_weight[r0 + i];

@@ -11,6 +11,7 @@
 #include "formats/q8_activations.h"
 #include "kernels/brgemm.h"
 #include "kernels/dispatch.h"
+#include "kernels/tiers.h"
 #include "moe/moe_forward.h"
 #include "runtime/cpu_features.h"
 #include "runtime/thread_pool.h"
@@ -60,6 +61,7 @@ py::dict cpu_features_report() {
   d["avx512"] = f.avx512;
   d["avx512_vnni"] = f.avx512_vnni;
   d["avx512_bf16"] = f.avx512_bf16;
+  d["avx512_vbmi"] = f.avx512_vbmi;
   d["amx"] = f.amx;
   return d;
 }
@@ -267,6 +269,28 @@ PYBIND11_MODULE(_C, m) {
     std::string rec(static_cast<size_t>(kt::formats::q8_record_bytes(kp)), '\0');
     kt::kernels::quantize_row_q8(isa)(x.data(), kp, reinterpret_cast<uint8_t*>(rec.data()));
     return py::bytes(rec);
+  });
+  // Test hook: one fp8 block's E4M3 codes [kp][16] (kp a multiple of 32) as
+  // the fp8 brgemm's bf16 VNNI tile [kp/2][16][2] (kernels/tiers.h), from the
+  // AVX512_VBMI decode ("vbmi") or the AVX512_BW one ("bw").
+  m.def("fp8_block_to_bf16_vnni", [](const py::bytes& codes, const std::string& decode) {
+    const std::string c = codes;
+    if (decode != "vbmi" && decode != "bw")
+      throw py::value_error("fp8_block_to_bf16_vnni: decode must be 'vbmi' or 'bw', got '" +
+                            decode + "'");
+    const kt::runtime::CpuFeatures& f = kt::runtime::cpu_features();
+    if (kt::kernels::avx512::fp8_to_bf16_vnni == nullptr || !f.avx512 ||
+        (decode == "vbmi" && !f.avx512_vbmi))
+      throw py::value_error("fp8_block_to_bf16_vnni: the '" + decode +
+                            "' decode does not run on this build / CPU");
+    if (c.size() % (32 * 16) != 0)
+      throw py::value_error("fp8_block_to_bf16_vnni: len(codes) must be a multiple of 512");
+    const int64_t kp = static_cast<int64_t>(c.size() / 16);
+    std::string out(c.size() * 2, '\0');
+    kt::kernels::avx512::fp8_to_bf16_vnni(reinterpret_cast<const uint8_t*>(c.data()), kp,
+                                          reinterpret_cast<uint16_t*>(out.data()), 16, nullptr,
+                                          decode == "vbmi");
+    return py::bytes(out);
   });
   m.def("topology", &topology_report);
   m.def("cpu_features", &cpu_features_report);

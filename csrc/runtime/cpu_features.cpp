@@ -14,6 +14,7 @@ CpuFeatures detect() {
   f.avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
   f.avx512_vnni = f.avx512 && __builtin_cpu_supports("avx512vnni");
+  f.avx512_vbmi = f.avx512 && __builtin_cpu_supports("avx512vbmi");
 #if (defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11) || \
     (defined(__clang__) && __clang_major__ >= 12)
   f.avx512_bf16 = f.avx512 && __builtin_cpu_supports("avx512bf16");

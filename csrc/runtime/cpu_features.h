@@ -8,6 +8,7 @@ struct CpuFeatures {
   bool avx512 = false;       // AVX-512 F/BW/VL/DQ, OS-enabled (XCR0 opmask/ZMM state)
   bool avx512_vnni = false;  // AVX512_VNNI
   bool avx512_bf16 = false;  // AVX512_BF16
+  bool avx512_vbmi = false;  // AVX512_VBMI (byte permutes: the fp8 tile decode's tables)
   bool amx = false;          // AMX-TILE + AMX-BF16 + AMX-INT8 (reported only)
 };
 

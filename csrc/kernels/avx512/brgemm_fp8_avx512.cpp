@@ -1,97 +1,248 @@
-// The fp8 brgemm path (kernels/brgemm.h): the E4M3 codes of one 16-row block
-// decoded to brgemm's bf16 VNNI B operand with the block scales folded in.
-// AVX-512 code (F/BW, and AVX512_BF16 for the rounding, which every CPU that
-// runs oneDNN's bf16 brgemm has); brgemm.cpp reaches it through a weak
-// declaration (kernels/tiers.h): the path needs an AVX-512 tier anyway.
+// The fp8 brgemm path (kernels/brgemm.h), AVX-512 code reached through weak
+// declarations (kernels/tiers.h): the path needs an AVX-512 tier anyway.
 //
-// The codes [kp][16] (formats/fp8.h, row inside the block last) become bf16
-// [kp/2][16][2] (formats/bf16.h's packed block: k pairs per row), each value
-// bf16(fp32(e4m3 * scale)), rounded to nearest even: the bits of torch's
-// (w8.float() * scale).bfloat16(). The E4M3 value itself is built exactly as
-// bf16 bits with integer operations (every E4M3 value is a bf16 value: 3
-// mantissa bits, exponents -9..8):
-//   normal (exponent field e > 0):  bf16 = s | (e + 120) << 7 | m << 4
-//   subnormal (e == 0):             m * 2^-9 from an 8-entry table (a normal bf16)
-// (the codes 0x7F / 0xFF, E4M3's NaN, which the packer rejects, decode to
-// +-480 as in the streaming kernels' fp16 decode). Only the scale product is
-// an FP operation, on normal inputs (MXCSR's DAZ cannot change it; FTZ only
-// products below 2^-126).
+// 1. fp8_to_bf16_vnni: the E4M3 codes of one 16-row block [kp][16]
+//    (formats/fp8.h, row inside the block last) -> their exact values as
+//    bf16 in brgemm's VNNI B layout, k pairs per column: word
+//    ((k / 2) * ldb + col0 + r) * 2 + k % 2 holds W[r][k]. Every E4M3 value is
+//    a bf16 value (3 mantissa bits, exponents -9..8), so this is pure
+//    integer work, no rounding:
+//      normal (exponent field e > 0):  bf16 = s | (e + 120) << 7 | m << 4
+//      subnormal (e == 0):             m * 2^-9 (a normal bf16)
+//    (the codes 0x7F / 0xFF, E4M3's NaN, which the packer rejects, decode to
+//    +-480 as in the streaming kernels' fp16 decode). With AVX512_VBMI the
+//    whole map is two 128-entry byte tables (vpermt2b: the low and the high
+//    byte of the bf16 of the code's low 7 bits; the sign is the code's top
+//    bit), 64 codes per step; without it (AVX512_BW only) the formula above
+//    on 16-bit lanes, 32 codes per step, ~2x the instructions.
+// 2. scale_rows_to_bf16: the activations times the 128-k block scales of one
+//    128-row band, rounded once to bf16 (vcvtne2ps2bf16, AVX512_BF16): the
+//    brgemm's A operand. The scales move from the weights to the activations
+//    because a band's scale is one number per (band, 128-k block): for the
+//    band's output rows, sum_k x[k] * (e4m3[k] * s[k/128]) = sum_k (x[k] *
+//    s[k/128]) * e4m3[k]. The decode above then needs no FP work, and each
+//    product carries one bf16 rounding (of x * s) where bf16(x) times
+//    bf16(e4m3 * s) carried two.
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cstdint>
 
 #include "formats/fp8.h"
-#include "kernels/avx512/vec.h"
 #include "kernels/tiers.h"
+#include "runtime/cpu_features.h"
 
 namespace kt::kernels::avx512 {
 
+#define KT_ALWAYS_INLINE_FP8 inline __attribute__((always_inline))
+
 namespace {
 
-// bf16 bits of the E4M3 subnormals m * 2^-9, m = 0..7 (index = low 5 bits of
-// the code, whose exponent bits are 0 there); entries 8..31 are not used.
-inline __m512i subnormal_table() {
-  alignas(64) static const int16_t t[32] = {0x0000, 0x3B00, 0x3B80, 0x3BC0,
-                                            0x3C00, 0x3C20, 0x3C40, 0x3C60};
-  return _mm512_load_si512(t);
+// bf16 bits of the E4M3 value of code c (c < 128; sign apart).
+constexpr uint16_t e4m3_magnitude_bf16(int c) {
+  const int e = c >> 3, m = c & 7;
+  if (e > 0) return static_cast<uint16_t>((e + 120) << 7 | m << 4);
+  // m * 2^-9: normalize m (1..7) to 1.f * 2^p.
+  if (m == 0) return 0;
+  int p = 2;  // m in [4, 8)
+  while ((m >> p) == 0) --p;
+  const int frac = (m << (3 - p)) & 7;  // the 3 bits below the leading one
+  return static_cast<uint16_t>((p - 9 + 127) << 7 | frac << 4);
 }
 
-// 32 codes (k and k + 1 of the block's 16 rows, one 32-byte line, widened to
-// words: k's rows in words 0..15, k + 1's in 16..31) -> their 32 exact bf16
-// values, permuted by `index`.
-inline __m512i decode_line(const uint8_t* line, __m512i index, __m512i table) {
-  const __m512i b = _mm512_permutexvar_epi16(
-      index, _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(line))));
-  const __m512i mag = _mm512_and_si512(b, _mm512_set1_epi16(0x7F));
-  __m512i v = _mm512_add_epi16(_mm512_slli_epi16(mag, 4), _mm512_set1_epi16(120 << 7));
-  const __mmask32 sub = _mm512_testn_epi16_mask(b, _mm512_set1_epi16(0x78));
-  v = _mm512_mask_permutexvar_epi16(v, sub, b, table);
-  // v | (b << 8 & 0x8000): the sign (ternary-logic table of A | (B & C)).
-  return _mm512_ternarylogic_epi32(v, _mm512_slli_epi16(b, 8),
-                                   _mm512_set1_epi16(static_cast<int16_t>(0x8000)), 0xF8);
+struct ByteTables {
+  alignas(64) uint8_t lo[128];
+  alignas(64) uint8_t hi[128];
+  constexpr ByteTables() : lo{}, hi{} {
+    for (int c = 0; c < 128; ++c) {
+      lo[c] = static_cast<uint8_t>(e4m3_magnitude_bf16(c) & 0xFF);
+      hi[c] = static_cast<uint8_t>(e4m3_magnitude_bf16(c) >> 8);
+    }
+  }
+};
+constexpr ByteTables kTables{};
+
+// VBMI: 64 codes (4 k x 16 rows, one 64-byte line) per step. vpermb first
+// puts the codes in the order that unpacklo / unpackhi_epi8 (within 128-bit
+// lanes) of the two looked-up byte planes turn into the VNNI pairs: output
+// word q of the two stores (q < 32 the first: k pair 0, else pair 1) is
+// code (2 (q / 32) + q % 2) * 16 + (q % 32) / 2, and unpacklo's word w of
+// lane l is byte 16 l + w (w < 8), unpackhi's byte 16 l + 8 + w.
+struct VbmiOrder {
+  alignas(64) uint8_t idx[64];
+  constexpr VbmiOrder() : idx{} {
+    for (int q = 0; q < 64; ++q) {
+      const int code = (2 * (q / 32) + q % 2) * 16 + (q % 32) / 2;
+      const int w = q % 32;
+      const int byte = 16 * (w / 8) + (q < 32 ? 0 : 8) + w % 8;
+      idx[byte] = static_cast<uint8_t>(code);
+    }
+  }
+};
+constexpr VbmiOrder kVbmiOrder{};
+
+#define KT_FP8_VBMI_TARGET __attribute__((target("avx512f,avx512bw,avx512vbmi")))
+
+// The VBMI decode's constants, loaded once per block.
+struct VbmiDecoder {
+  __m512i lo0, lo1, hi0, hi1, order, sign;
+  KT_FP8_VBMI_TARGET VbmiDecoder()
+      : lo0(_mm512_load_si512(kTables.lo)),
+        lo1(_mm512_load_si512(kTables.lo + 64)),
+        hi0(_mm512_load_si512(kTables.hi)),
+        hi1(_mm512_load_si512(kTables.hi + 64)),
+        order(_mm512_load_si512(kVbmiOrder.idx)),
+        sign(_mm512_set1_epi8(static_cast<char>(0x80))) {}
+  // The 64 codes of one line (k .. k + 3) -> the VNNI lines of pairs k / 2 and k / 2 + 1.
+  KT_FP8_VBMI_TARGET KT_ALWAYS_INLINE_FP8 void decode(const uint8_t* line, __m512i& p0,
+                                                      __m512i& p1) const {
+    const __m512i c = _mm512_permutexvar_epi8(order, _mm512_loadu_si512(line));
+    const __m512i lo = _mm512_permutex2var_epi8(lo0, c, lo1);  // index: the low 7 bits
+    // hi | (c & 0x80): the sign (ternary-logic table of A | (B & C)).
+    const __m512i hi =
+        _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(hi0, c, hi1), c, sign, 0xF8);
+    p0 = _mm512_unpacklo_epi8(lo, hi);
+    p1 = _mm512_unpackhi_epi8(lo, hi);
+  }
+};
+
+KT_FP8_VBMI_TARGET void decode_vbmi(const uint8_t* codes, int64_t kp, uint16_t* dst, int64_t ldb,
+                                    const uint8_t* next) {
+  const VbmiDecoder dec;
+  for (int64_t k = 0; k < kp; k += 4) {
+    if (next != nullptr) _mm_prefetch(reinterpret_cast<const char*>(next + k * 16), _MM_HINT_T1);
+    __m512i p0, p1;
+    dec.decode(codes + k * 16, p0, p1);
+    uint16_t* d = dst + (k / 2) * ldb * 2;
+    _mm512_storeu_si512(d, p0);
+    _mm512_storeu_si512(d + ldb * 2, p1);
+  }
 }
 
-// The permutation of decode_line for the VNNI pairs (k, r), (k + 1, r): the
-// result should hold word (q % 2) * 16 + q / 2 at position q, but the
-// unpacklo / unpackhi that follow (within 128-bit lanes) and cvtne2ps (b, then
-// a) move word p to position q(p) = 4 (p / 8) + p % 8 for p % 8 < 4, else
-// 16 + 4 (p / 8) + p % 8 - 4; so word p is the source word for q(p).
-inline __m512i interleave_index() {
-  alignas(64) static const int16_t idx[32] = {0,  16, 1,  17, 8,  24, 9,  25, 2,  18, 3,
-                                              19, 10, 26, 11, 27, 4,  20, 5,  21, 12, 28,
-                                              13, 29, 6,  22, 7,  23, 14, 30, 15, 31};
-  return _mm512_load_si512(idx);
+// The fused kernel for CPUs with AVX512_BF16 and VBMI (no AMX): one 16-row
+// block times MT <= 28 scaled rows xs (bf16 pairs broadcast into vdpbf16ps),
+// decoding the codes line by line as it goes; with First, it also stores the
+// decoded lines to `tile` (for the block's later token tiles, which read it
+// from L2 like bf16 weights) and prefetches the codes kPrefetchLines lines
+// ahead: the prefetches spread through the multiply-adds, which hide DRAM
+// latency where a burst of prefetches per block (or oneDNN's calls between
+// them) did not.
+constexpr int kFusedTileRows = 28;
+constexpr int kFusedPrefetchLines = 16;  // 1 KB of codes ahead
+
+#define KT_FP8_DP_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,avx512bf16")))
+
+template <int MT, bool First>
+KT_FP8_DP_TARGET void fused_tile(const uint16_t* x, int64_t ldx, const uint8_t* codes,
+                                 uint16_t* tile, int64_t kp, float* out, int64_t ldo) {
+  const VbmiDecoder dec;
+  __m512 acc[MT];
+#pragma GCC unroll 32
+  for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < kp; k += 4) {
+    __m512i w0, w1;
+    if constexpr (First) {
+      _mm_prefetch(reinterpret_cast<const char*>(codes + (k + 4 * kFusedPrefetchLines) * 16),
+                   _MM_HINT_T0);
+      dec.decode(codes + k * 16, w0, w1);
+      _mm512_storeu_si512(tile + k * 16, w0);
+      _mm512_storeu_si512(tile + k * 16 + 32, w1);
+    } else {
+      w0 = _mm512_loadu_si512(tile + k * 16);
+      w1 = _mm512_loadu_si512(tile + k * 16 + 32);
+    }
+#pragma GCC unroll 32
+    for (int i = 0; i < MT; ++i) {
+      int32_t pair;
+      __builtin_memcpy(&pair, x + i * ldx + k, sizeof(pair));
+      acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)w0, (__m512bh)_mm512_set1_epi32(pair));
+    }
+#pragma GCC unroll 32
+    for (int i = 0; i < MT; ++i) {
+      int32_t pair;
+      __builtin_memcpy(&pair, x + i * ldx + k + 2, sizeof(pair));
+      acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)w1, (__m512bh)_mm512_set1_epi32(pair));
+    }
+  }
+#pragma GCC unroll 32
+  for (int i = 0; i < MT; ++i) _mm512_storeu_ps(out + i * ldo, acc[i]);
+}
+
+template <int N, bool First>
+KT_FP8_DP_TARGET void fused_tile_n(int rows, const uint16_t* x, int64_t ldx, const uint8_t* codes,
+                                   uint16_t* tile, int64_t kp, float* out, int64_t ldo) {
+  if constexpr (N >= 1) {
+    if (rows == N) return fused_tile<N, First>(x, ldx, codes, tile, kp, out, ldo);
+    return fused_tile_n<N - 1, First>(rows, x, ldx, codes, tile, kp, out, ldo);
+  }
+}
+
+// BW: 32 codes (2 k x 16 rows, one 32-byte line) per step, widened to words
+// and put in VNNI order (word q = code (q % 2) * 16 + q / 2) first.
+__attribute__((target("avx512f,avx512bw"))) void decode_bw(const uint8_t* codes, int64_t kp,
+                                                           uint16_t* dst, int64_t ldb,
+                                                           const uint8_t* next) {
+  alignas(64) int16_t order[32];
+  for (int q = 0; q < 32; ++q) order[q] = static_cast<int16_t>((q % 2) * 16 + q / 2);
+  alignas(64) int16_t subnormal[32] = {};
+  for (int m = 0; m < 8; ++m) subnormal[m] = static_cast<int16_t>(e4m3_magnitude_bf16(m));
+  const __m512i index = _mm512_load_si512(order);
+  const __m512i table = _mm512_load_si512(subnormal);
+  for (int64_t k = 0; k < kp; k += 2) {
+    if (next != nullptr && (k & 3) == 0)  // one 64-byte line per 4 k
+      _mm_prefetch(reinterpret_cast<const char*>(next + k * 16), _MM_HINT_T1);
+    const __m512i b = _mm512_permutexvar_epi16(
+        index,
+        _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + k * 16))));
+    const __m512i mag = _mm512_and_si512(b, _mm512_set1_epi16(0x7F));
+    __m512i v = _mm512_add_epi16(_mm512_slli_epi16(mag, 4), _mm512_set1_epi16(120 << 7));
+    const __mmask32 sub = _mm512_testn_epi16_mask(b, _mm512_set1_epi16(0x78));
+    v = _mm512_mask_permutexvar_epi16(v, sub, b, table);
+    v = _mm512_ternarylogic_epi32(v, _mm512_slli_epi16(b, 8),
+                                  _mm512_set1_epi16(static_cast<int16_t>(0x8000)), 0xF8);
+    _mm512_storeu_si512(dst + (k / 2) * ldb * 2, v);
+  }
 }
 
 }  // namespace
 
-// codes: one block [kp][16] (kp a multiple of 32); scales: its [ceil(k/128)]
-// scales; dst: [kp/2][16][2] bf16 bits, W = bf16(fp32(e4m3 * scales[k / 128]))
-// (vcvtne2ps2bf16: round to nearest even).
-// `next` (may be nullptr): the block the caller decodes next, prefetched to
-// L2 line by line along with this one's loads, so that its codes arrive
-// while this block's brgemm calls run (the decode itself would otherwise
-// wait on DRAM: between two decodes no load runs ahead of the brgemm).
-// Prefetches never fault, so `next` may point past the experts' weights.
-__attribute__((target("avx512bf16"))) void fp8_to_bf16_vnni_scaled(const uint8_t* codes, int64_t kp,
-                                                                   const float* scales,
-                                                                   uint16_t* dst,
-                                                                   const uint8_t* next) {
-  const __m512i index = interleave_index();
-  const __m512i table = subnormal_table();
-  const __m512i zero = _mm512_setzero_si512();
-  for (int64_t k0 = 0; k0 < kp; k0 += formats::kFp8ScaleBlock) {
-    const __m512 s = _mm512_set1_ps(scales[k0 / formats::kFp8ScaleBlock]);
-    const int64_t k1 = std::min<int64_t>(kp, k0 + formats::kFp8ScaleBlock);
-    for (int64_t kk = k0; kk < k1; kk += 2) {
-      if (next != nullptr && (kk & 3) == 0)  // one 64-byte line per 4 k
-        _mm_prefetch(reinterpret_cast<const char*>(next + kk * 16), _MM_HINT_T1);
-      const __m512i v = decode_line(codes + kk * 16, index, table);
-      // bf16 -> fp32: the word into the high half of a dword.
-      const __m512 lo = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, v)), s);
-      const __m512 hi = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, v)), s);
-      _mm512_storeu_si512(dst + kk * 16, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+void fp8_to_bf16_vnni(const uint8_t* codes, int64_t kp, uint16_t* dst, int64_t ldb,
+                      const uint8_t* next, bool vbmi) {
+  if (vbmi && runtime::cpu_features().avx512_vbmi)
+    decode_vbmi(codes, kp, dst, ldb, next);
+  else
+    decode_bw(codes, kp, dst, ldb, next);
+}
+
+void fp8_dp_block(const uint16_t* xs, int64_t ldx, int m, const uint8_t* codes, int64_t kp,
+                  uint16_t* tile, float* out, int64_t ldo) {
+  const int tiles = (m + kFusedTileRows - 1) / kFusedTileRows;
+  if (tiles == 0) return;
+  const int base = m / tiles, extra = m % tiles;  // `extra` tiles of base + 1 rows
+  for (int t = 0, i = 0; t < tiles; ++t) {
+    const int rows = base + (t < extra ? 1 : 0);
+    if (t == 0)
+      fused_tile_n<kFusedTileRows, true>(rows, xs, ldx, codes, tile, kp, out, ldo);
+    else
+      fused_tile_n<kFusedTileRows, false>(rows, xs + i * ldx, ldx, codes, tile, kp, out + i * ldo,
+                                          ldo);
+    i += rows;
+  }
+}
+
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void scale_rows_to_bf16(
+    const float* const* x, int m, int64_t kp, const float* scales, uint16_t* dst, int64_t ld) {
+  for (int i = 0; i < m; ++i) {
+    const float* src = x[i];
+    uint16_t* d = dst + i * ld;
+    for (int64_t k0 = 0; k0 < kp; k0 += formats::kFp8ScaleBlock) {
+      const __m512 s = _mm512_set1_ps(scales[k0 / formats::kFp8ScaleBlock]);
+      const int64_t k1 = std::min<int64_t>(kp, k0 + formats::kFp8ScaleBlock);
+      for (int64_t k = k0; k < k1; k += 32) {  // kp is a multiple of 32
+        const __m512 a = _mm512_mul_ps(_mm512_loadu_ps(src + k), s);
+        const __m512 b = _mm512_mul_ps(_mm512_loadu_ps(src + k + 16), s);
+        _mm512_storeu_si512(d + k, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(b, a)));
+      }
     }
   }
 }
