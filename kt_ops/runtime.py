@@ -146,10 +146,12 @@ def set_compute_path(path: str) -> None:
       ``q8_0``: AVX512_VNNI or AMX, with q8 activations; :func:`compute_paths`
       says which); every other format and CPU keeps the streaming kernels.
       bf16 brgemm rounds the activations (and the SwiGLU outputs) to bf16
-      first; fp8 decodes each block to bf16 with its scales folded in
-      (``bf16(e4m3 * scale)``: the weights are rounded to bf16 as well), then
-      runs the bf16 brgemm; the int8 / q8_0 brgemm (u8 x s8) gives the
-      streaming q8 kernels' results bit for bit.
+      first; fp8 multiplies the activations times the 128x128 block scales,
+      rounded once to bf16 (``bf16(x * scale)``), by the exact E4M3 values
+      (kt_ops' fused decode-and-multiply tiles on AVX512_BF16 CPUs with
+      AVX512_VBMI and no AMX, else the codes decoded to a bf16 tile for
+      oneDNN's bf16 brgemm; the two are bit-identical); the int8 / q8_0
+      brgemm (u8 x s8) gives the streaming q8 kernels' results bit for bit.
     * ``'auto'`` (default): per expert and call, ``'brgemm'`` when the expert
       has at least the format's measured break-even token count on this CPU
       (``kt_ops.formats.format_spec(name).brgemm_min_tokens``;

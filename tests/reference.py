@@ -699,6 +699,24 @@ def q8_brgemm_min_tokens_of(weight_format: str) -> Optional[int]:
     return p["brgemm_min_tokens"]
 
 
+def fp8_brgemm_min_tokens_of(weight_format: str, act_dtype: torch.dtype) -> Optional[int]:
+    """Rows per expert from which an ``weight_format`` projection runs on the fp8 brgemm.
+
+    In the current compute path (``kt_ops.compute_paths()``): for ``'fp8'`` where
+    the fp8 brgemm runs (under ``'auto'`` only for bf16 activations); ``None``
+    elsewhere. Such projections multiply bf16(x * block scale) by the exact
+    E4M3 values (:func:`fp8_banded_product`).
+    """
+    if weight_format != "fp8":
+        return None
+    p = kt_ops.compute_paths().get("fp8")
+    if p is None or p["brgemm_kernel"] is None:
+        return None
+    if kt_ops.get_compute_path() == "auto" and act_dtype != torch.bfloat16:
+        return None
+    return p["brgemm_min_tokens"]
+
+
 def fp32_min_tokens_of(weight_format: str) -> Optional[int]:
     """Rows per expert from which projections in ``weight_format`` multiply fp32 activations.
 
@@ -724,6 +742,7 @@ def per_projection_reference(
     dense: tuple[Tensor, Tensor, Tensor],
     fp32_min: tuple[Optional[int], Optional[int], Optional[int]],
     q8_brgemm_min: tuple[Optional[int], Optional[int], Optional[int]] = (None, None, None),
+    fp8_brgemm: Optional[tuple[tuple[Any, ...], tuple[Optional[int], ...]]] = None,
 ) -> QuantReference:
     """``reference_quant_moe_forward`` with the q8-or-fp32 choice made per projection.
 
@@ -731,8 +750,18 @@ def per_projection_reference(
     activations when ``fp32_min[p]`` is not None and ``m >= fp32_min[p]``
     (unless ``q8_brgemm_min[p]`` is not None and ``m >= q8_brgemm_min[p]``: the
     u8s8 brgemm takes q8 activations), else the q8-rounded ones
-    (``q8_activations``); a q8 down adds the tie slack.
+    (``q8_activations``); a q8 down adds the tie slack. ``fp8_brgemm``:
+    (the packed projections, :func:`fp8_brgemm_min_tokens_of` of each): an
+    fp8 projection with at least that many rows is the fp8 brgemm's
+    :func:`fp8_banded_product`.
     """
+    projections, fp8_min = fp8_brgemm if fp8_brgemm is not None else ((), (None, None, None))
+
+    def product(v: Tensor, p: int, dense_w: Tensor, e: int, m: int) -> Tensor:
+        if fp8_min[p] is not None and m >= fp8_min[p]:
+            return fp8_banded_product(v, projections[p], e)
+        return v @ dense_w.float().T
+
     gate, up, down = dense
     with single_threaded_torch():
         xf = x.float()
@@ -753,13 +782,14 @@ def per_projection_reference(
             xe = xf[tok]
             xg = q8_activations(xe) if q8(0) else xe
             xu = q8_activations(xe) if q8(1) else xe
-            h = torch.nn.functional.silu(xg @ gate[e].float().T) * (xu @ up[e].float().T)
+            g = product(xg, 0, gate[e], e, m)
+            h = torch.nn.functional.silu(g) * product(xu, 1, up[e], e, m)
             wd = down[e].float()
             we = w[tok, slot].unsqueeze(1)
             if q8(2):
                 slack.index_add_(0, tok, (q8_tie_steps(h) @ wd.abs().T) * we.abs())
                 h = q8_activations(h)
-            out.index_add_(0, tok, (h @ wd.T) * we)
+            out.index_add_(0, tok, product(h, 2, wd, e, m) * we)
     return QuantReference(out, slack)
 
 
@@ -771,11 +801,19 @@ def reference_for(
     Any formats, mixed per projection. Follows the process-wide compute path
     (``kt_ops.get_quant_activations()``) per projection
     (:func:`fp32_min_tokens_of`): under ``'auto'`` each expert's path depends on
-    its token count and each projection's format.
+    its token count and each projection's format. fp8 projections on the fp8
+    brgemm (:func:`fp8_brgemm_min_tokens_of`) follow :func:`fp8_banded_product`.
     """
     mins = tuple(fp32_min_tokens_of(p.weight_format) for p in experts.projections)
     dense = dense_weights(experts)
     brg = tuple(q8_brgemm_min_tokens_of(p.weight_format) for p in experts.projections)
+    fp8 = tuple(
+        fp8_brgemm_min_tokens_of(p.weight_format, hidden_states.dtype) for p in experts.projections
+    )
+    if any(b is not None for b in fp8):
+        return per_projection_reference(
+            hidden_states, topk_ids, topk_weights, dense, mins, brg, (experts.projections, fp8)
+        )
     if any(b is not None for b in brg) and any(m not in (None, 1) for m in mins):
         return per_projection_reference(hidden_states, topk_ids, topk_weights, dense, mins, brg)
     if all(m is None for m in mins):

@@ -49,10 +49,10 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 PATHS = ("streaming", "brgemm", "auto")
 #: The formats on the u8s8 brgemm kernel.
 Q8_BRGEMM_FORMATS = ("int8", "q8_0")
-#: Every format with a brgemm kernel, and its name.
 _FEATS = kt_ops.info()["cpu_features"]
-#: The kernel of each format's brgemm path where it runs: bf16 on kt_ops' own
-#: vdpbf16ps tiles on AVX512_BF16 CPUs without AMX (``set_brgemm_bf16_kernel``).
+#: Every format with a brgemm kernel, and the kernel where it runs: bf16 and
+#: fp8 (with AVX512_VBMI) on kt_ops' own vdpbf16ps tiles on AVX512_BF16 CPUs
+#: without AMX (``set_brgemm_bf16_kernel``).
 BRGEMM_KERNELS = {
     "bf16": (
         "avx512_bf16/bf16_dp"
@@ -61,7 +61,11 @@ BRGEMM_KERNELS = {
     ),
     "int8": "onednn/brgemm_u8s8",
     "q8_0": "onednn/brgemm_u8s8",
-    "fp8": "onednn/brgemm_fp8_bf16",
+    "fp8": (
+        "avx512_bf16/fp8_dp"
+        if _FEATS["avx512_bf16"] and _FEATS.get("avx512_vbmi") and not _FEATS.get("amx")
+        else "onednn/brgemm_fp8_bf16"
+    ),
 }
 
 #: 'auto' with experts on both paths, against the unrounded reference: the
@@ -176,9 +180,9 @@ def test_format_table_records_the_thresholds():
         # The VNNI streaming kernel wins at every count measured; AMX not measured.
         assert spec.brgemm_min_tokens_for("avx512") is None
         assert spec.brgemm_min_tokens_for("amx") == 16
-    spec = kt_ops.formats.format_spec("fp8")  # fp8 on bf16 tiles, docs/formats.md
-    assert spec.brgemm_min_tokens_for("avx512") == 6
-    assert spec.brgemm_min_tokens_for("amx") == 6
+    spec = kt_ops.formats.format_spec("fp8")  # docs/formats.md "Compute paths"
+    assert spec.brgemm_min_tokens_for("avx512") == 3  # kt_ops' fused tiles
+    assert spec.brgemm_min_tokens_for("amx") == 6  # oneDNN's brgemm on decoded tiles
     for name in kt_ops.formats.FORMATS:
         if name not in BRGEMM_KERNELS:  # no brgemm path yet: streaming
             assert dict(kt_ops.formats.format_spec(name).brgemm_min_tokens) == {
@@ -210,7 +214,7 @@ def test_where_brgemm_runs(isa):
         and (feats["avx512_bf16"] or feats.get("amx", False))
         and torch.backends.mkldnn.is_available()
     )
-    # Both on the bf16 brgemm path; fp8's decode rounds with AVX512_BF16 itself.
+    # Both on the bf16 brgemm path; fp8 rounds its A rows with AVX512_BF16 itself.
     for name, runs in (("bf16", expected), ("fp8", expected and feats["avx512_bf16"])):
         want = BRGEMM_KERNELS[name] if runs else None
         assert paths[name]["brgemm_kernel"] == want
@@ -720,7 +724,8 @@ def check_fp8(path: str, x, ids, w, experts):
         )
         assert_matches_reference(out, ref, TOL_BF16_BRGEMM)
     else:
-        assert quant_mismatch_report(out, reference_for(experts, x, ids, w)) is None
+        with kt_ops.use_compute_path(path):
+            assert quant_mismatch_report(out, reference_for(experts, x, ids, w)) is None
     return out
 
 
@@ -898,10 +903,8 @@ def test_fp8_thread_counts_bit_identical(isa, path):
 def test_fp8_info_reports_the_brgemm_kernel(isa):
     report = kt_ops.info()["brgemm"]["fp8"]
     if brgemm_runs("fp8"):
-        feats = kt_ops.info()["cpu_features"]
-        cls = "amx" if feats.get("amx") else "avx512"
-        fused = feats["avx512_bf16"] and feats.get("avx512_vbmi") and not feats.get("amx")
-        kernel = "avx512_bf16/fp8_dp" if fused else "onednn/brgemm_fp8_bf16"
+        cls = "amx" if _FEATS.get("amx") else "avx512"
+        kernel = BRGEMM_KERNELS["fp8"]
         assert report == {
             "brgemm_kernel": kernel,
             "brgemm_min_tokens": kt_ops.formats.format_spec("fp8").brgemm_min_tokens_for(cls),
