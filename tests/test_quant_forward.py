@@ -326,11 +326,29 @@ def test_fp32_path_matches_the_unrounded_reference(qisa, v, T):
     ids, weights = routing(T, seed=T)
     x = make_hidden(T, v.H, torch.bfloat16, seed=T)
     # Streaming pinned: under 'auto' fp8 experts with bf16 activations take
-    # the brgemm from its threshold, which rounds the weights to bf16
-    # (tests/test_compute_paths.py checks that path).
+    # the brgemm from its threshold, which rounds the scaled activations to
+    # bf16 (tests/test_compute_paths.py checks that path).
     with kt_ops.use_quant_activations("fp32"), kt_ops.use_compute_path("streaming"):
         out = check(x, ids, weights, w)  # reference_for follows the mode: no q8 rounding
     ref = reference_quant_moe_forward(x, ids, weights, *dense_weights(w), activation="fp32")
+    assert quant_mismatch_report(out, ref) is None
+
+
+@pytest.mark.parametrize("fmt", ["int4", "fp8"])
+def test_fp32_path_every_token_tile_split(qisa, fmt):
+    # The weight-only product cuts an expert's m rows into ceil(m / 6) tiles
+    # of near-equal size (8 = 4 + 4, 13 = 5 + 4 + 4): expert e gets exactly
+    # counts[e] tokens, each against the unrounded reference.
+    counts = list(range(1, 20)) + [25, 36, 37]
+    gs = 32 if fmt == "int4" else None
+    experts = make_quant_experts(fmt, len(counts), 96, 64, group_size=gs, seed=3)
+    ids = torch.cat([torch.full((c,), e) for e, c in enumerate(counts)])
+    ids = ids[torch.randperm(ids.numel(), generator=torch.Generator().manual_seed(3))].view(-1, 1)
+    weights = torch.rand(ids.shape[0], 1, generator=torch.Generator().manual_seed(4)) + 0.5
+    x = make_hidden(ids.shape[0], 96, torch.float32, seed=5)
+    with kt_ops.use_quant_activations("fp32"), kt_ops.use_compute_path("streaming"):
+        out = kt_ops.moe_forward(x, ids, weights, experts)
+    ref = reference_quant_moe_forward(x, ids, weights, *dense_weights(experts), activation="fp32")
     assert quant_mismatch_report(out, ref) is None
 
 
