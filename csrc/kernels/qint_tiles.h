@@ -47,23 +47,37 @@ namespace kt::kernels {
 
 enum class ZeroMode { kImplicit, kExplicit };
 
-// Software prefetch distance of the code streams, in bytes (2 KB ahead of the
-// decode covers DRAM latency at a core's stream rate; measured on Zen 3; on
-// Zen 4, 1, 2, 4 and 8 KB measured alike, no prefetch 0.5x).
+// Software prefetch of the code streams, two levels: into L1 2 KB ahead of
+// the decode (measured on Zen 3; on Zen 4 1, 2, 4 and 8 KB alike, none 0.5x)
+// and into L2 8 KB ahead. A core has few L1 miss buffers: with L1 prefetches
+// alone, at the 4-bit kernels' decode rate the stream ran out of misses in
+// flight (cold T = 1, Zen 4, the gate/up phase of int4 at half the read
+// bandwidth, whatever the L1 distance); L2 prefetches use the L2's deeper
+// miss queue. Measured (same host, cold gate/up phase, us): L2 distance 0 /
+// 4 / 6 / 8 / 10 / 16 KB: int4 900 / 735 / 602 / 645 / 615 / 636, q4_k
+// 1019 / 818 / 748 / 730 / 708 / 713, int8 1570 / 1438 / 1288 / 1173 / 1120
+// / 1110 (docs/formats.md).
 constexpr int64_t kQintPrefetchBytes = 2048;
+constexpr int64_t kQintPrefetchL2Bytes = 8192;
 
-// Prefetches every 64-byte line holding the codes of k in [k0, k0 + Unit),
-// kQintPrefetchBytes ahead, in the low plane and (5/6 bit) the high plane.
+// Prefetches every 64-byte line holding the codes of k in [k0, k0 + Unit)
+// kQintPrefetchBytes ahead into L1 and kQintPrefetchL2Bytes ahead into L2, in
+// the low plane and (5/6 bit) the high plane.
 template <int Bits, int Unit>
 KT_ALWAYS_INLINE void qint_prefetch_unit(const uint8_t* block, [[maybe_unused]] const uint8_t* high,
                                          int64_t k0) {
   constexpr int kLowBits = Bits == 8 ? 8 : 4;
   constexpr int64_t kLowLines = int64_t{Unit} * 16 * kLowBits / 8 / 64;
-  const uint8_t* low = block + k0 * 16 * kLowBits / 8 + kQintPrefetchBytes;
-  for (int64_t l = 0; l < kLowLines; ++l) __builtin_prefetch(low + l * 64, 0, 3);
+  const uint8_t* low = block + k0 * 16 * kLowBits / 8;
+  for (int64_t l = 0; l < kLowLines; ++l) {
+    __builtin_prefetch(low + kQintPrefetchBytes + l * 64, 0, 3);
+    __builtin_prefetch(low + kQintPrefetchL2Bytes + l * 64, 0, 2);
+  }
   if constexpr (Bits == 5 || Bits == 6) {
     // One high-plane line per 32 (5 bit) or 16 (6 bit) k: Unit covers one.
-    __builtin_prefetch(high + k0 * 16 * (Bits - 4) / 8 + kQintPrefetchBytes, 0, 3);
+    const uint8_t* h = high + k0 * 16 * (Bits - 4) / 8;
+    __builtin_prefetch(h + kQintPrefetchBytes, 0, 3);
+    __builtin_prefetch(h + kQintPrefetchL2Bytes, 0, 2);
   }
 }
 

@@ -100,6 +100,7 @@ KT_INLINE void fp8_tile(const Fp8Block& a, const float* const* x_rows, float* ou
     for (int64_t k = k0; k < k1; k += 2 * U) {
       __builtin_prefetch(a.block + k * 16 + 2048, 0, 3);
       if constexpr (U == 2) __builtin_prefetch(a.block + k * 16 + 2048 + 32, 0, 3);
+      __builtin_prefetch(a.block + k * 16 + 8192, 0, 2);  // into L2 (kernels/qint_tiles.h)
       for (int u = 0; u < U; ++u) {
         const int64_t kk = k + 2 * u;
         __m256 w[4];
