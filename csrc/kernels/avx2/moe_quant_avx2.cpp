@@ -21,6 +21,7 @@
 #include "kernels/block_args.h"
 #include "kernels/kernel_api.h"
 #include "kernels/qint_tiles.h"
+#include "kernels/row_tiles.h"
 #include "kernels/swiglu.h"
 #include "kernels/tiers.h"
 
@@ -262,21 +263,15 @@ KT_INLINE void dense_tile_n(int rows, const float* const* x, const float* w, int
   }
 }
 
-// out[i * ldo + r] = sum_k w[k * 16 + r] * x_i[k] for m fp32 rows, in
-// ceil(m / 6) tiles of near-equal size: a tile of M rows has 2M FMA chains,
-// and a short remainder tile (8 = 6 + 2: 4 chains, half the FMA rate at
-// Zen's 4-cycle latency x 2 pipes) measured 20% slower than 4 + 4. Each
-// row's sum is its own chain in k order: the split never changes results.
+// out[i * ldo + r] = sum_k w[k * 16 + r] * x_i[k] for m fp32 rows, in tiles
+// of near-equal size (kernels/row_tiles.h): a tile of M rows has 2M FMA
+// chains, and a short remainder tile (8 = 6 + 2: 4 chains, half the FMA rate
+// at Zen's 4-cycle latency x 2 pipes) measured 20% slower than 4 + 4.
 void dense_dot(const float* const* x, int m, const float* w, int64_t kp, float* out, int64_t ldo) {
   constexpr int kTile = 6;  // 12 accumulators + 2 weight vectors + 1 broadcast
-  const int tiles = (m + kTile - 1) / kTile;
-  if (tiles == 0) return;
-  const int base = m / tiles, extra = m % tiles;  // `extra` tiles of base + 1 rows
-  for (int t = 0, i = 0; t < tiles; ++t) {
-    const int rows = base + (t < extra ? 1 : 0);
+  for_each_row_tile(m, kTile, [&](int, int i, int rows) {
     dense_tile_n<kTile>(rows, x + i, w, kp, out + i * ldo, ldo);
-    i += rows;
-  }
+  });
 }
 
 void qint_run(const DotArgs& a) {

@@ -25,6 +25,7 @@
 #include <cstdint>
 
 #include "kernels/kernel_api.h"
+#include "kernels/row_tiles.h"
 #include "kernels/tiers.h"
 
 #if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 10)
@@ -76,14 +77,10 @@ KT_BF16DP_TARGET void dp_tile_n(int rows, const uint16_t* x, int64_t ldx, const 
 
 KT_BF16DP_TARGET void bf16_dp_dot_impl(const DotArgs& a) {
   const int k_pairs = static_cast<int>(formats::bf16_k_pairs(a.proj->k));
-  const int tiles = (a.m + kMaxTileRows - 1) / kMaxTileRows;
-  if (tiles == 0) return;
-  const int base = a.m / tiles, extra = a.m % tiles;  // `extra` tiles of base + 1 rows
   for (int64_t nb = a.nb_begin; nb < a.nb_end; ++nb) {
     const auto* w = reinterpret_cast<const uint16_t*>(a.proj->block(a.expert, nb));
     float* out = a.out + 16 * (nb - a.nb_begin);
-    for (int t = 0, i = 0; t < tiles; ++t) {
-      const int rows = base + (t < extra ? 1 : 0);
+    for_each_row_tile(a.m, kMaxTileRows, [&](int t, int i, int rows) {
       const uint16_t* x = a.xb + i * a.ldxb;
       float* o = out + i * a.ldo;
       if (t == 0) {
@@ -91,8 +88,7 @@ KT_BF16DP_TARGET void bf16_dp_dot_impl(const DotArgs& a) {
       } else {
         dp_tile_n<kMaxTileRows, false>(rows, x, a.ldxb, w, k_pairs, o, a.ldo);
       }
-      i += rows;
-    }
+    });
   }
 }
 

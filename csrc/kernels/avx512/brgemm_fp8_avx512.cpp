@@ -29,6 +29,7 @@
 #include <cstdint>
 
 #include "formats/fp8.h"
+#include "kernels/row_tiles.h"
 #include "kernels/tiers.h"
 #include "runtime/cpu_features.h"
 
@@ -216,18 +217,13 @@ void fp8_to_bf16_vnni(const uint8_t* codes, int64_t kp, uint16_t* dst, int64_t l
 
 void fp8_dp_block(const uint16_t* xs, int64_t ldx, int m, const uint8_t* codes, int64_t kp,
                   uint16_t* tile, float* out, int64_t ldo) {
-  const int tiles = (m + kFusedTileRows - 1) / kFusedTileRows;
-  if (tiles == 0) return;
-  const int base = m / tiles, extra = m % tiles;  // `extra` tiles of base + 1 rows
-  for (int t = 0, i = 0; t < tiles; ++t) {
-    const int rows = base + (t < extra ? 1 : 0);
+  for_each_row_tile(m, kFusedTileRows, [&](int t, int i, int rows) {
     if (t == 0)
       fused_tile_n<kFusedTileRows, true>(rows, xs, ldx, codes, tile, kp, out, ldo);
     else
       fused_tile_n<kFusedTileRows, false>(rows, xs + i * ldx, ldx, codes, tile, kp, out + i * ldo,
                                           ldo);
-    i += rows;
-  }
+  });
 }
 
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) void scale_rows_to_bf16(
