@@ -768,13 +768,13 @@ def fp8_kernels() -> list[str]:
     ``'kt'``: kt_ops' fused decode-and-multiply tiles (AVX512_BF16 and VBMI,
     no AMX); ``'onednn'``: the codes decoded to a tile, then oneDNN's brgemm.
     """
-    names = []
+    kernels: dict[str, str] = {}  # kernel name -> the first setting that runs it
     for setting in ("kt", "onednn"):
         with kt_ops.use_compute_path("brgemm"), kt_ops.use_brgemm_bf16_kernel(setting):
             name = kt_ops.compute_paths()["fp8"]["brgemm_kernel"]
-        if name is not None and name not in [n for _, n in names]:
-            names.append((setting, name))
-    return [setting for setting, _ in names]
+        if name is not None:
+            kernels.setdefault(name, setting)
+    return list(kernels.values())
 
 
 def with_power_of_two_scales(experts: kt_ops.ExpertWeights) -> kt_ops.ExpertWeights:

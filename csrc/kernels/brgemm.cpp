@@ -165,15 +165,17 @@ const char* kernel_name(const formats::FormatRow& format) {
 
 #ifdef KT_HAVE_CPUBLAS_BRGEMM
 namespace {
-// oneDNN's bf16 brgemm of the m bf16 rows a.xb with one bf16 VNNI block w
-// ([k/2][16][2]) into out (ldo a.ldo): token tiles of kMaxTileRows rows.
-void onednn_bf16_block(const DotArgs& a, int64_t k, const uint16_t* w, float* out) {
-  const auto* xb = reinterpret_cast<const c10::BFloat16*>(a.xb);
+// oneDNN's bf16 brgemm of m bf16 rows x (row stride ldx) with a bf16 VNNI
+// tile w of n columns ([k/2][n][2]) into out (row stride ldo): token tiles of
+// kMaxTileRows rows. The bf16 blocks (n = 16) and the fp8 pairs (n = 32).
+void onednn_bf16_rows(const uint16_t* x, int64_t ldx, int m, const uint16_t* w, int64_t n,
+                      int64_t k, float* out, int64_t ldo) {
+  const auto* xb = reinterpret_cast<const c10::BFloat16*>(x);
   const auto* wb = reinterpret_cast<const c10::BFloat16*>(w);
-  for (int i = 0; i < a.m; i += kMaxTileRows) {
-    const int rows = std::min(kMaxTileRows, a.m - i);
-    at::native::cpublas::brgemm(rows, 16, k, a.ldxb, 16, a.ldo, false, xb + i * a.ldxb, wb,
-                                out + i * a.ldo, true);
+  for (int i = 0; i < m; i += kMaxTileRows) {
+    const int rows = std::min(kMaxTileRows, m - i);
+    at::native::cpublas::brgemm(rows, n, k, ldx, n, ldo, false, xb + i * ldx, wb, out + i * ldo,
+                                true);
   }
 }
 }  // namespace
@@ -184,8 +186,9 @@ void bf16_dot(const DotArgs& a) {
 #ifdef KT_HAVE_CPUBLAS_BRGEMM
   const int64_t k = 2 * formats::bf16_k_pairs(a.proj->k);  // even: the VNNI pairs
   for (int64_t nb = a.nb_begin; nb < a.nb_end; ++nb)
-    onednn_bf16_block(a, k, reinterpret_cast<const uint16_t*>(a.proj->block(a.expert, nb)),
-                      a.out + 16 * (nb - a.nb_begin));
+    onednn_bf16_rows(a.xb, a.ldxb, a.m,
+                     reinterpret_cast<const uint16_t*>(a.proj->block(a.expert, nb)), 16, k,
+                     a.out + 16 * (nb - a.nb_begin), a.ldo);
 #endif
 }
 
@@ -314,13 +317,7 @@ void fp8_onednn_block(const DotArgs& a, int64_t nb) {
                                codes + kFp8GroupBlocks * p.block_bytes, true);
     }
     s.c.resize(static_cast<size_t>(a.m) * ncol);
-    const auto* xs = reinterpret_cast<const c10::BFloat16*>(s.rows.data());
-    const auto* w = reinterpret_cast<const c10::BFloat16*>(t_fp8_tile.data());
-    for (int i = 0; i < a.m; i += kMaxTileRows) {
-      const int rows = std::min(kMaxTileRows, a.m - i);
-      at::native::cpublas::brgemm(rows, ncol, kp, ld, ncol, ncol, false, xs + i * ld, w,
-                                  s.c.data() + i * ncol, true);
-    }
+    onednn_bf16_rows(s.rows.data(), ld, a.m, t_fp8_tile.data(), ncol, kp, s.c.data(), ncol);
     s.group = group;
   }
   float* out = a.out + 16 * (nb - a.nb_begin);
@@ -340,14 +337,13 @@ void fp8_dot(const DotArgs& a) {
 #ifdef KT_HAVE_CPUBLAS_BRGEMM
   const ProjectionView& p = *a.proj;
   const int64_t kp = p.kp;  // multiple of 32, zero codes and zero activations past k
-  const bool kt = fp8_uses_kt_kernel();
+  if (!fp8_uses_kt_kernel()) {
+    for (int64_t nb = a.nb_begin; nb < a.nb_end; ++nb) fp8_onednn_block(a, nb);
+    return;
+  }
+  t_fp8_tile.resize(static_cast<size_t>(kp) * 16);  // one decoded block for its later tiles
   for (int64_t nb = a.nb_begin; nb < a.nb_end; ++nb) {
-    if (!kt) {
-      fp8_onednn_block(a, nb);
-      continue;
-    }
     const Fp8Slot& s = fp8_scaled_rows(a, fp8_band_scales(a, nb));
-    t_fp8_tile.resize(static_cast<size_t>(kp) * 16);
     avx512::fp8_dp_block(s.rows.data(), fp8_rows_ld(kp), a.m, p.block(a.expert, nb), kp,
                          t_fp8_tile.data(), a.out + 16 * (nb - a.nb_begin), a.ldo);
   }
