@@ -40,7 +40,7 @@ void forward_into(const at::Tensor& hidden_states, const at::Tensor& topk_ids,
 
 at::Tensor moe_forward_cpu(const at::Tensor& hidden_states, const at::Tensor& topk_ids,
                            const at::Tensor& topk_weights, KT_LAYER_PARAMS) {
-  runtime::ThreadPool::global().prewake();
+  if (lora.empty()) runtime::ThreadPool::global().prewake();  // the expert kernels run next
   const moe::MoeLayer layer =
       moe::parse_moe_layer(kOp, hidden_states, topk_ids, topk_weights, KT_LAYER_ARGS);
   if (layer.lora.any()) {  // the ATen path allocates its own output: no copy
@@ -55,7 +55,7 @@ at::Tensor moe_forward_cpu(const at::Tensor& hidden_states, const at::Tensor& to
 
 void moe_forward_out_cpu(const at::Tensor& hidden_states, const at::Tensor& topk_ids,
                          const at::Tensor& topk_weights, KT_LAYER_PARAMS, at::Tensor& out) {
-  runtime::ThreadPool::global().prewake();
+  if (lora.empty()) runtime::ThreadPool::global().prewake();
   const moe::MoeLayer layer =
       moe::parse_moe_layer(kOp, hidden_states, topk_ids, topk_weights, KT_LAYER_ARGS);
   check_out(out, hidden_states);

@@ -10,7 +10,6 @@
 
 #include "moe/moe_layer.h"
 #include "moe/moe_lora.h"
-#include "runtime/thread_pool.h"
 
 namespace kt::ops {
 
@@ -23,7 +22,6 @@ using Grads = std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>>;
 
 TrainOut moe_forward_train_cpu(const at::Tensor& hidden_states, const at::Tensor& topk_ids,
                                const at::Tensor& topk_weights, KT_LAYER_PARAMS) {
-  runtime::ThreadPool::global().prewake();
   const moe::MoeLayer layer = moe::parse_moe_layer("kt.moe_forward_train", hidden_states, topk_ids,
                                                    topk_weights, KT_LAYER_ARGS);
   moe::LoraForwardResult r = moe::moe_forward_lora(hidden_states.contiguous(), topk_ids,
@@ -35,7 +33,6 @@ Grads moe_backward_cpu(const at::Tensor& grad_output, const at::Tensor& hidden_s
                        const at::Tensor& topk_ids, const at::Tensor& topk_weights, KT_LAYER_PARAMS,
                        const std::optional<at::Tensor>& gate_pre,
                        const std::optional<at::Tensor>& up_pre, bool compute_grad_hidden_states) {
-  runtime::ThreadPool::global().prewake();
   const moe::MoeLayer layer =
       moe::parse_moe_layer("kt.moe_backward", hidden_states, topk_ids, topk_weights, KT_LAYER_ARGS);
   moe::check_backward_args(layer, grad_output, hidden_states, topk_ids, gate_pre, up_pre);

@@ -30,6 +30,15 @@ namespace {
 // between two phases of one op call, far too short to matter to other work.
 constexpr auto kSpinBeforePark = std::chrono::microseconds(50);
 
+// How long a thread woken by prewake() polls for the job it announced. A
+// futex wake-up takes 40-100 us on a VM, and an op's argument checks on cold
+// caches 30-60 us: with only kSpinBeforePark, the worker parked again before
+// the first phase, woke once more after it began, and a decode call's whole
+// weight stream often ran on the calling thread alone (measured on the
+// 2-core Zen 4 host: 384 of 384 blocks on one thread in most cold T = 1
+// calls). Bounded, so a prewake whose op then fails costs at most this.
+constexpr auto kSpinAfterPrewake = std::chrono::microseconds(1000);
+
 thread_local bool t_inside_pool_task = false;
 
 ThreadPool* g_pool = nullptr;
@@ -111,8 +120,8 @@ int core_for_thread(int i, int parts) {
 }
 
 template <class Pred>
-bool spin_until(Pred pred) {
-  const auto deadline = std::chrono::steady_clock::now() + kSpinBeforePark;
+bool spin_until(Pred pred, std::chrono::microseconds budget = kSpinBeforePark) {
+  const auto deadline = std::chrono::steady_clock::now() + budget;
   for (int i = 0;; ++i) {
     if (pred()) return true;
     KT_CPU_RELAX();
@@ -260,12 +269,18 @@ void ThreadPool::do_tasks(int thread_index) {
 }
 
 void ThreadPool::worker_loop(int thread_index, uint64_t seen) {
+  bool prewoken = false;  // woken by prewake(): the announced job is close
   for (;;) {
-    if (!spin_until([&] { return generation_.load(std::memory_order_acquire) != seen; })) {
+    const auto budget = prewoken ? kSpinAfterPrewake : kSpinBeforePark;
+    prewoken = false;
+    if (!spin_until([&] { return generation_.load(std::memory_order_acquire) != seen; }, budget)) {
       std::unique_lock<std::mutex> lock(mutex_);
       const uint64_t wakes = wake_calls_;
       work_cv_.wait(lock, [&] { return generation_.load() != seen || wake_calls_ != wakes; });
-      if (generation_.load() == seen) continue;  // woken ahead of a job: spin for it
+      if (generation_.load() == seen) {  // woken ahead of a job: spin for it
+        prewoken = true;
+        continue;
+      }
     }
     {
       std::lock_guard<std::mutex> lock(mutex_);

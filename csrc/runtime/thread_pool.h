@@ -82,10 +82,12 @@ class ThreadPool {
   // inside a task, or with fewer than two tasks, run inline on this thread.
   void run(int64_t num_tasks, const TaskFn& fn);
 
-  // Wakes parked workers so that they spin, ready for a job that follows
-  // within a few microseconds. An op calls it on entry: the futex wake-up of
-  // the workers then overlaps the op's single-threaded argument checks and
-  // routing instead of delaying its first parallel phase.
+  // Wakes parked workers so that they spin (up to 1 ms) for a job that
+  // follows shortly. An op calls it on entry, before its kernels' first
+  // parallel phase: the futex wake-up of the workers then overlaps the op's
+  // single-threaded argument checks and routing instead of delaying that
+  // phase. Not for calls that run ATen ops first (the spinning workers would
+  // take cores from torch's own threads).
   void prewake();
 
   // The one partition helper (style rule 11): splits [0, num_items) into
