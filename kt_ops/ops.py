@@ -1,7 +1,8 @@
-"""Typed, documented wrappers of the ``kt::`` ops, with their fake kernels and autograd.
+"""Typed, documented wrappers of the ``kt::`` ops, with their fake kernels.
 
 The ops are registered in C++ (csrc/ops/registration.cpp; CPU kernels in
-csrc/ops/moe_ops.cpp and csrc/ops/moe_train_ops.cpp):
+csrc/ops/moe_ops.cpp and csrc/ops/moe_train_ops.cpp, autograd kernels in
+csrc/ops/moe_autograd.cpp):
 
 * ``torch.ops.kt.moe_forward`` (and ``moe_forward.out``): the routed experts,
   optionally with LoRA.
@@ -14,9 +15,10 @@ Every op takes the routed tokens then the layer arguments that
 :func:`kt_ops.layer.layer_args` builds from an :class:`~kt_ops.layer.ExpertWeights`
 and a :class:`~kt_ops.layer.LoRAWeights` (the one Python statement of that
 list). Their fake (meta) kernels are registered here so they trace under
-``torch.compile(fullgraph=True, dynamic=True)``, and so is the autograd
-formula of ``moe_forward`` / ``moe_forward_train`` (``loss.backward()`` just
-works). See :func:`set_lora_activation_checkpointing` for what forward saves.
+``torch.compile(fullgraph=True, dynamic=True)``; their autograd kernels are in
+C++ (csrc/ops/moe_autograd.cpp: ``loss.backward()`` just works, and an
+inference call never enters Python between the dispatcher and the kernel).
+See :func:`set_lora_activation_checkpointing` for what forward saves.
 """
 
 from __future__ import annotations
@@ -170,11 +172,11 @@ def moe_forward(
     args = (hidden_states, topk_ids, topk_weights) + layer_args(
         experts, lora, activation, hidden_states, gpu_experts_mask
     )
-    if torch.is_grad_enabled():
-        # Autograd does not see into the Tensor?[] weights list: a base weight that
-        # requires grad would otherwise just get no gradient.
-        _check_frozen(args[3])
     if out is not None:
+        if torch.is_grad_enabled():
+            # The out= overload has no autograd kernel to refuse a base weight that
+            # requires grad (it would just get no gradient).
+            _check_frozen(args[3])
         _check_out(hidden_states, topk_weights, lora, out)
         torch.ops.kt.moe_forward.out(*args, out=out)
         return out
@@ -225,8 +227,6 @@ def moe_forward_train(
     args = (hidden_states, topk_ids, topk_weights) + layer_args(
         experts, lora, activation, hidden_states, gpu_experts_mask
     )
-    if torch.is_grad_enabled():
-        _check_frozen(args[3])
     return torch.ops.kt.moe_forward_train.default(*args)
 
 
@@ -535,43 +535,14 @@ def _moe_backward_fake(*args, **kwargs):
 # --------------------------------------------------------------------------
 # Autograd
 # --------------------------------------------------------------------------
-
-_ARG_NAMES = tuple(_FORWARD_SIGNATURE.parameters)
-
-
-#: torch < 2.6 (2.4.1 measured) runs a registered op's setup_context even under
-#: no_grad, with needs_input_grad set: there, a frozen weight that requires grad
-#: cannot be told from a recorded call, so only the Python wrappers refuse it.
-_SETUP_CONTEXT_RUNS_UNDER_NO_GRAD = torch.__version__ < "2.6"
-
-
-def _setup_context_common(ctx, inputs, saved_pre) -> None:
-    bound = dict(zip(_ARG_NAMES, inputs))
-    if not _SETUP_CONTEXT_RUNS_UNDER_NO_GRAD:
-        _check_frozen(bound["weights"])
-    weights = bound["weights"]
-    present = [t for t in weights if t is not None]
-    # save_for_backward (not ctx attributes): autograd frees them after the
-    # first backward, and a second backward then raises PyTorch's clear error.
-    ctx.save_for_backward(
-        bound["hidden_states"],
-        bound["topk_ids"],
-        bound["topk_weights"],
-        *present,
-        *bound["lora"],
-        *saved_pre,
-    )
-    ctx.weight_slots = [t is not None for t in weights]
-    ctx.num_lora = len(bound["lora"])
-    ctx.non_tensor = {k: bound[k] for k in ("weight_format", "sizes", "group_sizes")}
-    ctx.scaling = bound.get("lora_scaling", 1.0)
-    ctx.activation = bound.get("activation", "silu")
-    ctx.gpu_experts_mask = bound.get("gpu_experts_mask")
-    ctx.num_saved_pre = len(saved_pre)
+# In C++ (csrc/ops/moe_autograd.cpp): an inference call goes from the
+# dispatcher to the CPU kernel without entering Python. It saves what
+# set_lora_activation_checkpointing says, refuses packed weights that require
+# grad under grad mode, and makes a second-order backward raise.
 
 
 def _check_frozen(weights) -> None:
-    """Refuse packed base weights that require grad (kt.moe_backward has no gradient for them)."""
+    """Refuse packed base weights that require grad (the ``out=`` path has no autograd kernel)."""
     for i, t in enumerate(weights):
         if t is not None and t.requires_grad:
             name = f"{PROJECTIONS[i // 3]}_{('weight', 'scales', 'zeros')[i % 3]}"
@@ -581,82 +552,3 @@ def _check_frozen(weights) -> None:
                 "the LoRA factors); call .requires_grad_(False) on it, or pass LoRA factors to "
                 "fine-tune the experts"
             )
-
-
-def _moe_forward_setup_context(ctx, inputs, output) -> None:
-    _setup_context_common(ctx, inputs, ())
-
-
-def _moe_forward_train_setup_context(ctx, inputs, output) -> None:
-    _out, gate_pre, up_pre = output
-    ctx.mark_non_differentiable(gate_pre, up_pre)
-    _setup_context_common(ctx, inputs, (gate_pre, up_pre))
-
-
-def _moe_backward_formula(ctx, grad_output, *_grads_of_saved_pre):
-    saved = list(ctx.saved_tensors)
-    x, ids, w = saved[:3]
-    rest = saved[3:]
-    weights = []
-    for slot in ctx.weight_slots:
-        weights.append(rest.pop(0) if slot else None)
-    lora = rest[: ctx.num_lora]
-    pre = rest[ctx.num_lora :] if ctx.num_saved_pre else [None, None]
-    needs = ctx.needs_input_grad  # unflattened by register_autograd: lists keep their shape
-    needs_x, needs_w, needs_lora = needs[0], needs[2], needs[7] if len(needs) > 7 else []
-    gx, gw, grad_lora = torch.ops.kt.moe_backward.default(
-        grad_output,
-        x,
-        ids,
-        w,
-        weights,
-        ctx.non_tensor["weight_format"],
-        ctx.non_tensor["sizes"],
-        ctx.non_tensor["group_sizes"],
-        lora,
-        ctx.scaling,
-        ctx.activation,
-        ctx.gpu_experts_mask,
-        gate_pre=pre[0],
-        up_pre=pre[1],
-        compute_grad_hidden_states=bool(needs_x),
-    )
-    # The dispatcher drops trailing arguments equal to their defaults: answer
-    # exactly the arguments it passed (needs_input_grad has one entry each).
-    result = [None] * len(needs)
-    result[0] = gx if needs_x else None
-    result[2] = gw if needs_w else None
-    # Structure of the inputs: a weights list holding None is one leaf (None);
-    # one of tensors only is a list (of None gradients).
-    result[3] = None if not all(ctx.weight_slots) else [None] * len(ctx.weight_slots)
-    result[7] = [
-        g if (need and t.numel() > 0) else None
-        for g, t, need in zip(grad_lora or [None] * len(lora), lora, needs_lora or [])
-    ]
-    return tuple(result)
-
-
-torch.library.register_autograd(
-    "kt::moe_forward", _moe_backward_formula, setup_context=_moe_forward_setup_context
-)
-torch.library.register_autograd(
-    "kt::moe_forward_train", _moe_backward_formula, setup_context=_moe_forward_train_setup_context
-)
-
-
-def _moe_backward_setup_context(ctx, inputs, output) -> None:
-    pass
-
-
-def _moe_backward_double_backward(ctx, *grads):
-    raise RuntimeError(
-        "kt.moe_backward: double backward (gradients of gradients, e.g. "
-        "torch.autograd.grad(..., create_graph=True) followed by another backward) through "
-        "kt.moe_forward is not supported"
-    )
-
-
-# Without this, a second-order backward would silently produce no gradient.
-torch.library.register_autograd(
-    "kt::moe_backward", _moe_backward_double_backward, setup_context=_moe_backward_setup_context
-)

@@ -360,12 +360,11 @@ def test_backward_for_frozen_weight_raises(call, layer, name):
     for fn in (kt_ops.moe_forward, kt_ops.ops.moe_forward_train):
         with pytest.raises(RuntimeError, match=f"{name} requires grad"):
             fn(x, ids, weights, frozen)
-    # ... and through the raw op once autograd records the call (torch >= 2.6: older
-    # torch runs setup_context under no_grad too, so only the wrappers check there).
-    if not kt_ops.ops._SETUP_CONTEXT_RUNS_UNDER_NO_GRAD:
-        with pytest.raises(RuntimeError, match=f"{name} requires grad"):
-            call(hidden_states=x.requires_grad_(True), **{name: w})
-    x.requires_grad_(True)
+    # ... and through the raw op (its C++ autograd kernel), whatever else requires grad.
+    with pytest.raises(RuntimeError, match=f"{name} requires grad"):
+        call(**{name: w})
+    with pytest.raises(RuntimeError, match=f"{name} requires grad"):
+        call(hidden_states=x.requires_grad_(True), **{name: w})
     with torch.no_grad():
         assert kt_ops.moe_forward(x, ids, weights, frozen).shape == (T, H)
 

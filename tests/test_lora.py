@@ -263,18 +263,18 @@ def test_global_checkpointing_switch_selects_the_op():
     x = p.x.clone().requires_grad_(True)
     assert kt_ops.lora_activation_checkpointing() is False
     out = kt_ops.moe_forward(x, *p.op_args()[1:], **p.op_kwargs())
-    assert "moe_forward_train" in type(out.grad_fn).__name__
+    assert out.grad_fn.name().endswith("MoeForwardTrainBackward>")
     kt_ops.set_lora_activation_checkpointing(True)
     try:
         out = kt_ops.moe_forward(x, *p.op_args()[1:], **p.op_kwargs())
-        assert "moe_forward_default" in type(out.grad_fn).__name__
+        assert out.grad_fn.name().endswith("MoeForwardBackward>")
     finally:
         kt_ops.set_lora_activation_checkpointing(False)
     # Without LoRA the default recomputes (the fast kernel runs forward) unless asked to save.
     base = (x, *p.op_args()[1:])
-    assert "moe_forward_default" in type(kt_ops.moe_forward(*base).grad_fn).__name__
+    assert kt_ops.moe_forward(*base).grad_fn.name().endswith("MoeForwardBackward>")
     out = kt_ops.moe_forward(*base, activation_checkpointing=False)
-    assert "moe_forward_train" in type(out.grad_fn).__name__
+    assert out.grad_fn.name().endswith("MoeForwardTrainBackward>")
     # No autograd: always the plain op, whatever the setting.
     with torch.no_grad():
         assert kt_ops.moe_forward(x, *p.op_args()[1:], **p.op_kwargs()).grad_fn is None

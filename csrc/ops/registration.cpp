@@ -1,7 +1,7 @@
 // The only TORCH_LIBRARY(kt, m) block: every kt:: schema lives here (style
 // rule 1). Implementations register per dispatch key in their own files
-// (moe_ops.cpp, moe_train_ops.cpp for CPU); fake kernels and autograd live in
-// kt_ops/ops.py.
+// (moe_ops.cpp, moe_train_ops.cpp for CPU; moe_autograd.cpp for Autograd);
+// the fake kernels live in kt_ops/ops.py.
 #include <torch/library.h>
 
 #include <string>
