@@ -308,12 +308,13 @@ def layer_args(
     experts: ExpertWeights,
     lora: Optional[LoRAWeights],
     activation: str,
-    like: Tensor,
+    like: Optional[Tensor],
     gpu_experts_mask: Optional[Tensor] = None,
 ) -> tuple:
     """The layer arguments of every ``kt::`` op, in schema order (module docstring).
 
-    ``like`` supplies the device and dtype of the ``[0]``-shaped placeholders;
+    ``like`` supplies the device and dtype of the ``[0]``-shaped placeholders
+    of absent LoRA factors (unused, and may be None, without LoRA);
     ``gpu_experts_mask`` (bool ``[E]`` or None) marks the experts the op skips.
     """
     lora = lora if lora is not None else LoRAWeights()

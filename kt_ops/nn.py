@@ -34,12 +34,14 @@ from torch import Tensor, nn
 from kt_ops.formats import format_spec
 from kt_ops.formats.dequant import dequantize_weights
 from kt_ops.formats.packed import PackedProjection
-from kt_ops.layer import PROJECTIONS, ExpertWeights, LoRAWeights
+from kt_ops.layer import PROJECTIONS, ExpertWeights, LoRAWeights, layer_args
 from kt_ops.ops import moe_forward
 
 __all__ = ["MoEExperts", "MoEExpertList", "hottest_experts", "parse_gpu_experts"]
 
 _PARTS = ("weight", "scales", "zeros")
+#: The packed buffers, in the op's ``weights`` order.
+_PACKED_BUFFERS = tuple(f"{proj}_{part}" for proj in PROJECTIONS for part in _PARTS)
 
 #: The dense weights of the GPU-resident experts: (buffer name, projection).
 _GPU_WEIGHTS = (("gpu_gate_weight", "gate"), ("gpu_up_weight", "up"), ("gpu_down_weight", "down"))
@@ -297,7 +299,7 @@ class MoEExperts(nn.Module):
         decode step pays no Python construction); rebuilt when one is replaced.
         """
         compiling = torch.compiler.is_compiling()  # traced once: no cache (no graph break)
-        buffers = tuple(self._buffers[f"{p}_{part}"] for p in PROJECTIONS for part in _PARTS)
+        buffers = tuple(map(self._buffers.__getitem__, _PACKED_BUFFERS))
         cached = None if compiling else self.__dict__.get("_expert_weights_cache")
         if cached is not None and all(a is b for a, b in zip(cached[0], buffers)):
             return cached[1]
@@ -328,6 +330,16 @@ class MoEExperts(nn.Module):
         from kt_ops.runtime import numa_placement
 
         return numa_placement(self.expert_weights())
+
+    def _plain_layer_args(self) -> tuple:
+        """The op's layer arguments without LoRA or mask, cached with :meth:`expert_weights`."""
+        experts = self.expert_weights()
+        cached = self.__dict__.get("_plain_layer_args_cache")
+        if cached is not None and cached[0] is experts:
+            return cached[1]
+        args = layer_args(experts, None, "silu", None)
+        self.__dict__["_plain_layer_args_cache"] = (experts, args)
+        return args
 
     def lora_weights(self) -> LoRAWeights:
         """The LoRA factors as a :class:`~kt_ops.layer.LoRAWeights` (``scaling`` included)."""
@@ -713,6 +725,18 @@ class MoEExperts(nn.Module):
     gpu_gather: Optional[bool] = None
 
     def _cpu_experts(self, x: Tensor, ids: Tensor, weights: Tensor, mask: Optional[Tensor]):
+        if (
+            mask is None
+            and not torch.is_grad_enabled()
+            and self.gate_lora_a is None
+            and self.up_lora_a is None
+            and self.down_lora_a is None
+            and not torch.compiler.is_compiling()
+        ):
+            # Inference without LoRA (a decode step): the op on the cached layer
+            # arguments. The same call as below; on the cold caches of decode each
+            # Python step it skips costs microseconds.
+            return torch.ops.kt.moe_forward.default(x, ids, weights, *self._plain_layer_args())
         return moe_forward(
             x,
             ids,

@@ -201,6 +201,30 @@ def test_module_round_trips_expert_weights(experts):
     assert (ew.num_experts, ew.hidden_size, ew.intermediate_size) == (E, H, I)
 
 
+def test_inference_call_follows_buffers_and_lora(dense):
+    # Under no_grad without LoRA the module calls the op on cached layer arguments:
+    # the cache must follow a replaced buffer and step aside once LoRA is added.
+    module = MoEExperts.from_dense(*dense)
+    x = make_hidden(4, H, torch.float32)
+    ids, weights = routing(4)
+    with torch.no_grad():
+        first = module(x, ids, weights)
+    torch.testing.assert_close(first, module(x, ids, weights), rtol=0, atol=0)  # grad-mode path
+    other = MoEExperts.from_dense(*(t.flip(0) for t in dense))
+    module.gate_weight = other.gate_weight
+    with torch.no_grad():
+        swapped = module(x, ids, weights)
+    assert not torch.equal(swapped, first)
+    torch.testing.assert_close(swapped, module(x, ids, weights), rtol=0, atol=0)
+    assert_matches_reference(swapped, reference(module, x, ids, weights))
+    module.add_lora(2, alpha=2)
+    with torch.no_grad():
+        module.gate_lora_b.normal_()
+        adapted = module(x, ids, weights)
+    assert not torch.equal(adapted, swapped)
+    assert_matches_reference(adapted, reference(module, x, ids, weights))
+
+
 def test_forward_errors(experts):
     ids, weights = routing(2)
     with pytest.raises(ValueError, match="expected hidden_size=64"):
