@@ -684,14 +684,17 @@ class MoEExperts(nn.Module):
                 f"MoEExperts: hidden_states has last dimension {hidden_states.shape[-1]}, "
                 f"expected hidden_size={self.hidden_size}"
             )
-        x = hidden_states.reshape(-1, self.hidden_size)
-        ids = top_k_index.reshape(-1, top_k_index.shape[-1])
-        weights = top_k_weights.reshape(-1, top_k_weights.shape[-1])
+        flat = hidden_states.dim() == 2  # [T, H] already: no reshape, no view back
+        x = hidden_states if flat else hidden_states.reshape(-1, self.hidden_size)
+        if top_k_index.dim() != 2 or top_k_weights.dim() != 2:
+            top_k_index = top_k_index.reshape(-1, top_k_index.shape[-1])
+            top_k_weights = top_k_weights.reshape(-1, top_k_weights.shape[-1])
+        ids, weights = top_k_index, top_k_weights
         if weights.dtype != torch.float32 and weights.dtype != x.dtype:
             weights = weights.float()
-        if self.gpu_expert_ids is None:
+        if self._buffers["gpu_expert_ids"] is None:
             out = self._cpu_experts(x, ids, weights, None)
-            return out.view(hidden_states.shape)
+            return out if flat else out.view(hidden_states.shape)
         self._check_gpu_inputs(x, ids, weights)
         if self._all_gpu:
             y = self._gpu_experts(x, ids, weights)
@@ -725,12 +728,13 @@ class MoEExperts(nn.Module):
     gpu_gather: Optional[bool] = None
 
     def _cpu_experts(self, x: Tensor, ids: Tensor, weights: Tensor, mask: Optional[Tensor]):
+        lora = self._parameters
         if (
             mask is None
             and not torch.is_grad_enabled()
-            and self.gate_lora_a is None
-            and self.up_lora_a is None
-            and self.down_lora_a is None
+            and lora["gate_lora_a"] is None
+            and lora["up_lora_a"] is None
+            and lora["down_lora_a"] is None
             and not torch.compiler.is_compiling()
         ):
             # Inference without LoRA (a decode step): the op on the cached layer
