@@ -511,16 +511,26 @@ CROSS_CHECK_REL = {
 }
 
 
-def _kt_kernel_importable() -> bool:
+def _peers_venv_unusable() -> str:
+    """Why the peers venv cannot run this build of kt_ops ('' when it can)."""
     if not PEERS_PY.is_file():
-        return False
-    r = subprocess.run([str(PEERS_PY), "-c", "import kt_kernel"], capture_output=True, timeout=120)
-    return r.returncode == 0
+        return "no peers venv with kt-kernel (setup_peers.sh)"
+    code = "import kt_kernel, torch; print(torch.__version__)"
+    r = subprocess.run([str(PEERS_PY), "-c", code], capture_output=True, text=True, timeout=120)
+    if r.returncode != 0:
+        return "no peers venv with kt-kernel (setup_peers.sh)"
+    # A C++ extension runs only with the torch it was built against (kt_ops' autograd
+    # kernels link libtorch's autograd internals, whose ABI changes between releases).
+    theirs = r.stdout.strip().splitlines()[-1]
+    if theirs != torch.__version__:
+        return f"the peers venv runs torch {theirs}; this kt_ops is built for {torch.__version__}"
+    return ""
 
 
-@pytest.mark.skipif(
-    not _kt_kernel_importable(), reason="no peers venv with kt-kernel (setup_peers.sh)"
-)
+_PEERS_UNUSABLE = _peers_venv_unusable()
+
+
+@pytest.mark.skipif(bool(_PEERS_UNUSABLE), reason=_PEERS_UNUSABLE or "usable")
 def test_cross_check_kt_kernel(tmp_path):
     out = tmp_path / "cross.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("KT_OPS_")}
