@@ -12,6 +12,7 @@
 #include "kernels/dispatch.h"
 #include "moe/moe_forward.h"
 #include "moe/moe_lora.h"
+#include "runtime/thread_pool.h"
 
 namespace kt::hybrid {
 
@@ -116,6 +117,7 @@ void execute(BridgeCall& c) {
       if (c.layer.lora.any()) {
         c.out.copy_(moe::moe_forward_lora(c.x, c.ids, c.w, c.layer, false).out);
       } else {
+        runtime::ThreadPool::global().prewake();  // the wake-up overlaps the routing plan
         moe::moe_forward_experts(c.x, c.ids, c.w, c.layer, c.isa, c.out);
       }
       return;

@@ -204,7 +204,9 @@ namespace {
 at::Tensor moe_forward_autograd(c10::DispatchKeySet ks, const at::Tensor& hidden_states,
                                 const at::Tensor& topk_ids, const at::Tensor& topk_weights,
                                 KT_LAYER_PARAMS) {
-  if (lora.empty()) runtime::ThreadPool::global().prewake();  // as early as C++ gets the call
+  // As early as C++ sees the call. Not for CUDA hidden states: the bridge runs
+  // the CPU kernel later, from the stream (that kernel prewakes then).
+  if (lora.empty() && hidden_states.is_cpu()) runtime::ThreadPool::global().prewake();
   if (at::GradMode::is_enabled()) {
     check_frozen("kt.moe_forward", weights);
     if (any_requires_grad(hidden_states, topk_weights, lora)) {
