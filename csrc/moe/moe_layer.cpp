@@ -64,7 +64,8 @@ Projection parse_projection(const char* op, int i, const formats::FormatRow& f, 
                             const std::optional<at::Tensor>& zeros, int64_t E, int64_t n,
                             int64_t k) {
   const std::string proj = kProjNames[i];
-  const std::string wname = proj + "_weight", sname = proj + "_scales", zname = proj + "_zeros";
+  const std::string wname = kWeightNames[3 * i], sname = kWeightNames[3 * i + 1],
+                    zname = kWeightNames[3 * i + 2];
   const char* dims = i == 2 ? "[E, H, I]" : "[E, I, H]";
   const std::string fmt = f.name;
   TORCH_CHECK(f.group_size_allowed(group), op, ": group size ", group, " of ", proj,
@@ -226,6 +227,9 @@ LoraProjection parse_lora(const char* op, int i, const at::Tensor& a, const at::
 
 }  // namespace
 
+const char* const kWeightNames[9] = {"gate_weight", "gate_scales", "gate_zeros",
+                                     "up_weight",   "up_scales",   "up_zeros",
+                                     "down_weight", "down_scales", "down_zeros"};
 const char* const kLoraFactorNames[6] = {"gate_lora_a", "gate_lora_b", "up_lora_a",
                                          "up_lora_b",   "down_lora_a", "down_lora_b"};
 

@@ -79,7 +79,10 @@ struct MoeLayer {
   }
 };
 
-// The names of the 6 entries of the `lora` argument, for error messages.
+// The names of the 9 entries of the `weights` argument (gate_weight,
+// gate_scales, gate_zeros, up_..., down_...) and of the 6 entries of the
+// `lora` argument, for error messages.
+extern const char* const kWeightNames[9];
 extern const char* const kLoraFactorNames[6];
 
 // kt.moe_forward.out's `out`, on any device: the dtype and shape of

@@ -21,7 +21,6 @@
 #include <vector>
 
 #include "moe/moe_layer.h"
-#include "runtime/thread_pool.h"
 
 namespace kt::ops {
 
@@ -32,9 +31,6 @@ using torch::autograd::variable_list;
 using WeightList = c10::List<std::optional<at::Tensor>>;
 using Grads = std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>>;
 
-const char* const kPartNames[] = {"weight", "scales", "zeros"};
-const char* const kProjectionNames[] = {"gate", "up", "down"};
-
 // The packed base weights have no gradient: refuse one that requires grad
 // (it would silently get none). Under grad mode only, as torch's own frozen
 // checks: no_grad / inference calls never look.
@@ -42,7 +38,7 @@ void check_frozen(const char* op, const WeightList& weights) {
   for (size_t i = 0; i < weights.size(); ++i) {
     const std::optional<at::Tensor> t = weights.get(i);
     if (!t.has_value() || !t->defined() || !t->requires_grad()) continue;
-    TORCH_CHECK(false, op, ": ", kProjectionNames[(i / 3) % 3], "_", kPartNames[i % 3],
+    TORCH_CHECK(false, op, ": ", i < 9 ? moe::kWeightNames[i] : "an entry of weights",
                 " requires grad, but the base expert weights are frozen (kt.moe_backward "
                 "computes gradients only for hidden_states, topk_weights and the LoRA factors); "
                 "call .requires_grad_(False) on it, or pass LoRA factors to fine-tune the experts");
@@ -139,8 +135,8 @@ variable_list backward_of(AutogradContext* ctx, const at::Tensor& grad_output) {
   const bool needs_x = ctx->needs_input_grad(0);
   const std::vector<int64_t> sizes = ctx->saved_data["sizes"].toIntVector();
   const std::vector<int64_t> group_sizes = ctx->saved_data["group_sizes"].toIntVector();
-  const std::string weight_format = ctx->saved_data["weight_format"].toStringRef();
-  const std::string activation = ctx->saved_data["activation"].toStringRef();
+  const std::string& weight_format = ctx->saved_data["weight_format"].toStringRef();
+  const std::string& activation = ctx->saved_data["activation"].toStringRef();
   auto [gx, gw, grad_lora] = backward_op().call(
       grad_output, x, ids, w, ctx->saved_data["weights"].toOptionalTensorList(), weight_format,
       sizes, group_sizes, lora, ctx->saved_data["lora_scaling"].toDouble(), activation, mask,
@@ -204,9 +200,6 @@ namespace {
 at::Tensor moe_forward_autograd(c10::DispatchKeySet ks, const at::Tensor& hidden_states,
                                 const at::Tensor& topk_ids, const at::Tensor& topk_weights,
                                 KT_LAYER_PARAMS) {
-  // As early as C++ sees the call. Not for CUDA hidden states: the bridge runs
-  // the CPU kernel later, from the stream (that kernel prewakes then).
-  if (lora.empty() && hidden_states.is_cpu()) runtime::ThreadPool::global().prewake();
   if (at::GradMode::is_enabled()) {
     check_frozen("kt.moe_forward", weights);
     if (any_requires_grad(hidden_states, topk_weights, lora)) {
@@ -241,11 +234,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_forward_train_autograd(
 // results are recorded, and differentiating them again raises instead of
 // silently giving no gradient.
 struct MoeBackwardBackward : public torch::autograd::Function<MoeBackwardBackward> {
-  static variable_list forward(AutogradContext* ctx, const at::Tensor& grad_output,
-                               const at::Tensor& x, const at::Tensor& ids, const at::Tensor& w,
-                               at::TensorList lora, const Grads& grads) {
-    (void)ctx;
-    (void)grad_output, (void)x, (void)ids, (void)w, (void)lora;
+  // The inputs only link the results to the graph; the results are computed.
+  static variable_list forward(AutogradContext*, const at::Tensor& /*grad_output*/,
+                               const at::Tensor& /*x*/, const at::Tensor& /*ids*/,
+                               const at::Tensor& /*w*/, at::TensorList /*lora*/,
+                               const Grads& grads) {
     variable_list out = {std::get<0>(grads), std::get<1>(grads)};
     out.insert(out.end(), std::get<2>(grads).begin(), std::get<2>(grads).end());
     return out;
