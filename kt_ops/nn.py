@@ -31,6 +31,7 @@ from typing import Callable, Optional, Union
 import torch
 from torch import Tensor, nn
 
+from kt_ops import _C
 from kt_ops.formats import format_spec
 from kt_ops.formats.dequant import dequantize_weights
 from kt_ops.formats.packed import PackedProjection
@@ -42,6 +43,8 @@ __all__ = ["MoEExperts", "MoEExpertList", "hottest_experts", "parse_gpu_experts"
 _PARTS = ("weight", "scales", "zeros")
 #: The packed buffers, in the op's ``weights`` order.
 _PACKED_BUFFERS = tuple(f"{proj}_{part}" for proj in PROJECTIONS for part in _PARTS)
+# What MoEExperts keeps in its __dict__ between calls (dropped when pickled or copied).
+_CALL_CACHES = ("_expert_weights_cache", "_plain_layer_args_cache", "_prepared_layer")
 
 #: The dense weights of the GPU-resident experts: (buffer name, projection).
 _GPU_WEIGHTS = (("gpu_gate_weight", "gate"), ("gpu_up_weight", "up"), ("gpu_down_weight", "down"))
@@ -728,19 +731,26 @@ class MoEExperts(nn.Module):
     gpu_gather: Optional[bool] = None
 
     def _cpu_experts(self, x: Tensor, ids: Tensor, weights: Tensor, mask: Optional[Tensor]):
-        lora = self._parameters
-        if (
-            mask is None
-            and not torch.is_grad_enabled()
-            and lora["gate_lora_a"] is None
-            and lora["up_lora_a"] is None
-            and lora["down_lora_a"] is None
-            and not torch.compiler.is_compiling()
-        ):
-            # Inference without LoRA (a decode step): the op on the cached layer
-            # arguments. The same call as below; on the cold caches of decode each
-            # Python step it skips costs microseconds.
-            return torch.ops.kt.moe_forward.default(x, ids, weights, *self._plain_layer_args())
+        if mask is None and not torch.compiler.is_compiling():
+            # Eager inference without LoRA (a decode step): the layer parsed once
+            # (kt_ops._C.PreparedLayer, csrc/ops/prepared_layer.cpp) computes the
+            # op's output on the routed tensors alone; None where only the op will
+            # do (grad mode, modes, subclasses, profiler, replaced buffers, errors).
+            prepared = self.__dict__.get("_prepared_layer")
+            if prepared is not None:
+                out = prepared.forward(x, ids, weights)
+                if out is not None:
+                    return out
+            lora = self._parameters
+            if (
+                not torch.is_grad_enabled()
+                and lora["gate_lora_a"] is None
+                and lora["up_lora_a"] is None
+                and lora["down_lora_a"] is None
+            ):
+                if prepared is None or not prepared.guards_hold():
+                    self.__dict__["_prepared_layer"] = self._prepare_layer()
+                return torch.ops.kt.moe_forward.default(x, ids, weights, *self._plain_layer_args())
         return moe_forward(
             x,
             ids,
@@ -750,6 +760,20 @@ class MoEExperts(nn.Module):
             activation_checkpointing=self.activation_checkpointing,
             gpu_experts_mask=mask,
         )
+
+    def _prepare_layer(self):
+        """A ``kt_ops._C.PreparedLayer`` of the packed buffers, guarded on them and on no LoRA."""
+        weights, fmt, sizes, group_sizes = self._plain_layer_args()[:4]
+        guards = [(self._buffers, name, self._buffers[name]) for name in _PACKED_BUFFERS]
+        guards += [(self._parameters, f"{p}_lora_a", None) for p in PROJECTIONS]
+        return _C.PreparedLayer(weights, fmt, sizes, group_sizes, guards)
+
+    def __getstate__(self):
+        # The per-call caches are rebuilt on use; the prepared layer cannot be pickled.
+        state = self.__dict__.copy()
+        for key in _CALL_CACHES:
+            state.pop(key, None)
+        return state
 
     def _check_gpu_inputs(self, x: Tensor, ids: Tensor, weights: Tensor) -> None:
         device = self.gpu_gate_weight.device

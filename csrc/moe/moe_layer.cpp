@@ -247,10 +247,8 @@ void check_out(const char* op, const at::Tensor& out, const at::Tensor& hidden_s
               "while writing out)");
 }
 
-MoeLayer parse_moe_layer(const char* op, const at::Tensor& hidden_states,
-                         const at::Tensor& topk_ids, const at::Tensor& topk_weights,
-                         KT_LAYER_PARAMS) {
-  // --- activations and routing -----------------------------------------------
+void check_routed_args(const char* op, const at::Tensor& hidden_states, const at::Tensor& topk_ids,
+                       const at::Tensor& topk_weights) {
   check_cpu(op, hidden_states, "hidden_states");
   check_cpu(op, topk_ids, "topk_ids");
   check_cpu(op, topk_weights, "topk_weights");
@@ -269,6 +267,22 @@ MoeLayer parse_moe_layer(const char* op, const at::Tensor& hidden_states,
               topk_weights.sizes());
   TORCH_CHECK(is_float_dtype(topk_weights.scalar_type()), op,
               ": topk_weights must be fp32, bf16 or fp16, got ", topk_weights.scalar_type());
+}
+
+void check_hidden_size(const char* op, const at::Tensor& hidden_states, const MoeLayer& layer) {
+  TORCH_CHECK(hidden_states.size(1) == layer.hidden_size, op, ": hidden_states has ",
+              hidden_states.size(1), " columns but the experts' hidden_size is ",
+              layer.hidden_size);
+}
+
+MoeLayer parse_moe_layer(const char* op, const at::Tensor& hidden_states,
+                         const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                         KT_LAYER_PARAMS) {
+  check_routed_args(op, hidden_states, topk_ids, topk_weights);
+  return parse_layer(op, &hidden_states, KT_LAYER_ARGS);
+}
+
+MoeLayer parse_layer(const char* op, const at::Tensor* hidden_states, KT_LAYER_PARAMS) {
   TORCH_CHECK(activation == "silu", op, ": activation='", std::string(activation),
               "' is not supported; expected 'silu' (SwiGLU experts)");
 
@@ -279,8 +293,7 @@ MoeLayer parse_moe_layer(const char* op, const at::Tensor& hidden_states,
   layer.op = op;
   const int64_t H = layer.hidden_size = sizes[0];
   const int64_t I = layer.intermediate_size = sizes[1];
-  TORCH_CHECK(hidden_states.size(1) == H, op, ": hidden_states has ", hidden_states.size(1),
-              " columns but the experts' hidden_size is ", H);
+  if (hidden_states != nullptr) check_hidden_size(op, *hidden_states, layer);
   TORCH_CHECK(group_sizes.size() == 3, op,
               ": group_sizes must hold 3 values (gate, up, down), got ", group_sizes);
   TORCH_CHECK(weights.size() == 9, op,

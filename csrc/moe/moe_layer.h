@@ -99,4 +99,13 @@ MoeLayer parse_moe_layer(const char* op, const at::Tensor& hidden_states,
                          const at::Tensor& topk_ids, const at::Tensor& topk_weights,
                          KT_LAYER_PARAMS);
 
+// The two halves of parse_moe_layer, for a layer parsed once and called many
+// times (ops/prepared_layer.cpp): the checks of the routed arguments alone,
+// and the layer's (with hidden_states' width checked against H where given).
+void check_routed_args(const char* op, const at::Tensor& hidden_states, const at::Tensor& topk_ids,
+                       const at::Tensor& topk_weights);
+MoeLayer parse_layer(const char* op, const at::Tensor* hidden_states, KT_LAYER_PARAMS);
+// hidden_states [T, H] against the layer's H.
+void check_hidden_size(const char* op, const at::Tensor& hidden_states, const MoeLayer& layer);
+
 }  // namespace kt::moe

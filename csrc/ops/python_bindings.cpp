@@ -24,8 +24,9 @@ namespace kt::hybrid {
 void register_host_bridge(pybind11::module& m);  // csrc/hybrid/host_transport.cpp
 }
 namespace kt::ops {
-void register_numa(pybind11::module& m);  // csrc/ops/numa_bindings.cpp
-}
+void register_numa(pybind11::module& m);            // csrc/ops/numa_bindings.cpp
+void register_prepared_layer(pybind11::module& m);  // csrc/ops/prepared_layer.cpp
+}  // namespace kt::ops
 
 namespace {
 
@@ -296,4 +297,5 @@ PYBIND11_MODULE(_C, m) {
   m.def("cpu_features", &cpu_features_report);
   kt::hybrid::register_host_bridge(m);
   kt::ops::register_numa(m);
+  kt::ops::register_prepared_layer(m);
 }

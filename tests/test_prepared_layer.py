@@ -1,0 +1,219 @@
+"""kt_ops._C.PreparedLayer: MoEExperts' eager inference path (csrc/ops/prepared_layer.cpp).
+
+Under ``no_grad`` without LoRA, ``MoEExperts`` computes through a layer parsed
+once instead of ``torch.ops.kt.moe_forward``. It must give the op's output bit
+for bit, and step aside (return None, so the op runs) wherever the op's
+dispatch would do more than call the CPU kernel: grad mode, tensor subclasses,
+dispatch modes, the profiler, autocast, other devices, replaced buffers, LoRA,
+and errors (which the op then raises itself).
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import threading
+
+import pytest
+import torch
+from reference import make_hidden, make_routing
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from kt_ops import _C
+from kt_ops.nn import MoEExperts
+
+E, H, I = 8, 96, 160  # noqa: E741  (multiples of 32 for int4 g32, not of 64)
+
+
+@pytest.fixture(scope="module")
+def dense():
+    g = torch.Generator().manual_seed(3)
+    return (
+        torch.randn(E, I, H, generator=g) / H**0.5,
+        torch.randn(E, I, H, generator=g) / H**0.5,
+        torch.randn(E, H, I, generator=g) / I**0.5,
+    )
+
+
+def _module(dense, fmt="bf16", group_size=None) -> MoEExperts:
+    m = MoEExperts.from_dense(*dense, fmt, group_size=group_size).eval()
+    with torch.no_grad():
+        x = make_hidden(1, m.hidden_size, torch.float32)
+        ids, w = make_routing(1, E, 2)
+        m(x, ids, w)  # builds the prepared layer
+    assert isinstance(m.__dict__.get("_prepared_layer"), _C.PreparedLayer)
+    return m
+
+
+def _op(m: MoEExperts, x, ids, w):
+    return torch.ops.kt.moe_forward.default(x, ids, w, *m._plain_layer_args())
+
+
+class _OpLog(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(
+    "fmt,group", [("bf16", None), ("int8", None), ("int4", 32), ("q4_k", None)]
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("T", [0, 1, 5])
+def test_bit_identical_to_the_op(dense, fmt, group, dtype, T):
+    if fmt == "q4_k":  # k-quants: K a multiple of 256 (H = 256, I = 256 + 16)
+        g = torch.Generator().manual_seed(4)
+        dense = (
+            torch.randn(E, 272, 256, generator=g) / 16,
+            torch.randn(E, 272, 256, generator=g) / 16,
+            torch.randn(E, 256, 272, generator=g) / 16,
+        )
+        dense = (dense[0][:, :256], dense[1][:, :256], dense[2][:, :, :256])
+    m = _module(dense, fmt, group)
+    hidden = m.hidden_size
+    prepared = m.__dict__["_prepared_layer"]
+    x = make_hidden(T, hidden, dtype, seed=T)
+    ids, w = make_routing(T, E, 3, seed=T, skip_fraction=0.2)
+    with torch.no_grad():
+        fast = prepared.forward(x, ids, w)
+        via_module = m(x, ids, w)
+        want = _op(m, x, ids, w)
+    assert fast is not None and fast.dtype == dtype and fast.shape == (T, hidden)
+    assert torch.equal(fast, want)
+    assert torch.equal(via_module, want)
+
+
+def test_steps_aside_where_only_the_op_will_do(dense):
+    m = _module(dense, "int8")
+    prepared = m.__dict__["_prepared_layer"]
+    x = make_hidden(3, H, torch.float32)
+    ids, w = make_routing(3, E, 2)
+    with torch.no_grad():
+        assert prepared.forward(x, ids, w) is not None
+        # a tensor subclass (its __torch_function__ / __torch_dispatch__ must run)
+        sub = x.as_subclass(type("Sub", (torch.Tensor,), {}))
+        assert prepared.forward(sub, ids, w) is None
+        # a dispatch mode, the profiler, autocast: the op's dispatch does more
+        with _OpLog():
+            assert prepared.forward(x, ids, w) is None
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+            assert prepared.forward(x, ids, w) is None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert prepared.forward(x, ids, w) is None
+        # another device
+        assert prepared.forward(x.to("meta"), ids, w) is None
+        # errors: the op raises them
+        assert prepared.forward(x, torch.full_like(ids, E), w) is None
+        assert prepared.forward(x[:, :-1], ids, w) is None
+        assert prepared.forward(x, ids.float(), w) is None
+        # a replaced buffer breaks a guard
+        m.down_weight = m.down_weight.clone()
+        assert not prepared.guards_hold()
+        assert prepared.forward(x, ids, w) is None
+    # grad mode
+    fresh = _module(dense, "int8").__dict__["_prepared_layer"]
+    assert fresh.forward(x, ids, w) is None
+
+
+def test_module_rebuilds_after_a_replaced_buffer_and_steps_aside_for_lora(dense):
+    m = _module(dense, "bf16")
+    first = m.__dict__["_prepared_layer"]
+    x = make_hidden(2, H, torch.float32)
+    ids, w = make_routing(2, E, 2)
+    other = MoEExperts.from_dense(*(t.flip(0) for t in dense))
+    m.up_weight = other.up_weight
+    with torch.no_grad():
+        out = m(x, ids, w)
+    assert m.__dict__["_prepared_layer"] is not first
+    assert torch.equal(out, _op(m, x, ids, w))
+    m.add_lora(2, alpha=2)
+    with torch.no_grad():
+        m.up_lora_b.normal_()
+        assert not m.__dict__["_prepared_layer"].guards_hold()
+        adapted = m(x, ids, w)
+    assert not torch.equal(adapted, out)
+
+
+def test_dispatch_mode_and_profiler_see_the_op(dense):
+    m = _module(dense, "int8")
+    x = make_hidden(2, H, torch.float32)
+    ids, w = make_routing(2, E, 2)
+    with torch.no_grad():
+        with _OpLog() as log:
+            m(x, ids, w)
+        assert "kt.moe_forward.default" in log.ops
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            m(x, ids, w)
+    assert any(e.name == "kt::moe_forward" for e in prof.events())
+
+
+def test_errors_under_no_grad_are_the_ops(dense):
+    m = _module(dense, "int8")
+    x = make_hidden(2, H, torch.float32)
+    ids, w = make_routing(2, E, 2)
+    with torch.no_grad():
+        with pytest.raises(RuntimeError, match="topk_ids must lie in"):
+            m(x, torch.full_like(ids, E), w)
+        with pytest.raises(RuntimeError, match="topk_ids must be int32 or int64"):
+            m(x, ids.to(torch.int16), w)
+        with pytest.raises(RuntimeError, match="topk_weights must have the shape"):
+            m(x, ids, w[:, :1])
+        assert torch.equal(m(x, ids, w), _op(m, x, ids, w))  # still usable
+
+
+def test_constructor_checks_the_layer(dense):
+    m = _module(dense, "int8")
+    weights, fmt, sizes, groups = m._plain_layer_args()[:4]
+    with pytest.raises(RuntimeError, match="sizes must be"):
+        _C.PreparedLayer(weights, fmt, [H], groups, [])
+    with pytest.raises(RuntimeError, match="not a kt_ops format"):
+        _C.PreparedLayer(weights, "int9", sizes, groups, [])
+    with pytest.raises(RuntimeError, match="weights must hold 9 entries"):
+        _C.PreparedLayer(weights[:8], fmt, sizes, groups, [])
+
+
+def test_copy_and_pickle_after_calls(dense):
+    m = _module(dense, "int8")
+    x = make_hidden(2, H, torch.float32)
+    ids, w = make_routing(2, E, 2)
+    with torch.no_grad():
+        want = m(x, ids, w)
+        clone = copy.deepcopy(m)
+        assert "_prepared_layer" not in clone.__dict__
+        assert torch.equal(clone(x, ids, w), want)
+        buf = io.BytesIO()
+        torch.save(m, buf)
+        buf.seek(0)
+        loaded = torch.load(buf, weights_only=False)
+        assert torch.equal(loaded(x, ids, w), want)
+    assert torch.equal(m.gate_weight, clone.gate_weight)
+    assert clone.gate_weight.data_ptr() != m.gate_weight.data_ptr()
+
+
+def test_concurrent_python_threads(dense):
+    # forward() releases the GIL like a torch.ops call; calls from several
+    # Python threads take turns on the pool and each gets its own result.
+    m = _module(dense, "int8")
+    inputs = [
+        (make_hidden(4, H, torch.float32, seed=s), *make_routing(4, E, 2, seed=s)) for s in range(4)
+    ]
+    with torch.no_grad():
+        want = [_op(m, *a) for a in inputs]
+    got: dict[int, list[torch.Tensor]] = {i: [] for i in range(4)}
+
+    def work(i):
+        with torch.no_grad():
+            for _ in range(20):
+                got[i].append(m(*inputs[i]))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i in range(4):
+        assert len(got[i]) == 20 and all(torch.equal(y, want[i]) for y in got[i])
