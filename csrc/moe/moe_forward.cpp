@@ -368,61 +368,69 @@ void moe_forward_experts(const at::Tensor& hidden_states, const at::Tensor& topk
   const NumaSplit numa = numa_split(layer);
 
   // Phase 2: gate/up + SwiGLU, one item per (active expert, 16-row block of I).
-  for_each_expert_block(
-      plan, numa.gate_up,
-      [&](int64_t e, int64_t nb, int64_t r0, int m) {
-        const int n_valid = static_cast<int>(std::min<int64_t>(kRows, I - nb * kRows));
-        grow(t_gate_out, static_cast<size_t>(m) * kRows);
-        grow(t_up_out, static_cast<size_t>(m) * kRows);
-        const uint16_t* xb = m >= gu_bf16_min ? gathered_rows(call, e, s.xt.data(),
-                                                              plan.row_token.data() + r0, m, Hp)
-                                              : nullptr;
-        const uint8_t* xu8 = gate.wants_xu8(m) || up.wants_xu8(m)
-                                 ? gathered_u8_rows(call, 0, e, s.xq_rows.data() + r0, m, Hp)
-                                 : nullptr;
-        const uint8_t* const* xq = s.xq_rows.data() + r0;
-        const uint8_t* xu = gate.wants_u8_codes(m) || up.wants_u8_codes(m)
-                                ? u8_tiles(call, 0, e, xq, m, Hp)
-                                : nullptr;
-        gate.dot(e, nb, s.x_rows.data() + r0, xq, xu, xb, ld_xb, xu8, m, 2 * call,
-                 t_gate_out.data());
-        up.dot(e, nb, s.x_rows.data() + r0, xq, xu, xb, ld_xb, xu8, m, 2 * call, t_up_out.data());
-        silu_mul(t_gate_out.data(), t_up_out.data(), m);
-        const bool hb = down.wants_xb(m);
-        for (int i = 0; i < m; ++i) {
-          const float* g = t_gate_out.data() + i * kRows;
-          std::copy(g, g + n_valid, s.h.data() + (r0 + i) * Ip + nb * kRows);
-          if (hb) to_bf16_row(g, n_valid, s.hb.data() + (r0 + i) * ld_hb + nb * kRows);
-        }
-      },
-      release_brgemm);
+  auto gate_up_block = [&](int64_t e, int64_t nb, int64_t r0, int m) {
+    const int n_valid = static_cast<int>(std::min<int64_t>(kRows, I - nb * kRows));
+    grow(t_gate_out, static_cast<size_t>(m) * kRows);
+    grow(t_up_out, static_cast<size_t>(m) * kRows);
+    const uint16_t* xb =
+        m >= gu_bf16_min ? gathered_rows(call, e, s.xt.data(), plan.row_token.data() + r0, m, Hp)
+                         : nullptr;
+    const uint8_t* xu8 = gate.wants_xu8(m) || up.wants_xu8(m)
+                             ? gathered_u8_rows(call, 0, e, s.xq_rows.data() + r0, m, Hp)
+                             : nullptr;
+    const uint8_t* const* xq = s.xq_rows.data() + r0;
+    const uint8_t* xu =
+        gate.wants_u8_codes(m) || up.wants_u8_codes(m) ? u8_tiles(call, 0, e, xq, m, Hp) : nullptr;
+    gate.dot(e, nb, s.x_rows.data() + r0, xq, xu, xb, ld_xb, xu8, m, 2 * call, t_gate_out.data());
+    up.dot(e, nb, s.x_rows.data() + r0, xq, xu, xb, ld_xb, xu8, m, 2 * call, t_up_out.data());
+    silu_mul(t_gate_out.data(), t_up_out.data(), m);
+    const bool hb = down.wants_xb(m);
+    for (int i = 0; i < m; ++i) {
+      const float* g = t_gate_out.data() + i * kRows;
+      std::copy(g, g + n_valid, s.h.data() + (r0 + i) * Ip + nb * kRows);
+      if (hb) to_bf16_row(g, n_valid, s.hb.data() + (r0 + i) * ld_hb + nb * kRows);
+    }
+  };
 
-  // Phase 2b: the SwiGLU outputs to q8 records.
-  if (down.q8) quantize_rows(isa, s.h.data(), Ip, R, Ip, s.hq.data());
+  // Phase 2b: an expert's SwiGLU outputs to q8 records, once all its gate/up blocks are done.
+  const kernels::QuantizeRowQ8 quantize = kernels::quantize_row_q8(isa);
+  auto quantize_expert_rows = [&](int64_t, int64_t r0, int m) {
+    if (!down.q8) return;
+    for (int64_t r = r0; r < r0 + m; ++r)
+      quantize(s.h.data() + r * Ip, Ip, s.hq.data() + r * h_rec);
+  };
 
   // Phase 3: down projection scaled by the routing weight, per (expert, 16-row block of H).
   float* y = s.y.data();
-  for_each_expert_block(
-      plan, numa.down,
-      [&](int64_t e, int64_t nb, int64_t r0, int m) {
-        const int n_valid = static_cast<int>(std::min<int64_t>(kRows, H - nb * kRows));
-        grow(t_gate_out, static_cast<size_t>(m) * kRows);
-        const uint16_t* hb = down_brgemm ? s.hb.data() + r0 * ld_hb : nullptr;  // brgemm experts' A
-        const uint8_t* hu8 = down.wants_xu8(m)
-                                 ? gathered_u8_rows(call, 1, e, s.hq_rows.data() + r0, m, Ip)
-                                 : nullptr;
-        const uint8_t* hu =
-            down.wants_u8_codes(m) ? u8_tiles(call, 1, e, s.hq_rows.data() + r0, m, Ip) : nullptr;
-        down.dot(e, nb, s.h_rows.data() + r0, s.hq_rows.data() + r0, hu, hb, ld_hb, hu8, m,
-                 2 * call + 1, t_gate_out.data());
-        for (int i = 0; i < m; ++i) {
-          float* dst = y + plan.row_slot[r0 + i] * H + nb * kRows;
-          const float w = plan.row_weight[r0 + i];
-          const float* d = t_gate_out.data() + i * kRows;
-          for (int r = 0; r < n_valid; ++r) dst[r] = w * d[r];
-        }
-      },
-      release_brgemm);
+  auto down_block = [&](int64_t e, int64_t nb, int64_t r0, int m) {
+    const int n_valid = static_cast<int>(std::min<int64_t>(kRows, H - nb * kRows));
+    grow(t_gate_out, static_cast<size_t>(m) * kRows);
+    const uint16_t* hb = down_brgemm ? s.hb.data() + r0 * ld_hb : nullptr;  // brgemm experts' A
+    const uint8_t* hu8 =
+        down.wants_xu8(m) ? gathered_u8_rows(call, 1, e, s.hq_rows.data() + r0, m, Ip) : nullptr;
+    const uint8_t* hu =
+        down.wants_u8_codes(m) ? u8_tiles(call, 1, e, s.hq_rows.data() + r0, m, Ip) : nullptr;
+    down.dot(e, nb, s.h_rows.data() + r0, s.hq_rows.data() + r0, hu, hb, ld_hb, hu8, m,
+             2 * call + 1, t_gate_out.data());
+    for (int i = 0; i < m; ++i) {
+      float* dst = y + plan.row_slot[r0 + i] * H + nb * kRows;
+      const float w = plan.row_weight[r0 + i];
+      const float* d = t_gate_out.data() + i * kRows;
+      for (int r = 0; r < n_valid; ++r) dst[r] = w * d[r];
+    }
+  };
+
+  if (numa.gate_up.parts() == 1 && numa.down.parts() == 1) {
+    // One pool job: an expert's down blocks start as soon as its gate/up
+    // blocks are done, with no barrier between the phases.
+    for_each_expert_block_chained(plan, numa.gate_up.blocks, numa.down.blocks, gate_up_block,
+                                  quantize_expert_rows, down_block, release_brgemm);
+  } else {
+    // Split across NUMA nodes: each phase's blocks go to their node's threads first.
+    for_each_expert_block(plan, numa.gate_up, gate_up_block, release_brgemm);
+    if (down.q8) quantize_rows(isa, s.h.data(), Ip, R, Ip, s.hq.data());
+    for_each_expert_block(plan, numa.down, down_block, release_brgemm);
+  }
 
   // Phase 4: sum the top-k slots of each token in k order, cast to the output dtype.
   combine_slots(y, plan, out);

@@ -10,6 +10,7 @@
 
 #include "moe/numa_placement.h"
 #include "moe/routing.h"
+#include "runtime/chained_parallel_for.h"
 #include "runtime/thread_pool.h"
 
 namespace kt::moe {
@@ -79,6 +80,38 @@ void for_each_expert_block(const RoutingPlan& plan, const BlockSplit& split, con
     }
     after_run();
   });
+}
+
+// Phases 2 and 3 of the driver as one pool job (runtime/chained_parallel_for.h):
+// first(e, nb, r0, m) for every (active expert, block of first_blocks), then
+// second(e, nb, r0, m) for every (active expert, block of second_blocks); an
+// expert's second-phase blocks start once its first-phase blocks are done
+// and between(e, r0, m) has run, with no barrier between the phases (a
+// thread that finishes its share of phase one goes on to phase two of the
+// experts that are ready). Which thread computes an item never changes what
+// it computes, so results are bit-identical to two separate phases.
+template <class First, class Between, class Second, class AfterRun>
+void for_each_expert_block_chained(const RoutingPlan& plan, int64_t first_blocks,
+                                   int64_t second_blocks, const First& first,
+                                   const Between& between, const Second& second,
+                                   const AfterRun& after_run) {
+  const int64_t* offsets = plan.expert_offsets.data();
+  const int64_t* active = plan.active_experts.data();
+  auto rows = [&](int64_t a, auto&& fn) {
+    const int64_t e = active[a];
+    fn(e, offsets[e], static_cast<int>(offsets[e + 1] - offsets[e]));
+  };
+  runtime::chained_parallel_for(
+      runtime::ThreadPool::global(), static_cast<int64_t>(plan.active_experts.size()), first_blocks,
+      second_blocks, kChunksPerThread,
+      [&](int64_t a, int64_t nb) {
+        rows(a, [&](int64_t e, int64_t r0, int m) { first(e, nb, r0, m); });
+      },
+      [&](int64_t a) { rows(a, between); },
+      [&](int64_t a, int64_t nb) {
+        rows(a, [&](int64_t e, int64_t r0, int m) { second(e, nb, r0, m); });
+      },
+      after_run);
 }
 
 // Phase 1: hidden_states [T, H] (bf16/fp16/fp32, contiguous) -> fp32 rows

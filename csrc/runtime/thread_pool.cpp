@@ -15,13 +15,6 @@
 #include "runtime/numa.h"
 #include "runtime/topology.h"
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define KT_CPU_RELAX() _mm_pause()
-#else
-#define KT_CPU_RELAX() ((void)0)
-#endif
-
 namespace kt::runtime {
 
 namespace {
@@ -124,7 +117,7 @@ bool spin_until(Pred pred, std::chrono::microseconds budget = kSpinBeforePark) {
   const auto deadline = std::chrono::steady_clock::now() + budget;
   for (int i = 0;; ++i) {
     if (pred()) return true;
-    KT_CPU_RELAX();
+    cpu_relax();
     if ((i & 63) == 63 && std::chrono::steady_clock::now() > deadline) return false;
   }
 }

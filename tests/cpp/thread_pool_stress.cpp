@@ -1,8 +1,9 @@
 // Stress test of kt::runtime::ThreadPool for ThreadSanitizer (scripts/sanitize.sh tsan).
 //
-// Several caller threads hammer run(), parallel_for() and run_per_part() while another thread
-// resizes the pool with set_num_threads(), and others call prewake(),
-// num_threads() and workers_bound(). Every job checks its own result (each
+// Several caller threads hammer run(), parallel_for(), run_per_part() and
+// chained_parallel_for() while another thread resizes the pool with
+// set_num_threads(), and others call prewake(), num_threads() and
+// workers_bound(). Every job checks its own result (each
 // task index exactly once, parallel_for covering [0, n) exactly once), so a
 // lost or duplicated task fails the program even without a sanitizer. Task
 // exceptions are thrown now and then and must reach the caller. The pool is
@@ -23,6 +24,7 @@
 #include <thread>
 #include <vector>
 
+#include "runtime/chained_parallel_for.h"
 #include "runtime/thread_pool.h"
 
 using kt::runtime::ThreadPool;
@@ -101,6 +103,47 @@ void check_run_per_part(ThreadPool& pool, int parts, int64_t tasks, unsigned see
   g_jobs.fetch_add(1);
 }
 
+// chained_parallel_for: every item runs once; between(g) sees all of group
+// g's first-phase writes and runs before any second(g, .) (which checks the
+// sum it published); a first-phase exception reaches the caller and no
+// waiting item hangs.
+void check_chained(ThreadPool& pool, int64_t groups, int64_t first_n, int64_t second_n,
+                   unsigned seed) {
+  std::vector<int64_t> values(static_cast<size_t>(groups * first_n), 0);
+  std::vector<int64_t> sums(static_cast<size_t>(groups), -1);
+  std::vector<std::atomic<int>> hits(static_cast<size_t>(groups * second_n));
+  for (auto& h : hits) h.store(0);
+  const bool throw_one = seed % 7 == 0;
+  const int64_t bad = static_cast<int64_t>(seed % static_cast<unsigned>(groups * first_n));
+  bool threw = false;
+  try {
+    kt::runtime::chained_parallel_for(
+        pool, groups, first_n, second_n, 4,
+        [&](int64_t g, int64_t i) {
+          if (throw_one && g * first_n + i == bad) throw std::runtime_error("first error");
+          values[static_cast<size_t>(g * first_n + i)] = g * 1000 + i + 1;  // plain write
+        },
+        [&](int64_t g) {
+          int64_t s = 0;
+          for (int64_t i = 0; i < first_n; ++i) s += values[static_cast<size_t>(g * first_n + i)];
+          sums[static_cast<size_t>(g)] = s;  // plain write, published by the release
+        },
+        [&](int64_t g, int64_t i) {
+          const int64_t want = g * 1000 * first_n + first_n * (first_n + 1) / 2;
+          if (sums[static_cast<size_t>(g)] != want) fail("second phase ran before its group");
+          hits[static_cast<size_t>(g * second_n + i)].fetch_add(1);
+        },
+        [] {});
+  } catch (const std::runtime_error&) {
+    threw = true;
+  }
+  if (threw != throw_one) fail("chained_parallel_for lost or invented an exception");
+  if (!throw_one)
+    for (auto& h : hits)
+      if (h.load() != 1) fail("chained item ran twice or never");
+  g_jobs.fetch_add(1);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -130,6 +173,8 @@ int main(int argc, char** argv) {
           check_run(pool, n, seed >> 4);
         else if (seed & 2)
           check_parallel_for(pool, n * 13);
+        else if (seed & 4)
+          check_chained(pool, 1 + n % 9, 1 + n % 13, 1 + n % 29, seed >> 6);
         else
           check_run_per_part(pool, 1 + static_cast<int>((seed >> 3) % 4), n, seed >> 5);
       }
