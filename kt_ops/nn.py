@@ -11,7 +11,11 @@ The packed base weights are frozen buffers. The modules are differentiable
 with respect to their inputs (hidden states, routing weights) and, after
 :meth:`MoEExperts.add_lora`, train LoRA adapters on the experts (gradients from
 ``kt.moe_backward``). For inference, run under ``torch.no_grad`` /
-``inference_mode``: nothing is saved for backward then.
+``inference_mode``: nothing is saved for backward then, and eager calls without
+LoRA go to a layer parsed once (``kt_ops._C.PreparedLayer``), which gives the
+op's output bit for bit at a fraction of a decode step's call overhead, and
+hands over to the op wherever its dispatch would do more (modes, subclasses,
+the profiler, autocast, ``torch.compile``).
 
 CPU/GPU hybrid: :meth:`MoEExperts.set_gpu_experts` (or the ``gpu_experts=``
 argument of the constructors) keeps some experts, typically the most used
