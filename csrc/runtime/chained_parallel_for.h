@@ -5,6 +5,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <thread>
 
 #include "runtime/thread_pool.h"
 
@@ -53,12 +54,15 @@ void chained_parallel_for(ThreadPool& pool, int64_t groups, int64_t first_per_gr
             continue;
           }
           const int64_t g = (item - first_items) / second_per_group;
-          while (done[g].load(std::memory_order_acquire) <= first_per_group) {
+          for (int spins = 1; done[g].load(std::memory_order_acquire) <= first_per_group; ++spins) {
             if (failed.load(std::memory_order_relaxed)) {
               after_run();
               return;
             }
             cpu_relax();
+            // The thread computing the block may share this core (more runnable
+            // threads than cores): let it run (as the pool's own spin-waits do).
+            if ((spins & 63) == 0) std::this_thread::yield();
           }
           second(g, (item - first_items) % second_per_group);
         }
