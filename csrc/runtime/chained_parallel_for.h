@@ -5,7 +5,6 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
-#include <thread>
 
 #include "runtime/thread_pool.h"
 
@@ -54,15 +53,13 @@ void chained_parallel_for(ThreadPool& pool, int64_t groups, int64_t first_per_gr
             continue;
           }
           const int64_t g = (item - first_items) / second_per_group;
-          for (int spins = 1; done[g].load(std::memory_order_acquire) <= first_per_group; ++spins) {
+          for (uint64_t poll = 0; done[g].load(std::memory_order_acquire) <= first_per_group;
+               ++poll) {
             if (failed.load(std::memory_order_relaxed)) {
               after_run();
               return;
             }
-            cpu_relax();
-            // The thread computing the block may share this core (more runnable
-            // threads than cores): let it run (as the pool's own spin-waits do).
-            if ((spins & 63) == 0) std::this_thread::yield();
+            spin_pause(poll);
           }
           second(g, (item - first_items) % second_per_group);
         }

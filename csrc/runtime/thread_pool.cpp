@@ -112,26 +112,14 @@ int core_for_thread(int i, int parts) {
   return pc.first[p] + (i / parts) % pc.count[p];
 }
 
-// Polls pred until it holds (true) or the budget runs out (false). Every 64
-// polls (a microsecond or two) the thread yields its core: when the thread it
-// waits for shares that core (more runnable threads than cores, e.g. right
-// after a torch op whose OpenMP workers spin on), it gets to run instead of
-// waiting out the spinner's time slice. Measured on the 2-core VM: a cold
-// T = 1 call right after a 2-thread torch op took 1.2 ms without the yield
-// (the worker woken by prewake spun on the caller's core while the caller
-// was descheduled) and 0.13-0.16 ms with it; with a 20 ms pause before the
-// call (OpenMP parked) T = 1 was 1.03-1.07x faster and T = 8 unchanged.
-// With nothing else runnable the yield returns at once.
+// Polls pred until it holds (true) or the budget runs out (false).
 template <class Pred>
 bool spin_until(Pred pred, std::chrono::microseconds budget = kSpinBeforePark) {
   const auto deadline = std::chrono::steady_clock::now() + budget;
-  for (int i = 0;; ++i) {
+  for (uint64_t i = 0;; ++i) {
     if (pred()) return true;
-    cpu_relax();
-    if ((i & 63) == 63) {
-      if (std::chrono::steady_clock::now() > deadline) return false;
-      std::this_thread::yield();
-    }
+    spin_pause(i);
+    if ((i & 63) == 63 && std::chrono::steady_clock::now() > deadline) return false;
   }
 }
 
