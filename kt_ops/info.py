@@ -29,7 +29,12 @@ def info() -> dict:
     ``memory_binding`` (whether hwloc can bind pages here; False on a synthetic
     topology), ``placed`` (live placed tensors, those the OS bound, bytes per
     node) and ``slices`` (``{rows: [(begin, end) per node]}`` for the row
-    counts of the layers placed so far: I for gate/up, H for down).
+    counts of the layers placed so far: I for gate/up, H for down), and
+    ``parallel``: which threads run kt_ops' parallel work
+    (:func:`kt_ops.set_parallel_backend`): ``setting``, ``uses`` (``'openmp'``
+    or ``'pool'`` for a call from this thread now), ``reason``,
+    ``openmp_runtime`` (the file of torch's OpenMP runtime, ``''`` if none) and
+    ``openmp_max_threads`` (this thread's OpenMP team size).
     """
     active = _C.active_isa()
     return {
@@ -45,6 +50,7 @@ def info() -> dict:
         "compute_path": _C.compute_path(),
         "brgemm": dict(_C.compute_paths(active)),
         "numa": dict(_C.numa_report()),
+        "parallel": dict(_C.parallel_report()),
     }
 
 
@@ -65,6 +71,9 @@ def format_info(report: dict) -> str:
         + ("built (CUDA tensors run through it)" if report.get("cuda_bridge") else "not built"),
     ]
     lines.append(f"compute path   : {report['compute_path']}")
+    par = report.get("parallel")
+    if par is not None:
+        lines.append(f"parallel       : {par['uses']} (setting {par['setting']}: {par['reason']})")
     numa = report.get("numa")
     if numa is not None:
         lines.append(f"NUMA placement : {_numa_line(numa)}")

@@ -131,7 +131,8 @@ run_tsan() {
   # shellcheck disable=SC2046
   "$CXX" -std=c++17 -O1 -g -fsanitize=thread -I"$ROOT/csrc" \
     "$ROOT/tests/cpp/thread_pool_stress.cpp" "$ROOT/csrc/runtime/thread_pool.cpp" \
-    "$ROOT/csrc/runtime/topology.cpp" "$ROOT/csrc/runtime/numa.cpp" $(pkg-config --cflags --libs hwloc) -pthread -o "$exe"
+    "$ROOT/csrc/runtime/openmp_team.cpp" "$ROOT/csrc/runtime/topology.cpp" "$ROOT/csrc/runtime/numa.cpp" \
+    $(pkg-config --cflags --libs hwloc) -pthread -ldl -o "$exe"
   local rc=0
   env -u LD_PRELOAD TSAN_OPTIONS="halt_on_error=1 exitcode=66" "$exe" "$seconds" || rc=$?
   echo "== TSan: exit $rc"

@@ -97,6 +97,7 @@ def _restore_runtime() -> Iterator[None]:
     threads, isa_name = kt_ops.get_num_threads(), kt_ops.active_isa()
     quant_mode = kt_ops.get_quant_activations()
     compute_path = kt_ops.get_compute_path()
+    backend = kt_ops.get_parallel_backend()
     yield
     if kt_ops.get_num_threads() != threads:
         kt_ops.set_num_threads(threads)
@@ -106,6 +107,8 @@ def _restore_runtime() -> Iterator[None]:
         kt_ops.set_quant_activations(quant_mode)
     if kt_ops.get_compute_path() != compute_path:
         kt_ops.set_compute_path(compute_path)
+    if kt_ops.get_parallel_backend() != backend:
+        kt_ops.set_parallel_backend(backend)
 
 
 @pytest.fixture

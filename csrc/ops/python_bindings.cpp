@@ -14,6 +14,7 @@
 #include "kernels/tiers.h"
 #include "moe/moe_forward.h"
 #include "runtime/cpu_features.h"
+#include "runtime/openmp_team.h"
 #include "runtime/thread_pool.h"
 #include "runtime/topology.h"
 
@@ -185,6 +186,42 @@ PYBIND11_MODULE(_C, m) {
     kt::runtime::ThreadPool::set_global_num_threads(static_cast<int>(n));
   });
   m.def("get_num_threads", [] { return kt::runtime::ThreadPool::global().num_threads(); });
+  m.def("set_parallel_backend", [](const std::string& name) {
+    kt::runtime::ParallelBackend b;
+    try {
+      b = kt::runtime::parse_parallel_backend(name);
+    } catch (const std::invalid_argument& e) {
+      throw std::invalid_argument(std::string("kt_ops.set_parallel_backend: ") + e.what());
+    }
+    kt::runtime::ThreadPool::set_parallel_backend(b);
+  });
+  m.def("parallel_backend", [] {
+    return std::string(
+        kt::runtime::parallel_backend_name(kt::runtime::ThreadPool::parallel_backend()));
+  });
+  m.def("parallel_report", [] {
+    // Which threads a job started now by this thread runs on, and why.
+    kt::runtime::ThreadPool& pool = kt::runtime::ThreadPool::global();
+    py::dict d;
+    d["setting"] = kt::runtime::parallel_backend_name(kt::runtime::ThreadPool::parallel_backend());
+    d["uses"] = pool.uses_openmp() ? "openmp" : "pool";
+    d["reason"] = pool.parallel_backend_reason();
+    d["openmp_runtime"] = kt::runtime::openmp::runtime_library();
+    d["openmp_max_threads"] = kt::runtime::openmp::max_threads();
+    return d;
+  });
+  m.def("_parallel_probe", [](int64_t tasks, int64_t fail_at) {
+    // Test hook: runs `tasks` pool tasks; each reports (thread index, whether it
+    // ran inside an OpenMP region). Task fail_at (if >= 0) throws instead.
+    std::vector<std::pair<int, bool>> out(static_cast<size_t>(std::max<int64_t>(tasks, 0)));
+    py::gil_scoped_release no_gil;
+    kt::runtime::ThreadPool::global().run(tasks, [&](int64_t t, int thread) {
+      if (t == fail_at)
+        throw std::runtime_error("kt_ops._parallel_probe: task " + std::to_string(t));
+      out[static_cast<size_t>(t)] = {thread, kt::runtime::openmp::in_parallel()};
+    });
+    return out;
+  });
   m.def("workers_bound", [] { return kt::runtime::ThreadPool::global().workers_bound(); });
   m.def("built_isas", [] { return names(kt::kernels::built_isas()); });
   m.def("supported_isas", [] { return names(kt::kernels::supported_isas()); });

@@ -13,6 +13,7 @@
 #include <system_error>
 
 #include "runtime/numa.h"
+#include "runtime/openmp_team.h"
 #include "runtime/topology.h"
 
 namespace kt::runtime {
@@ -67,6 +68,57 @@ void check_thread_count(int n) {
 }
 
 int g_threads_before_fork = 0;
+
+// The parallel backend: kUnset until chosen (by set_parallel_backend, else
+// $KT_OPS_PARALLEL_BACKEND on first use). A malformed variable is kept as an
+// error that ThreadPool::global() reports until a backend is set explicitly.
+constexpr int kUnset = -1;
+std::atomic<int> g_backend{kUnset};
+std::mutex g_backend_mutex;
+std::string g_backend_env_error;  // guarded by g_backend_mutex
+
+ParallelBackend backend_or_auto() {
+  int b = g_backend.load(std::memory_order_acquire);
+  if (b != kUnset) return static_cast<ParallelBackend>(b);
+  std::lock_guard<std::mutex> lock(g_backend_mutex);
+  b = g_backend.load();
+  if (b == kUnset) {
+    ParallelBackend chosen = ParallelBackend::kAuto;
+    if (const char* env = std::getenv("KT_OPS_PARALLEL_BACKEND");
+        env != nullptr && env[0] != '\0') {
+      try {
+        chosen = parse_parallel_backend(env);
+        if (chosen == ParallelBackend::kOpenMP && !openmp::available())
+          throw std::invalid_argument("torch's OpenMP runtime was not found in this process");
+      } catch (const std::invalid_argument& e) {
+        g_backend_env_error = std::string("KT_OPS_PARALLEL_BACKEND='") + env +
+                              "' cannot be used: " + e.what() +
+                              " (unset it, or call kt_ops.set_parallel_backend)";
+        return ParallelBackend::kAuto;  // not stored: the error stands until a set_parallel_backend
+      }
+    }
+    g_backend.store(static_cast<int>(chosen), std::memory_order_release);
+    b = static_cast<int>(chosen);
+  }
+  return static_cast<ParallelBackend>(b);
+}
+
+void throw_if_backend_env_error() {
+  if (g_backend.load(std::memory_order_acquire) != kUnset) return;
+  backend_or_auto();
+  std::lock_guard<std::mutex> lock(g_backend_mutex);
+  if (g_backend.load() == kUnset && !g_backend_env_error.empty())
+    throw std::invalid_argument(g_backend_env_error);
+}
+
+// Set in a child process by fork(): the parent's OpenMP threads are gone and
+// the runtime would wait for them at the next parallel region.
+std::atomic<bool> g_forked_child{false};
+void mark_forked_child() { g_forked_child.store(true); }
+const bool g_fork_handler_registered = [] {
+  pthread_atfork(nullptr, nullptr, mark_forked_child);
+  return true;
+}();
 
 void reset_after_fork() {
   // The child has only the forking thread: the old pool's workers are gone.
@@ -125,7 +177,65 @@ bool spin_until(Pred pred, std::chrono::microseconds budget = kSpinBeforePark) {
 
 }  // namespace
 
+const char* parallel_backend_name(ParallelBackend b) {
+  switch (b) {
+    case ParallelBackend::kPool:
+      return "pool";
+    case ParallelBackend::kOpenMP:
+      return "openmp";
+    case ParallelBackend::kAuto:
+    default:
+      return "auto";
+  }
+}
+
+ParallelBackend parse_parallel_backend(const std::string& name) {
+  if (name == "auto") return ParallelBackend::kAuto;
+  if (name == "pool") return ParallelBackend::kPool;
+  if (name == "openmp") return ParallelBackend::kOpenMP;
+  throw std::invalid_argument("parallel backend must be 'auto', 'pool' or 'openmp', got '" + name +
+                              "'");
+}
+
+void ThreadPool::set_parallel_backend(ParallelBackend backend) {
+  if (backend == ParallelBackend::kOpenMP && !openmp::available())
+    throw std::invalid_argument(
+        "kt_ops.set_parallel_backend('openmp'): torch's OpenMP runtime was not found in this "
+        "process (a torch built without OpenMP?); use 'auto' or 'pool'");
+  std::lock_guard<std::mutex> lock(g_backend_mutex);
+  g_backend_env_error.clear();
+  g_backend.store(static_cast<int>(backend), std::memory_order_release);
+}
+
+ParallelBackend ThreadPool::parallel_backend() { return backend_or_auto(); }
+
+bool ThreadPool::uses_openmp() const {
+  const ParallelBackend b = backend_or_auto();
+  if (b == ParallelBackend::kPool || num_threads_.load() <= 1) return false;
+  if (g_forked_child.load(std::memory_order_relaxed) || spread_parts_.load() > 1) return false;
+  if (!openmp::available() || openmp::in_parallel()) return false;
+  return b == ParallelBackend::kOpenMP || openmp::max_threads() == num_threads_.load();
+}
+
+std::string ThreadPool::parallel_backend_reason() const {
+  const ParallelBackend b = backend_or_auto();
+  const std::string n = std::to_string(num_threads_.load());
+  if (b == ParallelBackend::kPool) return "set to 'pool'";
+  if (num_threads_.load() <= 1) return "one thread: jobs run on the calling thread";
+  if (g_forked_child.load())
+    return "a forked child: the parent's OpenMP threads did not survive fork()";
+  if (spread_parts_.load() > 1) return "NUMA placement: the pool's threads are bound per node";
+  if (!openmp::available()) return "torch's OpenMP runtime was not found";
+  if (openmp::in_parallel()) return "called inside an OpenMP parallel region";
+  if (b == ParallelBackend::kOpenMP) return "set to 'openmp': a team of " + n + " threads";
+  const int omp = openmp::max_threads();
+  if (omp == num_threads_.load()) return "torch's OpenMP team has the pool's size (" + n + ")";
+  return "torch's OpenMP team has " + std::to_string(omp) + " threads, kt_ops " + n +
+         " (kt_ops.set_num_threads / torch.set_num_threads to match them)";
+}
+
 ThreadPool& ThreadPool::global() {
+  throw_if_backend_env_error();
   std::lock_guard<std::mutex> lock(g_pool_mutex);
   if (g_pool == nullptr) {
     const int n = g_threads_before_fork > 0 ? g_threads_before_fork : default_num_threads();
@@ -291,7 +401,8 @@ void ThreadPool::worker_loop(int thread_index, uint64_t seen) {
 
 void ThreadPool::prewake() {
   // num_threads_, not workers_: set_num_threads may be rebuilding the vector.
-  if (num_threads_.load() <= 1) return;
+  // (On torch's OpenMP threads the runtime wakes them itself; ours stay parked.)
+  if (num_threads_.load() <= 1 || uses_openmp()) return;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     ++wake_calls_;
@@ -318,6 +429,10 @@ void ThreadPool::run(int64_t num_tasks, const TaskFn& fn) {
   // that lock. The atomic count lets a pool without workers skip the lock.
   if (num_tasks == 1 || t_inside_pool_task || num_workers_.load(std::memory_order_acquire) == 0) {
     run_inline();
+    return;
+  }
+  if (uses_openmp()) {
+    run_on_openmp(num_tasks, fn);
     return;
   }
   std::unique_lock<std::mutex> run_lock(run_mutex_);
@@ -347,6 +462,41 @@ void ThreadPool::run(int64_t num_tasks, const TaskFn& fn) {
     error_ = nullptr;
     std::rethrow_exception(e);
   }
+}
+
+void ThreadPool::run_on_openmp(int64_t num_tasks, const TaskFn& fn) {
+  std::lock_guard<std::mutex> run_lock(run_mutex_);  // one job at a time, as on the pool
+  struct Job {
+    const TaskFn* fn;
+    int64_t tasks;
+    std::atomic<int64_t> next{0};
+    std::mutex error_mutex;
+    std::exception_ptr error;
+  } job;
+  job.fn = &fn;
+  job.tasks = num_tasks;
+  // The whole team even for fewer tasks: a team of torch's size every time
+  // (the runtime stops and starts threads when the size changes).
+  openmp::parallel(
+      num_threads_.load(),
+      [](void* ctx, int thread_index) {
+        Job& j = *static_cast<Job*>(ctx);
+        const bool was_inside = t_inside_pool_task;
+        t_inside_pool_task = true;
+        for (;;) {
+          const int64_t task = j.next.fetch_add(1, std::memory_order_relaxed);
+          if (task >= j.tasks) break;
+          try {
+            (*j.fn)(task, thread_index);
+          } catch (...) {  // nothing may leave an OpenMP region: rethrown below
+            std::lock_guard<std::mutex> lock(j.error_mutex);
+            if (!j.error) j.error = std::current_exception();
+          }
+        }
+        t_inside_pool_task = was_inside;
+      },
+      &job);
+  if (job.error) std::rethrow_exception(job.error);
 }
 
 int ThreadPool::thread_part(int thread_index) const {

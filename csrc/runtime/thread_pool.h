@@ -16,6 +16,7 @@
 #include <exception>
 #include <functional>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -39,6 +40,25 @@ inline void spin_pause(uint64_t poll) {
 #endif
   if ((poll & 63) == 63) std::this_thread::yield();
 }
+
+// Which threads run a job (kt_ops.set_parallel_backend):
+// - kPool: the pool's own workers, bound one per physical core (hwloc).
+// - kOpenMP: the threads of torch's OpenMP runtime (runtime/openmp_team.h),
+//   where torch has one and NUMA placement has one part; the pool's workers
+//   otherwise.
+// - kAuto: kOpenMP where, in addition, the pool's size equals the calling
+//   thread's OpenMP team size (torch's intra-op thread count), so that torch's
+//   regions and kt_ops' alternate on one team of one size (a team of another
+//   size would make the runtime stop and start threads at every switch);
+//   kPool otherwise.
+// Never OpenMP in a process forked after the parent's OpenMP threads started
+// (they do not survive fork(); the runtime then waits for them forever), or
+// inside an OpenMP parallel region.
+enum class ParallelBackend { kAuto, kPool, kOpenMP };
+
+// "auto" / "pool" / "openmp"; parse throws std::invalid_argument naming the valid values.
+const char* parallel_backend_name(ParallelBackend b);
+ParallelBackend parse_parallel_backend(const std::string& name);
 
 class ThreadPool {
  public:
@@ -74,6 +94,16 @@ class ThreadPool {
   void set_num_threads(int n);
   // Whether worker threads could be bound to cores (false for synthetic topologies).
   bool workers_bound() const { return workers_bound_.load(); }
+
+  // The process-wide parallel backend (initially $KT_OPS_PARALLEL_BACKEND,
+  // else kAuto). Setting kOpenMP throws std::invalid_argument when torch's
+  // OpenMP runtime is not available (the reason is in the message).
+  static void set_parallel_backend(ParallelBackend backend);
+  static ParallelBackend parallel_backend();
+  // Whether a job that the calling thread starts now runs on torch's OpenMP
+  // threads, and in a few words why (or why not).
+  bool uses_openmp() const;
+  std::string parallel_backend_reason() const;
 
   // NUMA placement (runtime/numa.h). With runtime::numa_parts() > 1 the
   // threads are spread over the NUMA nodes that have cores, round robin:
@@ -122,6 +152,8 @@ class ThreadPool {
   void stop_workers();
   void worker_loop(int thread_index, uint64_t seen_generation);
   void do_tasks(int thread_index);
+  // run() on a team of torch's OpenMP threads (the same contract).
+  void run_on_openmp(int64_t num_tasks, const TaskFn& fn);
 
   std::atomic<int> num_threads_{1};  // read without run_mutex_ by prewake()
   std::atomic<bool> workers_bound_{false};

@@ -12,8 +12,11 @@
 //
 // Build (what sanitize.sh does):
 //   g++ -std=c++17 -O1 -g -fsanitize=thread -Icsrc tests/cpp/thread_pool_stress.cpp \
-//       csrc/runtime/thread_pool.cpp csrc/runtime/topology.cpp csrc/runtime/numa.cpp $(pkg-config
-//       --cflags --libs hwloc) \ -pthread -o /tmp/thread_pool_stress
+//       csrc/runtime/thread_pool.cpp csrc/runtime/openmp_team.cpp csrc/runtime/topology.cpp
+//       csrc/runtime/numa.cpp $(pkg-config --cflags --libs hwloc) -pthread -ldl
+//       -o /tmp/thread_pool_stress
+// Without libtorch_cpu in the process the pool keeps its own threads (the
+// 'openmp' backend is covered by tests/test_parallel_backend.py).
 // Run: /tmp/thread_pool_stress [seconds]   (exit status 0 = passed)
 #include <atomic>
 #include <chrono>
