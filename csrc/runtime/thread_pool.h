@@ -7,7 +7,9 @@
 // rule 11): they get a task index. Idle workers spin for a few microseconds
 // (so the phases of one op call follow each other without a futex round
 // trip) and then park on a condition variable: no core burns while another
-// thread computes something else.
+// thread computes something else. Where torch's OpenMP team has the pool's
+// size, run() hands the job to that team instead (ParallelBackend below,
+// runtime/openmp_team.h): same tasks, same counter, other threads.
 #pragma once
 
 #include <atomic>
