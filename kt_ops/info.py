@@ -34,7 +34,8 @@ def info() -> dict:
     (:func:`kt_ops.set_parallel_backend`): ``setting``, ``uses`` (``'openmp'``
     or ``'pool'`` for a call from this thread now), ``reason``,
     ``openmp_runtime`` (the file of torch's OpenMP runtime, ``''`` if none) and
-    ``openmp_max_threads`` (this thread's OpenMP team size).
+    ``openmp_max_threads`` (this thread's OpenMP team size) and ``jobs``
+    (``{'openmp': n, 'pool': m}``: parallel jobs run so far on each, process-wide).
     """
     active = _C.active_isa()
     return {

@@ -76,7 +76,10 @@ def set_parallel_backend(backend: str) -> None:
       ``'openmp'`` when kt_ops' thread count equals torch's
       (``torch.get_num_threads()``, the calling thread's OpenMP team size),
       else ``'pool'``: one team of one size for torch and kt_ops (the OpenMP
-      runtime stops and starts threads when the team size changes).
+      runtime stops and starts threads when the team size changes). The CUDA
+      bridge's host callbacks (:mod:`kt_ops.hybrid`) keep the pool under
+      ``'auto'``: torch's ops do not run on that thread, and a team of its own
+      would spin beside the thread that launches the GPU work.
 
     ``'openmp'`` also falls back to the pool with NUMA placement across
     several nodes (:func:`set_numa`: the pool's threads are bound per node),

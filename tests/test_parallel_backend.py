@@ -304,3 +304,62 @@ print(report["uses"], "NUMA" in report["reason"])
     proc = python_subprocess(code, env={"KT_OPS_HWLOC_SYNTHETIC": "node:2 core:1 pu:1"})
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["openmp", "pool", "True"], proc.stdout
+
+
+# --------------------------------------------------------------------------
+# Which backend the op's jobs took (process-wide job counts)
+# --------------------------------------------------------------------------
+
+
+def _jobs() -> tuple[int, int]:
+    jobs = kt_ops.info()["parallel"]["jobs"]
+    return jobs["openmp"], jobs["pool"]
+
+
+def _bridge_inputs():
+    from kt_ops.layer import ExpertWeights, layer_args
+
+    g = torch.Generator().manual_seed(6)
+    experts = ExpertWeights.from_dense(
+        torch.randn(E, I, H, generator=g) * 0.1,
+        torch.randn(E, I, H, generator=g) * 0.1,
+        torch.randn(E, H, I, generator=g) * 0.1,
+        "int8",
+    )
+    ids, w = make_routing(40, E, 3, seed=6)
+    x = make_hidden(40, H, torch.float32, seed=6)
+    return experts, x, ids, w, list(layer_args(experts, None, "silu", x, None))
+
+
+@needs_openmp
+def test_op_jobs_run_on_the_chosen_backend():
+    experts, x, ids, w, _ = _bridge_inputs()
+    _matched_threads()
+    kt_ops.set_parallel_backend("auto")
+    omp0, pool0 = _jobs()
+    want = kt_ops.moe_forward(x, ids, w, experts)
+    omp1, pool1 = _jobs()
+    assert omp1 > omp0 and pool1 == pool0, (omp0, pool0, omp1, pool1)
+    kt_ops.set_parallel_backend("pool")
+    assert torch.equal(kt_ops.moe_forward(x, ids, w, experts), want)
+    omp2, pool2 = _jobs()
+    assert omp2 == omp1 and pool2 > pool1
+
+
+@needs_openmp
+def test_cuda_bridge_host_callbacks_keep_the_pool_under_auto():
+    # The bridge's host function runs on the device runtime's callback thread,
+    # where torch's ops do not run: 'auto' keeps kt_ops' pool there (the host
+    # transport calls it directly, on this thread, inside the same scope).
+    experts, x, ids, w, args = _bridge_inputs()
+    _matched_threads()
+    kt_ops.set_parallel_backend("auto")
+    want = kt_ops.moe_forward(x, ids, w, experts)
+    omp0, pool0 = _jobs()
+    got = _C._HostBridge().moe_forward(x, ids, w, *args, None)
+    omp1, pool1 = _jobs()
+    assert torch.equal(got, want)
+    assert omp1 == omp0 and pool1 > pool0, (omp0, pool0, omp1, pool1)
+    kt_ops.set_parallel_backend("openmp")  # forced: the callbacks follow it too
+    assert torch.equal(_C._HostBridge().moe_forward(x, ids, w, *args, None), want)
+    assert _jobs()[0] > omp1

@@ -150,6 +150,7 @@ void run_bridge_call(void* arg) noexcept {
   std::string error;
   try {
     c10::AutoGradMode no_grad(false);
+    runtime::PoolThreadsScope pool_threads;  // not an OpenMP team of this thread's own
     execute(*c);
   } catch (const c10::Error& e) {
     error = e.what_without_backtrace();

@@ -208,6 +208,10 @@ PYBIND11_MODULE(_C, m) {
     d["reason"] = pool.parallel_backend_reason();
     d["openmp_runtime"] = kt::runtime::openmp::runtime_library();
     d["openmp_max_threads"] = kt::runtime::openmp::max_threads();
+    py::dict jobs;
+    jobs["openmp"] = kt::runtime::ThreadPool::openmp_jobs();
+    jobs["pool"] = kt::runtime::ThreadPool::pool_jobs();
+    d["jobs"] = jobs;
     return d;
   });
   m.def("_parallel_probe", [](int64_t tasks, int64_t fail_at) {

@@ -111,6 +111,9 @@ void throw_if_backend_env_error() {
     throw std::invalid_argument(g_backend_env_error);
 }
 
+thread_local int t_pool_threads_scopes = 0;  // PoolThreadsScope nesting on this thread
+std::atomic<uint64_t> g_openmp_jobs{0}, g_pool_jobs{0};
+
 // Set in a child process by fork(): the parent's OpenMP threads are gone and
 // the runtime would wait for them at the next parallel region.
 std::atomic<bool> g_forked_child{false};
@@ -209,9 +212,16 @@ void ThreadPool::set_parallel_backend(ParallelBackend backend) {
 
 ParallelBackend ThreadPool::parallel_backend() { return backend_or_auto(); }
 
+PoolThreadsScope::PoolThreadsScope() { ++t_pool_threads_scopes; }
+PoolThreadsScope::~PoolThreadsScope() { --t_pool_threads_scopes; }
+
+uint64_t ThreadPool::openmp_jobs() { return g_openmp_jobs.load(std::memory_order_relaxed); }
+uint64_t ThreadPool::pool_jobs() { return g_pool_jobs.load(std::memory_order_relaxed); }
+
 bool ThreadPool::uses_openmp() const {
   const ParallelBackend b = backend_or_auto();
   if (b == ParallelBackend::kPool || num_threads_.load() <= 1) return false;
+  if (b == ParallelBackend::kAuto && t_pool_threads_scopes > 0) return false;
   if (g_forked_child.load(std::memory_order_relaxed) || spread_parts_.load() > 1) return false;
   if (!openmp::available() || openmp::in_parallel()) return false;
   return b == ParallelBackend::kOpenMP || openmp::max_threads() == num_threads_.load();
@@ -222,6 +232,8 @@ std::string ThreadPool::parallel_backend_reason() const {
   const std::string n = std::to_string(num_threads_.load());
   if (b == ParallelBackend::kPool) return "set to 'pool'";
   if (num_threads_.load() <= 1) return "one thread: jobs run on the calling thread";
+  if (b == ParallelBackend::kAuto && t_pool_threads_scopes > 0)
+    return "this thread runs no torch ops (a CUDA bridge host callback)";
   if (g_forked_child.load())
     return "a forked child: the parent's OpenMP threads did not survive fork()";
   if (spread_parts_.load() > 1) return "NUMA placement: the pool's threads are bound per node";
@@ -432,9 +444,11 @@ void ThreadPool::run(int64_t num_tasks, const TaskFn& fn) {
     return;
   }
   if (uses_openmp()) {
+    g_openmp_jobs.fetch_add(1, std::memory_order_relaxed);
     run_on_openmp(num_tasks, fn);
     return;
   }
+  g_pool_jobs.fetch_add(1, std::memory_order_relaxed);
   std::unique_lock<std::mutex> run_lock(run_mutex_);
   if (workers_.empty()) {  // resized to one thread since the check above
     run_lock.unlock();

@@ -62,6 +62,19 @@ enum class ParallelBackend { kAuto, kPool, kOpenMP };
 const char* parallel_backend_name(ParallelBackend b);
 ParallelBackend parse_parallel_backend(const std::string& name);
 
+// For its lifetime, 'auto' keeps the pool's own threads on this thread. For
+// threads on which torch's CPU ops do not run, such as the CUDA bridge's host
+// callbacks (hybrid/bridge.cpp): there an OpenMP region would start a team of
+// that thread's own, next to torch's, whose threads spin for milliseconds
+// after every call while the Python thread launches GPU work.
+class PoolThreadsScope {
+ public:
+  PoolThreadsScope();
+  ~PoolThreadsScope();
+  PoolThreadsScope(const PoolThreadsScope&) = delete;
+  PoolThreadsScope& operator=(const PoolThreadsScope&) = delete;
+};
+
 class ThreadPool {
  public:
   // fn(task_index, thread_index); thread_index is in [0, num_threads()).
@@ -106,6 +119,10 @@ class ThreadPool {
   // threads, and in a few words why (or why not).
   bool uses_openmp() const;
   std::string parallel_backend_reason() const;
+  // Jobs run so far on torch's OpenMP threads and on the pool's (inline runs
+  // not counted), process-wide.
+  static uint64_t openmp_jobs();
+  static uint64_t pool_jobs();
 
   // NUMA placement (runtime/numa.h). With runtime::numa_parts() > 1 the
   // threads are spread over the NUMA nodes that have cores, round robin:
