@@ -4,13 +4,12 @@ The 'openmp' backend (csrc/runtime/openmp_team.cpp) runs the pool's jobs on a
 team of the OpenMP runtime that libtorch_cpu uses, looked up at run time. These
 tests check which threads a job really runs on (a probe task asks the OpenMP
 runtime whether it runs inside a parallel region), when 'auto' picks which
-backend, the fallbacks (forked child, NUMA split, one thread), errors inside
-a team, and that every backend and thread count gives bit-identical outputs.
+backend, the fallbacks (NUMA split, one thread, the CUDA bridge's host
+callbacks; a forked child: tests/test_runtime.py), errors inside a team, and
+that every backend and thread count gives bit-identical outputs.
 """
 
 from __future__ import annotations
-
-import threading
 
 import pytest
 import torch
@@ -175,36 +174,18 @@ def test_outputs_bit_identical_across_backends_and_threads(modules, fmt, T):
 
 
 @needs_openmp
-def test_concurrent_calls_from_python_threads_on_openmp(modules):
-    # Each calling thread gets its own OpenMP team; kt_ops runs one job at a time.
-    _matched_threads()
+def test_concurrent_calls_from_python_threads_on_forced_openmp():
+    # test_runtime's concurrency test (several Python threads, each its own
+    # OpenMP team; kt_ops runs one job at a time) on teams of another size than
+    # torch's. Under 'auto' with matched counts it already runs on OpenMP.
+    from test_runtime import test_concurrent_calls_from_python_threads
+
+    torch.set_num_threads(2)
+    kt_ops.set_num_threads(3)
     kt_ops.set_parallel_backend("openmp")
-    m = modules["int8"]
-    calls = []
-    for T in (1, 7, 30):
-        ids, w = make_routing(T, E, 3, seed=T)
-        calls.append((make_hidden(T, H, torch.float32, seed=T), ids, w))
-    with torch.no_grad():
-        want = [m(*c) for c in calls]
-    errors: list[str] = []
-
-    def worker(k: int) -> None:
-        try:
-            with torch.no_grad():
-                for i in range(8):
-                    j = (i + k) % len(calls)
-                    if not torch.equal(m(*calls[j]), want[j]):
-                        errors.append(f"thread {k}, call {j}: result differs")
-        except Exception as e:  # pragma: no cover - reported below
-            errors.append(repr(e))
-
-    threads = [threading.Thread(target=worker, args=(k,)) for k in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert not any(t.is_alive() for t in threads), "a calling thread hung"
-    assert not errors, errors
+    omp0 = _jobs()[0]
+    test_concurrent_calls_from_python_threads()
+    assert _jobs()[0] > omp0
 
 
 # --------------------------------------------------------------------------
@@ -264,30 +245,6 @@ print("after set:", tuple(kt_ops.moe_forward(*args).shape))
     assert lines[0].startswith("error: KT_OPS_PARALLEL_BACKEND='gomp' cannot be used"), lines
     assert "'auto', 'pool' or 'openmp'" in lines[0]
     assert lines[1] == "after set: (5, 40)"
-
-
-@needs_openmp
-def test_forked_child_falls_back_to_the_pool(python_subprocess):
-    # torch's own OpenMP threads do not survive fork(): a parallel region in the
-    # child would wait for them forever. kt_ops' pool starts afresh there.
-    code = """
-import os, torch, kt_ops
-from test_runtime import small_call
-args = small_call(T=20)
-assert kt_ops.info()["parallel"]["uses"] == "openmp"
-want = kt_ops.moe_forward(*args)  # the parent's OpenMP team exists before the fork
-pid = os.fork()
-if pid == 0:
-    report = kt_ops.info()["parallel"]
-    ok = report["uses"] == "pool" and "fork" in report["reason"]
-    ok = ok and torch.equal(kt_ops.moe_forward(*args), want)
-    os._exit(0 if ok else 3)
-_, status = os.waitpid(pid, 0)
-print("child exit", os.waitstatus_to_exitcode(status))
-"""
-    proc = python_subprocess(code, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip().splitlines()[-1] == "child exit 0", proc.stdout
 
 
 @needs_openmp

@@ -264,10 +264,16 @@ def test_op_works_in_forked_child(python_subprocess):
 import os, torch, kt_ops
 from test_runtime import small_call
 args = small_call(T=20)
-want = kt_ops.moe_forward(*args)  # the pool's workers exist before the fork
+# The pool's workers, or torch's OpenMP threads (the 'auto' parallel backend),
+# exist before the fork. torch's OpenMP threads do not survive it (a parallel
+# region in the child would wait for them forever): the child keeps the pool.
+want = kt_ops.moe_forward(*args)
 pid = os.fork()
 if pid == 0:
     ok = torch.equal(kt_ops.moe_forward(*args), want) and kt_ops.get_num_threads() >= 1
+    report = kt_ops.info()["parallel"]
+    if torch.backends.openmp.is_available():
+        ok = ok and report["uses"] == "pool" and "fork" in report["reason"]
     os._exit(0 if ok else 3)
 _, status = os.waitpid(pid, 0)
 print("child exit", os.waitstatus_to_exitcode(status))
