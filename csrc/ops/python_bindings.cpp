@@ -204,8 +204,9 @@ PYBIND11_MODULE(_C, m) {
     kt::runtime::ThreadPool& pool = kt::runtime::ThreadPool::global();
     py::dict d;
     d["setting"] = kt::runtime::parallel_backend_name(kt::runtime::ThreadPool::parallel_backend());
-    d["uses"] = pool.uses_openmp() ? "openmp" : "pool";
-    d["reason"] = pool.parallel_backend_reason();
+    std::string reason;
+    d["uses"] = pool.uses_openmp(&reason) ? "openmp" : "pool";
+    d["reason"] = reason;
     d["openmp_runtime"] = kt::runtime::openmp::runtime_library();
     d["openmp_max_threads"] = kt::runtime::openmp::max_threads();
     py::dict jobs;

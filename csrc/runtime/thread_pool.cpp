@@ -218,32 +218,37 @@ PoolThreadsScope::~PoolThreadsScope() { --t_pool_threads_scopes; }
 uint64_t ThreadPool::openmp_jobs() { return g_openmp_jobs.load(std::memory_order_relaxed); }
 uint64_t ThreadPool::pool_jobs() { return g_pool_jobs.load(std::memory_order_relaxed); }
 
-bool ThreadPool::uses_openmp() const {
+bool ThreadPool::uses_openmp(std::string* why) const {
+  // One decision; `why` (kt_ops.info()) gets the case that made it.
+  const auto pool = [why](const char* reason) {
+    if (why != nullptr) *why = reason;
+    return false;
+  };
   const ParallelBackend b = backend_or_auto();
-  if (b == ParallelBackend::kPool || num_threads_.load() <= 1) return false;
-  if (b == ParallelBackend::kAuto && t_pool_threads_scopes > 0) return false;
-  if (g_forked_child.load(std::memory_order_relaxed) || spread_parts_.load() > 1) return false;
-  if (!openmp::available() || openmp::in_parallel()) return false;
-  return b == ParallelBackend::kOpenMP || openmp::max_threads() == num_threads_.load();
-}
-
-std::string ThreadPool::parallel_backend_reason() const {
-  const ParallelBackend b = backend_or_auto();
-  const std::string n = std::to_string(num_threads_.load());
-  if (b == ParallelBackend::kPool) return "set to 'pool'";
-  if (num_threads_.load() <= 1) return "one thread: jobs run on the calling thread";
+  const int n = num_threads_.load();
+  if (b == ParallelBackend::kPool) return pool("set to 'pool'");
+  if (n <= 1) return pool("one thread: jobs run on the calling thread");
   if (b == ParallelBackend::kAuto && t_pool_threads_scopes > 0)
-    return "this thread runs no torch ops (a CUDA bridge host callback)";
-  if (g_forked_child.load())
-    return "a forked child: the parent's OpenMP threads did not survive fork()";
-  if (spread_parts_.load() > 1) return "NUMA placement: the pool's threads are bound per node";
-  if (!openmp::available()) return "torch's OpenMP runtime was not found";
-  if (openmp::in_parallel()) return "called inside an OpenMP parallel region";
-  if (b == ParallelBackend::kOpenMP) return "set to 'openmp': a team of " + n + " threads";
+    return pool("this thread runs no torch ops (a CUDA bridge host callback)");
+  if (g_forked_child.load(std::memory_order_relaxed))
+    return pool("a forked child: the parent's OpenMP threads did not survive fork()");
+  if (spread_parts_.load() > 1)
+    return pool("NUMA placement: the pool's threads are bound per node");
+  if (!openmp::available()) return pool("torch's OpenMP runtime was not found");
+  if (openmp::in_parallel()) return pool("called inside an OpenMP parallel region");
+  if (b == ParallelBackend::kOpenMP) {
+    if (why != nullptr) *why = "set to 'openmp': a team of " + std::to_string(n) + " threads";
+    return true;
+  }
   const int omp = openmp::max_threads();
-  if (omp == num_threads_.load()) return "torch's OpenMP team has the pool's size (" + n + ")";
-  return "torch's OpenMP team has " + std::to_string(omp) + " threads, kt_ops " + n +
-         " (kt_ops.set_num_threads / torch.set_num_threads to match them)";
+  if (why != nullptr) {
+    const std::string threads = std::to_string(n);
+    *why = omp == n
+               ? "torch's OpenMP team has the pool's size (" + threads + ")"
+               : "torch's OpenMP team has " + std::to_string(omp) + " threads, kt_ops " + threads +
+                     " (kt_ops.set_num_threads / torch.set_num_threads to match them)";
+  }
+  return omp == n;
 }
 
 ThreadPool& ThreadPool::global() {

@@ -116,9 +116,8 @@ class ThreadPool {
   static void set_parallel_backend(ParallelBackend backend);
   static ParallelBackend parallel_backend();
   // Whether a job that the calling thread starts now runs on torch's OpenMP
-  // threads, and in a few words why (or why not).
-  bool uses_openmp() const;
-  std::string parallel_backend_reason() const;
+  // threads; `why` (if given) receives the reason in a few words.
+  bool uses_openmp(std::string* why = nullptr) const;
   // Jobs run so far on torch's OpenMP threads and on the pool's (inline runs
   // not counted), process-wide.
   static uint64_t openmp_jobs();
