@@ -35,7 +35,9 @@ def info() -> dict:
     or ``'pool'`` for a call from this thread now), ``reason``,
     ``openmp_runtime`` (the file of torch's OpenMP runtime, ``''`` if none) and
     ``openmp_max_threads`` (this thread's OpenMP team size) and ``jobs``
-    (``{'openmp': n, 'pool': m}``: parallel jobs run so far on each, process-wide).
+    (``{'openmp': n, 'pool': m}``: parallel jobs run so far on each, process-wide)
+    and ``caller_moves`` (pool jobs whose calling thread was on a bound worker's
+    core and was moved off the workers' cores for the job).
     """
     active = _C.active_isa()
     return {

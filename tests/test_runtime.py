@@ -6,7 +6,10 @@ KT_OPS_HWLOC_SYNTHETIC) are tested in fresh interpreters (``python_subprocess``)
 
 from __future__ import annotations
 
+import ctypes
 import json
+import os
+import sys
 import threading
 
 import pytest
@@ -126,6 +129,51 @@ def test_workers_bound_on_this_machine():
     kt_ops.set_num_threads(min(2, topo["num_cores"]))
     if kt_ops.get_num_threads() > 1 and not kt_ops.info()["workers_bound"]:
         pytest.skip("hwloc could not bind worker threads here")
+
+
+def _worker_pus() -> set[int]:
+    """OS PU indices of the cores the pool's workers are bound to (one node: cores 1..n-1)."""
+    cores = kt_ops.info()["topology"]["cores"]
+    n = kt_ops.get_num_threads()
+    return {pu for i in range(1, n) for pu in cores[i % len(cores)]["pus"]}
+
+
+def test_pool_moves_a_caller_off_a_workers_core():
+    # The OS may run an unbound calling thread on a core a bound worker holds;
+    # that worker could then not run until the caller's time slice ends. For
+    # the job the caller is moved off the workers' cores, then its mask restored.
+    topo = kt_ops.info()["topology"]
+    if topo["num_cores"] < 2 or topo["num_numa_nodes"] != 1 or not sys.platform.startswith("linux"):
+        pytest.skip("needs Linux and two cores on one NUMA node")
+    sched_getcpu = ctypes.CDLL(None).sched_getcpu
+    kt_ops.set_num_threads(2)
+    if not kt_ops.info()["workers_bound"]:
+        pytest.skip("hwloc could not bind worker threads here")
+    original = os.sched_getaffinity(0)
+    workers = _worker_pus()
+    if not workers <= original or not original - workers:
+        pytest.skip("this thread's CPU mask does not span the caller's and the workers' cores")
+    with kt_ops.use_parallel_backend("pool"):
+        try:
+            # Onto the worker's core, then unbound again: the thread stays where it is.
+            os.sched_setaffinity(0, workers)
+            os.sched_setaffinity(0, original)
+            assert sched_getcpu() in workers
+            moves = kt_ops.info()["parallel"]["caller_moves"]
+            out = kt_ops._C._parallel_probe_cpus(12, 1000)
+            assert kt_ops.info()["parallel"]["caller_moves"] == moves + 1
+            assert os.sched_getaffinity(0) == original  # restored after the job
+            caller_cpus = {cpu for thread, cpu in out if thread == 0}
+            assert caller_cpus and caller_cpus.isdisjoint(workers)
+            assert {thread for thread, _ in out} == {0, 1}  # the worker ran its share
+            # A caller pinned to the workers' cores only is left there.
+            os.sched_setaffinity(0, workers)
+            out = kt_ops._C._parallel_probe_cpus(4, 200)
+            assert kt_ops.info()["parallel"]["caller_moves"] == moves + 1
+            assert {cpu for thread, cpu in out if thread == 0} <= workers
+            assert os.sched_getaffinity(0) == workers
+        finally:
+            os.sched_setaffinity(0, original)
 
 
 # --------------------------------------------------------------------------

@@ -3,8 +3,10 @@
 // the TORCH_LIBRARY registrations of this shared object.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
+#include <sched.h>
 
 #include <algorithm>
+#include <chrono>
 #include <stdexcept>
 
 #include "formats/format_table.h"
@@ -213,6 +215,7 @@ PYBIND11_MODULE(_C, m) {
     jobs["openmp"] = kt::runtime::ThreadPool::openmp_jobs();
     jobs["pool"] = kt::runtime::ThreadPool::pool_jobs();
     d["jobs"] = jobs;
+    d["caller_moves"] = kt::runtime::ThreadPool::caller_moves();
     return d;
   });
   m.def("_parallel_probe", [](int64_t tasks, int64_t fail_at) {
@@ -224,6 +227,19 @@ PYBIND11_MODULE(_C, m) {
       if (t == fail_at)
         throw std::runtime_error("kt_ops._parallel_probe: task " + std::to_string(t));
       out[static_cast<size_t>(t)] = {thread, kt::runtime::openmp::in_parallel()};
+    });
+    return out;
+  });
+  m.def("_parallel_probe_cpus", [](int64_t tasks, int64_t spin_us) {
+    // Test hook: runs `tasks` pool tasks of `spin_us` microseconds each; each
+    // reports (thread index, the CPU it started on).
+    std::vector<std::pair<int, int>> out(static_cast<size_t>(std::max<int64_t>(tasks, 0)));
+    py::gil_scoped_release no_gil;
+    kt::runtime::ThreadPool::global().run(tasks, [&](int64_t t, int thread) {
+      out[static_cast<size_t>(t)] = {thread, sched_getcpu()};
+      const auto end = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us);
+      while (std::chrono::steady_clock::now() < end) {
+      }
     });
     return out;
   });

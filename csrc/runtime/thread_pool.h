@@ -122,6 +122,9 @@ class ThreadPool {
   // not counted), process-wide.
   static uint64_t openmp_jobs();
   static uint64_t pool_jobs();
+  // Pool jobs whose calling thread was moved off the workers' cores for the
+  // job (see run()), process-wide.
+  static uint64_t caller_moves();
 
   // NUMA placement (runtime/numa.h). With runtime::numa_parts() > 1 the
   // threads are spread over the NUMA nodes that have cores, round robin:
@@ -147,6 +150,10 @@ class ThreadPool {
   // Runs fn for every task in [0, num_tasks) and returns when all are done.
   // Exceptions thrown by fn are rethrown here (the first one). Calls from
   // inside a task, or with fewer than two tasks, run inline on this thread.
+  // On the pool, with bound workers, a calling thread that the OS has put on
+  // a worker's core is moved off the workers' cores for the job (its own
+  // affinity mask minus their PUs; restored afterwards): there it would keep
+  // that worker from running until the scheduler preempts it.
   void run(int64_t num_tasks, const TaskFn& fn);
 
   // Wakes parked workers so that they spin (up to 1 ms) for a job that
@@ -183,6 +190,9 @@ class ThreadPool {
   std::atomic<int> num_workers_{0};
   std::atomic<int> started_workers_{0};
   std::atomic<int> bound_workers_{0};
+  // worker_pu_[pu] != 0: OS PU index `pu` belongs to a core a worker is bound
+  // to (empty unless every worker is bound). Changes only with workers_.
+  std::vector<uint8_t> worker_pu_;
 
   std::mutex run_mutex_;  // one job at a time across calling threads
   std::mutex mutex_;
