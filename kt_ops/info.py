@@ -36,8 +36,9 @@ def info() -> dict:
     ``openmp_runtime`` (the file of torch's OpenMP runtime, ``''`` if none) and
     ``openmp_max_threads`` (this thread's OpenMP team size) and ``jobs``
     (``{'openmp': n, 'pool': m}``: parallel jobs run so far on each, process-wide)
-    and ``caller_moves`` (pool jobs whose calling thread was on a bound worker's
-    core and was moved off the workers' cores for the job).
+    and ``caller_moves`` (pool jobs whose calling thread was moved to its home
+    PUs for the job: off a bound worker's core, or, under NUMA placement, to
+    node 0).
     """
     active = _C.active_isa()
     return {

@@ -141,7 +141,8 @@ def _worker_pus() -> set[int]:
 def test_pool_moves_a_caller_off_a_workers_core():
     # The OS may run an unbound calling thread on a core a bound worker holds;
     # that worker could then not run until the caller's time slice ends. For
-    # the job the caller is moved off the workers' cores, then its mask restored.
+    # the job the caller is moved to its home (here: the core no worker holds),
+    # then its mask restored.
     topo = kt_ops.info()["topology"]
     if topo["num_cores"] < 2 or topo["num_numa_nodes"] != 1 or not sys.platform.startswith("linux"):
         pytest.skip("needs Linux and two cores on one NUMA node")
@@ -174,6 +175,32 @@ def test_pool_moves_a_caller_off_a_workers_core():
             assert os.sched_getaffinity(0) == workers
         finally:
             os.sched_setaffinity(0, original)
+
+
+H_, W_, O_ = 2, 1, 0  # detail::PuRole: home, worker, other
+
+
+@pytest.mark.parametrize(
+    ("cpu", "mask", "roles", "want"),
+    [
+        # One node, 4 cores, workers on cores 1-3: home is core 0.
+        (0, [0, 1, 2, 3], [H_, W_, W_, W_], []),  # home: stays (no syscall)
+        (2, [0, 1, 2, 3], [H_, W_, W_, W_], [0]),  # on a worker's core: home
+        (2, [1, 2], [H_, W_, W_, W_], []),  # pinned to workers' cores only: left there
+        (2, [2, 3, 9], [H_, W_, W_, W_], [9]),  # no home in its mask: off the workers' PUs
+        (9, [0, 9], [H_, W_, W_, W_], [0]),  # a PU past the roles is "other": home
+        # NUMA placement over 2 nodes (PUs 0-3 node 0, 4-7 node 1), 4 threads: workers
+        # on PUs 4, 1, 5; the caller computes node 0's part: home = node 0's free PUs.
+        (6, list(range(8)), [H_, W_, H_, H_, W_, W_, O_, O_], [0, 2, 3]),  # other node: home
+        (6, [4, 5, 6, 7], [H_, W_, H_, H_, W_, W_, O_, O_], []),  # confined to node 1: stays
+        (4, [4, 5, 6, 7], [H_, W_, H_, H_, W_, W_, O_, O_], [6, 7]),  # off node 1's workers
+        (3, list(range(8)), [H_, W_, H_, H_, W_, W_, O_, O_], []),
+        # More threads than cores: every PU a worker's, no home.
+        (0, [0, 1], [W_, W_], []),
+    ],
+)
+def test_caller_target(cpu, mask, roles, want):
+    assert kt_ops._C._caller_target(cpu, mask, roles) == want
 
 
 # --------------------------------------------------------------------------

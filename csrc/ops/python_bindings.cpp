@@ -243,6 +243,7 @@ PYBIND11_MODULE(_C, m) {
     });
     return out;
   });
+  m.def("_caller_target", &kt::runtime::detail::caller_target);  // test hook
   m.def("workers_bound", [] { return kt::runtime::ThreadPool::global().workers_bound(); });
   m.def("built_isas", [] { return names(kt::kernels::built_isas()); });
   m.def("supported_isas", [] { return names(kt::kernels::supported_isas()); });

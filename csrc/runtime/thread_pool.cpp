@@ -115,34 +115,41 @@ void throw_if_backend_env_error() {
 thread_local int t_pool_threads_scopes = 0;  // PoolThreadsScope nesting on this thread
 std::atomic<uint64_t> g_openmp_jobs{0}, g_pool_jobs{0}, g_caller_moves{0};
 
-// For one pool job: moves the calling thread off the PUs of the workers'
-// cores when the OS has it on one of them (worker_pu[cpu] != 0), and restores
-// its affinity mask at the end. A bound worker cannot leave its core, and
-// the running caller is not preempted for it until its time slice ends: with
-// the caller on a worker's core a 2-thread job took 1.4x as long (README,
-// "Runtime"). A caller pinned to the workers' cores only is left alone.
-class CallerOffWorkerCores {
+// For one pool job: moves the calling thread onto its home PUs
+// (detail::caller_target) when it is elsewhere, and restores its affinity
+// mask at the end. A bound worker cannot leave its core, and the running
+// caller is not preempted for it until its time slice ends: with the caller
+// on a worker's core a 2-thread job took 1.4x as long (README, "Thread
+// pool"). Under NUMA placement the caller computes node 0's part, so it is
+// brought to node 0 from another node too.
+class CallerOnHomePus {
  public:
-  explicit CallerOffWorkerCores(const std::vector<uint8_t>& worker_pu) {
+  explicit CallerOnHomePus(const std::vector<uint8_t>& pu_role) {
 #if defined(__linux__)
+    if (pu_role.empty()) return;  // workers not bound: the OS places everyone
     const int cpu = sched_getcpu();
-    if (cpu < 0 || static_cast<size_t>(cpu) >= worker_pu.size() || !worker_pu[cpu]) return;
+    if (cpu < 0 || (static_cast<size_t>(cpu) < pu_role.size() && pu_role[cpu] == detail::kHomePu))
+      return;  // the usual case: one vDSO call
     if (sched_getaffinity(0, sizeof(saved_), &saved_) != 0) return;
-    cpu_set_t away = saved_;
-    for (size_t pu = 0; pu < worker_pu.size() && pu < CPU_SETSIZE; ++pu)
-      if (worker_pu[pu]) CPU_CLR(pu, &away);
-    if (CPU_COUNT(&away) == 0) return;
-    moved_ = sched_setaffinity(0, sizeof(away), &away) == 0;
+    std::vector<int> mask;
+    for (int pu = 0; pu < CPU_SETSIZE; ++pu)
+      if (CPU_ISSET(pu, &saved_)) mask.push_back(pu);
+    const std::vector<int> target = detail::caller_target(cpu, mask, pu_role);
+    if (target.empty()) return;
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    for (int pu : target) CPU_SET(pu, &set);
+    moved_ = sched_setaffinity(0, sizeof(set), &set) == 0;
     if (moved_) g_caller_moves.fetch_add(1, std::memory_order_relaxed);
 #endif
   }
-  ~CallerOffWorkerCores() {
+  ~CallerOnHomePus() {
 #if defined(__linux__)
     if (moved_) sched_setaffinity(0, sizeof(saved_), &saved_);
 #endif
   }
-  CallerOffWorkerCores(const CallerOffWorkerCores&) = delete;
-  CallerOffWorkerCores& operator=(const CallerOffWorkerCores&) = delete;
+  CallerOnHomePus(const CallerOnHomePus&) = delete;
+  CallerOnHomePus& operator=(const CallerOnHomePus&) = delete;
 
  private:
 #if defined(__linux__)
@@ -255,6 +262,26 @@ PoolThreadsScope::~PoolThreadsScope() { --t_pool_threads_scopes; }
 uint64_t ThreadPool::openmp_jobs() { return g_openmp_jobs.load(std::memory_order_relaxed); }
 uint64_t ThreadPool::pool_jobs() { return g_pool_jobs.load(std::memory_order_relaxed); }
 uint64_t ThreadPool::caller_moves() { return g_caller_moves.load(std::memory_order_relaxed); }
+
+namespace detail {
+
+std::vector<int> caller_target(int cpu, const std::vector<int>& mask,
+                               const std::vector<uint8_t>& pu_role) {
+  const auto role = [&](int pu) {
+    return pu >= 0 && static_cast<size_t>(pu) < pu_role.size() ? pu_role[pu] : kOtherPu;
+  };
+  if (role(cpu) == kHomePu) return {};
+  std::vector<int> home, off_workers;
+  for (int pu : mask) {
+    if (role(pu) == kHomePu) home.push_back(pu);
+    if (role(pu) != kWorkerPu) off_workers.push_back(pu);
+  }
+  if (!home.empty()) return home;
+  if (role(cpu) == kWorkerPu) return off_workers;  // empty: pinned to workers' PUs only
+  return {};
+}
+
+}  // namespace detail
 
 bool ThreadPool::uses_openmp(std::string* why) const {
   // One decision; `why` (kt_ops.info()) gets the case that made it.
@@ -396,15 +423,22 @@ void ThreadPool::start_workers() {
   }
   while (started_workers_.load() < want) std::this_thread::yield();
   workers_bound_ = want > 0 && bound_workers_.load() == want;
-  worker_pu_.clear();
+  // The PUs' roles for the caller's placement (CallerOnHomePus): the workers'
+  // PUs, and the caller's home: the other PUs, on thread 0's node only when
+  // the threads are spread over nodes (it computes that node's part).
+  pu_role_.clear();
   if (workers_bound_) {
-    for (int i = 1; i <= want; ++i) {
-      for (int pu : topo.cores[core_for_thread(i, parts)].pus) {
-        if (pu < 0) continue;
-        if (worker_pu_.size() <= static_cast<size_t>(pu)) worker_pu_.resize(pu + 1, 0);
-        worker_pu_[pu] = 1;
-      }
-    }
+    const auto mark = [&](int pu, uint8_t role) {
+      if (pu < 0) return;
+      if (pu_role_.size() <= static_cast<size_t>(pu)) pu_role_.resize(pu + 1, detail::kOtherPu);
+      if (pu_role_[pu] != detail::kWorkerPu) pu_role_[pu] = role;
+    };
+    for (int i = 1; i <= want; ++i)
+      for (int pu : topo.cores[core_for_thread(i, parts)].pus) mark(pu, detail::kWorkerPu);
+    const int home_node = topo.cores[core_for_thread(0, parts)].numa_node;
+    for (const Core& c : topo.cores)
+      if (parts <= 1 || c.numa_node == home_node)
+        for (int pu : c.pus) mark(pu, detail::kHomePu);
   }
   num_workers_.store(want, std::memory_order_release);
 }
@@ -508,7 +542,7 @@ void ThreadPool::run(int64_t num_tasks, const TaskFn& fn) {
     run_inline();
     return;
   }
-  const CallerOffWorkerCores off_worker_cores(worker_pu_);
+  const CallerOnHomePus on_home_pus(pu_role_);
   {
     std::lock_guard<std::mutex> lock(mutex_);
     job_ = &fn;

@@ -58,6 +58,20 @@ inline void spin_pause(uint64_t poll) {
 // inside an OpenMP parallel region.
 enum class ParallelBackend { kAuto, kPool, kOpenMP };
 
+namespace detail {
+// The role of an OS PU for the pool's calling thread: a worker is bound to
+// its core, it is the caller's home (a PU no worker holds; under NUMA
+// placement only those on the node of the part the caller computes), or other.
+enum PuRole : uint8_t { kOtherPu = 0, kWorkerPu = 1, kHomePu = 2 };
+// Where a calling thread on PU `cpu` with affinity `mask` (OS PU indices)
+// runs its share of a pool job: empty to stay where it is (it is home, or
+// cannot leave a worker's PU), else the PUs to move to: its home PUs within
+// its mask, or, without any, its mask minus the workers' PUs when it sits on
+// a worker's PU. `pu_role[pu]` is a PuRole (PUs past its end are other).
+std::vector<int> caller_target(int cpu, const std::vector<int>& mask,
+                               const std::vector<uint8_t>& pu_role);
+}  // namespace detail
+
 // "auto" / "pool" / "openmp"; parse throws std::invalid_argument naming the valid values.
 const char* parallel_backend_name(ParallelBackend b);
 ParallelBackend parse_parallel_backend(const std::string& name);
@@ -122,8 +136,8 @@ class ThreadPool {
   // not counted), process-wide.
   static uint64_t openmp_jobs();
   static uint64_t pool_jobs();
-  // Pool jobs whose calling thread was moved off the workers' cores for the
-  // job (see run()), process-wide.
+  // Pool jobs whose calling thread was moved to its home PUs for the job
+  // (see run()), process-wide.
   static uint64_t caller_moves();
 
   // NUMA placement (runtime/numa.h). With runtime::numa_parts() > 1 the
@@ -151,9 +165,10 @@ class ThreadPool {
   // Exceptions thrown by fn are rethrown here (the first one). Calls from
   // inside a task, or with fewer than two tasks, run inline on this thread.
   // On the pool, with bound workers, a calling thread that the OS has put on
-  // a worker's core is moved off the workers' cores for the job (its own
-  // affinity mask minus their PUs; restored afterwards): there it would keep
-  // that worker from running until the scheduler preempts it.
+  // a worker's core (where it would keep that worker from running until the
+  // scheduler preempts it), or under NUMA placement on another node than the
+  // part it computes, is moved to its home PUs for the job
+  // (detail::caller_target) and its affinity mask restored afterwards.
   void run(int64_t num_tasks, const TaskFn& fn);
 
   // Wakes parked workers so that they spin (up to 1 ms) for a job that
@@ -190,9 +205,10 @@ class ThreadPool {
   std::atomic<int> num_workers_{0};
   std::atomic<int> started_workers_{0};
   std::atomic<int> bound_workers_{0};
-  // worker_pu_[pu] != 0: OS PU index `pu` belongs to a core a worker is bound
-  // to (empty unless every worker is bound). Changes only with workers_.
-  std::vector<uint8_t> worker_pu_;
+  // pu_role_[pu]: the detail::PuRole of OS PU index `pu` for the calling
+  // thread's placement (empty unless every worker is bound). Changes only
+  // with workers_ (under run_mutex_).
+  std::vector<uint8_t> pu_role_;
 
   std::mutex run_mutex_;  // one job at a time across calling threads
   std::mutex mutex_;
