@@ -10,6 +10,8 @@ cost, through each way in:
 * ``module``: ``kt_ops.nn.MoEExperts`` (what ``kt_ops.hf.replace_experts`` installs);
 * ``wrapper``: ``kt_ops.moe_forward(x, ids, w, experts)``;
 * ``op``: ``torch.ops.kt.moe_forward.default`` on prebuilt layer arguments;
+* ``KTMoEWrapper``: ``forward`` of kt-kernel's API (:mod:`kt_ops.compat`), with one
+  of the 8 experts on the GPU (its mask), as a serving engine calls it per layer;
 
 each under ``torch.no_grad()`` (how ``generate`` runs) and
 ``torch.inference_mode()`` (which skips the Autograd dispatch key), and, for
@@ -39,6 +41,7 @@ from typing import Callable
 import torch
 
 import kt_ops
+from kt_ops.compat import KTMoEWrapper
 from kt_ops.layer import layer_args
 from kt_ops.nn import MoEExperts
 
@@ -88,10 +91,28 @@ def main(argv: list[str] | None = None) -> int:
     w = torch.tensor([[0.6, 0.4]])
     op_args = (x, ids, w, *layer_args(experts, None, "silu", x))
     op = torch.ops.kt.moe_forward.default
+    KTMoEWrapper._threads_configured = True  # keep this process' thread settings
+    mask = torch.zeros(NUM_EXPERTS, dtype=torch.bool)
+    mask[7] = True
+    wrapper = KTMoEWrapper(
+        layer_idx=0,
+        num_experts=NUM_EXPERTS,
+        num_experts_per_tok=2,
+        hidden_size=HIDDEN,
+        moe_intermediate_size=INTER,
+        gpu_experts_mask=mask,
+        cpuinfer_threads=kt_ops.get_num_threads(),
+        threadpool_count=1,
+        weight_path=None,
+        chunked_prefill_size=64,
+        method="MOE_INT8",
+    )
+    wrapper.load_weights_from_tensors(*dense)
     paths = {
         "module": lambda: module(x, ids, w),
         "wrapper": lambda: kt_ops.moe_forward(x, ids, w, experts),
         "op": lambda: op(*op_args),
+        "KTMoEWrapper": lambda: wrapper.forward(x, ids, w),
         "torch.add": lambda: torch.add(x, x),
     }
     flush = Flusher()

@@ -103,7 +103,8 @@ def make(method, path, H, I, layer=1, **kw):
 def inputs(H, T=6, seed=0, dtype=torch.bfloat16):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(T, H, generator=g).to(dtype)
-    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)] or [torch.empty(0, K)])
+    ids = ids.long().view(T, K)
     w = torch.softmax(torch.randn(T, K, generator=g), -1)
     return x, ids, w
 
@@ -552,3 +553,105 @@ def test_cross_check_kt_kernel(tmp_path):
         assert c["rel"] <= CROSS_CHECK_REL[name], (name, c)
         # kt_ops is never further from the fp32 reference of the stored weights
         assert c["ref_kt_ops"] <= c["ref_kt_kernel"] * 1.05 + 1e-3, (name, c)
+
+
+# ---------------------------------------------------------------------- the prepared CPU path
+
+
+def _online(method="MOE_INT8", H=64, inter=32, mask=None, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    gate, up = (torch.randn(E, inter, H, generator=g) * 0.05 for _ in range(2))
+    down = torch.randn(E, H, inter, generator=g) * 0.05
+    extra = {"group_size": 32} if "INT4" in method else {}
+    w = make(method, None, H, inter, gpu_experts_mask=mask, **extra)
+    w.load_weights_from_tensors(gate, up, down)
+    return w
+
+
+def _full_path(wrapper, x, ids, w):
+    """The wrapper's full path (checks, mask test, torch.ops): grad mode skips the prepared one."""
+    with torch.enable_grad():
+        return wrapper.forward(x, ids, w)
+
+
+@pytest.mark.parametrize("method", ["MOE_INT8", "MOE_INT4", "BF16", "FP8"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_prepared_path_matches_the_full_path_bit_for_bit(method, dtype):
+    mask = torch.tensor([False, True, False, False])
+    for m in (None, mask):
+        wrapper = _online(method, mask=m)
+        for T in (0, 1, 5):
+            x, ids, w = inputs(64, T=T, seed=T, dtype=dtype)
+            want = _full_path(wrapper, x, ids, w)
+            with torch.no_grad():
+                got = wrapper.forward(x, ids, w)
+                got_again = wrapper.forward(x, ids, w.to(torch.bfloat16).float())
+            assert got.dtype == dtype and torch.equal(got, want)
+            assert torch.equal(got_again, _full_path(wrapper, x, ids, w.to(torch.bfloat16).float()))
+        assert wrapper._prepared is not None  # built by the first call, used since
+
+
+def test_prepared_path_is_taken(monkeypatch):
+    wrapper = _online()
+    x, ids, w = inputs(64, T=3)
+    with torch.no_grad():
+        want = wrapper.forward(x, ids, w)  # full path: builds the prepared layer
+        calls = []
+        monkeypatch.setattr(wrapper, "_inputs", lambda *a: calls.append(a) or 1 / 0)
+        assert torch.equal(wrapper.forward(x, ids, w), want)
+        assert calls == []  # no Python checks, no torch.ops
+    # Anything else (here: [1, T, H] hidden states) takes the full path.
+    with torch.no_grad(), pytest.raises(ZeroDivisionError):
+        wrapper.forward(x.view(1, 3, 64), ids, w)
+    assert len(calls) == 1
+
+
+def test_prepared_path_follows_the_mask_in_place_and_replaced():
+    wrapper = _online()
+    x, ids, w = inputs(64, T=6)
+    with torch.no_grad():
+        wrapper.forward(x, ids, w)  # builds
+        assert wrapper._prepared is not None
+        wrapper.gpu_experts_mask[ids[0, 0]] = True  # in place: read at the next call
+        got = wrapper.forward(x, ids, w)
+        assert torch.equal(got, _full_path(wrapper, x, ids, w))
+        assert not torch.equal(got, _full_path(_online(), x, ids, w))
+        wrapper.gpu_experts_mask = torch.tensor([True, True, False, False])  # replaced
+        got = wrapper.forward(x, ids, w)  # full path, rebuilds for the new mask
+        assert torch.equal(got, _full_path(wrapper, x, ids, w))
+        assert wrapper._prepared[2] is wrapper.gpu_experts_mask
+        strided = torch.tensor([True, False] * 4)[::2]  # non-contiguous: no prepared layer
+        wrapper.gpu_experts_mask = strided
+        assert torch.equal(wrapper.forward(x, ids, w), _full_path(wrapper, x, ids, w))
+        assert wrapper._prepared is None
+
+
+def test_prepared_path_keeps_the_full_paths_errors():
+    wrapper = _online()
+    x, ids, w = inputs(64, T=4)
+    with torch.no_grad():
+        wrapper.forward(x, ids, w)  # builds
+        with pytest.raises(ValueError, match=r"topk_ids must be an integer tensor \[4, 2\]"):
+            wrapper.forward(x, torch.cat([ids, ids], 1), torch.cat([w, w], 1))
+        with pytest.raises(ValueError, match="hidden_states must be a floating tensor"):
+            wrapper.forward(x[:, :32], ids, w)
+        with pytest.raises(ValueError, match="topk_weights must be a floating tensor"):
+            wrapper.forward(x, ids, ids)
+        with pytest.raises(RuntimeError, match="topk_ids"):
+            wrapper.forward(x, torch.full_like(ids, E), w)  # out of range: the op's error
+        # Types the full path converts still work (the prepared layer declines them).
+        want = wrapper.forward(x, ids, w)
+        assert torch.equal(wrapper.forward(x, ids.to(torch.int16), w.double()), want)
+
+
+def test_wrapper_with_a_prepared_layer_copies_and_pickles():
+    import copy
+    import pickle
+
+    wrapper = _online()
+    x, ids, w = inputs(64, T=2)
+    with torch.no_grad():
+        want = wrapper.forward(x, ids, w)
+        for clone in (copy.deepcopy(wrapper), pickle.loads(pickle.dumps(wrapper))):
+            assert clone._prepared is None
+            assert torch.equal(clone.forward(x, ids, w), want)

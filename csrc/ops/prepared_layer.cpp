@@ -9,6 +9,9 @@
 // about as much as a tenth of that. forward() takes only the three routed
 // tensors and reuses the parsed layer.
 //
+// kt_ops.compat.KTMoEWrapper uses it too (with its GPU-expert mask): kt-kernel's
+// API is called per layer per decode step by serving engines.
+//
 // It is taken only where the dispatcher would do exactly what it does:
 // grad mode off (so the autograd kernel would only redispatch); plain
 // torch.Tensor arguments whose dispatch keys, with the thread's included and
@@ -81,13 +84,19 @@ class PreparedLayer {
   PreparedLayer(const std::vector<std::optional<at::Tensor>>& weights,
                 const std::string& weight_format, const std::vector<int64_t>& sizes,
                 const std::vector<int64_t>& group_sizes,
-                const std::vector<std::tuple<py::dict, py::str, py::object>>& guards) {
+                const std::vector<std::tuple<py::dict, py::str, py::object>>& guards,
+                const std::optional<at::Tensor>& gpu_experts_mask, int64_t top_k)
+      : top_k_(top_k) {
     c10::List<std::optional<at::Tensor>> list;
     list.reserve(weights.size());
     for (const auto& w : weights) list.push_back(w);
     const std::vector<at::Tensor> no_lora;
+    // A contiguous mask is kept as the tensor itself (MoeLayer::skip_experts), so
+    // in-place updates of it take effect at the next call, as with the op.
+    TORCH_CHECK(!gpu_experts_mask.has_value() || gpu_experts_mask->is_contiguous(),
+                "kt_ops._C.PreparedLayer: gpu_experts_mask must be contiguous (it is read live)");
     layer_ = moe::parse_layer(kOp, nullptr, list, weight_format, sizes, group_sizes, no_lora, 1.0,
-                              "silu", std::nullopt);
+                              "silu", gpu_experts_mask);
     for (const auto& [dict, key, expected] : guards) guards_.push_back({dict, key, expected});
   }
 
@@ -122,6 +131,8 @@ class PreparedLayer {
         runtime::ThreadPool::global().prewake();  // the expert kernels run next
         moe::check_routed_args(kOp, x, ids, w);
         moe::check_hidden_size(kOp, x, layer_);
+        // A caller that requires K slots per token raises its own error otherwise.
+        TORCH_CHECK(top_k_ <= 0 || ids.size(1) == top_k_, "top_k");
         out = at::empty(x.sizes(), x.options());
         moe::moe_forward_experts(x.contiguous(), ids, w, layer_, kernels::active_isa(), out);
       } catch (const c10::Error&) {
@@ -135,6 +146,7 @@ class PreparedLayer {
  private:
   moe::MoeLayer layer_;
   std::vector<Guard> guards_;
+  int64_t top_k_ = 0;  // > 0: topk_ids must have this many columns
 };
 
 }  // namespace
@@ -143,25 +155,31 @@ void register_prepared_layer(py::module& m) {
   py::class_<PreparedLayer>(m, "PreparedLayer", R"doc(
 A layer's packed experts parsed once, for repeated eager inference calls.
 
-``PreparedLayer(weights, weight_format, sizes, group_sizes, guards)`` takes the
-layer arguments of ``torch.ops.kt.moe_forward`` (the 9 packed tensors or None,
-the format name(s), ``[hidden_size, intermediate_size]``, the 3 group sizes;
-no LoRA, no GPU-expert mask) and checks them as the op does (RuntimeError
-naming the argument). ``guards`` is a list of ``(dict, key, object)``: the
-layer is only used while ``dict[key] is object`` for each.
+``PreparedLayer(weights, weight_format, sizes, group_sizes, guards,
+gpu_experts_mask=None, top_k=0)`` takes the layer arguments of
+``torch.ops.kt.moe_forward`` (the 9 packed tensors or None, the format name(s),
+``[hidden_size, intermediate_size]``, the 3 group sizes; no LoRA) and checks
+them as the op does (RuntimeError naming the argument). ``guards`` is a list of
+``(dict, key, object)``: the layer is only used while ``dict[key] is object``
+for each. ``gpu_experts_mask``: None, or the op's contiguous CPU bool ``[E]``
+mask of experts to skip, read at every call (in-place updates take effect).
+``top_k`` > 0: ``forward`` returns None unless ``topk_ids`` has that many
+columns (for a caller that raises its own error there).
 
 ``forward(hidden_states, topk_ids, topk_weights)`` returns the op's output,
 bit for bit, or ``None`` where the op must be called instead: grad mode on,
 tensor subclasses, a dispatch or function mode, another device or dispatch
 key, a profiler or other RecordFunction observer, a guard that no longer
 holds, or any error (the op then raises it). Used by
-``kt_ops.nn.MoEExperts``; see csrc/ops/prepared_layer.cpp.
+``kt_ops.nn.MoEExperts`` and ``kt_ops.compat.KTMoEWrapper``; see
+csrc/ops/prepared_layer.cpp.
 )doc")
       .def(py::init<const std::vector<std::optional<at::Tensor>>&, const std::string&,
                     const std::vector<int64_t>&, const std::vector<int64_t>&,
-                    const std::vector<std::tuple<py::dict, py::str, py::object>>&>(),
+                    const std::vector<std::tuple<py::dict, py::str, py::object>>&,
+                    const std::optional<at::Tensor>&, int64_t>(),
            py::arg("weights"), py::arg("weight_format"), py::arg("sizes"), py::arg("group_sizes"),
-           py::arg("guards"))
+           py::arg("guards"), py::arg("gpu_experts_mask") = py::none(), py::arg("top_k") = 0)
       .def("forward", &PreparedLayer::forward, py::arg("hidden_states"), py::arg("topk_ids"),
            py::arg("topk_weights"))
       .def("guards_hold", &PreparedLayer::guards_hold);
