@@ -106,6 +106,12 @@ class ExpertWeights:
                 f"ExpertWeights: gate, up and down hold different expert counts {sorted(experts)}"
             )
 
+    def __getstate__(self) -> dict:
+        # kt_ops.ops keeps a prepared layer here (cannot be pickled; rebuilt on use).
+        state = self.__dict__.copy()
+        state.pop("_prepared_layer", None)
+        return state
+
     @property
     def num_experts(self) -> int:
         """``E``."""

@@ -158,6 +158,10 @@ def moe_forward(
         docs/formats.md) and that path does not, so on such a base the LoRA
         path with ``B = 0`` differs from the no-LoRA call by that rounding:
         about 1e-2 relative (fp8, whose kernels keep fp32 activations: 6e-7).
+        Inference calls (grad mode off, no LoRA, mask or ``out``) compute the
+        same bits through a layer parsed once and kept on ``experts``
+        (``kt_ops._C.PreparedLayer``), which skips the op's argument conversion
+        and dispatch; dispatch modes, subclasses and the profiler still see the op.
 
     Raises:
         RuntimeError naming the argument for a wrong dtype, rank, shape, device,
@@ -169,6 +173,19 @@ def moe_forward(
         records the call, for packed weights (or their scales) that require
         grad (the base weights are frozen).
     """
+    if (
+        out is None
+        and gpu_experts_mask is None
+        and (lora is None or not lora.any())
+        and not torch.is_grad_enabled()
+        and activation == "silu"
+        and not torch.compiler.is_compiling()
+    ):
+        prepared = _prepared_layer(experts)
+        if prepared is not None:
+            y = prepared.forward(hidden_states, topk_ids, topk_weights)
+            if y is not None:
+                return y
     args = (hidden_states, topk_ids, topk_weights) + layer_args(
         experts, lora, activation, hidden_states, gpu_experts_mask
     )
@@ -188,6 +205,35 @@ def moe_forward(
         if any(t.requires_grad for t in (hidden_states, topk_weights, *factors)):
             return torch.ops.kt.moe_forward_train.default(*args)[0]
     return torch.ops.kt.moe_forward.default(*args)
+
+
+def _prepared_layer(experts: ExpertWeights):
+    """The layer of ``experts`` parsed once (``kt_ops._C.PreparedLayer``), or None.
+
+    Inference calls without LoRA, mask or ``out=`` run through it: it computes
+    the op's output bit for bit from the three routed tensors, without the
+    layer arguments' conversion, the dispatcher and the autograd kernel (about
+    half of a cold call's fixed cost: ``benchmarks/bench_call_overhead.py``),
+    and declines (None) whatever the op must handle (csrc/ops/prepared_layer.cpp).
+    Kept on the (frozen) ``ExpertWeights`` object, whose tensors cannot be
+    replaced; None where the op would reject the layer (it then raises).
+    """
+    layer = experts.__dict__.get("_prepared_layer")
+    if layer is None:
+        from kt_ops import _C
+
+        try:
+            layer = _C.PreparedLayer(
+                list(experts.tensors()),
+                experts.weight_format,
+                [experts.hidden_size, experts.intermediate_size],
+                list(experts.group_sizes),
+                [],
+            )
+        except RuntimeError:
+            return None
+        object.__setattr__(experts, "_prepared_layer", layer)
+    return layer
 
 
 def _check_out(hidden_states: Tensor, topk_weights: Tensor, lora, out: Tensor) -> None:

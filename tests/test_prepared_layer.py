@@ -217,3 +217,66 @@ def test_concurrent_python_threads(dense):
         t.join()
     for i in range(4):
         assert len(got[i]) == 20 and all(torch.equal(y, want[i]) for y in got[i])
+
+
+# ---------------------------------------------------------------------- kt_ops.moe_forward
+
+
+@pytest.mark.parametrize("fmt,group", [("bf16", None), ("int8", None), ("int4", 32)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("T", [0, 1, 5])
+def test_functional_wrapper_inference_matches_the_op(dense, fmt, group, dtype, T):
+    import kt_ops
+
+    experts = kt_ops.ExpertWeights.from_dense(*dense, fmt, group_size=group)
+    x = make_hidden(T, H, dtype, seed=T)
+    ids, w = make_routing(T, E, 3, seed=T, skip_fraction=0.2)
+    args = kt_ops.layer.layer_args(experts, None, "silu", None)
+    want = torch.ops.kt.moe_forward.default(x, ids, w, *args)
+    for ctx in (torch.no_grad, torch.inference_mode):
+        with ctx():
+            got = kt_ops.moe_forward(x, ids, w, experts)
+        assert torch.equal(got, want) and got.dtype == dtype
+    assert isinstance(experts.__dict__.get("_prepared_layer"), _C.PreparedLayer)
+
+
+def test_functional_wrapper_takes_the_prepared_layer(dense, monkeypatch):
+    import kt_ops
+    import kt_ops.ops as ops
+
+    experts = kt_ops.ExpertWeights.from_dense(*dense, "int8")
+    x = make_hidden(2, H, torch.float32)
+    ids, w = make_routing(2, E, 2)
+    with torch.no_grad():
+        want = kt_ops.moe_forward(x, ids, w, experts)
+        calls = []
+        real = ops.layer_args
+        monkeypatch.setattr(ops, "layer_args", lambda *a: calls.append(a) or real(*a))
+        assert torch.equal(kt_ops.moe_forward(x, ids, w, experts), want)
+        assert calls == []  # no layer arguments built, no torch.ops call
+        # What the prepared layer does not do goes to the op, as before:
+        mask = torch.zeros(E, dtype=torch.bool)
+        kt_ops.moe_forward(x, ids, w, experts, gpu_experts_mask=mask)  # a mask
+        kt_ops.moe_forward(x, ids, w, experts, out=torch.empty_like(x))  # out=
+        with pytest.raises(RuntimeError, match="topk_ids must lie in"):
+            kt_ops.moe_forward(x, torch.full_like(ids, E), w, experts)  # the op's error
+        assert len(calls) == 3
+    with torch.enable_grad():  # autograd
+        xg = x.clone().requires_grad_()
+        kt_ops.moe_forward(xg, ids, w, experts).sum().backward()
+    assert xg.grad is not None and len(calls) == 4
+
+
+def test_functional_wrapper_copies_and_pickles_its_experts(dense):
+    import pickle
+
+    import kt_ops
+
+    experts = kt_ops.ExpertWeights.from_dense(*dense, "int8")
+    x = make_hidden(2, H, torch.float32)
+    ids, w = make_routing(2, E, 2)
+    with torch.no_grad():
+        want = kt_ops.moe_forward(x, ids, w, experts)
+        for clone in (copy.deepcopy(experts), pickle.loads(pickle.dumps(experts))):
+            assert "_prepared_layer" not in clone.__dict__
+            assert torch.equal(kt_ops.moe_forward(x, ids, w, clone), want)
