@@ -898,14 +898,19 @@ class KTMoEWrapper:
         states with int32/int64 ``[T, K]`` ids and floating ``[T, K]`` weights on the
         CPU, outside grad mode, dispatch modes, subclasses and the profiler.
         """
+        layer = self._current_prepared()
+        return None if layer is None else layer.forward(hidden_states, topk_ids, topk_weights)
+
+    def _current_prepared(self):
+        """The prepared layer if it was built on the current experts and mask objects."""
         p = self._prepared
         if p is None or p[1] is not self.experts or p[2] is not self.gpu_experts_mask:
             return None
-        return p[0].forward(hidden_states, topk_ids, topk_weights)
+        return p[0]
 
     def _prepare(self) -> None:
         """(Re)build :attr:`_prepared` for the loaded experts and the current mask object."""
-        from kt_ops import _C
+        from kt_ops.ops import new_prepared_layer
 
         experts, mask = self.experts, self.gpu_experts_mask
         self._prepared = None
@@ -917,16 +922,9 @@ class KTMoEWrapper:
             and mask.is_contiguous()  # read live by the layer: in-place updates count
         ):
             return
-        layer = _C.PreparedLayer(
-            list(experts.tensors()),
-            experts.weight_format,
-            [experts.hidden_size, experts.intermediate_size],
-            list(experts.group_sizes),
-            [],
-            gpu_experts_mask=mask,
-            top_k=self.num_experts_per_tok,
-        )
-        self._prepared = (layer, experts, mask)
+        layer = new_prepared_layer(experts, mask, self.num_experts_per_tok)
+        if layer is not None:
+            self._prepared = (layer, experts, mask)
 
     def _mask(self) -> Optional[Tensor]:
         mask = self.gpu_experts_mask
@@ -967,8 +965,7 @@ class KTMoEWrapper:
         if x.is_cuda:
             self._pending = self._submit_cuda(x, ids, w, hidden_states.dtype, cuda_stream)
         else:
-            p = self._prepared
-            if p is None or p[1] is not self.experts or p[2] is not self.gpu_experts_mask:
+            if self._current_prepared() is None:
                 self._prepare()  # for the next call
             out = _moe_forward_masked(x, ids, w, self.experts, self._mask())
             self._pending = _Pending(rows=x.shape[0], out=out.to(hidden_states.dtype))

@@ -220,20 +220,32 @@ def _prepared_layer(experts: ExpertWeights):
     """
     layer = experts.__dict__.get("_prepared_layer")
     if layer is None:
-        from kt_ops import _C
-
-        try:
-            layer = _C.PreparedLayer(
-                list(experts.tensors()),
-                experts.weight_format,
-                [experts.hidden_size, experts.intermediate_size],
-                list(experts.group_sizes),
-                [],
-            )
-        except RuntimeError:
-            return None
-        object.__setattr__(experts, "_prepared_layer", layer)
+        layer = new_prepared_layer(experts)
+        if layer is not None:
+            object.__setattr__(experts, "_prepared_layer", layer)
     return layer
+
+
+def new_prepared_layer(
+    experts: ExpertWeights, gpu_experts_mask: Optional[Tensor] = None, top_k: int = 0
+):
+    """A new ``kt_ops._C.PreparedLayer`` of ``experts`` (no guards), or None where
+    the op would reject the layer. ``gpu_experts_mask`` (contiguous CPU bool
+    ``[E]``) is read at every call; ``top_k`` > 0 makes it decline other K."""
+    from kt_ops import _C
+
+    try:
+        return _C.PreparedLayer(
+            list(experts.tensors()),
+            experts.weight_format,
+            [experts.hidden_size, experts.intermediate_size],
+            list(experts.group_sizes),
+            [],
+            gpu_experts_mask=gpu_experts_mask,
+            top_k=top_k,
+        )
+    except RuntimeError:
+        return None
 
 
 def _check_out(hidden_states: Tensor, topk_weights: Tensor, lora, out: Tensor) -> None:
