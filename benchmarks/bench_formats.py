@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
 import json
 import os
@@ -180,8 +181,10 @@ class Packed:
     def _forward(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return kt_ops.moe_forward(x, ids, w, self.experts)
 
-    @property
+    @functools.cached_property
     def experts(self) -> kt_ops.ExpertWeights:
+        # One ExpertWeights per variant: the op's eager inference calls keep their
+        # parsed layer on it (kt_ops.moe_forward), as a model's layer does.
         return kt_ops.ExpertWeights(self.gate, self.up, self.down)
 
 
@@ -216,6 +219,7 @@ class PairSamples:
     rel_err: Optional[float] = None  # ||y - y_bf16|| / ||y_bf16|| on the first warm-up input
 
 
+@torch.no_grad()  # once for the whole loop, as generate() runs a decode (bench_moe._time)
 def time_pair(
     fmt: Packed,
     base: Packed,

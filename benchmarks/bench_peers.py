@@ -387,11 +387,7 @@ def build_kt_ops(
     nbytes = sum(b.nbytes for b in m.buffers())
     what = fmt if group is None else f"{fmt} g{group} sym"
 
-    @torch.no_grad()
-    def fn(x, ids, w):
-        return m(x, ids, w)
-
-    return System(f"kt_ops {label}", "kt_ops", family, what, fn, nbytes / E, keep=[m])
+    return System(f"kt_ops {label}", "kt_ops", family, what, m, nbytes / E, keep=[m])
 
 
 # --------------------------------------------------------------------------- reference
@@ -429,6 +425,7 @@ class Samples:
     rel_err: Optional[float] = None
 
 
+@torch.no_grad()  # once for the whole loop, as generate() runs a decode (bench_moe._time)
 def run_tokens(
     systems: list[System],
     calls: list[Call],
