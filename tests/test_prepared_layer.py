@@ -138,6 +138,47 @@ def test_module_rebuilds_after_a_replaced_buffer_and_steps_aside_for_lora(dense)
     assert not torch.equal(adapted, out)
 
 
+def test_module_forward_tries_the_prepared_layer_first(dense, monkeypatch):
+    m = _module(dense, "int8")
+    x = make_hidden(3, H, torch.bfloat16)
+    ids, w = make_routing(3, E, 2)
+    with torch.no_grad():
+        want = _op(m, x, ids, w)
+        # Routing weights of a third dtype: forward converts them to fp32, the op too.
+        w16 = w.half()
+        want16 = _op(m, x, ids, w16.float())
+        # [T, H] hidden states: none of forward's Python after the prepared layer runs
+        monkeypatch.setattr(m, "_cpu_experts", lambda *a, **k: pytest.fail("not the fast path"))
+        assert torch.equal(m(x, ids, w), want)
+        assert torch.equal(m(x, ids, w16), want16)
+        # [..., H] hidden states take the full path (reshaped there)
+        with pytest.raises(pytest.fail.Exception, match="not the fast path"):
+            m(x.view(1, 3, H), ids.view(1, 3, -1), w.view(1, 3, -1))
+        monkeypatch.undo()
+        # A None from the prepared layer (here an error) goes on to the usual checks.
+        with pytest.raises(ValueError, match="last dimension"):
+            m(x[:, :-1], ids, w)
+        with pytest.raises(RuntimeError, match="topk_ids must lie in"):
+            m(x, torch.full_like(ids, E), w)
+
+
+def test_prepared_layer_steps_aside_for_gpu_experts(dense):
+    m = _module(dense, "bf16")
+    prepared = m.__dict__["_prepared_layer"]
+    x = make_hidden(4, H, torch.float32)
+    ids, w = make_routing(4, E, 3)
+    with torch.no_grad():
+        all_cpu = m(x, ids, w)
+        m.set_gpu_experts([1, 4], dense=dense)  # on the CPU here: dense torch experts
+        assert not prepared.guards_hold()
+        assert prepared.forward(x, ids, w) is None
+        hybrid = m(x, ids, w)
+        cpu_part = _op(m, x, ids, w)  # every expert on the CPU path, no mask
+    # Experts 1 and 4 now come from the dense fp32 weights, not the packed bf16 ones.
+    assert not torch.equal(hybrid, all_cpu)
+    assert torch.equal(cpu_part, all_cpu)
+
+
 def test_dispatch_mode_and_profiler_see_the_op(dense):
     m = _module(dense, "int8")
     x = make_hidden(2, H, torch.float32)
