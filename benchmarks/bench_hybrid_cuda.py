@@ -113,117 +113,113 @@ class Layer:
 
 
 def bridge_rows(layer: Layer, fmt: str, experts: ExpertWeights, tokens, repeats) -> list[dict]:
-    rows = []
-    for T in tokens:
-        reps = repeats or (30 if T <= 8 else 7)
-        gen = torch.Generator().manual_seed(100 + T)
-        sets = [layer.routing(T, gen) for _ in range(min(reps, 8))]
-        dev_sets = [tuple(t.cuda() for t in s) for s in sets]
-        static = tuple(t.clone() for t in dev_sets[0])
+    return [bridge_row(layer, fmt, experts, T, repeats or (30 if T <= 8 else 7)) for T in tokens]
 
-        def cpu(i: int) -> None:
-            kt_ops.moe_forward(*sets[i], experts)
 
-        def cuda(i: int) -> None:
-            kt_ops.moe_forward(*dev_sets[i], experts)
+def bridge_row(layer: Layer, fmt: str, experts: ExpertWeights, T: int, reps: int) -> dict:
+    gen = torch.Generator().manual_seed(100 + T)
+    sets = [layer.routing(T, gen) for _ in range(min(reps, 8))]
+    dev_sets = [tuple(t.cuda() for t in s) for s in sets]
+    static = tuple(t.clone() for t in dev_sets[0])
 
-        for i in range(2):  # warm-up: staging memory, the prepared layer, lazy CUDA init
-            cpu(i % len(sets))
-            cuda(i % len(sets))
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
+    def cpu(i: int) -> None:
+        kt_ops.moe_forward(*sets[i], experts)
+
+    def cuda(i: int) -> None:
+        kt_ops.moe_forward(*dev_sets[i], experts)
+
+    for i in range(2):  # warm-up: staging memory, the prepared layer, lazy CUDA init
+        cpu(i % len(sets))
+        cuda(i % len(sets))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        kt_ops.moe_forward(*static, experts)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured_out = kt_ops.moe_forward(*static, experts)
+
+    samples: dict[str, list[float]] = {"cpu": [], "cuda": [], "graph": []}
+    calls = {"cpu": cpu, "cuda": cuda, "graph": lambda i: graph.replay()}
+    order = list(calls)
+    for r in range(reps):
+        i = r % len(sets)
+        for t, dst in zip(dev_sets[i], static):
+            dst.copy_(t)
+        for name in order[r % 3 :] + order[: r % 3]:
+            samples[name].append(_host_timed(lambda name=name, i=i: calls[name](i)))
+    # The replay computed the last routing: check it against the CPU op (bit-identical).
+    want = kt_ops.moe_forward(*sets[(reps - 1) % len(sets)], experts)
+    exact = torch.equal(captured_out.cpu(), want)
+    graph.reset()  # the graph is gone: its staging memory may go too
+    kt_ops.hybrid.release_graph_staging()
+
+    # Overlap: the op's stream time, a matmul chain of about that length after it on the
+    # same stream, and the same chain beside the op on a side stream.
+    x, ids, w = dev_sets[0]
+    enqueue = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        kt_ops.moe_forward(x, ids, w, experts)
+        enqueue.append(time.perf_counter() - t0)
+        torch.cuda.synchronize()
+    op_ms = statistics.median(
+        _event_ms(lambda: kt_ops.moe_forward(x, ids, w, experts)) for _ in range(5)
+    )
+    a = torch.randn(MM_N, MM_N, device="cuda", dtype=torch.bfloat16)
+    one_mm = statistics.median(_event_ms(lambda: a @ a) for _ in range(5))
+    n_mm = max(1, round(op_ms / max(one_mm, 1e-3)))
+
+    def chain() -> None:
+        b = a
+        for _ in range(n_mm):
+            b = b @ a
+        return b
+
+    mm_ms = statistics.median(_event_ms(chain) for _ in range(3))
+
+    def same_stream() -> None:
+        kt_ops.moe_forward(x, ids, w, experts)
+        chain()
+
+    def side_stream() -> None:
+        cur = torch.cuda.current_stream()
+        side.wait_stream(cur)
         with torch.cuda.stream(side):
-            kt_ops.moe_forward(*static, experts)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured_out = kt_ops.moe_forward(*static, experts)
+            y = kt_ops.moe_forward(x, ids, w, experts)
+        chain()
+        cur.wait_stream(side)
+        y.record_stream(cur)
 
-        def replay(i: int) -> None:
-            graph.replay()
-
-        samples: dict[str, list[float]] = {"cpu": [], "cuda": [], "graph": []}
-        calls = {"cpu": cpu, "cuda": cuda, "graph": replay}
-        order = list(calls)
-        for r in range(reps):
-            i = r % len(sets)
-            for t, dst in zip(dev_sets[i], static):
-                dst.copy_(t)
-            for name in order[r % 3 :] + order[: r % 3]:
-                samples[name].append(_host_timed(lambda name=name, i=i: calls[name](i)))
-        # The replay computed the last routing: check it against the CPU op (bit-identical).
-        want = kt_ops.moe_forward(*sets[(reps - 1) % len(sets)], experts)
-        exact = torch.equal(captured_out.cpu(), want)
-        del graph
-        kt_ops.hybrid.release_graph_staging()
-
-        # Overlap: the op's stream time, a matmul chain of about that length after it on the
-        # same stream, and the same chain beside the op on a side stream.
-        x, ids, w = dev_sets[0]
-        enqueue = []
-        for _ in range(5):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            kt_ops.moe_forward(x, ids, w, experts)
-            enqueue.append(time.perf_counter() - t0)
-            torch.cuda.synchronize()
-        op_ms = statistics.median(
-            _event_ms(lambda: kt_ops.moe_forward(x, ids, w, experts)) for _ in range(5)
-        )
-        a = torch.randn(MM_N, MM_N, device="cuda", dtype=torch.bfloat16)
-        one_mm = statistics.median(_event_ms(lambda: a @ a) for _ in range(5))
-        n_mm = max(1, round(op_ms / max(one_mm, 1e-3)))
-
-        def chain() -> None:
-            b = a
-            for _ in range(n_mm):
-                b = b @ a
-            return b
-
-        mm_ms = statistics.median(_event_ms(chain) for _ in range(3))
-
-        def same_stream() -> None:
-            kt_ops.moe_forward(x, ids, w, experts)
-            chain()
-
-        def side_stream() -> None:
-            cur = torch.cuda.current_stream()
-            side.wait_stream(cur)
-            with torch.cuda.stream(side):
-                y = kt_ops.moe_forward(x, ids, w, experts)
-            chain()
-            cur.wait_stream(side)
-            y.record_stream(cur)
-
-        same_ms = statistics.median(_event_ms(same_stream) for _ in range(3))
-        side_ms = statistics.median(_event_ms(side_stream) for _ in range(3))
-        overlap = (op_ms + mm_ms - side_ms) / min(op_ms, mm_ms)
-        cpu_ms, cuda_ms, graph_ms = (_median_ms(samples[k]) for k in ("cpu", "cuda", "graph"))
-        rows.append(
-            dict(
-                fmt=fmt,
-                T=T,
-                cpu=cpu_ms,
-                cuda=cuda_ms,
-                graph=graph_ms,
-                bridge=cuda_ms - cpu_ms,
-                graph_bridge=graph_ms - cpu_ms,
-                exact=exact,
-                enqueue_us=statistics.median(enqueue) * 1e6,
-                op=op_ms,
-                mm=mm_ms,
-                n_mm=n_mm,
-                same=same_ms,
-                side=side_ms,
-                overlap=overlap,
-            )
-        )
-        print(
-            f"  {fmt:5} T={T:<4} cpu {cpu_ms:8.3f}  cuda {cuda_ms:8.3f}  graph {graph_ms:8.3f} ms"
-            f"  overlap {overlap:5.0%}  replay {'bit-identical' if exact else 'DIFFERS'}",
-            flush=True,
-        )
-    return rows
+    same_ms = statistics.median(_event_ms(same_stream) for _ in range(3))
+    side_ms = statistics.median(_event_ms(side_stream) for _ in range(3))
+    overlap = (op_ms + mm_ms - side_ms) / min(op_ms, mm_ms)
+    cpu_ms, cuda_ms, graph_ms = (_median_ms(samples[k]) for k in ("cpu", "cuda", "graph"))
+    row = dict(
+        fmt=fmt,
+        T=T,
+        cpu=cpu_ms,
+        cuda=cuda_ms,
+        graph=graph_ms,
+        bridge=cuda_ms - cpu_ms,
+        graph_bridge=graph_ms - cpu_ms,
+        exact=exact,
+        enqueue_us=statistics.median(enqueue) * 1e6,
+        op=op_ms,
+        mm=mm_ms,
+        n_mm=n_mm,
+        same=same_ms,
+        side=side_ms,
+        overlap=overlap,
+    )
+    print(
+        f"  {fmt:5} T={T:<4} cpu {cpu_ms:8.3f}  cuda {cuda_ms:8.3f}  graph {graph_ms:8.3f} ms"
+        f"  overlap {overlap:5.0%}  replay {'bit-identical' if exact else 'DIFFERS'}",
+        flush=True,
+    )
+    return row
 
 
 def split_rows(layer: Layer, fmt: str, experts: ExpertWeights, tokens, splits, repeats):
@@ -254,7 +250,8 @@ def split_rows(layer: Layer, fmt: str, experts: ExpertWeights, tokens, splits, r
                 share = float(sum(mask[s[1]].float().mean() for s in sets) / len(sets))
             for s in sets[:2]:
                 module(*s)
-            samples = [_host_timed(lambda i=i: module(*sets[i % len(sets)])) for i in range(reps)]
+            picks = [sets[i % len(sets)] for i in range(reps)]
+            samples = [_host_timed(lambda s=s: module(*s)) for s in picks]
             rows.append(dict(fmt=fmt, n=n, T=T, ms=_median_ms(samples), share=share))
             print(
                 f"  {fmt:5} gpu experts {n:3} T={T:<4} {rows[-1]['ms']:8.3f} ms "
