@@ -42,6 +42,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import ctypes
 import statistics
 import sys
 import time
@@ -51,6 +52,7 @@ import torch
 
 import kt_ops
 import kt_ops.hybrid
+from kt_ops import _C
 from kt_ops.layer import ExpertWeights
 from kt_ops.nn import MoEExperts, hottest_experts
 
@@ -222,6 +224,87 @@ def bridge_row(layer: Layer, fmt: str, experts: ExpertWeights, T: int, reps: int
     return row
 
 
+def host_function_round_trip_ms(samples: int = 50) -> Optional[float]:
+    """Stream time of one no-op ``cudaLaunchHostFunc`` (libc ``free(NULL)``), median ms.
+
+    The floor of any stream-ordered host work on this machine (driver callback
+    thread, interrupt delivery), measured beside the bridge. None when the
+    process's libcudart cannot be found.
+    """
+    torch.cuda.init()
+    path = None
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            if "libcudart.so" in line:
+                path = line.split()[-1]
+                break
+    if path is None:
+        return None
+    cudart = ctypes.CDLL(path)
+    cudart.cudaLaunchHostFunc.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    cudart.cudaLaunchHostFunc.restype = ctypes.c_int
+    free = ctypes.cast(ctypes.CDLL(None).free, ctypes.c_void_p)
+    stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+
+    def launch() -> None:
+        err = cudart.cudaLaunchHostFunc(stream, free, None)
+        if err != 0:
+            raise RuntimeError(f"cudaLaunchHostFunc failed with error {err}")
+
+    launch()
+    return statistics.median(_event_ms(launch) for _ in range(samples))
+
+
+def caller_rows(layer: Layer, experts: ExpertWeights, fmt: str, tokens, repeats) -> list[dict]:
+    """The bridged call's CUDA-graph replay with the host function's thread waiting while
+    the pool's workers compute (default), computing its share, or computing with one
+    thread less in the pool."""
+    n = kt_ops.get_num_threads()
+    configs = [("waits", n, True), ("computes", n, False), ("computes", n - 1, False)]
+    rows = []
+    for T in tokens:
+        gen = torch.Generator().manual_seed(300 + T)
+        sets = [tuple(t.cuda() for t in layer.routing(T, gen)) for _ in range(8)]
+        static = tuple(t.clone() for t in sets[0])
+        for _ in range(2):
+            kt_ops.moe_forward(*static, experts)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            kt_ops.moe_forward(*static, experts)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            kt_ops.moe_forward(*static, experts)
+        samples: dict[int, list[float]] = {i: [] for i in range(len(configs))}
+        reps = repeats or 30
+        for r in range(reps):
+            for t, dst in zip(sets[r % len(sets)], static):
+                dst.copy_(t)
+            for i in [(r + k) % len(configs) for k in range(len(configs))]:
+                _, threads, waits = configs[i]
+                if threads < 1:
+                    continue
+                kt_ops.set_num_threads(threads)
+                before = _C._bridge_caller_waits(waits)
+                samples[i].append(_host_timed(graph.replay))
+                _C._bridge_caller_waits(before)
+        kt_ops.set_num_threads(n)
+        graph.reset()
+        kt_ops.hybrid.release_graph_staging()
+        for i, (mode, threads, _) in enumerate(configs):
+            if samples[i]:
+                rows.append(
+                    dict(fmt=fmt, T=T, mode=mode, threads=threads, ms=_median_ms(samples[i]))
+                )
+                print(
+                    f"  {fmt:5} T={T:<4} caller {mode:8} {threads:3} threads "
+                    f"{rows[-1]['ms']:8.3f} ms (graph replay)",
+                    flush=True,
+                )
+    return rows
+
+
 def split_rows(layer: Layer, fmt: str, experts: ExpertWeights, tokens, splits, repeats):
     gen = torch.Generator().manual_seed(7)
     _, calib_ids, _ = layer.routing(4096, gen, skewed=True)
@@ -268,8 +351,13 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def report(bridge: list[dict], split: list[dict], splits) -> str:
+def report(
+    bridge: list[dict], split: list[dict], splits, callers: list[dict], host_fn: Optional[float]
+) -> str:
     out = [
+        "Host function round trip (a no-op cudaLaunchHostFunc, stream time, median): "
+        + ("libcudart not found" if host_fn is None else f"{host_fn * 1e3:.0f} us"),
+        "",
         "Bridge cost (ms, median; bridge = cuda - cpu; graph = CUDA-graph replay):",
         _table(
             ["format", "T", "cpu", "cuda", "bridge", "graph", "graph bridge", "replay = cpu op"],
@@ -307,6 +395,19 @@ def report(bridge: list[dict], split: list[dict], splits) -> str:
             ],
         ),
     ]
+    if callers:
+        out += [
+            "",
+            "The host function's thread (CUDA-graph replay, ms, median; waits = the pool's "
+            "workers compute, the default; computes = it takes tasks too):",
+            _table(
+                ["format", "T", "caller", "threads", "ms"],
+                [
+                    [r["fmt"], str(r["T"]), r["mode"], str(r["threads"]), f"{r['ms']:.3f}"]
+                    for r in callers
+                ],
+            ),
+        ]
     if split:
         out += [
             "",
@@ -336,6 +437,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--intermediate", type=int, default=768)
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--repeats", type=int, default=0, help="0: 30 at T <= 8, 7 above")
+    p.add_argument(
+        "--caller-tokens",
+        nargs="*",
+        type=int,
+        default=[1, 8],
+        help="T of the host-function-thread comparison (first format only; none: skip)",
+    )
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_hybrid_cuda: no GPU (torch.cuda.is_available() is False); nothing timed")
@@ -349,18 +457,21 @@ def main(argv: Optional[list[str]] = None) -> int:
         f"E={args.experts} H={args.hidden} I={args.intermediate} top-{args.top_k}",
         flush=True,
     )
+    host_fn = host_function_round_trip_ms()
     layer = Layer(args.experts, args.hidden, args.intermediate, args.top_k)
-    bridge, split = [], []
+    bridge, split, callers = [], [], []
     with torch.no_grad():
-        for fmt in args.formats:
+        for i, fmt in enumerate(args.formats):
             t0 = time.perf_counter()
             experts = layer.pack(fmt)
             print(f"packed {fmt} in {time.perf_counter() - t0:.1f} s", flush=True)
+            if i == 0 and args.caller_tokens:
+                callers = caller_rows(layer, experts, fmt, args.caller_tokens, args.repeats)
             bridge += bridge_rows(layer, fmt, experts, args.tokens, args.repeats)
             split += split_rows(layer, fmt, experts, args.tokens, args.splits, args.repeats)
             del experts
     print()
-    print(report(bridge, split, args.splits))
+    print(report(bridge, split, args.splits, callers, host_fn))
     return 0
 
 

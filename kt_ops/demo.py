@@ -345,6 +345,8 @@ def greedy_generate(
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
+    if feed is not None:
+        feed = feed.to(prompt.device)  # the reference's tokens come back on the CPU
     tokens, logits = [], []
     experts = (lambda: timer.seconds) if timer is not None else (lambda: 0.0)
     with torch.inference_mode():

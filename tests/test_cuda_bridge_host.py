@@ -73,6 +73,25 @@ def test_eager_forward_matches_cpu_op(fmt, T, dtype):
     assert torch.equal(got, kt_ops.moe_forward(x, ids, w, experts))
 
 
+@pytest.mark.parametrize("caller_waits", [True, False])
+def test_host_function_with_a_waiting_or_computing_caller(caller_waits):
+    """The host function leaves the compute to the pool's workers by default
+    (runtime::CallerWaitsScope); either way the result is the CPU op's."""
+    experts = _experts("int4")
+    x, ids, w = _routing(40)
+    lora = _lora()
+    before = _C._bridge_caller_waits(caller_waits)
+    try:
+        bridge = _C._HostBridge()
+        got = bridge.moe_forward(x, ids, w, *_args(experts, like=x), None)
+        got_lora = bridge.moe_forward(x, ids, w, *_args(experts, lora, None, x), None)
+    finally:
+        assert _C._bridge_caller_waits(before) is caller_waits
+    assert before is True  # the default
+    assert torch.equal(got, kt_ops.moe_forward(x, ids, w, experts))
+    assert torch.equal(got_lora, kt_ops.moe_forward(x, ids, w, experts, lora))
+
+
 def test_eager_forward_mask_lora_and_out():
     experts = _experts("int8")
     x, ids, w = _routing(7)

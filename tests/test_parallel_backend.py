@@ -320,3 +320,33 @@ def test_cuda_bridge_host_callbacks_keep_the_pool_under_auto():
     kt_ops.set_parallel_backend("openmp")  # forced: the callbacks follow it too
     assert torch.equal(_C._HostBridge().moe_forward(x, ids, w, *args, None), want)
     assert _jobs()[0] > omp1
+
+
+# --------------------------------------------------------------------------
+# A waiting caller (runtime::CallerWaitsScope: the CUDA bridge's host callbacks)
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["auto", "pool"])
+def test_waiting_caller_leaves_every_task_to_the_workers(backend):
+    n = _matched_threads()
+    kt_ops.set_parallel_backend(backend)
+    out = _C._parallel_probe(256, -1, caller_waits=True, pool_threads=True)
+    assert len(out) == 256
+    threads = {t for t, _ in out}
+    assert 0 not in threads and threads <= set(range(1, n)), threads
+    # The scope ends with the call: the next job's caller computes again (on a
+    # busy machine the caller may lose every task to the workers, so only the
+    # thread indices' range is checked).
+    assert {t for t, _ in _C._parallel_probe(256, -1)} <= set(range(n))
+
+
+def test_waiting_caller_gets_task_errors_and_runs_inline_alone():
+    _matched_threads()
+    with pytest.raises(RuntimeError, match="_parallel_probe: task 5"):
+        _C._parallel_probe(64, 5, caller_waits=True, pool_threads=True)
+    kt_ops.set_num_threads(1)
+    try:
+        assert {t for t, _ in _C._parallel_probe(16, -1, caller_waits=True)} == {0}
+    finally:
+        _matched_threads()

@@ -4,6 +4,7 @@
 #include <c10/core/GradMode.h>
 
 #include <array>
+#include <atomic>
 #include <limits>
 #include <memory>
 #include <mutex>
@@ -20,6 +21,7 @@ namespace {
 
 std::mutex g_error_mu;
 std::string g_error;  // the first failure not yet raised
+std::atomic<bool> g_caller_waits{true};  // set_caller_waits (an A/B switch for benchmarks)
 
 void record_error(const std::string& msg) {
   std::lock_guard<std::mutex> lock(g_error_mu);
@@ -151,6 +153,9 @@ void run_bridge_call(void* arg) noexcept {
   try {
     c10::AutoGradMode no_grad(false);
     runtime::PoolThreadsScope pool_threads;  // not an OpenMP team of this thread's own
+    // The workers compute; this thread waits, leaving its core to the thread that
+    // drives the GPU (runtime::CallerWaitsScope says why).
+    runtime::CallerWaitsScope caller_waits(g_caller_waits.load(std::memory_order_relaxed));
     execute(*c);
   } catch (const c10::Error& e) {
     error = e.what_without_backtrace();
@@ -354,6 +359,8 @@ std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> bridge_moe_backward(
   });
   return {grad_x, grad_w, grad_lora};
 }
+
+bool set_caller_waits(bool waits) { return g_caller_waits.exchange(waits); }
 
 std::string take_deferred_error() {
   std::lock_guard<std::mutex> lock(g_error_mu);

@@ -50,4 +50,10 @@ std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> bridge_moe_backward(
 // and that no later call has raised yet ("" if none); clears it.
 std::string take_deferred_error();
 
+// Whether a bridged call's host function leaves the computing to the pool's
+// workers (true, the default: runtime::CallerWaitsScope says why) or computes
+// its share too (false). Returns the previous setting; for A/B measurements
+// (benchmarks/bench_hybrid_cuda.py) and tests.
+bool set_caller_waits(bool waits);
+
 }  // namespace kt::hybrid

@@ -135,6 +135,9 @@ void register_host_bridge(pybind11::module& m) {
       .def("moe_backward", &HostBridge::moe_backward)
       .def("replay", &HostBridge::replay);
   m.def("_bridge_take_error", &take_deferred_error);
+  m.def("_bridge_caller_waits", &set_caller_waits, py::arg("waits"),
+        "Whether bridged calls' host functions leave the computing to the pool's workers "
+        "(default True); returns the previous setting (A/B switch for benchmarks and tests)");
   m.def("cuda_bridge_built", [] {
 #ifdef KT_OPS_HAS_CUDA_BRIDGE
     return true;

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <optional>
 #include <stdexcept>
 
 #include "formats/format_table.h"
@@ -218,18 +219,26 @@ PYBIND11_MODULE(_C, m) {
     d["caller_moves"] = kt::runtime::ThreadPool::caller_moves();
     return d;
   });
-  m.def("_parallel_probe", [](int64_t tasks, int64_t fail_at) {
-    // Test hook: runs `tasks` pool tasks; each reports (thread index, whether it
-    // ran inside an OpenMP region). Task fail_at (if >= 0) throws instead.
-    std::vector<std::pair<int, bool>> out(static_cast<size_t>(std::max<int64_t>(tasks, 0)));
-    py::gil_scoped_release no_gil;
-    kt::runtime::ThreadPool::global().run(tasks, [&](int64_t t, int thread) {
+  m.def(
+      "_parallel_probe",
+      [](int64_t tasks, int64_t fail_at, bool caller_waits, bool pool_threads) {
+        // Test hook: runs `tasks` pool tasks; each reports (thread index, whether it
+        // ran inside an OpenMP region). Task fail_at (if >= 0) throws instead.
+        // caller_waits / pool_threads: as a CUDA bridge host callback runs its jobs.
+        std::vector<std::pair<int, bool>> out(static_cast<size_t>(std::max<int64_t>(tasks, 0)));
+        py::gil_scoped_release no_gil;
+        std::optional<kt::runtime::PoolThreadsScope> pool_scope;
+        if (pool_threads) pool_scope.emplace();
+        kt::runtime::CallerWaitsScope waits(caller_waits);
+        kt::runtime::ThreadPool::global().run(tasks, [&](int64_t t, int thread) {
       if (t == fail_at)
         throw std::runtime_error("kt_ops._parallel_probe: task " + std::to_string(t));
-      out[static_cast<size_t>(t)] = {thread, kt::runtime::openmp::in_parallel()};
-    });
-    return out;
-  });
+          out[static_cast<size_t>(t)] = {thread, kt::runtime::openmp::in_parallel()};
+        });
+        return out;
+      },
+      py::arg("tasks"), py::arg("fail_at") = -1, py::arg("caller_waits") = false,
+      py::arg("pool_threads") = false);
   m.def("_parallel_probe_cpus", [](int64_t tasks, int64_t spin_us) {
     // Test hook: runs `tasks` pool tasks of `spin_us` microseconds each; each
     // reports (thread index, the CPU it started on).

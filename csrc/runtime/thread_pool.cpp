@@ -113,6 +113,7 @@ void throw_if_backend_env_error() {
 }
 
 thread_local int t_pool_threads_scopes = 0;  // PoolThreadsScope nesting on this thread
+thread_local int t_caller_waits_scopes = 0;  // active CallerWaitsScope nesting on this thread
 std::atomic<uint64_t> g_openmp_jobs{0}, g_pool_jobs{0}, g_caller_moves{0};
 
 // For one pool job: moves the calling thread onto its home PUs
@@ -258,6 +259,13 @@ ParallelBackend ThreadPool::parallel_backend() { return backend_or_auto(); }
 
 PoolThreadsScope::PoolThreadsScope() { ++t_pool_threads_scopes; }
 PoolThreadsScope::~PoolThreadsScope() { --t_pool_threads_scopes; }
+
+CallerWaitsScope::CallerWaitsScope(bool active) : active_(active) {
+  if (active_) ++t_caller_waits_scopes;
+}
+CallerWaitsScope::~CallerWaitsScope() {
+  if (active_) --t_caller_waits_scopes;
+}
 
 uint64_t ThreadPool::openmp_jobs() { return g_openmp_jobs.load(std::memory_order_relaxed); }
 uint64_t ThreadPool::pool_jobs() { return g_pool_jobs.load(std::memory_order_relaxed); }
@@ -542,7 +550,10 @@ void ThreadPool::run(int64_t num_tasks, const TaskFn& fn) {
     run_inline();
     return;
   }
-  const CallerOnHomePus on_home_pus(pu_role_);
+  // A waiting caller (CallerWaitsScope) computes nothing: it stays where it is.
+  const bool caller_waits = t_caller_waits_scopes > 0;
+  static const std::vector<uint8_t> kStayPut;
+  const CallerOnHomePus on_home_pus(caller_waits ? kStayPut : pu_role_);
   {
     std::lock_guard<std::mutex> lock(mutex_);
     job_ = &fn;
@@ -553,8 +564,9 @@ void ThreadPool::run(int64_t num_tasks, const TaskFn& fn) {
     generation_.fetch_add(1, std::memory_order_release);
   }
   work_cv_.notify_all();
-  do_tasks(0);
-  if (!spin_until([&] { return busy_workers_.load(std::memory_order_acquire) == 0; })) {
+  if (!caller_waits) do_tasks(0);
+  if (caller_waits ||
+      !spin_until([&] { return busy_workers_.load(std::memory_order_acquire) == 0; })) {
     std::unique_lock<std::mutex> lock(mutex_);
     done_cv_.wait(lock, [&] { return busy_workers_.load() == 0; });
   }

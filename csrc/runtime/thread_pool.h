@@ -89,6 +89,27 @@ class PoolThreadsScope {
   PoolThreadsScope& operator=(const PoolThreadsScope&) = delete;
 };
 
+// For its lifetime, a pool job started on this thread runs on the workers
+// alone: this thread hands out the tasks and blocks (no spin) until they are
+// done. For the CUDA bridge's host callbacks (hybrid/bridge.cpp): while the
+// CPU experts run there, another thread drives the GPU (the caller of the op
+// launching the next kernels, or spinning in a stream synchronize). With the
+// pool sized to the cores, a computing callback thread made one busy thread
+// more than cores, and a job waited for a descheduled thread's time slice:
+// every bridged call took at least 4 ms on a 16-core H100 host, against
+// 0.4-0.9 ms for the same call on CPU tensors (scripts/gpu_check.sh,
+// README "CPU/GPU hybrid"). Without workers (one thread) jobs still run inline.
+class CallerWaitsScope {
+ public:
+  explicit CallerWaitsScope(bool active = true);
+  ~CallerWaitsScope();
+  CallerWaitsScope(const CallerWaitsScope&) = delete;
+  CallerWaitsScope& operator=(const CallerWaitsScope&) = delete;
+
+ private:
+  bool active_;
+};
+
 class ThreadPool {
  public:
   // fn(task_index, thread_index); thread_index is in [0, num_threads()).
