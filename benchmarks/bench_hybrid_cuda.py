@@ -11,7 +11,9 @@ token count T (1, 8, 512), in one process on a machine with a CUDA device:
    eagerly and as the replay of a captured ``torch.cuda.CUDAGraph``
    (``graph``). Host clock around the call and a ``torch.cuda.synchronize()``;
    the three are interleaved per repetition (the order rotates) over the same
-   pre-drawn routings, so host noise and DRAM state hit all alike.
+   pre-drawn routings, so host noise and DRAM state hit all alike, each after
+   a 20 ms idle pause (``SETTLE_S``: torch's OpenMP threads, which the CPU
+   call runs on, spin for a while after it).
    ``bridge`` = cuda - cpu (median of each).
 2. **Overlap.** ``enqueue``: host time of the CUDA call alone (it returns before
    the CPU experts run). A chain of bf16 GPU matmuls sized to take about as long
@@ -21,7 +23,12 @@ token count T (1, 8, 512), in one process on a machine with a CUDA device:
    it runs while the CPU experts compute (``side``). ``overlap`` =
    (op + mm - side) / min(op, mm): 100% when the shorter one is hidden
    entirely. All from CUDA events on the current stream.
-3. **Split.** ``kt_ops.nn.MoEExperts`` with 0, 8 and 32 of its experts resident
+3. **The host function's thread** (``--caller-tokens``, first format only):
+   CUDA-graph replays with that thread waiting while the pool's workers compute
+   (the default, ``runtime::CallerWaitsScope``), computing its share, and
+   computing with one pool thread less; one block per setting, the first again
+   at the end.
+4. **Split.** ``kt_ops.nn.MoEExperts`` with 0, 8 and 32 of its experts resident
    on the GPU (``set_gpu_experts``: bf16 copies, computed with torch on the
    GPU; the op skips them through ``gpu_experts_mask``), called on CUDA hidden
    states; the routing is skewed (a fixed Zipf-like popularity per expert added
@@ -29,9 +36,10 @@ token count T (1, 8, 512), in one process on a machine with a CUDA device:
    hottest of a calibration batch, so ``gpu share`` (the share of routed
    (token, expert) slots the GPU computes) grows faster than N / E.
 
-Medians over ``--repeats`` (default 30 at T <= 8, 7 above). Not part of the
-test suite; ``scripts/gpu_check.sh`` runs it and prints its tables. Without a
-CUDA device (or without the bridge in the build) it says so and exits 0.
+Also the stream time of a no-op ``cudaLaunchHostFunc`` (the floor of any
+stream-ordered host work on the machine). Medians over ``--repeats`` (default
+30 at T <= 8, 7 above). Not part of the test suite; ``scripts/gpu_check.sh``
+runs it and prints its tables. Without a CUDA device (or without the bridge in the build) it says so and exits 0.
 
 Usage::
 
@@ -59,6 +67,11 @@ from kt_ops.nn import MoEExperts, hottest_experts
 DEFAULT_TOKENS = (1, 8, 512)
 DEFAULT_SPLITS = (0, 8, 32)
 MM_N = 4096  # one bf16 matmul of the overlap chain: 4096^3, ~0.2 ms on an H100
+# An idle pause before each timed call of the interleaved bridge comparison. A CPU-tensor
+# call runs on torch's OpenMP threads (kt_ops' 'auto' backend), which spin for a while
+# after it; a bridged call right after it ran its host function beside 16 spinning
+# threads on 16 cores (3.8-11 ms instead of 0.9 at T = 1 on the first H100 run).
+SETTLE_S = 0.02
 
 
 def _median_ms(samples: list[float]) -> float:
@@ -150,6 +163,7 @@ def bridge_row(layer: Layer, fmt: str, experts: ExpertWeights, T: int, reps: int
         for t, dst in zip(dev_sets[i], static):
             dst.copy_(t)
         for name in order[r % 3 :] + order[: r % 3]:
+            time.sleep(SETTLE_S)
             samples[name].append(_host_timed(lambda name=name, i=i: calls[name](i)))
     # The replay computed the last routing: check it against the CPU op (bit-identical).
     want = kt_ops.moe_forward(*sets[(reps - 1) % len(sets)], experts)
@@ -256,52 +270,49 @@ def host_function_round_trip_ms(samples: int = 50) -> Optional[float]:
 
 
 def caller_rows(layer: Layer, experts: ExpertWeights, fmt: str, tokens, repeats) -> list[dict]:
-    """The bridged call's CUDA-graph replay with the host function's thread waiting while
-    the pool's workers compute (default), computing its share, or computing with one
-    thread less in the pool."""
+    """CUDA-graph replays of a bridged call with the host function's thread waiting while
+    the pool's workers compute (the default), computing its share, or computing with one
+    thread less in the pool. One block of calls per setting (a pool resize restarts its
+    workers), the first setting again at the end to show the drift."""
     n = kt_ops.get_num_threads()
     configs = [("waits", n, True), ("computes", n, False), ("computes", n - 1, False)]
+    configs = [c for c in configs if c[1] >= 1] + [configs[0]]
     rows = []
     for T in tokens:
         gen = torch.Generator().manual_seed(300 + T)
         sets = [tuple(t.cuda() for t in layer.routing(T, gen)) for _ in range(8)]
         static = tuple(t.clone() for t in sets[0])
-        for _ in range(2):
-            kt_ops.moe_forward(*static, experts)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            kt_ops.moe_forward(*static, experts)
+            for _ in range(2):
+                kt_ops.moe_forward(*static, experts)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             kt_ops.moe_forward(*static, experts)
-        samples: dict[int, list[float]] = {i: [] for i in range(len(configs))}
         reps = repeats or 30
-        for r in range(reps):
-            for t, dst in zip(sets[r % len(sets)], static):
-                dst.copy_(t)
-            for i in [(r + k) % len(configs) for k in range(len(configs))]:
-                _, threads, waits = configs[i]
-                if threads < 1:
-                    continue
-                kt_ops.set_num_threads(threads)
-                before = _C._bridge_caller_waits(waits)
-                samples[i].append(_host_timed(graph.replay))
-                _C._bridge_caller_waits(before)
+        for mode, threads, waits in configs:
+            kt_ops.set_num_threads(threads)
+            before = _C._bridge_caller_waits(waits)
+            samples = []
+            for r in range(reps + 3):
+                for t, dst in zip(sets[r % len(sets)], static):
+                    dst.copy_(t)
+                torch.cuda.synchronize()
+                ms = _host_timed(graph.replay)
+                if r >= 3:  # the first replays after a resize warm the new workers up
+                    samples.append(ms)
+            _C._bridge_caller_waits(before)
+            rows.append(dict(fmt=fmt, T=T, mode=mode, threads=threads, ms=_median_ms(samples)))
+            print(
+                f"  {fmt:5} T={T:<4} caller {mode:8} {threads:3} threads "
+                f"{rows[-1]['ms']:8.3f} ms (graph replay)",
+                flush=True,
+            )
         kt_ops.set_num_threads(n)
         graph.reset()
         kt_ops.hybrid.release_graph_staging()
-        for i, (mode, threads, _) in enumerate(configs):
-            if samples[i]:
-                rows.append(
-                    dict(fmt=fmt, T=T, mode=mode, threads=threads, ms=_median_ms(samples[i]))
-                )
-                print(
-                    f"  {fmt:5} T={T:<4} caller {mode:8} {threads:3} threads "
-                    f"{rows[-1]['ms']:8.3f} ms (graph replay)",
-                    flush=True,
-                )
     return rows
 
 

@@ -1023,7 +1023,9 @@ class KTMoEWrapper:
         with torch.cuda.stream(stream):
             if KTMoEWrapper._cuda_bridge is not False:
                 try:
-                    out = _moe_forward_masked(x, ids, w, self.experts, self._mask())
+                    mask = self._mask()  # the op takes it on the device of hidden_states
+                    mask = None if mask is None else mask.to(x.device, non_blocking=True)
+                    out = _moe_forward_masked(x, ids, w, self.experts, mask)
                     KTMoEWrapper._cuda_bridge = True
                     return _Pending(rows=x.shape[0], out=out.to(dtype))
                 except RuntimeError as e:

@@ -1,0 +1,30 @@
+# One C++ runtime in the process: the libstdc++.so.6 that torch uses.
+#
+# A toolchain that links libstdc++ (and libgcc) statically into shared objects (a g++ wrapper
+# that adds -static-libstdc++ -static-libgcc, as /opt/gcc/bin/g++ seemed to on the GPU
+# machines scripts/gpu_check.sh ran on)
+# gave _C a private copy of libstdc++. Its iostreams, never initialised next to torch's,
+# crashed (or silently dropped the numbers) when an error message formatted a number:
+# six CUDA-bridge and wrapper tests died with SIGSEGV in std::ostream::_M_insert<long>.
+#
+# kt_add_shared_cxx_runtime(target): names the shared libstdc++ on the link line, so every
+# libstdc++ symbol resolves there and a static archive the driver appends adds nothing (and
+# the same for libgcc_s, the unwinder), and checks after the link (readelf) that
+# libstdc++.so.6 is a dependency and that neither iostream nor unwinder code was linked in;
+# the build fails otherwise, saying why.
+
+function(kt_add_shared_cxx_runtime target)
+  if(NOT CMAKE_CXX_COMPILER_ID MATCHES "GNU|Clang" OR APPLE)
+    return()
+  endif()
+  # libgcc_s too: with -static-libgcc the landing pads' _Unwind_Resume came from a private
+  # copy of the unwinder that never saw the exception libstdc++.so.6 raised (std::terminate).
+  target_link_libraries(${target} PRIVATE stdc++ gcc_s)
+  find_program(KT_READELF NAMES readelf "${CMAKE_CXX_COMPILER_TARGET}-readelf")
+  if(KT_READELF)
+    add_custom_command(TARGET ${target} POST_BUILD
+      COMMAND "${CMAKE_COMMAND}" -DREADELF=${KT_READELF} -DLIB=$<TARGET_FILE:${target}>
+              -P "${CMAKE_CURRENT_FUNCTION_LIST_DIR}/check_cxx_runtime.cmake"
+      VERBATIM)
+  endif()
+endfunction()
