@@ -39,7 +39,8 @@ token count T (1, 8, 512), in one process on a machine with a CUDA device:
 Also the stream time of a no-op ``cudaLaunchHostFunc`` (the floor of any
 stream-ordered host work on the machine). Medians over ``--repeats`` (default
 30 at T <= 8, 7 above). Not part of the test suite; ``scripts/gpu_check.sh``
-runs it and prints its tables. Without a CUDA device (or without the bridge in the build) it says so and exits 0.
+runs it and prints its tables. Without a CUDA device (or without the bridge in
+the build) it says so and exits 0.
 
 Usage::
 
