@@ -20,7 +20,7 @@ namespace kt::hybrid {
 namespace {
 
 std::mutex g_error_mu;
-std::string g_error;  // the first failure not yet raised
+std::string g_error;                     // the first failure not yet raised
 std::atomic<bool> g_caller_waits{true};  // set_caller_waits (an A/B switch for benchmarks)
 
 void record_error(const std::string& msg) {

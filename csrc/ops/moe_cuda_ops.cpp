@@ -41,9 +41,8 @@ std::string cuda_arguments(const at::Tensor& topk_ids, const at::Tensor& topk_we
 
 // The CUDA kernels run with CUDA hidden states; a call whose hidden_states is on the
 // CPU got here through another argument on a CUDA device: name it.
-void check_cuda_hidden(const char* op, const at::Tensor& hidden_states,
-                       const at::Tensor& topk_ids, const at::Tensor& topk_weights,
-                       KT_LAYER_PARAMS) {
+void check_cuda_hidden(const char* op, const at::Tensor& hidden_states, const at::Tensor& topk_ids,
+                       const at::Tensor& topk_weights, KT_LAYER_PARAMS) {
   if (hidden_states.is_cuda()) return;
   const bool weight_on_cuda = [&] {
     for (size_t i = 0; i < weights.size(); ++i) {
@@ -80,8 +79,7 @@ void moe_forward_out_cuda(const at::Tensor& hidden_states, const at::Tensor& top
 std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_forward_train_cuda(
     const at::Tensor& hidden_states, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
     KT_LAYER_PARAMS) {
-  check_cuda_hidden("kt.moe_forward_train", hidden_states, topk_ids, topk_weights,
-                    KT_LAYER_ARGS);
+  check_cuda_hidden("kt.moe_forward_train", hidden_states, topk_ids, topk_weights, KT_LAYER_ARGS);
   const c10::DeviceGuard guard(hidden_states.device());
   hybrid::CudaTransport t(hidden_states.device());
   return hybrid::bridge_moe_forward_train(t, hidden_states, topk_ids, topk_weights, KT_LAYER_ARGS);

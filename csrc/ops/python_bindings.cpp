@@ -231,8 +231,8 @@ PYBIND11_MODULE(_C, m) {
         if (pool_threads) pool_scope.emplace();
         kt::runtime::CallerWaitsScope waits(caller_waits);
         kt::runtime::ThreadPool::global().run(tasks, [&](int64_t t, int thread) {
-      if (t == fail_at)
-        throw std::runtime_error("kt_ops._parallel_probe: task " + std::to_string(t));
+          if (t == fail_at)
+            throw std::runtime_error("kt_ops._parallel_probe: task " + std::to_string(t));
           out[static_cast<size_t>(t)] = {thread, kt::runtime::openmp::in_parallel()};
         });
         return out;

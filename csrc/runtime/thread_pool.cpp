@@ -276,7 +276,7 @@ namespace detail {
 std::vector<int> caller_target(int cpu, const std::vector<int>& mask,
                                const std::vector<uint8_t>& pu_role) {
   const auto role = [&](int pu) {
-    return pu >= 0 && static_cast<size_t>(pu) < pu_role.size() ? pu_role[pu] : kOtherPu;
+    return pu >= 0 && static_cast<size_t>(pu) < pu_role.size() ? pu_role[pu] : uint8_t{kOtherPu};
   };
   if (role(cpu) == kHomePu) return {};
   std::vector<int> home, off_workers;
