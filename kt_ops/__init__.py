@@ -13,7 +13,7 @@ import torch  # noqa: F401  (first: loads libtorch*.so, which kt_ops._C links)
 from kt_ops import _C  # noqa: F401  (registers the kt:: ops)
 from kt_ops.formats.bf16 import pack_weights, unpack_weights
 from kt_ops.info import info, print_info
-from kt_ops.layer import ExpertWeights, LoRAWeights
+from kt_ops.layer import ACTIVATIONS, ExpertWeights, LoRAWeights
 from kt_ops.ops import (
     lora_activation_checkpointing,
     moe_forward,
@@ -50,6 +50,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "moe_forward",
+    "ACTIVATIONS",
     "ExpertWeights",
     "LoRAWeights",
     "pack_weights",

@@ -32,11 +32,13 @@ Two layouts of experts are recognised:
   own routing and runs each expert through kt_ops (correct, but one op call per
   expert, so without the fused speed-up).
 
-Supported experts compute the SwiGLU MLP ``down(silu(gate(x)) * up(x))``.
-Anything else is refused with :class:`UnsupportedExpertsError` (a
-``ValueError``) naming the module, its class and the reason: expert biases
-(``has_bias=True``, e.g. gpt-oss), non-gated experts (``has_gate=False``), a
-post-expert norm, an activation other than SiLU, extra tensors such as
+Supported experts compute the gated MLP ``down(act(gate(x)) * up(x))`` with
+``act`` SiLU (SwiGLU) or GELU (erf or tanh approximation: GeGLU), found from the
+experts' ``act_fn`` (:data:`kt_ops.ACTIVATIONS`). Anything else is refused with
+:class:`UnsupportedExpertsError` (a ``ValueError``) naming the module, its class
+and the reason: expert biases (``has_bias=True``, e.g. gpt-oss), non-gated
+experts (``has_gate=False``), a post-expert norm, another activation, extra
+tensors such as
 quantization scales, or a custom gating function (``_apply_gate`` with clamps or
 a different GLU). As a last guard, the first replacement of each kind of module is checked on a
 probe batch against the module it replaces (``check=True``), which also catches
@@ -72,7 +74,7 @@ import torch
 from torch import Tensor, nn
 
 from kt_ops.formats import FORMATS
-from kt_ops.layer import split_weight_format
+from kt_ops.layer import ACTIVATIONS, split_weight_format
 from kt_ops.nn import MoEExpertList, MoEExperts, hottest_experts, parse_gpu_experts
 
 __all__ = [
@@ -112,6 +114,7 @@ class ExpertsInfo:
         concatenated: gate rows then up rows (``True``) or interleaved (``False``); fused only.
         transposed: weights stored ``[E, in, out]``; fused only.
         num_experts, hidden_size, intermediate_size: ``E``, ``H``, ``I``.
+        activation: the experts' ``act`` by kt_ops' name (:data:`kt_ops.ACTIVATIONS`).
     """
 
     name: str
@@ -122,6 +125,7 @@ class ExpertsInfo:
     num_experts: int
     hidden_size: int
     intermediate_size: int
+    activation: str = "silu"
 
 
 @dataclass
@@ -149,11 +153,29 @@ def _is_fused_experts(module: nn.Module) -> bool:
     return decorated or has_weights
 
 
-def _is_silu(act: object) -> bool:
-    if isinstance(act, nn.SiLU):
-        return True
-    # transformers' ACT2FN["silu"] is its own SiLUActivation module.
-    return type(act).__name__ in ("SiLUActivation", "SiLU") or act is torch.nn.functional.silu
+#: transformers' activation classes (transformers.activations.ACT2CLS) by kt_ops' name.
+_HF_ACTIVATIONS = {
+    "SiLUActivation": "silu",  # "silu"
+    "GELUActivation": "gelu",  # "gelu", "gelu_python": erf
+    "GELUTanh": "gelu_tanh",  # "gelu_pytorch_tanh", "gelu_python_tanh"
+    "NewGELUActivation": "gelu_tanh",  # "gelu_new": the same tanh formula
+    "FastGELUActivation": "gelu_tanh",  # "gelu_fast"
+    "AccurateGELUActivation": "gelu_tanh",  # "gelu_accurate"
+}
+
+
+def _kt_activation(act: object) -> Optional[str]:
+    """kt_ops' name (:data:`kt_ops.ACTIVATIONS`) of an experts' ``act_fn``, or None.
+
+    The replacement's probe (``_check_replacement``) then checks the numbers.
+    """
+    if act is torch.nn.functional.silu or isinstance(act, nn.SiLU):
+        return "silu"
+    if act is torch.nn.functional.gelu:
+        return "gelu"
+    if isinstance(act, nn.GELU):
+        return "gelu_tanh" if act.approximate == "tanh" else "gelu"
+    return _HF_ACTIVATIONS.get(type(act).__name__)
 
 
 def _act_name(module: nn.Module, act: object) -> str:
@@ -198,10 +220,11 @@ def _plan_fused(name: str, module: nn.Module) -> ExpertsInfo:
             f"{where}: a norm after each expert (has_post_expert_norm=True) is not supported"
         )
     act = getattr(module, "act_fn", None)
-    if act is not None and not _is_silu(act):
+    activation = "silu" if act is None else _kt_activation(act)
+    if activation is None:
         raise UnsupportedExpertsError(
             f"{where}: activation {_act_name(module, act)} is not supported; kt_ops experts "
-            "use SiLU (SwiGLU)"
+            f"compute act(gate(x)) * up(x) with act one of {list(ACTIVATIONS)}"
         )
     gate_up = getattr(module, "gate_up_proj", None)
     down = getattr(module, "down_proj", None)
@@ -236,7 +259,9 @@ def _plan_fused(name: str, module: nn.Module) -> ExpertsInfo:
             f"{where}: gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} "
             f"are not {layout} (is_transposed={transposed})"
         )
-    return ExpertsInfo(name, type(module).__name__, "fused", concatenated, transposed, E, H, inter)
+    return ExpertsInfo(
+        name, type(module).__name__, "fused", concatenated, transposed, E, H, inter, activation
+    )
 
 
 def _describe(t: object) -> str:
@@ -293,15 +318,33 @@ def _plan_module_list(name: str, experts: nn.ModuleList) -> ExpertsInfo:
     if act is None:
         raise UnsupportedExpertsError(
             f"{where}: the expert MLPs ({type(first).__name__}) have no act_fn attribute, so "
-            "their activation cannot be checked; kt_ops experts use SiLU"
+            "their activation cannot be checked"
         )
-    if not _is_silu(act):
+    activation = _kt_activation(act)
+    if activation is None:
         raise UnsupportedExpertsError(
             f"{where}: activation {_act_name(first, act)} of {type(first).__name__} is not "
-            "supported; kt_ops experts use SiLU (SwiGLU)"
+            f"supported; kt_ops experts compute act(gate(x)) * up(x) with act one of "
+            f"{list(ACTIVATIONS)}"
         )
+    for i, mlp in enumerate(experts):
+        other = _kt_activation(getattr(mlp, "act_fn", None))
+        if other != activation:
+            raise UnsupportedExpertsError(
+                f"{where}: expert {i} has activation "
+                f"{_act_name(mlp, getattr(mlp, 'act_fn', None))} but expert 0 has "
+                f"{_act_name(first, act)}; kt_ops runs one activation per layer"
+            )
     return ExpertsInfo(
-        name, type(experts).__name__, "module_list", True, False, len(experts), H, inter
+        name,
+        type(experts).__name__,
+        "module_list",
+        True,
+        False,
+        len(experts),
+        H,
+        inter,
+        activation,
     )
 
 
@@ -440,10 +483,11 @@ def _check_replacement(plan: _Plan, new: MoEExperts, gate: Tensor) -> None:
         if _has_custom_gate(old):
             custom_gate = f" {type(old).__name__} overrides _apply_gate (custom gating)."
         raise UnsupportedExpertsError(
-            f"{where}: its output differs from the SwiGLU experts kt_ops computes "
+            f"{where}: its output differs from the {plan.info.activation} GLU experts kt_ops "
+            "computes "
             f"(relative error {', '.join(f'{c}: {e:.3g}' for c, e in bad.items())} on a probe "
-            f"batch, tolerance {_PROBE_TOL}).{custom_gate} Only down(silu(gate(x)) * up(x)) "
-            "experts are supported"
+            f"batch, tolerance {_PROBE_TOL}).{custom_gate} Only down(act(gate(x)) * up(x)) "
+            f"experts with act one of {list(ACTIVATIONS)} are supported"
         )
 
 
@@ -475,11 +519,15 @@ def _build(plan: _Plan, weight_format: str, **quant) -> tuple[MoEExperts, Tensor
 
     ``quant``: ``group_size`` / ``symmetric`` for the quantized formats.
     """
+    act = plan.info.activation
     if plan.info.layout == "fused":
         gate, up, down = _dense_fused(plan.module, plan.info)
-        return MoEExperts.from_dense(gate, up, down, weight_format, **quant), gate
+        return MoEExperts.from_dense(gate, up, down, weight_format, activation=act, **quant), gate
     gate, up, down = _dense_module_list(plan.module)
-    return MoEExpertList.from_dense(gate, up, down, weight_format, **quant), gate
+    return (
+        MoEExpertList.from_dense(gate, up, down, weight_format, activation=act, **quant),
+        gate,
+    )
 
 
 def _place_gpu_experts(
@@ -524,7 +572,7 @@ def _load_converted(plan: _Plan, converted) -> MoEExperts:
         )
     packed = converted.load_layer(layer)
     cls = MoEExperts if info.layout == "fused" else MoEExpertList
-    return cls.from_packed(packed["gate"], packed["up"], packed["down"])
+    return cls.from_packed(packed["gate"], packed["up"], packed["down"], activation=info.activation)
 
 
 def replace_experts(
@@ -652,6 +700,7 @@ def replace_experts(
                     plan.info.layout,
                     plan.info.concatenated,
                     plan.info.transposed,
+                    plan.info.activation,
                 )
                 if kind not in seen:
                     seen.add(kind)

@@ -15,32 +15,60 @@ The op's layer arguments (``csrc/ops/registration.cpp``)::
     group_sizes   [gate, up, down] group sizes along K (0: per output channel)
     lora          [] or [gate_a, gate_b, up_a, up_b, down_a, down_b] ([0]-shaped where absent)
     lora_scaling  float
-    activation    'silu'
+    activation    one of ACTIVATIONS ('silu', 'gelu', 'gelu_tanh'): h = act(gate(x)) * up(x)
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
 
+from kt_ops import _C
 from kt_ops.formats.packed import PackedProjection
 from kt_ops.formats.spec import FORMATS
 
 __all__ = [
+    "ACTIVATIONS",
     "PROJECTIONS",
     "ExpertWeights",
     "LoRAWeights",
     "layer_args",
+    "torch_activation",
     "split_weight_format",
     "join_weight_format",
 ]
 
-#: The projections of a SwiGLU expert, in op order.
+#: The projections of a gated (GLU) expert, in op order.
 PROJECTIONS = ("gate", "up", "down")
+
+#: The GLU activations of the experts, ``h = act(gate(x)) * up(x)``, by the name the ops
+#: take (``activation=``): ``'silu'`` (SwiGLU), ``'gelu'`` (GeGLU, erf), ``'gelu_tanh'``
+#: (GeGLU with PyTorch's tanh approximation). Read from the C++ table,
+#: csrc/kernels/activations.h, which defines each (formulas and sources there).
+ACTIVATIONS: tuple[str, ...] = tuple(_C.activations())
+
+#: Each activation in PyTorch (the GPU-resident experts' path and the dense references).
+_TORCH_ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
+    "silu": torch.nn.functional.silu,
+    "gelu": torch.nn.functional.gelu,
+    "gelu_tanh": functools.partial(torch.nn.functional.gelu, approximate="tanh"),
+}
+
+
+def torch_activation(name: str) -> Callable[[Tensor], Tensor]:
+    """The PyTorch function of the activation ``name`` (one of :data:`ACTIVATIONS`).
+
+    Raises ``ValueError`` for another name.
+    """
+    fn = _TORCH_ACTIVATIONS.get(name)
+    if fn is None:
+        raise ValueError(f"activation must be one of {list(ACTIVATIONS)}, got {name!r}")
+    return fn
 
 
 def split_weight_format(weight_format: str) -> tuple[str, str, str]:
@@ -109,7 +137,7 @@ class ExpertWeights:
     def __getstate__(self) -> dict:
         # kt_ops.ops keeps a prepared layer here (cannot be pickled; rebuilt on use).
         state = self.__dict__.copy()
-        state.pop("_prepared_layer", None)
+        state.pop("_prepared_layers", None)
         return state
 
     @property

@@ -39,7 +39,14 @@ from kt_ops import _C
 from kt_ops.formats import format_spec
 from kt_ops.formats.dequant import dequantize_weights
 from kt_ops.formats.packed import PackedProjection
-from kt_ops.layer import PROJECTIONS, ExpertWeights, LoRAWeights, layer_args
+from kt_ops.layer import (
+    ACTIVATIONS,
+    PROJECTIONS,
+    ExpertWeights,
+    LoRAWeights,
+    layer_args,
+    torch_activation,
+)
 from kt_ops.ops import moe_forward
 
 __all__ = ["MoEExperts", "MoEExpertList", "hottest_experts", "parse_gpu_experts"]
@@ -183,9 +190,11 @@ def parse_gpu_experts(
 class MoEExperts(nn.Module):
     """The routed experts of one MoE layer, computed on the CPU by ``kt.moe_forward``.
 
-    Every expert ``e`` is a SwiGLU MLP (Mixtral, Qwen-MoE, OLMoE, DeepSeek)::
+    Every expert ``e`` is a gated MLP: SwiGLU (Mixtral, Qwen-MoE, OLMoE,
+    DeepSeek; ``activation='silu'``, the default) or GeGLU (``'gelu'``,
+    ``'gelu_tanh'``; :data:`kt_ops.ACTIVATIONS`)::
 
-        expert_e(x) = W_down[e] @ (silu(W_gate[e] @ x) * (W_up[e] @ x))
+        expert_e(x) = W_down[e] @ (act(W_gate[e] @ x) * (W_up[e] @ x))
         out[t]      = sum_k top_k_weights[t, k] * expert_{top_k_index[t, k]}(x[t])
 
     Build it from dense weights with :meth:`from_dense`, from three packed
@@ -242,11 +251,14 @@ class MoEExperts(nn.Module):
             are dequantized from ``experts`` (fp32 unless ``gpu_dtype``).
         routing_counts: ``[E]`` hit counts, with an ``int`` ``gpu_experts``.
         gpu_dtype: dtype of the GPU experts' weights (fp32, bf16 or fp16).
+        activation: the experts' ``act``, one of :data:`kt_ops.ACTIVATIONS`
+            (default ``'silu'``). An attribute, as the op's argument.
 
     Raises:
         ValueError: a packed tensor does not have the layout of its format
-            and sizes (``ExpertWeights.validate``), or a bad ``gpu_experts``
-            / ``routing_counts`` / ``gpu_dtype`` (see :meth:`set_gpu_experts`).
+            and sizes (``ExpertWeights.validate``), a bad ``gpu_experts``
+            / ``routing_counts`` / ``gpu_dtype`` (see :meth:`set_gpu_experts`),
+            or an ``activation`` that is not one of :data:`kt_ops.ACTIVATIONS`.
     """
 
     num_experts: int
@@ -256,6 +268,7 @@ class MoEExperts(nn.Module):
     group_sizes: tuple[int, int, int]
     lora_scaling: float
     activation_checkpointing: Optional[bool]
+    activation: str
 
     def __init__(
         self,
@@ -265,12 +278,18 @@ class MoEExperts(nn.Module):
         gpu_experts: GpuExperts = None,
         routing_counts: Optional[Tensor] = None,
         gpu_dtype: Optional[torch.dtype] = None,
+        activation: str = "silu",
     ) -> None:
         super().__init__()
         if not isinstance(experts, ExpertWeights):
             raise ValueError(
                 f"MoEExperts: experts must be a kt_ops.ExpertWeights, got {type(experts).__name__}"
             )
+        if activation not in ACTIVATIONS:
+            raise ValueError(
+                f"MoEExperts: activation must be one of {list(ACTIVATIONS)}, got {activation!r}"
+            )
+        self.activation = activation
         experts.validate()
         for proj, p in zip(PROJECTIONS, experts.projections):
             for part in _PARTS:
@@ -342,9 +361,9 @@ class MoEExperts(nn.Module):
         """The op's layer arguments without LoRA or mask, cached with :meth:`expert_weights`."""
         experts = self.expert_weights()
         cached = self.__dict__.get("_plain_layer_args_cache")
-        if cached is not None and cached[0] is experts:
+        if cached is not None and cached[0] is experts and cached[1][6] == self.activation:
             return cached[1]
-        args = layer_args(experts, None, "silu", None)
+        args = layer_args(experts, None, self.activation, None)
         self.__dict__["_plain_layer_args_cache"] = (experts, args)
         return args
 
@@ -598,6 +617,7 @@ class MoEExperts(nn.Module):
         gpu_experts: GpuExperts = None,
         routing_counts: Optional[Tensor] = None,
         gpu_dtype: Optional[torch.dtype] = None,
+        activation: str = "silu",
     ) -> MoEExperts:
         """Pack (and quantize) dense expert weights (``nn.Linear`` convention: ``[E, out, in]``).
 
@@ -623,6 +643,7 @@ class MoEExperts(nn.Module):
                 would hold), so with a quantized ``weight_format`` those
                 experts are exact and the rest quantized.
             gpu_dtype: dtype of those copies (default: that of ``gate``).
+            activation: the experts' ``act`` (:data:`kt_ops.ACTIVATIONS`).
 
         Returns:
             A new module; the packed weights are on the CPU, the GPU experts'
@@ -649,7 +670,9 @@ class MoEExperts(nn.Module):
         experts = ExpertWeights.from_dense(
             gate, up, down, weight_format, group_size=group_size, symmetric=symmetric
         )
-        module = cls(experts, activation_checkpointing=activation_checkpointing)
+        module = cls(
+            experts, activation_checkpointing=activation_checkpointing, activation=activation
+        )
         if gpu_experts is not None:
             module.set_gpu_experts(
                 gpu_experts, routing_counts=routing_counts, dense=(gate, up, down), dtype=gpu_dtype
@@ -780,6 +803,7 @@ class MoEExperts(nn.Module):
             weights,
             self.expert_weights(),
             self.lora_weights(),
+            activation=self.activation,
             activation_checkpointing=self.activation_checkpointing,
             gpu_experts_mask=mask,
         )
@@ -788,9 +812,12 @@ class MoEExperts(nn.Module):
         """A ``kt_ops._C.PreparedLayer`` of the packed buffers, guarded on them and on no LoRA."""
         weights, fmt, sizes, group_sizes = self._plain_layer_args()[:4]
         guards = [(self._buffers, name, self._buffers[name]) for name in _PACKED_BUFFERS]
+        guards.append((self.__dict__, "activation", self.activation))
         guards += [(self._parameters, f"{p}_lora_a", None) for p in PROJECTIONS]
         guards.append((self._buffers, "gpu_expert_ids", None))  # no GPU experts (forward)
-        return _C.PreparedLayer(weights, fmt, sizes, group_sizes, guards)
+        return _C.PreparedLayer(
+            weights, fmt, sizes, group_sizes, guards, activation=self.activation
+        )
 
     def __getstate__(self):
         # The per-call caches are rebuilt on use; the prepared layer cannot be pickled.
@@ -904,7 +931,7 @@ class MoEExperts(nn.Module):
                 y = y + lora.scaling * d
             return y
 
-        h = torch.nn.functional.silu(proj("gate", "gpu_gate_weight", v)) * proj(
+        h = torch_activation(self.activation)(proj("gate", "gpu_gate_weight", v)) * proj(
             "up", "gpu_up_weight", v
         )
         return proj("down", "gpu_down_weight", h)
@@ -920,6 +947,7 @@ class MoEExperts(nn.Module):
         gpu_experts: GpuExperts = None,
         routing_counts: Optional[Tensor] = None,
         gpu_dtype: Optional[torch.dtype] = None,
+        activation: str = "silu",
     ) -> MoEExperts:
         """Build the module from three :class:`kt_ops.formats.PackedProjection`.
 
@@ -934,6 +962,7 @@ class MoEExperts(nn.Module):
         ``gpu_experts`` / ``routing_counts`` / ``gpu_dtype``: GPU-resident
         experts as in :meth:`set_gpu_experts`, dequantized once from the packed
         projections (``gpu_dtype``, default fp32; ``.to()`` moves them later).
+        ``activation``: the experts' ``act`` (:data:`kt_ops.ACTIVATIONS`).
         """
         try:
             experts = ExpertWeights(gate, up, down)
@@ -945,6 +974,7 @@ class MoEExperts(nn.Module):
             gpu_experts=gpu_experts,
             routing_counts=routing_counts,
             gpu_dtype=gpu_dtype,
+            activation=activation,
         )
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> MoEExperts:
@@ -966,6 +996,8 @@ class MoEExperts(nn.Module):
             f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
             f"intermediate_size={self.intermediate_size}, weight_format={self.weight_format!r}"
         )
+        if self.activation != "silu":
+            text += f", activation={self.activation!r}"
         lora = [p for p in PROJECTIONS if getattr(self, f"{p}_lora_a") is not None]
         if lora:
             rank = getattr(self, f"{lora[0]}_lora_a").shape[1]

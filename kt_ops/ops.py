@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from kt_ops.formats.spec import format_spec
-from kt_ops.layer import PROJECTIONS, ExpertWeights, LoRAWeights, layer_args
+from kt_ops.layer import ACTIVATIONS, PROJECTIONS, ExpertWeights, LoRAWeights, layer_args
 
 __all__ = [
     "moe_forward",
@@ -102,10 +102,10 @@ def moe_forward(
 ) -> Tensor:
     """Routed-expert MLPs of one MoE layer for a batch of tokens (``torch.ops.kt.moe_forward``).
 
-    Computes, for every token ``t`` (SwiGLU experts, as in Mixtral/Qwen-MoE;
-    Shazeer 2020, "GLU Variants Improve Transformer")::
+    Computes, for every token ``t`` (gated experts: SwiGLU as in Mixtral/Qwen-MoE,
+    or GeGLU; Shazeer 2020, "GLU Variants Improve Transformer")::
 
-        out[t] = sum_k topk_weights[t, k] * down_e(silu(gate_e(x[t])) * up_e(x[t]))
+        out[t] = sum_k topk_weights[t, k] * down_e(act(gate_e(x[t])) * up_e(x[t]))
         with e = topk_ids[t, k]; slots with e == -1 contribute nothing
 
     where each projection ``p`` of expert ``e`` is ``p_e(v) = W_p[e] @ v``, plus,
@@ -132,7 +132,11 @@ def moe_forward(
             in fp32. Any weight format takes LoRA (QLoRA style: the quantized
             base stays frozen and packed; each active expert is dequantized to
             fp32 per call).
-        activation: ``'silu'``.
+        activation: the experts' ``act``, one of :data:`kt_ops.ACTIVATIONS`:
+            ``'silu'`` (default, SwiGLU), ``'gelu'`` (GeGLU, erf),
+            ``'gelu_tanh'`` (GeGLU with PyTorch's tanh approximation;
+            transformers' ``gelu_pytorch_tanh``). Formulas:
+            ``csrc/kernels/activations.h``.
         activation_checkpointing: what a call that records autograd saves for
             backward: ``False`` saves the gate/up pre-activations (``2*K*I*4``
             bytes per token; ATen forward), ``True`` recomputes them; ``None``
@@ -178,10 +182,9 @@ def moe_forward(
         and gpu_experts_mask is None
         and (lora is None or not lora.any())
         and not torch.is_grad_enabled()
-        and activation == "silu"
         and not torch.compiler.is_compiling()
     ):
-        prepared = _prepared_layer(experts)
+        prepared = _prepared_layer(experts, activation)
         if prepared is not None:
             y = prepared.forward(hidden_states, topk_ids, topk_weights)
             if y is not None:
@@ -207,8 +210,9 @@ def moe_forward(
     return torch.ops.kt.moe_forward.default(*args)
 
 
-def _prepared_layer(experts: ExpertWeights):
-    """The layer of ``experts`` parsed once (``kt_ops._C.PreparedLayer``), or None.
+def _prepared_layer(experts: ExpertWeights, activation: str):
+    """The layer of ``experts`` with ``activation`` parsed once (``kt_ops._C.PreparedLayer``),
+    or None.
 
     Inference calls without LoRA, mask or ``out=`` run through it: it computes
     the op's output bit for bit from the three routed tensors, without the
@@ -218,16 +222,21 @@ def _prepared_layer(experts: ExpertWeights):
     Kept on the (frozen) ``ExpertWeights`` object, whose tensors cannot be
     replaced; None where the op would reject the layer (it then raises).
     """
-    layer = experts.__dict__.get("_prepared_layer")
-    if layer is None:
-        layer = new_prepared_layer(experts)
-        if layer is not None:
-            object.__setattr__(experts, "_prepared_layer", layer)
+    layers = experts.__dict__.get("_prepared_layers")
+    if layers is None:
+        layers = {}
+        object.__setattr__(experts, "_prepared_layers", layers)
+    layer = layers.get(activation)
+    if layer is None and activation in ACTIVATIONS:
+        layer = layers[activation] = new_prepared_layer(experts, activation=activation)
     return layer
 
 
 def new_prepared_layer(
-    experts: ExpertWeights, gpu_experts_mask: Optional[Tensor] = None, top_k: int = 0
+    experts: ExpertWeights,
+    gpu_experts_mask: Optional[Tensor] = None,
+    top_k: int = 0,
+    activation: str = "silu",
 ):
     """A new ``kt_ops._C.PreparedLayer`` of ``experts`` (no guards), or None where
     the op would reject the layer. ``gpu_experts_mask`` (contiguous CPU bool
@@ -243,6 +252,7 @@ def new_prepared_layer(
             [],
             gpu_experts_mask=gpu_experts_mask,
             top_k=top_k,
+            activation=activation,
         )
     except RuntimeError:
         return None
@@ -378,6 +388,14 @@ def _check_fake_layer(op: str, bound: dict) -> ExpertWeights:
     graph fails at trace time with the message the eager op gives.
     """
     x, ids, w = bound["hidden_states"], bound["topk_ids"], bound["topk_weights"]
+    activation = bound["activation"]
+    torch._check(
+        activation in ACTIVATIONS,
+        lambda: (
+            f"{op}: activation='{activation}' is not supported; expected one of "
+            + ", ".join(f"'{a}'" for a in ACTIVATIONS)
+        ),
+    )
     try:
         experts = ExpertWeights.from_op_args(
             bound["weights"], bound["weight_format"], bound["sizes"], bound["group_sizes"]

@@ -2,11 +2,11 @@
 
 The reference is deliberately plain: it dequantizes the packed weights with the
 format's reference dequantizer (``kt_ops.unpack_weights``), then loops over the
-experts that received tokens and runs the SwiGLU MLP of each one as dense fp32
+experts that received tokens and runs the gated MLP of each one as dense fp32
 matmuls over all of its (token, slot) rows at once::
 
-    out[t] = sum_k w[t, k] * W_down[e] @ (silu(W_gate[e] @ x[t]) * (W_up[e] @ x[t])),
-    e = ids[t, k], slots with e == -1 skipped
+    out[t] = sum_k w[t, k] * W_down[e] @ (act(W_gate[e] @ x[t]) * (W_up[e] @ x[t])),
+    e = ids[t, k], slots with e == -1 skipped, act = torch's silu (default) or gelu
 
 It shares no code with the C++ op beyond ``unpack_weights`` (itself a few lines
 of ``permute``/``reshape``, tested against the dense weights in
@@ -47,7 +47,7 @@ from torch import Tensor
 
 import kt_ops
 from kt_ops.formats import quantize_weights
-from kt_ops.layer import layer_args
+from kt_ops.layer import layer_args, torch_activation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +137,7 @@ def reference_moe_forward(
     out_dtype: Optional[torch.dtype] = torch.float32,
     bf16_activations: bool = False,
     fp8_scaled_activations: bool = False,
+    act: str = "silu",
 ) -> Tensor:
     """Dense fp32 reference of ``kt_ops.moe_forward(hidden_states, ..., experts, lora)``.
 
@@ -164,7 +165,10 @@ def reference_moe_forward(
     computes each fp8 projection (no LoRA) as the fp8 brgemm does: per 128-row
     band, the fp32 activations times the band's 128-k block scales, rounded
     once to bf16, times the exact E4M3 values (:func:`fp8_banded_product`).
+    ``act``: the experts' GLU activation (``activation=`` of the op; torch's own
+    function of it, :func:`kt_ops.layer.torch_activation`).
     """
+    act_fn = torch_activation(act)
     T, H = hidden_states.shape
     if H != experts.hidden_size:
         raise ValueError(f"reference: hidden_states has {H} columns, experts {experts.hidden_size}")
@@ -191,7 +195,7 @@ def reference_moe_forward(
             tok, slot = torch.nonzero(ids == e, as_tuple=True)
             pg, pu, pd = experts.projections
             xe = x[tok]
-            h = torch.nn.functional.silu(project(xe, pg, "gate", e)) * project(xe, pu, "up", e)
+            h = act_fn(project(xe, pg, "gate", e)) * project(xe, pu, "up", e)
             y = project(h, pd, "down", e) * w[tok, slot].unsqueeze(1)
             out = out.index_add(0, tok, y)
     if out_dtype is None:
@@ -646,6 +650,7 @@ def reference_quant_moe_forward(
     *,
     activation: str = "q8",
     fp32_min_tokens: Optional[int] = None,
+    act: str = "silu",
 ) -> QuantReference:
     """Dense fp32 reference of a quantized ``moe_forward`` on dense weights.
 
@@ -658,7 +663,9 @@ def reference_quant_moe_forward(
     them alone (fp8 kernels, or the plain dense model) with zero slack.
     With ``fp32_min_tokens``, experts with at least that many routed slots
     take the fp32 path even for ``'q8'`` (``kt_ops.set_quant_activations('auto')``).
+    ``act``: the experts' GLU activation (the op's ``activation=``).
     """
+    act_fn = torch_activation(act)
     if activation not in ("q8", "fp32"):
         raise ValueError(f"activation must be 'q8' or 'fp32', got {activation!r}")
     T, H = hidden_states.shape
@@ -674,7 +681,7 @@ def reference_quant_moe_forward(
             q8 = activation == "q8" and (fp32_min_tokens is None or len(tok) < fp32_min_tokens)
             if q8:
                 xe = q8_activations(xe)
-            h = torch.nn.functional.silu(xe @ gate[e].float().T) * (xe @ up[e].float().T)
+            h = act_fn(xe @ gate[e].float().T) * (xe @ up[e].float().T)
             wd = down[e].float()
             we = w[tok, slot].unsqueeze(1)
             if q8:
@@ -743,6 +750,7 @@ def per_projection_reference(
     fp32_min: tuple[Optional[int], Optional[int], Optional[int]],
     q8_brgemm_min: tuple[Optional[int], Optional[int], Optional[int]] = (None, None, None),
     fp8_brgemm: Optional[tuple[tuple[Any, ...], tuple[Optional[int], ...]]] = None,
+    act: str = "silu",
 ) -> QuantReference:
     """``reference_quant_moe_forward`` with the q8-or-fp32 choice made per projection.
 
@@ -753,8 +761,9 @@ def per_projection_reference(
     (``q8_activations``); a q8 down adds the tie slack. ``fp8_brgemm``:
     (the packed projections, :func:`fp8_brgemm_min_tokens_of` of each): an
     fp8 projection with at least that many rows is the fp8 brgemm's
-    :func:`fp8_banded_product`.
+    :func:`fp8_banded_product`. ``act``: the experts' GLU activation.
     """
+    act_fn = torch_activation(act)
     projections, fp8_min = fp8_brgemm if fp8_brgemm is not None else ((), (None, None, None))
 
     def product(v: Tensor, p: int, dense_w: Tensor, e: int, m: int) -> Tensor:
@@ -783,7 +792,7 @@ def per_projection_reference(
             xg = q8_activations(xe) if q8(0) else xe
             xu = q8_activations(xe) if q8(1) else xe
             g = product(xg, 0, gate[e], e, m)
-            h = torch.nn.functional.silu(g) * product(xu, 1, up[e], e, m)
+            h = act_fn(g) * product(xu, 1, up[e], e, m)
             wd = down[e].float()
             we = w[tok, slot].unsqueeze(1)
             if q8(2):
@@ -794,7 +803,11 @@ def per_projection_reference(
 
 
 def reference_for(
-    experts: kt_ops.ExpertWeights, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor
+    experts: kt_ops.ExpertWeights,
+    hidden_states: Tensor,
+    topk_ids: Tensor,
+    topk_weights: Tensor,
+    act: str = "silu",
 ) -> QuantReference:
     """The reference of ``kt_ops.moe_forward(hidden_states, ..., experts)`` (no LoRA).
 
@@ -803,6 +816,7 @@ def reference_for(
     (:func:`fp32_min_tokens_of`): under ``'auto'`` each expert's path depends on
     its token count and each projection's format. fp8 projections on the fp8
     brgemm (:func:`fp8_brgemm_min_tokens_of`) follow :func:`fp8_banded_product`.
+    ``act``: the experts' GLU activation (the op's ``activation=``).
     """
     mins = tuple(fp32_min_tokens_of(p.weight_format) for p in experts.projections)
     dense = dense_weights(experts)
@@ -812,17 +826,26 @@ def reference_for(
     )
     if any(b is not None for b in fp8):
         return per_projection_reference(
-            hidden_states, topk_ids, topk_weights, dense, mins, brg, (experts.projections, fp8)
+            hidden_states,
+            topk_ids,
+            topk_weights,
+            dense,
+            mins,
+            brg,
+            (experts.projections, fp8),
+            act=act,
         )
     if any(b is not None for b in brg) and any(m not in (None, 1) for m in mins):
-        return per_projection_reference(hidden_states, topk_ids, topk_weights, dense, mins, brg)
+        return per_projection_reference(
+            hidden_states, topk_ids, topk_weights, dense, mins, brg, act=act
+        )
     if all(m is None for m in mins):
         return reference_quant_moe_forward(
-            hidden_states, topk_ids, topk_weights, *dense, activation="q8"
+            hidden_states, topk_ids, topk_weights, *dense, activation="q8", act=act
         )
     if all(m == 1 for m in mins):
         return reference_quant_moe_forward(
-            hidden_states, topk_ids, topk_weights, *dense, activation="fp32"
+            hidden_states, topk_ids, topk_weights, *dense, activation="fp32", act=act
         )
     if len(set(mins)) == 1:
         return reference_quant_moe_forward(
@@ -832,8 +855,9 @@ def reference_for(
             *dense,
             activation="q8",
             fp32_min_tokens=mins[0],
+            act=act,
         )
-    return per_projection_reference(hidden_states, topk_ids, topk_weights, dense, mins)
+    return per_projection_reference(hidden_states, topk_ids, topk_weights, dense, mins, act=act)
 
 
 def quant_mismatch_report(

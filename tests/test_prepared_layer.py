@@ -278,7 +278,7 @@ def test_functional_wrapper_inference_matches_the_op(dense, fmt, group, dtype, T
         with ctx():
             got = kt_ops.moe_forward(x, ids, w, experts)
         assert torch.equal(got, want) and got.dtype == dtype
-    assert isinstance(experts.__dict__.get("_prepared_layer"), _C.PreparedLayer)
+    assert isinstance(experts.__dict__["_prepared_layers"]["silu"], _C.PreparedLayer)
 
 
 def test_functional_wrapper_takes_the_prepared_layer(dense, monkeypatch):
@@ -319,5 +319,5 @@ def test_functional_wrapper_copies_and_pickles_its_experts(dense):
     with torch.no_grad():
         want = kt_ops.moe_forward(x, ids, w, experts)
         for clone in (copy.deepcopy(experts), pickle.loads(pickle.dumps(experts))):
-            assert "_prepared_layer" not in clone.__dict__
+            assert "_prepared_layers" not in clone.__dict__
             assert torch.equal(kt_ops.moe_forward(x, ids, w, clone), want)

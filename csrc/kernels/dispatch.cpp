@@ -16,7 +16,7 @@ namespace kt::kernels {
 namespace avx512 {
 KT_WEAK const ProjectionKernels& bf16_kernels();
 KT_WEAK const ProjectionKernels& qint_kernels();
-KT_WEAK void silu_mul_rows(float* g, const float* u, int m);
+KT_WEAK GluRows glu_rows(Activation a);
 KT_WEAK void quantize_row_q8(const float* x, int64_t kp, uint8_t* rec);
 }  // namespace avx512
 namespace avx512_vnni {
@@ -30,16 +30,15 @@ using KernelsFn = const ProjectionKernels& (*)();
 // THE tier table, lowest first; a tier's rank is its index. Per tier: its
 // name, whether this CPU runs it (and what it lacks otherwise), its kernels
 // per layout (index: formats::Layout; nullptr: not specialized at this tier),
-// its SwiGLU epilogue and its q8 activation quantizer. THE fallback chain: a layout a tier does not
-// specialize is served by the next lower tier that does; ref has every entry.
-// Adding an ISA: its traits header (with its compiler flags), its
-// instantiation file(s), and a row here.
+// its GLU activation epilogues and its q8 activation quantizer. THE fallback chain: a layout a tier
+// does not specialize is served by the next lower tier that does; ref has every entry. Adding an
+// ISA: its traits header (with its compiler flags), its instantiation file(s), and a row here.
 struct Tier {
   const char* name;
   bool (*runs)(const runtime::CpuFeatures&);
   const char* needs;
-  KernelsFn layouts[3];  // kBf16, kQint, kFp8
-  SiluMulRows silu;
+  KernelsFn layouts[3];        // kBf16, kQint, kFp8
+  GluRows (*glu)(Activation);  // the epilogue of each activation
   QuantizeRowQ8 quantize_q8;
 };
 
@@ -48,20 +47,20 @@ const Tier kTiers[] = {
      [](const runtime::CpuFeatures&) { return true; },
      "",
      {ref::bf16_kernels, ref::qint_kernels, ref::fp8_kernels},
-     ref::silu_mul_rows,
+     ref::glu_rows,
      ref::quantize_row_q8},
     {"avx2",
      [](const runtime::CpuFeatures& f) { return f.avx2; },
      "AVX2+FMA",
      {avx2::bf16_kernels, avx2::qint_kernels, avx2::fp8_kernels},
-     avx2::silu_mul_rows,
+     avx2::glu_rows,
      avx2::quantize_row_q8},
     // fp8 and the weight-only fp32 path stay on AVX2 code, which every AVX-512 CPU runs.
     {"avx512",
      [](const runtime::CpuFeatures& f) { return f.avx512; },
      "AVX-512 F/BW/VL/DQ",
      {avx512::bf16_kernels, avx512::qint_kernels, nullptr},
-     avx512::silu_mul_rows,
+     avx512::glu_rows,
      avx512::quantize_row_q8},
     // vpdpbusd for the integer formats; the rest from the avx512 row.
     {"avx512_vnni",
@@ -77,7 +76,7 @@ bool is_built(Isa isa) {
   const Tier& t = kTiers[isa];
   for (KernelsFn k : t.layouts)
     if (k != nullptr) return true;
-  return t.silu != nullptr;
+  return t.glu != nullptr;
 }
 
 // Why this CPU cannot run `isa`, or nullptr when it can.
@@ -175,10 +174,10 @@ const ProjectionKernels& projection_kernels(formats::Layout layout, Isa isa) {
   return kTiers[0].layouts[static_cast<int>(layout)]();
 }
 
-SiluMulRows silu_mul_rows(Isa isa) {
+GluRows glu_rows(Isa isa, Activation a) {
   for (Isa i = isa; i > 0; --i)
-    if (kTiers[i].silu != nullptr) return kTiers[i].silu;
-  return kTiers[0].silu;
+    if (kTiers[i].glu != nullptr) return kTiers[i].glu(a);
+  return kTiers[0].glu(a);
 }
 
 QuantizeRowQ8 quantize_row_q8(Isa isa) {

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "formats/format_table.h"
+#include "kernels/activations.h"
 #include "kernels/isa.h"
 #include "kernels/kernel_api.h"
 
@@ -24,8 +25,8 @@ void set_active_isa(Isa isa);
 
 // The kernels of `layout` on tier `isa`, after the fallback chain.
 const ProjectionKernels& projection_kernels(formats::Layout layout, Isa isa);
-// The SwiGLU epilogue of tier `isa`.
-SiluMulRows silu_mul_rows(Isa isa);
+// The GLU epilogue act(g) * u of activation `a` on tier `isa` (kernels/activations.h).
+GluRows glu_rows(Isa isa, Activation a);
 // The q8 activation quantizer of tier `isa`.
 QuantizeRowQ8 quantize_row_q8(Isa isa);
 

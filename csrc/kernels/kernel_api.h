@@ -109,10 +109,6 @@ struct ProjectionKernels {
   bool u8_codes = false;
 };
 
-// The driver's epilogue, vectorized per tier: g = silu(g) * u over m rows of
-// 16 ([m][16], in place in g). silu(g) = g / (1 + exp(-g)).
-using SiluMulRows = void (*)(float* g, const float* u, int m);
-
 // The q8 activation record of one fp32 row x[kp] (formats/q8_activations.h),
 // vectorized per tier (kernels/q8_quantize.h).
 using QuantizeRowQ8 = void (*)(const float* x, int64_t kp, uint8_t* rec);

@@ -5,6 +5,7 @@
 // there, never inside a kernel.
 #pragma once
 
+#include "kernels/activations.h"
 #include "kernels/block_args.h"
 #include "kernels/kernel_api.h"
 
@@ -14,7 +15,7 @@ namespace ref {
 const ProjectionKernels& bf16_kernels();
 const ProjectionKernels& qint_kernels();
 const ProjectionKernels& fp8_kernels();
-void silu_mul_rows(float* g, const float* u, int m);
+GluRows glu_rows(Activation a);
 void quantize_row_q8(const float* x, int64_t kp, uint8_t* rec);
 // Scalar per-block kernels, also the SIMD tiers' answer for a code width
 // they do not specialise.
@@ -27,7 +28,7 @@ namespace avx2 {
 __attribute__((weak)) const ProjectionKernels& bf16_kernels();
 __attribute__((weak)) const ProjectionKernels& qint_kernels();
 __attribute__((weak)) const ProjectionKernels& fp8_kernels();
-__attribute__((weak)) void silu_mul_rows(float* g, const float* u, int m);
+__attribute__((weak)) GluRows glu_rows(Activation a);
 __attribute__((weak)) void quantize_row_q8(const float* x, int64_t kp, uint8_t* rec);
 }  // namespace avx2
 

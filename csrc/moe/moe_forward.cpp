@@ -308,7 +308,7 @@ void moe_forward_experts(const at::Tensor& hidden_states, const at::Tensor& topk
   const ProjectionPlan gate = plan_projection(layer.gate, isa, mode, path, bf16_act);
   const ProjectionPlan up = plan_projection(layer.up, isa, mode, path, bf16_act);
   const ProjectionPlan down = plan_projection(layer.down, isa, mode, path, bf16_act);
-  const kernels::SiluMulRows silu_mul = kernels::silu_mul_rows(isa);
+  const kernels::GluRows glu = kernels::glu_rows(isa, layer.activation);
   const int64_t Hp = formats::qint_k_padded(H);
   const int64_t Ip = formats::qint_k_padded(I);
   const bool x_q8 = gate.q8 || up.q8;
@@ -367,7 +367,7 @@ void moe_forward_experts(const at::Tensor& hidden_states, const at::Tensor& topk
   // NUMA placement (moe/numa_placement.h): one part unless several nodes.
   const NumaSplit numa = numa_split(layer);
 
-  // Phase 2: gate/up + SwiGLU, one item per (active expert, 16-row block of I).
+  // Phase 2: gate/up + the GLU activation, one item per (active expert, 16-row block of I).
   auto gate_up_block = [&](int64_t e, int64_t nb, int64_t r0, int m) {
     const int n_valid = static_cast<int>(std::min<int64_t>(kRows, I - nb * kRows));
     grow(t_gate_out, static_cast<size_t>(m) * kRows);
@@ -383,7 +383,7 @@ void moe_forward_experts(const at::Tensor& hidden_states, const at::Tensor& topk
         gate.wants_u8_codes(m) || up.wants_u8_codes(m) ? u8_tiles(call, 0, e, xq, m, Hp) : nullptr;
     gate.dot(e, nb, s.x_rows.data() + r0, xq, xu, xb, ld_xb, xu8, m, 2 * call, t_gate_out.data());
     up.dot(e, nb, s.x_rows.data() + r0, xq, xu, xb, ld_xb, xu8, m, 2 * call, t_up_out.data());
-    silu_mul(t_gate_out.data(), t_up_out.data(), m);
+    glu(t_gate_out.data(), t_up_out.data(), m);
     const bool hb = down.wants_xb(m);
     for (int i = 0; i < m; ++i) {
       const float* g = t_gate_out.data() + i * kRows;

@@ -4,7 +4,9 @@
 #include <ATen/MemoryOverlap.h>
 
 #include <cmath>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "formats/bf16.h"
@@ -283,14 +285,23 @@ MoeLayer parse_moe_layer(const char* op, const at::Tensor& hidden_states,
 }
 
 MoeLayer parse_layer(const char* op, const at::Tensor* hidden_states, KT_LAYER_PARAMS) {
-  TORCH_CHECK(activation == "silu", op, ": activation='", std::string(activation),
-              "' is not supported; expected 'silu' (SwiGLU experts)");
+  const std::optional<kernels::Activation> act =
+      kernels::parse_activation(std::string_view(activation.data(), activation.size()));
+  if (!act) {
+    std::string names;
+    for (const char* n : kernels::kActivationNames)
+      names += (names.empty() ? "'" : ", '") + std::string(n) + "'";
+    TORCH_CHECK(false, op, ": activation='", std::string(activation),
+                "' is not supported; expected one of ", names,
+                " (the GLU activation of the experts: h = act(gate(x)) * up(x))");
+  }
 
   // --- the layer -------------------------------------------------------------
   TORCH_CHECK(sizes.size() == 2 && sizes[0] > 0 && sizes[1] > 0, op,
               ": sizes must be [hidden_size, intermediate_size], both positive, got ", sizes);
   MoeLayer layer;
   layer.op = op;
+  layer.activation = *act;
   const int64_t H = layer.hidden_size = sizes[0];
   const int64_t I = layer.intermediate_size = sizes[1];
   if (hidden_states != nullptr) check_hidden_size(op, *hidden_states, layer);

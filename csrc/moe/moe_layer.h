@@ -12,6 +12,7 @@
 #include <optional>
 
 #include "formats/format_table.h"
+#include "kernels/activations.h"
 #include "kernels/kernel_api.h"
 
 // The layer arguments of every kt:: op, in schema order (the schema text is
@@ -71,6 +72,8 @@ struct MoeLayer {
   int64_t intermediate_size = 0;  // I
   Projection gate, up, down;      // [E, I, H], [E, I, H], [E, H, I]
   LoraParams lora;
+  // h = act(gate(x)) * up(x) (kernels/activations.h; the ops' `activation` argument).
+  kernels::Activation activation = kernels::Activation::kSilu;
   // bool [E], contiguous CPU: experts the op skips (served on the GPU); undefined: none.
   at::Tensor skip_experts;
 

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "formats/bf16.h"
+#include "kernels/activations.h"
 #include "moe/routing.h"
 #include "runtime/thread_pool.h"
 
@@ -131,8 +132,6 @@ void gather_rows(const float* src, int64_t rows, int64_t n, const int64_t* index
     std::memcpy(dst + i * n, src + index[i] * n, n * sizeof(float));
 }
 
-float sigmoid(float v) { return 1.0f / (1.0f + std::exp(-v)); }
-
 // Rows of the slot sums computed per pool task.
 constexpr int64_t kRowsPerCombineTask = 8;
 
@@ -239,7 +238,8 @@ LoraForwardResult moe_forward_lora(const at::Tensor& x, const at::Tensor& topk_i
       scatter_rows(gp, m, I, slot, gpre);
       scatter_rows(up, m, I, slot, upre);
     }
-    for (int64_t i = 0; i < m * I; ++i) gp[i] = gp[i] * sigmoid(gp[i]) * up[i];  // h, in g
+    const kernels::Activation act = w.activation;
+    for (int64_t i = 0; i < m * I; ++i) gp[i] = kernels::activation_value(act, gp[i]) * up[i];
 
     at::Tensor y = at::empty({m, H}, kF32);
     project(g, dense_expert_weight(w.down, e, scratch), ld, e, s, y);
@@ -368,7 +368,8 @@ MoeGrads moe_backward_lora(const at::Tensor& grad_output, const at::Tensor& x,
       float* up = u.data_ptr<float>();
       at::Tensor h = at::empty({m, I}, kF32);
       float* hp = h.data_ptr<float>();
-      for (int64_t i = 0; i < m * I; ++i) hp[i] = gp[i] * sigmoid(gp[i]) * up[i];
+      for (int64_t i = 0; i < m * I; ++i)
+        hp[i] = kernels::activation_value(w.activation, gp[i]) * up[i];
 
       // dh_u = dL/dh before the routing weight: go Wd + s (go Bd) Ad.
       at::Tensor go = at::empty({m, H}, kF32);
@@ -406,13 +407,9 @@ MoeGrads moe_backward_lora(const at::Tensor& grad_output, const at::Tensor& x,
         view(ga_d.data_ptr<float>() + e * ld.r * I, {ld.r, I}).addmm_(go_b.t(), h, 0.0, s);
       }
 
-      // dg = dh * u * silu'(g), du = dh * silu(g); written over g and u.
-      for (int64_t i = 0; i < m * I; ++i) {
-        const float gi = gp[i], ui = up[i], dhi = dhp[i];
-        const float sg = sigmoid(gi);
-        gp[i] = dhi * ui * sg * (1.0f + gi * (1.0f - sg));
-        up[i] = dhi * gi * sg;
-      }
+      // dg = dh * u * act'(g), du = dh * act(g); written over g and u.
+      for (int64_t i = 0; i < m * I; ++i)
+        kernels::glu_backward(w.activation, gp[i], up[i], dhp[i], &gp[i], &up[i]);
       const at::Tensor& dg = g;
       const at::Tensor& du = u;
       // dB = s d^T (x A^T), dA = s (d B)^T x for the gate and up LoRA.

@@ -78,9 +78,11 @@ py::dict layer_placement(const std::vector<std::optional<at::Tensor>>& weights,
   const at::Tensor ids = at::empty({0, 1}, at::kLong);
   const at::Tensor w = at::empty({0, 1}, at::kFloat);
   const std::vector<at::Tensor> no_lora;
+  // The placement depends on the weights alone: any activation will do.
+  const char* act = kernels::activation_name(kernels::Activation::kSilu);
   const moe::MoeLayer layer =
       moe::parse_moe_layer("kt_ops.numa_placement", x, ids, w, list, weight_format, sizes,
-                           group_sizes, no_lora, 1.0, "silu", std::nullopt);
+                           group_sizes, no_lora, 1.0, act, std::nullopt);
   const moe::LayerPlacement placement = moe::describe_placement(layer);
   py::dict d;
   d["active"] = placement.active;

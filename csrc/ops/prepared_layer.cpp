@@ -85,7 +85,8 @@ class PreparedLayer {
                 const std::string& weight_format, const std::vector<int64_t>& sizes,
                 const std::vector<int64_t>& group_sizes,
                 const std::vector<std::tuple<py::dict, py::str, py::object>>& guards,
-                const std::optional<at::Tensor>& gpu_experts_mask, int64_t top_k)
+                const std::optional<at::Tensor>& gpu_experts_mask, int64_t top_k,
+                const std::string& activation)
       : top_k_(top_k) {
     c10::List<std::optional<at::Tensor>> list;
     list.reserve(weights.size());
@@ -96,7 +97,7 @@ class PreparedLayer {
     TORCH_CHECK(!gpu_experts_mask.has_value() || gpu_experts_mask->is_contiguous(),
                 "kt_ops._C.PreparedLayer: gpu_experts_mask must be contiguous (it is read live)");
     layer_ = moe::parse_layer(kOp, nullptr, list, weight_format, sizes, group_sizes, no_lora, 1.0,
-                              "silu", gpu_experts_mask);
+                              activation, gpu_experts_mask);
     for (const auto& [dict, key, expected] : guards) guards_.push_back({dict, key, expected});
   }
 
@@ -156,9 +157,10 @@ void register_prepared_layer(py::module& m) {
 A layer's packed experts parsed once, for repeated eager inference calls.
 
 ``PreparedLayer(weights, weight_format, sizes, group_sizes, guards,
-gpu_experts_mask=None, top_k=0)`` takes the layer arguments of
-``torch.ops.kt.moe_forward`` (the 9 packed tensors or None, the format name(s),
-``[hidden_size, intermediate_size]``, the 3 group sizes; no LoRA) and checks
+gpu_experts_mask=None, top_k=0, activation='silu')`` takes the layer arguments
+of ``torch.ops.kt.moe_forward`` (the 9 packed tensors or None, the format
+name(s), ``[hidden_size, intermediate_size]``, the 3 group sizes, the
+activation; no LoRA) and checks
 them as the op does (RuntimeError naming the argument). ``guards`` is a list of
 ``(dict, key, object)``: the layer is only used while ``dict[key] is object``
 for each. ``gpu_experts_mask``: None, or the op's contiguous CPU bool ``[E]``
@@ -177,9 +179,10 @@ csrc/ops/prepared_layer.cpp.
       .def(py::init<const std::vector<std::optional<at::Tensor>>&, const std::string&,
                     const std::vector<int64_t>&, const std::vector<int64_t>&,
                     const std::vector<std::tuple<py::dict, py::str, py::object>>&,
-                    const std::optional<at::Tensor>&, int64_t>(),
+                    const std::optional<at::Tensor>&, int64_t, const std::string&>(),
            py::arg("weights"), py::arg("weight_format"), py::arg("sizes"), py::arg("group_sizes"),
-           py::arg("guards"), py::arg("gpu_experts_mask") = py::none(), py::arg("top_k") = 0)
+           py::arg("guards"), py::arg("gpu_experts_mask") = py::none(), py::arg("top_k") = 0,
+           py::arg("activation") = kernels::activation_name(kernels::Activation::kSilu))
       .def("forward", &PreparedLayer::forward, py::arg("hidden_states"), py::arg("topk_ids"),
            py::arg("topk_weights"))
       .def("guards_hold", &PreparedLayer::guards_hold);

@@ -7,11 +7,13 @@
 
 #include <algorithm>
 #include <chrono>
+#include <iterator>
 #include <optional>
 #include <stdexcept>
 
 #include "formats/format_table.h"
 #include "formats/q8_activations.h"
+#include "kernels/activations.h"
 #include "kernels/brgemm.h"
 #include "kernels/dispatch.h"
 #include "kernels/tiers.h"
@@ -254,6 +256,11 @@ PYBIND11_MODULE(_C, m) {
   });
   m.def("_caller_target", &kt::runtime::detail::caller_target);  // test hook
   m.def("workers_bound", [] { return kt::runtime::ThreadPool::global().workers_bound(); });
+  m.def("activations", [] {
+    // The ops' `activation` names (kernels/activations.h), in their table order.
+    return std::vector<std::string>(std::begin(kt::kernels::kActivationNames),
+                                    std::end(kt::kernels::kActivationNames));
+  });
   m.def("built_isas", [] { return names(kt::kernels::built_isas()); });
   m.def("supported_isas", [] { return names(kt::kernels::supported_isas()); });
   m.def("active_isa", [] { return std::string(kt::kernels::isa_name(kt::kernels::active_isa())); });

@@ -1,9 +1,9 @@
-// bf16 kernels and the SwiGLU epilogue, AVX2 tier: the bf16_tiles.h and
-// swiglu.h templates with this tier's vector traits (avx2/vec.h). See
+// bf16 kernels and the GLU activation epilogues, AVX2 tier: the bf16_tiles.h and
+// activations.h templates with this tier's vector traits (avx2/vec.h). See
 // bf16_tiles.h for the register plan.
+#include "kernels/activations.h"
 #include "kernels/avx2/vec.h"
 #include "kernels/bf16_tiles.h"
-#include "kernels/swiglu.h"
 #include "kernels/tiers.h"
 
 namespace kt::kernels::avx2 {
@@ -13,6 +13,6 @@ const ProjectionKernels& bf16_kernels() {
   return k;
 }
 
-void silu_mul_rows(float* g, const float* u, int m) { kernels::silu_mul_rows<Vec>(g, u, m); }
+GluRows glu_rows(Activation a) { return kernels::glu_rows_for<Vec>(a); }
 
 }  // namespace kt::kernels::avx2

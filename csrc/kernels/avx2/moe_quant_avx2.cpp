@@ -22,7 +22,6 @@
 #include "kernels/kernel_api.h"
 #include "kernels/qint_tiles.h"
 #include "kernels/row_tiles.h"
-#include "kernels/swiglu.h"
 #include "kernels/tiers.h"
 
 namespace kt::kernels::avx2 {

@@ -31,6 +31,12 @@ struct Vec {
   static inline Reg fma(Reg a, Reg b, Reg c) { return _mm512_fmadd_ps(a, b, c); }
   static inline Reg abs(Reg a) { return _mm512_abs_ps(a); }
   static inline Reg max(Reg a, Reg b) { return _mm512_max_ps(a, b); }
+  // copysign(1, a): +1 or -1 by a's sign bit (-0.0 gives -1).
+  static inline Reg sign1(Reg a) {
+    const __m512i sign =
+        _mm512_and_si512(_mm512_castps_si512(a), _mm512_set1_epi32(static_cast<int>(0x80000000u)));
+    return _mm512_castsi512_ps(_mm512_or_si512(sign, _mm512_castps_si512(_mm512_set1_ps(1.0f))));
+  }
   static inline float reduce_max(Reg a) { return _mm512_reduce_max_ps(a); }
   // Whether every lane of a (an |x|) is finite: a <= FLT_MAX fails for NaN and inf.
   static inline bool all_finite_abs(Reg a) {

@@ -1,10 +1,10 @@
-// bf16 kernels and the SwiGLU epilogue, portable reference tier: the
+// bf16 kernels and the GLU activation epilogues, portable reference tier: the
 // bf16_tiles.h templates over plain C++ 16-lane arrays (ref/vec.h). Runs on
 // any CPU; the tests check it, like every tier, against the dense PyTorch
 // reference.
+#include "kernels/activations.h"
 #include "kernels/bf16_tiles.h"
 #include "kernels/ref/vec.h"
-#include "kernels/swiglu.h"
 #include "kernels/tiers.h"
 
 namespace kt::kernels::ref {
@@ -14,6 +14,6 @@ const ProjectionKernels& bf16_kernels() {
   return k;
 }
 
-void silu_mul_rows(float* g, const float* u, int m) { kernels::silu_mul_rows<Vec>(g, u, m); }
+GluRows glu_rows(Activation a) { return kernels::glu_rows_for<Vec>(a); }
 
 }  // namespace kt::kernels::ref

@@ -49,6 +49,16 @@ struct Vec {
   static inline Reg fma(const Reg& a, const Reg& b, const Reg& c) {
     return map([&](int i) { return a.v[i] * b.v[i] + c.v[i]; });
   }
+  static inline Reg abs(const Reg& a) {
+    return map([&](int i) { return std::fabs(a.v[i]); });
+  }
+  static inline Reg max(const Reg& a, const Reg& b) {
+    return map([&](int i) { return a.v[i] > b.v[i] ? a.v[i] : b.v[i]; });
+  }
+  // copysign(1, a): +1 or -1 by a's sign bit (-0.0 gives -1).
+  static inline Reg sign1(const Reg& a) {
+    return map([&](int i) { return std::copysign(1.0f, a.v[i]); });
+  }
   static inline Reg exp(const Reg& a) {
     return map([&](int i) { return std::exp(a.v[i]); });
   }
