@@ -90,7 +90,7 @@ from typing import Any, ClassVar, Optional, Union
 import torch
 from torch import Tensor
 
-from kt_ops.formats import PackedProjection, format_spec, pack_codes, pack_group_params
+from kt_ops.formats import FORMATS, PackedProjection, format_spec, pack_codes, pack_group_params
 from kt_ops.layer import PROJECTIONS, ExpertWeights
 
 __all__ = [
@@ -426,7 +426,7 @@ class _CompressedInt4Checkpoint:
 
 
 #: What LLAMAFILE runs: the GGUF block types kt_ops repacks, and bf16 for float tensors.
-_GGUF_RUN_FORMATS = frozenset({"q8_0", "q4_0", "q4_k", "q5_k", "q6_k", "bf16"})
+_GGUF_RUN_FORMATS = frozenset({*(f for f in FORMATS if format_spec(f).is_gguf), "bf16"})
 
 
 def _converted_dir(path: Path) -> bool:
@@ -468,6 +468,13 @@ class _Pending:
     stream: Any = None
     device: Optional[torch.device] = None
     dtype: Optional[torch.dtype] = None
+
+
+def _group_choices(fmt: Optional[str]) -> tuple[int, ...]:
+    """The group sizes ``group_size`` picks from for format ``fmt`` (int4); () for a format
+    with one group size (it keeps its own) and for LLAMAFILE (None)."""
+    groups = format_spec(fmt).group_sizes if fmt is not None else ()
+    return groups if len(groups) > 1 else ()
 
 
 def _int(name: str, v: Any, lo: int) -> int:
@@ -589,8 +596,10 @@ class KTMoEWrapper:
                 "plain SiLU (activation 'silu'); only 0.0 is supported"
             )
         self.swiglu_limit = 0.0
-        if self.mapping.weight_format == "int4" and group_size not in (32, 64, 128):
-            raise ValueError(f"group_size must be 32, 64 or 128 for method {method!r}")
+        groups = _group_choices(self.mapping.weight_format)
+        if groups and group_size not in groups:
+            allowed = ", ".join(map(str, groups[:-1])) + f" or {groups[-1]}"
+            raise ValueError(f"group_size must be {allowed} for method {method!r}")
         self.group_size = group_size
         self.mask_from_num_gpu_experts = False
         self.gpu_experts_mask = self._make_mask(gpu_experts_mask, num_gpu_experts)
@@ -718,7 +727,7 @@ class KTMoEWrapper:
             return reader.load_layer(L)
         if self.mapping.source == "gguf":
             return reader.load_layer(L, None)
-        group = self.group_size if fmt == "int4" else None
+        group = self.group_size if _group_choices(fmt) else None
         return reader.load_layer(L, fmt, group, True)
 
     def _check_map(self, p2l: Optional[Tensor], logical: int) -> Optional[Tensor]:
@@ -826,7 +835,7 @@ class KTMoEWrapper:
             gate_proj, up_proj, down_proj = (
                 t[m.to(t.device)] for t in (gate_proj, up_proj, down_proj)
             )
-        group = self.group_size if fmt == "int4" else None
+        group = self.group_size if _group_choices(fmt) else None
         self.experts = ExpertWeights.from_dense(
             gate_proj, up_proj, down_proj, fmt, group_size=group
         )

@@ -105,7 +105,7 @@ MANIFEST_VERSION = 2
 #: k-quant projection (every other layout is unchanged); one with k-quants is refused
 #: (:func:`_check_layout_version`), as is resuming into any version-1 directory.
 _READABLE_VERSIONS = (1, 2)
-_KQUANT_V2 = ("q4_k", "q5_k", "q6_k")
+_KQUANT_V2 = tuple(f for f in FORMATS if format_spec(f).is_kquant)
 _TMP_SUFFIX = ".tmp"
 _PathLike = Union[str, Path]
 

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from kt_ops.formats import (
     E2M1_VALUES,
     FORMATS,
+    GGUF_FORMATS,
     PackedProjection,
     dequantize_weights,
     format_spec,
@@ -132,6 +133,23 @@ def test_registry_matches_the_table_of_docs_formats_md():
         format_spec("q3_k")
     with pytest.raises(dataclasses.FrozenInstanceError):
         format_spec("int8").bits = 4
+
+
+def test_gguf_block_types_are_rows_of_the_table():
+    """GGUF-ness is one field of the spec rows; every list of GGUF types derives from it."""
+    gguf_types = [f for f in FORMATS if format_spec(f).is_gguf]
+    assert gguf_types == ["q8_0", "q4_0", "q4_k", "q5_k", "q6_k"]
+    assert GGUF_FORMATS == tuple(gguf_types)
+    for f in FORMATS:
+        block = format_spec(f).gguf_block
+        if block is None:
+            continue
+        assert block == gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[f.upper()]], f
+        assert format_spec(f).bits_per_weight == 8 * block[1] / block[0], f
+    from kt_ops.loaders.gguf_file import GGUF_NATIVE_FORMATS
+
+    assert list(GGUF_NATIVE_FORMATS.values()) == gguf_types
+    assert all(t.name.lower() == f for t, f in GGUF_NATIVE_FORMATS.items())
 
 
 # ---------------------------------------------------------------------------- byte layouts

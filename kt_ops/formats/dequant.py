@@ -80,7 +80,7 @@ def _kquant_params(rec: Tensor, spec, kp: int) -> tuple[Tensor, Tensor]:
         return bits.to(torch.int16).view(torch.float16).float()
 
     d = f16(base + 2 * r)
-    if spec.name == "q6_k":
+    if not spec.record_mins:  # q6_k
         j = (k % 256) // 16
         sc = _gather(flat, base + 32 + 16 * j + r)
         sc = sc - ((sc & 0x80) << 1)  # int8
@@ -159,7 +159,7 @@ def _dequantize_one(spec, group_size, n, k, weight, scales=None, zeros=None) -> 
             return _rows(scale * q.float() - zero, n, k)
         return _rows(scale * (q - (1 << (spec.bits - 1))).float(), n, k)
     scale = _expand_groups(scales, kp, group_size)
-    if spec.name == "mxfp4":
+    if spec.lut:  # mxfp4: E2M1 codes through the table
         qv = torch.tensor(MXFP4_Q_LUT, dtype=torch.float64)[q]
         s = torch.pow(2.0, scale.to(torch.float64) - 128.0)
         return _rows(s * qv - 12.0 * s, n, k).float()

@@ -37,20 +37,12 @@ from torch import Tensor
 
 from kt_ops.formats.packed import PackedProjection
 from kt_ops.formats.qint import pack_codes, pack_group_params, pack_kquant_scales
-from kt_ops.formats.spec import format_spec
+from kt_ops.formats.spec import FORMATS, format_spec
 
 __all__ = ["GGUF_FORMATS", "from_gguf", "quantize_gguf_raw"]
 
-#: name -> (weights per block, bytes per block), as gguf.constants.GGML_QUANT_SIZES.
-_BLOCKS = {
-    "q8_0": (32, 34),
-    "q4_0": (32, 18),
-    "q4_k": (256, 144),
-    "q5_k": (256, 176),
-    "q6_k": (256, 210),
-}
-#: The GGUF types kt_ops repacks (``from_gguf``).
-GGUF_FORMATS = tuple(_BLOCKS)
+#: The GGUF types kt_ops repacks (``from_gguf``): the formats with a ``gguf_block``.
+GGUF_FORMATS = tuple(f for f in FORMATS if format_spec(f).is_gguf)
 
 
 def _qtype_name(qtype: Any) -> str:
@@ -60,7 +52,7 @@ def _qtype_name(qtype: Any) -> str:
         name = qtype.lower()
     else:
         raise ValueError(f"qtype must be a name or a gguf.GGMLQuantizationType, got {qtype!r}")
-    if name not in _BLOCKS:
+    if name not in GGUF_FORMATS:
         raise ValueError(
             f"qtype={qtype!r} is not supported; supported GGUF types: {', '.join(GGUF_FORMATS)}"
         )
@@ -132,7 +124,8 @@ def from_gguf(
             non-finite fp16 ``d``/``dmin`` in ``raw``.
     """
     name = _qtype_name(qtype)
-    bs, ts = _BLOCKS[name]
+    spec = format_spec(name)
+    bs, ts = spec.gguf_block
     n, k = (
         v if isinstance(v, bool) or not isinstance(v, numbers.Integral) else int(v) for v in (n, k)
     )
@@ -159,7 +152,7 @@ def from_gguf(
         qs = blk[..., 2:18]
         codes = np.concatenate([qs & 15, qs >> 4], axis=-1)
         scales = d
-    elif name in ("q4_k", "q5_k"):
+    elif spec.record_mins:  # q4_K, q5_K: d, dmin, scales[12] ahead of the codes
         _check_finite(name, _f16(blk[..., 0:2]), _f16(blk[..., 2:4]))
         head = blk[..., 0:16]  # d, dmin, scales[12]: copied as they are
         if name == "q4_k":
@@ -181,7 +174,6 @@ def from_gguf(
         low = (ql >> np.array([0, 4], dtype=np.uint8).reshape(2, 1, 1)) & 15  # [..., 2, 2, 2, 32]
         high = (qh >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)) & 3  # [..., 2, 4, 32]
         codes = low.reshape(E, n, -1, 2, 4, 32) | (high << 4)
-    spec = format_spec(name)
     codes_t = torch.from_numpy(np.ascontiguousarray(codes).reshape(E, n, k))
     pad = 0 if spec.signed else 1 << (spec.bits - 1)
     g = spec.default_group_size
@@ -286,18 +278,19 @@ def quantize_gguf_raw(weight: np.ndarray, qtype: Union[str, Any]) -> np.ndarray:
             size, or weights whose fp16 super-block scale would overflow.
     """
     name = _qtype_name(qtype)
-    bs, ts = _BLOCKS[name]
+    spec = format_spec(name)
+    bs, ts = spec.gguf_block
     x = np.ascontiguousarray(weight, dtype=np.float32)
     if x.ndim < 1 or x.shape[-1] % bs:
         raise ValueError(
             f"quantize_weights: K={x.shape[-1] if x.ndim else 0} is not a multiple of the "
             f"{name} block size {bs}"
         )
-    if name in ("q8_0", "q4_0"):
+    if not spec.is_kquant:  # q8_0, q4_0
         import gguf  # noqa: PLC0415  (optional dependency)
 
         qt = getattr(gguf.GGMLQuantizationType, name.upper())
         return gguf.quants.quantize(x, qt)
     blocks = x.reshape(-1, bs)
-    out = _quantize_q6_k(blocks) if name == "q6_k" else _quantize_q45_k(blocks, int(name[1]))
+    out = _quantize_q45_k(blocks, spec.bits) if spec.record_mins else _quantize_q6_k(blocks)
     return out.reshape(*x.shape[:-1], x.shape[-1] // bs * ts)

@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from kt_ops.formats.spec import BLOCK_ROWS, ceil_div, padded_k
+from kt_ops.formats.spec import BLOCK_ROWS, FORMATS, ceil_div, format_spec, padded_k
 
 __all__ = [
     "pack_codes",
@@ -161,14 +161,17 @@ def unpack_group_params(p: Tensor, n: int) -> Tensor:
 
 # --------------------------------------------------------------------------- k-quant records
 
-#: GGUF k-quant: bytes of the scale fields of one block per row (``head``), record bytes.
-_KQ = {"q4_k": (16, 256), "q5_k": (16, 256), "q6_k": (18, 288)}
+#: The GGUF k-quants: the formats whose scales are super-block records.
+_KQUANTS = tuple(f for f in FORMATS if format_spec(f).is_kquant)
 
 
-def _kq(fmt: str) -> tuple[int, int]:
-    if fmt not in _KQ:
-        raise ValueError(f"{fmt!r} is not a GGUF k-quant; expected one of {tuple(_KQ)}")
-    return _KQ[fmt]
+def _kq(fmt: str) -> tuple[int, int, bool]:
+    """Bytes of the scale fields of one GGUF block per row (``head``: 16 for q4_k/q5_k, 18
+    for q6_k), bytes of one record (16 rows of heads), and whether the head holds mins."""
+    if fmt not in _KQUANTS:
+        raise ValueError(f"{fmt!r} is not a GGUF k-quant; expected one of {_KQUANTS}")
+    spec = format_spec(fmt)
+    return spec.scale_record_bytes // BLOCK_ROWS, spec.scale_record_bytes, spec.record_mins
 
 
 def pack_kquant_scales(head: Tensor, fmt: str) -> Tensor:
@@ -187,7 +190,7 @@ def pack_kquant_scales(head: Tensor, fmt: str) -> Tensor:
         bytes ``[12 | 16][16 rows]`` (byte ``i`` of row ``r`` at ``16 i + r``):
         the same bytes, the block's 16 rows side by side. Padding rows are 0.
     """
-    hb, rb = _kq(fmt)
+    hb, rb, mins = _kq(fmt)
     if not isinstance(head, Tensor) or head.dtype != torch.uint8 or head.dim() != 4:
         raise ValueError(f"pack_kquant_scales: head must be uint8 [E, N, S, {hb}]")
     E, N, S, h = head.shape
@@ -197,10 +200,10 @@ def pack_kquant_scales(head: Tensor, fmt: str) -> Tensor:
     full = torch.zeros(E, nb * BLOCK_ROWS, S, hb, dtype=torch.uint8)
     full[:, :N] = head.cpu()
     full = full.view(E, nb, BLOCK_ROWS, S, hb).permute(0, 1, 3, 2, 4)  # [E, NB, S, 16 rows, hb]
-    if fmt == "q6_k":
-        parts = [full[..., 16:18], full[..., 0:16].transpose(-1, -2)]  # d [16][2], sc [16 j][16 r]
-    else:
+    if mins:  # q4_k, q5_k: d, dmin [16][2], sc [12 j][16 r]
         parts = [full[..., 0:2], full[..., 2:4], full[..., 4:16].transpose(-1, -2)]
+    else:  # q6_k
+        parts = [full[..., 16:18], full[..., 0:16].transpose(-1, -2)]  # d [16][2], sc [16 j][16 r]
     out = torch.cat([p.reshape(E, nb, S, -1) for p in parts], dim=-1).contiguous()
     assert out.shape[-1] == rb
     return out
@@ -208,7 +211,7 @@ def pack_kquant_scales(head: Tensor, fmt: str) -> Tensor:
 
 def unpack_kquant_scales(scales: Tensor, fmt: str, n: int) -> Tensor:
     """Inverse of :func:`pack_kquant_scales`: records ``[E, NB, S, R]`` -> ``[E, n, S, 16|18]``."""
-    hb, rb = _kq(fmt)
+    hb, rb, mins = _kq(fmt)
     if scales.dtype != torch.uint8 or scales.dim() != 4 or scales.shape[-1] != rb:
         raise ValueError(
             f"unpack_kquant_scales: scales has {scales.dtype} {list(scales.shape)}, expected "
@@ -217,13 +220,13 @@ def unpack_kquant_scales(scales: Tensor, fmt: str, n: int) -> Tensor:
     E, nb, S, _ = scales.shape
     rows = scales.view(E, nb, S, -1)
     d = rows[..., 0:32].reshape(E, nb, S, BLOCK_ROWS, 2)
-    if fmt == "q6_k":
-        sc = rows[..., 32:288].reshape(E, nb, S, 16, BLOCK_ROWS).transpose(-1, -2)
-        head = torch.cat([sc, d], dim=-1)
-    else:
+    if mins:  # q4_k, q5_k
         dmin = rows[..., 32:64].reshape(E, nb, S, BLOCK_ROWS, 2)
         sc = rows[..., 64:256].reshape(E, nb, S, 12, BLOCK_ROWS).transpose(-1, -2)
         head = torch.cat([d, dmin, sc], dim=-1)
+    else:  # q6_k
+        sc = rows[..., 32:288].reshape(E, nb, S, 16, BLOCK_ROWS).transpose(-1, -2)
+        head = torch.cat([sc, d], dim=-1)
     head = head.permute(0, 1, 3, 2, 4).reshape(E, nb * BLOCK_ROWS, S, hb)
     return head[:, :n].contiguous()
 
@@ -239,7 +242,7 @@ def kquant_scale_values(scales: Tensor, fmt: str, n: int) -> tuple[Tensor, Optio
     def f16(lo: Tensor, hi: Tensor) -> Tensor:
         return (lo | (hi << 8)).to(torch.int16).view(torch.float16).float()
 
-    if fmt == "q6_k":
+    if not format_spec(fmt).record_mins:  # q6_k: int8 scales[16], d
         sc = head[..., 0:16].to(torch.uint8).view(torch.int8).float()
         d = f16(head[..., 16], head[..., 17])
         return (d.unsqueeze(-1) * sc).reshape(E, n, S * 16), None

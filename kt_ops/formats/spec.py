@@ -90,6 +90,9 @@ class FormatSpec:
         super_block: K per scale record (256 for the k-quants, else 0).
         record_mins: the records hold mins (``dmin*m``, q4_k/q5_k): the
             format is asymmetric without a ``zeros`` tensor.
+        gguf_block: the GGUF (ggml) block types: ``(weights, bytes)`` of one
+            ggml block of the type the format repacks losslessly (as
+            ``gguf.GGML_QUANT_SIZES``); ``None`` for the other formats.
     """
 
     name: str
@@ -111,6 +114,7 @@ class FormatSpec:
     scale_record_bytes: int = 0
     super_block: int = 0
     record_mins: bool = False
+    gguf_block: Optional[tuple[int, int]] = None
 
     def brgemm_min_tokens_for(self, cpu_class: str) -> Optional[int]:
         """The ``'auto'`` brgemm threshold on ``cpu_class`` (``'avx512'`` or ``'amx'``)."""
@@ -134,8 +138,8 @@ class FormatSpec:
 
     @property
     def is_gguf(self) -> bool:
-        """True for the formats repacked from GGUF blocks (q8_0, q4_0, q4_k, q5_k, q6_k)."""
-        return self.name.startswith("q")
+        """True for the GGUF block types (q8_0, q4_0, q4_k, q5_k, q6_k): ``gguf_block`` is set."""
+        return self.gguf_block is not None
 
     def num_groups(self, k: int, group_size: int) -> int:
         """``G``: scale groups along K (1 for per-channel, ``Kp / group_size`` otherwise)."""
@@ -187,6 +191,19 @@ class FormatSpec:
         return self.bits + n_params * scale_bits / group_size
 
 
+#: The formats that are GGUF block types: name -> (weights, bytes) of one ggml block
+#: (ggml-common.h's ``block_<type>`` structs, ``gguf.GGML_QUANT_SIZES``). Only the Python
+#: repacker (formats/gguf_blocks.py) reads GGUF blocks, so this fact of the format table
+#: lives here rather than in the extension's table.
+_GGUF_BLOCKS = {
+    "q8_0": (32, 34),
+    "q4_0": (32, 18),
+    "q4_k": (256, 144),
+    "q5_k": (256, 176),
+    "q6_k": (256, 210),
+}
+
+
 def _spec_from_row(row: dict) -> FormatSpec:
     sd = row["scale_dtype"]
     return FormatSpec(
@@ -209,6 +226,7 @@ def _spec_from_row(row: dict) -> FormatSpec:
         scale_record_bytes=row["scale_record_bytes"],
         super_block=row["super_block"],
         record_mins=row["record_mins"],
+        gguf_block=_GGUF_BLOCKS.get(row["name"]),
     )
 
 

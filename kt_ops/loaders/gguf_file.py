@@ -34,19 +34,13 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader
 
-from kt_ops.formats import PackedProjection, from_gguf, quantize_weights
+from kt_ops.formats import GGUF_FORMATS, PackedProjection, from_gguf, quantize_weights
 from kt_ops.loaders._common import PROJECTIONS, check_format, pack_in_chunks
 
 __all__ = ["GGUFCheckpoint", "GGUF_NATIVE_FORMATS", "GGUF_FLOAT_TYPES", "GGUF_TENSOR_NAMES"]
 
-#: GGUF quantized types read natively -> kt_ops format name.
-GGUF_NATIVE_FORMATS = {
-    GGMLQuantizationType.Q8_0: "q8_0",
-    GGMLQuantizationType.Q4_0: "q4_0",
-    GGMLQuantizationType.Q4_K: "q4_k",
-    GGMLQuantizationType.Q5_K: "q5_k",
-    GGMLQuantizationType.Q6_K: "q6_k",
-}
+#: GGUF quantized types read natively -> kt_ops format name (the formats' GGUF block types).
+GGUF_NATIVE_FORMATS = {GGMLQuantizationType[f.upper()]: f for f in GGUF_FORMATS}
 
 #: GGUF float types, quantized online.
 GGUF_FLOAT_TYPES = (
