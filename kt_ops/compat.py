@@ -788,7 +788,7 @@ class KTMoEWrapper:
         self._check_shape(f"{self.weight_path} layer {self.layer_idx}", 0, g.n, g.k)
         m = self._check_map(physical_to_logical_map_cpu, g.num_experts)
         if m is not None:
-            packed = {r: _select_experts(p, m) for r, p in packed.items()}
+            packed = {r: p.select_experts(m) for r, p in packed.items()}
         self.experts = ExpertWeights(packed["gate"], packed["up"], packed["down"])
 
     def load_weights_from_tensors(
@@ -1124,12 +1124,3 @@ class KTMoEWrapper:
             f"E={self.num_experts}, K={self.num_experts_per_tok}, H={self.hidden_size}, "
             f"I={self.moe_intermediate_size}, gpu_experts={self.num_gpu_experts})"
         )
-
-
-def _select_experts(p: PackedProjection, index: Tensor) -> PackedProjection:
-    """``p`` with its experts reordered/selected by ``index`` (every tensor's dim 0)."""
-
-    def sel(t: Optional[Tensor]) -> Optional[Tensor]:
-        return None if t is None else t.index_select(0, index.to(t.device)).contiguous()
-
-    return dataclasses.replace(p, weight=sel(p.weight), scales=sel(p.scales), zeros=sel(p.zeros))

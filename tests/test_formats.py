@@ -593,6 +593,24 @@ def test_packed_projection_properties():
     assert set(quantize_weights(torch.randn(1, 4, 8), "bf16").tensors()) == {"weight"}
 
 
+def test_select_experts_picks_along_the_expert_dimension():
+    w = torch.randn(3, 21, 64, generator=_gen(19))
+    ids = torch.tensor([2, 0, 2])
+    for p in (
+        quantize_weights(w, "int4", group_size=32, symmetric=False),
+        quantize_weights(w, "q8_0"),
+    ):
+        got = p.select_experts(ids).validate()
+        assert (got.weight_format, got.group_size, got.n, got.k) == (
+            p.weight_format,
+            p.group_size,
+            p.n,
+            p.k,
+        )
+        assert torch.equal(dequantize_weights(got), dequantize_weights(p)[ids])
+        assert got.zeros is None if p.zeros is None else torch.equal(got.zeros, p.zeros[ids])
+
+
 # --------------------------------------------------------------------------- bad inputs
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from dataclasses import dataclass
 from typing import Optional
@@ -136,6 +137,19 @@ class PackedProjection:
             if not t.is_contiguous():
                 raise ValueError(f"PackedProjection.{name} must be contiguous")
         return self
+
+    def select_experts(self, ids: Tensor) -> PackedProjection:
+        """A copy holding experts ``ids`` (integer ``[m]``, in that order; repeats allowed).
+
+        Every packed tensor is indexed by expert first, so this picks along dim 0
+        (``ids`` is moved to the tensors' device); ``n``, ``k``, format and group
+        size stay. Used for expert placement maps and GPU-resident expert copies.
+        """
+        picked = {
+            name: None if t is None else t.index_select(0, ids.to(t.device)).contiguous()
+            for name, t in self._fields().items()
+        }
+        return dataclasses.replace(self, **picked)
 
     def to(self, device: torch.device | str) -> PackedProjection:
         """A copy with every tensor moved to ``device``."""
