@@ -80,7 +80,6 @@ wrapper's fixed cost once per layer per decode step.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import re
@@ -90,8 +89,8 @@ from typing import Any, ClassVar, Optional, Union
 import torch
 from torch import Tensor
 
-from kt_ops.formats import FORMATS, PackedProjection, format_spec, pack_codes, pack_group_params
-from kt_ops.layer import PROJECTIONS, ExpertWeights
+from kt_ops.formats import FORMATS, format_spec
+from kt_ops.layer import ExpertWeights
 
 __all__ = [
     "KT_KERNEL_VERSION",
@@ -261,44 +260,14 @@ def _moe_forward_masked(
 # ---------------------------------------------------------------------- weight sources
 
 _KT_KERNEL_AMX_RE = re.compile(r"\.ffn_(?:gate|up|down)_exps\.\d+\.numa\.\d+\.(?:weight|scale)$")
-_RAWINT4_RE = re.compile(
-    r"^(?P<prefix>(?:.+\.)?)layers\.(?P<layer>\d+)\.mlp\.experts\.(?P<expert>\d+)\."
-    r"(?P<proj>gate|up|down)_proj\.weight_packed$"
-)
-
-
-def _safetensors_files(path: Path) -> list[Path]:
-    """The ``*.safetensors`` files of ``path`` (a file, or a folder with or without an index)."""
-    if path.is_file():
-        return [path]
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            wmap = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"{index}: cannot read its weight_map ({e})") from e
-        return sorted({path / str(f) for f in wmap.values()})
-    return sorted(path.glob("*.safetensors"))
-
-
-def _tensor_names(files: list[Path]) -> dict[str, Path]:
-    from safetensors import safe_open
-
-    out = {}
-    for f in files:
-        try:
-            with safe_open(str(f), framework="pt") as h:
-                for name in h.keys():
-                    out[name] = f
-        except Exception as e:
-            raise ValueError(f"{f}: not a valid safetensors file: {e}") from e
-    return out
 
 
 def _kt_kernel_layout_error(path: Path, method: str, fmt: Optional[str]) -> Optional[ValueError]:
     """A ValueError when ``path`` holds kt-kernel's own converted layout, else None."""
+    from kt_ops.loaders.compressed_tensors import safetensors_files, tensor_names
+
     try:
-        names = _tensor_names(_safetensors_files(path))
+        names = tensor_names(safetensors_files(path))
     except (ValueError, OSError):
         return None
     hit = next((n for n in names if _KT_KERNEL_AMX_RE.search(n)), None)
@@ -310,119 +279,6 @@ def _kt_kernel_layout_error(path: Path, method: str, fmt: Optional[str]) -> Opti
         f"checkpoint as weight_path (kt_ops packs it as {fmt!r} while loading) or a directory "
         f"written by `kt-ops convert SRC OUT --format {fmt}`"
     )
-
-
-class _CompressedInt4Checkpoint:
-    """The routed experts of a compressed-tensors ``pack-quantized`` int4 checkpoint (RAWINT4).
-
-    Tensors, as kt-kernel's ``CompressedSafeTensorLoader`` reads them:
-    ``{prefix}layers.{L}.mlp.experts.{e}.{gate,up,down}_proj.weight_packed``
-    (int32 ``[N, K/8]``, eight 4-bit codes a word, first code in the low bits;
-    or uint8 ``[N, K/2]``, first code in the low nibble), ``.weight_scale`` (bf16
-    ``[N, K/group]``) and optionally ``.weight_shape`` (``[N, K]``). A stored code
-    ``c`` in ``[0, 16)`` means the weight ``scale * (c - 8)``: kt_ops' symmetric
-    ``int4``. Its scales convert to fp16 exactly when they lie in fp16's normal
-    range (int4 scales of real checkpoints do); otherwise they stay bf16, which
-    the op also reads. Either way the packed weights are exact.
-    """
-
-    kind = "compressed_tensors_int4"
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        files = _safetensors_files(path)
-        if not files:
-            raise FileNotFoundError(f"{path}: no *.safetensors files (RAWINT4 checkpoint)")
-        self._names = _tensor_names(files)
-        layers: dict[int, dict[tuple[int, str], str]] = {}
-        prefixes = set()
-        for name in self._names:
-            m = _RAWINT4_RE.match(name)
-            if m:
-                prefixes.add(m["prefix"])
-                layers.setdefault(int(m["layer"]), {})[(int(m["expert"]), m["proj"])] = name
-        if not layers:
-            raise ValueError(
-                f"{path}: no compressed-tensors int4 experts (names like "
-                "'model.layers.{L}.mlp.experts.{e}.gate_proj.weight_packed') for method RAWINT4"
-            )
-        if len(prefixes) > 1:
-            raise ValueError(f"{path}: RAWINT4 experts under several prefixes {sorted(prefixes)}")
-        self._layers = layers
-        self.moe_layers = sorted(layers)
-
-    def _get(self, name: str) -> Tensor:
-        from safetensors import safe_open
-
-        if name not in self._names:
-            raise ValueError(f"{self.path}: tensor {name} is missing")
-        with safe_open(str(self._names[name]), framework="pt") as h:
-            return h.get_tensor(name)
-
-    def load_layer(
-        self, layer: int, group_size: Optional[int] = None
-    ) -> dict[str, PackedProjection]:
-        if layer not in self._layers:
-            raise ValueError(
-                f"{self.path}: layer {layer} has no RAWINT4 experts; MoE layers: {self.moe_layers}"
-            )
-        entries = self._layers[layer]
-        num_experts = max(e for e, _ in entries) + 1
-        out = {}
-        for role in PROJECTIONS:
-            codes, scales = [], []
-            for e in range(num_experts):
-                name = entries.get((e, role))
-                if name is None:
-                    raise ValueError(
-                        f"{self.path}: layer {layer} expert {e} has no {role}_proj.weight_packed"
-                    )
-                base = name[: -len("weight_packed")]
-                w = self._get(name)
-                s = self._get(base + "weight_scale")
-                if w.dtype == torch.int32:
-                    w = w.contiguous().view(torch.uint8)  # little-endian: first codes first
-                if w.dtype != torch.uint8 or w.dim() != 2:
-                    raise ValueError(
-                        f"{self.path}: {name} is {w.dtype} {list(w.shape)}; expected int32 "
-                        "[N, K/8] or uint8 [N, K/2]"
-                    )
-                n, k = int(w.shape[0]), int(w.shape[1]) * 2
-                if s.dim() != 2 or s.shape[0] != n or s.shape[1] < 1 or k % s.shape[1]:
-                    raise ValueError(
-                        f"{self.path}: {base}weight_scale has shape {list(s.shape)}; expected "
-                        f"[{n}, K/group] for K={k}"
-                    )
-                q = torch.stack([w & 15, w >> 4], dim=-1).view(n, k)
-                codes.append(q)
-                scales.append(s.to(torch.bfloat16))
-            q = torch.stack(codes)
-            s = torch.stack(scales)
-            E, n, k = q.shape
-            group = k // s.shape[2]
-            if group not in format_spec("int4").group_sizes:
-                raise ValueError(
-                    f"{self.path}: layer {layer} {role}: RAWINT4 group size {group} (K={k}, "
-                    f"{s.shape[2]} scales a row); kt_ops int4 takes groups of "
-                    f"{format_spec('int4').group_sizes}"
-                )
-            # kt_ops int4 stores fp16 scales; bf16 ones convert exactly unless they are
-            # tiny (fp16 subnormals) or huge. Then they stay bf16, which the op reads too
-            # (validate() and the reference dequantizer want fp16, so check against those).
-            s16 = s.to(torch.float16)
-            exact = bool(torch.equal(s16.to(torch.bfloat16), s))
-            p = PackedProjection(
-                pack_codes(q, 4, pad_code=8),
-                pack_group_params(s16 if exact else s, s16.dtype if exact else s.dtype),
-                None,
-                "int4",
-                group,
-                n,
-                k,
-            )
-            dataclasses.replace(p, scales=p.scales.to(torch.float16)).validate()
-            out[role] = p
-        return out
 
 
 #: What LLAMAFILE runs: the GGUF block types kt_ops repacks, and bf16 for float tensors.
@@ -685,19 +541,21 @@ class KTMoEWrapper:
         reader = KTMoEWrapper._sources.get(key)
         if reader is not None:
             return reader
-        if src == "converted":
-            from kt_ops.convert import ConvertedExperts
+        # kt_ops.loaders needs safetensors and gguf, optional dependencies of kt_ops.
+        from kt_ops.loaders import (
+            CompressedTensorsCheckpoint,
+            ConvertedExperts,
+            GGUFCheckpoint,
+            HFCheckpoint,
+        )
 
+        if src == "converted":
             reader = ConvertedExperts(path)
         elif src == "gguf":
-            from kt_ops.loaders import GGUFCheckpoint
-
             reader = GGUFCheckpoint(path)
         elif src == "rawint4":
-            reader = _CompressedInt4Checkpoint(path)
+            reader = CompressedTensorsCheckpoint(path)
         else:
-            from kt_ops.loaders import HFCheckpoint
-
             try:
                 reader = HFCheckpoint(path)
             except (ValueError, FileNotFoundError) as e:
@@ -708,27 +566,22 @@ class KTMoEWrapper:
         KTMoEWrapper._sources[key] = reader
         return reader
 
-    def _load_packed(self) -> dict[str, PackedProjection]:
+    def _load_experts(self) -> ExpertWeights:
         reader = self._source()
         L, fmt = self.layer_idx, self.mapping.weight_format
-        from kt_ops.convert import ConvertedExperts
-
-        if isinstance(reader, ConvertedExperts):
-            packed = reader.load_layer(L)
-            got = {p.weight_format for p in packed.values()}
+        if reader.kind == "hf_safetensors":  # quantized to the method's format
+            group = self.group_size if _group_choices(fmt) else None
+            return reader.load_layer(L, fmt, group, True)
+        experts = reader.load_layer(L)  # packed sources load as they are
+        if reader.kind == "converted":
+            got = {p.weight_format for p in experts.projections}
             ok = got == {fmt} if fmt is not None else got <= _GGUF_RUN_FORMATS
             if not ok:
                 raise ValueError(
                     f"{reader.path}: layer {L} is converted to {sorted(got)}, method "
                     f"{self.method!r} runs {fmt or 'GGUF types'!r}"
                 )
-            return packed
-        if isinstance(reader, _CompressedInt4Checkpoint):
-            return reader.load_layer(L)
-        if self.mapping.source == "gguf":
-            return reader.load_layer(L, None)
-        group = self.group_size if _group_choices(fmt) else None
-        return reader.load_layer(L, fmt, group, True)
+        return experts
 
     def _check_map(self, p2l: Optional[Tensor], logical: int) -> Optional[Tensor]:
         """The physical -> logical expert map as int64 indices, or None for the identity."""
@@ -783,13 +636,13 @@ class KTMoEWrapper:
             ValueError: ``weight_path`` is None, holds kt-kernel's own converted
                 layout, or a layer / format / shape that does not match; a bad map.
         """
-        packed = self._load_packed()
-        g = packed["gate"]
-        self._check_shape(f"{self.weight_path} layer {self.layer_idx}", 0, g.n, g.k)
-        m = self._check_map(physical_to_logical_map_cpu, g.num_experts)
+        experts = self._load_experts()
+        where = f"{self.weight_path} layer {self.layer_idx}"
+        self._check_shape(where, 0, experts.intermediate_size, experts.hidden_size)
+        m = self._check_map(physical_to_logical_map_cpu, experts.num_experts)
         if m is not None:
-            packed = {r: p.select_experts(m) for r, p in packed.items()}
-        self.experts = ExpertWeights(packed["gate"], packed["up"], packed["down"])
+            experts = ExpertWeights(*(p.select_experts(m) for p in experts.projections))
+        self.experts = experts
 
     def load_weights_from_tensors(
         self,

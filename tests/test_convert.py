@@ -23,6 +23,7 @@ from checkpoints import ROLES, Q, write_gguf, write_hf, write_hf_fp8, write_hf_m
 
 import kt_ops
 import kt_ops.convert as conv
+from kt_ops import ExpertWeights
 from kt_ops.cli import main as cli_main
 from kt_ops.convert import (
     MANIFEST_NAME,
@@ -38,10 +39,9 @@ from kt_ops.loaders import open_checkpoint
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def assert_same_layer(a: dict, b: dict) -> None:
-    assert sorted(a) == sorted(b) == sorted(ROLES)
-    for r in ROLES:
-        pa, pb = a[r], b[r]
+def assert_same_layer(a: ExpertWeights, b: ExpertWeights) -> None:
+    assert isinstance(a, ExpertWeights) and isinstance(b, ExpertWeights)
+    for r, pa, pb in zip(ROLES, a.projections, b.projections):
         assert (pa.weight_format, pa.group_size, pa.n, pa.k) == (
             pb.weight_format,
             pb.group_size,
@@ -132,7 +132,7 @@ def test_convert_sources_bit_identical(tmp_path, kind):
         layer = load_converted(out, 0)
         per_256 = {"gate": 144, "up": 144, "down": 210}
         for r in ROLES:
-            assert layer[r].nbytes == 2 * 256 * 256 // 256 * per_256[r]
+            assert getattr(layer, r).nbytes == 2 * 256 * 256 // 256 * per_256[r]
 
 
 def test_resume_after_interruption(hf_src, tmp_path, monkeypatch):
@@ -258,7 +258,7 @@ def test_load_errors_name_the_file(hf_src, tmp_path):
     # a layer that was never converted, a missing or broken manifest
     with pytest.raises(ValueError, match="layer 0 was not converted"):
         load_converted(out, 0)
-    assert load_converted(out, 1)["gate"].weight_format == "int8"
+    assert load_converted(out, 1).gate.weight_format == "int8"
     (out / MANIFEST_NAME).write_text("{")
     with pytest.raises(ValueError, match=r"manifest\.json"):
         ConvertedExperts(out)

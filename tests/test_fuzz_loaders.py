@@ -50,7 +50,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoints import Q, write_gguf, write_hf, write_hf_mxfp4
+from checkpoints import ROLES, Q, write_gguf, write_hf, write_hf_mxfp4
 from gguf import GGUFReader
 
 from kt_ops.convert import ConvertedExperts, convert
@@ -100,7 +100,7 @@ def packed_tensors(layers: dict) -> dict:
     """{(layer, role, field): tensor} plus the scalar fields, for exact comparison."""
     out = {}
     for L, layer in layers.items():
-        for role, p in layer.items():
+        for role, p in zip(ROLES, layer.projections):
             out[(L, role, "meta")] = (p.weight_format, p.group_size, p.n, p.k)
             for name, t in p.tensors().items():
                 out[(L, role, name)] = t

@@ -21,6 +21,7 @@ import torch
 from checkpoints import (
     ROLES,
     Q,
+    write_compressed_int4,
     write_gguf,
     write_hf,
     write_hf_fp8,
@@ -29,13 +30,22 @@ from checkpoints import (
 
 import kt_ops.loaders._common as common
 import kt_ops.loaders.hf_checkpoint as hf_mod
+from kt_ops import ExpertWeights
+from kt_ops.convert import convert
 from kt_ops.formats import (
     PackedProjection,
     dequantize_weights,
     quantize_weights,
     unpack_kquant_scales,
 )
-from kt_ops.loaders import GGUFCheckpoint, HFCheckpoint, open_checkpoint
+from kt_ops.loaders import (
+    CheckpointReader,
+    CompressedTensorsCheckpoint,
+    ConvertedExperts,
+    GGUFCheckpoint,
+    HFCheckpoint,
+    open_checkpoint,
+)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -49,12 +59,13 @@ def assert_packed_equal(a: PackedProjection, b: PackedProjection) -> None:
         assert torch.equal(ta[name], tb[name]), name
 
 
-def check_layer(out: dict, expected: dict, fmt: str, group_size=None, symmetric=True) -> None:
+def check_layer(
+    out: ExpertWeights, expected: dict, fmt: str, group_size=None, symmetric=True
+) -> None:
     """``out`` equals quantize_weights of the dense expectation, projection by projection."""
-    assert sorted(out) == sorted(ROLES)
-    for r in ROLES:
-        want = quantize_weights(expected[r], fmt, group_size, symmetric)
-        assert_packed_equal(out[r], want)
+    assert isinstance(out, ExpertWeights)
+    for r, p in zip(ROLES, out.projections):
+        assert_packed_equal(p, quantize_weights(expected[r], fmt, group_size, symmetric))
 
 
 # ---------------------------------------------------------------------- HF safetensors
@@ -78,8 +89,8 @@ def test_hf_naming_patterns(tmp_path, style, caplog):
     # bf16 source -> bf16: lossless
     out = ck.load_layer(1)
     for r in ROLES:
-        assert out[r].weight_format == "bf16"
-        assert torch.equal(dequantize_weights(out[r]), expected[1][r]), r
+        assert getattr(out, r).weight_format == "bf16"
+        assert torch.equal(dequantize_weights(getattr(out, r)), expected[1][r]), r
     # int8: same bits as quantizing the written values
     check_layer(ck.load_layer(2, "int8"), expected[2], "int8")
 
@@ -95,7 +106,7 @@ def test_hf_sharded_fp16_fp32_int4(tmp_path, dtype):
         check_layer(out, expected[1], "int4", 32, sym)
         for r in ROLES:
             ref = expected[1][r]
-            err = (dequantize_weights(out[r]) - ref).abs().max()
+            err = (dequantize_weights(getattr(out, r)) - ref).abs().max()
             assert err <= ref.abs().max() / 7 * 0.51 + 1e-3, (r, sym, err)
 
 
@@ -144,8 +155,8 @@ def test_hf_fp8_native_and_requantized(tmp_path):
     assert ck.source_dtype == "fp8" and ck.native_format == "fp8"
     out = ck.load_layer(0)  # native: repacked, no dequantization
     for r in ROLES:
-        assert out[r].weight_format == "fp8"
-        assert torch.equal(dequantize_weights(out[r]), expected[0][r]), r
+        assert getattr(out, r).weight_format == "fp8"
+        assert torch.equal(dequantize_weights(getattr(out, r)), expected[0][r]), r
     check_layer(ck.load_layer(1, "int8"), expected[1], "int8")
     check_layer(ck.load_layer(1, "bf16"), expected[1], "bf16")
 
@@ -155,7 +166,7 @@ def test_hf_fp8_fused(tmp_path):
     ck = HFCheckpoint(tmp_path)
     out = ck.load_layer(0, "fp8")
     for r in ROLES:
-        assert torch.equal(dequantize_weights(out[r]), expected[0][r]), r
+        assert torch.equal(dequantize_weights(getattr(out, r)), expected[0][r]), r
     check_layer(ck.load_layer(0, "int8"), expected[0], "int8")
 
 
@@ -171,8 +182,8 @@ def test_hf_mxfp4_native_and_requantized(tmp_path):
     assert ck.source_dtype == "mxfp4" and ck.has_expert_bias
     out = ck.load_layer(1)
     for r in ROLES:
-        assert out[r].weight_format == "mxfp4"
-        assert torch.equal(dequantize_weights(out[r]), expected[1][r]), r
+        assert getattr(out, r).weight_format == "mxfp4"
+        assert torch.equal(dequantize_weights(getattr(out, r)), expected[1][r]), r
     check_layer(ck.load_layer(0, "bf16"), expected[0], "bf16")
     for r, v in ck.load_dense(0).items():
         assert torch.equal(v, expected[0][r]), r
@@ -305,15 +316,15 @@ def test_gguf_k_quants_native(tmp_path):
     for L in (1, 2):
         out = ck.load_layer(L)
         for r in ROLES:
-            assert out[r].weight_format == types[r].name.lower()
+            assert getattr(out, r).weight_format == types[r].name.lower()
             want = expected[L][r]["dense"]
-            assert torch.equal(dequantize_weights(out[r]), want), (L, r)
+            assert torch.equal(dequantize_weights(getattr(out, r)), want), (L, r)
             # Near copy of the blocks: GGUF's size, and its scale bytes as they are.
             raw = np.asarray(expected[L][r]["raw"]).reshape(2, 256, -1, {"Q4_K": 144,
                   "Q5_K": 176, "Q6_K": 210}[types[r].name])  # fmt: skip
-            assert out[r].nbytes == raw.size
+            assert getattr(out, r).nbytes == raw.size
             head = raw[..., 192:210] if r == "down" else raw[..., 0:16]
-            got = unpack_kquant_scales(out[r].scales, out[r].weight_format, 256)
+            got = unpack_kquant_scales(getattr(out, r).scales, getattr(out, r).weight_format, 256)
             assert torch.equal(got, torch.from_numpy(np.ascontiguousarray(head)))
 
 
@@ -326,7 +337,7 @@ def test_gguf_q8_0_q4_0_native(tmp_path):
     out = ck.load_layer(0)
     for r in ROLES:
         want = torch.from_numpy(gguf.quants.dequantize(expected[0][r]["raw"], types[r]))
-        assert torch.equal(dequantize_weights(out[r]), want), r
+        assert torch.equal(dequantize_weights(getattr(out, r)), want), r
     # explicit format must match each quantized tensor
     with pytest.raises(ValueError, match=r"blk\.0\.ffn_down_exps\.weight is Q4_0"):
         ck.load_layer(0, "q8_0")
@@ -384,3 +395,45 @@ def test_open_checkpoint_dispatch(tmp_path):
     assert isinstance(open_checkpoint(tmp_path / "g.bin"), GGUFCheckpoint)  # by magic
     with pytest.raises(FileNotFoundError):
         open_checkpoint(tmp_path / "none")
+
+
+# ---------------------------------------------------------------------- the reader interface
+
+
+def test_every_reader_has_the_one_interface(tmp_path):
+    """layers, layer_shape, check_weight_format, load_layer -> ExpertWeights, for every reader."""
+    E, H, I = 4, 128, 64
+    write_hf(tmp_path / "hf", "qwen3_moe", E=E, H=H, I=I)
+    write_gguf(tmp_path / "m.gguf", dict.fromkeys(ROLES, Q.Q8_0), E=E, H=H, I=I, moe_layers=(1,))
+    write_compressed_int4(tmp_path / "ct", E=E, H=H, I=I)
+    convert(tmp_path / "hf", tmp_path / "conv", "int8", layers=[2], progress=False)
+    readers = {
+        "hf_safetensors": (HFCheckpoint(tmp_path / "hf"), [1, 2], "bf16"),
+        "gguf": (GGUFCheckpoint(tmp_path / "m.gguf"), [1], "q8_0"),
+        "compressed_tensors_int4": (CompressedTensorsCheckpoint(tmp_path / "ct"), [0, 1], "int4"),
+        "converted": (ConvertedExperts(tmp_path / "conv"), [2], "int8"),
+    }
+    for kind, (reader, layers, fmt) in readers.items():
+        assert isinstance(reader, CheckpointReader) and reader.kind == kind
+        assert reader.layers == layers and layers[-1] in reader and 99 not in reader, kind
+        L = layers[-1]
+        assert reader.layer_shape(L) == (E, I, H), kind
+        reader.check_weight_format(L, None)
+        reader.check_weight_format(L, fmt)
+        with pytest.raises(ValueError, match="int3"):
+            reader.check_weight_format(L, "int3")
+        experts = reader.load_layer(L)
+        assert isinstance(experts, ExpertWeights), kind
+        assert experts.weight_format == fmt and experts.num_experts == E, kind
+        assert (experts.intermediate_size, experts.hidden_size) == (I, H), kind
+        # the dicts the readers returned before: layer["gate"] still reads a projection
+        assert experts["gate"] is experts.gate and experts["down"] is experts.down
+        with pytest.raises(KeyError):
+            experts["w1"]
+        with pytest.raises(TypeError):
+            list(experts)
+    # the packed sources load as stored: another format is refused, not requantized
+    for kind in ("gguf", "compressed_tensors_int4", "converted"):
+        reader, layers, _ = readers[kind]
+        with pytest.raises(ValueError, match="'bf16'"):
+            reader.load_layer(layers[-1], "bf16")

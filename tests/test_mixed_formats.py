@@ -63,7 +63,7 @@ from torch.utils._pytree import tree_map
 import kt_ops
 from kt_ops.convert import ConvertedExperts, convert, load_converted
 from kt_ops.formats import dequantize_weights, format_spec, quantize_weights
-from kt_ops.layer import join_weight_format, layer_args, split_weight_format
+from kt_ops.layer import ExpertWeights, join_weight_format, layer_args, split_weight_format
 from kt_ops.loaders import GGUFCheckpoint
 from kt_ops.nn import MoEExperts
 
@@ -860,8 +860,8 @@ def q4_k_m_gguf(tmp_path_factory):
     return path, expected
 
 
-def _gguf_module(packed: dict) -> MoEExperts:
-    return MoEExperts.from_packed(packed["gate"], packed["up"], packed["down"])
+def _gguf_module(packed: ExpertWeights) -> MoEExperts:
+    return MoEExperts.from_packed(*packed.projections)
 
 
 def test_gguf_loader_to_module(isa, q4_k_m_gguf):
@@ -875,7 +875,7 @@ def test_gguf_loader_to_module(isa, q4_k_m_gguf):
     x = make_hidden(T, GGUF_H, torch.float32, seed=1)
     for L in (0, 1):
         packed = ck.load_layer(L)  # weight_format=None: each tensor in its own type
-        assert {r: packed[r].weight_format for r in ROLES} == {
+        assert {r: getattr(packed, r).weight_format for r in ROLES} == {
             "gate": "q4_k",
             "up": "q4_k",
             "down": "q6_k",
@@ -886,7 +886,7 @@ def test_gguf_loader_to_module(isa, q4_k_m_gguf):
             for r in ROLES
         )
         for r, d in zip(ROLES, dense):
-            assert torch.equal(dequantize_weights(packed[r]), d), (L, r)
+            assert torch.equal(dequantize_weights(getattr(packed, r)), d), (L, r)
         module = _gguf_module(packed)
         assert module.weight_format == "q4_k,q4_k,q6_k"
         with torch.no_grad(), kt_ops.use_quant_activations("q8"):

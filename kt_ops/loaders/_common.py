@@ -1,4 +1,4 @@
-"""Pieces shared by the loaders: projection names, format checks, chunked packing.
+"""Pieces shared by the loaders: format checks, chunked packing.
 
 Every loader reads one MoE layer at a time and packs each projection in chunks
 of experts (:func:`pack_in_chunks`), so the dense (fp32) copy that quantization
@@ -16,9 +16,6 @@ from typing import Callable, Optional
 import torch
 
 from kt_ops.formats import FORMATS, PackedProjection
-
-#: The three projections of a SwiGLU expert, in the order loaders return them.
-PROJECTIONS = ("gate", "up", "down")
 
 #: Upper bound, in bytes, of the fp32 copy of one chunk of experts being quantized.
 CHUNK_BYTES = 256 << 20

@@ -35,7 +35,9 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 
 from kt_ops.formats import GGUF_FORMATS, PackedProjection, from_gguf, quantize_weights
-from kt_ops.loaders._common import PROJECTIONS, check_format, pack_in_chunks
+from kt_ops.layer import PROJECTIONS, ExpertWeights
+from kt_ops.loaders._common import check_format, pack_in_chunks
+from kt_ops.loaders.base import CheckpointReader, expert_weights
 
 __all__ = ["GGUFCheckpoint", "GGUF_NATIVE_FORMATS", "GGUF_FLOAT_TYPES", "GGUF_TENSOR_NAMES"]
 
@@ -70,7 +72,7 @@ def _field(reader: GGUFReader, key: str) -> Any:
         return None
 
 
-class GGUFCheckpoint:
+class GGUFCheckpoint(CheckpointReader):
     """The routed experts of a ``.gguf`` file.
 
     Args:
@@ -79,7 +81,8 @@ class GGUFCheckpoint:
     Attributes:
         path; ``kind``: ``"gguf"``; ``architecture`` (``general.architecture``);
         num_layers (``{arch}.block_count``, or the highest block + 1); moe_layers
-        (sorted block indices with expert tensors); num_experts, hidden_size,
+        (sorted block indices with expert tensors; ``layers`` too, as every
+        :class:`~kt_ops.loaders.base.CheckpointReader`); num_experts, hidden_size,
         intermediate_size (``E``, ``H``, ``I`` of the first MoE layer);
         source_dtype (the lower-case GGML type name of the first layer's gate,
         e.g. ``"q4_k"``); native_format (the kt_ops format of that tensor:
@@ -123,7 +126,7 @@ class GGUFCheckpoint:
         self._shapes: dict[int, tuple[int, int, int]] = {}
         for L in sorted(layers):
             self._shapes[L] = self._check_layer_tensors(L)
-        self.moe_layers = sorted(layers)
+        self.moe_layers = self.layers = sorted(layers)
         count = _field(self._reader, f"{self.architecture}.block_count")
         self.num_layers = int(count) if isinstance(count, (int, np.integer)) else max(layers) + 1
         first = self.moe_layers[0]
@@ -259,7 +262,7 @@ class GGUFCheckpoint:
         weight_format: Optional[str] = None,
         group_size: Optional[int] = None,
         symmetric: bool = True,
-    ) -> dict[str, PackedProjection]:
+    ) -> ExpertWeights:
         """Read and pack the routed experts of one block.
 
         Args:
@@ -271,7 +274,7 @@ class GGUFCheckpoint:
             group_size, symmetric: passed to ``quantize_weights`` for float tensors.
 
         Returns:
-            ``{"gate": PackedProjection [E, I, H], "up": [E, I, H], "down": [E, H, I]}``.
+            :class:`~kt_ops.layer.ExpertWeights`: gate, up ``[E, I, H]``, down ``[E, H, I]``.
 
         Raises:
             ValueError: unknown block or format, a quantized tensor whose type is not
@@ -303,7 +306,7 @@ class GGUFCheckpoint:
                     ) from e
 
             out[role] = pack_in_chunks(E, n, k, pack)
-        return out
+        return expert_weights(**out, where=f"{self.path}: block {layer}")
 
     def __repr__(self) -> str:
         return (

@@ -64,13 +64,10 @@ from typing import Any, Optional, Union
 import torch
 from safetensors import safe_open
 
-from kt_ops.formats import (
-    PackedProjection,
-    from_fp8,
-    from_mxfp4,
-    quantize_weights,
-)
-from kt_ops.loaders._common import PROJECTIONS, check_format, pack_in_chunks
+from kt_ops.formats import E2M1_VALUES, PackedProjection, from_fp8, from_mxfp4, quantize_weights
+from kt_ops.layer import PROJECTIONS, ExpertWeights
+from kt_ops.loaders._common import check_format, pack_in_chunks
+from kt_ops.loaders.base import CheckpointReader, expert_weights
 
 __all__ = ["HFCheckpoint", "INTERLEAVED_GATE_UP_MODEL_TYPES", "MXFP4_VALUES"]
 
@@ -81,24 +78,7 @@ logger = logging.getLogger(__name__)
 INTERLEAVED_GATE_UP_MODEL_TYPES = frozenset({"gpt_oss"})
 
 #: E2M1 code -> value (OCP MX v1.0; ``FP4_VALUES`` of transformers/integrations/mxfp4.py).
-MXFP4_VALUES = (
-    0.0,
-    0.5,
-    1.0,
-    1.5,
-    2.0,
-    3.0,
-    4.0,
-    6.0,
-    -0.0,
-    -0.5,
-    -1.0,
-    -1.5,
-    -2.0,
-    -3.0,
-    -4.0,
-    -6.0,
-)
+MXFP4_VALUES = E2M1_VALUES
 
 #: Quantization methods of ``config.quantization_config`` that this loader reads.
 _SUPPORTED_QUANT_METHODS = ("fp8", "mxfp4")
@@ -173,7 +153,7 @@ def _open(path: Path):
         ) from e
 
 
-class HFCheckpoint:
+class HFCheckpoint(CheckpointReader):
     """The routed experts of a Hugging Face safetensors checkpoint.
 
     Args:
@@ -188,7 +168,8 @@ class HFCheckpoint:
         path: the checkpoint path. ``kind``: ``"hf_safetensors"``.
         config: the parsed ``config.json`` (``{}`` when absent).
         num_layers: ``config.num_hidden_layers`` (or the highest layer index + 1).
-        moe_layers: sorted indices of the layers that have routed experts.
+        moe_layers: sorted indices of the layers that have routed experts
+            (``layers`` too, as every :class:`~kt_ops.loaders.base.CheckpointReader`).
         num_experts, hidden_size, intermediate_size: ``E``, ``H``, ``I`` of the first
             MoE layer (see :meth:`layer_shape` for others).
         source_dtype: ``"bf16"``, ``"fp16"``, ``"fp32"``, ``"fp8"`` or ``"mxfp4"``.
@@ -236,7 +217,7 @@ class HFCheckpoint:
                 "'model.layers.{L}.mlp.experts.{e}.gate_proj.weight', "
                 "'...block_sparse_moe.experts.{e}.w1.weight' or '...mlp.experts.gate_up_proj')"
             )
-        self.moe_layers = sorted(self._layers)
+        self.moe_layers = self.layers = sorted(self._layers)
         self._plans: dict[int, _LayerPlan] = {}
         first = self._plan(self.moe_layers[0])
         self.num_experts = first.num_experts
@@ -641,7 +622,7 @@ class HFCheckpoint:
         weight_format: Optional[str] = None,
         group_size: Optional[int] = None,
         symmetric: bool = True,
-    ) -> dict[str, PackedProjection]:
+    ) -> ExpertWeights:
         """Read and pack the routed experts of one layer.
 
         Args:
@@ -656,8 +637,8 @@ class HFCheckpoint:
                 native fp8/MXFP4 repacking).
 
         Returns:
-            ``{"gate": PackedProjection [E, I, H], "up": [E, I, H], "down": [E, H, I]}``
-            (``n, k`` as in ``nn.Linear``).
+            :class:`~kt_ops.layer.ExpertWeights`: gate, up ``[E, I, H]``, down
+            ``[E, H, I]`` (``n, k`` as in ``nn.Linear``).
 
         Raises:
             ValueError: unknown layer or format, a corrupt file or tensor, or an
@@ -694,7 +675,7 @@ class HFCheckpoint:
                         ) from e
 
                 out[role] = pack_in_chunks(E, n, k, pack)
-        return out
+        return expert_weights(**out, where=f"{self.path}: layer {layer}")
 
     def load_dense(self, layer: int) -> dict[str, torch.Tensor]:
         """The source values of one layer in fp32 (fp8 / MXFP4 dequantized).
