@@ -12,10 +12,11 @@ with respect to their inputs (hidden states, routing weights) and, after
 :meth:`MoEExperts.add_lora`, train LoRA adapters on the experts (gradients from
 ``kt.moe_backward``). For inference, run under ``torch.no_grad`` /
 ``inference_mode``: nothing is saved for backward then, and eager calls without
-LoRA go to a layer parsed once (``kt_ops._C.PreparedLayer``), which gives the
-op's output bit for bit at a fraction of a decode step's call overhead, and
-hands over to the op wherever its dispatch would do more (modes, subclasses,
-the profiler, autocast, ``torch.compile``).
+LoRA go to a layer parsed once (``kt::moe_forward_prepared`` on a
+``torch.classes.kt.PreparedLayer``, :class:`kt_ops.ops.PreparedLayer`), which
+gives the op's output bit for bit at a fraction of a decode step's call
+overhead; everything else (grad mode, LoRA, subclasses, ``torch.compile``)
+calls ``kt::moe_forward``.
 
 CPU/GPU hybrid: :meth:`MoEExperts.set_gpu_experts` (or the ``gpu_experts=``
 argument of the constructors) keeps some experts, typically the most used
@@ -35,7 +36,6 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor, nn
 
-from kt_ops import _C
 from kt_ops.formats import format_spec
 from kt_ops.formats.packed import PackedProjection
 from kt_ops.gpu_experts import (
@@ -45,7 +45,7 @@ from kt_ops.gpu_experts import (
     parse_gpu_experts,
 )
 from kt_ops.layer import ACTIVATIONS, PROJECTIONS, ExpertWeights, LoRAWeights, layer_args
-from kt_ops.ops import moe_forward
+from kt_ops.ops import moe_forward, new_prepared_layer
 
 __all__ = ["MoEExperts", "MoEExpertList", "hottest_experts", "parse_gpu_experts"]
 
@@ -448,14 +448,14 @@ class MoEExperts(GpuResidentExperts, nn.Module):
                 of rows other than the number of tokens.
         """
         if not torch.compiler.is_compiling() and hidden_states.dim() == 2:
-            # Eager decode: the layer parsed once (kt_ops._C.PreparedLayer, guarded on
-            # the packed buffers, no LoRA and no GPU experts) before any other Python:
-            # 7-10 us less of a cold call than after the checks below (scratch trace
-            # build, 30 paired cold T = 1 calls). None wherever the path below must
-            # run (grad mode, modes, subclasses, profiler, replaced buffers, errors).
+            # Eager decode: the layer parsed once (kt::moe_forward_prepared, while the
+            # module still has the tensors it was made from, no LoRA and no GPU
+            # experts) before any other Python: 7-10 us less of a cold call than after
+            # the checks below. None wherever the path below must run (grad mode,
+            # subclasses, other devices, errors: it raises them with its messages).
             prepared = self.__dict__.get("_prepared_layer")
-            if prepared is not None:
-                out = prepared.forward(hidden_states, top_k_index, top_k_weights)
+            if prepared is not None and self._layer_unchanged(prepared[1]):
+                out = prepared[0].forward(hidden_states, top_k_index, top_k_weights)
                 if out is not None:
                     return out
         if hidden_states.shape[-1] != self.hidden_size:
@@ -486,24 +486,18 @@ class MoEExperts(GpuResidentExperts, nn.Module):
     ):
         if mask is None and not torch.compiler.is_compiling():
             # Eager inference without LoRA (a decode step): the layer parsed once
-            # (kt_ops._C.PreparedLayer, csrc/ops/prepared_layer.cpp) computes the
-            # op's output on the routed tensors alone; None where only the op will
-            # do (grad mode, modes, subclasses, profiler, replaced buffers, errors).
+            # (kt_ops.ops.PreparedLayer: kt::moe_forward_prepared) computes the op's
+            # output on the routed tensors alone; None where only the op will do.
             # (forward already tried it on [T, H] hidden states: prepared_tried)
             prepared = self.__dict__.get("_prepared_layer")
-            if prepared is not None and not prepared_tried:
-                out = prepared.forward(x, ids, weights)
+            current = prepared is not None and self._layer_unchanged(prepared[1])
+            if current and not prepared_tried:
+                out = prepared[0].forward(x, ids, weights)
                 if out is not None:
                     return out
-            lora = self._parameters
-            if (
-                not torch.is_grad_enabled()
-                and lora["gate_lora_a"] is None
-                and lora["up_lora_a"] is None
-                and lora["down_lora_a"] is None
-            ):
-                if prepared is None or not prepared.guards_hold():
-                    self.__dict__["_prepared_layer"] = self._prepare_layer()
+            if not torch.is_grad_enabled() and self._no_lora():
+                if not current:
+                    self._prepare_layer()
                 return torch.ops.kt.moe_forward.default(x, ids, weights, *self._plain_layer_args())
         return moe_forward(
             x,
@@ -516,15 +510,34 @@ class MoEExperts(GpuResidentExperts, nn.Module):
             gpu_experts_mask=mask,
         )
 
-    def _prepare_layer(self):
-        """A ``kt_ops._C.PreparedLayer`` of the packed buffers, guarded on them and on no LoRA."""
-        weights, fmt, sizes, group_sizes = self._plain_layer_args()[:4]
-        guards = [(self._buffers, name, self._buffers[name]) for name in _PACKED_BUFFERS]
-        guards.append((self.__dict__, "activation", self.activation))
-        guards += [(self._parameters, f"{p}_lora_a", None) for p in PROJECTIONS]
-        guards.append((self._buffers, "gpu_expert_ids", None))  # no GPU experts (forward)
-        return _C.PreparedLayer(
-            weights, fmt, sizes, group_sizes, guards, activation=self.activation
+    def _prepare_layer(self) -> None:
+        """Make the prepared layer of the packed buffers (``_prepared_layer``: the
+        :class:`kt_ops.ops.PreparedLayer` and what it was made from)."""
+        made_from = tuple(self._buffers[n] for n in _PACKED_BUFFERS) + (self.activation,)
+        layer = new_prepared_layer(self.expert_weights(), activation=self.activation)
+        self.__dict__["_prepared_layer"] = None if layer is None else (layer, made_from)
+
+    def _no_lora(self) -> bool:
+        p = self._parameters
+        return p["gate_lora_a"] is None and p["up_lora_a"] is None and p["down_lora_a"] is None
+
+    def _layer_unchanged(self, made_from: tuple) -> bool:
+        """Whether the module is still what its prepared layer was made from: the same
+        packed tensors and activation, no LoRA, no GPU experts (about 0.4 us)."""
+        b = self._buffers
+        return (
+            b["gate_weight"] is made_from[0]
+            and b["gate_scales"] is made_from[1]
+            and b["gate_zeros"] is made_from[2]
+            and b["up_weight"] is made_from[3]
+            and b["up_scales"] is made_from[4]
+            and b["up_zeros"] is made_from[5]
+            and b["down_weight"] is made_from[6]
+            and b["down_scales"] is made_from[7]
+            and b["down_zeros"] is made_from[8]
+            and self.__dict__["activation"] is made_from[9]
+            and b["gpu_expert_ids"] is None
+            and self._no_lora()
         )
 
     def __getstate__(self):

@@ -37,6 +37,9 @@ __all__ = [
     "moe_forward",
     "moe_forward_train",
     "moe_backward",
+    "moe_forward_prepared",
+    "new_prepared_layer",
+    "PreparedLayer",
     "set_lora_activation_checkpointing",
     "lora_activation_checkpointing",
 ]
@@ -210,17 +213,15 @@ def moe_forward(
     return torch.ops.kt.moe_forward.default(*args)
 
 
-def _prepared_layer(experts: ExpertWeights, activation: str):
-    """The layer of ``experts`` with ``activation`` parsed once (``kt_ops._C.PreparedLayer``),
-    or None.
+def _prepared_layer(experts: ExpertWeights, activation: str) -> Optional[PreparedLayer]:
+    """The :class:`PreparedLayer` of ``experts`` with ``activation``, made once, or None.
 
-    Inference calls without LoRA, mask or ``out=`` run through it: it computes
-    the op's output bit for bit from the three routed tensors, without the
-    layer arguments' conversion, the dispatcher and the autograd kernel (about
-    half of a cold call's fixed cost: ``benchmarks/bench_call_overhead.py``),
-    and declines (None) whatever the op must handle (csrc/ops/prepared_layer.cpp).
-    Kept on the (frozen) ``ExpertWeights`` object, whose tensors cannot be
-    replaced; None where the op would reject the layer (it then raises).
+    Inference calls without LoRA, mask or ``out=`` run through it: the op's
+    output bit for bit from the three routed tensors, without the layer
+    arguments' conversion and checks (about half of a cold call's fixed cost:
+    ``benchmarks/bench_call_overhead.py``). Kept on the (frozen)
+    ``ExpertWeights`` object, whose tensors cannot be replaced; None where the op
+    would reject the layer (it then raises).
     """
     layers = experts.__dict__.get("_prepared_layers")
     if layers is None:
@@ -232,30 +233,90 @@ def _prepared_layer(experts: ExpertWeights, activation: str):
     return layer
 
 
+_PREPARED_OP = torch.ops.kt.moe_forward_prepared.default
+
+
+def moe_forward_prepared(
+    layer, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor
+) -> Tensor:
+    """``torch.ops.kt.moe_forward_prepared``: :func:`moe_forward` on a layer parsed once.
+
+    Args:
+        layer: a ``torch.classes.kt.PreparedLayer`` (:func:`new_prepared_layer`
+            makes one: :attr:`PreparedLayer.layer`).
+        hidden_states, topk_ids, topk_weights: as in :func:`moe_forward`, on the CPU.
+
+    Returns:
+        ``[T, H]`` in the dtype of ``hidden_states``: :func:`moe_forward`'s output
+        (no LoRA; the layer's activation and GPU-experts mask), bit for bit.
+
+    Raises:
+        RuntimeError: :func:`moe_forward`'s errors for the routed tensors; when
+            autograd would record the call (use :func:`moe_forward` to
+            differentiate); ``topk_ids`` with another K than the layer's ``top_k``.
+    """
+    return _PREPARED_OP(layer, hidden_states, topk_ids, topk_weights)
+
+
+class PreparedLayer:
+    """A layer parsed once (``torch.classes.kt.PreparedLayer``) and its inference call.
+
+    The one way the front ends (:func:`moe_forward`, ``kt_ops.nn.MoEExperts``,
+    ``kt_ops.compat.KTMoEWrapper``) take ``kt::moe_forward_prepared``:
+    :meth:`forward` returns the op's output, or None where the caller's full
+    path must run instead: grad mode on, arguments that are not plain CPU
+    ``torch.Tensor`` objects (subclasses, other devices), or an error, which the
+    full path then raises with the caller's own type and message. Modes, the
+    profiler and autocast see ``kt::moe_forward_prepared`` as any op.
+    """
+
+    __slots__ = ("layer",)
+
+    def __init__(self, layer) -> None:
+        self.layer = layer  # torch.classes.kt.PreparedLayer
+
+    def forward(
+        self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor
+    ) -> Optional[Tensor]:
+        if (
+            torch.is_grad_enabled()
+            or type(hidden_states) is not Tensor
+            or type(topk_ids) is not Tensor
+            or type(topk_weights) is not Tensor
+            or not hidden_states.is_cpu
+        ):
+            return None
+        try:
+            return _PREPARED_OP(self.layer, hidden_states, topk_ids, topk_weights)
+        except RuntimeError:
+            return None
+
+
 def new_prepared_layer(
     experts: ExpertWeights,
     gpu_experts_mask: Optional[Tensor] = None,
     top_k: int = 0,
     activation: str = "silu",
-):
-    """A new ``kt_ops._C.PreparedLayer`` of ``experts`` (no guards), or None where
-    the op would reject the layer. ``gpu_experts_mask`` (contiguous CPU bool
-    ``[E]``) is read at every call; ``top_k`` > 0 makes it decline other K."""
-    from kt_ops import _C
+) -> Optional[PreparedLayer]:
+    """A :class:`PreparedLayer` of ``experts``, or None where the op would reject the layer.
 
+    ``gpu_experts_mask`` (contiguous CPU bool ``[E]``) is read at every call;
+    ``top_k`` > 0 makes calls with another K fail (and :meth:`PreparedLayer.forward`
+    return None, so a caller raises its own error).
+    """
     try:
-        return _C.PreparedLayer(
+        layer = torch.classes.kt.PreparedLayer(
             list(experts.tensors()),
             experts.weight_format,
             [experts.hidden_size, experts.intermediate_size],
             list(experts.group_sizes),
-            [],
-            gpu_experts_mask=gpu_experts_mask,
-            top_k=top_k,
-            activation=activation,
+            activation,
+            gpu_experts_mask,
+            top_k,
         )
     except RuntimeError:
         return None
+    return PreparedLayer(layer)
 
 
 def _check_out(hidden_states: Tensor, topk_weights: Tensor, lora, out: Tensor) -> None:
@@ -562,6 +623,63 @@ def _moe_forward_train_fake(*args, **kwargs):
         x.new_empty(pre, dtype=torch.float32),
         x.new_empty(pre, dtype=torch.float32),
     )
+
+
+class _FakePreparedLayer:
+    """The fake class of ``torch.classes.kt.PreparedLayer``, for tracing (torch >= 2.5).
+
+    Built from the real object's ``__obj_flatten__`` (num_experts, hidden_size,
+    top_k): all the fake kernel of ``kt::moe_forward_prepared`` needs.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, top_k: int) -> None:
+        self._sizes = (num_experts, hidden_size, top_k)
+
+    @classmethod
+    def __obj_unflatten__(cls, flat):
+        return cls(**dict(flat))
+
+    def num_experts(self) -> int:
+        return self._sizes[0]
+
+    def hidden_size(self) -> int:
+        return self._sizes[1]
+
+    def top_k(self) -> int:
+        return self._sizes[2]
+
+    def __len__(self) -> int:  # as the real class (torch's schema check probes len())
+        return 0
+
+
+if hasattr(torch._library, "register_fake_class"):  # torch 2.4: the op is not traced
+    torch._library.register_fake_class("kt::PreparedLayer")(_FakePreparedLayer)
+
+
+@torch.library.register_fake("kt::moe_forward_prepared")
+def _moe_forward_prepared_fake(layer, hidden_states, topk_ids, topk_weights):
+    op = "kt.moe_forward"
+    x, ids, w = hidden_states, topk_ids, topk_weights
+    torch._check(x.dim() == 2, lambda: f"{op}: hidden_states must be 2-D [T, H]")
+    H = layer.hidden_size()
+    torch._check(
+        x.shape[1] == H,
+        lambda: f"{op}: hidden_states has {x.shape[1]} columns but the experts' hidden_size is {H}",
+    )
+    torch._check(
+        ids.dim() == 2 and ids.shape[0] == x.shape[0],
+        lambda: f"{op}: topk_ids must be [T={x.shape[0]}, K], got {list(ids.shape)}",
+    )
+    torch._check(
+        w.shape == ids.shape,
+        lambda: f"{op}: topk_weights must have the shape of topk_ids {list(ids.shape)}",
+    )
+    k = layer.top_k()
+    torch._check(
+        k <= 0 or ids.shape[1] == k,
+        lambda: f"kt.moe_forward_prepared: topk_ids has {ids.shape[1]} columns, top_k={k}",
+    )
+    return x.new_empty(x.shape)
 
 
 #: kt::moe_backward's schema as a Python signature (the dispatcher may pass

@@ -1,11 +1,15 @@
-"""kt_ops._C.PreparedLayer: MoEExperts' eager inference path (csrc/ops/prepared_layer.cpp).
+"""kt::moe_forward_prepared: the eager inference path of MoEExperts, moe_forward, the wrapper.
 
 Under ``no_grad`` without LoRA, ``MoEExperts`` computes through a layer parsed
-once instead of ``torch.ops.kt.moe_forward``. It must give the op's output bit
-for bit, and step aside (return None, so the op runs) wherever the op's
-dispatch would do more than call the CPU kernel: grad mode, tensor subclasses,
-dispatch modes, the profiler, autocast, other devices, replaced buffers, LoRA,
-and errors (which the op then raises itself).
+once (``torch.classes.kt.PreparedLayer``, csrc/ops/prepared_layer.cpp) and the
+op ``kt::moe_forward_prepared`` instead of ``kt::moe_forward``. It must give
+the op's output bit for bit; it is a real dispatcher op, so dispatch modes and
+the profiler see it; and ``kt_ops.ops.PreparedLayer.forward`` steps aside
+(returns None, so the caller's full path runs) for grad mode, tensor
+subclasses, other devices and errors (which the full path then raises with its
+own type and message); the module makes a new one for replaced buffers or
+another activation, and none with LoRA or GPU experts. ``opcheck`` and
+``torch.compile(fullgraph=True)`` run on the op.
 """
 
 from __future__ import annotations
@@ -19,8 +23,9 @@ import torch
 from reference import make_hidden, make_routing
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kt_ops import _C
+import kt_ops
 from kt_ops.nn import MoEExperts
+from kt_ops.ops import PreparedLayer, moe_forward_prepared, new_prepared_layer
 
 E, H, I = 8, 96, 160  # noqa: E741  (multiples of 32 for int4 g32, not of 64)
 
@@ -41,8 +46,12 @@ def _module(dense, fmt="bf16", group_size=None) -> MoEExperts:
         x = make_hidden(1, m.hidden_size, torch.float32)
         ids, w = make_routing(1, E, 2)
         m(x, ids, w)  # builds the prepared layer
-    assert isinstance(m.__dict__.get("_prepared_layer"), _C.PreparedLayer)
+    assert isinstance(m.__dict__["_prepared_layer"][0], PreparedLayer)
     return m
+
+
+def _prepared(m: MoEExperts) -> PreparedLayer:
+    return m.__dict__["_prepared_layer"][0]
 
 
 def _op(m: MoEExperts, x, ids, w):
@@ -75,7 +84,7 @@ def test_bit_identical_to_the_op(dense, fmt, group, dtype, T):
         dense = (dense[0][:, :256], dense[1][:, :256], dense[2][:, :, :256])
     m = _module(dense, fmt, group)
     hidden = m.hidden_size
-    prepared = m.__dict__["_prepared_layer"]
+    prepared = _prepared(m)
     x = make_hidden(T, hidden, dtype, seed=T)
     ids, w = make_routing(T, E, 3, seed=T, skip_fraction=0.2)
     with torch.no_grad():
@@ -85,11 +94,12 @@ def test_bit_identical_to_the_op(dense, fmt, group, dtype, T):
     assert fast is not None and fast.dtype == dtype and fast.shape == (T, hidden)
     assert torch.equal(fast, want)
     assert torch.equal(via_module, want)
+    assert torch.equal(moe_forward_prepared(prepared.layer, x, ids, w), want)
 
 
-def test_steps_aside_where_only_the_op_will_do(dense):
+def test_steps_aside_where_only_the_full_path_will_do(dense):
     m = _module(dense, "int8")
-    prepared = m.__dict__["_prepared_layer"]
+    prepared = _prepared(m)
     x = make_hidden(3, H, torch.float32)
     ids, w = make_routing(3, E, 2)
     with torch.no_grad():
@@ -97,43 +107,65 @@ def test_steps_aside_where_only_the_op_will_do(dense):
         # a tensor subclass (its __torch_function__ / __torch_dispatch__ must run)
         sub = x.as_subclass(type("Sub", (torch.Tensor,), {}))
         assert prepared.forward(sub, ids, w) is None
-        # a dispatch mode, the profiler, autocast: the op's dispatch does more
-        with _OpLog():
-            assert prepared.forward(x, ids, w) is None
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
-            assert prepared.forward(x, ids, w) is None
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            assert prepared.forward(x, ids, w) is None
         # another device
         assert prepared.forward(x.to("meta"), ids, w) is None
-        # errors: the op raises them
+        # errors: the caller's full path raises them
         assert prepared.forward(x, torch.full_like(ids, E), w) is None
         assert prepared.forward(x[:, :-1], ids, w) is None
         assert prepared.forward(x, ids.float(), w) is None
-        # a replaced buffer breaks a guard
-        m.down_weight = m.down_weight.clone()
-        assert not prepared.guards_hold()
-        assert prepared.forward(x, ids, w) is None
+        # autocast: the op runs (no autocast rule: the inputs as they are)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert torch.equal(prepared.forward(x, ids, w), _op(m, x, ids, w))
     # grad mode
-    fresh = _module(dense, "int8").__dict__["_prepared_layer"]
-    assert fresh.forward(x, ids, w) is None
+    assert prepared.forward(x, ids, w) is None
+
+
+def test_the_op_refuses_autograd(dense):
+    m = _module(dense, "int8")
+    x = make_hidden(3, H, torch.float32).requires_grad_()
+    ids, w = make_routing(3, E, 2)
+    with pytest.raises(RuntimeError, match="moe_forward_prepared: hidden_states or topk_weights"):
+        moe_forward_prepared(_prepared(m).layer, x, ids, w)
+    with torch.no_grad():  # the same tensors without grad mode
+        assert torch.equal(moe_forward_prepared(_prepared(m).layer, x, ids, w), _op(m, x, ids, w))
+
+
+def test_opcheck_and_compile(dense):
+    m = _module(dense, "int8")
+    layer = _prepared(m).layer
+    x = make_hidden(4, H, torch.float32)
+    ids, w = make_routing(4, E, 2)
+    with torch.no_grad():
+        torch.library.opcheck(torch.ops.kt.moe_forward_prepared.default, (layer, x, ids, w))
+    if not hasattr(torch._library, "register_fake_class"):
+        pytest.skip("this torch has no fake script classes (torch.compile needs them)")
+    with torch.no_grad():
+        want = _op(m, x, ids, w)
+        f = torch.compile(
+            lambda x, ids, w: moe_forward_prepared(layer, x, ids, w) * 2,
+            fullgraph=True,
+            dynamic=True,
+            backend="aot_eager",  # the fake class and fake kernel, through AOTAutograd
+        )
+        assert torch.equal(f(x, ids, w), want * 2)
+        assert torch.equal(moe_forward_prepared(copy.deepcopy(layer), x, ids, w), want)
 
 
 def test_module_rebuilds_after_a_replaced_buffer_and_steps_aside_for_lora(dense):
     m = _module(dense, "bf16")
-    first = m.__dict__["_prepared_layer"]
+    first = _prepared(m)
     x = make_hidden(2, H, torch.float32)
     ids, w = make_routing(2, E, 2)
     other = MoEExperts.from_dense(*(t.flip(0) for t in dense))
     m.up_weight = other.up_weight
     with torch.no_grad():
         out = m(x, ids, w)
-    assert m.__dict__["_prepared_layer"] is not first
+    assert _prepared(m) is not first
     assert torch.equal(out, _op(m, x, ids, w))
     m.add_lora(2, alpha=2)
     with torch.no_grad():
         m.up_lora_b.normal_()
-        assert not m.__dict__["_prepared_layer"].guards_hold()
+        assert not m._layer_unchanged(m.__dict__["_prepared_layer"][1])
         adapted = m(x, ids, w)
     assert not torch.equal(adapted, out)
 
@@ -164,14 +196,13 @@ def test_module_forward_tries_the_prepared_layer_first(dense, monkeypatch):
 
 def test_prepared_layer_steps_aside_for_gpu_experts(dense):
     m = _module(dense, "bf16")
-    prepared = m.__dict__["_prepared_layer"]
+    made_from = m.__dict__["_prepared_layer"][1]
     x = make_hidden(4, H, torch.float32)
     ids, w = make_routing(4, E, 3)
     with torch.no_grad():
         all_cpu = m(x, ids, w)
         m.set_gpu_experts([1, 4], dense=dense)  # on the CPU here: dense torch experts
-        assert not prepared.guards_hold()
-        assert prepared.forward(x, ids, w) is None
+        assert not m._layer_unchanged(made_from)
         hybrid = m(x, ids, w)
         cpu_part = _op(m, x, ids, w)  # every expert on the CPU path, no mask
     # Experts 1 and 4 now come from the dense fp32 weights, not the packed bf16 ones.
@@ -184,12 +215,13 @@ def test_dispatch_mode_and_profiler_see_the_op(dense):
     x = make_hidden(2, H, torch.float32)
     ids, w = make_routing(2, E, 2)
     with torch.no_grad():
+        want = _op(m, x, ids, w)
         with _OpLog() as log:
-            m(x, ids, w)
-        assert "kt.moe_forward.default" in log.ops
+            assert torch.equal(m(x, ids, w), want)
+        assert "kt.moe_forward_prepared.default" in log.ops
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             m(x, ids, w)
-    assert any(e.name == "kt::moe_forward" for e in prof.events())
+    assert any(e.name == "kt::moe_forward_prepared" for e in prof.events())
 
 
 def test_errors_under_no_grad_are_the_ops(dense):
@@ -209,12 +241,37 @@ def test_errors_under_no_grad_are_the_ops(dense):
 def test_constructor_checks_the_layer(dense):
     m = _module(dense, "int8")
     weights, fmt, sizes, groups = m._plain_layer_args()[:4]
+
+    def make(*args):
+        return torch.classes.kt.PreparedLayer(*args)
+
     with pytest.raises(RuntimeError, match="sizes must be"):
-        _C.PreparedLayer(weights, fmt, [H], groups, [])
+        make(weights, fmt, [H], groups, "silu", None, 0)
     with pytest.raises(RuntimeError, match="not a kt_ops format"):
-        _C.PreparedLayer(weights, "int9", sizes, groups, [])
+        make(weights, "int9", sizes, groups, "silu", None, 0)
     with pytest.raises(RuntimeError, match="weights must hold 9 entries"):
-        _C.PreparedLayer(weights[:8], fmt, sizes, groups, [])
+        make(weights[:8], fmt, sizes, groups, "silu", None, 0)
+    with pytest.raises(RuntimeError, match="activation='relu' is not supported"):
+        make(weights, fmt, sizes, groups, "relu", None, 0)
+    assert new_prepared_layer(m.expert_weights(), activation="relu") is None
+
+
+def test_top_k_and_mask(dense):
+    m = _module(dense, "int8")
+    experts = m.expert_weights()
+    mask = torch.zeros(E, dtype=torch.bool)
+    prepared = new_prepared_layer(experts, mask, top_k=2)
+    x = make_hidden(3, H, torch.float32)
+    ids, w = make_routing(3, E, 2)
+    with torch.no_grad():
+        assert torch.equal(prepared.forward(x, ids, w), _op(m, x, ids, w))
+        mask[ids[0, 0]] = True  # read live
+        want = kt_ops.moe_forward(x, ids, w, experts, gpu_experts_mask=mask)
+        assert torch.equal(prepared.forward(x, ids, w), want)
+        ids3, w3 = make_routing(3, E, 3)
+        assert prepared.forward(x, ids3, w3) is None
+        with pytest.raises(RuntimeError, match="prepared for top_k=2"):
+            moe_forward_prepared(prepared.layer, x, ids3, w3)
 
 
 def test_copy_and_pickle_after_calls(dense):
@@ -278,7 +335,7 @@ def test_functional_wrapper_inference_matches_the_op(dense, fmt, group, dtype, T
         with ctx():
             got = kt_ops.moe_forward(x, ids, w, experts)
         assert torch.equal(got, want) and got.dtype == dtype
-    assert isinstance(experts.__dict__["_prepared_layers"]["silu"], _C.PreparedLayer)
+    assert isinstance(experts.__dict__["_prepared_layers"]["silu"], PreparedLayer)
 
 
 def test_functional_wrapper_takes_the_prepared_layer(dense, monkeypatch):

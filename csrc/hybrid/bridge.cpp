@@ -116,12 +116,8 @@ struct BridgeCall {
 void execute(BridgeCall& c) {
   switch (c.kind) {
     case Kind::kForward:
-      if (c.layer.lora.any()) {
-        c.out.copy_(moe::moe_forward_lora(c.x, c.ids, c.w, c.layer, false).out);
-      } else {
-        runtime::ThreadPool::global().prewake();  // the wake-up overlaps the routing plan
-        moe::moe_forward_experts(c.x, c.ids, c.w, c.layer, c.isa, c.out);
-      }
+      if (!c.layer.lora.any()) runtime::ThreadPool::global().prewake();  // overlaps the plan
+      moe::moe_forward_into(c.x, c.ids, c.w, c.layer, c.isa, c.out);
       return;
     case Kind::kForwardTrain: {
       moe::LoraForwardResult r = moe::moe_forward_lora(c.x, c.ids, c.w, c.layer, true);

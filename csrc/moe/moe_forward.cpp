@@ -12,6 +12,7 @@
 #include "formats/qint.h"
 #include "kernels/brgemm.h"
 #include "kernels/dispatch.h"
+#include "moe/moe_lora.h"
 #include "moe/moe_phases.h"
 #include "moe/routing.h"
 #include "runtime/thread_pool.h"
@@ -281,6 +282,20 @@ int brgemm_min_tokens(const formats::FormatRow& format, kernels::Isa isa) {
   const std::optional<formats::BrgemmIsa> cls = kernels::brgemm::runs(format, isa);
   if (!cls) return formats::kNoBrgemm;
   return path == ComputePath::kBrgemm ? 1 : format.brgemm.min(*cls);
+}
+
+void moe_forward_into(const at::Tensor& hidden_states, const at::Tensor& topk_ids,
+                      const at::Tensor& topk_weights, const MoeLayer& layer, kernels::Isa isa,
+                      at::Tensor& out) {
+  const at::Tensor x = hidden_states.contiguous();
+  if (layer.lora.any()) {
+    // LoRA: the ATen expert path. Any format: the base is dequantized to fp32 per
+    // expert (QLoRA style) and multiplies fp32 activations, without the q8
+    // rounding of the quantized kernels.
+    out.copy_(moe_forward_lora(x, topk_ids, topk_weights, layer, /*save_pre=*/false).out);
+    return;
+  }
+  moe_forward_experts(x, topk_ids, topk_weights, layer, isa, out);
 }
 
 void moe_forward_experts(const at::Tensor& hidden_states, const at::Tensor& topk_ids,

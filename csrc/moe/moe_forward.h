@@ -52,8 +52,8 @@ int fp32_min_tokens(const formats::FormatRow& format, kernels::Isa isa);
 // where brgemm never runs.
 int brgemm_min_tokens(const formats::FormatRow& format, kernels::Isa isa);
 
-// out[t] = sum_k topk_weights[t,k] * down_e(silu(gate_e(x[t])) * up_e(x[t])),
-// e = topk_ids[t,k], skipping ids of -1 (the LoRA-free layer). Writes `out`
+// out[t] = sum_k topk_weights[t,k] * down_e(act(gate_e(x[t])) * up_e(x[t])),
+// e = topk_ids[t,k], skipping ids of -1 (the LoRA-free layer; act: layer.activation). Writes `out`
 // ([T, H], dtype of x, contiguous). Arguments validated by parse_moe_layer;
 // the ids are checked as the routing plan reads them.
 //
@@ -63,7 +63,7 @@ int brgemm_min_tokens(const formats::FormatRow& format, kernels::Isa isa);
 //   1. x -> fp32 rows padded to Kp (and q8 records where a qint projection
 //      needs them); routing plan (rows grouped per expert, tokens ascending);
 //      for the experts whose gate/up run on brgemm, their rows gathered as bf16
-//   2. tasks (expert, 16-row block of I): h = silu(x Wg^T) * (x Wu^T)
+//   2. tasks (expert, 16-row block of I): h = act(x Wg^T) * (x Wu^T)
 //      (h -> q8 records where the down projection needs them; h -> bf16 rows
 //      for the experts whose down projection runs on brgemm)
 //   3. tasks (expert, 16-row block of H): y[t,k] = w[t,k] * h Wd^T
@@ -71,6 +71,17 @@ int brgemm_min_tokens(const formats::FormatRow& format, kernels::Isa isa);
 void moe_forward_experts(const at::Tensor& hidden_states, const at::Tensor& topk_ids,
                          const at::Tensor& topk_weights, const MoeLayer& layer, kernels::Isa isa,
                          at::Tensor& out);
+
+// THE forward of kt.moe_forward on a parsed layer, into `out` ([T, H], the dtype
+// of hidden_states, contiguous): the ATen LoRA path (moe/moe_lora.h) when the
+// layer has LoRA factors, else moe_forward_experts on ISA tier `isa`. The
+// CPU op and its out variant, the CUDA bridge's host function and the prepared
+// layer (kt.moe_forward_prepared) all run this one body. Callers wake the pool
+// (ThreadPool::prewake) as early as they can when the layer has no LoRA (the
+// ATen path's ops run on torch's threads), so the wake-up overlaps their checks.
+void moe_forward_into(const at::Tensor& hidden_states, const at::Tensor& topk_ids,
+                      const at::Tensor& topk_weights, const MoeLayer& layer, kernels::Isa isa,
+                      at::Tensor& out);
 
 // Bytes of scratch the calling thread keeps between calls of
 // moe_forward_experts (activations, SwiGLU outputs, slot outputs). At most

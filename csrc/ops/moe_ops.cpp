@@ -1,7 +1,7 @@
 // CPU implementation of kt::moe_forward and its out variant: the layer is
 // parsed and validated once (moe::parse_moe_layer, errors naming the
-// argument), then computed by the one driver (csrc/moe), or on the ATen LoRA
-// path when LoRA factors are given.
+// argument), then computed by the one forward body, moe::moe_forward_into
+// (the expert kernels, or the ATen LoRA path when LoRA factors are given).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -23,19 +23,6 @@ void check_out(const at::Tensor& out, const at::Tensor& hidden_states) {
   moe::check_out(kOp, out, hidden_states);
 }
 
-void forward_into(const at::Tensor& hidden_states, const at::Tensor& topk_ids,
-                  const at::Tensor& topk_weights, const moe::MoeLayer& layer, at::Tensor& out) {
-  const at::Tensor x = hidden_states.contiguous();
-  if (layer.lora.any()) {
-    // LoRA: the ATen expert path (csrc/moe/moe_lora.cpp). Any format: the base
-    // is dequantized to fp32 per expert (QLoRA style) and multiplies fp32
-    // activations, without the q8 rounding of the quantized kernels.
-    out.copy_(moe::moe_forward_lora(x, topk_ids, topk_weights, layer, /*save_pre=*/false).out);
-    return;
-  }
-  moe::moe_forward_experts(x, topk_ids, topk_weights, layer, kernels::active_isa(), out);
-}
-
 }  // namespace
 
 at::Tensor moe_forward_cpu(const at::Tensor& hidden_states, const at::Tensor& topk_ids,
@@ -49,7 +36,7 @@ at::Tensor moe_forward_cpu(const at::Tensor& hidden_states, const at::Tensor& to
         .out;
   }
   at::Tensor out = at::empty(hidden_states.sizes(), hidden_states.options());
-  forward_into(hidden_states, topk_ids, topk_weights, layer, out);
+  moe::moe_forward_into(hidden_states, topk_ids, topk_weights, layer, kernels::active_isa(), out);
   return out;
 }
 
@@ -59,7 +46,7 @@ void moe_forward_out_cpu(const at::Tensor& hidden_states, const at::Tensor& topk
   const moe::MoeLayer layer =
       moe::parse_moe_layer(kOp, hidden_states, topk_ids, topk_weights, KT_LAYER_ARGS);
   check_out(out, hidden_states);
-  forward_into(hidden_states, topk_ids, topk_weights, layer, out);
+  moe::moe_forward_into(hidden_states, topk_ids, topk_weights, layer, kernels::active_isa(), out);
 }
 
 TORCH_LIBRARY_IMPL(kt, CPU, m) {

@@ -1,10 +1,13 @@
-// The only TORCH_LIBRARY(kt, m) block: every kt:: schema lives here (style
-// rule 1). Implementations register per dispatch key in their own files
-// (moe_ops.cpp, moe_train_ops.cpp for CPU; moe_autograd.cpp for Autograd);
-// the fake kernels live in kt_ops/ops.py.
+// The only TORCH_LIBRARY(kt, m) block: every kt:: schema (and the one custom
+// class, PreparedLayer) lives here. Implementations register per dispatch key
+// in their own files (moe_ops.cpp, moe_train_ops.cpp, prepared_layer.cpp for
+// CPU; moe_autograd.cpp, prepared_layer.cpp for Autograd); the fake kernels
+// live in kt_ops/ops.py.
 #include <torch/library.h>
 
 #include <string>
+
+#include "ops/prepared_layer.h"
 
 namespace {
 
@@ -52,4 +55,16 @@ TORCH_LIBRARY(kt, m) {
                ", Tensor? gate_pre=None, Tensor? up_pre=None, "
                "bool compute_grad_hidden_states=True) "
                "-> (Tensor grad_hidden_states, Tensor grad_topk_weights, Tensor[] grad_lora)"));
+
+  // A layer parsed once (torch.classes.kt.PreparedLayer: the layer arguments
+  // above without LoRA, plus an optional GPU-experts mask read at every call)
+  // and the inference forward on it: moe_forward's output for the routed
+  // tensors, without the layer arguments' conversion and checks per call (the
+  // eager decode path of kt_ops.nn.MoEExperts, kt_ops.moe_forward and
+  // KTMoEWrapper; csrc/ops/prepared_layer.cpp). No autograd.
+  kt::ops::register_prepared_layer_class(m);
+  m.def(schema(
+      "moe_forward_prepared(__torch__.torch.classes.kt.PreparedLayer layer, Tensor hidden_states, "
+      "Tensor topk_ids, Tensor topk_weights) -> Tensor"));
+  kt::ops::register_prepared_layer_kernels(m);
 }

@@ -1,0 +1,61 @@
+// torch.classes.kt.PreparedLayer: one layer's arguments parsed once, the
+// first argument of kt::moe_forward_prepared (csrc/ops/prepared_layer.cpp says
+// why it exists).
+#pragma once
+
+#include <ATen/core/List.h>
+#include <ATen/core/Tensor.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "moe/moe_layer.h"
+
+namespace kt::ops {
+
+class PreparedLayer : public torch::CustomClassHolder {
+ public:
+  // The op's layer arguments without LoRA; gpu_experts_mask (contiguous CPU
+  // bool [E], or None) is read at every call; top_k > 0: calls must route
+  // that many experts per token.
+  PreparedLayer(const c10::List<std::optional<at::Tensor>>& weights,
+                const std::string& weight_format, const std::vector<int64_t>& sizes,
+                const std::vector<int64_t>& group_sizes, const std::string& activation,
+                const std::optional<at::Tensor>& gpu_experts_mask, int64_t top_k);
+
+  // kt.moe_forward's output for the routed tensors (its checks and messages).
+  at::Tensor forward(const at::Tensor& hidden_states, const at::Tensor& topk_ids,
+                     const at::Tensor& topk_weights) const;
+
+  // The constructor's arguments again (pickling, copying: torch.compile copies
+  // the script objects it traces).
+  using State = std::tuple<c10::List<std::optional<at::Tensor>>, std::string, std::vector<int64_t>,
+                           std::vector<int64_t>, std::string, std::optional<at::Tensor>, int64_t>;
+  State state() const { return state_; }
+
+  const moe::MoeLayer& layer() const { return layer_; }
+  int64_t top_k() const { return top_k_; }
+  // (name, value) pairs of what the fake class needs: num_experts, hidden_size, top_k.
+  std::tuple<std::tuple<std::string, int64_t>, std::tuple<std::string, int64_t>,
+             std::tuple<std::string, int64_t>>
+  flatten() const;
+
+ private:
+  State state_;
+  moe::MoeLayer layer_;
+  int64_t top_k_ = 0;
+};
+
+// In the TORCH_LIBRARY(kt) block (csrc/ops/registration.cpp), in this order:
+// the class, then the schema that names it, then its CPU and Autograd kernels.
+// (A TORCH_LIBRARY_IMPL of its own would infer the kernels' schema when this
+// file's static initializers run, perhaps before the class exists.)
+void register_prepared_layer_class(torch::Library& m);
+void register_prepared_layer_kernels(torch::Library& m);
+
+}  // namespace kt::ops
