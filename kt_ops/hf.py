@@ -74,7 +74,7 @@ import torch
 from torch import Tensor, nn
 
 from kt_ops.formats import FORMATS
-from kt_ops.layer import ACTIVATIONS, split_weight_format
+from kt_ops.layer import ACTIVATIONS, DEFAULT_ACTIVATION, split_weight_format
 from kt_ops.nn import MoEExpertList, MoEExperts, hottest_experts, parse_gpu_experts
 
 __all__ = [
@@ -125,7 +125,7 @@ class ExpertsInfo:
     num_experts: int
     hidden_size: int
     intermediate_size: int
-    activation: str = "silu"
+    activation: str = DEFAULT_ACTIVATION
 
 
 @dataclass
@@ -220,7 +220,7 @@ def _plan_fused(name: str, module: nn.Module) -> ExpertsInfo:
             f"{where}: a norm after each expert (has_post_expert_norm=True) is not supported"
         )
     act = getattr(module, "act_fn", None)
-    activation = "silu" if act is None else _kt_activation(act)
+    activation = DEFAULT_ACTIVATION if act is None else _kt_activation(act)
     if activation is None:
         raise UnsupportedExpertsError(
             f"{where}: activation {_act_name(module, act)} is not supported; kt_ops experts "

@@ -34,6 +34,7 @@ from kt_ops.formats.spec import FORMATS
 
 __all__ = [
     "ACTIVATIONS",
+    "DEFAULT_ACTIVATION",
     "PROJECTIONS",
     "ExpertWeights",
     "LoRAWeights",
@@ -51,6 +52,10 @@ PROJECTIONS = ("gate", "up", "down")
 #: (GeGLU with PyTorch's tanh approximation). Read from the C++ table,
 #: csrc/kernels/activations.h, which defines each (formulas and sources there).
 ACTIVATIONS: tuple[str, ...] = tuple(_C.activations())
+
+#: The activation of the ops and modules unless told otherwise: SwiGLU's ``'silu'``,
+#: the first entry of the C++ table (``kernels::Activation::kSilu``).
+DEFAULT_ACTIVATION: str = ACTIVATIONS[0]
 
 #: Each activation in PyTorch (the GPU-resident experts' path and the dense references).
 _TORCH_ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {

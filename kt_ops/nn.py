@@ -44,7 +44,14 @@ from kt_ops.gpu_experts import (
     hottest_experts,
     parse_gpu_experts,
 )
-from kt_ops.layer import ACTIVATIONS, PROJECTIONS, ExpertWeights, LoRAWeights, layer_args
+from kt_ops.layer import (
+    ACTIVATIONS,
+    DEFAULT_ACTIVATION,
+    PROJECTIONS,
+    ExpertWeights,
+    LoRAWeights,
+    layer_args,
+)
 from kt_ops.ops import moe_forward, new_prepared_layer
 
 __all__ = ["MoEExperts", "MoEExpertList", "hottest_experts", "parse_gpu_experts"]
@@ -147,7 +154,7 @@ class MoEExperts(GpuResidentExperts, nn.Module):
         gpu_experts: GpuExperts = None,
         routing_counts: Optional[Tensor] = None,
         gpu_dtype: Optional[torch.dtype] = None,
-        activation: str = "silu",
+        activation: str = DEFAULT_ACTIVATION,
     ) -> None:
         super().__init__()
         if not isinstance(experts, ExpertWeights):
@@ -355,7 +362,7 @@ class MoEExperts(GpuResidentExperts, nn.Module):
         gpu_experts: GpuExperts = None,
         routing_counts: Optional[Tensor] = None,
         gpu_dtype: Optional[torch.dtype] = None,
-        activation: str = "silu",
+        activation: str = DEFAULT_ACTIVATION,
     ) -> MoEExperts:
         """Pack (and quantize) dense expert weights (``nn.Linear`` convention: ``[E, out, in]``).
 
@@ -558,7 +565,7 @@ class MoEExperts(GpuResidentExperts, nn.Module):
         gpu_experts: GpuExperts = None,
         routing_counts: Optional[Tensor] = None,
         gpu_dtype: Optional[torch.dtype] = None,
-        activation: str = "silu",
+        activation: str = DEFAULT_ACTIVATION,
     ) -> MoEExperts:
         """Build the module from three :class:`kt_ops.formats.PackedProjection`.
 
@@ -607,7 +614,7 @@ class MoEExperts(GpuResidentExperts, nn.Module):
             f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
             f"intermediate_size={self.intermediate_size}, weight_format={self.weight_format!r}"
         )
-        if self.activation != "silu":
+        if self.activation != DEFAULT_ACTIVATION:
             text += f", activation={self.activation!r}"
         lora = [p for p in PROJECTIONS if getattr(self, f"{p}_lora_a") is not None]
         if lora:

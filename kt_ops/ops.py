@@ -31,7 +31,14 @@ import torch
 from torch import Tensor
 
 from kt_ops.formats.spec import format_spec
-from kt_ops.layer import ACTIVATIONS, PROJECTIONS, ExpertWeights, LoRAWeights, layer_args
+from kt_ops.layer import (
+    ACTIVATIONS,
+    DEFAULT_ACTIVATION,
+    PROJECTIONS,
+    ExpertWeights,
+    LoRAWeights,
+    layer_args,
+)
 
 __all__ = [
     "moe_forward",
@@ -98,7 +105,7 @@ def moe_forward(
     experts: ExpertWeights,
     lora: Optional[LoRAWeights] = None,
     *,
-    activation: str = "silu",
+    activation: str = DEFAULT_ACTIVATION,
     activation_checkpointing: Optional[bool] = None,
     out: Optional[Tensor] = None,
     gpu_experts_mask: Optional[Tensor] = None,
@@ -296,7 +303,7 @@ def new_prepared_layer(
     experts: ExpertWeights,
     gpu_experts_mask: Optional[Tensor] = None,
     top_k: int = 0,
-    activation: str = "silu",
+    activation: str = DEFAULT_ACTIVATION,
 ) -> Optional[PreparedLayer]:
     """A :class:`PreparedLayer` of ``experts``, or None where the op would reject the layer.
 
@@ -341,7 +348,7 @@ def moe_forward_train(
     experts: ExpertWeights,
     lora: Optional[LoRAWeights] = None,
     *,
-    activation: str = "silu",
+    activation: str = DEFAULT_ACTIVATION,
     gpu_experts_mask: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``torch.ops.kt.moe_forward_train``: :func:`moe_forward` plus what backward reuses.
@@ -367,7 +374,7 @@ def moe_backward(
     experts: ExpertWeights,
     lora: Optional[LoRAWeights] = None,
     *,
-    activation: str = "silu",
+    activation: str = DEFAULT_ACTIVATION,
     gate_pre: Optional[Tensor] = None,
     up_pre: Optional[Tensor] = None,
     compute_grad_hidden_states: bool = True,
