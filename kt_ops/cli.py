@@ -14,6 +14,8 @@ def main(argv: list[str] | None = None) -> int:
     # Only the first word is ours: everything after it (--help included) goes to the subcommand.
     args = parser.parse_args(argv[:1])
     rest = argv[1:]
+    # Each subcommand is imported when it runs: demo needs transformers, convert safetensors
+    # and gguf (optional dependencies), info neither.
     if args.command == "info":
         from kt_ops.info import main as info_main
 

@@ -10,7 +10,8 @@ The API is that of kt-kernel 0.7.2 (PyPI), read from its ``experts.py``,
 
 **Methods.** Each kt-kernel ``method`` maps to a kt_ops weight format
 (:data:`METHODS`), or is refused with a ValueError naming the nearest kt_ops
-format (:data:`REFUSED`):
+format (:data:`REFUSED`); the table and the reader of each method's
+``weight_path`` are in :mod:`kt_ops.compat_methods`:
 
 ================  ==================  ==============================================
 method            kt_ops format       ``load_weights`` reads ``weight_path`` as
@@ -82,15 +83,31 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import re
 from pathlib import Path
-from typing import Any, ClassVar, Optional, Union
+from typing import TYPE_CHECKING, Any, ClassVar, Optional, Union
 
 import torch
 from torch import Tensor
 
-from kt_ops.formats import FORMATS, format_spec
+import kt_ops
+from kt_ops import ops
+from kt_ops.compat_methods import (
+    KT_KERNEL_VERSION,
+    METHODS,
+    REFUSED,
+    SFT_HINT,
+    SFT_METHODS,
+    MethodMapping,
+    group_choices,
+    load_experts,
+    method_mapping,
+    open_source,
+    source_of,
+)
 from kt_ops.layer import ExpertWeights
+
+if TYPE_CHECKING:  # kt_ops.loaders needs safetensors and gguf, optional dependencies
+    from kt_ops.loaders import CheckpointReader
 
 __all__ = [
     "KT_KERNEL_VERSION",
@@ -104,124 +121,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-#: The kt-kernel release whose ``KTMoEWrapper`` API this module follows.
-KT_KERNEL_VERSION = "0.7.2"
-
-
-@dataclasses.dataclass(frozen=True)
-class MethodMapping:
-    """How a kt-kernel ``method`` runs on kt_ops.
-
-    Attributes:
-        method: the kt-kernel name (``"AMXINT4"``, ...).
-        weight_format: the kt_ops format; None for ``LLAMAFILE`` (each GGUF
-            tensor keeps its own type: ``q4_k,q4_k,q6_k`` mixes stay as they are).
-        source: what ``load_weights`` reads: ``"hf"`` (Hugging Face safetensors
-            through :class:`kt_ops.loaders.HFCheckpoint`), ``"rawint4"``
-            (compressed-tensors int4) or ``"gguf"``
-            (:class:`kt_ops.loaders.GGUFCheckpoint`).
-        exact: True when kt_ops holds exactly the weights kt-kernel holds.
-        note: one line for the table.
-    """
-
-    method: str
-    weight_format: Optional[str]
-    source: str
-    exact: bool
-    note: str
-
-
-#: kt-kernel inference methods that kt_ops runs.
-METHODS: dict[str, MethodMapping] = {
-    m.method: m
-    for m in (
-        MethodMapping("BF16", "bf16", "hf", True, "bf16 HF safetensors"),
-        MethodMapping("FP8", "fp8", "hf", True, "E4M3 + 128x128 weight_scale_inv, repacked"),
-        MethodMapping("AMXINT8", "int8", "hf", True, "int8 per output channel"),
-        MethodMapping("MOE_INT8", "int8", "hf", True, "int8 per output channel"),
-        MethodMapping(
-            "AMXINT4", "int4", "hf", False, "int4 per group of group_size (kt-kernel: per channel)"
-        ),
-        MethodMapping(
-            "MOE_INT4", "int4", "hf", False, "int4 per group of group_size (kt-kernel: per channel)"
-        ),
-        MethodMapping("RAWINT4", "int4", "rawint4", True, "compressed-tensors int4, bf16 scales"),
-        MethodMapping("LLAMAFILE", None, "gguf", True, "GGUF blocks, each tensor its own type"),
-    )
-}
-
-#: kt-kernel inference methods kt_ops refuses: method -> (nearest kt_ops format, why).
-REFUSED: dict[str, tuple[str, str]] = {
-    "FP8_PERCHANNEL": (
-        "fp8",
-        "its per-output-channel fp8 scales do not fit kt_ops fp8's 128x128 block scales",
-    ),
-    "GPTQ_INT4": (
-        "int4",
-        "kt_ops has no reader for GPTQ qweight/scales tensors; convert the dense model "
-        "with `kt-ops convert SRC OUT --format int4 --group-size G`",
-    ),
-    "SYCL_GPTQ_INT4": ("int4", "it runs GPTQ experts on a SYCL device; kt_ops runs on the CPU"),
-    "MXFP4": (
-        "mxfp4",
-        "kt_ops reads gpt-oss MXFP4 checkpoints (gate_up_proj_blocks/_scales), not the "
-        "DeepSeek-V4 ffn.experts.{i}.w1.weight/.scale layout",
-    ),
-    "NVFP4": ("mxfp4", "NVFP4's E4M3 scales per 16 values do not fit mxfp4's UE8M0 per 32"),
-    "MXFP8": ("fp8", "kt_ops fp8 has 128x128 block scales, not UE8M0 scales per 32 values"),
-}
-
-#: kt-kernel 0.7.2's ``mode='sft'`` methods (all refused).
-SFT_METHODS = frozenset(
-    {
-        "AMXBF16_SFT",
-        "AMXFP8_SFT",
-        "MXFP4_SFT",
-        "INT8_SFT",
-        "AMXINT8_SFT",
-        "AMXINT4_SFT",
-        "AMXINT4_1_SFT",
-        "RAWINT4_SFT",
-        "AMXINT4_KGroup_SFT",
-        "AMXINT4_1KGroup_SFT",
-        "AMXBF16_SFT_SkipLoRA",
-        "AMXINT8_SFT_SkipLoRA",
-        "AMXINT4_SFT_SkipLoRA",
-        "AMXINT4_1_SFT_SkipLoRA",
-        "AMXINT4_KGroup_SFT_SkipLoRA",
-        "AMXINT4_1KGroup_SFT_SkipLoRA",
-    }
-)
-
-_SFT_HINT = (
-    "kt_ops trains LoRA on the experts through kt_ops.replace_experts(model, fmt) + "
-    "kt_ops.apply_lora(model) (README, 'LoRA fine-tuning')"
-)
-
-
-def method_mapping(method: str) -> MethodMapping:
-    """The :class:`MethodMapping` of kt-kernel inference ``method``.
-
-    Raises:
-        ValueError: ``method`` is refused (the message names the nearest kt_ops
-            format and why), an SFT method, or unknown (the message lists the
-            supported methods).
-    """
-    if method in METHODS:
-        return METHODS[method]
-    if method in REFUSED:
-        nearest, why = REFUSED[method]
-        raise ValueError(
-            f"method={method!r} is not supported by kt_ops.compat: {why}. The nearest kt_ops "
-            f"weight format is {nearest!r}; supported methods: {sorted(METHODS)}"
-        )
-    if method in SFT_METHODS:
-        raise ValueError(f"method={method!r} is a kt-kernel SFT method; {_SFT_HINT}")
-    raise ValueError(
-        f"unknown method {method!r}; kt_ops.compat runs {sorted(METHODS)} (kt-kernel "
-        f"{KT_KERNEL_VERSION} methods it refuses: {sorted(REFUSED)})"
-    )
 
 
 def generate_gpu_experts_masks(activation_freq: Tensor, num_gpu_experts: int) -> Tensor:
@@ -252,62 +151,7 @@ def _moe_forward_masked(
     x: Tensor, ids: Tensor, weights: Tensor, experts: ExpertWeights, mask: Optional[Tensor]
 ) -> Tensor:
     """``kt_ops.ops.moe_forward``, skipping the experts of ``mask`` (None: no GPU experts)."""
-    from kt_ops import ops
-
     return ops.moe_forward(x, ids, weights, experts, gpu_experts_mask=mask)
-
-
-# ---------------------------------------------------------------------- weight sources
-
-_KT_KERNEL_AMX_RE = re.compile(r"\.ffn_(?:gate|up|down)_exps\.\d+\.numa\.\d+\.(?:weight|scale)$")
-
-
-def _kt_kernel_layout_error(path: Path, method: str, fmt: Optional[str]) -> Optional[ValueError]:
-    """A ValueError when ``path`` holds kt-kernel's own converted layout, else None."""
-    from kt_ops.loaders.compressed_tensors import safetensors_files, tensor_names
-
-    try:
-        names = tensor_names(safetensors_files(path))
-    except (ValueError, OSError):
-        return None
-    hit = next((n for n in names if _KT_KERNEL_AMX_RE.search(n)), None)
-    if hit is None:
-        return None
-    return ValueError(
-        f"{path} holds kt-kernel's own converted {method} layout (e.g. {hit!r}), kt-kernel's "
-        "internal tile layout, which kt_ops cannot read; pass the original Hugging Face "
-        f"checkpoint as weight_path (kt_ops packs it as {fmt!r} while loading) or a directory "
-        f"written by `kt-ops convert SRC OUT --format {fmt}`"
-    )
-
-
-#: What LLAMAFILE runs: the GGUF block types kt_ops repacks, and bf16 for float tensors.
-_GGUF_RUN_FORMATS = frozenset({*(f for f in FORMATS if format_spec(f).is_gguf), "bf16"})
-
-
-def _converted_dir(path: Path) -> bool:
-    return path.is_dir() and (path / "manifest.json").is_file()
-
-
-def _find_gguf(path: Path, layer: int) -> Path:
-    """``path`` if a file, else the ``*.gguf`` file of folder ``path`` holding block ``layer``."""
-    if path.is_file():
-        return path
-    files = sorted(path.glob("*.gguf"))
-    if not files:
-        raise FileNotFoundError(f"{path}: no .gguf file for method LLAMAFILE")
-    if len(files) == 1:
-        return files[0]
-    pattern = f"blk.{layer}.ffn_gate_exps.weight"
-    from gguf import GGUFReader
-
-    for f in files:
-        try:
-            if any(t.name == pattern for t in GGUFReader(str(f)).tensors):
-                return f
-        except Exception as e:
-            raise ValueError(f"{f}: not a readable GGUF file: {e}") from e
-    raise ValueError(f"{path}: no .gguf file has tensor {pattern}")
 
 
 # ---------------------------------------------------------------------- the wrapper
@@ -324,13 +168,6 @@ class _Pending:
     stream: Any = None
     device: Optional[torch.device] = None
     dtype: Optional[torch.dtype] = None
-
-
-def _group_choices(fmt: Optional[str]) -> tuple[int, ...]:
-    """The group sizes ``group_size`` picks from for format ``fmt`` (int4); () for a format
-    with one group size (it keeps its own) and for LLAMAFILE (None)."""
-    groups = format_spec(fmt).group_sizes if fmt is not None else ()
-    return groups if len(groups) > 1 else ()
 
 
 def _int(name: str, v: Any, lo: int) -> int:
@@ -419,7 +256,7 @@ class KTMoEWrapper:
         if mode not in ("inference", "sft"):
             raise ValueError(f"Unknown mode: {mode!r}. Supported modes: 'inference', 'sft'")
         if mode == "sft":
-            raise ValueError(f"mode='sft' is not supported by kt_ops.compat; {_SFT_HINT}")
+            raise ValueError(f"mode='sft' is not supported by kt_ops.compat; {SFT_HINT}")
         self.mapping = method_mapping(method)
         self.method = method
         self.layer_idx = _int("layer_idx", layer_idx, 0)
@@ -452,7 +289,7 @@ class KTMoEWrapper:
                 "plain SiLU (activation 'silu'); only 0.0 is supported"
             )
         self.swiglu_limit = 0.0
-        groups = _group_choices(self.mapping.weight_format)
+        groups = group_choices(self.mapping.weight_format)
         if groups and group_size not in groups:
             allowed = ", ".join(map(str, groups[:-1])) + f" or {groups[-1]}"
             raise ValueError(f"group_size must be {allowed} for method {method!r}")
@@ -505,8 +342,6 @@ class KTMoEWrapper:
             raise ValueError(f"cpuinfer_threads must be an int or None, got {threads!r}")
         if threads <= 0:
             return
-        import kt_ops
-
         try:
             kt_ops.set_num_threads(threads)
         except ValueError as e:
@@ -525,63 +360,20 @@ class KTMoEWrapper:
 
     # ------------------------------------------------------------------ weights
 
-    def _source(self) -> Any:
+    def _source(self) -> CheckpointReader:
         """The (cached) checkpoint reader of ``weight_path`` for this method."""
         if self.weight_path is None:
             raise ValueError(f"weight_path is None; method {self.method!r} loads from weight_path")
         path = Path(self.weight_path)
         if not path.exists():
             raise FileNotFoundError(f"weight_path {path} does not exist (method {self.method!r})")
-        src = self.mapping.source
-        if _converted_dir(path):
-            src = "converted"
-        elif src == "gguf":
-            path = _find_gguf(path, self.layer_idx)
-        key = (src, os.path.realpath(path))
+        source, path = source_of(path, self.mapping, self.layer_idx)
+        key = (source, os.path.realpath(path))
         reader = KTMoEWrapper._sources.get(key)
-        if reader is not None:
-            return reader
-        # kt_ops.loaders needs safetensors and gguf, optional dependencies of kt_ops.
-        from kt_ops.loaders import (
-            CompressedTensorsCheckpoint,
-            ConvertedExperts,
-            GGUFCheckpoint,
-            HFCheckpoint,
-        )
-
-        if src == "converted":
-            reader = ConvertedExperts(path)
-        elif src == "gguf":
-            reader = GGUFCheckpoint(path)
-        elif src == "rawint4":
-            reader = CompressedTensorsCheckpoint(path)
-        else:
-            try:
-                reader = HFCheckpoint(path)
-            except (ValueError, FileNotFoundError) as e:
-                better = _kt_kernel_layout_error(path, self.method, self.mapping.weight_format)
-                if better is not None:
-                    raise better from e
-                raise
-        KTMoEWrapper._sources[key] = reader
+        if reader is None:
+            reader = open_source(source, path, self.method, self.mapping)
+            KTMoEWrapper._sources[key] = reader
         return reader
-
-    def _load_experts(self) -> ExpertWeights:
-        reader = self._source()
-        L, fmt = self.layer_idx, self.mapping.weight_format
-        if reader.kind == "hf_safetensors":  # quantized to the method's format
-            group = self.group_size if _group_choices(fmt) else None
-            return reader.load_layer(L, fmt, group, True)
-        experts = reader.load_layer(L)  # packed sources load as they are
-        if reader.kind == "converted":
-            got = {p.weight_format for p in experts.projections}
-            ok = got == {fmt} if fmt is not None else got <= _GGUF_RUN_FORMATS
-            if not ok:
-                raise ValueError(
-                    f"{reader.path}: layer {L} is converted to {sorted(got)}, method "
-                    f"{self.method!r} runs {fmt or 'GGUF types'!r}"
-                )
-        return experts
 
     def _check_map(self, p2l: Optional[Tensor], logical: int) -> Optional[Tensor]:
         """The physical -> logical expert map as int64 indices, or None for the identity."""
@@ -621,9 +413,10 @@ class KTMoEWrapper:
 
         What ``weight_path`` must hold depends on the method (module docstring);
         the readers are :class:`kt_ops.loaders.HFCheckpoint`,
-        :class:`kt_ops.loaders.GGUFCheckpoint`, :class:`kt_ops.convert.ConvertedExperts`
-        and, for ``RAWINT4``, a compressed-tensors int4 reader. Readers are cached
-        per path across wrappers (:meth:`force_release_loader` drops them).
+        :class:`kt_ops.loaders.GGUFCheckpoint`, :class:`kt_ops.loaders.ConvertedExperts`
+        and, for ``RAWINT4``, :class:`kt_ops.loaders.CompressedTensorsCheckpoint`.
+        Readers are cached per path across wrappers (:meth:`force_release_loader`
+        drops them).
 
         Args:
             physical_to_logical_map_cpu: optional integer ``[num_experts]``: physical
@@ -636,7 +429,9 @@ class KTMoEWrapper:
             ValueError: ``weight_path`` is None, holds kt-kernel's own converted
                 layout, or a layer / format / shape that does not match; a bad map.
         """
-        experts = self._load_experts()
+        experts = load_experts(
+            self._source(), self.method, self.mapping, self.layer_idx, self.group_size
+        )
         where = f"{self.weight_path} layer {self.layer_idx}"
         self._check_shape(where, 0, experts.intermediate_size, experts.hidden_size)
         m = self._check_map(physical_to_logical_map_cpu, experts.num_experts)
@@ -688,7 +483,7 @@ class KTMoEWrapper:
             gate_proj, up_proj, down_proj = (
                 t[m.to(t.device)] for t in (gate_proj, up_proj, down_proj)
             )
-        group = self.group_size if _group_choices(fmt) else None
+        group = self.group_size if group_choices(fmt) else None
         self.experts = ExpertWeights.from_dense(
             gate_proj, up_proj, down_proj, fmt, group_size=group
         )
@@ -772,8 +567,6 @@ class KTMoEWrapper:
 
     def _prepare(self) -> None:
         """(Re)build :attr:`_prepared` for the loaded experts and the current mask object."""
-        from kt_ops.ops import new_prepared_layer
-
         experts, mask = self.experts, self.gpu_experts_mask
         self._prepared = None
         if experts is None or not (
@@ -784,7 +577,7 @@ class KTMoEWrapper:
             and mask.is_contiguous()  # read live by the layer: in-place updates count
         ):
             return
-        layer = new_prepared_layer(experts, mask, self.num_experts_per_tok)
+        layer = ops.new_prepared_layer(experts, mask, self.num_experts_per_tok)
         if layer is not None:
             self._prepared = (layer, experts, mask)
 
