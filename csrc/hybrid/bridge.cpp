@@ -117,7 +117,7 @@ void execute(BridgeCall& c) {
   switch (c.kind) {
     case Kind::kForward:
       if (!c.layer.lora.any()) runtime::ThreadPool::global().prewake();  // overlaps the plan
-      moe::moe_forward_into(c.x, c.ids, c.w, c.layer, c.isa, c.out);
+      moe::moe_forward_layer(c.x, c.ids, c.w, c.layer, c.isa, &c.out);
       return;
     case Kind::kForwardTrain: {
       moe::LoraForwardResult r = moe::moe_forward_lora(c.x, c.ids, c.w, c.layer, true);

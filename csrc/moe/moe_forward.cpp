@@ -284,18 +284,20 @@ int brgemm_min_tokens(const formats::FormatRow& format, kernels::Isa isa) {
   return path == ComputePath::kBrgemm ? 1 : format.brgemm.min(*cls);
 }
 
-void moe_forward_into(const at::Tensor& hidden_states, const at::Tensor& topk_ids,
-                      const at::Tensor& topk_weights, const MoeLayer& layer, kernels::Isa isa,
-                      at::Tensor& out) {
+at::Tensor moe_forward_layer(const at::Tensor& hidden_states, const at::Tensor& topk_ids,
+                             const at::Tensor& topk_weights, const MoeLayer& layer,
+                             kernels::Isa isa, const at::Tensor* out) {
   const at::Tensor x = hidden_states.contiguous();
   if (layer.lora.any()) {
     // LoRA: the ATen expert path. Any format: the base is dequantized to fp32 per
     // expert (QLoRA style) and multiplies fp32 activations, without the q8
     // rounding of the quantized kernels.
-    out.copy_(moe_forward_lora(x, topk_ids, topk_weights, layer, /*save_pre=*/false).out);
-    return;
+    at::Tensor y = moe_forward_lora(x, topk_ids, topk_weights, layer, /*save_pre=*/false).out;
+    return out != nullptr ? out->copy_(y) : y;
   }
-  moe_forward_experts(x, topk_ids, topk_weights, layer, isa, out);
+  at::Tensor result = out != nullptr ? *out : at::empty(x.sizes(), x.options());
+  moe_forward_experts(x, topk_ids, topk_weights, layer, isa, result);
+  return result;
 }
 
 void moe_forward_experts(const at::Tensor& hidden_states, const at::Tensor& topk_ids,

@@ -72,16 +72,18 @@ void moe_forward_experts(const at::Tensor& hidden_states, const at::Tensor& topk
                          const at::Tensor& topk_weights, const MoeLayer& layer, kernels::Isa isa,
                          at::Tensor& out);
 
-// THE forward of kt.moe_forward on a parsed layer, into `out` ([T, H], the dtype
-// of hidden_states, contiguous): the ATen LoRA path (moe/moe_lora.h) when the
-// layer has LoRA factors, else moe_forward_experts on ISA tier `isa`. The
-// CPU op and its out variant, the CUDA bridge's host function and the prepared
-// layer (kt.moe_forward_prepared) all run this one body. Callers wake the pool
-// (ThreadPool::prewake) as early as they can when the layer has no LoRA (the
-// ATen path's ops run on torch's threads), so the wake-up overlaps their checks.
-void moe_forward_into(const at::Tensor& hidden_states, const at::Tensor& topk_ids,
-                      const at::Tensor& topk_weights, const MoeLayer& layer, kernels::Isa isa,
-                      at::Tensor& out);
+// THE forward of kt.moe_forward on a parsed layer: the ATen LoRA path
+// (moe/moe_lora.h) when the layer has LoRA factors, else moe_forward_experts on
+// ISA tier `isa`. Writes `out` when given ([T, H], the dtype of hidden_states,
+// contiguous) and returns it, else returns a new tensor (the LoRA path's own
+// result, uncopied). The CPU op and its out variant, the CUDA bridge's host
+// function and the prepared layer (kt.moe_forward_prepared) all run this one
+// body. Callers wake the pool (ThreadPool::prewake) as early as they can when
+// the layer has no LoRA (the ATen path's ops run on torch's threads), so the
+// wake-up overlaps their checks.
+at::Tensor moe_forward_layer(const at::Tensor& hidden_states, const at::Tensor& topk_ids,
+                             const at::Tensor& topk_weights, const MoeLayer& layer,
+                             kernels::Isa isa, const at::Tensor* out = nullptr);
 
 // Bytes of scratch the calling thread keeps between calls of
 // moe_forward_experts (activations, SwiGLU outputs, slot outputs). At most

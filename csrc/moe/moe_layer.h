@@ -35,6 +35,10 @@
       const std::optional<at::Tensor>&gpu_experts_mask
 #define KT_LAYER_ARGS \
   weights, weight_format, sizes, group_sizes, lora, lora_scaling, activation, gpu_experts_mask
+// Their types alone, for the typed operator handles that call the ops (moe_autograd.cpp).
+#define KT_LAYER_TYPES                                                                             \
+  const c10::List<std::optional<at::Tensor>>&, c10::string_view, at::IntArrayRef, at::IntArrayRef, \
+      const at::TensorList&, double, c10::string_view, const std::optional<at::Tensor>&
 
 namespace kt::moe {
 

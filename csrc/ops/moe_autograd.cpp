@@ -53,17 +53,12 @@ bool any_requires_grad(const at::Tensor& x, const at::Tensor& w, at::TensorList 
 }
 
 using ForwardSig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                              const WeightList&, c10::string_view, at::IntArrayRef, at::IntArrayRef,
-                              const at::TensorList&, double, c10::string_view,
-                              const std::optional<at::Tensor>&);
-using TrainSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, const WeightList&, c10::string_view,
-    at::IntArrayRef, at::IntArrayRef, const at::TensorList&, double, c10::string_view,
-    const std::optional<at::Tensor>&);
+                              KT_LAYER_TYPES);
+using TrainSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&,
+                                                                const at::Tensor&,
+                                                                const at::Tensor&, KT_LAYER_TYPES);
 using BackwardSig = Grads(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                          const at::Tensor&, const WeightList&, c10::string_view, at::IntArrayRef,
-                          at::IntArrayRef, const at::TensorList&, double, c10::string_view,
-                          const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+                          const at::Tensor&, KT_LAYER_TYPES, const std::optional<at::Tensor>&,
                           const std::optional<at::Tensor>&, bool);
 
 const c10::TypedOperatorHandle<ForwardSig>& forward_op() {

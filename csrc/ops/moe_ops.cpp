@@ -1,6 +1,6 @@
 // CPU implementation of kt::moe_forward and its out variant: the layer is
 // parsed and validated once (moe::parse_moe_layer, errors naming the
-// argument), then computed by the one forward body, moe::moe_forward_into
+// argument), then computed by the one forward body, moe::moe_forward_layer
 // (the expert kernels, or the ATen LoRA path when LoRA factors are given).
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -30,14 +30,8 @@ at::Tensor moe_forward_cpu(const at::Tensor& hidden_states, const at::Tensor& to
   if (lora.empty()) runtime::ThreadPool::global().prewake();  // the expert kernels run next
   const moe::MoeLayer layer =
       moe::parse_moe_layer(kOp, hidden_states, topk_ids, topk_weights, KT_LAYER_ARGS);
-  if (layer.lora.any()) {  // the ATen path allocates its own output: no copy
-    return moe::moe_forward_lora(hidden_states.contiguous(), topk_ids, topk_weights, layer,
-                                 /*save_pre=*/false)
-        .out;
-  }
-  at::Tensor out = at::empty(hidden_states.sizes(), hidden_states.options());
-  moe::moe_forward_into(hidden_states, topk_ids, topk_weights, layer, kernels::active_isa(), out);
-  return out;
+  return moe::moe_forward_layer(hidden_states, topk_ids, topk_weights, layer,
+                                kernels::active_isa());
 }
 
 void moe_forward_out_cpu(const at::Tensor& hidden_states, const at::Tensor& topk_ids,
@@ -46,7 +40,7 @@ void moe_forward_out_cpu(const at::Tensor& hidden_states, const at::Tensor& topk
   const moe::MoeLayer layer =
       moe::parse_moe_layer(kOp, hidden_states, topk_ids, topk_weights, KT_LAYER_ARGS);
   check_out(out, hidden_states);
-  moe::moe_forward_into(hidden_states, topk_ids, topk_weights, layer, kernels::active_isa(), out);
+  moe::moe_forward_layer(hidden_states, topk_ids, topk_weights, layer, kernels::active_isa(), &out);
 }
 
 TORCH_LIBRARY_IMPL(kt, CPU, m) {

@@ -19,7 +19,7 @@
 //
 // Inference only: its Autograd kernel refuses inputs that require grad (the
 // callers use kt::moe_forward there). Results are kt::moe_forward's, bit for
-// bit: the same forward body (moe::moe_forward_into) on the same parsed layer.
+// bit: the same forward body (moe::moe_forward_layer) on the same parsed layer.
 #include "ops/prepared_layer.h"
 
 #include <ATen/ATen.h>
@@ -71,9 +71,8 @@ at::Tensor PreparedLayer::forward(const at::Tensor& hidden_states, const at::Ten
   moe::check_hidden_size(kOp, hidden_states, layer_);
   TORCH_CHECK(top_k_ <= 0 || topk_ids.size(1) == top_k_, "kt.moe_forward_prepared: topk_ids has ",
               topk_ids.size(1), " columns, but the layer was prepared for top_k=", top_k_);
-  at::Tensor out = at::empty(hidden_states.sizes(), hidden_states.options());
-  moe::moe_forward_into(hidden_states, topk_ids, topk_weights, layer_, kernels::active_isa(), out);
-  return out;
+  return moe::moe_forward_layer(hidden_states, topk_ids, topk_weights, layer_,
+                                kernels::active_isa());
 }
 
 std::tuple<std::tuple<std::string, int64_t>, std::tuple<std::string, int64_t>,
