@@ -21,7 +21,6 @@ import torch
 from torch import Tensor
 
 from kt_ops.formats.dequant import dequantize_weights
-from kt_ops.formats.packed import PackedProjection
 from kt_ops.layer import LoRAWeights, torch_activation
 
 __all__ = ["GpuExperts", "GpuResidentExperts", "hottest_experts", "parse_gpu_experts"]
@@ -286,7 +285,7 @@ class GpuResidentExperts:
                 weights = [t.detach().index_select(0, ids.to(t.device)) for t in dense]
             else:
                 weights = [
-                    dequantize_weights(_select_experts(p, ids))
+                    dequantize_weights(p.select_experts(ids))
                     for p in self.expert_weights().projections
                 ]
             for (name, _), w in zip(_GPU_WEIGHTS, weights):
@@ -438,20 +437,6 @@ class GpuResidentExperts:
             "up", "gpu_up_weight", v
         )
         return proj("down", "gpu_down_weight", h)
-
-
-def _select_experts(p: PackedProjection, ids: Tensor) -> PackedProjection:
-    """The experts ``ids`` of ``p`` (every packed tensor is indexed by expert first)."""
-    pick = {n: t.index_select(0, ids).contiguous() for n, t in p.tensors().items()}
-    return PackedProjection(
-        pick["weight"],
-        pick.get("scales"),
-        pick.get("zeros"),
-        p.weight_format,
-        p.group_size,
-        p.n,
-        p.k,
-    )
 
 
 _SIDE_STREAMS: dict = {}

@@ -572,7 +572,7 @@ def _load_converted(plan: _Plan, converted) -> MoEExperts:
         )
     packed = converted.load_layer(layer)
     cls = MoEExperts if info.layout == "fused" else MoEExpertList
-    return cls.from_packed(packed["gate"], packed["up"], packed["down"], activation=info.activation)
+    return cls.from_packed(*packed.projections, activation=info.activation)
 
 
 def replace_experts(

@@ -37,6 +37,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
+from kt_ops.layer import PROJECTIONS
 from kt_ops.nn import MoEExperts
 
 __all__ = [
@@ -57,8 +58,8 @@ __all__ = [
     "unfuse_experts",
 ]
 
-#: Projections of an expert MLP that can carry LoRA, in the op's argument order.
-LORA_PROJECTIONS = ("gate", "up", "down")
+#: Projections of an expert MLP that can carry LoRA, in the op's argument order: all three.
+LORA_PROJECTIONS = PROJECTIONS
 
 #: dtypes the op takes for LoRA tensors.
 _LORA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

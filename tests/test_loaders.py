@@ -426,12 +426,7 @@ def test_every_reader_has_the_one_interface(tmp_path):
         assert isinstance(experts, ExpertWeights), kind
         assert experts.weight_format == fmt and experts.num_experts == E, kind
         assert (experts.intermediate_size, experts.hidden_size) == (I, H), kind
-        # the dicts the readers returned before: layer["gate"] still reads a projection
-        assert experts["gate"] is experts.gate and experts["down"] is experts.down
-        with pytest.raises(KeyError):
-            experts["w1"]
-        with pytest.raises(TypeError):
-            list(experts)
+        assert experts.projections == (experts.gate, experts.up, experts.down)
     # the packed sources load as stored: another format is refused, not requantized
     for kind in ("gguf", "compressed_tensors_int4", "converted"):
         reader, layers, _ = readers[kind]

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import ClassVar, Optional
 
 from kt_ops.formats import PackedProjection
-from kt_ops.layer import PROJECTIONS, ExpertWeights
+from kt_ops.layer import ExpertWeights
 from kt_ops.loaders._common import check_format
 
 __all__ = ["CheckpointReader", "expert_weights"]
@@ -70,29 +70,12 @@ class CheckpointReader(abc.ABC):
         return layer in self.layers
 
 
-class _LoadedExperts(ExpertWeights):
-    """An :class:`ExpertWeights` that also answers ``layer["gate"]`` (``"up"``, ``"down"``).
-
-    The readers returned ``{"gate", "up", "down": PackedProjection}`` dicts
-    before they returned :class:`ExpertWeights`; this keeps callers written for
-    those dicts working (kt_ops/hf.py's ``_load_converted``) until they read
-    ``layer.gate``. Nothing else differs.
-    """
-
-    __iter__ = None  # not a dict: no iteration through __getitem__(0), (1), ...
-
-    def __getitem__(self, role: str) -> PackedProjection:
-        if role not in PROJECTIONS:
-            raise KeyError(f"{role!r}: the projections are {PROJECTIONS}")
-        return getattr(self, role)
-
-
 def expert_weights(
     gate: PackedProjection, up: PackedProjection, down: PackedProjection, where: str
 ) -> ExpertWeights:
     """The :class:`ExpertWeights` a reader returns; ValueError prefixed by ``where`` when the
     projections disagree on ``E``, ``I`` or ``H``."""
     try:
-        return _LoadedExperts(gate, up, down)
+        return ExpertWeights(gate, up, down)
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
