@@ -295,7 +295,7 @@ def caller_rows(layer: Layer, experts: ExpertWeights, fmt: str, tokens, repeats)
         reps = repeats or 30
         for mode, threads, waits in configs:
             kt_ops.set_num_threads(threads)
-            before = _C._bridge_caller_waits(waits)
+            before = _C._testing.bridge_caller_waits(waits)
             samples = []
             for r in range(reps + 3):
                 for t, dst in zip(sets[r % len(sets)], static):
@@ -304,7 +304,7 @@ def caller_rows(layer: Layer, experts: ExpertWeights, fmt: str, tokens, repeats)
                 ms = _host_timed(graph.replay)
                 if r >= 3:  # the first replays after a resize warm the new workers up
                     samples.append(ms)
-            _C._bridge_caller_waits(before)
+            _C._testing.bridge_caller_waits(before)
             rows.append(dict(fmt=fmt, T=T, mode=mode, threads=threads, ms=_median_ms(samples)))
             print(
                 f"  {fmt:5} T={T:<4} caller {mode:8} {threads:3} threads "

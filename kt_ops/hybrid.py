@@ -51,7 +51,7 @@ def cuda_bridge_built() -> bool:
 def staging_stats() -> dict:
     """Host staging memory held by the bridge: ``eager_blocks``/``eager_bytes`` (one block
     per stream) and ``captured_blocks``/``captured_bytes`` (one per captured call)."""
-    return dict(_C._staging_stats())
+    return dict(_C.staging_stats())
 
 
 def release_graph_staging() -> None:
@@ -60,11 +60,11 @@ def release_graph_staging() -> None:
     Only after every CUDA graph that captured a kt:: call is destroyed (or will
     never replay again): a later replay would read freed memory.
     """
-    _C._release_captured_staging()
+    _C.release_captured_staging()
 
 
 def take_bridge_error() -> Optional[str]:
     """The error of a bridged call that failed in its CPU part and has not been raised
     yet (its outputs were filled with NaN), or None; clears it."""
-    msg = _C._bridge_take_error()
+    msg = _C.take_bridge_error()
     return msg or None

@@ -874,7 +874,7 @@ def test_fp8_tile_decode_of_every_code(decode):
     g = torch.Generator().manual_seed(5)
     codes = torch.cat([torch.arange(256), torch.randint(0, 256, (kp * 16 - 256,), generator=g)])
     codes = codes.to(torch.uint8).view(kp, 16)
-    out = kt_ops._C.fp8_block_to_bf16_vnni(codes.numpy().tobytes(), decode)
+    out = kt_ops._C._testing.fp8_block_to_bf16_vnni(codes.numpy().tobytes(), decode)
     tile = torch.frombuffer(bytearray(out), dtype=torch.bfloat16).view(kp // 2, 16, 2)
     values = codes.view(torch.float8_e4m3fn).float()
     nan = values.isnan()
@@ -885,10 +885,10 @@ def test_fp8_tile_decode_of_every_code(decode):
 
 def test_fp8_tile_decode_refuses_bad_arguments():
     with pytest.raises(ValueError, match="decode must be 'vbmi' or 'bw'"):
-        kt_ops._C.fp8_block_to_bf16_vnni(bytes(512), "avx2")
+        kt_ops._C._testing.fp8_block_to_bf16_vnni(bytes(512), "avx2")
     if kt_ops.info()["cpu_features"]["avx512"]:
         with pytest.raises(ValueError, match="multiple of 512"):
-            kt_ops._C.fp8_block_to_bf16_vnni(bytes(500), "bw")
+            kt_ops._C._testing.fp8_block_to_bf16_vnni(bytes(500), "bw")
 
 
 @pytest.mark.parametrize("path", ["brgemm", "auto"])

@@ -4,7 +4,7 @@
 host function, copy-out on a stream. Everything above the device runtime
 (staging layout, the staging pool, the parse over staged views, the host
 function, outputs, the deferred id-range error, capture and replay) is driven
-here through ``kt_ops._C._HostBridge``, a transport whose "device" is host
+here through ``kt_ops._C._testing.HostBridge``, a transport whose "device" is host
 memory: memcpy for the copies, a direct call for the host function, and, with
 ``capture=True``, recorded steps that ``replay()`` runs again (as a CUDA graph
 replays its memcpy and host nodes). Each result must be bit-identical to the
@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import kt_ops
+import kt_ops.hybrid
 import kt_ops.ops
 from kt_ops import _C
 from kt_ops.layer import ExpertWeights, LoRAWeights, layer_args
@@ -68,7 +69,7 @@ FORMATS = ["bf16", "int8", "int4", "q4_k,q4_k,q6_k", "fp8"]
 def test_eager_forward_matches_cpu_op(fmt, T, dtype):
     experts = _experts(fmt)
     x, ids, w = _routing(T, dtype=dtype)
-    got = _C._HostBridge().moe_forward(x, ids, w, *_args(experts, like=x), None)
+    got = _C._testing.HostBridge().moe_forward(x, ids, w, *_args(experts, like=x), None)
     assert got.dtype == dtype and got.shape == x.shape
     assert torch.equal(got, kt_ops.moe_forward(x, ids, w, experts))
 
@@ -80,13 +81,13 @@ def test_host_function_with_a_waiting_or_computing_caller(caller_waits):
     experts = _experts("int4")
     x, ids, w = _routing(40)
     lora = _lora()
-    before = _C._bridge_caller_waits(caller_waits)
+    before = _C._testing.bridge_caller_waits(caller_waits)
     try:
-        bridge = _C._HostBridge()
+        bridge = _C._testing.HostBridge()
         got = bridge.moe_forward(x, ids, w, *_args(experts, like=x), None)
         got_lora = bridge.moe_forward(x, ids, w, *_args(experts, lora, None, x), None)
     finally:
-        assert _C._bridge_caller_waits(before) is caller_waits
+        assert _C._testing.bridge_caller_waits(before) is caller_waits
     assert before is True  # the default
     assert torch.equal(got, kt_ops.moe_forward(x, ids, w, experts))
     assert torch.equal(got_lora, kt_ops.moe_forward(x, ids, w, experts, lora))
@@ -98,7 +99,7 @@ def test_eager_forward_mask_lora_and_out():
     mask = torch.zeros(E, dtype=torch.bool)
     mask[[1, 5]] = True
     lora = _lora()
-    bridge = _C._HostBridge()
+    bridge = _C._testing.HostBridge()
     got = bridge.moe_forward(x, ids, w, *_args(experts, lora, mask, x), None)
     want = kt_ops.moe_forward(x, ids, w, experts, lora, gpu_experts_mask=mask)
     assert torch.equal(got, want)
@@ -113,7 +114,7 @@ def test_training_and_backward_match_cpu_ops():
     lora = _lora()
     mask = torch.zeros(E, dtype=torch.bool)
     mask[2] = True
-    bridge = _C._HostBridge()
+    bridge = _C._testing.HostBridge()
     args = _args(experts, lora, mask, x)
     got = bridge.moe_forward_train(x, ids, w, *args)
     want = kt_ops.ops.moe_forward_train(x, ids, w, experts, lora, gpu_experts_mask=mask)
@@ -135,17 +136,17 @@ def test_training_and_backward_match_cpu_ops():
 
 def test_capture_records_and_replays_with_stable_staging():
     """Two layers captured into one "graph"; replays see the inputs' current contents."""
-    _C._release_captured_staging()
+    kt_ops.hybrid.release_graph_staging()
     layers = [_experts("int8", seed=0), _experts("q4_k,q4_k,q6_k", seed=1)]
     x, ids, w = _routing(4)
     static_x, static_ids, static_w = x.clone(), ids.clone(), w.clone()
     outs = [torch.full_like(x, float("nan")) for _ in layers]
-    graph = _C._HostBridge(capture=True)
+    graph = _C._testing.HostBridge(capture=True)
     h = static_x
     for experts, out in zip(layers, outs):
         graph.moe_forward(h, static_ids, static_w, *_args(experts, like=x), out)
         h = out  # layer 2 reads layer 1's output, as in a model
-    stats = _C._staging_stats()
+    stats = kt_ops.hybrid.staging_stats()
     assert stats["captured_blocks"] == 2 and stats["captured_bytes"] > 0
     # Capture records; nothing ran yet.
     assert all(torch.isnan(o).all() for o in outs)
@@ -162,21 +163,21 @@ def test_capture_records_and_replays_with_stable_staging():
         assert graph.replay() == 2 * 5  # per call: 3 copies in, the host function, 1 copy out
         want = eager(new_x, new_ids, new_w)
         assert torch.equal(outs[0], want[0]) and torch.equal(outs[1], want[1])
-    _C._release_captured_staging()
-    assert _C._staging_stats()["captured_blocks"] == 0
+    kt_ops.hybrid.release_graph_staging()
+    assert kt_ops.hybrid.staging_stats()["captured_blocks"] == 0
 
 
 def test_eager_staging_is_reused_and_grows():
     experts = _experts("int8")
-    bridge = _C._HostBridge()
+    bridge = _C._testing.HostBridge()
     bridge.moe_forward(*_routing(1), *_args(experts, like=torch.empty(0)), None)
-    before = _C._staging_stats()
+    before = kt_ops.hybrid.staging_stats()
     for _ in range(5):
         bridge.moe_forward(*_routing(1), *_args(experts, like=torch.empty(0)), None)
-    assert _C._staging_stats()["eager_bytes"] == before["eager_bytes"]
+    assert kt_ops.hybrid.staging_stats()["eager_bytes"] == before["eager_bytes"]
     big = _routing(300)
     bridge.moe_forward(*big, *_args(experts, like=torch.empty(0)), None)
-    after = _C._staging_stats()
+    after = kt_ops.hybrid.staging_stats()
     assert after["eager_bytes"] > before["eager_bytes"]
     assert after["eager_blocks"] == before["eager_blocks"]  # one block per stream
 
@@ -185,8 +186,8 @@ def test_out_of_range_id_is_deferred_and_outputs_are_nan():
     experts = _experts("int8")
     x, ids, w = _routing(3)
     ids[1, 2] = E  # out of range: found only when the host function reads the ids
-    bridge = _C._HostBridge()
-    _C._bridge_take_error()
+    bridge = _C._testing.HostBridge()
+    kt_ops.hybrid.take_bridge_error()
     out = bridge.moe_forward(x, ids, w, *_args(experts, like=x), None)
     assert torch.isnan(out).all()
     with pytest.raises(
@@ -213,8 +214,8 @@ def test_bad_arguments_raise_before_anything_runs(mutate, message):
     a = [x, ids, w, *_args(experts, like=x)]
     mutate(a)
     with pytest.raises(RuntimeError, match=message):
-        _C._HostBridge().moe_forward(*a, None)
-    assert _C._bridge_take_error() == ""
+        _C._testing.HostBridge().moe_forward(*a, None)
+    assert kt_ops.hybrid.take_bridge_error() is None
 
 
 def test_fake_kernels_take_cuda_activations_with_cpu_weights():

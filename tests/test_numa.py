@@ -321,7 +321,7 @@ def test_info_reports_numa():
 @pytest.mark.parametrize("parts", [1, 2, 3, 4, 7])
 @pytest.mark.parametrize("blocks", [0, 1, 2, 5, 6, 48, 128])
 def test_split_blocks_partition(blocks, parts):
-    bounds = kt_ops._C.split_blocks(blocks, parts)
+    bounds = kt_ops._C._testing.split_blocks(blocks, parts)
     assert len(bounds) == parts + 1 and bounds[0] == 0 and bounds[-1] == blocks
     sizes = [b - a for a, b in zip(bounds, bounds[1:])]
     assert all(s >= 0 for s in sizes) and max(sizes) - min(sizes) <= 1

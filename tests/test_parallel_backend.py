@@ -35,7 +35,7 @@ def _restore_backend():
 
 def _probe(tasks: int = 64) -> tuple[set[int], set[bool]]:
     """(thread indices, in-OpenMP flags) seen by the tasks of one pool job."""
-    out = _C._parallel_probe(tasks, -1)
+    out = _C._testing.parallel_probe(tasks, -1)
     assert len(out) == tasks
     return {t for t, _ in out}, {o for _, o in out}
 
@@ -122,8 +122,8 @@ def test_one_thread_runs_inline():
 def test_task_errors_reach_the_caller(backend):
     _matched_threads()
     kt_ops.set_parallel_backend(backend)
-    with pytest.raises(RuntimeError, match="_parallel_probe: task 5"):
-        _C._parallel_probe(64, 5)
+    with pytest.raises(RuntimeError, match="_testing.parallel_probe: task 5"):
+        _C._testing.parallel_probe(64, 5)
     # The backend still works after the error.
     assert _probe()[1] == {backend == "openmp"}
 
@@ -313,12 +313,12 @@ def test_cuda_bridge_host_callbacks_keep_the_pool_under_auto():
     kt_ops.set_parallel_backend("auto")
     want = kt_ops.moe_forward(x, ids, w, experts)
     omp0, pool0 = _jobs()
-    got = _C._HostBridge().moe_forward(x, ids, w, *args, None)
+    got = _C._testing.HostBridge().moe_forward(x, ids, w, *args, None)
     omp1, pool1 = _jobs()
     assert torch.equal(got, want)
     assert omp1 == omp0 and pool1 > pool0, (omp0, pool0, omp1, pool1)
     kt_ops.set_parallel_backend("openmp")  # forced: the callbacks follow it too
-    assert torch.equal(_C._HostBridge().moe_forward(x, ids, w, *args, None), want)
+    assert torch.equal(_C._testing.HostBridge().moe_forward(x, ids, w, *args, None), want)
     assert _jobs()[0] > omp1
 
 
@@ -331,22 +331,22 @@ def test_cuda_bridge_host_callbacks_keep_the_pool_under_auto():
 def test_waiting_caller_leaves_every_task_to_the_workers(backend):
     n = _matched_threads()
     kt_ops.set_parallel_backend(backend)
-    out = _C._parallel_probe(256, -1, caller_waits=True, pool_threads=True)
+    out = _C._testing.parallel_probe(256, -1, caller_waits=True, pool_threads=True)
     assert len(out) == 256
     threads = {t for t, _ in out}
     assert 0 not in threads and threads <= set(range(1, n)), threads
     # The scope ends with the call: the next job's caller computes again (on a
     # busy machine the caller may lose every task to the workers, so only the
     # thread indices' range is checked).
-    assert {t for t, _ in _C._parallel_probe(256, -1)} <= set(range(n))
+    assert {t for t, _ in _C._testing.parallel_probe(256, -1)} <= set(range(n))
 
 
 def test_waiting_caller_gets_task_errors_and_runs_inline_alone():
     _matched_threads()
-    with pytest.raises(RuntimeError, match="_parallel_probe: task 5"):
-        _C._parallel_probe(64, 5, caller_waits=True, pool_threads=True)
+    with pytest.raises(RuntimeError, match="_testing.parallel_probe: task 5"):
+        _C._testing.parallel_probe(64, 5, caller_waits=True, pool_threads=True)
     kt_ops.set_num_threads(1)
     try:
-        assert {t for t, _ in _C._parallel_probe(16, -1, caller_waits=True)} == {0}
+        assert {t for t, _ in _C._testing.parallel_probe(16, -1, caller_waits=True)} == {0}
     finally:
         _matched_threads()

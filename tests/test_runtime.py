@@ -161,7 +161,7 @@ def test_pool_moves_a_caller_off_a_workers_core():
             os.sched_setaffinity(0, original)
             assert sched_getcpu() in workers
             moves = kt_ops.info()["parallel"]["caller_moves"]
-            out = kt_ops._C._parallel_probe_cpus(12, 1000)
+            out = kt_ops._C._testing.parallel_probe_cpus(12, 1000)
             assert kt_ops.info()["parallel"]["caller_moves"] == moves + 1
             assert os.sched_getaffinity(0) == original  # restored after the job
             caller_cpus = {cpu for thread, cpu in out if thread == 0}
@@ -169,7 +169,7 @@ def test_pool_moves_a_caller_off_a_workers_core():
             assert {thread for thread, _ in out} == {0, 1}  # the worker ran its share
             # A caller pinned to the workers' cores only is left there.
             os.sched_setaffinity(0, workers)
-            out = kt_ops._C._parallel_probe_cpus(4, 200)
+            out = kt_ops._C._testing.parallel_probe_cpus(4, 200)
             assert kt_ops.info()["parallel"]["caller_moves"] == moves + 1
             assert {cpu for thread, cpu in out if thread == 0} <= workers
             assert os.sched_getaffinity(0) == workers
@@ -200,7 +200,7 @@ H_, W_, O_ = 2, 1, 0  # detail::PuRole: home, worker, other
     ],
 )
 def test_caller_target(cpu, mask, roles, want):
-    assert kt_ops._C._caller_target(cpu, mask, roles) == want
+    assert kt_ops._C._testing.caller_target(cpu, mask, roles) == want
 
 
 # --------------------------------------------------------------------------

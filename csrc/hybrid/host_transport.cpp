@@ -5,8 +5,9 @@
 // and capture (the steps are recorded instead of run, and replay() runs them
 // again, as a CUDA graph replays its memcpy and host nodes).
 //
-// Exposed as kt_ops._C._HostBridge (test use only), plus the pool's stats and
-// release and the deferred error, which the CUDA path shares.
+// Exposed as kt_ops._C._testing.HostBridge (test use only) with the
+// bridge_caller_waits switch; kt_ops._C holds the pool's stats and release and
+// the deferred error, which the CUDA path shares (kt_ops.hybrid wraps them).
 #include <ATen/ATen.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -126,18 +127,17 @@ class HostBridge {
 
 }  // namespace
 
-void register_host_bridge(pybind11::module& m) {
+void register_host_bridge(pybind11::module& m, pybind11::module& testing) {
   namespace py = pybind11;
-  py::class_<HostBridge>(m, "_HostBridge")
+  py::class_<HostBridge>(testing, "HostBridge")
       .def(py::init<bool>(), py::arg("capture") = false)
       .def("moe_forward", &HostBridge::moe_forward)
       .def("moe_forward_train", &HostBridge::moe_forward_train)
       .def("moe_backward", &HostBridge::moe_backward)
       .def("replay", &HostBridge::replay);
-  m.def("_bridge_take_error", &take_deferred_error);
-  m.def("_bridge_caller_waits", &set_caller_waits, py::arg("waits"),
-        "Whether bridged calls' host functions leave the computing to the pool's workers "
-        "(default True); returns the previous setting (A/B switch for benchmarks and tests)");
+  testing.def("bridge_caller_waits", &set_caller_waits, py::arg("waits"),
+              "Whether bridged calls' host functions leave the computing to the pool's workers "
+              "(default True); returns the previous setting (A/B switch for benchmarks and tests)");
   m.def("cuda_bridge_built", [] {
 #ifdef KT_OPS_HAS_CUDA_BRIDGE
     return true;
@@ -145,7 +145,8 @@ void register_host_bridge(pybind11::module& m) {
     return false;
 #endif
   });
-  m.def("_staging_stats", [] {
+  // Behind kt_ops.hybrid's staging_stats(), release_graph_staging(), take_bridge_error().
+  m.def("staging_stats", [] {
     const StagingStats s = StagingPool::global().stats();
     py::dict d;
     d["eager_blocks"] = s.eager_blocks;
@@ -154,7 +155,8 @@ void register_host_bridge(pybind11::module& m) {
     d["captured_bytes"] = s.captured_bytes;
     return d;
   });
-  m.def("_release_captured_staging", [] { StagingPool::global().release_captured(); });
+  m.def("release_captured_staging", [] { StagingPool::global().release_captured(); });
+  m.def("take_bridge_error", &take_deferred_error);
 }
 
 }  // namespace kt::hybrid

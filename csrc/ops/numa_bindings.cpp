@@ -1,5 +1,6 @@
-// kt_ops._C's NUMA placement controls and reports (README, "NUMA";
-// csrc/runtime/numa.h, csrc/moe/numa_placement.h).
+// kt_ops._C's NUMA placement controls and reports (docs/architecture.md, "NUMA
+// placement"; csrc/runtime/numa.h, csrc/moe/numa_placement.h), and the
+// split_blocks test hook of kt_ops._C._testing.
 #include <ATen/ATen.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -96,14 +97,13 @@ py::dict layer_placement(const std::vector<std::optional<at::Tensor>>& weights,
 
 }  // namespace
 
-void register_numa(py::module& m) {
+void register_numa(py::module& m, py::module& testing) {
   m.def("set_numa", [](const std::string& mode) {
     runtime::set_numa_mode(runtime::parse_numa_mode(mode, "kt_ops.set_numa"));
   });
   m.def("numa_mode", [] { return std::string(runtime::numa_mode_name(runtime::numa_mode())); });
   m.def("numa_report", &numa_report);
   m.def("numa_placement", &layer_placement);
-  m.def("split_blocks", &moe::split_blocks);
   // Where the pages of a tensor's bytes are (hwloc_get_area_memlocation), and
   // the nodes its policy binds it to; None where hwloc cannot tell.
   m.def("memory_nodes", [](const at::Tensor& t) {
@@ -114,6 +114,9 @@ void register_numa(py::module& m) {
     std::vector<int> nodes = runtime::area_bound_nodes(t.data_ptr(), t.nbytes(), &is_bind);
     return is_bind ? nodes_or_none(nodes) : py::none();
   });
+  // Test hook (kt_ops._C._testing): the bounds of `blocks` 16-row blocks split
+  // into `parts` NUMA slices (moe/numa_placement.h).
+  testing.def("split_blocks", &moe::split_blocks);
 }
 
 }  // namespace kt::ops

@@ -1,22 +1,17 @@
 // The pybind11 module kt_ops._C: runtime controls that are not ops (style
 // rule 2): thread count, ISA choice, topology report. Importing it also loads
-// the TORCH_LIBRARY registrations of this shared object.
+// the TORCH_LIBRARY registrations of this shared object. Hooks for tests and
+// benchmarks live in its submodule kt_ops._C._testing (csrc/ops/test_hooks.cpp).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
-#include <sched.h>
 
-#include <algorithm>
-#include <chrono>
 #include <iterator>
-#include <optional>
 #include <stdexcept>
 
 #include "formats/format_table.h"
-#include "formats/q8_activations.h"
 #include "kernels/activations.h"
 #include "kernels/brgemm.h"
 #include "kernels/dispatch.h"
-#include "kernels/tiers.h"
 #include "moe/moe_forward.h"
 #include "runtime/cpu_features.h"
 #include "runtime/openmp_team.h"
@@ -27,11 +22,13 @@ namespace py = pybind11;
 using kt::kernels::Isa;
 
 namespace kt::hybrid {
-void register_host_bridge(pybind11::module& m);  // csrc/hybrid/host_transport.cpp
-}
+// csrc/hybrid/host_transport.cpp
+void register_host_bridge(pybind11::module& m, pybind11::module& testing);
+}  // namespace kt::hybrid
 namespace kt::ops {
-void register_numa(pybind11::module& m);            // csrc/ops/numa_bindings.cpp
-void register_prepared_layer(pybind11::module& m);  // csrc/ops/prepared_layer.cpp
+void register_numa(pybind11::module& m, pybind11::module& testing);  // csrc/ops/numa_bindings.cpp
+void register_prepared_layer(pybind11::module& m);                   // csrc/ops/prepared_layer.cpp
+void register_test_hooks(pybind11::module& testing);                 // csrc/ops/test_hooks.cpp
 }  // namespace kt::ops
 
 namespace {
@@ -221,40 +218,6 @@ PYBIND11_MODULE(_C, m) {
     d["caller_moves"] = kt::runtime::ThreadPool::caller_moves();
     return d;
   });
-  m.def(
-      "_parallel_probe",
-      [](int64_t tasks, int64_t fail_at, bool caller_waits, bool pool_threads) {
-        // Test hook: runs `tasks` pool tasks; each reports (thread index, whether it
-        // ran inside an OpenMP region). Task fail_at (if >= 0) throws instead.
-        // caller_waits / pool_threads: as a CUDA bridge host callback runs its jobs.
-        std::vector<std::pair<int, bool>> out(static_cast<size_t>(std::max<int64_t>(tasks, 0)));
-        py::gil_scoped_release no_gil;
-        std::optional<kt::runtime::PoolThreadsScope> pool_scope;
-        if (pool_threads) pool_scope.emplace();
-        kt::runtime::CallerWaitsScope waits(caller_waits);
-        kt::runtime::ThreadPool::global().run(tasks, [&](int64_t t, int thread) {
-          if (t == fail_at)
-            throw std::runtime_error("kt_ops._parallel_probe: task " + std::to_string(t));
-          out[static_cast<size_t>(t)] = {thread, kt::runtime::openmp::in_parallel()};
-        });
-        return out;
-      },
-      py::arg("tasks"), py::arg("fail_at") = -1, py::arg("caller_waits") = false,
-      py::arg("pool_threads") = false);
-  m.def("_parallel_probe_cpus", [](int64_t tasks, int64_t spin_us) {
-    // Test hook: runs `tasks` pool tasks of `spin_us` microseconds each; each
-    // reports (thread index, the CPU it started on).
-    std::vector<std::pair<int, int>> out(static_cast<size_t>(std::max<int64_t>(tasks, 0)));
-    py::gil_scoped_release no_gil;
-    kt::runtime::ThreadPool::global().run(tasks, [&](int64_t t, int thread) {
-      out[static_cast<size_t>(t)] = {thread, sched_getcpu()};
-      const auto end = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us);
-      while (std::chrono::steady_clock::now() < end) {
-      }
-    });
-    return out;
-  });
-  m.def("_caller_target", &kt::runtime::detail::caller_target);  // test hook
   m.def("workers_bound", [] { return kt::runtime::ThreadPool::global().workers_bound(); });
   m.def("activations", [] {
     // The ops' `activation` names (kernels/activations.h), in their table order.
@@ -264,8 +227,17 @@ PYBIND11_MODULE(_C, m) {
   m.def("built_isas", [] { return names(kt::kernels::built_isas()); });
   m.def("supported_isas", [] { return names(kt::kernels::supported_isas()); });
   m.def("active_isa", [] { return std::string(kt::kernels::isa_name(kt::kernels::active_isa())); });
-  m.def("set_isa",
-        [](const std::string& name) { kt::kernels::set_active_isa(kt::kernels::parse_isa(name)); });
+  m.def("set_isa", [](const std::string& name) {
+    try {
+      kt::kernels::set_active_isa(kt::kernels::parse_isa(name));
+    } catch (const std::invalid_argument& e) {
+      // "kt_ops: unknown ISA ..." -> "kt_ops.set_isa: unknown ISA ...": the error names the knob.
+      std::string what = e.what();
+      const std::string generic = "kt_ops: ";
+      if (what.compare(0, generic.size(), generic) == 0) what.erase(0, generic.size());
+      throw std::invalid_argument("kt_ops.set_isa: " + what);
+    }
+  });
   m.def("set_quant_activations", [](const std::string& mode) {
     using kt::moe::QuantActivations;
     if (mode == "auto") return kt::moe::set_quant_activations(QuantActivations::kAuto);
@@ -333,44 +305,13 @@ PYBIND11_MODULE(_C, m) {
   m.def("kernel_names",
         [](const std::string& isa) { return kernel_names(kt::kernels::parse_isa(isa)); });
   m.def("retained_scratch_bytes", &kt::moe::retained_scratch_bytes);
-  // Test hook: the q8 record of one fp32 row (len a multiple of 32) from
-  // tier `isa`'s quantizer (formats/q8_activations.h).
-  m.def("quantize_row_q8", [](const std::vector<float>& x, const std::string& isa_name) {
-    const Isa isa = kt::kernels::parse_isa(isa_name);
-    const std::vector<Isa> ok = kt::kernels::supported_isas();
-    if (std::find(ok.begin(), ok.end(), isa) == ok.end())
-      throw py::value_error("quantize_row_q8: ISA '" + isa_name + "' is not supported here");
-    const int64_t kp = static_cast<int64_t>(x.size());
-    if (kp % 32 != 0) throw py::value_error("quantize_row_q8: len(x) must be a multiple of 32");
-    std::string rec(static_cast<size_t>(kt::formats::q8_record_bytes(kp)), '\0');
-    kt::kernels::quantize_row_q8(isa)(x.data(), kp, reinterpret_cast<uint8_t*>(rec.data()));
-    return py::bytes(rec);
-  });
-  // Test hook: one fp8 block's E4M3 codes [kp][16] (kp a multiple of 32) as
-  // the fp8 brgemm's bf16 VNNI tile [kp/2][16][2] (kernels/tiers.h), from the
-  // AVX512_VBMI decode ("vbmi") or the AVX512_BW one ("bw").
-  m.def("fp8_block_to_bf16_vnni", [](const py::bytes& codes, const std::string& decode) {
-    const std::string c = codes;
-    if (decode != "vbmi" && decode != "bw")
-      throw py::value_error("fp8_block_to_bf16_vnni: decode must be 'vbmi' or 'bw', got '" +
-                            decode + "'");
-    const kt::runtime::CpuFeatures& f = kt::runtime::cpu_features();
-    if (kt::kernels::avx512::fp8_to_bf16_vnni == nullptr || !f.avx512 ||
-        (decode == "vbmi" && !f.avx512_vbmi))
-      throw py::value_error("fp8_block_to_bf16_vnni: the '" + decode +
-                            "' decode does not run on this build / CPU");
-    if (c.size() % (32 * 16) != 0)
-      throw py::value_error("fp8_block_to_bf16_vnni: len(codes) must be a multiple of 512");
-    const int64_t kp = static_cast<int64_t>(c.size() / 16);
-    std::string out(c.size() * 2, '\0');
-    kt::kernels::avx512::fp8_to_bf16_vnni(reinterpret_cast<const uint8_t*>(c.data()), kp,
-                                          reinterpret_cast<uint16_t*>(out.data()), 16, nullptr,
-                                          decode == "vbmi");
-    return py::bytes(out);
-  });
   m.def("topology", &topology_report);
   m.def("cpu_features", &cpu_features_report);
-  kt::hybrid::register_host_bridge(m);
-  kt::ops::register_numa(m);
+  // Hooks for tests/ and benchmarks/ only, out of the runtime's namespace.
+  py::module testing = m.def_submodule(
+      "_testing", "kt_ops test and benchmark hooks (not API: nothing in kt_ops/ calls them)");
+  kt::ops::register_test_hooks(testing);
+  kt::hybrid::register_host_bridge(m, testing);
+  kt::ops::register_numa(m, testing);
   kt::ops::register_prepared_layer(m);
 }

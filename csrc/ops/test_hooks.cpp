@@ -1,0 +1,107 @@
+// kt_ops._C._testing: hooks for tests and benchmarks, kept out of the runtime
+// controls of kt_ops._C (python_bindings.cpp). Nothing in kt_ops/ calls them;
+// tests/ and benchmarks/ reach internals through them (the pool's task
+// placement, the caller's move target, one tier's quantizer or fp8 decode).
+// The other hooks of this submodule are registered beside the code they
+// expose: HostBridge and bridge_caller_waits (csrc/hybrid/host_transport.cpp),
+// split_blocks (csrc/ops/numa_bindings.cpp).
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <sched.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "formats/q8_activations.h"
+#include "kernels/dispatch.h"
+#include "kernels/tiers.h"
+#include "runtime/cpu_features.h"
+#include "runtime/openmp_team.h"
+#include "runtime/thread_pool.h"
+
+namespace py = pybind11;
+
+namespace kt::ops {
+
+void register_test_hooks(py::module& t) {
+  using kt::kernels::Isa;
+  t.def(
+      "parallel_probe",
+      [](int64_t tasks, int64_t fail_at, bool caller_waits, bool pool_threads) {
+        // Runs `tasks` pool tasks; each reports (thread index, whether it ran
+        // inside an OpenMP region). Task fail_at (if >= 0) throws instead.
+        // caller_waits / pool_threads: as a CUDA bridge host callback runs its jobs.
+        std::vector<std::pair<int, bool>> out(static_cast<size_t>(std::max<int64_t>(tasks, 0)));
+        py::gil_scoped_release no_gil;
+        std::optional<kt::runtime::PoolThreadsScope> pool_scope;
+        if (pool_threads) pool_scope.emplace();
+        kt::runtime::CallerWaitsScope waits(caller_waits);
+        kt::runtime::ThreadPool::global().run(tasks, [&](int64_t task, int thread) {
+          if (task == fail_at)
+            throw std::runtime_error("kt_ops._C._testing.parallel_probe: task " +
+                                     std::to_string(task));
+          out[static_cast<size_t>(task)] = {thread, kt::runtime::openmp::in_parallel()};
+        });
+        return out;
+      },
+      py::arg("tasks"), py::arg("fail_at") = -1, py::arg("caller_waits") = false,
+      py::arg("pool_threads") = false);
+  t.def("parallel_probe_cpus", [](int64_t tasks, int64_t spin_us) {
+    // Runs `tasks` pool tasks of `spin_us` microseconds each; each reports
+    // (thread index, the CPU it started on).
+    std::vector<std::pair<int, int>> out(static_cast<size_t>(std::max<int64_t>(tasks, 0)));
+    py::gil_scoped_release no_gil;
+    kt::runtime::ThreadPool::global().run(tasks, [&](int64_t task, int thread) {
+      out[static_cast<size_t>(task)] = {thread, sched_getcpu()};
+      const auto end = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us);
+      while (std::chrono::steady_clock::now() < end) {
+      }
+    });
+    return out;
+  });
+  // Where the pool moves a caller on `cpu` with affinity `mask` (runtime/thread_pool.h).
+  t.def("caller_target", &kt::runtime::detail::caller_target);
+  // The q8 record of one fp32 row (len a multiple of 32) from tier `isa`'s
+  // quantizer (formats/q8_activations.h).
+  t.def("quantize_row_q8", [](const std::vector<float>& x, const std::string& isa_name) {
+    const Isa isa = kt::kernels::parse_isa(isa_name);
+    const std::vector<Isa> ok = kt::kernels::supported_isas();
+    if (std::find(ok.begin(), ok.end(), isa) == ok.end())
+      throw py::value_error("quantize_row_q8: ISA '" + isa_name + "' is not supported here");
+    const int64_t kp = static_cast<int64_t>(x.size());
+    if (kp % 32 != 0) throw py::value_error("quantize_row_q8: len(x) must be a multiple of 32");
+    std::string rec(static_cast<size_t>(kt::formats::q8_record_bytes(kp)), '\0');
+    kt::kernels::quantize_row_q8(isa)(x.data(), kp, reinterpret_cast<uint8_t*>(rec.data()));
+    return py::bytes(rec);
+  });
+  // One fp8 block's E4M3 codes [kp][16] (kp a multiple of 32) as the fp8
+  // brgemm's bf16 VNNI tile [kp/2][16][2] (kernels/tiers.h), from the
+  // AVX512_VBMI decode ("vbmi") or the AVX512_BW one ("bw").
+  t.def("fp8_block_to_bf16_vnni", [](const py::bytes& codes, const std::string& decode) {
+    const std::string c = codes;
+    if (decode != "vbmi" && decode != "bw")
+      throw py::value_error("fp8_block_to_bf16_vnni: decode must be 'vbmi' or 'bw', got '" +
+                            decode + "'");
+    const kt::runtime::CpuFeatures& f = kt::runtime::cpu_features();
+    if (kt::kernels::avx512::fp8_to_bf16_vnni == nullptr || !f.avx512 ||
+        (decode == "vbmi" && !f.avx512_vbmi))
+      throw py::value_error("fp8_block_to_bf16_vnni: the '" + decode +
+                            "' decode does not run on this build / CPU");
+    if (c.size() % (32 * 16) != 0)
+      throw py::value_error("fp8_block_to_bf16_vnni: len(codes) must be a multiple of 512");
+    const int64_t kp = static_cast<int64_t>(c.size() / 16);
+    std::string out(c.size() * 2, '\0');
+    kt::kernels::avx512::fp8_to_bf16_vnni(reinterpret_cast<const uint8_t*>(c.data()), kp,
+                                          reinterpret_cast<uint16_t*>(out.data()), 16, nullptr,
+                                          decode == "vbmi");
+    return py::bytes(out);
+  });
+}
+
+}  // namespace kt::ops
