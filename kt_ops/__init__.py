@@ -5,7 +5,9 @@ Importing this package loads the native extension, which registers
 kernels), and their fake kernels and autograd formula. See ``ops`` for the op
 wrappers, ``layer`` for the description of a layer's experts
 (:class:`ExpertWeights`, :class:`LoRAWeights`), ``nn`` for the expert module,
-``hf`` for Hugging Face models.
+``hf`` for Hugging Face models, and ``config`` for the process-wide settings
+(threads, ISA path, compute path, NUMA, ...; :class:`kt_ops.runtime.Config`), of
+which the ``set_*`` / ``get_*`` / ``use_*`` functions here are older aliases.
 """
 
 import torch  # noqa: F401  (first: loads libtorch*.so, which kt_ops._C links)
@@ -20,8 +22,10 @@ from kt_ops.ops import (
     set_lora_activation_checkpointing,
 )
 from kt_ops.runtime import (
+    Config,
     active_isa,
     compute_paths,
+    config,
     get_brgemm_bf16_kernel,
     get_compute_path,
     get_num_threads,
@@ -49,6 +53,8 @@ from kt_ops.runtime import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "config",
+    "Config",
     "moe_forward",
     "ACTIVATIONS",
     "ExpertWeights",

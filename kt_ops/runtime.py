@@ -1,19 +1,23 @@
-"""Runtime controls: thread count, ISA path, topology report.
+"""Runtime controls: the process-wide settings (:data:`config`), ISA and topology reports.
+
+:data:`config` (``kt_ops.config``, a :class:`Config`) holds the seven
+process-wide knobs: thread count, parallel backend, ISA path, compute path,
+quantized activations, the bf16 brgemm kernel and NUMA placement; its
+docstring lists them with their values, defaults and environment variables.
+The ``set_*`` / ``get_*`` / ``use_*`` functions below are its older aliases,
+kept for a deprecation cycle (the ``set_*`` ones validate every value that
+:data:`config` sets). :func:`supported_isas`, :func:`compute_paths`,
+:func:`quant_fp32_min_tokens`, :func:`numa_placement` and
+:func:`memory_nodes` report what the settings select.
 
 The thread pool is process-wide, one worker per physical core (from hwloc),
 bound to its core, reused across calls; the calling thread does its share.
-:func:`set_parallel_backend` (``KT_OPS_PARALLEL_BACKEND``) runs the work on
-torch's own OpenMP threads instead, where that is the better choice.
-``KT_OPS_NUM_THREADS`` sets its initial size and ``KT_OPS_ISA`` (``ref``,
-``avx2``, ``avx512``) forces an ISA path at start-up. :func:`set_compute_path`
-chooses between the streaming kernels and oneDNN's brgemm. :func:`set_numa`
-(``KT_OPS_NUMA``) splits every expert across the NUMA nodes.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Optional
 
 from kt_ops import _C
@@ -22,22 +26,9 @@ if TYPE_CHECKING:
     from kt_ops.layer import ExpertWeights
 
 
-@contextlib.contextmanager
-def _scoped(get: Callable[[], str], set_: Callable[[str], None], value: str) -> Iterator[None]:
-    """``set_(value)`` for the block, then ``set_`` back to what ``get()`` returned before."""
-    previous = get()
-    set_(value)
-    try:
-        yield
-    finally:
-        set_(previous)
-
-
 def set_num_threads(n: int) -> None:
-    """Resize the kt_ops thread pool to ``n`` threads (the caller included).
-
-    ``n`` is capped at 4 x the physical cores (at least 64): more threads only
-    oversubscribe the cores. Results are bit-identical for any ``n``.
+    """Alias of ``kt_ops.config.num_threads = n`` (:attr:`Config.num_threads`), kept for a
+    deprecation cycle; the validated setter behind it.
 
     Raises:
         ValueError: ``n`` is not in ``[1, cap]`` (the message gives the cap).
@@ -55,38 +46,17 @@ def set_num_threads(n: int) -> None:
 
 
 def get_num_threads() -> int:
-    """Number of threads (the calling thread included) that run kt_ops kernels."""
-    return _C.get_num_threads()
+    """Alias of ``kt_ops.config.num_threads`` (:attr:`Config.num_threads`), kept for a
+    deprecation cycle: the threads (the calling thread included) that run kt_ops kernels."""
+    return config.num_threads
 
 
 _PARALLEL_BACKENDS = ("auto", "pool", "openmp")
 
 
 def set_parallel_backend(backend: str) -> None:
-    """Choose which threads run kt_ops' parallel work (process-wide).
-
-    * ``'pool'``: kt_ops' own pool, one worker per physical core, bound to it.
-    * ``'openmp'``: the threads of torch's own OpenMP runtime (the intra-op
-      threads of torch's CPU ops), a team of :func:`get_num_threads` threads.
-      After a torch CPU op those threads spin for a while (OpenMP's default
-      wait policy) and take kt_ops' job at once; on the pool's threads the
-      two would share every core (measured on a 2-core host: the demo's decode
-      experts 8.0-8.5 ms per token on the pool, 4.1-4.9 on OpenMP).
-    * ``'auto'`` (default; ``KT_OPS_PARALLEL_BACKEND`` sets the initial value):
-      ``'openmp'`` when kt_ops' thread count equals torch's
-      (``torch.get_num_threads()``, the calling thread's OpenMP team size),
-      else ``'pool'``: one team of one size for torch and kt_ops (the OpenMP
-      runtime stops and starts threads when the team size changes). The CUDA
-      bridge's host callbacks (:mod:`kt_ops.hybrid`) keep the pool under
-      ``'auto'``: torch's ops do not run on that thread, and a team of its own
-      would spin beside the thread that launches the GPU work.
-
-    ``'openmp'`` also falls back to the pool with NUMA placement across
-    several nodes (:func:`set_numa`: the pool's threads are bound per node),
-    in a process forked after the parent started OpenMP threads (they do not
-    survive ``fork()``), inside an OpenMP parallel region, and on one thread.
-    ``kt_ops.info()['parallel']`` says which threads a call from this thread
-    uses and why. Results are bit-identical on either backend.
+    """Alias of ``kt_ops.config.parallel_backend = backend`` (:attr:`Config.parallel_backend`),
+    kept for a deprecation cycle; the validated setter behind it.
 
     Raises:
         ValueError: ``backend`` is not ``'auto'``, ``'pool'`` or ``'openmp'``,
@@ -101,13 +71,15 @@ def set_parallel_backend(backend: str) -> None:
 
 
 def get_parallel_backend() -> str:
-    """The setting of :func:`set_parallel_backend`: ``'auto'``, ``'pool'`` or ``'openmp'``."""
-    return _C.parallel_backend()
+    """Alias of ``kt_ops.config.parallel_backend`` (:attr:`Config.parallel_backend`), kept for
+    a deprecation cycle: ``'auto'``, ``'pool'`` or ``'openmp'``."""
+    return config.parallel_backend
 
 
-def use_parallel_backend(backend: str) -> contextlib.AbstractContextManager[None]:
-    """Context manager: :func:`set_parallel_backend` ``backend``, then restore the previous one."""
-    return _scoped(get_parallel_backend, set_parallel_backend, backend)
+def use_parallel_backend(backend: str) -> contextlib.AbstractContextManager[Config]:
+    """Alias of ``kt_ops.config.override(parallel_backend=backend)`` (:meth:`Config.override`),
+    kept for a deprecation cycle: the backend for the block, then the previous one again."""
+    return config.override(parallel_backend=backend)
 
 
 def supported_isas() -> list[str]:
@@ -116,12 +88,16 @@ def supported_isas() -> list[str]:
 
 
 def active_isa() -> str:
-    """The ISA path the ops use now: ``'ref'``, ``'avx2'`` or ``'avx512'``."""
-    return _C.active_isa()
+    """The ISA path the ops use now (``'ref'``, ``'avx2'``, ``'avx512'``, ``'avx512_vnni'``).
+
+    Alias of ``kt_ops.config.isa`` (:attr:`Config.isa`), kept for a deprecation cycle.
+    """
+    return config.isa
 
 
 def set_isa(name: str) -> None:
-    """Force an ISA path (``'ref'``, ``'avx2'``, ``'avx512'``) for later op calls.
+    """Alias of ``kt_ops.config.isa = name`` (:attr:`Config.isa`), kept for a deprecation
+    cycle; the validated setter behind it.
 
     Raises ``ValueError`` naming the path and the missing CPU feature when the
     path is unknown, not built, or not runnable on this CPU.
@@ -129,28 +105,15 @@ def set_isa(name: str) -> None:
     _C.set_isa(str(name))
 
 
-def use_isa(name: str) -> contextlib.AbstractContextManager[None]:
-    """Context manager: run the ops on ISA path ``name``, then restore the previous one."""
-    return _scoped(active_isa, set_isa, name)
+def use_isa(name: str) -> contextlib.AbstractContextManager[Config]:
+    """Alias of ``kt_ops.config.override(isa=name)`` (:meth:`Config.override`), kept for a
+    deprecation cycle: the ops run on ISA path ``name`` in the block, then the previous one."""
+    return config.override(isa=name)
 
 
 def set_quant_activations(mode: str) -> None:
-    """Choose how the quantized weight formats multiply activations (process-wide).
-
-    * ``'q8'``: the qint formats (``int8``, ``int4``, ``mxfp4``, GGUF types)
-      quantize each activation row to int8 per 32 values and multiply integer
-      codes (w8a8 / w4a8, ``pmaddubsw``/VNNI dot products); ``fp8`` multiplies
-      its decoded codes with fp32 activations in registers.
-    * ``'fp32'``: every format decodes each 16-row weight block once to fp32
-      (``scale * q - zero``) and multiplies fp32 activations (weight-only,
-      the w4a16 path; no activation rounding).
-    * ``'auto'`` (default): per expert and call, ``'fp32'`` when the expert
-      has at least the format's measured break-even token count (see
-      docs/formats.md, "Compute paths"), else ``'q8'``.
-
-    The two paths round differently (``'q8'`` rounds activations to int8), so
-    under ``'auto'`` a token's output can depend on how many tokens share its
-    experts; pin ``'q8'`` or ``'fp32'`` for batch-invariant results.
+    """Alias of ``kt_ops.config.quant_activations = mode`` (:attr:`Config.quant_activations`),
+    kept for a deprecation cycle; the validated setter behind it.
 
     Raises ``ValueError`` for any other ``mode``.
     """
@@ -158,8 +121,9 @@ def set_quant_activations(mode: str) -> None:
 
 
 def get_quant_activations() -> str:
-    """The mode set by :func:`set_quant_activations`: ``'auto'``, ``'q8'`` or ``'fp32'``."""
-    return _C.quant_activations()
+    """Alias of ``kt_ops.config.quant_activations`` (:attr:`Config.quant_activations`), kept
+    for a deprecation cycle: ``'auto'``, ``'q8'`` or ``'fp32'``."""
+    return config.quant_activations
 
 
 def quant_fp32_min_tokens(weight_format: str, isa: Optional[str] = None) -> Optional[int]:
@@ -178,44 +142,18 @@ def quant_fp32_min_tokens(weight_format: str, isa: Optional[str] = None) -> Opti
     return _C.fp32_min_tokens(name, _C.active_isa() if isa is None else str(isa))
 
 
-def use_quant_activations(mode: str) -> contextlib.AbstractContextManager[None]:
-    """Context manager: :func:`set_quant_activations` ``mode``, then restore the previous one."""
-    return _scoped(get_quant_activations, set_quant_activations, mode)
+def use_quant_activations(mode: str) -> contextlib.AbstractContextManager[Config]:
+    """Alias of ``kt_ops.config.override(quant_activations=mode)`` (:meth:`Config.override`),
+    kept for a deprecation cycle: ``mode`` for the block, then the previous one again."""
+    return config.override(quant_activations=mode)
 
 
 _COMPUTE_PATHS = ("auto", "streaming", "brgemm")
 
 
 def set_compute_path(path: str) -> None:
-    """Choose which kernels compute the expert products (process-wide).
-
-    * ``'streaming'``: kt_ops' own per-ISA kernels, which stream each 16-row
-      weight block once and multiply it with the expert's tokens in registers
-      (decode; the only path before oneDNN's brgemm was added).
-    * ``'brgemm'``: oneDNN's brgemm ukernel (through libtorch's
-      ``at::native::cpublas::brgemm``) on the packed weight blocks, at any
-      token count, for the formats and CPUs on which oneDNN runs the product
-      (``bf16`` and ``fp8``: AVX-512 with AVX512_BF16, or AMX; ``int8`` and
-      ``q8_0``: AVX512_VNNI or AMX, with q8 activations; :func:`compute_paths`
-      says which); every other format and CPU keeps the streaming kernels.
-      bf16 brgemm rounds the activations (and the SwiGLU outputs) to bf16
-      first; fp8 multiplies the activations times the 128x128 block scales,
-      rounded once to bf16 (``bf16(x * scale)``), by the exact E4M3 values
-      (kt_ops' fused decode-and-multiply tiles on AVX512_BF16 CPUs with
-      AVX512_VBMI and no AMX, else the codes decoded to a bf16 tile for
-      oneDNN's bf16 brgemm; the two are bit-identical); the int8 / q8_0
-      brgemm (u8 x s8) gives the streaming q8 kernels' results bit for bit.
-    * ``'auto'`` (default): per expert and call, ``'brgemm'`` when the expert
-      has at least the format's measured break-even token count on this CPU
-      (``kt_ops.formats.format_spec(name).brgemm_min_tokens``;
-      docs/formats.md, "Compute paths"), else ``'streaming'``. For bf16 and
-      fp8 only with bf16 activations: fp32 and fp16 ones stay on
-      ``'streaming'`` (brgemm would round them to bf16).
-
-    As with :func:`set_quant_activations`, the paths round differently, so
-    under ``'auto'`` a token's output can depend on how many tokens share its
-    experts; pin ``'streaming'`` or ``'brgemm'`` for batch-invariant results.
-    Results are bit-identical for any thread count on every path.
+    """Alias of ``kt_ops.config.compute_path = path`` (:attr:`Config.compute_path`), kept for
+    a deprecation cycle; the validated setter behind it.
 
     Raises:
         ValueError: ``path`` is not ``'auto'``, ``'streaming'`` or ``'brgemm'``.
@@ -228,33 +166,23 @@ def set_compute_path(path: str) -> None:
 
 
 def get_compute_path() -> str:
-    """The path set by :func:`set_compute_path`: ``'auto'``, ``'streaming'`` or ``'brgemm'``."""
-    return _C.compute_path()
+    """Alias of ``kt_ops.config.compute_path`` (:attr:`Config.compute_path`), kept for a
+    deprecation cycle: ``'auto'``, ``'streaming'`` or ``'brgemm'``."""
+    return config.compute_path
 
 
-def use_compute_path(path: str) -> contextlib.AbstractContextManager[None]:
-    """Context manager: :func:`set_compute_path` ``path``, then restore the previous one."""
-    return _scoped(get_compute_path, set_compute_path, path)
+def use_compute_path(path: str) -> contextlib.AbstractContextManager[Config]:
+    """Alias of ``kt_ops.config.override(compute_path=path)`` (:meth:`Config.override`), kept
+    for a deprecation cycle: ``path`` for the block, then the previous one again."""
+    return config.override(compute_path=path)
 
 
 _BF16_BRGEMM_KERNELS = ("auto", "onednn", "kt")
 
 
 def set_brgemm_bf16_kernel(name: str) -> None:
-    """Choose the kernel of the bf16 products on the ``'brgemm'`` compute path.
-
-    * ``'auto'`` (default): kt_ops' own vdpbf16ps tile kernel on CPUs with
-      AVX512_BF16 and no AMX (it prefetches the weight stream, which a
-      prefill reads from DRAM; benchmarks/README.md has the measurements),
-      oneDNN's brgemm elsewhere (AMX tiles on CPUs that have them).
-    * ``'onednn'``: always oneDNN's brgemm.
-    * ``'kt'``: kt_ops' kernel wherever the CPU has AVX512_BF16 (AMX CPUs
-      included); oneDNN's brgemm where it has not.
-
-    Both compute the same fp32 sums in the same order (one vdpbf16ps chain
-    per output over k): their results are bit-identical. For tests and
-    benchmarks; ``compute_paths()['bf16']['brgemm_kernel']`` names the
-    kernel that runs.
+    """Alias of ``kt_ops.config.brgemm_bf16_kernel = name`` (:attr:`Config.brgemm_bf16_kernel`),
+    kept for a deprecation cycle; the validated setter behind it.
 
     Raises:
         ValueError: ``name`` is not ``'auto'``, ``'onednn'`` or ``'kt'``.
@@ -267,13 +195,15 @@ def set_brgemm_bf16_kernel(name: str) -> None:
 
 
 def get_brgemm_bf16_kernel() -> str:
-    """The setting of :func:`set_brgemm_bf16_kernel`: ``'auto'``, ``'onednn'`` or ``'kt'``."""
-    return _C.brgemm_bf16_kernel()
+    """Alias of ``kt_ops.config.brgemm_bf16_kernel`` (:attr:`Config.brgemm_bf16_kernel`), kept
+    for a deprecation cycle: ``'auto'``, ``'onednn'`` or ``'kt'``."""
+    return config.brgemm_bf16_kernel
 
 
-def use_brgemm_bf16_kernel(name: str) -> contextlib.AbstractContextManager[None]:
-    """Context manager: :func:`set_brgemm_bf16_kernel` ``name``, then restore the previous one."""
-    return _scoped(get_brgemm_bf16_kernel, set_brgemm_bf16_kernel, name)
+def use_brgemm_bf16_kernel(name: str) -> contextlib.AbstractContextManager[Config]:
+    """Alias of ``kt_ops.config.override(brgemm_bf16_kernel=name)`` (:meth:`Config.override`),
+    kept for a deprecation cycle: ``name`` for the block, then the previous one again."""
+    return config.override(brgemm_bf16_kernel=name)
 
 
 def compute_paths(isa: Optional[str] = None) -> dict:
@@ -295,20 +225,8 @@ _NUMA_MODES = ("auto", "on", "off")
 
 
 def set_numa(mode: str) -> None:
-    """Choose NUMA placement of the experts (process-wide; README, "NUMA").
-
-    * ``'auto'`` (default, or ``KT_OPS_NUMA``): on when hwloc reports more than
-      one NUMA node with cores, else off.
-    * ``'on'``: every expert is split by 16-row output blocks into one
-      contiguous slice per NUMA node (gate/up along the intermediate size I,
-      down along the hidden size H); each node's slices are bound to that node
-      (in place, the packed tensors' own pages, at the first call on a layer)
-      and computed by the pool threads pinned to its cores. With one node
-      this binds the weights to it and changes nothing else.
-    * ``'off'``: no placement; the pool's threads take cores in order.
-
-    Results are bit-identical in every mode. Switching modes rebinds the
-    pool's worker threads; pages already placed stay where they are.
+    """Alias of ``kt_ops.config.numa = mode`` (:attr:`Config.numa`), kept for a deprecation
+    cycle; the validated setter behind it.
 
     Raises:
         ValueError: ``mode`` is not ``'auto'``, ``'on'`` or ``'off'``.
@@ -319,13 +237,15 @@ def set_numa(mode: str) -> None:
 
 
 def get_numa() -> str:
-    """The mode set by :func:`set_numa` (or ``KT_OPS_NUMA``): ``'auto'``, ``'on'`` or ``'off'``."""
-    return _C.numa_mode()
+    """Alias of ``kt_ops.config.numa`` (:attr:`Config.numa`), kept for a deprecation cycle:
+    ``'auto'``, ``'on'`` or ``'off'``."""
+    return config.numa
 
 
-def use_numa(mode: str) -> contextlib.AbstractContextManager[None]:
-    """Context manager: :func:`set_numa` ``mode``, then restore the previous one."""
-    return _scoped(get_numa, set_numa, mode)
+def use_numa(mode: str) -> contextlib.AbstractContextManager[Config]:
+    """Alias of ``kt_ops.config.override(numa=mode)`` (:meth:`Config.override`), kept for a
+    deprecation cycle: ``mode`` for the block, then the previous one again."""
+    return config.override(numa=mode)
 
 
 def numa_placement(experts: ExpertWeights) -> dict[str, Any]:
@@ -355,3 +275,288 @@ def numa_placement(experts: ExpertWeights) -> dict[str, Any]:
 def memory_nodes(tensor: Any) -> Optional[list[int]]:
     """NUMA nodes holding the (touched) pages of a CPU tensor's bytes, or ``None`` if unknown."""
     return _C.memory_nodes(tensor)
+
+
+class Config:
+    """kt_ops' process-wide settings, one attribute per knob (``kt_ops.config``).
+
+    Read a knob as an attribute (``kt_ops.config.isa``), set it by assignment
+    (``kt_ops.config.num_threads = 4``), set several for a block and restore
+    them after it (``with kt_ops.config.override(isa="avx2", compute_path="streaming"):``),
+    report all (``kt_ops.config.as_dict()``). An assignment goes through the
+    knob's validated setter: an invalid value raises ``ValueError`` naming the
+    knob and its valid values and leaves the setting as it was. An unknown name
+    raises ``AttributeError`` (``TypeError`` in :meth:`override`).
+
+    ======================  ===========================================  ==========================
+    knob                    values (default first)                       environment variable
+    ======================  ===========================================  ==========================
+    ``num_threads``         the physical cores (hwloc); 1 to 4 x the     ``KT_OPS_NUM_THREADS``
+                            physical cores (at least 64)
+    ``parallel_backend``    ``'auto'``, ``'pool'``, ``'openmp'``         ``KT_OPS_PARALLEL_BACKEND``
+    ``isa``                 the highest of :func:`supported_isas`;       ``KT_OPS_ISA``
+                            ``'ref'``, ``'avx2'``, ``'avx512'``,
+                            ``'avx512_vnni'``
+    ``compute_path``        ``'auto'``, ``'streaming'``, ``'brgemm'``    none
+    ``quant_activations``   ``'auto'``, ``'q8'``, ``'fp32'``             none
+    ``brgemm_bf16_kernel``  ``'auto'``, ``'onednn'``, ``'kt'``           none
+    ``numa``                ``'auto'``, ``'on'``, ``'off'``              ``KT_OPS_NUMA``
+    ======================  ===========================================  ==========================
+
+    Environment variables. Each is read once per process, when its knob is
+    first used, and gives that knob's initial value; setting the knob replaces
+    it. A malformed value is an error, never silently replaced by the default:
+    using the knob (reading it, or an op call) raises ``ValueError`` naming the
+    variable. Setting the knob ends the error of ``KT_OPS_NUM_THREADS``,
+    ``KT_OPS_ISA`` and ``KT_OPS_PARALLEL_BACKEND``; a malformed ``KT_OPS_NUMA``
+    stays an error (the setter too) until it is corrected. ``KT_OPS_HWLOC_SYNTHETIC``
+    (an hwloc synthetic topology such as ``"node:2 core:4 pu:1"``, for tests)
+    replaces the machine's topology, from which ``num_threads`` and ``numa``
+    take their defaults. Build-time variables (``KT_OPS_CUDA_BRIDGE``,
+    ``KT_OPS_BUILD_TYPE``, ...) belong to ``setup.py``, not to this object.
+
+    Every knob is process-wide (all threads, all layers) and leaves results
+    bit-identical except ``isa``, ``compute_path`` and ``quant_activations``,
+    which choose kernels that round differently. The older functions
+    (``kt_ops.set_num_threads``, ``get_numa``, ``use_isa``, ...) are aliases of
+    these attributes and of :meth:`override`, kept for a deprecation cycle.
+    """
+
+    #: The knobs, in the order :meth:`as_dict` reports them and :meth:`override` validates them.
+    KNOBS: tuple[str, ...] = (
+        "num_threads",
+        "parallel_backend",
+        "isa",
+        "compute_path",
+        "quant_activations",
+        "brgemm_bf16_kernel",
+        "numa",
+    )
+
+    __slots__ = ()
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name not in Config.KNOBS:
+            raise AttributeError(
+                f"kt_ops.config has no setting {name!r}; the settings are {', '.join(Config.KNOBS)}"
+            )
+        object.__setattr__(self, name, value)
+
+    def __repr__(self) -> str:
+        return "kt_ops.config(" + ", ".join(f"{k}={v!r}" for k, v in self.as_dict().items()) + ")"
+
+    def as_dict(self) -> dict[str, Any]:
+        """Every knob's current value, ``{name: value}`` in :attr:`KNOBS` order."""
+        return {name: getattr(self, name) for name in Config.KNOBS}
+
+    @contextlib.contextmanager
+    def override(self, **settings: Any) -> Iterator[Config]:
+        """Context manager: set the given knobs for the block, then restore their values.
+
+        ``with kt_ops.config.override(isa="avx2", compute_path="streaming"): ...``
+        sets the knobs in the order given and, on leaving the block (by an
+        exception too), sets each back to its value before, in reverse order.
+        The block gets this object (``as cfg``).
+
+        Raises:
+            TypeError: a name is not a knob (nothing is set).
+            ValueError: a value is invalid (the knobs set before it are restored).
+        """
+        unknown = [name for name in settings if name not in Config.KNOBS]
+        if unknown:
+            raise TypeError(
+                f"kt_ops.config.override: unknown setting {unknown[0]!r}; "
+                f"the settings are {', '.join(Config.KNOBS)}"
+            )
+        previous: list[tuple[str, Any]] = []
+        try:
+            for name, value in settings.items():
+                before = getattr(self, name)
+                setattr(self, name, value)
+                previous.append((name, before))
+            yield self
+        finally:
+            for name, before in reversed(previous):
+                setattr(self, name, before)
+
+    @property
+    def num_threads(self) -> int:
+        """Threads (the calling thread included) that run kt_ops' kernels.
+
+        Default: the physical cores (from hwloc), or ``KT_OPS_NUM_THREADS``.
+        At most 4 x the physical cores (at least 64): more threads only
+        oversubscribe the cores. Results are bit-identical for any count.
+        Setting it resizes the pool; ``ValueError`` outside ``[1, cap]`` (the
+        message gives the cap), ``RuntimeError`` when the OS refuses a worker
+        thread (e.g. a pids limit: the pool then keeps its previous size, or one
+        thread, which this attribute reports).
+        """
+        return _C.get_num_threads()
+
+    @num_threads.setter
+    def num_threads(self, n: int) -> None:
+        set_num_threads(n)
+
+    @property
+    def parallel_backend(self) -> str:
+        """Which threads run kt_ops' parallel work: ``'auto'``, ``'pool'`` or ``'openmp'``.
+
+        * ``'pool'``: kt_ops' own pool, one worker per physical core, bound to it.
+        * ``'openmp'``: the threads of torch's own OpenMP runtime (the intra-op
+          threads of torch's CPU ops), a team of :attr:`num_threads` threads.
+          After a torch CPU op those threads spin for a while (OpenMP's default
+          wait policy) and take kt_ops' job at once; on the pool's threads the
+          two would share every core (measured on a 2-core host: the demo's decode
+          experts 8.0-8.5 ms per token on the pool, 4.1-4.9 on OpenMP).
+        * ``'auto'`` (default; ``KT_OPS_PARALLEL_BACKEND`` sets the initial value):
+          ``'openmp'`` when kt_ops' thread count equals torch's
+          (``torch.get_num_threads()``, the calling thread's OpenMP team size),
+          else ``'pool'``: one team of one size for torch and kt_ops (the OpenMP
+          runtime stops and starts threads when the team size changes). The CUDA
+          bridge's host callbacks (:mod:`kt_ops.hybrid`) keep the pool under
+          ``'auto'``: torch's ops do not run on that thread, and a team of its own
+          would spin beside the thread that launches the GPU work.
+
+        ``'openmp'`` also falls back to the pool with NUMA placement across
+        several nodes (:attr:`numa`: the pool's threads are bound per node),
+        in a process forked after the parent started OpenMP threads (they do not
+        survive ``fork()``), inside an OpenMP parallel region, and on one thread.
+        ``kt_ops.info()['parallel']`` says which threads a call from this thread
+        uses and why. Results are bit-identical on either backend. Setting
+        ``'openmp'`` where torch has no OpenMP runtime raises ``ValueError``.
+        """
+        return _C.parallel_backend()
+
+    @parallel_backend.setter
+    def parallel_backend(self, backend: str) -> None:
+        set_parallel_backend(backend)
+
+    @property
+    def isa(self) -> str:
+        """The ISA path the ops use: ``'ref'``, ``'avx2'``, ``'avx512'`` or ``'avx512_vnni'``.
+
+        Default: the highest of :func:`supported_isas` (built into this
+        extension and runnable on this CPU), or ``KT_OPS_ISA``. Setting it
+        forces a path for later op calls; ``ValueError`` names the path and the
+        missing CPU feature when it is unknown, not built, or not runnable here.
+        """
+        return _C.active_isa()
+
+    @isa.setter
+    def isa(self, name: str) -> None:
+        set_isa(name)
+
+    @property
+    def compute_path(self) -> str:
+        """Which kernels compute the expert products: ``'auto'``, ``'streaming'`` or ``'brgemm'``.
+
+        * ``'streaming'``: kt_ops' own per-ISA kernels, which stream each 16-row
+          weight block once and multiply it with the expert's tokens in registers
+          (decode; the only path before oneDNN's brgemm was added).
+        * ``'brgemm'``: oneDNN's brgemm ukernel (through libtorch's
+          ``at::native::cpublas::brgemm``) on the packed weight blocks, at any
+          token count, for the formats and CPUs on which oneDNN runs the product
+          (``bf16`` and ``fp8``: AVX-512 with AVX512_BF16, or AMX; ``int8`` and
+          ``q8_0``: AVX512_VNNI or AMX, with q8 activations; :func:`compute_paths`
+          says which); every other format and CPU keeps the streaming kernels.
+          bf16 brgemm rounds the activations (and the SwiGLU outputs) to bf16
+          first; fp8 multiplies the activations times the 128x128 block scales,
+          rounded once to bf16 (``bf16(x * scale)``), by the exact E4M3 values
+          (kt_ops' fused decode-and-multiply tiles on AVX512_BF16 CPUs with
+          AVX512_VBMI and no AMX, else the codes decoded to a bf16 tile for
+          oneDNN's bf16 brgemm; the two are bit-identical); the int8 / q8_0
+          brgemm (u8 x s8) gives the streaming q8 kernels' results bit for bit.
+        * ``'auto'`` (default): per expert and call, ``'brgemm'`` when the expert
+          has at least the format's measured break-even token count on this CPU
+          (``kt_ops.formats.format_spec(name).brgemm_min_tokens``;
+          docs/formats.md, "Compute paths"), else ``'streaming'``. For bf16 and
+          fp8 only with bf16 activations: fp32 and fp16 ones stay on
+          ``'streaming'`` (brgemm would round them to bf16).
+
+        As with :attr:`quant_activations`, the paths round differently, so
+        under ``'auto'`` a token's output can depend on how many tokens share its
+        experts; pin ``'streaming'`` or ``'brgemm'`` for batch-invariant results.
+        Results are bit-identical for any thread count on every path.
+        """
+        return _C.compute_path()
+
+    @compute_path.setter
+    def compute_path(self, path: str) -> None:
+        set_compute_path(path)
+
+    @property
+    def quant_activations(self) -> str:
+        """How the quantized weight formats multiply activations: ``'auto'``, ``'q8'``, ``'fp32'``.
+
+        * ``'q8'``: the qint formats (``int8``, ``int4``, ``mxfp4``, GGUF types)
+          quantize each activation row to int8 per 32 values and multiply integer
+          codes (w8a8 / w4a8, ``pmaddubsw``/VNNI dot products); ``fp8`` multiplies
+          its decoded codes with fp32 activations in registers.
+        * ``'fp32'``: every format decodes each 16-row weight block once to fp32
+          (``scale * q - zero``) and multiplies fp32 activations (weight-only,
+          the w4a16 path; no activation rounding).
+        * ``'auto'`` (default): per expert and call, ``'fp32'`` when the expert
+          has at least the format's measured break-even token count
+          (:func:`quant_fp32_min_tokens`; docs/formats.md, "Compute paths"),
+          else ``'q8'``.
+
+        The two paths round differently (``'q8'`` rounds activations to int8), so
+        under ``'auto'`` a token's output can depend on how many tokens share its
+        experts; pin ``'q8'`` or ``'fp32'`` for batch-invariant results.
+        """
+        return _C.quant_activations()
+
+    @quant_activations.setter
+    def quant_activations(self, mode: str) -> None:
+        set_quant_activations(mode)
+
+    @property
+    def brgemm_bf16_kernel(self) -> str:
+        """The kernel of the bf16 products on the brgemm path: ``'auto'``, ``'onednn'``, ``'kt'``.
+
+        * ``'auto'`` (default): kt_ops' own vdpbf16ps tile kernel on CPUs with
+          AVX512_BF16 and no AMX (it prefetches the weight stream, which a
+          prefill reads from DRAM; benchmarks/README.md has the measurements),
+          oneDNN's brgemm elsewhere (AMX tiles on CPUs that have them).
+        * ``'onednn'``: always oneDNN's brgemm.
+        * ``'kt'``: kt_ops' kernel wherever the CPU has AVX512_BF16 (AMX CPUs
+          included); oneDNN's brgemm where it has not.
+
+        Both compute the same fp32 sums in the same order (one vdpbf16ps chain
+        per output over k): their results are bit-identical. For tests and
+        benchmarks; ``compute_paths()['bf16']['brgemm_kernel']`` names the
+        kernel that runs.
+        """
+        return _C.brgemm_bf16_kernel()
+
+    @brgemm_bf16_kernel.setter
+    def brgemm_bf16_kernel(self, name: str) -> None:
+        set_brgemm_bf16_kernel(name)
+
+    @property
+    def numa(self) -> str:
+        """NUMA placement of the experts: ``'auto'``, ``'on'`` or ``'off'`` (docs/architecture.md).
+
+        * ``'auto'`` (default, or ``KT_OPS_NUMA``): on when hwloc reports more than
+          one NUMA node with cores, else off.
+        * ``'on'``: every expert is split by 16-row output blocks into one
+          contiguous slice per NUMA node (gate/up along the intermediate size I,
+          down along the hidden size H); each node's slices are bound to that node
+          (in place, the packed tensors' own pages, at the first call on a layer)
+          and computed by the pool threads pinned to its cores. With one node
+          this binds the weights to it and changes nothing else.
+        * ``'off'``: no placement; the pool's threads take cores in order.
+
+        Results are bit-identical in every mode. Switching modes rebinds the
+        pool's worker threads; pages already placed stay where they are
+        (:func:`numa_placement` reports a layer's placement).
+        """
+        return _C.numa_mode()
+
+    @numa.setter
+    def numa(self, mode: str) -> None:
+        set_numa(mode)
+
+
+#: The process-wide settings (exported as ``kt_ops.config``).
+config = Config()

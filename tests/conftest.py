@@ -94,21 +94,13 @@ def one_torch_thread() -> Iterator[None]:
 
 @pytest.fixture(autouse=True)
 def _restore_runtime() -> Iterator[None]:
-    threads, isa_name = kt_ops.get_num_threads(), kt_ops.active_isa()
-    quant_mode = kt_ops.get_quant_activations()
-    compute_path = kt_ops.get_compute_path()
-    backend = kt_ops.get_parallel_backend()
+    """Every ``kt_ops.config`` knob a test changed is set back after it."""
+    before = kt_ops.config.as_dict()
     yield
-    if kt_ops.get_num_threads() != threads:
-        kt_ops.set_num_threads(threads)
-    if kt_ops.active_isa() != isa_name:
-        kt_ops.set_isa(isa_name)
-    if kt_ops.get_quant_activations() != quant_mode:
-        kt_ops.set_quant_activations(quant_mode)
-    if kt_ops.get_compute_path() != compute_path:
-        kt_ops.set_compute_path(compute_path)
-    if kt_ops.get_parallel_backend() != backend:
-        kt_ops.set_parallel_backend(backend)
+    after = kt_ops.config.as_dict()
+    for name, value in before.items():
+        if after[name] != value:
+            setattr(kt_ops.config, name, value)
 
 
 @pytest.fixture
