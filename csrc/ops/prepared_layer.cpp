@@ -25,7 +25,6 @@
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/GradMode.h>
-#include <pybind11/pybind11.h>
 #include <torch/library.h>
 
 #include <optional>
@@ -135,9 +134,6 @@ void register_prepared_layer_class(torch::Library& m) {
       .def("hidden_size", [](const Holder& self) { return self->layer().hidden_size; })
       .def("top_k", [](const Holder& self) { return self->top_k(); });
 }
-
-// TODO(remove with its call in python_bindings.cpp): the pybind11 PreparedLayer is gone.
-void register_prepared_layer(pybind11::module& m) { (void)m; }
 
 void register_prepared_layer_kernels(torch::Library& m) {
   m.impl("moe_forward_prepared",
