@@ -62,20 +62,28 @@ are frozen; gradients flow through the experts to the rest of the model
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import re
 from collections import Counter
-from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
 from torch import Tensor, nn
 
 from kt_ops.formats import FORMATS
-from kt_ops.layer import ACTIVATIONS, DEFAULT_ACTIVATION, split_weight_format
-from kt_ops.nn import MoEExpertList, MoEExperts, hottest_experts, parse_gpu_experts
+from kt_ops.hf_experts import (
+    _MLP_NAMES,
+    ExpertsInfo,
+    UnsupportedExpertsError,
+    _dense_fused,
+    _dense_module_list,
+    _Plan,
+    _plan,
+    find_experts,
+)
+from kt_ops.layer import ACTIVATIONS, split_weight_format
+from kt_ops.nn import MoEExpertList, MoEExperts, parse_gpu_experts
+from kt_ops.routing_stats import RoutingStats, collect_routing_stats, record_routing
 
 __all__ = [
     "ExpertsInfo",
@@ -90,336 +98,15 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: Names of the (gate, up, down) nn.Linear layers of one expert MLP, per naming style.
-_MLP_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
-
 #: Relative error (max |replacement - original| / max |original|) allowed on the probe batch.
 #: bf16 rounding of the weights stays near 1e-2 even for a bf16 model; a different
 #: gating function (clamp, alpha, +1, wrong gate/up split) gives errors of order 1.
 _PROBE_TOL = 0.05
 
 
-class UnsupportedExpertsError(ValueError):
-    """An MoE experts module (or model) that kt_ops cannot run; the message says which and why."""
-
-
-@dataclass(frozen=True)
-class ExpertsInfo:
-    """One experts module of a model, as :func:`find_experts` sees it.
-
-    Attributes:
-        name: qualified module name in the model (``model.layers.0.mlp.experts``).
-        class_name: class of the module (``Qwen3MoeExperts``, ``ModuleList``...).
-        layout: ``'fused'`` (3-D ``gate_up_proj``/``down_proj``) or ``'module_list'``.
-        concatenated: gate rows then up rows (``True``) or interleaved (``False``); fused only.
-        transposed: weights stored ``[E, in, out]``; fused only.
-        num_experts, hidden_size, intermediate_size: ``E``, ``H``, ``I``.
-        activation: the experts' ``act`` by kt_ops' name (:data:`kt_ops.ACTIVATIONS`).
-    """
-
-    name: str
-    class_name: str
-    layout: str
-    concatenated: bool
-    transposed: bool
-    num_experts: int
-    hidden_size: int
-    intermediate_size: int
-    activation: str = DEFAULT_ACTIVATION
-
-
-@dataclass
-class _Plan:
-    info: ExpertsInfo
-    module: nn.Module
-    parent: nn.Module
-    attr: str
-
-
-# --------------------------------------------------------------------------------------------
-# Recognising experts modules
-# --------------------------------------------------------------------------------------------
-
-
-def _is_3d(t: object) -> bool:
-    return isinstance(t, Tensor) and t.dim() == 3
-
-
-def _is_fused_experts(module: nn.Module) -> bool:
-    decorated = hasattr(module, "has_gate") and hasattr(module, "is_transposed")
-    has_weights = _is_3d(getattr(module, "gate_up_proj", None)) and _is_3d(
-        getattr(module, "down_proj", None)
-    )
-    return decorated or has_weights
-
-
-#: transformers' activation classes (transformers.activations.ACT2CLS) by kt_ops' name.
-_HF_ACTIVATIONS = {
-    "SiLUActivation": "silu",  # "silu"
-    "GELUActivation": "gelu",  # "gelu", "gelu_python": erf
-    "GELUTanh": "gelu_tanh",  # "gelu_pytorch_tanh", "gelu_python_tanh"
-    "NewGELUActivation": "gelu_tanh",  # "gelu_new": the same tanh formula
-    "FastGELUActivation": "gelu_tanh",  # "gelu_fast"
-    "AccurateGELUActivation": "gelu_tanh",  # "gelu_accurate"
-}
-
-
-def _kt_activation(act: object) -> Optional[str]:
-    """kt_ops' name (:data:`kt_ops.ACTIVATIONS`) of an experts' ``act_fn``, or None.
-
-    The replacement's probe (``_check_replacement``) then checks the numbers.
-    """
-    if act is torch.nn.functional.silu or isinstance(act, nn.SiLU):
-        return "silu"
-    if act is torch.nn.functional.gelu:
-        return "gelu"
-    if isinstance(act, nn.GELU):
-        return "gelu_tanh" if act.approximate == "tanh" else "gelu"
-    return _HF_ACTIVATIONS.get(type(act).__name__)
-
-
-def _act_name(module: nn.Module, act: object) -> str:
-    config = getattr(module, "config", None)
-    hidden_act = getattr(config, "hidden_act", None)
-    suffix = f", config.hidden_act={hidden_act!r}" if hidden_act is not None else ""
-    return f"{type(act).__name__}{suffix}"
-
-
-def _where(name: str, module: nn.Module) -> str:
-    return f"{type(module).__name__} at '{name}'"
-
-
-def _check_materialized(where: str, tensors: list[Tensor]) -> None:
-    for t in tensors:
-        if t.device.type == "meta":
-            raise UnsupportedExpertsError(
-                f"{where}: the expert weights are on the meta device (not loaded); "
-                "load or initialize the model before replace_experts"
-            )
-        if not t.is_floating_point():
-            raise UnsupportedExpertsError(
-                f"{where}: expert weights of dtype {t.dtype} (quantized?) are not supported; "
-                "kt_ops packs floating-point weights"
-            )
-
-
-def _plan_fused(name: str, module: nn.Module) -> ExpertsInfo:
-    where = _where(name, module)
-    if not getattr(module, "has_gate", True):
-        raise UnsupportedExpertsError(
-            f"{where}: experts without a gate projection (has_gate=False: act(up(x)) as in "
-            "NemotronH) are not supported; kt_ops computes gated SwiGLU experts"
-        )
-    if getattr(module, "has_bias", False):
-        raise UnsupportedExpertsError(
-            f"{where}: experts with biases (has_bias=True, as in gpt-oss) are not supported; "
-            "kt_ops experts have no bias terms"
-        )
-    if getattr(module, "has_post_expert_norm", False):
-        raise UnsupportedExpertsError(
-            f"{where}: a norm after each expert (has_post_expert_norm=True) is not supported"
-        )
-    act = getattr(module, "act_fn", None)
-    activation = DEFAULT_ACTIVATION if act is None else _kt_activation(act)
-    if activation is None:
-        raise UnsupportedExpertsError(
-            f"{where}: activation {_act_name(module, act)} is not supported; kt_ops experts "
-            f"compute act(gate(x)) * up(x) with act one of {list(ACTIVATIONS)}"
-        )
-    gate_up = getattr(module, "gate_up_proj", None)
-    down = getattr(module, "down_proj", None)
-    if not (_is_3d(gate_up) and _is_3d(down)):
-        raise UnsupportedExpertsError(
-            f"{where}: expected 3-D tensors gate_up_proj and down_proj, got "
-            f"gate_up_proj={_describe(gate_up)}, down_proj={_describe(down)}"
-        )
-    extra = sorted(
-        n
-        for n, _ in list(module.named_parameters()) + list(module.named_buffers())
-        if n not in ("gate_up_proj", "down_proj")
-    )
-    if extra:
-        raise UnsupportedExpertsError(
-            f"{where}: has tensors {extra} besides gate_up_proj/down_proj (quantization "
-            "scales, biases or norms) that kt_ops would ignore"
-        )
-    _check_materialized(where, [gate_up, down])
-    transposed = bool(getattr(module, "is_transposed", False))
-    concatenated = bool(getattr(module, "is_concatenated", True))
-    E = gate_up.shape[0]
-    if transposed:
-        H, two_i = gate_up.shape[1:]
-        inter, h_down = down.shape[1:]
-    else:
-        two_i, H = gate_up.shape[1:]
-        h_down, inter = down.shape[1:]
-    if down.shape[0] != E or two_i != 2 * inter or h_down != H:
-        layout = "[E, H, 2I] and [E, I, H]" if transposed else "[E, 2I, H] and [E, H, I]"
-        raise UnsupportedExpertsError(
-            f"{where}: gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} "
-            f"are not {layout} (is_transposed={transposed})"
-        )
-    return ExpertsInfo(
-        name, type(module).__name__, "fused", concatenated, transposed, E, H, inter, activation
-    )
-
-
-def _describe(t: object) -> str:
-    return f"tensor{tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
-
-
-def _mlp_linears(mlp: nn.Module) -> Optional[tuple[nn.Linear, nn.Linear, nn.Linear]]:
-    for names in _MLP_NAMES:
-        layers = [getattr(mlp, n, None) for n in names]
-        if all(isinstance(layer, nn.Linear) for layer in layers):
-            return tuple(layers)  # type: ignore[return-value]
-    return None
-
-
-def _plan_module_list(name: str, experts: nn.ModuleList) -> ExpertsInfo:
-    where = _where(name, experts)
-    first = experts[0]
-    linears = _mlp_linears(first)
-    if linears is None:
-        raise UnsupportedExpertsError(
-            f"{where}: the experts are {type(first).__name__} modules without bias-free nn.Linear "
-            "layers gate_proj/up_proj/down_proj (or w1/w3/w2); kt_ops cannot read their weights"
-        )
-    inter, H = linears[0].weight.shape
-    for i, mlp in enumerate(experts):
-        where_i = f"{where}, expert {i} ({type(mlp).__name__})"
-        if type(mlp) is not type(first):
-            raise UnsupportedExpertsError(f"{where_i}: not of the class of expert 0")
-        lin = _mlp_linears(mlp)
-        if lin is None:
-            raise UnsupportedExpertsError(f"{where_i}: missing gate/up/down nn.Linear layers")
-        if any(layer.bias is not None for layer in lin):
-            raise UnsupportedExpertsError(
-                f"{where_i}: the expert projections have biases; kt_ops experts have no bias terms"
-            )
-        shapes = [tuple(layer.weight.shape) for layer in lin]
-        if shapes != [(inter, H), (inter, H), (H, inter)]:
-            raise UnsupportedExpertsError(
-                f"{where_i}: projection shapes {shapes} differ from expert 0's "
-                f"[(I, H), (I, H), (H, I)] with I={inter}, H={H}"
-            )
-        own = {id(layer.weight) for layer in lin}
-        extra = sorted(
-            n
-            for n, t in list(mlp.named_parameters()) + list(mlp.named_buffers())
-            if id(t) not in own
-        )
-        if extra:
-            raise UnsupportedExpertsError(
-                f"{where_i}: has tensors {extra} besides the three projection weights"
-            )
-        _check_materialized(where_i, [layer.weight for layer in lin])
-    act = getattr(first, "act_fn", None)
-    if act is None:
-        raise UnsupportedExpertsError(
-            f"{where}: the expert MLPs ({type(first).__name__}) have no act_fn attribute, so "
-            "their activation cannot be checked"
-        )
-    activation = _kt_activation(act)
-    if activation is None:
-        raise UnsupportedExpertsError(
-            f"{where}: activation {_act_name(first, act)} of {type(first).__name__} is not "
-            f"supported; kt_ops experts compute act(gate(x)) * up(x) with act one of "
-            f"{list(ACTIVATIONS)}"
-        )
-    for i, mlp in enumerate(experts):
-        other = _kt_activation(getattr(mlp, "act_fn", None))
-        if other != activation:
-            raise UnsupportedExpertsError(
-                f"{where}: expert {i} has activation "
-                f"{_act_name(mlp, getattr(mlp, 'act_fn', None))} but expert 0 has "
-                f"{_act_name(first, act)}; kt_ops runs one activation per layer"
-            )
-    return ExpertsInfo(
-        name,
-        type(experts).__name__,
-        "module_list",
-        True,
-        False,
-        len(experts),
-        H,
-        inter,
-        activation,
-    )
-
-
-def _plan(model: nn.Module) -> tuple[list[_Plan], int]:
-    """Find every experts module; raise on an unsupported one. Also counts converted ones."""
-    plans: list[_Plan] = []
-    already = 0
-    modules = dict(model.named_modules())
-    claimed: list[str] = []
-    for name, module in modules.items():
-        if any(name.startswith(prefix + ".") for prefix in claimed):
-            continue
-        if isinstance(module, MoEExperts):
-            already += 1
-            claimed.append(name)
-            continue
-        if name.rsplit(".", 1)[-1] == "experts" and isinstance(module, nn.ModuleList):
-            if len(module) == 0:
-                continue
-            info = _plan_module_list(name, module)
-        elif _is_fused_experts(module):
-            info = _plan_fused(name, module)
-        else:
-            continue
-        if not name:
-            raise UnsupportedExpertsError(
-                f"{type(model).__name__} is itself an experts module; replace it by "
-                "kt_ops.nn.MoEExperts.from_dense(...) instead of replace_experts"
-            )
-        parent_name, _, attr = name.rpartition(".")
-        plans.append(_Plan(info, module, modules[parent_name], attr))
-        claimed.append(name)
-    return plans, already
-
-
-def find_experts(model: nn.Module) -> list[ExpertsInfo]:
-    """The experts modules :func:`replace_experts` would replace, without changing ``model``.
-
-    Returns:
-        One :class:`ExpertsInfo` per experts module, in module order (empty if
-        the model has none).
-
-    Raises:
-        TypeError: ``model`` is not an ``nn.Module``.
-        UnsupportedExpertsError: an experts module is found that kt_ops cannot run.
-    """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"find_experts: expected a torch.nn.Module, got {type(model).__name__}")
-    return [p.info for p in _plan(model)[0]]
-
-
 # --------------------------------------------------------------------------------------------
 # Building and checking the replacements
 # --------------------------------------------------------------------------------------------
-
-
-def _dense_fused(module: nn.Module, info: ExpertsInfo) -> tuple[Tensor, Tensor, Tensor]:
-    """(gate [E, I, H], up [E, I, H], down [E, H, I]) views of a fused experts module."""
-    gate_up = module.gate_up_proj.detach()
-    down = module.down_proj.detach()
-    if info.transposed:
-        gate_up = gate_up.transpose(1, 2)  # [E, 2I, H]
-        down = down.transpose(1, 2)  # [E, H, I]
-    inter = info.intermediate_size
-    if info.concatenated:
-        gate, up = gate_up[:, :inter], gate_up[:, inter:]
-    else:
-        gate, up = gate_up[:, 0::2], gate_up[:, 1::2]
-    return gate, up, down
-
-
-def _dense_module_list(experts: nn.ModuleList) -> tuple[Tensor, Tensor, Tensor]:
-    linears = [_mlp_linears(mlp) for mlp in experts]
-    gate, up, down = (torch.stack([lin[j].weight.detach() for lin in linears]) for j in range(3))
-    return gate, up, down
 
 
 def _probe_inputs(gate: Tensor, dtype: torch.dtype, device: torch.device, num_tokens: int = 4):
@@ -749,137 +436,8 @@ def replace_experts(
 
 
 # --------------------------------------------------------------------------------------------
-# Routing statistics and GPU-resident experts (CPU/GPU hybrid)
+# GPU-resident experts (CPU/GPU hybrid)
 # --------------------------------------------------------------------------------------------
-
-
-class RoutingStats:
-    """Per-layer expert hit counts from :func:`record_routing` / :func:`collect_routing_stats`.
-
-    ``counts[name]`` is an int64 ``[E]`` CPU tensor: how many (token, slot)
-    pairs the router sent to each expert of the experts module ``name`` (its
-    qualified name in the model, the same before and after
-    :func:`replace_experts`). Slots with id ``-1`` are not counted.
-    """
-
-    def __init__(self, counts: Optional[dict[str, Tensor]] = None) -> None:
-        self.counts: dict[str, Tensor] = dict(counts or {})
-
-    def __getitem__(self, name: str) -> Tensor:
-        return self.counts[name]
-
-    def __contains__(self, name: object) -> bool:
-        return name in self.counts
-
-    def __repr__(self) -> str:
-        total = sum(int(c.sum()) for c in self.counts.values())
-        return f"RoutingStats({len(self.counts)} experts modules, {total} routed slots)"
-
-    def hottest(self, name: str, n: int) -> Tensor:
-        """The ``n`` most hit experts of module ``name`` (sorted int64 ids; ties: lower id)."""
-        return hottest_experts(self.counts[name], n)
-
-    def _add(self, name: str, ids: Tensor) -> None:
-        counts = self.counts[name]
-        ids = ids.detach().reshape(-1).to("cpu", torch.long)
-        ids = ids[(ids >= 0) & (ids < counts.numel())]
-        counts += torch.bincount(ids, minlength=counts.numel())
-
-
-def _routed_ids(args: tuple, kwargs: dict) -> Optional[Tensor]:
-    """``top_k_index`` of an ``experts(hidden_states, top_k_index, top_k_weights)`` call."""
-    if len(args) >= 2:
-        return args[1]
-    return kwargs.get("top_k_index")
-
-
-@contextlib.contextmanager
-def record_routing(model: nn.Module) -> Iterator[RoutingStats]:
-    """Count, per experts module of ``model``, the tokens routed to each expert while inside.
-
-    Works before and after :func:`replace_experts`: it hooks every experts
-    module :func:`find_experts` reports and every :class:`kt_ops.nn.MoEExperts`.
-    Modules called as ``experts(hidden_states, top_k_index, top_k_weights)``
-    (transformers' fused experts, ``MoEExperts``) count ``top_k_index``; an
-    ``nn.ModuleList`` of expert MLPs (whose parent loops over them) counts the
-    rows each expert MLP is called on. The hooks are removed on exit.
-
-    Yields:
-        A :class:`RoutingStats`, filled as the model runs (all zeros for
-        modules that saw no token).
-
-    Raises:
-        TypeError: ``model`` is not an ``nn.Module``.
-        UnsupportedExpertsError: as :func:`find_experts`, or the model has no
-            experts module.
-    """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"record_routing: expected a torch.nn.Module, got {type(model).__name__}")
-    plans, _ = _plan(model)
-    targets = {p.info.name: (p.module, p.info) for p in plans}
-    for name, module in model.named_modules():
-        if isinstance(module, MoEExperts):
-            targets[name] = (module, None)
-    if not targets:
-        raise UnsupportedExpertsError(
-            f"record_routing: {type(model).__name__} has no MoE experts module"
-        )
-    stats = RoutingStats()
-    handles = []
-
-    def on_call(name):
-        def hook(module, args, kwargs):
-            ids = _routed_ids(args, kwargs)
-            if isinstance(ids, Tensor):
-                stats._add(name, ids)
-
-        return hook
-
-    def on_expert(name, index):
-        def hook(module, args):
-            if args and isinstance(args[0], Tensor):
-                rows = args[0].reshape(-1, args[0].shape[-1]).shape[0] if args[0].dim() else 1
-                stats.counts[name][index] += rows
-
-        return hook
-
-    try:
-        for name, (module, info) in targets.items():
-            num_experts = info.num_experts if info is not None else module.num_experts
-            stats.counts[name] = torch.zeros(num_experts, dtype=torch.long)
-            if info is not None and info.layout == "module_list":
-                for i, mlp in enumerate(module):
-                    handles.append(mlp.register_forward_pre_hook(on_expert(name, i)))
-            else:
-                handles.append(module.register_forward_pre_hook(on_call(name), with_kwargs=True))
-        yield stats
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-def collect_routing_stats(model: nn.Module, *args, **kwargs) -> RoutingStats:
-    """Run ``model(*args, **kwargs)`` once under ``torch.no_grad`` and count the routing.
-
-    A calibration pass: ``collect_routing_stats(model, input_ids)`` with a
-    representative prompt gives the per-layer hit counts that
-    :func:`replace_experts` / :func:`set_gpu_experts` use to keep the hottest
-    experts on the GPU. Call it several times and merge, or use
-    :func:`record_routing` around your own loop, for more data.
-
-    Args:
-        model: a model with MoE experts (before or after :func:`replace_experts`).
-        *args, **kwargs: the forward call's arguments (``input_ids [B, S]``, ...).
-
-    Returns:
-        :class:`RoutingStats`: ``counts[name]``, int64 ``[E]`` per experts module.
-
-    Raises:
-        What :func:`record_routing` and the model's forward raise.
-    """
-    with record_routing(model) as stats, torch.no_grad():
-        model(*args, **kwargs)
-    return stats
 
 
 def _gpu_selection_for(

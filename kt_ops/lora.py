@@ -400,7 +400,7 @@ def unfuse_experts(model: nn.Module) -> list[str]:
         kt_ops.hf.UnsupportedExpertsError: an experts module kt_ops cannot run
             (same checks as ``replace_experts``).
     """
-    from kt_ops.hf import _dense_fused, _plan
+    from kt_ops.hf_experts import _dense_fused, _plan
 
     plans, _ = _plan(model)
     names = []
