@@ -212,7 +212,9 @@ def test_hf_load_layer_reads_only_that_layer(tmp_path, monkeypatch):
     write_hf(tmp_path, "deepseek_v3", shards=2)
     ck = HFCheckpoint(tmp_path)
     read: list[str] = []
-    real_open = hf_mod.safe_open
+    import kt_ops.loaders.safetensors_io as st_io  # where the reader opens its files
+
+    real_open = st_io.safe_open
 
     class Spy:
         def __init__(self, h):
@@ -236,7 +238,7 @@ def test_hf_load_layer_reads_only_that_layer(tmp_path, monkeypatch):
         def keys(self):
             return self.inner.keys()
 
-    monkeypatch.setattr(hf_mod, "safe_open", lambda *a, **kw: Spy(real_open(*a, **kw)))
+    monkeypatch.setattr(st_io, "safe_open", lambda *a, **kw: Spy(real_open(*a, **kw)))
     ck.load_layer(2, "int8")
     assert read and all(n.startswith("model.layers.2.mlp.experts.") for n in read), read
     assert set(read) == set(ck.tensor_names(2))

@@ -53,21 +53,21 @@ not listed as MoE layers.
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 import torch
-from safetensors import safe_open
 
 from kt_ops.formats import E2M1_VALUES, PackedProjection, from_fp8, from_mxfp4, quantize_weights
 from kt_ops.layer import PROJECTIONS, ExpertWeights
 from kt_ops.loaders._common import check_format, pack_in_chunks
 from kt_ops.loaders.base import CheckpointReader, expert_weights
+from kt_ops.loaders.safetensors_io import open_safetensors, read_json
+from kt_ops.loaders.schemes import dequantize_fp8_blocks, dequantize_mxfp4_blocks
 
 __all__ = ["HFCheckpoint", "INTERLEAVED_GATE_UP_MODEL_TYPES", "MXFP4_VALUES"]
 
@@ -132,25 +132,6 @@ class _LayerPlan:
     hidden_size: int
     transposed: bool = False
     interleaved: bool = False
-
-
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: cannot read it as JSON ({e})") from e
-
-
-def _open(path: Path):
-    """``safe_open(path)``, with unreadable or invalid files reported as ValueError."""
-    if not path.is_file():
-        raise FileNotFoundError(f"safetensors file {path} does not exist")
-    try:
-        return safe_open(str(path), framework="pt")
-    except Exception as e:  # SafetensorError, OSError
-        raise ValueError(
-            f"{path}: not a valid safetensors file (truncated or corrupt?): {e}"
-        ) from e
 
 
 class HFCheckpoint(CheckpointReader):
@@ -245,7 +226,7 @@ class HFCheckpoint(CheckpointReader):
         else:
             index = p / "model.safetensors.index.json"
             if index.is_file():
-                data = _read_json(index)
+                data = read_json(index)
                 wmap = data.get("weight_map") if isinstance(data, dict) else None
                 if not isinstance(wmap, dict):
                     raise ValueError(f"{index}: has no 'weight_map' object")
@@ -266,7 +247,7 @@ class HFCheckpoint(CheckpointReader):
                 )
         out = {}
         for f in files:
-            with _open(f) as h:
+            with open_safetensors(f) as h:
                 for name in h.keys():
                     out[name] = f
         return out
@@ -274,7 +255,7 @@ class HFCheckpoint(CheckpointReader):
     def _load_config(self) -> dict:
         cfg_path = (self.path if self.path.is_dir() else self.path.parent) / "config.json"
         if cfg_path.is_file():
-            cfg = _read_json(cfg_path)
+            cfg = read_json(cfg_path)
             if not isinstance(cfg, dict):
                 raise ValueError(f"{cfg_path}: expected a JSON object")
             self.config = cfg
@@ -393,7 +374,7 @@ class HFCheckpoint(CheckpointReader):
         f = self._weight_map[name]
         h = handles.get(f)
         if h is None:
-            h = handles["__stack__"].enter_context(_open(f))
+            h = handles["__stack__"].enter_context(open_safetensors(f))
             handles[f] = h
         return h
 
@@ -723,10 +704,10 @@ class HFCheckpoint(CheckpointReader):
         """Experts ``e0:e1`` of ``role`` as fp32 ``[c, N, K]`` (dequantized if fp8/MXFP4)."""
         if plan.encoding == "fp8":
             w8, s = self._read_fp8(t, plan, role, e0, e1, handles)
-            return _dequantize_fp8(w8, s)
+            return dequantize_fp8_blocks(w8, s)
         if plan.encoding == "mxfp4":
             blocks, scales = self._read_mxfp4(t, plan, role, e0, e1, handles)
-            return _dequantize_mxfp4(blocks, scales)
+            return dequantize_mxfp4_blocks(blocks, scales)
         if plan.style == "per_expert":
             ws = [self._get(t.per_expert[(e, role)]["weight"], handles) for e in range(e0, e1)]
             return torch.stack([w.float() for w in ws])
@@ -781,26 +762,3 @@ class HFCheckpoint(CheckpointReader):
             f"E={self.num_experts}, H={self.hidden_size}, I={self.intermediate_size}, "
             f"source_dtype={self.source_dtype!r})"
         )
-
-
-def _dequantize_fp8(w8: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
-    """``float(W8[e, n, k]) * scale_inv[e, n // 128, k // 128]`` as fp32 ``[c, N, K]``."""
-    n, k = w8.shape[-2:]
-    s = scale_inv.float().repeat_interleave(128, dim=-2)[..., :n, :]
-    s = s.repeat_interleave(128, dim=-1)[..., :k]
-    return w8.float() * s
-
-
-def _dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """MXFP4 blocks ``[c, N, K/32, 16]`` + UE8M0 scales ``[c, N, K/32]`` -> fp32 ``[c, N, K]``.
-
-    Byte ``j`` of a block holds elements ``2j`` (low nibble) and ``2j + 1`` (high
-    nibble), as in transformers' ``_convert_moe_packed_tensors``.
-    """
-    if bool((scales == 255).any()):
-        raise ValueError("MXFP4 scale byte 255 (NaN) in the checkpoint")
-    lut = torch.tensor(MXFP4_VALUES, dtype=torch.float32)
-    b = blocks.to(torch.int64)
-    vals = torch.stack([lut[b & 0x0F], lut[b >> 4]], dim=-1).flatten(-2)  # [c, N, K/32, 32]
-    vals = torch.ldexp(vals, (scales.to(torch.int32) - 127).unsqueeze(-1).float())
-    return vals.flatten(-2)
