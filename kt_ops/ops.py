@@ -419,8 +419,6 @@ def moe_backward(
 # --------------------------------------------------------------------------
 
 
-#: The schema of kt::moe_forward as a Python signature: the fake kernels bind
-#: their arguments with it instead of spelling the list out again.
 def _signature_of(op) -> inspect.Signature:
     """An op overload's schema as a Python signature (keyword-only arguments included)."""
     params = []
@@ -435,6 +433,8 @@ def _signature_of(op) -> inspect.Signature:
     return inspect.Signature(params)
 
 
+#: The schema of kt::moe_forward as a Python signature: the fake kernels bind
+#: their arguments with it instead of spelling the list out again.
 _FORWARD_SIGNATURE = _signature_of(torch.ops.kt.moe_forward.default)
 
 

@@ -1,4 +1,4 @@
-// The weight-format table (style rule 16): one row per format, bf16
+// The weight-format table: one row per format (ggml's type-traits table), bf16
 // included, holding every fact the op layer, the driver, the packers and
 // Python need. Python builds its FormatSpec objects from this table
 // (kt_ops._C.formats(); kt_ops/formats/spec.py), so there is no second

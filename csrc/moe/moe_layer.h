@@ -1,5 +1,5 @@
 // One description of an MoE layer: the op's layer arguments parsed and
-// validated once (style rule 18), by one function that every kt:: op calls.
+// validated once, by one function that every kt:: op calls.
 // Forward, train and backward, the kernels' views and the dense decoders all
 // read this struct; nothing downstream looks at the raw argument list again.
 #pragma once

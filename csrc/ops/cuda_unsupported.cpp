@@ -1,8 +1,9 @@
 // CUDA tensors reach the kt:: ops on CUDA builds of torch (the dispatcher
-// picks the CUDA key when any argument lives there). Until the CUDA-stream
-// bridge exists, one boxed kernel per op names the first CUDA argument and
-// its device instead of the dispatcher's generic "could not run with
-// arguments from the 'CUDA' backend".
+// picks the CUDA key when any argument lives there). In a build without the
+// CUDA-stream bridge (a CPU torch, or KT_OPS_CUDA_BRIDGE=OFF:
+// cmake/cuda_bridge.cmake), one boxed kernel per op names the first CUDA
+// argument and its device instead of the dispatcher's generic "could not run
+// with arguments from the 'CUDA' backend".
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
 #include <torch/library.h>
