@@ -38,7 +38,7 @@ struct QintBlock {
   float* out;  // out[i * ldo + r], r < 16
   int64_t ldo;
   // 8-bit signed codes: the m records' codes shifted to u8 in tiles
-  // (DotArgs::xq_u8, pack_u8_tiles), or nullptr.
+  // (pack_u8_tiles; ProjectionKernels::dot_u8), or nullptr.
   const uint8_t* x_u8;
 };
 
@@ -53,7 +53,8 @@ struct Fp8Block {
   int64_t ldo;
 };
 
-inline QintBlock qint_block(const DotArgs& a, int64_t nb) {
+// Block nb of a's run; x_u8: dot_u8's tiles of the m rows, or nullptr.
+inline QintBlock qint_block(const DotArgs& a, int64_t nb, const uint8_t* x_u8 = nullptr) {
   const ProjectionView& p = *a.proj;
   const int64_t block = a.expert * p.row_blocks + nb;
   auto at = [&](const void* base, formats::ScaleType t) -> const void* {
@@ -71,7 +72,7 @@ inline QintBlock qint_block(const DotArgs& a, int64_t nb) {
           p.kp,
           a.out + 16 * (nb - a.nb_begin),
           a.ldo,
-          a.xq_u8};
+          x_u8};
 }
 
 // The [ceil(k/128)] scales of block nb's 128-row band.
@@ -95,14 +96,16 @@ inline Fp8Block fp8_block(const DotArgs& a, int64_t nb) {
 }
 
 // The weight-only path over a run of blocks: decode(block, w) writes the
-// block as fp32 W^T [kp][16] (w[k * 16 + r] = W[r][k]), then
-// dense(x, m, w, kp, out, ldo) multiplies it with the fp32 rows.
+// block as fp32 W^T [kp][16] (w[k * 16 + r] = W[r][k]) into `w` (16 * kp
+// floats, ProjectionKernels::dot_fp32's block), then dense(x, m, w, kp, out,
+// ldo) multiplies it with the fp32 rows.
 template <class Block, class MakeBlock, class Decode, class Dense>
-inline void weight_only_dot(const DotArgs& a, MakeBlock make, Decode decode, Dense dense) {
+inline void weight_only_dot(const DotArgs& a, float* w, MakeBlock make, Decode decode,
+                            Dense dense) {
   for (int64_t nb = a.nb_begin; nb < a.nb_end; ++nb) {
     const Block b = make(a, nb);
-    decode(b, a.scratch);
-    dense(a.x, a.m, a.scratch, a.proj->kp, a.out + 16 * (nb - a.nb_begin), a.ldo);
+    decode(b, w);
+    dense(a.x, a.m, w, a.proj->kp, a.out + 16 * (nb - a.nb_begin), a.ldo);
   }
 }
 

@@ -3,13 +3,10 @@
 #include <algorithm>
 #include <atomic>
 #include <exception>
-#include <mutex>
-#include <vector>
 
 #include "formats/bf16.h"
 #include "formats/q8_activations.h"
 #include "kernels/block_args.h"
-#include "kernels/dispatch.h"
 #include "kernels/tiers.h"
 #include "runtime/cpu_features.h"
 
@@ -101,37 +98,47 @@ bool built() {
 #endif
 }
 
-Kind kind(const formats::FormatRow& format) {
-  if (format.layout == formats::Layout::kBf16) return Kind::kBf16;
-  if (format.layout == formats::Layout::kFp8) return Kind::kFp8Bf16;
-  const formats::QintFormat& q = format.qint;
-  if (format.layout == formats::Layout::kQint && q.bits == 8 && q.is_signed && !q.lut_e2m1 &&
-      format.zeros == formats::ZeroPolicy::kNever && format.activation == formats::ActType::kQ8)
-    return Kind::kU8S8;
-  return Kind::kNone;
+namespace {
+// Built, and oneDNN enabled (torch.backends.mkldnn), checked before any probe.
+bool onednn_enabled() {
+  if (!built()) return false;
+#ifdef KT_HAVE_CPUBLAS_BRGEMM
+  if (!at::globalContext().userEnabledMkldnn()) return false;
+#endif
+  return true;
+}
+}  // namespace
+
+bool bf16_runs() {
+  const runtime::CpuFeatures& f = runtime::cpu_features();
+  if (!f.avx512_bf16 && !f.amx) return false;  // emulated or refused
+  return onednn_enabled() && bf16_probed_ok();
 }
 
-std::optional<formats::BrgemmIsa> runs(const formats::FormatRow& format, Isa isa) {
-  const Kind k = kind(format);
-  if (k == Kind::kNone || !built()) return std::nullopt;
-  // oneDNN's bf16 / int8 kernels are AVX-512 code: not under a tier below
-  // AVX-512 (KT_OPS_ISA=avx2 means no AVX-512 instruction from kt_ops).
-  static const Isa kAvx512 = parse_isa("avx512");
-  if (isa < kAvx512) return std::nullopt;
+bool u8s8_runs() {
   const runtime::CpuFeatures& f = runtime::cpu_features();
-  if (uses_bf16_brgemm(k) && !f.avx512_bf16 && !f.amx) return std::nullopt;  // emulated or refused
-  if (k == Kind::kU8S8 && (!f.avx512_vnni && !f.amx)) return std::nullopt;
-  if (k == Kind::kU8S8 && avx512::brgemm_q8_fold == nullptr) return std::nullopt;
-  // The fp8 decode rounds with vcvtne2ps2bf16 (AVX512_BF16), also on AMX CPUs.
-  if (k == Kind::kFp8Bf16 && (!f.avx512_bf16 || avx512::fp8_to_bf16_vnni == nullptr ||
-                              avx512::scale_rows_to_bf16 == nullptr))
-    return std::nullopt;
-#ifdef KT_HAVE_CPUBLAS_BRGEMM
-  if (!at::globalContext().userEnabledMkldnn()) return std::nullopt;
-#endif
-  if (uses_bf16_brgemm(k) && !bf16_probed_ok()) return std::nullopt;
-  if (k == Kind::kU8S8 && !u8s8_probed_ok()) return std::nullopt;
-  return f.amx ? formats::BrgemmIsa::kAmx : formats::BrgemmIsa::kAvx512;
+  if (!f.avx512_vnni && !f.amx) return false;
+  if (avx512::brgemm_q8_fold == nullptr) return false;
+  return onednn_enabled() && u8s8_probed_ok();
+}
+
+bool fp8_runs() {
+  // The decode rounds with vcvtne2ps2bf16 (AVX512_BF16), also on AMX CPUs.
+  const runtime::CpuFeatures& f = runtime::cpu_features();
+  if (!f.avx512_bf16 || avx512::fp8_to_bf16_vnni == nullptr ||
+      avx512::scale_rows_to_bf16 == nullptr)
+    return false;
+  return onednn_enabled() && bf16_probed_ok();
+}
+
+bool kt_bf16_runs() { return bf16_runs() && bf16_uses_kt_kernel(); }
+
+bool kt_fp8_runs() { return fp8_runs() && fp8_uses_kt_kernel(); }
+
+bool u8s8_applies(const formats::FormatRow& format) {
+  const formats::QintFormat& q = format.qint;
+  return format.layout == formats::Layout::kQint && q.bits == 8 && q.is_signed && !q.lut_e2m1 &&
+         format.zeros == formats::ZeroPolicy::kNever && format.activation == formats::ActType::kQ8;
 }
 
 namespace {
@@ -150,24 +157,16 @@ bool bf16_uses_kt_kernel() {
   return k == Bf16Kernel::kKt || !f.amx;  // AMX: oneDNN's tiles, unless forced
 }
 
-const char* kernel_name(const formats::FormatRow& format) {
-  switch (kind(format)) {
-    case Kind::kBf16:
-      return bf16_uses_kt_kernel() ? "avx512_bf16/bf16_dp" : "onednn/brgemm_bf16";
-    case Kind::kU8S8:
-      return "onednn/brgemm_u8s8";
-    case Kind::kFp8Bf16:
-      return fp8_uses_kt_kernel() ? "avx512_bf16/fp8_dp" : "onednn/brgemm_fp8_bf16";
-    default:
-      return nullptr;
-  }
+bool fp8_uses_kt_kernel() {
+  return bf16_uses_kt_kernel() && avx512::fp8_dp_block != nullptr &&
+         runtime::cpu_features().avx512_vbmi;
 }
 
 #ifdef KT_HAVE_CPUBLAS_BRGEMM
 namespace {
 // oneDNN's bf16 brgemm of m bf16 rows x (row stride ldx) with a bf16 VNNI
 // tile w of n columns ([k/2][n][2]) into out (row stride ldo): token tiles of
-// kMaxTileRows rows. The bf16 blocks (n = 16) and the fp8 pairs (n = 32).
+// kMaxTileRows rows. The bf16 blocks (n = 16) and the fp8 groups (n = 32).
 void onednn_bf16_rows(const uint16_t* x, int64_t ldx, int m, const uint16_t* w, int64_t n,
                       int64_t k, float* out, int64_t ldo) {
   const auto* xb = reinterpret_cast<const c10::BFloat16*>(x);
@@ -181,14 +180,16 @@ void onednn_bf16_rows(const uint16_t* x, int64_t ldx, int m, const uint16_t* w, 
 }  // namespace
 #endif
 
-void bf16_dot(const DotArgs& a) {
-  if (bf16_uses_kt_kernel()) return avx512::bf16_dp_dot(a);
+void bf16_dot(const DotArgs& a, const TileOperand& op) {
 #ifdef KT_HAVE_CPUBLAS_BRGEMM
   const int64_t k = 2 * formats::bf16_k_pairs(a.proj->k);  // even: the VNNI pairs
+  const auto* x = static_cast<const uint16_t*>(op.rows);
   for (int64_t nb = a.nb_begin; nb < a.nb_end; ++nb)
-    onednn_bf16_rows(a.xb, a.ldxb, a.m,
-                     reinterpret_cast<const uint16_t*>(a.proj->block(a.expert, nb)), 16, k,
-                     a.out + 16 * (nb - a.nb_begin), a.ldo);
+    onednn_bf16_rows(x, op.ld, a.m, reinterpret_cast<const uint16_t*>(a.proj->block(a.expert, nb)),
+                     16, k, a.out + 16 * (nb - a.nb_begin), a.ldo);
+#else
+  (void)a;
+  (void)op;
 #endif
 }
 
@@ -210,20 +211,22 @@ void gather_u8s8_rows(const uint8_t* const* records, int m, int64_t kp, uint8_t*
   }
 }
 
-void u8s8_dot(const DotArgs& a) {
+void u8s8_dot(const DotArgs& a, const TileOperand& op) {
 #ifdef KT_HAVE_CPUBLAS_BRGEMM
   const ProjectionView& p = *a.proj;
   const int64_t kp = p.kp;
   const int64_t chunks = kp / kU8S8Chunk;
   constexpr int64_t kChunkBytes = int64_t{kU8S8Chunk} * 16;  // one chunk of a 16-row block
-  thread_local std::vector<int32_t> c;  // kFoldChunks chunks of [tile rows + 1][16]
-  c.resize(static_cast<size_t>(kFoldChunks) * (kMaxTileRows + 1) * 16);
+  // kFoldChunks chunks of [tile rows + 1][16] int32 sums (16.6 KB: the stack,
+  // no per-thread buffer to own).
+  alignas(64) int32_t c[kFoldChunks * (kMaxTileRows + 1) * 16];
+  const auto* xu8 = static_cast<const uint8_t*>(op.rows);
   for (int64_t nb = a.nb_begin; nb < a.nb_end; ++nb) {
     const QintBlock blk = qint_block(a, nb);
     const auto* w = reinterpret_cast<const signed char*>(blk.block);
     for (int i = 0, tile = 0; i < a.m; i += kMaxTileRows, ++tile) {
       const int rows = std::min(kMaxTileRows, a.m - i);
-      const uint8_t* xa = a.xu8 + (i + tile) * kp;  // earlier tiles carry one extra row each
+      const uint8_t* xa = xu8 + (i + tile) * kp;  // earlier tiles carry one extra row each
       const int64_t a_chunk = static_cast<int64_t>(rows + 1) * kU8S8Chunk;  // chunk-major A
       float* out = blk.out + i * blk.ldo;
       for (int r = 0; r < rows; ++r) std::fill(out + r * blk.ldo, out + r * blk.ldo + 16, 0.0f);
@@ -233,64 +236,41 @@ void u8s8_dot(const DotArgs& a) {
         for (int j = 0; j < nc; ++j)
           at::native::cpublas::brgemm(rows + 1, 16, kU8S8Chunk, kU8S8Chunk, 16, 16, false,
                                       xa + (c0 + j) * a_chunk, w + (c0 + j) * kChunkBytes,
-                                      c.data() + j * cstride, true);
-        avx512::brgemm_q8_fold(c.data(), nc, rows, a.xq + i, kp, c0, blk.scales, p.qint.scale_type,
+                                      c + j * cstride, true);
+        avx512::brgemm_q8_fold(c, nc, rows, a.xq + i, kp, c0, blk.scales, p.qint.scale_type,
                                p.qint.group_size, out, blk.ldo);
       }
     }
   }
+#else
+  (void)a;
+  (void)op;
 #endif
 }
 
 #ifdef KT_HAVE_CPUBLAS_BRGEMM
 namespace {
 
-// One projection's fp8 state on a pool thread: the scaled activation rows of
-// one 128-row band and (oneDNN kernel) the dot products of one group of
-// blocks, each kept while the thread's next tasks need them (the driver hands
-// out adjacent blocks of one expert in runs). Keyed by what they were made
-// from, so a later call, phase or expert never reuses them.
-struct Fp8Slot {
-  // Rows key: (rows_id, x, m) and the band's scales (which name the
-  // projection, the expert and the band).
-  uint64_t rows_id = 0;
-  const void* x = nullptr;
-  int m = -1;
-  const float* scales = nullptr;
-  std::vector<uint16_t> rows;      // [m][ld] bf16(x * scale)
-  const uint8_t* group = nullptr;  // the group's first block, or nullptr
-  std::vector<float> c;            // [m][16 * blocks] the group's dot products
-  uint64_t last_use = 0;
-};
-thread_local Fp8Slot t_fp8_slots[2];  // gate and up alternate within a task
-thread_local uint64_t t_fp8_uses = 0;
-thread_local std::vector<uint16_t> t_fp8_tile;  // decoded blocks [kp/2][16 * blocks][2]
-
-// Row stride of the scaled rows: kp plus one 64-byte line (rows 4 KiB apart
-// would share L1 sets, as the driver's bf16 rows).
-int64_t fp8_rows_ld(int64_t kp) { return kp + 32; }
-
-// The slot holding a's rows scaled by `scales` (made on a miss, in the least
-// recently used slot, whose group results are then dropped).
-Fp8Slot& fp8_scaled_rows(const DotArgs& a, const float* scales) {
-  Fp8Slot* pick = &t_fp8_slots[0];
+// The slot of op.scratch holding a's rows scaled by `scales` (one projection's
+// band on this pool thread: made on a miss, in the least recently used slot,
+// whose group results are then dropped). The slots are emptied when an op call
+// starts (TileScratch::reset), so (x, m, scales) names rows of this call.
+TileScratch::Slot& fp8_scaled_rows(const DotArgs& a, TileScratch& ts, const float* scales) {
+  TileScratch::Slot* pick = &ts.slots[0];
   bool hit = false;
-  for (Fp8Slot& s : t_fp8_slots) {
-    if (a.rows_id != 0 && s.rows_id == a.rows_id && s.x == a.x && s.m == a.m &&
-        s.scales == scales) {
+  for (TileScratch::Slot& s : ts.slots) {
+    if (s.x != nullptr && s.x == a.x && s.m == a.m && s.scales == scales) {
       pick = &s;
       hit = true;
       break;
     }
     if (s.last_use < pick->last_use) pick = &s;
   }
-  Fp8Slot& s = *pick;
-  s.last_use = ++t_fp8_uses;
+  TileScratch::Slot& s = *pick;
+  s.last_use = ++ts.uses;
   if (!hit) {
     const int64_t kp = a.proj->kp;
-    s.rows.resize(static_cast<size_t>(a.m) * fp8_rows_ld(kp));
-    avx512::scale_rows_to_bf16(a.x, a.m, kp, scales, s.rows.data(), fp8_rows_ld(kp));
-    s.rows_id = a.rows_id;
+    avx512::scale_rows_to_bf16(a.x, a.m, kp, scales, s.rows.data(), tile_rows_ld(kp));
     s.x = a.x;
     s.m = a.m;
     s.scales = scales;
@@ -300,53 +280,53 @@ Fp8Slot& fp8_scaled_rows(const DotArgs& a, const float* scales) {
 }
 
 // oneDNN: block nb's dot products from its group's (computed on a miss).
-void fp8_onednn_block(const DotArgs& a, int64_t nb) {
+void fp8_onednn_block(const DotArgs& a, TileScratch& ts, int64_t nb) {
   const ProjectionView& p = *a.proj;
-  const int64_t kp = p.kp, ld = fp8_rows_ld(kp);
-  const int64_t g0 = nb - nb % kFp8GroupBlocks;  // the group's blocks [g0, g1), one band
-  const int64_t g1 = std::min<int64_t>(p.row_blocks, g0 + kFp8GroupBlocks);
+  const int64_t kp = p.kp, ld = tile_rows_ld(kp);
+  const int64_t g0 = nb - nb % kTileGroupBlocks;  // the group's blocks [g0, g1), one band
+  const int64_t g1 = std::min<int64_t>(p.row_blocks, g0 + kTileGroupBlocks);
   const int ncol = static_cast<int>(16 * (g1 - g0));
-  Fp8Slot& s = fp8_scaled_rows(a, fp8_band_scales(a, g0));
+  TileScratch::Slot& s = fp8_scaled_rows(a, ts, fp8_band_scales(a, g0));
   const uint8_t* group = p.block(a.expert, g0);
   if (s.group != group) {
-    t_fp8_tile.resize(static_cast<size_t>(kp) * ncol);
     for (int64_t b = g0; b < g1; ++b) {
       const uint8_t* codes = p.block(a.expert, b);
       // Prefetch the same block of the next group (prefetches never fault).
-      avx512::fp8_to_bf16_vnni(codes, kp, t_fp8_tile.data() + 2 * 16 * (b - g0), ncol,
-                               codes + kFp8GroupBlocks * p.block_bytes, true);
+      avx512::fp8_to_bf16_vnni(codes, kp, ts.tile.data() + 2 * 16 * (b - g0), ncol,
+                               codes + kTileGroupBlocks * p.block_bytes, true);
     }
-    s.c.resize(static_cast<size_t>(a.m) * ncol);
-    onednn_bf16_rows(s.rows.data(), ld, a.m, t_fp8_tile.data(), ncol, kp, s.c.data(), ncol);
+    onednn_bf16_rows(s.rows.data(), ld, a.m, ts.tile.data(), ncol, kp, s.out.data(), ncol);
     s.group = group;
   }
   float* out = a.out + 16 * (nb - a.nb_begin);
-  const float* c = s.c.data() + 16 * (nb - g0);
+  const float* c = s.out.data() + 16 * (nb - g0);
   for (int i = 0; i < a.m; ++i) std::copy(c + i * ncol, c + i * ncol + 16, out + i * a.ldo);
 }
 
 }  // namespace
 #endif
 
-bool fp8_uses_kt_kernel() {
-  return bf16_uses_kt_kernel() && avx512::fp8_dp_block != nullptr &&
-         runtime::cpu_features().avx512_vbmi;
+void fp8_dot(const DotArgs& a, const TileOperand& op) {
+#ifdef KT_HAVE_CPUBLAS_BRGEMM
+  for (int64_t nb = a.nb_begin; nb < a.nb_end; ++nb) fp8_onednn_block(a, *op.scratch, nb);
+#else
+  (void)a;
+  (void)op;
+#endif
 }
 
-void fp8_dot(const DotArgs& a) {
+void fp8_dp_dot(const DotArgs& a, const TileOperand& op) {
 #ifdef KT_HAVE_CPUBLAS_BRGEMM
-  const ProjectionView& p = *a.proj;
-  const int64_t kp = p.kp;  // multiple of 32, zero codes and zero activations past k
-  if (!fp8_uses_kt_kernel()) {
-    for (int64_t nb = a.nb_begin; nb < a.nb_end; ++nb) fp8_onednn_block(a, nb);
-    return;
-  }
-  t_fp8_tile.resize(static_cast<size_t>(kp) * 16);  // one decoded block for its later tiles
+  const int64_t kp = a.proj->kp;  // multiple of 32, zero codes and zero activations past k
+  TileScratch& ts = *op.scratch;  // ts.tile: one decoded block for its later token tiles
   for (int64_t nb = a.nb_begin; nb < a.nb_end; ++nb) {
-    const Fp8Slot& s = fp8_scaled_rows(a, fp8_band_scales(a, nb));
-    avx512::fp8_dp_block(s.rows.data(), fp8_rows_ld(kp), a.m, p.block(a.expert, nb), kp,
-                         t_fp8_tile.data(), a.out + 16 * (nb - a.nb_begin), a.ldo);
+    const TileScratch::Slot& s = fp8_scaled_rows(a, ts, fp8_band_scales(a, nb));
+    avx512::fp8_dp_block(s.rows.data(), tile_rows_ld(kp), a.m, a.proj->block(a.expert, nb), kp,
+                         ts.tile.data(), a.out + 16 * (nb - a.nb_begin), a.ldo);
   }
+#else
+  (void)a;
+  (void)op;
 #endif
 }
 

@@ -6,12 +6,12 @@
 //
 // bf16: the packed 16-row block [ceil(k/2)][16][2] (formats/bf16.h) already
 // is brgemm's VNNI B operand for N = 16 (ld_b = 16); A is the m activation
-// rows rounded to bf16 (DotArgs::xb), C the fp32 dot products [m][ldo].
+// rows rounded to bf16 (TileOperand::rows), C the fp32 dot products [m][ldo].
 //
 // u8s8 (8-bit signed qint: int8, q8_0): the packed 16-row block
 // [Kp/4][16][4] (docs/formats.md, b = 8) already is brgemm's VNNI B operand
 // for s8 (ld_b = 16); A is the m q8 activation records' codes shifted to u8
-// (code + 128, DotArgs::xu8, gathered by gather_u8s8_rows). One brgemm call
+// (code + 128, TileOperand::rows, gathered by gather_u8s8_rows). One brgemm call
 // per K chunk of 32 (the q8 activation block, and q8_0's weight group) gives
 // the exact int32 sums C[i][r] = sum (x + 128) * w; each token tile carries
 // one extra A row of 128s, whose C row is the compensation 128 * sum w of
@@ -32,7 +32,7 @@
 // thread with integer operations into brgemm's VNNI layout
 // (kernels/avx512/brgemm_fp8_avx512.cpp). Each product carries one bf16
 // rounding, of x * s; the weights none. Blocks go in groups of
-// kFp8GroupBlocks (one N = 32 call: faster per column than N = 16); the
+// kTileGroupBlocks (one N = 32 call: faster per column than N = 16); the
 // thread keeps the group's results for its next task, the group's other block.
 // Which thread computes a group never changes its results.
 // Before (kept in the history): the scales were folded into the decoded
@@ -43,15 +43,17 @@
 // to its fp32 sums, measured 2.1x slower at T = 512 (N = 16 x K = 128 calls
 // run at about half of brgemm's full-K rate), so it is not kept.
 //
+// These are tile kernel families (kernel_api.h, TileKernel): the tier table
+// (kernels/dispatch.cpp) lists them with their fallbacks and the plan
+// (kernels/plan.h) decides which experts they compute; this file only
+// computes, and reports whether oneDNN runs a type here.
+//
 // Built only against a torch whose CPUBlas.h declares the bf16 brgemm
-// (cmake/torch.cmake defines KT_HAVE_CPUBLAS_BRGEMM); otherwise available()
-// is false and the streaming kernels run everywhere.
+// (cmake/torch.cmake defines KT_HAVE_CPUBLAS_BRGEMM); otherwise built() is
+// false, no brgemm kernel runs and the streaming kernels compute everywhere.
 #pragma once
 
-#include <optional>
-
 #include "formats/format_table.h"
-#include "kernels/isa.h"
 #include "kernels/kernel_api.h"
 
 namespace kt::kernels::brgemm {
@@ -59,32 +61,25 @@ namespace kt::kernels::brgemm {
 // Whether this extension was built with the brgemm path (torch >= 2.6 headers).
 bool built();
 
-// Which brgemm kernel a format's products can take.
-enum class Kind : uint8_t {
-  kNone,
-  kBf16,     // bf16 x bf16 -> fp32 (layout kBf16)
-  kU8S8,     // u8 x s8 -> s32 with q8 activations (8-bit signed qint: int8, q8_0)
-  kFp8Bf16,  // bf16(x * scale) x E4M3 decoded to bf16 tiles -> fp32 (layout kFp8)
-};
+// Whether oneDNN's brgemm runs here now, per type (the TileKernel::runs of
+// the tier table, kernels/dispatch.cpp): built, torch.backends.mkldnn on, the
+// CPU class (bf16: AVX512_BF16 or AMX; u8s8: AVX512_VNNI or AMX, with the
+// avx512 tier's fold; fp8: AVX512_BF16 and the avx512 tier's decode), and a
+// probe call of that type that oneDNN answered with the right bits (once per
+// process and type). The tier table lists these kernels only on tiers from
+// avx512 up: oneDNN's bf16 / int8 kernels are AVX-512 code, and
+// KT_OPS_ISA=avx2 means no AVX-512 instruction from kt_ops.
+bool bf16_runs();
+bool u8s8_runs();
+bool fp8_runs();
+// kt_ops' own tiles where they replace oneDNN's: bf16_runs() and
+// bf16_uses_kt_kernel(); fp8_runs() and fp8_uses_kt_kernel().
+bool kt_bf16_runs();
+bool kt_fp8_runs();
 
-// Whether a kind's A operand is the bf16 activation rows (DotArgs::xb); fp8
-// makes its own from the fp32 rows (DotArgs::x) and the scales.
-inline bool takes_bf16_rows(Kind k) { return k == Kind::kBf16; }
-// Whether a kind runs oneDNN's bf16 x bf16 brgemm.
-inline bool uses_bf16_brgemm(Kind k) { return k == Kind::kBf16 || k == Kind::kFp8Bf16; }
-Kind kind(const formats::FormatRow& format);
-
-// The CPU class on which oneDNN runs `format`'s brgemm natively while kt_ops
-// runs on tier `isa`, or nullopt: no brgemm for that format (not built, not a
-// format with a brgemm kernel, a tier below AVX-512, a CPU without
-// AVX512_BF16 (bf16, fp8) / AVX512_VNNI (u8s8), oneDNN disabled with
-// torch.backends.mkldnn, or oneDNN refused a probe call). The probes run once
-// per process and type; the rest is checked per call.
-std::optional<formats::BrgemmIsa> runs(const formats::FormatRow& format, Isa isa);
-
-// "onednn/brgemm_bf16" etc.: the name kt_ops.info() reports for `format`, or
-// nullptr when the format has no brgemm kernel.
-const char* kernel_name(const formats::FormatRow& format);
+// The formats the u8s8 kernel computes: 8-bit signed qint codes without a
+// table or zeros, with q8 activations (int8, q8_0).
+bool u8s8_applies(const formats::FormatRow& format);
 
 // Which kernel computes the bf16 products of this path. kAuto: kt_ops' own
 // vdpbf16ps tile kernel (kernels/avx512/bf16_dp_avx512bf16.cpp, with software
@@ -95,25 +90,28 @@ const char* kernel_name(const formats::FormatRow& format);
 enum class Bf16Kernel : uint8_t { kAuto, kOneDnn, kKt };
 void set_bf16_kernel(Bf16Kernel k);
 Bf16Kernel bf16_kernel_setting();
-// Whether bf16_dot runs kt_ops' kernel now (the setting resolved for this CPU).
+// Whether kt_ops' bf16 kernel replaces oneDNN's now (the setting resolved for this CPU).
 bool bf16_uses_kt_kernel();
-// Whether fp8_dot runs kt_ops' fused kernel now: where bf16_dot runs kt_ops'
-// kernel and the CPU has AVX512_VBMI (its decode's byte tables).
+// Whether kt_ops' fused fp8 kernel replaces oneDNN's now: where its bf16
+// kernel does and the CPU has AVX512_VBMI (its decode's byte tables).
 bool fp8_uses_kt_kernel();
 
-// DotArgs -> the dot products of its run of blocks with a.xb (bf16 rows).
+// The tile kernels (TileKernel::dot), each on its TileInput:
+//
+// bf16_dot: a's run of blocks with the bf16 rows op.rows (row stride op.ld).
 // Token tiles of at most kMaxTileRows rows, then one remainder tile: which
 // tile a token lands in depends only on m (bit-identical for any thread count).
-void bf16_dot(const DotArgs& a);
+void bf16_dot(const DotArgs& a, const TileOperand& op);
 
 // Most A rows per brgemm call: oneDNN generates (JIT) one kernel per distinct
 // M per thread, so M is capped.
 constexpr int kMaxTileRows = 64;
 
-// u8s8: DotArgs -> the dot products of its run of blocks with the m q8
-// records a.xq, whose codes a.xu8 holds as gather_u8s8_rows wrote them.
-// Token tiles as bf16_dot's (kMaxTileRows), K chunks of kU8S8Chunk.
-void u8s8_dot(const DotArgs& a);
+// u8s8_dot: a's run of blocks with the m q8 records a.xq, whose codes op.rows
+// holds as gather_u8s8_rows wrote them. Token tiles as bf16_dot's
+// (kMaxTileRows), K chunks of kU8S8Chunk; the int32 sums of kFoldChunks chunks
+// wait on the stack for their fold.
+void u8s8_dot(const DotArgs& a, const TileOperand& op);
 
 // K per u8s8 brgemm call: the q8 activation block, so every call's int32 sums
 // take one activation scale per row (and one q8_0 weight scale per column).
@@ -122,27 +120,28 @@ constexpr int kU8S8Chunk = 32;
 // Rows of the u8s8 A operand for m tokens: each token tile (kMaxTileRows
 // rows, the last one shorter) followed by one compensation row of 128s.
 inline int64_t u8s8_rows(int m) { return m + (m + kMaxTileRows - 1) / kMaxTileRows; }
+// Its bytes for kp codes per row (TileKernel::pack_bytes).
+inline int64_t u8s8_bytes(int m, int64_t kp) { return u8s8_rows(m) * kp; }
 
 // Writes the u8s8 A operand of m q8 records of kp codes into dst
-// (u8s8_rows(m) * kp bytes): code + 128 per token row, tile by tile, each
-// tile followed by a row of 128s; within a tile chunk-major, [kp/32][rows +
-// 1][32] (lda = 32: a call's A is one contiguous run, where rows kp bytes
-// apart would fall into few L1 sets).
+// (u8s8_bytes(m, kp) bytes; TileKernel::pack): code + 128 per token row, tile
+// by tile, each tile followed by a row of 128s; within a tile chunk-major,
+// [kp/32][rows + 1][32] (lda = 32: a call's A is one contiguous run, where
+// rows kp bytes apart would fall into few L1 sets).
 void gather_u8s8_rows(const uint8_t* const* records, int m, int64_t kp, uint8_t* dst);
 
-// fp8: DotArgs -> the dot products of its run of blocks with the fp32 rows
-// a.x: per 128-row band, A = bf16(x * scale) (a.rows_id lets a thread keep
-// it across its tasks); per group of kFp8GroupBlocks blocks, the codes
-// decoded to one bf16 tile and one brgemm call per token tile
-// (kMaxTileRows rows).
-void fp8_dot(const DotArgs& a);
-
-// 16-row blocks per fp8 brgemm call (N = 32). Divides the 8 blocks of a
-// 128-row scale band.
-constexpr int kFp8GroupBlocks = 2;
+// fp8_dot (oneDNN) / fp8_dp_dot (kt_ops' fused tiles): a's run of blocks
+// with the fp32 rows a.x: per 128-row band, A = bf16(x * scale), kept in a
+// slot of op.scratch while the thread computes the band's blocks. oneDNN: per
+// group of kTileGroupBlocks blocks, the codes decoded to one bf16 tile and
+// one brgemm call per token tile (kMaxTileRows rows), the group's results
+// kept for its other block; kt_ops: each block decoded and multiplied in
+// registers. The two are bit-identical.
+void fp8_dot(const DotArgs& a, const TileOperand& op);
+void fp8_dp_dot(const DotArgs& a, const TileOperand& op);
 
 // Releases the calling thread's brgemm hardware context (AMX tile
-// configuration): once after each thread's tile loop.
+// configuration): once after each thread's run of oneDNN calls.
 void release();
 
 }  // namespace kt::kernels::brgemm

@@ -4,6 +4,7 @@
 #include <mutex>
 #include <stdexcept>
 
+#include "kernels/brgemm.h"
 #include "kernels/tiers.h"
 #include "runtime/cpu_features.h"
 
@@ -27,17 +28,96 @@ namespace {
 
 using KernelsFn = const ProjectionKernels& (*)();
 
+// The tile (matrix-engine) kernel families (kernel_api.h, TileKernel), each
+// chained to its fallback: kt_ops' own tiles first where they beat oneDNN's
+// (measured, docs/formats.md "Compute paths"), then oneDNN's brgemm; past the
+// end of a chain the streaming families compute.
+const TileKernel kOneDnnBf16{
+    /*name=*/"onednn/brgemm_bf16",
+    /*input=*/TileInput::kBf16Rows,
+    /*bf16_activations_only=*/true,
+    /*keeps=*/false,
+    /*applies=*/nullptr,
+    /*runs=*/brgemm::bf16_runs,
+    /*dot=*/brgemm::bf16_dot,
+    /*pack_bytes=*/nullptr,
+    /*pack=*/nullptr,
+    /*release=*/brgemm::release,
+    /*fallback=*/nullptr,
+};
+const TileKernel kKtBf16{
+    /*name=*/"avx512_bf16/bf16_dp",
+    /*input=*/TileInput::kBf16Rows,
+    /*bf16_activations_only=*/true,
+    /*keeps=*/false,
+    /*applies=*/nullptr,
+    /*runs=*/brgemm::kt_bf16_runs,
+    /*dot=*/avx512::bf16_dp_dot,
+    /*pack_bytes=*/nullptr,
+    /*pack=*/nullptr,
+    /*release=*/nullptr,
+    /*fallback=*/&kOneDnnBf16,
+};
+// On q8 records, bit-identical to the streaming q8 kernels: any activations.
+const TileKernel kOneDnnU8S8{
+    /*name=*/"onednn/brgemm_u8s8",
+    /*input=*/TileInput::kQ8Packed,
+    /*bf16_activations_only=*/false,
+    /*keeps=*/false,
+    /*applies=*/brgemm::u8s8_applies,
+    /*runs=*/brgemm::u8s8_runs,
+    /*dot=*/brgemm::u8s8_dot,
+    /*pack_bytes=*/brgemm::u8s8_bytes,
+    /*pack=*/brgemm::gather_u8s8_rows,
+    /*release=*/brgemm::release,
+    /*fallback=*/nullptr,
+};
+const TileKernel kOneDnnFp8{
+    /*name=*/"onednn/brgemm_fp8_bf16",
+    /*input=*/TileInput::kFp32Rows,
+    /*bf16_activations_only=*/true,
+    /*keeps=*/true,
+    /*applies=*/nullptr,
+    /*runs=*/brgemm::fp8_runs,
+    /*dot=*/brgemm::fp8_dot,
+    /*pack_bytes=*/nullptr,
+    /*pack=*/nullptr,
+    /*release=*/brgemm::release,
+    /*fallback=*/nullptr,
+};
+const TileKernel kKtFp8{
+    /*name=*/"avx512_bf16/fp8_dp",
+    /*input=*/TileInput::kFp32Rows,
+    /*bf16_activations_only=*/true,
+    /*keeps=*/true,
+    /*applies=*/nullptr,
+    /*runs=*/brgemm::kt_fp8_runs,
+    /*dot=*/brgemm::fp8_dp_dot,
+    /*pack_bytes=*/nullptr,
+    /*pack=*/nullptr,
+    /*release=*/nullptr,
+    /*fallback=*/&kOneDnnFp8,
+};
+
 // THE tier table, lowest first; a tier's rank is its index. Per tier: its
-// name, whether this CPU runs it (and what it lacks otherwise), its kernels
-// per layout (index: formats::Layout; nullptr: not specialized at this tier),
-// its GLU activation epilogues and its q8 activation quantizer. THE fallback chain: a layout a tier
-// does not specialize is served by the next lower tier that does; ref has every entry. Adding an
-// ISA: its traits header (with its compiler flags), its instantiation file(s), and a row here.
+// name, whether this CPU runs it (and what it lacks otherwise), its streaming
+// kernel families per layout (index: formats::Layout; nullptr: not
+// specialized at this tier), its tile kernel families per layout (the head of
+// a chain; nullptr: none at this tier), its GLU activation epilogues and its
+// q8 activation quantizer. THE fallback chain: a layout a tier does not
+// specialize is served by the next lower tier that does (ref has every
+// streaming entry and no tile one); within a tile chain, by the entry's
+// fallback. Which family computes an expert is the plan's choice
+// (kernels/plan.h). Adding an ISA: its traits header (with its compiler
+// flags), its instantiation file(s), and a row here. Adding a tile family:
+// its kernel file, its TileKernel above in a column of a row here, and its
+// break-evens in the format table (docs/architecture.md).
 struct Tier {
   const char* name;
   bool (*runs)(const runtime::CpuFeatures&);
   const char* needs;
   KernelsFn layouts[3];        // kBf16, kQint, kFp8
+  const TileKernel* tiles[3];  // kBf16, kQint, kFp8
   GluRows (*glu)(Activation);  // the epilogue of each activation
   QuantizeRowQ8 quantize_q8;
 };
@@ -47,19 +127,24 @@ const Tier kTiers[] = {
      [](const runtime::CpuFeatures&) { return true; },
      "",
      {ref::bf16_kernels, ref::qint_kernels, ref::fp8_kernels},
+     {nullptr, nullptr, nullptr},
      ref::glu_rows,
      ref::quantize_row_q8},
     {"avx2",
      [](const runtime::CpuFeatures& f) { return f.avx2; },
      "AVX2+FMA",
      {avx2::bf16_kernels, avx2::qint_kernels, avx2::fp8_kernels},
+     {nullptr, nullptr, nullptr},  // oneDNN's bf16 / int8 brgemm does not run on AVX2
      avx2::glu_rows,
      avx2::quantize_row_q8},
     // fp8 and the weight-only fp32 path stay on AVX2 code, which every AVX-512 CPU runs.
+    // The tile families: oneDNN's brgemm (AVX-512 code, or AMX tiles where the
+    // CPU has them) and kt_ops' AVX512_BF16 tiles, each where it runs.
     {"avx512",
      [](const runtime::CpuFeatures& f) { return f.avx512; },
      "AVX-512 F/BW/VL/DQ",
      {avx512::bf16_kernels, avx512::qint_kernels, nullptr},
+     {&kKtBf16, &kOneDnnU8S8, &kKtFp8},
      avx512::glu_rows,
      avx512::quantize_row_q8},
     // vpdpbusd for the integer formats; the rest from the avx512 row.
@@ -67,6 +152,7 @@ const Tier kTiers[] = {
      [](const runtime::CpuFeatures& f) { return f.avx512 && f.avx512_vnni; },
      "AVX-512 F/BW/VL/DQ + AVX512_VNNI",
      {nullptr, avx512_vnni::qint_kernels, nullptr},
+     {nullptr, nullptr, nullptr},
      nullptr,
      nullptr},
 };
@@ -172,6 +258,17 @@ const ProjectionKernels& projection_kernels(formats::Layout layout, Isa isa) {
   for (Isa i = isa; i > 0; --i)
     if (KernelsFn k = kTiers[i].layouts[static_cast<int>(layout)]) return k();
   return kTiers[0].layouts[static_cast<int>(layout)]();
+}
+
+const TileKernel* tile_kernel(const formats::FormatRow& format, Isa isa) {
+  for (Isa i = isa; i >= 0; --i) {
+    const TileKernel* k = kTiers[i].tiles[static_cast<int>(format.layout)];
+    if (k == nullptr) continue;
+    for (; k != nullptr; k = k->fallback)
+      if ((k->applies == nullptr || k->applies(format)) && k->runs()) return k;
+    return nullptr;
+  }
+  return nullptr;
 }
 
 GluRows glu_rows(Isa isa, Activation a) {

@@ -1,7 +1,8 @@
 // The one ISA selection point (style rule 4): the active tier is the highest
 // one that is built into this extension, detected on this CPU, and allowed by
-// $KT_OPS_ISA (or kt_ops.set_isa). The kernels of a (layout, tier) pair come
-// from one table with one declared fallback chain (dispatch.cpp).
+// $KT_OPS_ISA (or kt_ops.set_isa). The kernels of a (layout, tier) pair, the
+// streaming and the tile (matrix-engine) families, come from one table with
+// one declared fallback chain (dispatch.cpp).
 #pragma once
 
 #include <vector>
@@ -23,8 +24,14 @@ Isa active_isa();
 // missing CPU feature) when it is not built or not supported here.
 void set_active_isa(Isa isa);
 
-// The kernels of `layout` on tier `isa`, after the fallback chain.
+// The streaming kernels of `layout` on tier `isa`, after the fallback chain.
 const ProjectionKernels& projection_kernels(formats::Layout layout, Isa isa);
+// The tile kernel that computes `format`'s products on tier `isa` in this
+// process now: the first of the tier table's chain for the format's layout
+// (at `isa` or the next lower tier that has one) that applies to the format
+// and runs; nullptr: none (the streaming kernels compute). Which experts it
+// takes is the plan's decision (kernels/plan.h).
+const TileKernel* tile_kernel(const formats::FormatRow& format, Isa isa);
 // The GLU epilogue act(g) * u of activation `a` on tier `isa` (kernels/activations.h).
 GluRows glu_rows(Isa isa, Activation a);
 // The q8 activation quantizer of tier `isa`.

@@ -1,14 +1,26 @@
 // The one interface between the ISA-free MoE driver (csrc/moe) and the
-// per-ISA kernels (csrc/kernels/<isa>/): a kernel multiplies a run of 16-row
-// blocks of ONE expert's projection with a tile of m activation rows and
-// writes the dot products. SwiGLU and the routing-weight scale are the
-// driver's epilogue, not the kernels'. A streaming kernel (decode: one
-// 16-row block at a time, read once) and a tile kernel (prefill: whole tiles
-// to a matrix engine) both fit this shape. Kernels never allocate, never
-// spawn threads and assume valid input (the op layer validated it).
+// kernels (csrc/kernels/<isa>/, kernels/brgemm.h): a kernel multiplies a run
+// of 16-row blocks of ONE expert's projection with a tile of m activation
+// rows and writes the dot products. SwiGLU and the routing-weight scale are
+// the driver's epilogue, not the kernels'. Two shapes of kernel family fit
+// it: the streaming families of ProjectionKernels (decode: one 16-row block
+// at a time, read once, register-tiled over the tokens) and the tile
+// families of TileKernel (prefill: whole token tiles to a matrix engine,
+// oneDNN's brgemm or kt_ops' own tiles). Which family computes an expert's
+// products is the plan's decision (kernels/plan.h), never a kernel's.
+//
+// Kernels never allocate, never spawn threads and assume valid input (the op
+// layer validated it). Every buffer a kernel writes besides `out` is handed
+// to it: the decode block of dot_fp32, the u8 tiles of dot_u8 and a tile
+// kernel's A operand and TileScratch. Their one owner is the plan's per-call
+// scratch (kernels/plan.h, CallScratch: one ThreadScratch per pool thread),
+// which sizes them before the kernel runs. The one exception is oneDNN's own
+// state behind at::native::cpublas::brgemm (its JIT kernels, cached per
+// shape and thread by libtorch; released by TileKernel::release).
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "formats/format_table.h"
 #include "formats/qint.h"
@@ -38,47 +50,35 @@ struct ProjectionView {
 
 // out[i * ldo + 16 * (nb - nb_begin) + r] = sum_k W_e[16 nb + r][k] * x_i[k]
 // for i < m, nb in [nb_begin, nb_end), r < 16 (rows past n may hold anything).
+// What every kernel family reads: the weights (a run of blocks of one
+// expert), the m activation rows in the two forms the driver makes per call,
+// and the output. What one family reads beyond it (the u8 tiles of
+// ProjectionKernels::dot_u8, the decode block of dot_fp32, the bf16 / u8 A
+// operand and the scratch of a TileKernel) is an argument of that family's
+// entry point, made by the plan (kernels/plan.h).
 struct DotArgs {
   const ProjectionView* proj;
   int64_t expert;
   int64_t nb_begin, nb_end;
   const float* const* x;     // m fp32 rows, proj->kp long, zero padded past k
   const uint8_t* const* xq;  // m q8 records (formats/q8_activations.h) of the same rows, or
-                             // nullptr when the kernel's activation type is kF32
+                             // nullptr when the format's activation type is kF32
   int m;
   float* out;
-  int64_t ldo;     // >= 16 * (nb_end - nb_begin)
-  float* scratch;  // >= 16 * proj->kp floats, for kernels that decode a block first
-  // The same m rows rounded to bf16, row i at xb + i * ldxb (zero padded past
-  // k to an even count), for the brgemm tile kernels (kernels/brgemm.h);
-  // nullptr for the streaming kernels.
-  const uint16_t* xb = nullptr;
-  int64_t ldxb = 0;
-  // The codes of the m q8 records shifted to u8, with the compensation rows
-  // (kernels/brgemm.h, gather_u8s8_rows: tiles of chunk-major rows), for the u8s8
-  // brgemm kernel; nullptr otherwise.
-  const uint8_t* xu8 = nullptr;
-  // The codes of the m q8 records shifted to u8 (code ^ 0x80 = code + 128),
-  // packed in tiles of kU8TileRows tokens (pack_u8_tiles), for streaming
-  // kernels with ProjectionKernels::u8_codes on 8-bit signed formats (int8,
-  // q8_0); nullptr: those kernels use the sign trick on xq instead (same results).
-  const uint8_t* xq_u8 = nullptr;
-  // Names the content of the m rows behind x for kernels that keep results
-  // made from them between calls on one thread (the fp8 brgemm's scaled rows
-  // and 2-block results, kernels/brgemm.h): the same nonzero id and x mean
-  // the same rows. The driver passes its (call, phase); 0: nothing is reused.
-  uint64_t rows_id = 0;
+  int64_t ldo;  // >= 16 * (nb_end - nb_begin)
 };
 
 // Tokens per tile of the u8 streaming kernel (kernels/qint_tiles.h,
-// qint8_u8_block_dot) and of DotArgs::xq_u8's packing.
+// qint8_u8_block_dot) and of pack_u8_tiles.
 constexpr int kU8TileRows = 12;
 
-// DotArgs::xq_u8 of m q8 records of kp codes: the tile of rows [i0, i0 + mt)
-// (i0 a multiple of kU8TileRows, mt = min(kU8TileRows, m - i0)) at dst + i0 * kp
-// as [kp / 4][mt][4]: the 4-byte k-quads of the tile's tokens side by side, so
-// the kernel broadcasts every token's quad from one pointer (12 row pointers
-// spilled to the stack and reloaded per line before). dst: m * kp bytes.
+// The u8 tiles of ProjectionKernels::dot_u8 for m q8 records of kp codes:
+// the tile of rows [i0, i0 + mt) (i0 a multiple of kU8TileRows, mt =
+// min(kU8TileRows, m - i0)) at dst + i0 * kp as [kp / 4][mt][4]: the 4-byte
+// k-quads of the tile's tokens side by side, codes shifted to u8 (code ^ 0x80
+// = code + 128), so the kernel broadcasts every token's quad from one
+// pointer (12 row pointers spilled to the stack and reloaded per line
+// before). dst: m * kp bytes.
 inline void pack_u8_tiles(const uint8_t* const* records, int m, int64_t kp, uint8_t* dst) {
   for (int i0 = 0; i0 < m; i0 += kU8TileRows) {
     const int mt = m - i0 < kU8TileRows ? m - i0 : kU8TileRows;
@@ -92,21 +92,135 @@ inline void pack_u8_tiles(const uint8_t* const* records, int m, int64_t kp, uint
   }
 }
 
-// The kernels of one layout on one ISA tier.
+// The streaming kernel families of one layout on one ISA tier (a column of
+// the tier table, kernels/dispatch.cpp).
 struct ProjectionKernels {
   const char* name;  // "<isa>/<kernel>", reported by kt_ops.info() and the tests
   // The format's own path: q8 integer dot products (kQint), E4M3 decoded in
   // registers (kFp8), bf16 widened in registers (kBf16).
   void (*dot)(const DotArgs&);
   // The weight-only path (w4a16 style): each block decoded once to fp32 in
-  // `scratch`, then fp32 FMAs with x. nullptr where `dot` already multiplies
-  // fp32 activations with exact weights (bf16).
-  void (*dot_fp32)(const DotArgs&);
+  // `block` (16 * proj->kp floats), then fp32 FMAs with x. nullptr where
+  // `dot` already multiplies fp32 activations with exact weights (bf16).
+  void (*dot_fp32)(const DotArgs&, float* block);
   const char* fp32_name;
-  // `dot` multiplies 8-bit signed codes with DotArgs::xq_u8 when the caller
-  // supplies it (the AVX512_VNNI tier's vpdpbusd, u8 x s8); the driver then
-  // makes those rows once per call.
-  bool u8_codes = false;
+  // `dot` for 8-bit signed codes (int8, q8_0) with the activations' codes as
+  // u8 tiles (pack_u8_tiles of DotArgs::xq): vpdpbusd, u8 x s8, with a
+  // per-line compensation (the AVX512_VNNI tier); the same results as `dot`.
+  // nullptr on tiers without it.
+  void (*dot_u8)(const DotArgs&, const uint8_t* x_u8) = nullptr;
+};
+
+// Row stride (elements) of the bf16 A operands of the tile kernels (an
+// expert's gathered rows, the driver's bf16 GLU outputs, fp8's scaled rows):
+// kp plus one 64-byte line, so that rows a multiple of 4 KiB apart (H =
+// 2048) do not all fall into one L1 set, where the up to 28 rows one tile
+// broadcasts from would evict each other at every k step.
+constexpr int64_t tile_rows_ld(int64_t kp) { return kp + 32; }
+
+// Blocks per call of a tile kernel that computes a group of 16-row blocks at
+// once and keeps the group's results for its other blocks (fp8 on oneDNN's
+// brgemm: N = 32, faster per column than N = 16).
+constexpr int kTileGroupBlocks = 2;
+
+// What a tile kernel keeps on one pool thread from one of its calls to the
+// next within one op call (TileKernel::keeps): A rows it made from DotArgs::x
+// (fp8: bf16(x * scale) of one 128-row band) and the dot products of a group
+// of blocks. Owned by the plan (kernels/plan.h): one per pool thread per op
+// call, sized by reserve() before such a kernel runs and emptied by reset()
+// when an op call starts, so a key names rows of the current call only.
+// Kernels read and write it, never grow it.
+struct TileScratch {
+  struct Slot {
+    // `rows` was made from these m rows of DotArgs::x and these scales
+    // (x == nullptr: empty); `out` holds the dot products of `group` (the
+    // group's first block) with those rows, or group == nullptr.
+    const float* const* x = nullptr;
+    int m = 0;
+    const float* scales = nullptr;
+    const uint8_t* group = nullptr;
+    uint64_t last_use = 0;
+    std::vector<uint16_t> rows;  // >= m * tile_rows_ld(kp)
+    std::vector<float> out;      // >= m * 16 * kTileGroupBlocks
+  };
+  Slot slots[2];  // gate and up alternate within a task: one slot each
+  uint64_t uses = 0;
+  std::vector<uint16_t> tile;  // >= kp * 16 * kTileGroupBlocks: decoded weight blocks
+
+  // For m rows of kp: grows the buffers (the plan, before the kernel runs).
+  void reserve(int m, int64_t kp) {
+    const size_t rows = static_cast<size_t>(m) * tile_rows_ld(kp);
+    const size_t out = static_cast<size_t>(m) * 16 * kTileGroupBlocks;
+    for (Slot& s : slots) {
+      if (s.rows.size() < rows) s.rows.resize(rows);
+      if (s.out.size() < out) s.out.resize(out);
+    }
+    const size_t t = static_cast<size_t>(kp) * 16 * kTileGroupBlocks;
+    if (tile.size() < t) tile.resize(t);
+  }
+  // Forgets every kept result (the plan, when an op call starts); keeps the memory.
+  void reset() {
+    for (Slot& s : slots) {
+      s.x = nullptr;
+      s.group = nullptr;
+      s.last_use = 0;
+    }
+    uses = 0;
+  }
+  size_t bytes() const {
+    size_t n = tile.capacity() * sizeof(uint16_t);
+    for (const Slot& s : slots)
+      n += s.rows.capacity() * sizeof(uint16_t) + s.out.capacity() * sizeof(float);
+    return n;
+  }
+};
+
+// The A operand of a tile kernel, made by the plan for each expert.
+enum class TileInput : uint8_t {
+  kBf16Rows,  // TileOperand::rows: the m rows rounded to bf16, [m][ld] uint16_t,
+              // zero padded past k to an even count
+  kQ8Packed,  // TileOperand::rows: TileKernel::pack of the m q8 records DotArgs::xq
+              // (e.g. the u8s8 brgemm's codes + 128 with compensation rows); the
+              // kernel reads the records' scales from DotArgs::xq
+  kFp32Rows,  // none: the kernel reads DotArgs::x (and makes its own A in TileScratch)
+};
+
+// What a tile kernel gets besides DotArgs.
+struct TileOperand {
+  const void* rows;      // TileKernel::input's rows, or nullptr (kFp32Rows)
+  int64_t ld;            // kBf16Rows: elements from one row to the next
+  TileScratch* scratch;  // this pool thread's, for this op call (TileKernel::keeps)
+};
+
+// A tile (matrix-engine) kernel family of one layout: a row of the tier
+// table (kernels/dispatch.cpp), which chains each to its fallback. The plan
+// (kernels/plan.h) takes the first of a chain that applies to the format and
+// runs here, and gives it the experts with at least the format row's
+// BrgemmPolicy tokens; where none runs, the streaming families compute.
+struct TileKernel {
+  const char* name;  // "onednn/brgemm_bf16" etc.: kt_ops.compute_paths() reports it
+  TileInput input;
+  // Whether it rounds the activations to bf16: 'auto' takes it only for bf16
+  // hidden states (fp32 / fp16 ones keep their precision on the streaming
+  // kernels). A kernel on q8 records (kQ8Packed) can reproduce the streaming
+  // q8 bits, and never runs with quantized activations off.
+  bool bf16_activations_only;
+  bool keeps;  // whether it uses TileOperand::scratch (the plan sizes it first)
+  // The formats of the layout it computes; nullptr: all.
+  bool (*applies)(const formats::FormatRow& format);
+  // Whether it runs in this process now: CPU features, the build, torch's
+  // oneDNN (enabled, probed once per type), kt_ops settings.
+  bool (*runs)();
+  void (*dot)(const DotArgs& a, const TileOperand& op);
+  // kQ8Packed: the A operand of m q8 records of kp codes, pack_bytes(m, kp)
+  // bytes written by pack (once per expert and op call, by the pool thread
+  // that computes the expert); nullptr otherwise.
+  int64_t (*pack_bytes)(int m, int64_t kp);
+  void (*pack)(const uint8_t* const* records, int m, int64_t kp, uint8_t* dst);
+  // Run after each pool thread's run of calls (oneDNN: brgemm_release, the
+  // AMX tile configuration); nullptr: nothing to release.
+  void (*release)();
+  const TileKernel* fallback;  // tried where this one does not run
 };
 
 // The q8 activation record of one fp32 row x[kp] (formats/q8_activations.h),

@@ -27,7 +27,7 @@
 //   V::depth(bits) quads (bounded so it cannot saturate), then pmaddwd; VNNI's
 //   vpdpbusd accumulates int32 directly. Signed 8-bit codes use the sign
 //   trick |w| * (x * sign(w)) (llama.cpp), whose pairs are bounded by 2*127^2;
-//   on VNNI, with u8 rows from the driver, qint8_u8_block_dot (below) instead.
+//   on VNNI, with u8 tiles from the plan (dot_u8), qint8_u8_block_dot (below) instead.
 // TILES  decode (m <= 2) reads each line once with all parts together (one
 //   sequential DRAM stream); more tokens go part by part in tiles of
 //   V::kMaxTile, so the codes of a part stay in registers for the tile.
@@ -296,7 +296,7 @@ void qint_block_dot(const QintBlock& a) {
 // 8-bit signed codes with u8 activations (V::kU8S8: AVX512_VNNI).
 //
 // vpdpbusd multiplies u8 by s8. With x' = x + 128 (QintBlock::x_u8: the q8
-// codes shifted to u8 and packed in tiles by the driver, pack_u8_tiles in
+// codes shifted to u8 and packed in tiles by the plan, pack_u8_tiles in
 // kernel_api.h) and the stored codes w:
 //   sum_{k in u} x'_k w_k - 128 sum_{k in u} w_k = sum_{k in u} x_k w_k
 // exactly in int32 (|sum x' w| <= 32 * 255 * 127). The compensation

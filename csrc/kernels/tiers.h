@@ -42,8 +42,9 @@ __attribute__((weak)) void brgemm_q8_fold(const int32_t* c, int nc, int rows,
 
 // The bf16 tile kernel of the compute-bound path on AVX512_BF16 CPUs without
 // AMX (kernels/avx512/bf16_dp_avx512bf16.cpp, vdpbf16ps under a function-level
-// target); null when the avx512 tier or the compiler's avx512bf16 target is missing.
-__attribute__((weak)) void bf16_dp_dot(const DotArgs& a);
+// target; a TileKernel of the tier table); null when the avx512 tier or the
+// compiler's avx512bf16 target is missing.
+__attribute__((weak)) void bf16_dp_dot(const DotArgs& a, const TileOperand& op);
 
 // The fp8 brgemm path (kernels/brgemm.h), AVX-512 code
 // (kernels/avx512/brgemm_fp8_avx512.cpp). fp8_to_bf16_vnni: a block's E4M3

@@ -27,22 +27,22 @@ void grow(std::vector<T>& v, size_t n) {
 
 // The (active expert, 16-row weight block) items of a phase, handed out in
 // runs of adjacent blocks (kChunksPerThread per thread) on the global pool:
-// fn(e, nb, r0, m) for expert e, block nb and the expert's plan rows
-// [r0, r0 + m). `blocks` is the number of 16-row blocks per expert.
-// `after_run()` is called on the same thread after each run (the brgemm
-// path releases its hardware context there).
+// fn(e, nb, r0, m, thread) for expert e, block nb and the expert's plan rows
+// [r0, r0 + m), on pool thread index `thread`. `blocks` is the number of
+// 16-row blocks per expert. `after_run(thread)` is called on the same thread
+// after each run (a tile kernel releases its hardware context there).
 template <class Fn, class AfterRun>
 void for_each_expert_block(const RoutingPlan& plan, int64_t blocks, const Fn& fn,
                            const AfterRun& after_run) {
   const int64_t items = static_cast<int64_t>(plan.active_experts.size()) * blocks;
   runtime::ThreadPool::global().parallel_for(
-      items, kChunksPerThread, [&](int64_t begin, int64_t end) {
+      items, kChunksPerThread, [&](int64_t begin, int64_t end, int thread) {
         for (int64_t item = begin; item < end; ++item) {
           const int64_t e = plan.active_experts[item / blocks];
           const int64_t r0 = plan.expert_offsets[e];
-          fn(e, item % blocks, r0, static_cast<int>(plan.expert_offsets[e + 1] - r0));
+          fn(e, item % blocks, r0, static_cast<int>(plan.expert_offsets[e + 1] - r0), thread);
         }
-        after_run();
+        after_run(thread);
       });
 }
 
@@ -70,26 +70,26 @@ void for_each_expert_block(const RoutingPlan& plan, const BlockSplit& split, con
     chunk[p] = std::max<int64_t>(1, (items[p] + chunks - 1) / chunks);
     tasks[p] = (items[p] + chunk[p] - 1) / chunk[p];
   }
-  pool.run_per_part(tasks, [&](int p, int64_t task, int) {
+  pool.run_per_part(tasks, [&](int p, int64_t task, int thread) {
     const int64_t b0 = split.bounds[p], width = split.bounds[p + 1] - b0;
     const int64_t begin = task * chunk[p], end = std::min(items[p], begin + chunk[p]);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t e = plan.active_experts[item / width];
       const int64_t r0 = plan.expert_offsets[e];
-      fn(e, b0 + item % width, r0, static_cast<int>(plan.expert_offsets[e + 1] - r0));
+      fn(e, b0 + item % width, r0, static_cast<int>(plan.expert_offsets[e + 1] - r0), thread);
     }
-    after_run();
+    after_run(thread);
   });
 }
 
 // Phases 2 and 3 of the driver as one pool job (runtime/chained_parallel_for.h):
-// first(e, nb, r0, m) for every (active expert, block of first_blocks), then
-// second(e, nb, r0, m) for every (active expert, block of second_blocks); an
-// expert's second-phase blocks start once its first-phase blocks are done
-// and between(e, r0, m) has run, with no barrier between the phases (a
-// thread that finishes its share of phase one goes on to phase two of the
-// experts that are ready). Which thread computes an item never changes what
-// it computes, so results are bit-identical to two separate phases.
+// first(e, nb, r0, m, thread) for every (active expert, block of first_blocks),
+// then second(e, nb, r0, m, thread) for every (active expert, block of
+// second_blocks); an expert's second-phase blocks start once its first-phase
+// blocks are done and between(e, r0, m) has run, with no barrier between the
+// phases (a thread that finishes its share of phase one goes on to phase two
+// of the experts that are ready). Which thread computes an item never changes
+// what it computes, so results are bit-identical to two separate phases.
 template <class First, class Between, class Second, class AfterRun>
 void for_each_expert_block_chained(const RoutingPlan& plan, int64_t first_blocks,
                                    int64_t second_blocks, const First& first,
@@ -104,12 +104,12 @@ void for_each_expert_block_chained(const RoutingPlan& plan, int64_t first_blocks
   runtime::chained_parallel_for(
       runtime::ThreadPool::global(), static_cast<int64_t>(plan.active_experts.size()), first_blocks,
       second_blocks, kChunksPerThread,
-      [&](int64_t a, int64_t nb) {
-        rows(a, [&](int64_t e, int64_t r0, int m) { first(e, nb, r0, m); });
+      [&](int64_t a, int64_t nb, int thread) {
+        rows(a, [&](int64_t e, int64_t r0, int m) { first(e, nb, r0, m, thread); });
       },
       [&](int64_t a) { rows(a, between); },
-      [&](int64_t a, int64_t nb) {
-        rows(a, [&](int64_t e, int64_t r0, int m) { second(e, nb, r0, m); });
+      [&](int64_t a, int64_t nb, int thread) {
+        rows(a, [&](int64_t e, int64_t r0, int m) { second(e, nb, r0, m, thread); });
       },
       after_run);
 }

@@ -12,6 +12,7 @@
 #include "kernels/activations.h"
 #include "kernels/brgemm.h"
 #include "kernels/dispatch.h"
+#include "kernels/plan.h"
 #include "moe/moe_forward.h"
 #include "runtime/cpu_features.h"
 #include "runtime/openmp_team.h"
@@ -95,18 +96,17 @@ py::object min_tokens_or_none(int n) {
   return n == kt::formats::kNoBrgemm ? py::object(py::none()) : py::object(py::int_(n));
 }
 
-// {format: {"path": "brgemm" | "streaming", "kernel": ..., "min_tokens": n or None}} on
-// tier `isa` under the current compute path: which kernels compute the products of the
-// experts with at least min_tokens tokens (brgemm) and below (streaming).
+// {format: {"brgemm_kernel": name or None, "brgemm_min_tokens": n or None}} on tier
+// `isa` under the current modes: the compute plan's tile family (kernels/plan.h,
+// tile_path), which computes the products of the experts with at least n tokens.
 py::dict compute_paths(Isa isa) {
   py::dict out;
   for (const kt::formats::FormatRow& f : kt::formats::format_table()) {
-    const int min = kt::moe::brgemm_min_tokens(f, isa);
+    const kt::kernels::TilePath p = kt::kernels::tile_path(f, isa);
     py::dict d;
-    d["brgemm_kernel"] = min == kt::formats::kNoBrgemm
-                             ? py::object(py::none())
-                             : py::object(py::str(kt::kernels::brgemm::kernel_name(f)));
-    d["brgemm_min_tokens"] = min_tokens_or_none(min);
+    d["brgemm_kernel"] =
+        p.kernel == nullptr ? py::object(py::none()) : py::object(py::str(p.kernel->name));
+    d["brgemm_min_tokens"] = min_tokens_or_none(p.min_tokens);
     out[f.name] = d;
   }
   return out;

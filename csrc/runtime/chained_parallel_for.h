@@ -10,11 +10,13 @@
 
 namespace kt::runtime {
 
-// Items [0, groups * first_per_group) are first(g, i) for group g and index
-// i < first_per_group; the rest are second(g, i), i < second_per_group. Once
-// all first(g, .) are done, the thread that completed the last of them runs
-// between(g); every second(g, .) waits (spinning) until between(g) has run.
-// after_run() follows each run of items on the thread that did them.
+// Items [0, groups * first_per_group) are first(g, i, thread) for group g and
+// index i < first_per_group; the rest are second(g, i, thread), i <
+// second_per_group (thread: the pool's index of the thread running the item,
+// ThreadPool::parallel_for). Once all first(g, .) are done, the thread that
+// completed the last of them runs between(g); every second(g, .) waits
+// (spinning) until between(g) has run. after_run(thread) follows each run of
+// items on the thread that did them.
 //
 // Items are handed out in order in runs (ThreadPool::parallel_for), so every
 // first-phase item is taken before any second-phase item, and it is computed
@@ -34,12 +36,13 @@ void chained_parallel_for(ThreadPool& pool, int64_t groups, int64_t first_per_gr
   std::atomic<bool> failed{false};
   const int64_t first_items = groups * first_per_group;
   pool.parallel_for(
-      first_items + groups * second_per_group, chunks_per_thread, [&](int64_t begin, int64_t end) {
+      first_items + groups * second_per_group, chunks_per_thread,
+      [&](int64_t begin, int64_t end, int thread) {
         for (int64_t item = begin; item < end; ++item) {
           if (item < first_items) {
             const int64_t g = item / first_per_group;
             try {
-              first(g, item % first_per_group);
+              first(g, item % first_per_group, thread);
               // acq_rel: the last one sees every first(g, .)'s writes.
               if (done[g].fetch_add(1, std::memory_order_acq_rel) + 1 == first_per_group) {
                 between(g);
@@ -47,7 +50,7 @@ void chained_parallel_for(ThreadPool& pool, int64_t groups, int64_t first_per_gr
               }
             } catch (...) {
               failed.store(true, std::memory_order_relaxed);
-              after_run();
+              after_run(thread);
               throw;
             }
             continue;
@@ -56,14 +59,14 @@ void chained_parallel_for(ThreadPool& pool, int64_t groups, int64_t first_per_gr
           for (uint64_t poll = 0; done[g].load(std::memory_order_acquire) <= first_per_group;
                ++poll) {
             if (failed.load(std::memory_order_relaxed)) {
-              after_run();
+              after_run(thread);
               return;
             }
             spin_pause(poll);
           }
-          second(g, (item - first_items) % second_per_group);
+          second(g, (item - first_items) % second_per_group, thread);
         }
-        after_run();
+        after_run(thread);
       });
 }
 

@@ -665,15 +665,15 @@ void ThreadPool::run_per_part(const std::vector<int64_t>& tasks_per_part, const 
 }
 
 void ThreadPool::parallel_for(int64_t num_items, int chunks_per_thread,
-                              const std::function<void(int64_t, int64_t)>& fn) {
+                              const std::function<void(int64_t, int64_t, int)>& fn) {
   if (num_items <= 0) return;
   const int64_t chunks =
       std::max<int64_t>(1, static_cast<int64_t>(chunks_per_thread) * num_threads_);
   const int64_t chunk = (num_items + chunks - 1) / chunks;
   const int64_t tasks = (num_items + chunk - 1) / chunk;
-  run(tasks, [&](int64_t task, int) {
+  run(tasks, [&](int64_t task, int thread) {
     const int64_t begin = task * chunk;
-    fn(begin, std::min(num_items, begin + chunk));
+    fn(begin, std::min(num_items, begin + chunk), thread);
   });
 }
 

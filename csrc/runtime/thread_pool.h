@@ -202,11 +202,13 @@ class ThreadPool {
 
   // The one partition helper (style rule 11): splits [0, num_items) into
   // about chunks_per_thread * num_threads() runs of consecutive items, handed
-  // out dynamically, and calls fn(begin, end) for each. Consecutive items are
-  // adjacent weight blocks, so each thread streams long runs of memory (what
-  // the hardware prefetchers want) while late chunks still balance the load.
+  // out dynamically, and calls fn(begin, end, thread_index) for each
+  // (thread_index as run()'s: per-thread state of the job can be indexed by
+  // it). Consecutive items are adjacent weight blocks, so each thread streams
+  // long runs of memory (what the hardware prefetchers want) while late
+  // chunks still balance the load.
   void parallel_for(int64_t num_items, int chunks_per_thread,
-                    const std::function<void(int64_t, int64_t)>& fn);
+                    const std::function<void(int64_t, int64_t, int)>& fn);
 
  private:
   void start_workers();  // throws std::runtime_error (no workers left) on failure

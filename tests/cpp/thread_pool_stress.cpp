@@ -70,7 +70,7 @@ void check_run(ThreadPool& pool, int64_t tasks, unsigned seed) {
 void check_parallel_for(ThreadPool& pool, int64_t items) {
   std::vector<std::atomic<int>> hits(static_cast<size_t>(items));
   for (auto& h : hits) h.store(0);
-  pool.parallel_for(items, 4, [&](int64_t b, int64_t e) {
+  pool.parallel_for(items, 4, [&](int64_t b, int64_t e, int) {
     if (b < 0 || e > items || b >= e) fail("bad chunk");
     for (int64_t i = b; i < e; ++i) hits[static_cast<size_t>(i)].fetch_add(1);
   });
@@ -122,7 +122,7 @@ void check_chained(ThreadPool& pool, int64_t groups, int64_t first_n, int64_t se
   try {
     kt::runtime::chained_parallel_for(
         pool, groups, first_n, second_n, 4,
-        [&](int64_t g, int64_t i) {
+        [&](int64_t g, int64_t i, int) {
           if (throw_one && g * first_n + i == bad) throw std::runtime_error("first error");
           values[static_cast<size_t>(g * first_n + i)] = g * 1000 + i + 1;  // plain write
         },
@@ -131,12 +131,12 @@ void check_chained(ThreadPool& pool, int64_t groups, int64_t first_n, int64_t se
           for (int64_t i = 0; i < first_n; ++i) s += values[static_cast<size_t>(g * first_n + i)];
           sums[static_cast<size_t>(g)] = s;  // plain write, published by the release
         },
-        [&](int64_t g, int64_t i) {
+        [&](int64_t g, int64_t i, int) {
           const int64_t want = g * 1000 * first_n + first_n * (first_n + 1) / 2;
           if (sums[static_cast<size_t>(g)] != want) fail("second phase ran before its group");
           hits[static_cast<size_t>(g * second_n + i)].fetch_add(1);
         },
-        [] {});
+        [](int) {});
   } catch (const std::runtime_error&) {
     threw = true;
   }

@@ -277,14 +277,16 @@ void qint_run(const DotArgs& a) {
   for (int64_t nb = a.nb_begin; nb < a.nb_end; ++nb)
     kernels::qint_dot<QintVec>(qint_block(a, nb), ref::qint_block_dot);
 }
-void qint_run_fp32(const DotArgs& a) {
-  weight_only_dot<QintBlock>(a, qint_block, qint_decode, dense_dot);
+void qint_run_fp32(const DotArgs& a, float* block) {
+  weight_only_dot<QintBlock>(
+      a, block, [](const DotArgs& d, int64_t nb) { return qint_block(d, nb); }, qint_decode,
+      dense_dot);
 }
 void fp8_run(const DotArgs& a) {
   for (int64_t nb = a.nb_begin; nb < a.nb_end; ++nb) fp8_dot(fp8_block(a, nb));
 }
-void fp8_run_fp32(const DotArgs& a) {
-  weight_only_dot<Fp8Block>(a, fp8_block, fp8_decode, dense_dot);
+void fp8_run_fp32(const DotArgs& a, float* block) {
+  weight_only_dot<Fp8Block>(a, block, fp8_block, fp8_decode, dense_dot);
 }
 
 }  // namespace

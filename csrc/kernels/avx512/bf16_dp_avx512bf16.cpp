@@ -1,6 +1,7 @@
 // The bf16 compute-bound kernel for AVX512_BF16 CPUs without AMX: the same
 // product as the bf16 brgemm path (kernels/brgemm.h: the m bf16 activation
-// rows xb times the packed 16-row block [k_pairs][16][2], fp32 sums), written
+// rows (TileOperand::rows) times the packed 16-row block [k_pairs][16][2],
+// fp32 sums), written
 // with vdpbf16ps, because oneDNN's brgemm leaves the weight stream to the
 // hardware prefetchers. A layer's prefill reads every expert's weights once
 // from DRAM; measured on Zen 4 (one core, H = 2048, 16-row blocks streamed
@@ -16,8 +17,9 @@
 //   pairs in order in one accumulator, whatever the tiling: results do not
 //   depend on m's split or the thread count.
 //
-// Compiled in the avx512 tier with a function-level target (avx512bf16): only
-// brgemm.cpp calls it, after checking the CPU for AVX512_BF16.
+// Compiled in the avx512 tier with a function-level target (avx512bf16): a
+// tile kernel of the tier table (kernels/dispatch.cpp), which the plan runs
+// only where brgemm::kt_bf16_runs() (AVX512_BF16) holds.
 #include "formats/bf16.h"
 
 #include <immintrin.h>
@@ -75,18 +77,18 @@ KT_BF16DP_TARGET void dp_tile_n(int rows, const uint16_t* x, int64_t ldx, const 
   }
 }
 
-KT_BF16DP_TARGET void bf16_dp_dot_impl(const DotArgs& a) {
+KT_BF16DP_TARGET void bf16_dp_dot_impl(const DotArgs& a, const uint16_t* xb, int64_t ldx) {
   const int k_pairs = static_cast<int>(formats::bf16_k_pairs(a.proj->k));
   for (int64_t nb = a.nb_begin; nb < a.nb_end; ++nb) {
     const auto* w = reinterpret_cast<const uint16_t*>(a.proj->block(a.expert, nb));
     float* out = a.out + 16 * (nb - a.nb_begin);
     for_each_row_tile(a.m, kMaxTileRows, [&](int t, int i, int rows) {
-      const uint16_t* x = a.xb + i * a.ldxb;
+      const uint16_t* x = xb + i * ldx;
       float* o = out + i * a.ldo;
       if (t == 0) {
-        dp_tile_n<kMaxTileRows, true>(rows, x, a.ldxb, w, k_pairs, o, a.ldo);
+        dp_tile_n<kMaxTileRows, true>(rows, x, ldx, w, k_pairs, o, a.ldo);
       } else {
-        dp_tile_n<kMaxTileRows, false>(rows, x, a.ldxb, w, k_pairs, o, a.ldo);
+        dp_tile_n<kMaxTileRows, false>(rows, x, ldx, w, k_pairs, o, a.ldo);
       }
     });
   }
@@ -95,8 +97,10 @@ KT_BF16DP_TARGET void bf16_dp_dot_impl(const DotArgs& a) {
 }  // namespace
 
 // Plain entry point (a target-attributed declaration would be a GCC function
-// version): tiers.h declares it weak.
-void bf16_dp_dot(const DotArgs& a) { bf16_dp_dot_impl(a); }
+// version): tiers.h declares it weak. op.rows: the m bf16 rows (TileInput::kBf16Rows).
+void bf16_dp_dot(const DotArgs& a, const TileOperand& op) {
+  bf16_dp_dot_impl(a, static_cast<const uint16_t*>(op.rows), op.ld);
+}
 #endif
 
 }  // namespace kt::kernels::avx512

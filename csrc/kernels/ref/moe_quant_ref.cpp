@@ -122,14 +122,16 @@ void dense_dot(const float* const* x, int m, const float* w, int64_t kp, float* 
 void qint_run(const DotArgs& a) {
   for (int64_t nb = a.nb_begin; nb < a.nb_end; ++nb) qint_block_dot(qint_block(a, nb));
 }
-void qint_run_fp32(const DotArgs& a) {
-  weight_only_dot<QintBlock>(a, qint_block, qint_block_decode, dense_dot);
+void qint_run_fp32(const DotArgs& a, float* block) {
+  weight_only_dot<QintBlock>(
+      a, block, [](const DotArgs& d, int64_t nb) { return qint_block(d, nb); }, qint_block_decode,
+      dense_dot);
 }
 void fp8_run(const DotArgs& a) {
   for (int64_t nb = a.nb_begin; nb < a.nb_end; ++nb) fp8_block_dot(fp8_block(a, nb));
 }
-void fp8_run_fp32(const DotArgs& a) {
-  weight_only_dot<Fp8Block>(a, fp8_block, fp8_block_decode, dense_dot);
+void fp8_run_fp32(const DotArgs& a, float* block) {
+  weight_only_dot<Fp8Block>(a, block, fp8_block, fp8_block_decode, dense_dot);
 }
 
 }  // namespace
