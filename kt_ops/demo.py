@@ -63,6 +63,8 @@ import torch
 from torch import Tensor, nn
 
 import kt_ops
+from kt_ops.hf import collect_routing_stats, find_experts
+from kt_ops.hybrid import cuda_bridge_built
 from kt_ops.nn import MoEExperts
 
 __all__ = ["ARCHS", "NoCudaDevice", "make_config", "build_model", "greedy_generate", "run", "main"]
@@ -241,8 +243,6 @@ def build_model(config, *, dtype: torch.dtype = torch.float32, seed: int = 0) ->
     """
     from transformers import AutoModelForCausalLM
 
-    from kt_ops.hf import find_experts
-
     try:
         from transformers.initialization import no_init_weights
     except ImportError:  # not in this transformers: initialize everything now (slower)
@@ -297,8 +297,6 @@ class ExpertTimer:
     """
 
     def __init__(self, model: nn.Module) -> None:
-        from kt_ops.hf import find_experts
-
         names = {info.name for info in find_experts(model)}
         self.seconds = 0.0
         self._start = 0.0
@@ -492,8 +490,6 @@ def run(argv: Optional[Sequence[str]] = None, *, quiet: bool = False) -> DemoRes
             "--gpu-experts N runs the CPU/GPU split of the experts on the CPU."
         )
     if args.device == "cuda":
-        from kt_ops.hybrid import cuda_bridge_built
-
         if not cuda_bridge_built():
             raise NoCudaDevice(
                 "--device cuda: this kt_ops build has no CUDA bridge (kt_ops.hybrid."
@@ -550,8 +546,6 @@ def run(argv: Optional[Sequence[str]] = None, *, quiet: bool = False) -> DemoRes
 
     hybrid = {}
     if args.gpu_experts:
-        from kt_ops.hf import collect_routing_stats
-
         stats = collect_routing_stats(model, input_ids=calibration)
         hybrid = dict(num_gpu_experts=args.gpu_experts, routing_stats=stats)
     t = time.perf_counter()
@@ -577,8 +571,6 @@ def run(argv: Optional[Sequence[str]] = None, *, quiet: bool = False) -> DemoRes
 
 def _gpu_share(model: nn.Module, prompt: Tensor) -> float:
     """Fraction of ``prompt``'s routed slots that went to GPU-resident experts (untimed pass)."""
-    from kt_ops.hf import collect_routing_stats
-
     stats = collect_routing_stats(model, input_ids=prompt)
     hit = total = 0
     for name, counts in stats.counts.items():

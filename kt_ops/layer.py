@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from kt_ops import _C
+from kt_ops.formats import format_spec, quantize_weights
 from kt_ops.formats.packed import PackedProjection
 from kt_ops.formats.spec import FORMATS
 
@@ -239,8 +240,6 @@ class ExpertWeights:
         single group size (int8, fp8, mxfp4, the GGUF types) keeps its own.
         Raises what ``quantize_weights`` raises.
         """
-        from kt_ops.formats import format_spec
-
         names = split_weight_format(weight_format)
         mixed = len(set(names)) > 1
 
@@ -263,8 +262,6 @@ def _quantize_in_chunks(
     weight: Tensor, weight_format: str, group_size: Optional[int], symmetric: bool
 ) -> PackedProjection:
     """``quantize_weights(weight)`` a few experts at a time (packing is per expert)."""
-    from kt_ops.formats import quantize_weights
-
     E, N, K = weight.shape
     step = max(1, _QUANTIZE_CHUNK_ELEMS // max(1, N * K))
     parts = [

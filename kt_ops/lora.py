@@ -37,6 +37,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
+from kt_ops.hf_experts import _dense_fused, _plan
 from kt_ops.layer import PROJECTIONS
 from kt_ops.nn import MoEExperts
 
@@ -400,8 +401,6 @@ def unfuse_experts(model: nn.Module) -> list[str]:
         kt_ops.hf.UnsupportedExpertsError: an experts module kt_ops cannot run
             (same checks as ``replace_experts``).
     """
-    from kt_ops.hf_experts import _dense_fused, _plan
-
     plans, _ = _plan(model)
     names = []
     for plan in plans:

@@ -53,6 +53,7 @@ from kt_ops.layer import (
     layer_args,
 )
 from kt_ops.ops import moe_forward, new_prepared_layer
+from kt_ops.runtime import numa_placement
 
 __all__ = ["MoEExperts", "MoEExpertList", "hottest_experts", "parse_gpu_experts"]
 
@@ -226,8 +227,6 @@ class MoEExperts(GpuResidentExperts, nn.Module):
         the buffers' memory, so it survives ``load_state_dict`` (a copy into
         them) and a replaced buffer is placed again on its next use.
         """
-        from kt_ops.runtime import numa_placement
-
         return numa_placement(self.expert_weights())
 
     def _plain_layer_args(self) -> tuple:

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Optional
 
 from kt_ops import _C
+from kt_ops.formats import format_spec
 
 if TYPE_CHECKING:
     from kt_ops.layer import ExpertWeights
@@ -136,8 +137,6 @@ def quant_fp32_min_tokens(weight_format: str, isa: Optional[str] = None) -> Opti
     one path). The thresholds are measured break-evens (docs/formats.md,
     "Compute paths"). Raises ``ValueError`` for an unknown format or ISA path.
     """
-    from kt_ops.formats import format_spec
-
     name = format_spec(str(weight_format)).name
     return _C.fp32_min_tokens(name, _C.active_isa() if isa is None else str(isa))
 
