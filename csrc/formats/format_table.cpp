@@ -117,18 +117,18 @@ const std::vector<FormatRow>& format_table() {
        kNoFp32, kNoBrgemmPath, 4.25,
        "OCP Microscaling Formats (MX) v1.0: E2M1 elements, UE8M0 scales, 32 per block"},
       {"q8_0", L::kQint, qint(8, true, false, 0.f), {32}, 32, S::kF16, Z::kNever, A::kQ8,
-       kInt8Fp32, kQ80Brgemm, 8.5, kGgml},
+       kInt8Fp32, kQ80Brgemm, 8.5, kGgml, {32, 34}},
       {"q4_0", L::kQint, qint(4, false, false, 8.f), {32}, 32, S::kF16, Z::kNever, A::kQ8,
-       kNoFp32, kNoBrgemmPath, 4.5, kGgml},
+       kNoFp32, kNoBrgemmPath, 4.5, kGgml, {32, 18}},
       // k-quants: GGUF's own super-block scales (d, dmin fp16 per 256, 6-bit / int8
       // sub-scales), one record per 16 rows x 256 k (formats/qint.h); the q4_K/q5_K
       // mins are inside the record, so there is no zeros tensor.
       {"q4_k", L::kQint, qint(4, false, false, 0.f), {32}, 32, S::kKq45, Z::kNever, A::kQ8,
-       kNoFp32, kNoBrgemmPath, 4.5, kGgml},
+       kNoFp32, kNoBrgemmPath, 4.5, kGgml, {256, 144}},
       {"q5_k", L::kQint, qint(5, false, false, 0.f), {32}, 32, S::kKq45, Z::kNever, A::kQ8,
-       kNoFp32, kNoBrgemmPath, 5.5, kGgml},
+       kNoFp32, kNoBrgemmPath, 5.5, kGgml, {256, 176}},
       {"q6_k", L::kQint, qint(6, false, false, 32.f), {16}, 16, S::kKq6, Z::kNever, A::kQ8,
-       kNoFp32, kNoBrgemmPath, 6.5625, kGgml},
+       kNoFp32, kNoBrgemmPath, 6.5625, kGgml, {256, 210}},
   };
   // clang-format on
   return rows;

@@ -85,6 +85,13 @@ struct FormatRow {
   BrgemmPolicy brgemm;
   double bits_per_weight;  // at the default group size, scales and zeros included
   const char* source;      // where the element format is specified
+  // GGUF (ggml) block types: weights and bytes of one ggml block (ggml-common.h's
+  // block_<type>, gguf.GGML_QUANT_SIZES), which the repacker (kt_ops/formats/
+  // gguf_blocks.py) reads; {0, 0} for the other formats.
+  struct GgufBlock {
+    int64_t weights = 0;
+    int64_t bytes = 0;
+  } gguf_block = {};
 
   // Bits of one stored weight code.
   int bits() const;

@@ -144,6 +144,9 @@ py::list formats_report() {
     brgemm["amx"] = min_tokens_or_none(f.brgemm.min(kt::formats::BrgemmIsa::kAmx));
     d["brgemm_min_tokens"] = brgemm;
     d["bits_per_weight"] = f.bits_per_weight;
+    d["gguf_block"] = f.gguf_block.weights > 0
+                          ? py::object(py::make_tuple(f.gguf_block.weights, f.gguf_block.bytes))
+                          : py::object(py::none());
     d["source"] = f.source;
     out.append(d);
   }

@@ -191,19 +191,6 @@ class FormatSpec:
         return self.bits + n_params * scale_bits / group_size
 
 
-#: The formats that are GGUF block types: name -> (weights, bytes) of one ggml block
-#: (ggml-common.h's ``block_<type>`` structs, ``gguf.GGML_QUANT_SIZES``). Only the Python
-#: repacker (formats/gguf_blocks.py) reads GGUF blocks, so this fact of the format table
-#: lives here rather than in the extension's table.
-_GGUF_BLOCKS = {
-    "q8_0": (32, 34),
-    "q4_0": (32, 18),
-    "q4_k": (256, 144),
-    "q5_k": (256, 176),
-    "q6_k": (256, 210),
-}
-
-
 def _spec_from_row(row: dict) -> FormatSpec:
     sd = row["scale_dtype"]
     return FormatSpec(
@@ -226,7 +213,7 @@ def _spec_from_row(row: dict) -> FormatSpec:
         scale_record_bytes=row["scale_record_bytes"],
         super_block=row["super_block"],
         record_mins=row["record_mins"],
-        gguf_block=_GGUF_BLOCKS.get(row["name"]),
+        gguf_block=row["gguf_block"],
     )
 
 
