@@ -4,10 +4,11 @@ What the plan makes from an expert's rows (its gathered bf16 rows, u8 tiles,
 packed q8 rows, fp8's scaled rows and group results) stays in the call's
 scratch, one slot per pool thread, keyed by (rows, expert) within the call and
 emptied when the next call starts. The cases here route every token to one
-expert, so a later call asks for exactly the keys of the call before it (same
-expert, same row count, the same scratch addresses): a result kept across
-calls would be reused for other hidden states. Each family that keeps
-something is forced in turn.
+expert and give down another family than gate/up (or one 128-row band, for
+fp8's two slots), so a call ends with gate/up's operand in the scratch and the
+next call asks for exactly its key (same expert, same row count, the same
+scratch addresses): an operand kept across calls would be reused for other
+hidden states. Each family that keeps something is forced in turn.
 """
 
 from __future__ import annotations
@@ -20,20 +21,21 @@ import kt_ops
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-E, H, I, T = 2, 256, 256, 20  # noqa: E741
+E, H, I, T = 2, 256, 128, 20  # noqa: E741  (I: one 128-row fp8 band)
 
-#: (format, compute path, quantized activations): the tile families (bf16 rows,
-#: packed q8 rows, fp8's scaled rows and group results), the streaming q8
-#: kernel (u8 tiles on AVX512_VNNI) and the weight-only path.
+#: (formats gate,up,down, compute path, quantized activations): the tile
+#: families (bf16 rows, packed q8 rows, fp8's scaled rows and group results),
+#: the streaming q8 kernel (u8 tiles on AVX512_VNNI) and the weight-only path.
 CASES = [
     ("bf16", "brgemm", "auto"),
-    ("fp8", "brgemm", "auto"),
-    ("int8", "brgemm", "q8"),
-    ("q8_0", "brgemm", "q8"),
-    ("int8", "streaming", "q8"),
-    ("q8_0", "streaming", "q8"),
-    ("int4", "streaming", "fp32"),
     ("bf16", "auto", "auto"),
+    ("fp8,fp8,bf16", "brgemm", "auto"),
+    ("fp8", "brgemm", "auto"),
+    ("int8,int8,int4", "brgemm", "q8"),
+    ("q8_0,q8_0,q4_0", "brgemm", "q8"),
+    ("int8,int8,int4", "streaming", "q8"),
+    ("q8_0,q8_0,q4_0", "streaming", "q8"),
+    ("int4", "streaming", "fp32"),
 ]
 
 
