@@ -128,7 +128,9 @@ struct OperandCache {
 };
 
 // The scratch of the kernel families on one pool thread within one op call.
-struct ThreadScratch {
+// Its own cache lines: the pool threads' slots sit side by side in one array,
+// and a tile kernel updates its slot's keys at every block.
+struct alignas(64) ThreadScratch {
   OperandCache bf16_rows;    // TileInput::kBf16Rows gathered at tile_rows_ld(kp)
   OperandCache u8_tiles;     // Family::kStreamingU8's tiles (pack_u8_tiles)
   OperandCache q8_packed;    // TileInput::kQ8Packed (TileKernel::pack)
