@@ -120,6 +120,32 @@ def test_steps_aside_where_only_the_full_path_will_do(dense):
     assert prepared.forward(x, ids, w) is None
 
 
+def test_a_torch_function_mode_sees_the_op(dense):
+    """The fast entry skips only torch.ops' __torch_function__ layer: with a function mode
+    active the full path runs, and the mode sees kt.moe_forward."""
+    from torch.overrides import TorchFunctionMode
+
+    class Log(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.funcs: list[str] = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.funcs.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    m = _module(dense, "int8")
+    x = make_hidden(3, H, torch.float32)
+    ids, w = make_routing(3, E, 2)
+    with torch.no_grad():
+        want = _op(m, x, ids, w)
+        assert _prepared(m).forward(x, ids, w) is not None
+        with Log() as log:
+            assert _prepared(m).forward(x, ids, w) is None
+            assert torch.equal(m(x, ids, w), want)
+    assert any("kt.moe_forward" in f for f in log.funcs), log.funcs
+
+
 def test_the_op_refuses_autograd(dense):
     m = _module(dense, "int8")
     x = make_hidden(3, H, torch.float32).requires_grad_()

@@ -5,6 +5,7 @@
 
 #include <ATen/core/List.h>
 #include <ATen/core/Tensor.h>
+#include <pybind11/pybind11.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
@@ -57,5 +58,9 @@ class PreparedLayer : public torch::CustomClassHolder {
 // file's static initializers run, perhaps before the class exists.)
 void register_prepared_layer_class(torch::Library& m);
 void register_prepared_layer_kernels(torch::Library& m);
+
+// kt_ops._C.moe_forward_prepared: the op through the dispatcher, entered from C++
+// (python_bindings.cpp; prepared_layer.cpp says why).
+void register_prepared_layer_call(pybind11::module& m);
 
 }  // namespace kt::ops
