@@ -44,8 +44,8 @@ def _experts(fmt: str, seed: int = 0) -> ExpertWeights:
 def _routing(T: int, seed: int = 1, dtype=torch.bfloat16):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(T, H, generator=g).to(dtype)
-    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)] or [torch.empty(0)])
-    ids = ids.long().reshape(T, K)  # T = 0: an empty [0, K]
+    rows = [torch.randperm(E, generator=g)[:K] for _ in range(T)]
+    ids = torch.stack(rows) if rows else torch.empty(0, K, dtype=torch.long)
     w = torch.softmax(torch.randn(T, K, generator=g), -1)
     return x, ids, w
 

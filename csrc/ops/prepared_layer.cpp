@@ -55,8 +55,7 @@ PreparedLayer::PreparedLayer(const c10::List<std::optional<at::Tensor>>& weights
                              const std::vector<int64_t>& group_sizes, const std::string& activation,
                              const std::optional<at::Tensor>& gpu_experts_mask, int64_t top_k)
     : state_(weights.copy(), weight_format, sizes, group_sizes, activation, gpu_experts_mask,
-             top_k),
-      top_k_(top_k) {
+             top_k) {
   // A contiguous mask is kept as the tensor itself (MoeLayer::skip_experts), so
   // in-place updates of it take effect at the next call, as with the op.
   TORCH_CHECK(!gpu_experts_mask.has_value() || gpu_experts_mask->is_contiguous(),
@@ -71,8 +70,9 @@ at::Tensor PreparedLayer::forward(const at::Tensor& hidden_states, const at::Ten
   runtime::ThreadPool::global().prewake();  // the expert kernels run next
   moe::check_routed_args(kOp, hidden_states, topk_ids, topk_weights);
   moe::check_hidden_size(kOp, hidden_states, layer_);
-  TORCH_CHECK(top_k_ <= 0 || topk_ids.size(1) == top_k_, "kt.moe_forward_prepared: topk_ids has ",
-              topk_ids.size(1), " columns, but the layer was prepared for top_k=", top_k_);
+  const int64_t k = top_k();
+  TORCH_CHECK(k <= 0 || topk_ids.size(1) == k, "kt.moe_forward_prepared: topk_ids has ",
+              topk_ids.size(1), " columns, but the layer was prepared for top_k=", k);
   return moe::moe_forward_layer(hidden_states, topk_ids, topk_weights, layer_,
                                 kernels::active_isa());
 }
@@ -81,12 +81,23 @@ std::tuple<std::tuple<std::string, int64_t>, std::tuple<std::string, int64_t>,
            std::tuple<std::string, int64_t>>
 PreparedLayer::flatten() const {
   return {
-      {"num_experts", layer_.num_experts}, {"hidden_size", layer_.hidden_size}, {"top_k", top_k_}};
+      {"num_experts", layer_.num_experts}, {"hidden_size", layer_.hidden_size}, {"top_k", top_k()}};
 }
 
 namespace {
 
 using Holder = c10::intrusive_ptr<PreparedLayer>;
+
+// The op's typed handle, for the autograd kernel's redispatch and the C++ entry.
+const c10::TypedOperatorHandle<at::Tensor(const Holder&, const at::Tensor&, const at::Tensor&,
+                                          const at::Tensor&)>&
+prepared_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("kt::moe_forward_prepared", "")
+                             .typed<at::Tensor(const Holder&, const at::Tensor&, const at::Tensor&,
+                                               const at::Tensor&)>();
+  return op;
+}
 
 at::Tensor moe_forward_prepared_cpu(const Holder& layer, const at::Tensor& hidden_states,
                                     const at::Tensor& topk_ids, const at::Tensor& topk_weights) {
@@ -103,13 +114,9 @@ at::Tensor moe_forward_prepared_autograd(c10::DispatchKeySet ks, const Holder& l
               "kt.moe_forward_prepared: hidden_states or topk_weights requires grad; the prepared "
               "layer is for inference (torch.no_grad / inference_mode): call kt.moe_forward "
               "(kt_ops.moe_forward) to differentiate");
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("kt::moe_forward_prepared", "")
-                             .typed<at::Tensor(const Holder&, const at::Tensor&, const at::Tensor&,
-                                               const at::Tensor&)>();
   at::AutoDispatchBelowADInplaceOrView below;
-  return op.redispatch(ks & c10::after_autograd_keyset, layer, hidden_states, topk_ids,
-                       topk_weights);
+  return prepared_op().redispatch(ks & c10::after_autograd_keyset, layer, hidden_states, topk_ids,
+                                  topk_weights);
 }
 
 }  // namespace
@@ -155,12 +162,8 @@ void register_prepared_layer_call(pybind11::module& m) {
          const at::Tensor& topk_weights) {
         static const c10::ClassTypePtr type = c10::getCustomClassType<Holder>();
         const Holder holder = torch::jit::toIValue(layer, type).toCustomClass<PreparedLayer>();
-        static const auto op = c10::Dispatcher::singleton()
-                                   .findSchemaOrThrow("kt::moe_forward_prepared", "")
-                                   .typed<at::Tensor(const Holder&, const at::Tensor&,
-                                                     const at::Tensor&, const at::Tensor&)>();
         py::gil_scoped_release no_gil;  // as torch.ops calls do
-        return op.call(holder, hidden_states, topk_ids, topk_weights);
+        return prepared_op().call(holder, hidden_states, topk_ids, topk_weights);
       },
       py::arg("layer"), py::arg("hidden_states"), py::arg("topk_ids"), py::arg("topk_weights"),
       "torch.ops.kt.moe_forward_prepared(layer, hidden_states, topk_ids, topk_weights) without "

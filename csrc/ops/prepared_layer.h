@@ -40,7 +40,7 @@ class PreparedLayer : public torch::CustomClassHolder {
   State state() const { return state_; }
 
   const moe::MoeLayer& layer() const { return layer_; }
-  int64_t top_k() const { return top_k_; }
+  int64_t top_k() const { return std::get<6>(state_); }
   // (name, value) pairs of what the fake class needs: num_experts, hidden_size, top_k.
   std::tuple<std::tuple<std::string, int64_t>, std::tuple<std::string, int64_t>,
              std::tuple<std::string, int64_t>>
@@ -49,7 +49,6 @@ class PreparedLayer : public torch::CustomClassHolder {
  private:
   State state_;
   moe::MoeLayer layer_;
-  int64_t top_k_ = 0;
 };
 
 // In the TORCH_LIBRARY(kt) block (csrc/ops/registration.cpp), in this order:
