@@ -1,7 +1,7 @@
 // Stress test of kt::runtime::ThreadPool for ThreadSanitizer (scripts/sanitize.sh tsan).
 //
-// Several caller threads hammer run(), parallel_for(), run_per_part() and
-// chained_parallel_for() while another thread resizes the pool with
+// Several caller threads (one of them a waiting caller) hammer run(), parallel_for(),
+// run_per_part() and chained_parallel_for() while another thread resizes the pool with
 // set_num_threads(), and others call prewake(), num_threads() and
 // workers_bound(). Every job checks its own result (each
 // task index exactly once, parallel_for covering [0, n) exactly once), so a
@@ -168,6 +168,9 @@ int main(int argc, char** argv) {
   std::vector<std::thread> callers;
   for (int c = 0; c < 3; ++c) {
     callers.emplace_back([&, c] {
+      // The last caller waits while the workers compute, as the CUDA bridge's
+      // host callbacks do (runtime::CallerWaitsScope).
+      const kt::runtime::CallerWaitsScope waits(c == 2);
       unsigned seed = 12345u + static_cast<unsigned>(c);
       while (!stop.load()) {
         seed = seed * 1103515245u + 12345u;
