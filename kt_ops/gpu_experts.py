@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from kt_ops.formats.dequant import dequantize_weights
-from kt_ops.layer import LoRAWeights, torch_activation
+from kt_ops.layer import PROJECTIONS, LoRAWeights, torch_glu
 
 __all__ = ["GpuExperts", "GpuResidentExperts", "hottest_experts", "parse_gpu_experts"]
 
@@ -240,6 +240,11 @@ class GpuResidentExperts:
         """
         where = "MoEExperts.set_gpu_experts"
         ids = parse_gpu_experts(gpu_experts, routing_counts, self.num_experts)
+        if ids.numel() and any(self._buffers.get(f"{p}_bias") is not None for p in PROJECTIONS):
+            raise ValueError(
+                f"{where}: GPU-resident experts of a layer with per-expert biases (gpt-oss) are "
+                "not supported yet; keep this layer's experts on the CPU (gpu_experts=None)"
+            )
         if dtype is not None and dtype not in _GPU_DTYPES:
             raise ValueError(f"{where}: dtype must be fp32, bf16 or fp16, got {dtype}")
         E, H, inter = self.num_experts, self.hidden_size, self.intermediate_size
@@ -433,8 +438,8 @@ class GpuResidentExperts:
                 y = y + lora.scaling * d
             return y
 
-        h = torch_activation(self.activation)(proj("gate", "gpu_gate_weight", v)) * proj(
-            "up", "gpu_up_weight", v
+        h = torch_glu(self.activation)(
+            proj("gate", "gpu_gate_weight", v), proj("up", "gpu_up_weight", v)
         )
         return proj("down", "gpu_down_weight", h)
 

@@ -62,6 +62,7 @@ are frozen; gradients flow through the experts to the rest of the model
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 from collections import Counter
@@ -75,13 +76,14 @@ from kt_ops.hf_experts import (
     _MLP_NAMES,
     ExpertsInfo,
     UnsupportedExpertsError,
+    _dense_biases,
     _dense_fused,
     _dense_module_list,
     _Plan,
     _plan,
     find_experts,
 )
-from kt_ops.layer import ACTIVATIONS, split_weight_format
+from kt_ops.layer import ACTIVATIONS, ExpertWeights, split_weight_format
 from kt_ops.nn import MoEExpertList, MoEExperts, parse_gpu_experts
 from kt_ops.routing_stats import RoutingStats, collect_routing_stats, record_routing
 
@@ -174,8 +176,53 @@ def _check_replacement(plan: _Plan, new: MoEExperts, gate: Tensor) -> None:
             "computes "
             f"(relative error {', '.join(f'{c}: {e:.3g}' for c, e in bad.items())} on a probe "
             f"batch, tolerance {_PROBE_TOL}).{custom_gate} Only down(act(gate(x)) * up(x)) "
-            f"experts with act one of {list(ACTIVATIONS)} are supported"
+            f"experts with act one of {list(ACTIVATIONS)} are supported, with the clamps, "
+            "alpha and +1 of gpt-oss-style SwiGLUs read from the module's limit / alpha "
+            f"attributes (tried {list(plan.info.glu_candidates or (plan.info.activation,))})"
         )
+
+
+def _probe_kind(plan: _Plan) -> tuple:
+    """What makes two experts modules compute the same function of their weights."""
+    info = plan.info
+    scalars = tuple(
+        sorted(
+            (k, v)
+            for k, v in vars(plan.module).items()
+            if not k.startswith("_") and isinstance(v, (bool, int, float, str, type(None)))
+        )
+    )
+    return (
+        type(plan.module),
+        info.layout,
+        info.concatenated,
+        info.transposed,
+        info.biased,
+        info.glu_candidates or (info.activation,),
+        scalars,
+    )
+
+
+def _probe_glu(plan: _Plan) -> MoEExperts:
+    """The bf16 replacement of ``plan`` whose GLU the probe confirms (``plan.info`` updated).
+
+    Tries ``info.glu_candidates`` in order (the checks of the structure, gating and
+    activation, with bf16 weights, whose rounding error is far below any quantized
+    format's); raises the first candidate's error when none matches.
+    """
+    info = plan.info
+    first_error = None
+    for spec in info.glu_candidates or (info.activation,):
+        plan.info = dataclasses.replace(info, activation=spec)
+        probe, gate = _build(plan, "bf16")
+        try:
+            _check_replacement(plan, probe, gate)
+        except UnsupportedExpertsError as err:
+            first_error = first_error or err
+            continue
+        return probe
+    plan.info = info
+    raise first_error
 
 
 def _source_layout(plan: _Plan) -> dict:
@@ -209,7 +256,10 @@ def _build(plan: _Plan, weight_format: str, **quant) -> tuple[MoEExperts, Tensor
     act = plan.info.activation
     if plan.info.layout == "fused":
         gate, up, down = _dense_fused(plan.module, plan.info)
-        return MoEExperts.from_dense(gate, up, down, weight_format, activation=act, **quant), gate
+        experts = ExpertWeights.from_dense(gate, up, down, weight_format, **quant)
+        if plan.info.biased:
+            experts = experts.with_biases(*_dense_biases(plan.module, plan.info))
+        return MoEExperts(experts, activation=act), gate
     gate, up, down = _dense_module_list(plan.module)
     return (
         MoEExpertList.from_dense(gate, up, down, weight_format, activation=act, **quant),
@@ -258,8 +308,11 @@ def _load_converted(plan: _Plan, converted) -> MoEExperts:
             f"but '{info.name}' has {want}; was the directory converted from this model?"
         )
     packed = converted.load_layer(layer)
-    cls = MoEExperts if info.layout == "fused" else MoEExpertList
-    return cls.from_packed(*packed.projections, activation=info.activation)
+    if info.biased:  # the biases are not converted: the model's own, small, are used
+        packed = packed.with_biases(*_dense_biases(plan.module, info))
+    if info.layout == "fused":
+        return MoEExperts(packed, activation=info.activation)
+    return MoEExpertList.from_packed(*packed.projections, activation=info.activation)
 
 
 def replace_experts(
@@ -361,6 +414,12 @@ def replace_experts(
             info.name, info.num_experts, num_gpu_experts, routing_stats, gpu_experts
         )
         parse_gpu_experts(selection, counts, info.num_experts, f"replace_experts: '{info.name}'")
+        if selection is not None and info.biased:
+            raise UnsupportedExpertsError(
+                f"replace_experts: '{info.name}' has per-expert biases (gpt-oss); GPU-resident "
+                "experts of such layers are not supported yet: leave num_gpu_experts / "
+                "gpu_experts unset for this model"
+            )
         selections.append((selection, counts))
     if not plans:
         if already:
@@ -378,26 +437,21 @@ def replace_experts(
     with torch.no_grad():
         built: dict[int, MoEExperts] = {}
         if check:
-            # One probe per kind of module (class and layout), before anything is replaced,
-            # so an unsupported model is left untouched.
-            seen = set()
+            # One probe per kind of module, before anything is replaced, so an
+            # unsupported model is left untouched. A kind is the class, the layout and
+            # every scalar attribute of the instance: a per-layer clamp (Step-3.7's
+            # swiglu_limits), alpha or bias flag makes its own kind, and is probed.
+            chosen: dict[tuple, str] = {}
             for i, plan in enumerate(plans):
-                kind = (
-                    type(plan.module),
-                    plan.info.layout,
-                    plan.info.concatenated,
-                    plan.info.transposed,
-                    plan.info.activation,
-                )
-                if kind not in seen:
-                    seen.add(kind)
-                    # The probe checks the structure (gating, activation) with bf16
-                    # weights, whose rounding error is far below any quantized format's.
-                    probe, gate = _build(plan, "bf16")
-                    _check_replacement(plan, probe, gate)
-                    if weight_format == "bf16" and converted is None:
-                        built[i] = probe
-                    del gate, probe
+                kind = _probe_kind(plan)
+                if kind in chosen:
+                    plan.info = dataclasses.replace(plan.info, activation=chosen[kind])
+                    continue
+                probe = _probe_glu(plan)
+                chosen[kind] = plan.info.activation
+                if weight_format == "bf16" and converted is None:
+                    built[i] = probe
+                del probe
         if converted is not None:
             # Load (and verify) every layer before swapping any in, so a directory
             # that lacks a layer leaves the model untouched.

@@ -4,7 +4,8 @@
 (:class:`ExpertsInfo`) or refuses it with :class:`UnsupportedExpertsError`,
 naming the module, its class and the reason. Two layouts are recognised (the
 module docstring of :mod:`kt_ops.hf` describes both): fused 3-D
-``gate_up_proj``/``down_proj`` parameters (transformers >= 5) and an
+``gate_up_proj``/``down_proj`` parameters (transformers >= 5; with gpt-oss's
+per-expert biases and clamped SwiGLUs) and an
 ``nn.ModuleList`` of bias-free gated MLPs. Also the dense views of their
 weights (``[E, I, H]`` gate/up, ``[E, H, I]`` down) that the replacement packs.
 :mod:`kt_ops.hf` replaces them; :mod:`kt_ops.routing_stats` counts their hits.
@@ -12,13 +13,14 @@ weights (``[E, I, H]`` gate/up, ``[E, H, I]`` down) that the replacement packs.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from torch import Tensor, nn
 
-from kt_ops.layer import ACTIVATIONS, DEFAULT_ACTIVATION
+from kt_ops.layer import ACTIVATIONS, DEFAULT_ACTIVATION, activation_spec
 from kt_ops.nn import MoEExperts
 
 __all__ = ["ExpertsInfo", "UnsupportedExpertsError", "find_experts"]
@@ -42,7 +44,13 @@ class ExpertsInfo:
         concatenated: gate rows then up rows (``True``) or interleaved (``False``); fused only.
         transposed: weights stored ``[E, in, out]``; fused only.
         num_experts, hidden_size, intermediate_size: ``E``, ``H``, ``I``.
-        activation: the experts' ``act`` by kt_ops' name (:data:`kt_ops.ACTIVATIONS`).
+        activation: the experts' GLU as the ops take it (:data:`kt_ops.ACTIVATIONS`, or
+            a spec with gpt-oss-style clamps, :func:`kt_ops.activation_spec`): the most
+            likely of ``glu_candidates``; :func:`kt_ops.replace_experts` keeps the
+            first one its probe confirms.
+        biased: fused only: per-expert biases ``gate_up_proj_bias`` / ``down_proj_bias``
+            (gpt-oss).
+        glu_candidates: the GLUs the module's attributes allow, most likely first.
     """
 
     name: str
@@ -54,6 +62,8 @@ class ExpertsInfo:
     hidden_size: int
     intermediate_size: int
     activation: str = DEFAULT_ACTIVATION
+    biased: bool = False
+    glu_candidates: tuple[str, ...] = ()
 
 
 @dataclass
@@ -71,6 +81,10 @@ class _Plan:
 
 def _is_3d(t: object) -> bool:
     return isinstance(t, Tensor) and t.dim() == 3
+
+
+def _is_2d(t: object) -> bool:
+    return isinstance(t, Tensor) and t.dim() == 2
 
 
 def _is_fused_experts(module: nn.Module) -> bool:
@@ -106,6 +120,37 @@ def _kt_activation(act: object) -> Optional[str]:
     return _HF_ACTIVATIONS.get(type(act).__name__)
 
 
+def _scalar_attr(module: nn.Module, *names: str) -> Optional[float]:
+    for name in names:
+        v = getattr(module, name, None)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return float(v)
+    return None
+
+
+def _glu_candidates(module: nn.Module, activation: str) -> tuple[str, ...]:
+    """The GLUs a fused experts module may compute, most likely first.
+
+    transformers' clamped SwiGLUs keep their constants as attributes: ``alpha`` /
+    ``swiglu_alpha`` with ``limit`` / ``swiglu_limit`` is gpt-oss's (and
+    MiniMax-M3's) ``(clamp(u) + 1) * g sigmoid(alpha g)``; a ``limit`` alone clamps
+    before the activation (DeepSeek-V4, GLM-5-Next, HY-V4) or after it (Step-3.7).
+    The attributes cannot tell those apart, so the replacement's probe, whose
+    pre-activations reach any such clamp, tries each in turn.
+    """
+    limit = _scalar_attr(module, "limit", "swiglu_limit")
+    alpha = _scalar_attr(module, "alpha", "swiglu_alpha")
+    clamp = limit if limit is not None and math.isfinite(limit) and limit > 0 else None
+    specs = []
+    if alpha is not None and alpha > 0 and activation == "silu":
+        specs.append(activation_spec("silu", alpha=alpha, limit=clamp, up_offset=1.0))
+    if clamp is not None:
+        specs += [activation_spec(activation, limit=clamp)]
+        specs += [activation_spec(activation, act_limit=clamp)]
+    specs.append(activation)
+    return tuple(dict.fromkeys(specs))
+
+
 def _act_name(module: nn.Module, act: object) -> str:
     config = getattr(module, "config", None)
     hidden_act = getattr(config, "hidden_act", None)
@@ -138,10 +183,12 @@ def _plan_fused(name: str, module: nn.Module) -> ExpertsInfo:
             f"{where}: experts without a gate projection (has_gate=False: act(up(x)) as in "
             "NemotronH) are not supported; kt_ops computes gated SwiGLU experts"
         )
-    if getattr(module, "has_bias", False):
+    biased = bool(getattr(module, "has_bias", False))
+    bias_names = ("gate_up_proj_bias", "down_proj_bias") if biased else ()
+    if biased and not all(_is_2d(getattr(module, n, None)) for n in bias_names):
         raise UnsupportedExpertsError(
-            f"{where}: experts with biases (has_bias=True, as in gpt-oss) are not supported; "
-            "kt_ops experts have no bias terms"
+            f"{where}: has_bias=True without 2-D gate_up_proj_bias [E, 2I] and down_proj_bias "
+            f"[E, H] (got {[_describe(getattr(module, n, None)) for n in bias_names]})"
         )
     if getattr(module, "has_post_expert_norm", False):
         raise UnsupportedExpertsError(
@@ -164,14 +211,14 @@ def _plan_fused(name: str, module: nn.Module) -> ExpertsInfo:
     extra = sorted(
         n
         for n, _ in list(module.named_parameters()) + list(module.named_buffers())
-        if n not in ("gate_up_proj", "down_proj")
+        if n not in ("gate_up_proj", "down_proj", *bias_names)
     )
     if extra:
         raise UnsupportedExpertsError(
             f"{where}: has tensors {extra} besides gate_up_proj/down_proj (quantization "
             "scales, biases or norms) that kt_ops would ignore"
         )
-    _check_materialized(where, [gate_up, down])
+    _check_materialized(where, [gate_up, down, *(getattr(module, n) for n in bias_names)])
     transposed = bool(getattr(module, "is_transposed", False))
     concatenated = bool(getattr(module, "is_concatenated", True))
     E = gate_up.shape[0]
@@ -187,8 +234,26 @@ def _plan_fused(name: str, module: nn.Module) -> ExpertsInfo:
             f"{where}: gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} "
             f"are not {layout} (is_transposed={transposed})"
         )
+    if biased:
+        gub, db = module.gate_up_proj_bias, module.down_proj_bias
+        if tuple(gub.shape) != (E, 2 * inter) or tuple(db.shape) != (E, H):
+            raise UnsupportedExpertsError(
+                f"{where}: gate_up_proj_bias {tuple(gub.shape)} and down_proj_bias "
+                f"{tuple(db.shape)} are not [E, 2I] = {[E, 2 * inter]} and [E, H] = {[E, H]}"
+            )
+    candidates = _glu_candidates(module, activation)
     return ExpertsInfo(
-        name, type(module).__name__, "fused", concatenated, transposed, E, H, inter, activation
+        name,
+        type(module).__name__,
+        "fused",
+        concatenated,
+        transposed,
+        E,
+        H,
+        inter,
+        candidates[0],
+        biased,
+        candidates,
     )
 
 
@@ -342,6 +407,21 @@ def _dense_fused(module: nn.Module, info: ExpertsInfo) -> tuple[Tensor, Tensor, 
     else:
         gate, up = gate_up[:, 0::2], gate_up[:, 1::2]
     return gate, up, down
+
+
+def _dense_biases(
+    module: nn.Module, info: ExpertsInfo
+) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+    """(gate [E, I], up [E, I], down [E, H]) biases of a fused experts module, or Nones."""
+    if not info.biased:
+        return None, None, None
+    gate_up = module.gate_up_proj_bias.detach()
+    inter = info.intermediate_size
+    if info.concatenated:
+        gate, up = gate_up[:, :inter], gate_up[:, inter:]
+    else:
+        gate, up = gate_up[:, 0::2], gate_up[:, 1::2]
+    return gate, up, module.down_proj_bias.detach()
 
 
 def _dense_module_list(experts: nn.ModuleList) -> tuple[Tensor, Tensor, Tensor]:

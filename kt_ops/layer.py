@@ -9,13 +9,16 @@ Python that knows that argument list; the C++ twin is ``csrc/moe/moe_layer.h``.
 
 The op's layer arguments (``csrc/ops/registration.cpp``)::
 
-    weights       [gate_weight, gate_scales, gate_zeros, up_..., down_...]  (None where absent)
+    weights       [gate_weight, gate_scales, gate_zeros, up_..., down_...]  (None where absent),
+                  then [gate_bias, up_bias, down_bias] when some projection has a bias
     weight_format 'int4' or 'gate,up,down' names ('q4_k,q4_k,q6_k')
     sizes         [hidden_size, intermediate_size]
     group_sizes   [gate, up, down] group sizes along K (0: per output channel)
     lora          [] or [gate_a, gate_b, up_a, up_b, down_a, down_b] ([0]-shaped where absent)
     lora_scaling  float
-    activation    one of ACTIVATIONS ('silu', 'gelu', 'gelu_tanh'): h = act(gate(x)) * up(x)
+    activation    the GLU, h = act(gate(x)) * up(x): one of ACTIVATIONS ('silu', 'gelu',
+                  'gelu_tanh'), optionally with parameters (activation_spec):
+                  'silu(alpha=1.702,limit=7.0,up_offset=1.0)' is gpt-oss's clamped SwiGLU
 """
 
 from __future__ import annotations
@@ -36,6 +39,9 @@ from kt_ops.formats.spec import FORMATS
 __all__ = [
     "ACTIVATIONS",
     "DEFAULT_ACTIVATION",
+    "activation_spec",
+    "parse_activation",
+    "torch_glu",
     "PROJECTIONS",
     "ExpertWeights",
     "LoRAWeights",
@@ -75,6 +81,81 @@ def torch_activation(name: str) -> Callable[[Tensor], Tensor]:
     if fn is None:
         raise ValueError(f"activation must be one of {list(ACTIVATIONS)}, got {name!r}")
     return fn
+
+
+def parse_activation(spec: str) -> dict:
+    """The parts of an ``activation`` argument, read by the ops' own parser (C++).
+
+    Returns ``{'name', 'alpha', 'limit', 'act_limit', 'up_offset'}`` (``limit`` /
+    ``act_limit`` None when absent; values as the kernels hold them, fp32).
+    Raises ``ValueError`` naming what is wrong.
+    """
+    if not isinstance(spec, str):
+        raise ValueError(f"activation must be a str, got {type(spec).__name__}")
+    return _C.parse_activation(spec)
+
+
+def activation_spec(
+    name: str = DEFAULT_ACTIVATION,
+    *,
+    alpha: Optional[float] = None,
+    limit: Optional[float] = None,
+    act_limit: Optional[float] = None,
+    up_offset: Optional[float] = None,
+) -> str:
+    """The ``activation`` argument of a GLU with parameters (csrc/kernels/activations.h)::
+
+        g' = min(g, limit)                      (limit: before act)
+        u' = clamp(u, -limit, limit)            (limit or act_limit)
+        a  = act(g'), silu: g' * sigmoid(alpha * g')
+        a' = min(a, act_limit)                  (act_limit: after act)
+        h  = a' * (u' + up_offset)
+
+    gpt-oss (and MiniMax-M3): ``activation_spec('silu', alpha=1.702, limit=7.0,
+    up_offset=1.0)``; DeepSeek-V4, GLM-5-Next, HY-V4: ``limit`` alone;
+    Step-3.7: ``act_limit``. With no parameter: ``name`` itself.
+
+    Raises ``ValueError`` for an unknown name, ``alpha`` on another activation,
+    both limits, or a non-positive / non-finite value.
+    """
+    params = {"alpha": alpha, "limit": limit, "act_limit": act_limit, "up_offset": up_offset}
+    given = {k: float(v) for k, v in params.items() if v is not None}
+    spec = name if not given else f"{name}({','.join(f'{k}={v!r}' for k, v in given.items())})"
+    parse_activation(spec)
+    return spec
+
+
+@torch.compiler.assume_constant_result
+def _glu_params(spec: str) -> tuple:
+    """``parse_activation(spec)`` as a tuple: a constant to torch.compile (the C++ parser is
+    not traceable), evaluated once per spec when a graph is traced."""
+    p = parse_activation(spec)
+    return (p["name"], p["alpha"], p["limit"], p["act_limit"], p["up_offset"])
+
+
+def torch_glu(spec: str) -> Callable[[Tensor, Tensor], Tensor]:
+    """``h = glu(g, u)`` of the ``activation`` argument ``spec`` in PyTorch (the GPU-resident
+    experts and the dense references): :func:`activation_spec`'s formula.
+
+    Raises ``ValueError`` for a spec the ops refuse.
+    """
+    name, alpha, limit, act_limit, offset = _glu_params(spec)
+    act = _TORCH_ACTIVATIONS[name]
+    if alpha == 1.0 and limit is None and act_limit is None and offset == 0.0:
+        return lambda g, u: act(g) * u
+    bound = limit if limit is not None else act_limit
+
+    def glu(g: Tensor, u: Tensor) -> Tensor:
+        if limit is not None:
+            g = g.clamp(max=limit)
+        if bound is not None:
+            u = u.clamp(min=-bound, max=bound)
+        a = g * torch.sigmoid(alpha * g) if alpha != 1.0 else act(g)
+        if act_limit is not None:
+            a = a.clamp(max=act_limit)
+        return a * (u + offset) if offset != 0.0 else a * u
+
+    return glu
 
 
 def split_weight_format(weight_format: str) -> tuple[str, str, str]:
@@ -176,9 +257,16 @@ class ExpertWeights:
         """Group size of each projection along K (0: per output channel; fp8: 128)."""
         return tuple(int(p.group_size) for p in self.projections)
 
+    @property
+    def has_bias(self) -> bool:
+        """Whether some projection carries a per-expert bias."""
+        return any(p.bias is not None for p in self.projections)
+
     def tensors(self) -> list[Optional[Tensor]]:
-        """The op's ``weights``: (weight, scales, zeros) of gate, up, down; None where absent."""
-        return [t for p in self.projections for t in (p.weight, p.scales, p.zeros)]
+        """The op's ``weights``: (weight, scales, zeros) of gate, up, down, None where
+        absent, then the three biases when some projection has one."""
+        packed = [t for p in self.projections for t in (p.weight, p.scales, p.zeros)]
+        return packed + [p.bias for p in self.projections] if self.has_bias else packed
 
     def validate(self) -> ExpertWeights:
         """Check every projection against its format's layout (``PackedProjection.validate``)."""
@@ -188,6 +276,22 @@ class ExpertWeights:
             except ValueError as err:
                 raise ValueError(f"ExpertWeights.{name}: {err}") from None
         return self
+
+    def with_biases(
+        self, gate: Optional[Tensor], up: Optional[Tensor], down: Optional[Tensor]
+    ) -> ExpertWeights:
+        """A copy with per-expert biases (any float dtype, stored fp32 contiguous on the
+        weights' device): ``gate``/``up`` ``[E, I]``, ``down`` ``[E, H]``, None for none.
+        Raises ``ValueError`` for a wrong shape (``PackedProjection.validate``)."""
+
+        def fp32(b: Optional[Tensor], like: Tensor) -> Optional[Tensor]:
+            return None if b is None else b.detach().to(like.device, torch.float32).contiguous()
+
+        projs = (
+            dataclasses.replace(p, bias=fp32(b, p.weight))
+            for p, b in zip(self.projections, (gate, up, down))
+        )
+        return ExpertWeights(*projs).validate()
 
     def to(self, device: torch.device | str) -> ExpertWeights:
         """A copy with every tensor on ``device``."""
@@ -200,11 +304,12 @@ class ExpertWeights:
         Raises ``ValueError`` naming the argument for a wrong count of
         entries or an unknown format.
         """
-        if len(weights) != 9:
+        if len(weights) not in (9, 12):
             raise ValueError(
                 f"weights must hold 9 entries (gate, up, down x weight, scales, "
-                f"zeros), got {len(weights)}"
+                f"zeros), or 12 with the gate, up, down biases, got {len(weights)}"
             )
+        biases = list(weights[9:]) or [None] * 3
         if len(sizes) != 2 or len(group_sizes) != 3:
             raise ValueError(
                 f"sizes must be [hidden_size, intermediate_size] and group_sizes 3 values, got "
@@ -214,7 +319,9 @@ class ExpertWeights:
         names = split_weight_format(weight_format)
         dims = ((inter, H), (inter, H), (H, inter))
         projs = [
-            PackedProjection(*weights[3 * i : 3 * i + 3], names[i], int(group_sizes[i]), *dims[i])
+            PackedProjection(
+                *weights[3 * i : 3 * i + 3], names[i], int(group_sizes[i]), *dims[i], biases[i]
+            )
             for i in range(3)
         ]
         return cls(*projs)

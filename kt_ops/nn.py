@@ -45,12 +45,12 @@ from kt_ops.gpu_experts import (
     parse_gpu_experts,
 )
 from kt_ops.layer import (
-    ACTIVATIONS,
     DEFAULT_ACTIVATION,
     PROJECTIONS,
     ExpertWeights,
     LoRAWeights,
     layer_args,
+    parse_activation,
 )
 from kt_ops.ops import moe_forward, new_prepared_layer
 from kt_ops.runtime import numa_placement
@@ -58,8 +58,10 @@ from kt_ops.runtime import numa_placement
 __all__ = ["MoEExperts", "MoEExpertList", "hottest_experts", "parse_gpu_experts"]
 
 _PARTS = ("weight", "scales", "zeros")
-#: The packed buffers, in the op's ``weights`` order.
-_PACKED_BUFFERS = tuple(f"{proj}_{part}" for proj in PROJECTIONS for part in _PARTS)
+#: The per-expert bias buffers (None where a projection has none).
+_BIASES = tuple(f"{proj}_bias" for proj in PROJECTIONS)
+#: The packed buffers and the biases, in the op's ``weights`` order.
+_PACKED_BUFFERS = tuple(f"{proj}_{part}" for proj in PROJECTIONS for part in _PARTS) + _BIASES
 # What MoEExperts keeps in its __dict__ between calls (dropped when pickled or copied).
 _CALL_CACHES = ("_expert_weights_cache", "_plain_layer_args_cache", "_prepared_layer")
 
@@ -128,14 +130,18 @@ class MoEExperts(GpuResidentExperts, nn.Module):
             are dequantized from ``experts`` (fp32 unless ``gpu_dtype``).
         routing_counts: ``[E]`` hit counts, with an ``int`` ``gpu_experts``.
         gpu_dtype: dtype of the GPU experts' weights (fp32, bf16 or fp16).
-        activation: the experts' ``act``, one of :data:`kt_ops.ACTIVATIONS`
-            (default ``'silu'``). An attribute, as the op's argument.
+        activation: the experts' GLU: one of :data:`kt_ops.ACTIVATIONS`
+            (default ``'silu'``), optionally with parameters
+            (:func:`kt_ops.activation_spec`: gpt-oss's clamped SwiGLU). An
+            attribute, as the op's argument. Per-expert biases come with
+            ``experts`` (:meth:`ExpertWeights.with_biases`; buffers
+            ``{gate,up,down}_bias``).
 
     Raises:
         ValueError: a packed tensor does not have the layout of its format
             and sizes (``ExpertWeights.validate``), a bad ``gpu_experts``
             / ``routing_counts`` / ``gpu_dtype`` (see :meth:`set_gpu_experts`),
-            or an ``activation`` that is not one of :data:`kt_ops.ACTIVATIONS`.
+            or an ``activation`` the op refuses (:func:`kt_ops.activation_spec`).
     """
 
     num_experts: int
@@ -162,14 +168,14 @@ class MoEExperts(GpuResidentExperts, nn.Module):
             raise ValueError(
                 f"MoEExperts: experts must be a kt_ops.ExpertWeights, got {type(experts).__name__}"
             )
-        if activation not in ACTIVATIONS:
-            raise ValueError(
-                f"MoEExperts: activation must be one of {list(ACTIVATIONS)}, got {activation!r}"
-            )
+        try:
+            parse_activation(activation)
+        except ValueError as err:
+            raise ValueError(f"MoEExperts: {err}") from None
         self.activation = activation
         experts.validate()
         for proj, p in zip(PROJECTIONS, experts.projections):
-            for part in _PARTS:
+            for part in (*_PARTS, "bias"):
                 t = getattr(p, part)
                 self.register_buffer(f"{proj}_{part}", None if t is None else t.contiguous())
         self.num_experts = experts.num_experts
@@ -208,7 +214,12 @@ class MoEExperts(GpuResidentExperts, nn.Module):
         experts = ExpertWeights(
             *(
                 PackedProjection(
-                    *(self._buffers[f"{proj}_{part}"] for part in _PARTS), fmt, g, n, k
+                    *(self._buffers[f"{proj}_{part}"] for part in _PARTS),
+                    fmt,
+                    g,
+                    n,
+                    k,
+                    self._buffers[f"{proj}_bias"],
                 )
                 for proj, fmt, g, (n, k) in zip(
                     PROJECTIONS, self.weight_formats, self.group_sizes, dims
@@ -541,7 +552,10 @@ class MoEExperts(GpuResidentExperts, nn.Module):
             and b["down_weight"] is made_from[6]
             and b["down_scales"] is made_from[7]
             and b["down_zeros"] is made_from[8]
-            and self.__dict__["activation"] is made_from[9]
+            and b["gate_bias"] is made_from[9]
+            and b["up_bias"] is made_from[10]
+            and b["down_bias"] is made_from[11]
+            and self.__dict__["activation"] is made_from[12]
             and b["gpu_expert_ids"] is None
             and self._no_lora()
         )
@@ -601,8 +615,7 @@ class MoEExperts(GpuResidentExperts, nn.Module):
         # (the kernels run on the CPU and take CPU tensors only). So they are left
         # untouched. The GPU-resident experts' dense buffers (and their mask/ids) do
         # move and cast: they are ordinary weights in the model's dtype.
-        names = [f"{proj}_{part}" for proj in PROJECTIONS for part in _PARTS]
-        packed = {name: self._buffers.pop(name) for name in names}
+        packed = {name: self._buffers.pop(name) for name in _PACKED_BUFFERS}
         try:
             return super()._apply(fn, recurse)
         finally:

@@ -33,12 +33,12 @@ from torch import Tensor
 from kt_ops import _C
 from kt_ops.formats.spec import format_spec
 from kt_ops.layer import (
-    ACTIVATIONS,
     DEFAULT_ACTIVATION,
     PROJECTIONS,
     ExpertWeights,
     LoRAWeights,
     layer_args,
+    parse_activation,
 )
 
 __all__ = [
@@ -146,8 +146,11 @@ def moe_forward(
         activation: the experts' ``act``, one of :data:`kt_ops.ACTIVATIONS`:
             ``'silu'`` (default, SwiGLU), ``'gelu'`` (GeGLU, erf),
             ``'gelu_tanh'`` (GeGLU with PyTorch's tanh approximation;
-            transformers' ``gelu_pytorch_tanh``). Formulas:
-            ``csrc/kernels/activations.h``.
+            transformers' ``gelu_pytorch_tanh``), optionally with the clamps
+            and offsets of :func:`kt_ops.activation_spec` (gpt-oss's
+            ``'silu(alpha=1.702,limit=7.0,up_offset=1.0)'``). Formulas:
+            ``csrc/kernels/activations.h``. Per-expert biases travel in
+            ``experts`` (:meth:`ExpertWeights.with_biases`).
         activation_checkpointing: what a call that records autograd saves for
             backward: ``False`` saves the gate/up pre-activations (``2*K*I*4``
             bytes per token; ATen forward), ``True`` recomputes them; ``None``
@@ -236,9 +239,20 @@ def _prepared_layer(experts: ExpertWeights, activation: str) -> Optional[Prepare
         layers = {}
         object.__setattr__(experts, "_prepared_layers", layers)
     layer = layers.get(activation)
-    if layer is None and activation in ACTIVATIONS:
-        layer = layers[activation] = new_prepared_layer(experts, activation=activation)
+    if layer is None and activation not in layers:
+        # A spec the op refuses gets no prepared layer: the op's call then raises.
+        valid = isinstance(activation, str) and _valid_activation(activation)
+        layer = new_prepared_layer(experts, activation=activation) if valid else None
+        layers[activation] = layer
     return layer
+
+
+def _valid_activation(activation: str) -> bool:
+    try:
+        parse_activation(activation)
+    except ValueError:
+        return False
+    return True
 
 
 _PREPARED_OP = torch.ops.kt.moe_forward_prepared.default
@@ -463,14 +477,10 @@ def _check_fake_layer(op: str, bound: dict) -> ExpertWeights:
     graph fails at trace time with the message the eager op gives.
     """
     x, ids, w = bound["hidden_states"], bound["topk_ids"], bound["topk_weights"]
-    activation = bound["activation"]
-    torch._check(
-        activation in ACTIVATIONS,
-        lambda: (
-            f"{op}: activation='{activation}' is not supported; expected one of "
-            + ", ".join(f"'{a}'" for a in ACTIVATIONS)
-        ),
-    )
+    try:
+        parse_activation(bound["activation"])
+    except ValueError as err:
+        torch._check(False, lambda err=err: f"{op}: {err}")
     try:
         experts = ExpertWeights.from_op_args(
             bound["weights"], bound["weight_format"], bound["sizes"], bound["group_sizes"]
@@ -486,6 +496,8 @@ def _check_fake_layer(op: str, bound: dict) -> ExpertWeights:
     named = {}
     for name, p in zip(PROJECTIONS, experts.projections):
         named.update({f"{name}_{k}": (t, packed_device) for k, t in p.tensors().items()})
+        if p.bias is not None:
+            named[f"{name}_bias"] = (p.bias, packed_device)
     named.update({"topk_ids": (ids, x.device), "topk_weights": (w, x.device)})
     factor_names = (f"{p}_lora_{f}" for p in PROJECTIONS for f in ("a", "b"))
     named.update({n: (t, x.device) for n, t in zip(factor_names, lora.factors()) if t is not None})

@@ -47,7 +47,7 @@ from torch import Tensor
 
 import kt_ops
 from kt_ops.formats import quantize_weights
-from kt_ops.layer import layer_args, torch_activation
+from kt_ops.layer import layer_args, torch_glu
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,10 +165,11 @@ def reference_moe_forward(
     computes each fp8 projection (no LoRA) as the fp8 brgemm does: per 128-row
     band, the fp32 activations times the band's 128-k block scales, rounded
     once to bf16, times the exact E4M3 values (:func:`fp8_banded_product`).
-    ``act``: the experts' GLU activation (``activation=`` of the op; torch's own
-    function of it, :func:`kt_ops.layer.torch_activation`).
+    ``act``: the experts' GLU (``activation=`` of the op, parameters included; torch's
+    own functions, :func:`kt_ops.layer.torch_glu`). Each projection's per-expert
+    ``bias`` (``ExpertWeights.with_biases``) is added to its product.
     """
-    act_fn = torch_activation(act)
+    glu = torch_glu(act)
     T, H = hidden_states.shape
     if H != experts.hidden_size:
         raise ValueError(f"reference: hidden_states has {H} columns, experts {experts.hidden_size}")
@@ -184,7 +185,7 @@ def reference_moe_forward(
         if pair is not None:
             a, b = pair
             y = y + lora.scaling * ((v @ a[e].float().T) @ b[e].float().T)
-        return y
+        return y if p.bias is None else y + p.bias[e]
 
     with single_threaded_torch():
         x = hidden_states.float()
@@ -195,7 +196,7 @@ def reference_moe_forward(
             tok, slot = torch.nonzero(ids == e, as_tuple=True)
             pg, pu, pd = experts.projections
             xe = x[tok]
-            h = act_fn(project(xe, pg, "gate", e)) * project(xe, pu, "up", e)
+            h = glu(project(xe, pg, "gate", e), project(xe, pu, "up", e))
             y = project(h, pd, "down", e) * w[tok, slot].unsqueeze(1)
             out = out.index_add(0, tok, y)
     if out_dtype is None:
@@ -665,7 +666,7 @@ def reference_quant_moe_forward(
     take the fp32 path even for ``'q8'`` (``kt_ops.set_quant_activations('auto')``).
     ``act``: the experts' GLU activation (the op's ``activation=``).
     """
-    act_fn = torch_activation(act)
+    glu = torch_glu(act)
     if activation not in ("q8", "fp32"):
         raise ValueError(f"activation must be 'q8' or 'fp32', got {activation!r}")
     T, H = hidden_states.shape
@@ -681,7 +682,7 @@ def reference_quant_moe_forward(
             q8 = activation == "q8" and (fp32_min_tokens is None or len(tok) < fp32_min_tokens)
             if q8:
                 xe = q8_activations(xe)
-            h = act_fn(xe @ gate[e].float().T) * (xe @ up[e].float().T)
+            h = glu(xe @ gate[e].float().T, xe @ up[e].float().T)
             wd = down[e].float()
             we = w[tok, slot].unsqueeze(1)
             if q8:
@@ -751,6 +752,7 @@ def per_projection_reference(
     q8_brgemm_min: tuple[Optional[int], Optional[int], Optional[int]] = (None, None, None),
     fp8_brgemm: Optional[tuple[tuple[Any, ...], tuple[Optional[int], ...]]] = None,
     act: str = "silu",
+    biases: tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]] = (None, None, None),
 ) -> QuantReference:
     """``reference_quant_moe_forward`` with the q8-or-fp32 choice made per projection.
 
@@ -761,15 +763,18 @@ def per_projection_reference(
     (``q8_activations``); a q8 down adds the tie slack. ``fp8_brgemm``:
     (the packed projections, :func:`fp8_brgemm_min_tokens_of` of each): an
     fp8 projection with at least that many rows is the fp8 brgemm's
-    :func:`fp8_banded_product`. ``act``: the experts' GLU activation.
+    :func:`fp8_banded_product`. ``act``: the experts' GLU activation; ``biases``:
+    the per-expert biases of gate, up, down (``[E, n]`` or None), added to the products.
     """
-    act_fn = torch_activation(act)
+    glu = torch_glu(act)
     projections, fp8_min = fp8_brgemm if fp8_brgemm is not None else ((), (None, None, None))
 
     def product(v: Tensor, p: int, dense_w: Tensor, e: int, m: int) -> Tensor:
         if fp8_min[p] is not None and m >= fp8_min[p]:
-            return fp8_banded_product(v, projections[p], e)
-        return v @ dense_w.float().T
+            y = fp8_banded_product(v, projections[p], e)
+        else:
+            y = v @ dense_w.float().T
+        return y if biases[p] is None else y + biases[p][e]
 
     gate, up, down = dense
     with single_threaded_torch():
@@ -792,7 +797,7 @@ def per_projection_reference(
             xg = q8_activations(xe) if q8(0) else xe
             xu = q8_activations(xe) if q8(1) else xe
             g = product(xg, 0, gate[e], e, m)
-            h = act_fn(g) * product(xu, 1, up[e], e, m)
+            h = glu(g, product(xu, 1, up[e], e, m))
             wd = down[e].float()
             we = w[tok, slot].unsqueeze(1)
             if q8(2):
@@ -824,6 +829,18 @@ def reference_for(
     fp8 = tuple(
         fp8_brgemm_min_tokens_of(p.weight_format, hidden_states.dtype) for p in experts.projections
     )
+    if experts.has_bias:
+        return per_projection_reference(
+            hidden_states,
+            topk_ids,
+            topk_weights,
+            dense,
+            mins,
+            brg,
+            (experts.projections, fp8),
+            act=act,
+            biases=tuple(p.bias for p in experts.projections),
+        )
     if any(b is not None for b in fp8):
         return per_projection_reference(
             hidden_states,

@@ -246,7 +246,7 @@ def test_module_prepared_and_hybrid_paths(act: str):
 
 def test_module_refuses_an_unknown_activation():
     experts = make_expert_weights(E, H, I, seed=1)
-    with pytest.raises(ValueError, match="activation must be one of"):
+    with pytest.raises(ValueError, match="activation='relu' is not supported.*expected one of"):
         MoEExperts(experts, activation="relu")
 
 

@@ -18,6 +18,20 @@
 //              = 0.5 g (1 + tanh z): PyTorch's gelu(approximate='tanh'),
 //              Hugging Face's gelu_pytorch_tanh / gelu_new / gelu_fast
 //
+// The GLU around act (struct Glu, the `activation` argument's parameters) adds
+// what some families do to SwiGLU:
+//   alpha      silu only: act(g) = g * sigmoid(alpha g) (gpt-oss: 1.702; the
+//              Swish-beta of Ramachandran et al. 2017, "Searching for
+//              Activation Functions")
+//   limit      g <- min(g, limit) before act, u <- clamp(u, -limit, limit)
+//              (gpt-oss, DeepSeek-V4, GLM-5-Next, HY-V4, MiniMax-M3)
+//   act_limit  act(g) <- min(act(g), limit) after act, u clamped the same way
+//              (Step-3.7's swiglu_limits)
+//   up_offset  h = act(g) * (u + up_offset) (gpt-oss: 1)
+// written "silu(alpha=1.702,limit=7,up_offset=1)"; a bare name is the plain GLU.
+// The clamps follow torch.clamp: NaN stays NaN, and the gradient passes where
+// the value is inside the bounds (ends included).
+//
 // erfc: Numerical Recipes' erfcc (Press et al., 3rd ed., 6.2.2), fractional
 // error below 1.2e-7 for every argument, so Phi keeps its relative accuracy
 // in the far negative tail, where gelu(g) is a tiny number.
@@ -25,7 +39,10 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <limits>
 #include <optional>
+#include <string>
 #include <string_view>
 
 #ifndef KT_ALWAYS_INLINE
@@ -63,6 +80,81 @@ inline std::optional<Activation> parse_activation(std::string_view name) {
   return std::nullopt;
 }
 
+// The GLU of the experts: h = act'(g') * (u' + up_offset), with the optional
+// clamps and the silu alpha of the header comment. The default is the plain GLU.
+struct Glu {
+  Activation act = Activation::kSilu;
+  float alpha = 1.0f;  // silu's sigmoid(alpha g)
+  float limit = std::numeric_limits<float>::infinity();
+  bool clamp_after = false;  // limit clamps act(g) (act_limit) instead of g (limit)
+  float up_offset = 0.0f;
+
+  bool clamped() const { return std::isfinite(limit); }
+  // No parameter set: the plain act(g) * u, computed exactly as before they existed.
+  bool plain() const { return alpha == 1.0f && !clamped() && up_offset == 0.0f; }
+};
+
+// Parses "name" or "name(key=value,...)" (keys alpha, limit, act_limit,
+// up_offset) into *out; on failure returns false with the reason in *error.
+inline bool parse_glu(std::string_view text, Glu* out, std::string* error) {
+  Glu glu;
+  const size_t open = text.find('(');
+  const std::string_view name = text.substr(0, open);
+  const std::optional<Activation> act = parse_activation(name);
+  if (!act) {
+    *error = "unknown activation '" + std::string(name) + "'; expected one of ";
+    for (int i = 0; i < kNumActivations; ++i)
+      *error += (i ? ", '" : "'") + std::string(kActivationNames[i]) + "'";
+    return false;
+  }
+  glu.act = *act;
+  if (open != std::string_view::npos) {
+    if (text.back() != ')') {
+      *error = "parameters must be written name(key=value,...)";
+      return false;
+    }
+    std::string_view rest = text.substr(open + 1, text.size() - open - 2);
+    bool seen_limit = false;
+    while (!rest.empty()) {
+      const size_t comma = rest.find(',');
+      const std::string_view item = rest.substr(0, comma);
+      rest = comma == std::string_view::npos ? std::string_view() : rest.substr(comma + 1);
+      const size_t eq = item.find('=');
+      const std::string key(item.substr(0, eq));
+      const std::string value =
+          eq == std::string_view::npos ? "" : std::string(item.substr(eq + 1));
+      char* end = nullptr;
+      const double v = value.empty() ? 0.0 : std::strtod(value.c_str(), &end);
+      if (value.empty() || end != value.c_str() + value.size() || !std::isfinite(v)) {
+        *error = "parameter '" + std::string(item) + "' must be key=<finite number>";
+        return false;
+      }
+      if (key == "alpha") {
+        if (glu.act != Activation::kSilu || !(v > 0.0)) {
+          *error = "alpha applies to silu only and must be positive";
+          return false;
+        }
+        glu.alpha = static_cast<float>(v);
+      } else if (key == "limit" || key == "act_limit") {
+        if (seen_limit || !(v > 0.0)) {
+          *error = "one of limit / act_limit, positive";
+          return false;
+        }
+        seen_limit = true;
+        glu.limit = static_cast<float>(v);
+        glu.clamp_after = key == "act_limit";
+      } else if (key == "up_offset") {
+        glu.up_offset = static_cast<float>(v);
+      } else {
+        *error = "unknown parameter '" + key + "' (expected alpha, limit, act_limit, up_offset)";
+        return false;
+      }
+    }
+  }
+  *out = glu;
+  return true;
+}
+
 // ---------------------------------------------------------------- scalar forms
 
 namespace act_detail {
@@ -93,11 +185,12 @@ inline float normal_cdf(float g) {
 }
 }  // namespace act_detail
 
-// act(g), rounded as the vector form computes it.
-inline float activation_value(Activation a, float g) {
+// act(g), rounded as the vector form computes it; alpha: silu's sigmoid(alpha g)
+// (alpha * g is g exactly at the default 1).
+inline float activation_value(Activation a, float g, float alpha = 1.0f) {
   switch (a) {
     case Activation::kSilu:
-      return g * (1.0f / (1.0f + std::exp(-g)));
+      return g * (1.0f / (1.0f + std::exp(-(alpha * g))));
     case Activation::kGelu:
       return g * act_detail::normal_cdf(g);
     case Activation::kGeluTanh: {
@@ -110,11 +203,12 @@ inline float activation_value(Activation a, float g) {
 
 // The backward of h = act(g) * u for dL/dh = dh: dg = dh * u * act'(g), du = dh * act(g)
 // (the LoRA training path, moe/moe_lora.cpp).
-inline void glu_backward(Activation a, float g, float u, float dh, float* dg, float* du) {
+inline void glu_backward(Activation a, float g, float u, float dh, float* dg, float* du,
+                         float alpha = 1.0f) {
   switch (a) {
     case Activation::kSilu: {
-      const float s = 1.0f / (1.0f + std::exp(-g));  // silu' = s (1 + g (1 - s))
-      *dg = dh * u * s * (1.0f + g * (1.0f - s));
+      const float s = 1.0f / (1.0f + std::exp(-(alpha * g)));  // silu' = s (1 + a g (1 - s))
+      *dg = dh * u * s * (1.0f + alpha * g * (1.0f - s));
       *du = dh * g * s;
       return;
     }
@@ -136,59 +230,136 @@ inline void glu_backward(Activation a, float g, float u, float dh, float* dg, fl
   }
 }
 
+namespace act_detail {
+// torch.clamp's forms: NaN passes through.
+inline float clamp_max(float x, float hi) { return hi < x ? hi : x; }
+inline float clamp_pm(float x, float lim) {
+  const float hi = clamp_max(x, lim);
+  return -lim > hi ? -lim : hi;
+}
+}  // namespace act_detail
+
+// h of one element under the GLU p (the LoRA training path's forward).
+inline float glu_value(const Glu& p, float g, float u) {
+  if (p.plain()) return activation_value(p.act, g) * u;
+  if (p.clamped()) {
+    if (!p.clamp_after) g = act_detail::clamp_max(g, p.limit);
+    u = act_detail::clamp_pm(u, p.limit);
+  }
+  float a = activation_value(p.act, g, p.alpha);
+  if (p.clamped() && p.clamp_after) a = act_detail::clamp_max(a, p.limit);
+  return a * (u + p.up_offset);
+}
+
+// The backward of glu_value for dL/dh = dh: dg and du; a clamp passes the
+// gradient where its input is inside the bounds, ends included (torch.clamp).
+inline void glu_backward(const Glu& p, float g, float u, float dh, float* dg, float* du) {
+  if (p.plain()) {
+    glu_backward(p.act, g, u, dh, dg, du);
+    return;
+  }
+  float gate_pass = 1.0f, up_pass = 1.0f;
+  if (p.clamped()) {
+    if (!p.clamp_after) {
+      gate_pass = g <= p.limit ? 1.0f : 0.0f;
+      g = act_detail::clamp_max(g, p.limit);
+    }
+    up_pass = (u >= -p.limit && u <= p.limit) ? 1.0f : 0.0f;
+    u = act_detail::clamp_pm(u, p.limit);
+  }
+  float da = 0.0f, a = 0.0f;  // act'(g) and act(g): the GLU's backward at u = dh = 1
+  glu_backward(p.act, g, 1.0f, 1.0f, &da, &a, p.alpha);
+  if (p.clamped() && p.clamp_after) {
+    if (!(a <= p.limit)) da = 0.0f;
+    a = act_detail::clamp_max(a, p.limit);
+  }
+  *dg = dh * (u + p.up_offset) * da * gate_pass;
+  *du = dh * a * up_pass;
+}
+
 // ---------------------------------------------------------------- vector forms
+
+// act(g) over one register; z is silu's sigmoid argument (g, or alpha g).
+template <class V, Activation A>
+KT_ALWAYS_INLINE typename V::Reg act_reg(typename V::Reg gv, typename V::Reg z) {
+  using Reg = typename V::Reg;
+  const Reg one = V::set1(1.0f);
+  if constexpr (A == Activation::kSilu) {
+    const Reg sig = V::div(one, V::add(one, V::exp(V::neg(z))));
+    return V::mul(gv, sig);
+  } else if constexpr (A == Activation::kGelu) {
+    // Phi(g) = p (1 - q) + (1 - p) q with q = Phi(-|g|) and p = [g >= 0]: an exact
+    // select (p is 0 or 1), no cancellation in the tail.
+    const Reg a = V::mul(V::abs(gv), V::set1(act_detail::kSqrtHalf));
+    const Reg t = V::div(one, V::fma(V::set1(0.5f), a, one));
+    Reg p = V::set1(0.17087277f);
+    for (float c : {-0.82215223f, 1.48851587f, -1.13520398f, 0.27886807f, -0.18628806f, 0.09678418f,
+                    0.37409196f, 1.00002368f, -1.26551223f})
+      p = V::fma(p, t, V::set1(c));
+    const Reg q = V::mul(V::set1(0.5f), V::mul(t, V::exp(V::fma(V::neg(a), a, p))));
+    const Reg pos = V::max(V::sign1(gv), V::zero());  // 1 for g >= +0, else 0
+    const Reg cdf = V::fma(pos, V::add(one, V::mul(V::set1(-2.0f), q)), q);
+    return V::mul(gv, cdf);
+  } else {
+    static_assert(A == Activation::kGeluTanh);
+    const Reg g3 = V::mul(V::mul(gv, gv), gv);
+    const Reg zt =
+        V::mul(V::set1(act_detail::kGeluTanhC), V::fma(V::set1(act_detail::kGeluTanhA), g3, gv));
+    return V::div(gv, V::add(one, V::exp(V::mul(V::set1(-2.0f), zt))));
+  }
+}
 
 // act(g) * u over 16 values, in place in g, for one activation.
 template <class V, Activation A>
 KT_ALWAYS_INLINE void glu_16(float* g, const float* u) {
-  using Reg = typename V::Reg;
-  const Reg one = V::set1(1.0f);
   for (int v = 0; v < 16; v += V::kLanes) {
-    const Reg gv = V::load(g + v);
-    Reg act;
-    if constexpr (A == Activation::kSilu) {
-      const Reg sig = V::div(one, V::add(one, V::exp(V::neg(gv))));
-      act = V::mul(gv, sig);
-    } else if constexpr (A == Activation::kGelu) {
-      // Phi(g) = p (1 - q) + (1 - p) q with q = Phi(-|g|) and p = [g >= 0]: an exact
-      // select (p is 0 or 1), no cancellation in the tail.
-      const Reg a = V::mul(V::abs(gv), V::set1(act_detail::kSqrtHalf));
-      const Reg t = V::div(one, V::fma(V::set1(0.5f), a, one));
-      Reg p = V::set1(0.17087277f);
-      for (float c : {-0.82215223f, 1.48851587f, -1.13520398f, 0.27886807f, -0.18628806f,
-                      0.09678418f, 0.37409196f, 1.00002368f, -1.26551223f})
-        p = V::fma(p, t, V::set1(c));
-      const Reg q = V::mul(V::set1(0.5f), V::mul(t, V::exp(V::fma(V::neg(a), a, p))));
-      const Reg pos = V::max(V::sign1(gv), V::zero());  // 1 for g >= +0, else 0
-      const Reg cdf = V::fma(pos, V::add(one, V::mul(V::set1(-2.0f), q)), q);
-      act = V::mul(gv, cdf);
-    } else {
-      static_assert(A == Activation::kGeluTanh);
-      const Reg g3 = V::mul(V::mul(gv, gv), gv);
-      const Reg z =
-          V::mul(V::set1(act_detail::kGeluTanhC), V::fma(V::set1(act_detail::kGeluTanhA), g3, gv));
-      act = V::div(gv, V::add(one, V::exp(V::mul(V::set1(-2.0f), z))));
-    }
-    V::store(g + v, V::mul(act, V::load(u + v)));
+    const typename V::Reg gv = V::load(g + v);
+    V::store(g + v, V::mul(act_reg<V, A>(gv, gv), V::load(u + v)));
+  }
+}
+
+// The same under a parametrized GLU p (Glu above). The clamps put the bound
+// first: x86's min/max return their second operand when one is NaN, so NaN
+// passes through as in torch.clamp (kernels/<isa>/vec.h's min and max).
+template <class V, Activation A>
+KT_ALWAYS_INLINE void glu_16(float* g, const float* u, const Glu& p) {
+  using Reg = typename V::Reg;
+  const Reg hi = V::set1(p.limit), lo = V::set1(-p.limit);
+  const Reg alpha = V::set1(p.alpha), offset = V::set1(p.up_offset);
+  const bool clamped = p.clamped(), before = clamped && !p.clamp_after;
+  for (int v = 0; v < 16; v += V::kLanes) {
+    Reg gv = V::load(g + v), uv = V::load(u + v);
+    if (before) gv = V::min(hi, gv);
+    if (clamped) uv = V::max(lo, V::min(hi, uv));
+    Reg a = act_reg<V, A>(gv, A == Activation::kSilu ? V::mul(alpha, gv) : gv);
+    if (clamped && !before) a = V::min(hi, a);
+    V::store(g + v, V::mul(a, V::add(uv, offset)));
   }
 }
 
 // act(g) * u over m rows of 16 values ([m][16], contiguous), in place in g.
 template <class V, Activation A>
-void glu_rows(float* g, const float* u, int m) {
+void glu_rows(float* g, const float* u, int m, const Glu&) {
   for (int i = 0; i < m; ++i) glu_16<V, A>(g + 16 * i, u + 16 * i);
 }
 
-// The driver's epilogue (moe/moe_forward.cpp): g = act(g) * u over m rows of 16.
-using GluRows = void (*)(float* g, const float* u, int m);
+// The same under a parametrized GLU.
+template <class V, Activation A>
+void glu_rows_params(float* g, const float* u, int m, const Glu& p) {
+  for (int i = 0; i < m; ++i) glu_16<V, A>(g + 16 * i, u + 16 * i, p);
+}
 
-// Every activation's epilogue with vector traits V: what a tier's glu_rows() returns.
+// The driver's epilogue (moe/moe_forward.cpp): g = h over m rows of 16.
+using GluRows = void (*)(float* g, const float* u, int m, const Glu& p);
+
+// Every GLU's epilogue with vector traits V: what a tier's glu_rows() returns
+// (the plain form for a plain GLU: its results do not change with the parameters' code).
 template <class V>
-GluRows glu_rows_for(Activation a) {
-  switch (a) {
+GluRows glu_rows_for(const Glu& p) {
+  switch (p.act) {
 #define KT_ACT_CASE(e, name) \
   case Activation::e:        \
-    return &glu_rows<V, Activation::e>;
+    return p.plain() ? &glu_rows<V, Activation::e> : &glu_rows_params<V, Activation::e>;
     KT_ACTIVATIONS(KT_ACT_CASE)
 #undef KT_ACT_CASE
   }

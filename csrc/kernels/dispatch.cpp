@@ -17,7 +17,7 @@ namespace kt::kernels {
 namespace avx512 {
 KT_WEAK const ProjectionKernels& bf16_kernels();
 KT_WEAK const ProjectionKernels& qint_kernels();
-KT_WEAK GluRows glu_rows(Activation a);
+KT_WEAK GluRows glu_rows(const Glu& glu);
 KT_WEAK void quantize_row_q8(const float* x, int64_t kp, uint8_t* rec);
 }  // namespace avx512
 namespace avx512_vnni {
@@ -118,7 +118,7 @@ struct Tier {
   const char* needs;
   KernelsFn layouts[3];        // kBf16, kQint, kFp8
   const TileKernel* tiles[3];  // kBf16, kQint, kFp8
-  GluRows (*glu)(Activation);  // the epilogue of each activation
+  GluRows (*glu)(const Glu&);  // the epilogue of each activation
   QuantizeRowQ8 quantize_q8;
 };
 
@@ -271,10 +271,10 @@ const TileKernel* tile_kernel(const formats::FormatRow& format, Isa isa) {
   return nullptr;
 }
 
-GluRows glu_rows(Isa isa, Activation a) {
+GluRows glu_rows(Isa isa, const Glu& glu) {
   for (Isa i = isa; i > 0; --i)
-    if (kTiers[i].glu != nullptr) return kTiers[i].glu(a);
-  return kTiers[0].glu(a);
+    if (kTiers[i].glu != nullptr) return kTiers[i].glu(glu);
+  return kTiers[0].glu(glu);
 }
 
 QuantizeRowQ8 quantize_row_q8(Isa isa) {

@@ -33,7 +33,7 @@ const ProjectionKernels& projection_kernels(formats::Layout layout, Isa isa);
 // takes is the plan's decision (kernels/plan.h).
 const TileKernel* tile_kernel(const formats::FormatRow& format, Isa isa);
 // The GLU epilogue act(g) * u of activation `a` on tier `isa` (kernels/activations.h).
-GluRows glu_rows(Isa isa, Activation a);
+GluRows glu_rows(Isa isa, const Glu& glu);
 // The q8 activation quantizer of tier `isa`.
 QuantizeRowQ8 quantize_row_q8(Isa isa);
 

@@ -142,7 +142,7 @@ Call plan_call(const at::Tensor& hidden_states, const MoeLayer& layer, kernels::
          {*layer.gate.format, layer.gate.view, isa, modes, bf16_act},
          {*layer.up.format, layer.up.view, isa, modes, bf16_act},
          {*layer.down.format, layer.down.view, isa, modes, bf16_act},
-         kernels::glu_rows(isa, layer.activation),
+         kernels::glu_rows(isa, layer.glu),
          kernels::quantize_row_q8(isa)};
   c.x_q8 = c.gate.reads_q8() || c.up.reads_q8();
   c.h_q8 = c.down.reads_q8();
@@ -206,11 +206,19 @@ void prepare_rows(const Call& c) {
   }
 }
 
-// Epilogue of gate/up: h = act(g) * u for the block's valid columns of the
-// expert's m rows, into h (and its bf16 rows where down reads them).
-void glu_epilogue(const Call& c, float* g, const float* u, int64_t nb, int64_t r0, int m) {
+// Adds bias[0, n_valid) to each of m rows of 16 (a projection's per-expert bias).
+void add_bias(float* rows, const float* bias, int m, int n_valid) {
+  for (int i = 0; i < m; ++i)
+    for (int r = 0; r < n_valid; ++r) rows[i * kRows + r] += bias[r];
+}
+
+// Epilogue of gate/up: h = act(g + bg) * (u + bu) for the block's valid
+// columns of expert e's m rows, into h (and its bf16 rows where down reads them).
+void glu_epilogue(const Call& c, int64_t e, float* g, float* u, int64_t nb, int64_t r0, int m) {
   const int n_valid = static_cast<int>(std::min<int64_t>(kRows, c.I - nb * kRows));
-  c.glu(g, u, m);
+  if (const float* b = c.layer.gate.bias_row(e)) add_bias(g, b + nb * kRows, m, n_valid);
+  if (const float* b = c.layer.up.bias_row(e)) add_bias(u, b + nb * kRows, m, n_valid);
+  c.glu(g, u, m, c.layer.glu);
   const bool hb = c.down.reads_bf16(m);
   for (int i = 0; i < m; ++i) {
     const float* gi = g + i * kRows;
@@ -235,7 +243,7 @@ void gate_up_block(const Call& c, int64_t e, int64_t nb, int64_t r0, int m,
   grow(t_up_out, static_cast<size_t>(m) * kRows);
   c.gate.dot(rows, nb, t_gate_out.data(), ts);
   c.up.dot(rows, nb, t_up_out.data(), ts);
-  glu_epilogue(c, t_gate_out.data(), t_up_out.data(), nb, r0, m);
+  glu_epilogue(c, e, t_gate_out.data(), t_up_out.data(), nb, r0, m);
 }
 
 // Between gate/up and down: an expert's GLU outputs to q8 records, once all
@@ -247,8 +255,8 @@ void quantize_expert(const Call& c, int64_t r0, int m) {
     c.quantize(c.s.h.data() + r * c.Ip, c.Ip, c.s.hq.data() + r * rec);
 }
 
-// Down: block nb of H of expert e, scaled by each row's routing weight into
-// the row's slot of y.
+// Down: block nb of H of expert e (plus its bias), scaled by each row's
+// routing weight into the row's slot of y.
 void down_block(const Call& c, int64_t e, int64_t nb, int64_t r0, int m,
                 kernels::ThreadScratch& ts) {
   Scratch& s = c.s;
@@ -263,6 +271,8 @@ void down_block(const Call& c, int64_t e, int64_t nb, int64_t r0, int m,
   grow(t_gate_out, static_cast<size_t>(m) * kRows);
   c.down.dot(rows, nb, t_gate_out.data(), ts);
   const int n_valid = static_cast<int>(std::min<int64_t>(kRows, c.H - nb * kRows));
+  if (const float* b = c.layer.down.bias_row(e))
+    add_bias(t_gate_out.data(), b + nb * kRows, m, n_valid);
   for (int i = 0; i < m; ++i) {
     float* dst = s.y.data() + c.routing.row_slot[r0 + i] * c.H + nb * kRows;
     const float w = c.routing.row_weight[r0 + i];

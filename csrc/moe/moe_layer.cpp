@@ -194,6 +194,20 @@ Projection parse_projection(const char* op, int i, const formats::FormatRow& f, 
   return p;
 }
 
+// One projection's bias: fp32 [E, n], contiguous, or None.
+at::Tensor parse_bias(const char* op, const std::optional<at::Tensor>& bias, const char* name,
+                      int64_t E, int64_t n) {
+  if (!bias.has_value()) return {};
+  const at::Tensor& b = *bias;
+  check_cpu(op, b, name);
+  TORCH_CHECK(b.scalar_type() == at::kFloat, op, ": ", name,
+              " must be fp32 (one bias per expert and output row), got ", b.scalar_type());
+  TORCH_CHECK(b.dim() == 2 && b.size(0) == E && b.size(1) == n, op, ": ", name, " must be [E=", E,
+              ", ", n, "], got shape ", b.sizes());
+  TORCH_CHECK(b.is_contiguous(), op, ": ", name, " must be contiguous (call .contiguous())");
+  return b;
+}
+
 // One projection's LoRA A [E, r, k] and B [E, n, r]; a [0]-shaped pair = none.
 LoraProjection parse_lora(const char* op, int i, const at::Tensor& a, const at::Tensor& b,
                           int64_t E, int64_t n, int64_t k) {
@@ -229,9 +243,9 @@ LoraProjection parse_lora(const char* op, int i, const at::Tensor& a, const at::
 
 }  // namespace
 
-const char* const kWeightNames[9] = {"gate_weight", "gate_scales", "gate_zeros",
-                                     "up_weight",   "up_scales",   "up_zeros",
-                                     "down_weight", "down_scales", "down_zeros"};
+const char* const kWeightNames[kNumWeightArgsBias] = {
+    "gate_weight", "gate_scales", "gate_zeros", "up_weight", "up_scales", "up_zeros",
+    "down_weight", "down_scales", "down_zeros", "gate_bias", "up_bias",   "down_bias"};
 const char* const kLoraFactorNames[6] = {"gate_lora_a", "gate_lora_b", "up_lora_a",
                                          "up_lora_b",   "down_lora_a", "down_lora_b"};
 
@@ -285,15 +299,18 @@ MoeLayer parse_moe_layer(const char* op, const at::Tensor& hidden_states,
 }
 
 MoeLayer parse_layer(const char* op, const at::Tensor* hidden_states, KT_LAYER_PARAMS) {
-  const std::optional<kernels::Activation> act =
-      kernels::parse_activation(std::string_view(activation.data(), activation.size()));
-  if (!act) {
+  kernels::Glu glu;
+  std::string glu_error;
+  if (!kernels::parse_glu(std::string_view(activation.data(), activation.size()), &glu,
+                          &glu_error)) {
     std::string names;
     for (const char* n : kernels::kActivationNames)
       names += (names.empty() ? "'" : ", '") + std::string(n) + "'";
     TORCH_CHECK(false, op, ": activation='", std::string(activation),
                 "' is not supported; expected one of ", names,
-                " (the GLU activation of the experts: h = act(gate(x)) * up(x))");
+                ", optionally with parameters as in 'silu(alpha=1.702,limit=7,up_offset=1)' "
+                "(the GLU of the experts: h = act(gate(x)) * up(x)); here: ",
+                glu_error);
   }
 
   // --- the layer -------------------------------------------------------------
@@ -301,15 +318,15 @@ MoeLayer parse_layer(const char* op, const at::Tensor* hidden_states, KT_LAYER_P
               ": sizes must be [hidden_size, intermediate_size], both positive, got ", sizes);
   MoeLayer layer;
   layer.op = op;
-  layer.activation = *act;
+  layer.glu = glu;
   const int64_t H = layer.hidden_size = sizes[0];
   const int64_t I = layer.intermediate_size = sizes[1];
   if (hidden_states != nullptr) check_hidden_size(op, *hidden_states, layer);
   TORCH_CHECK(group_sizes.size() == 3, op,
               ": group_sizes must hold 3 values (gate, up, down), got ", group_sizes);
-  TORCH_CHECK(weights.size() == 9, op,
+  TORCH_CHECK(weights.size() == kNumWeightArgs || weights.size() == kNumWeightArgsBias, op,
               ": weights must hold 9 entries (weight, scales, zeros of gate, up, down; None "
-              "where a format has none), got ",
+              "where a format has none), or 12 with the gate, up and down biases, got ",
               weights.size());
   const std::string fmt(weight_format.data(), weight_format.size());
   const std::vector<std::string> names = split_formats(op, fmt);
@@ -326,6 +343,9 @@ MoeLayer parse_layer(const char* op, const at::Tensor* hidden_states, KT_LAYER_P
     *projs[i] =
         parse_projection(op, i, *f, group_sizes[i], weights.get(3 * i), weights.get(3 * i + 1),
                          weights.get(3 * i + 2), E, down ? H : I, down ? I : H);
+    if (weights.size() == kNumWeightArgsBias)
+      projs[i]->bias = parse_bias(op, weights.get(kNumWeightArgs + i),
+                                  kWeightNames[kNumWeightArgs + i], E, down ? H : I);
   }
 
   // --- LoRA ------------------------------------------------------------------

@@ -19,13 +19,17 @@
 // kLayerSchema in csrc/ops/registration.cpp). Written once here for the C++
 // kernels' signatures (KT_LAYER_PARAMS) and their calls (KT_LAYER_ARGS):
 //   weights       9 packed tensors: gate, up, down x (weight, scales, zeros),
-//                 None where a format has no such tensor
+//                 None where a format has no such tensor; optionally followed
+//                 by 3 per-expert biases (gate [E, I], up [E, I], down [E, H],
+//                 fp32, None where a projection has none; gpt-oss)
 //   weight_format one format name, or "gate,up,down" names
 //   sizes         [hidden_size, intermediate_size] of the dense weights
 //   group_sizes   [gate, up, down] group sizes along K (0: per channel)
 //   lora          [] or 6 tensors (gate A, B, up A, B, down A, B); a [0]-shaped
 //                 tensor stands for an absent factor
-//   lora_scaling, activation
+//   lora_scaling
+//   activation    the GLU: a name of KT_ACTIVATIONS, or with parameters
+//                 "silu(alpha=1.702,limit=7,up_offset=1)" (kernels/activations.h)
 //   gpu_experts_mask  None, or bool [E]: True marks an expert that lives on the
 //                 GPU; the op skips its slots as it skips id -1
 #define KT_LAYER_PARAMS                                                               \
@@ -52,6 +56,12 @@ struct Projection {
   int64_t k = 0;
   int64_t group_size = 0;
   kernels::ProjectionView view;  // what the kernels read
+  at::Tensor bias;               // fp32 [E, n], contiguous, added to the product; or undefined
+
+  // Expert e's bias row [n], or nullptr.
+  const float* bias_row(int64_t e) const {
+    return bias.defined() ? bias.data_ptr<float>() + e * n : nullptr;
+  }
 
   int64_t num_experts() const { return weight.size(0); }
 };
@@ -76,8 +86,9 @@ struct MoeLayer {
   int64_t intermediate_size = 0;  // I
   Projection gate, up, down;      // [E, I, H], [E, I, H], [E, H, I]
   LoraParams lora;
-  // h = act(gate(x)) * up(x) (kernels/activations.h; the ops' `activation` argument).
-  kernels::Activation activation = kernels::Activation::kSilu;
+  // h = act(gate(x)) * up(x), with the GLU's clamps and offsets (kernels/activations.h;
+  // the ops' `activation` argument).
+  kernels::Glu glu;
   // bool [E], contiguous CPU: experts the op skips (served on the GPU); undefined: none.
   at::Tensor skip_experts;
 
@@ -86,10 +97,12 @@ struct MoeLayer {
   }
 };
 
-// The names of the 9 entries of the `weights` argument (gate_weight,
-// gate_scales, gate_zeros, up_..., down_...) and of the 6 entries of the
-// `lora` argument, for error messages.
-extern const char* const kWeightNames[9];
+// The names of the entries of the `weights` argument (gate_weight,
+// gate_scales, gate_zeros, up_..., down_..., then gate_bias, up_bias,
+// down_bias) and of the 6 entries of the `lora` argument, for error messages.
+constexpr int kNumWeightArgs = 9;       // the packed tensors
+constexpr int kNumWeightArgsBias = 12;  // with the biases
+extern const char* const kWeightNames[kNumWeightArgsBias];
 extern const char* const kLoraFactorNames[6];
 
 // kt.moe_forward.out's `out`, on any device: the dtype and shape of

@@ -180,6 +180,16 @@ struct ThreadWeights {
   at::Tensor gate, up, down;
 };
 
+// rows[i, :] += bias for m rows of n fp32 values (a projection's per-expert
+// bias, or nothing when it has none).
+void add_bias(const at::Tensor& rows, const float* bias) {
+  if (bias == nullptr) return;
+  float* p = rows.data_ptr<float>();
+  const int64_t m = rows.size(0), n = rows.size(1);
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < n; ++j) p[i * n + j] += bias[j];
+}
+
 const at::Tensor& ensure(at::Tensor& t, int64_t numel) {
   if (!t.defined()) t = at::empty({numel}, kF32);
   return t;
@@ -232,17 +242,19 @@ LoraForwardResult moe_forward_lora(const at::Tensor& x, const at::Tensor& topk_i
     at::Tensor g = at::empty({m, I}, kF32), u = at::empty({m, I}, kF32);
     project(xe, dense_expert_weight(w.gate, e, scratch), lg, e, s, g);
     project(xe, dense_expert_weight(w.up, e, scratch), lu, e, s, u);
+    add_bias(g, w.gate.bias_row(e));
+    add_bias(u, w.up.bias_row(e));
     float* gp = g.data_ptr<float>();
     const float* up = u.data_ptr<float>();
     if (save_pre) {
       scatter_rows(gp, m, I, slot, gpre);
       scatter_rows(up, m, I, slot, upre);
     }
-    const kernels::Activation act = w.activation;
-    for (int64_t i = 0; i < m * I; ++i) gp[i] = kernels::activation_value(act, gp[i]) * up[i];
+    for (int64_t i = 0; i < m * I; ++i) gp[i] = kernels::glu_value(w.glu, gp[i], up[i]);
 
     at::Tensor y = at::empty({m, H}, kF32);
     project(g, dense_expert_weight(w.down, e, scratch), ld, e, s, y);
+    add_bias(y, w.down.bias_row(e));
     const float* yr = y.data_ptr<float>();
     const float* rw = plan.row_weight.data() + r0;
     for (int64_t i = 0; i < m; ++i) {
@@ -363,13 +375,14 @@ MoeGrads moe_backward_lora(const at::Tensor& grad_output, const at::Tensor& x,
       } else {
         xa_g = project(xe, wg, lg, e, s, g);
         xa_u = project(xe, wu, lu, e, s, u);
+        add_bias(g, w.gate.bias_row(e));
+        add_bias(u, w.up.bias_row(e));
       }
       float* gp = g.data_ptr<float>();
       float* up = u.data_ptr<float>();
       at::Tensor h = at::empty({m, I}, kF32);
       float* hp = h.data_ptr<float>();
-      for (int64_t i = 0; i < m * I; ++i)
-        hp[i] = kernels::activation_value(w.activation, gp[i]) * up[i];
+      for (int64_t i = 0; i < m * I; ++i) hp[i] = kernels::glu_value(w.glu, gp[i], up[i]);
 
       // dh_u = dL/dh before the routing weight: go Wd + s (go Bd) Ad.
       at::Tensor go = at::empty({m, H}, kF32);
@@ -382,11 +395,15 @@ MoeGrads moe_backward_lora(const at::Tensor& grad_output, const at::Tensor& x,
         go_b = at::mm(go, ld.B(e));
         dh.addmm_(go_b, ld.A(e), 1.0, s);
       }
-      // d out[t] / d w[t, k] = <go, y> = <dh_u, h>.
+      // d out[t] / d w[t, k] = <go, y> = <dh_u, h> (+ <go, bd> with a down bias).
       float* dhp = dh.data_ptr<float>();
+      const float* bd = w.down.bias_row(e);
+      const float* gorow = go.data_ptr<float>();
       for (int64_t i = 0; i < m; ++i) {
         float dot = 0.0f;
         for (int64_t j = 0; j < I; ++j) dot += dhp[i * I + j] * hp[i * I + j];
+        if (bd != nullptr)
+          for (int64_t j = 0; j < H; ++j) dot += gorow[i * H + j] * bd[j];
         gwp[slot[i]] = dot;
       }
       for (int64_t i = 0; i < m; ++i) {
@@ -409,7 +426,7 @@ MoeGrads moe_backward_lora(const at::Tensor& grad_output, const at::Tensor& x,
 
       // dg = dh * u * act'(g), du = dh * act(g); written over g and u.
       for (int64_t i = 0; i < m * I; ++i)
-        kernels::glu_backward(w.activation, gp[i], up[i], dhp[i], &gp[i], &up[i]);
+        kernels::glu_backward(w.glu, gp[i], up[i], dhp[i], &gp[i], &up[i]);
       const at::Tensor& dg = g;
       const at::Tensor& du = u;
       // dB = s d^T (x A^T), dA = s (d B)^T x for the gate and up LoRA.

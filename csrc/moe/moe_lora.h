@@ -5,8 +5,9 @@
 //     y = W_p[e] x + scaling * B_p[e] (A_p[e] x)
 // with A_p[e] [r, K] and B_p[e] [N, r], so the stacked tensors are
 //     gate/up: A [E, r, H], B [E, I, r];   down: A [E, r, I], B [E, H, r].
-// Any subset of the three projections may carry LoRA. The expert is SwiGLU:
-//     g = gate(x), u = up(x), h = silu(g) * u, y = down(h),
+// Any subset of the three projections may carry LoRA. The expert is a GLU
+// (kernels/activations.h), with optional per-expert biases b:
+//     g = gate(x) + bg, u = up(x) + bu, h = glu(g, u), y = down(h) + bd,
 //     out[t] = sum_k w[t, k] * y_{e = ids[t, k]}(x[t]).
 //
 // Work split: one pool task per active expert (largest first). A task

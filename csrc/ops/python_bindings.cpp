@@ -227,6 +227,21 @@ PYBIND11_MODULE(_C, m) {
     return std::vector<std::string>(std::begin(kt::kernels::kActivationNames),
                                     std::end(kt::kernels::kActivationNames));
   });
+  m.def("parse_activation", [](const std::string& text) {
+    // The ops' one parser of the `activation` argument (kernels/activations.h):
+    // {"name", "alpha", "limit" or None, "act_limit" or None, "up_offset"}.
+    kt::kernels::Glu glu;
+    std::string error;
+    if (!kt::kernels::parse_glu(text, &glu, &error))
+      throw py::value_error("activation='" + text + "' is not supported: " + error);
+    py::dict d;
+    d["name"] = kt::kernels::activation_name(glu.act);
+    d["alpha"] = glu.alpha;
+    d["limit"] = glu.clamped() && !glu.clamp_after ? py::cast(glu.limit) : py::none();
+    d["act_limit"] = glu.clamped() && glu.clamp_after ? py::cast(glu.limit) : py::none();
+    d["up_offset"] = glu.up_offset;
+    return d;
+  });
   m.def("built_isas", [] { return names(kt::kernels::built_isas()); });
   m.def("supported_isas", [] { return names(kt::kernels::supported_isas()); });
   m.def("active_isa", [] { return std::string(kt::kernels::isa_name(kt::kernels::active_isa())); });

@@ -32,6 +32,9 @@ class PackedProjection:
         weight_format: one of ``FORMATS``.
         group_size: K elements per scale (0 = per output channel; fp8: 128).
         n, k: unpadded output rows and inputs of the dense ``[E, n, k]`` weights.
+        bias: ``None``, or fp32 ``[E, n]``: a per-expert bias added to the
+            projection's output (gpt-oss); not part of the packed format, so
+            not in :meth:`tensors`.
     """
 
     weight: Tensor
@@ -41,6 +44,7 @@ class PackedProjection:
     group_size: int
     n: int
     k: int
+    bias: Optional[Tensor] = None
 
     @property
     def spec(self) -> FormatSpec:
@@ -136,6 +140,22 @@ class PackedProjection:
                 raise ValueError(f"PackedProjection.{name} is on {t.device}, weight on {w.device}")
             if not t.is_contiguous():
                 raise ValueError(f"PackedProjection.{name} must be contiguous")
+        b = self.bias
+        if b is not None:
+            if (
+                not isinstance(b, Tensor)
+                or b.dtype != torch.float32
+                or tuple(b.shape) != (e, self.n)
+            ):
+                got = f"{b.dtype} {list(b.shape)}" if isinstance(b, Tensor) else type(b).__name__
+                raise ValueError(
+                    f"PackedProjection.bias must be None or fp32 [E={e}, n={self.n}], got {got}"
+                )
+            if b.device != w.device or not b.is_contiguous():
+                raise ValueError(
+                    f"PackedProjection.bias must be contiguous and on the weight's device "
+                    f"({w.device}), got {b.device}"
+                )
         return self
 
     def select_experts(self, ids: Tensor) -> PackedProjection:
@@ -163,4 +183,9 @@ class PackedProjection:
         )
 
     def _fields(self) -> dict[str, Optional[Tensor]]:
-        return {"weight": self.weight, "scales": self.scales, "zeros": self.zeros}
+        return {
+            "weight": self.weight,
+            "scales": self.scales,
+            "zeros": self.zeros,
+            "bias": self.bias,
+        }

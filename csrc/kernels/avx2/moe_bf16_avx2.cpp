@@ -13,6 +13,6 @@ const ProjectionKernels& bf16_kernels() {
   return k;
 }
 
-GluRows glu_rows(Activation a) { return kernels::glu_rows_for<Vec>(a); }
+GluRows glu_rows(const Glu& glu) { return kernels::glu_rows_for<Vec>(glu); }
 
 }  // namespace kt::kernels::avx2

@@ -28,6 +28,8 @@ struct Vec {
   static inline Reg fma(Reg a, Reg b, Reg c) { return _mm256_fmadd_ps(a, b, c); }
   static inline Reg abs(Reg a) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), a); }
   static inline Reg max(Reg a, Reg b) { return _mm256_max_ps(a, b); }
+  // a < b ? a : b (b when either is NaN).
+  static inline Reg min(Reg a, Reg b) { return _mm256_min_ps(a, b); }
   // copysign(1, a): +1 or -1 by a's sign bit (-0.0 gives -1).
   static inline Reg sign1(Reg a) {
     return _mm256_or_ps(_mm256_and_ps(a, _mm256_set1_ps(-0.0f)), _mm256_set1_ps(1.0f));

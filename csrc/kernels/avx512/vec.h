@@ -31,6 +31,8 @@ struct Vec {
   static inline Reg fma(Reg a, Reg b, Reg c) { return _mm512_fmadd_ps(a, b, c); }
   static inline Reg abs(Reg a) { return _mm512_abs_ps(a); }
   static inline Reg max(Reg a, Reg b) { return _mm512_max_ps(a, b); }
+  // a < b ? a : b (b when either is NaN).
+  static inline Reg min(Reg a, Reg b) { return _mm512_min_ps(a, b); }
   // copysign(1, a): +1 or -1 by a's sign bit (-0.0 gives -1).
   static inline Reg sign1(Reg a) {
     const __m512i sign =

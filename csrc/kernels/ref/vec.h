@@ -55,6 +55,10 @@ struct Vec {
   static inline Reg max(const Reg& a, const Reg& b) {
     return map([&](int i) { return a.v[i] > b.v[i] ? a.v[i] : b.v[i]; });
   }
+  // a < b ? a : b (b when either is NaN, as x86's minps).
+  static inline Reg min(const Reg& a, const Reg& b) {
+    return map([&](int i) { return a.v[i] < b.v[i] ? a.v[i] : b.v[i]; });
+  }
   // copysign(1, a): +1 or -1 by a's sign bit (-0.0 gives -1).
   static inline Reg sign1(const Reg& a) {
     return map([&](int i) { return std::copysign(1.0f, a.v[i]); });

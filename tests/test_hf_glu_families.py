@@ -1,0 +1,142 @@
+"""Hugging Face families whose experts carry biases or a clamped SwiGLU, served by
+``replace_experts``: gpt-oss (biases, alpha, clamps, +1), DeepSeek-V4 / GLM-5-Next / HY-V4
+(clamp before SiLU), MiniMax-M3 (gpt-oss's GLU without biases) and Step-3.7 (a clamp after
+SiLU that only some layers set), each against the unmodified module.
+
+The GLU is read from the module's attributes and confirmed by the probe (which tries the
+candidates of ``ExpertsInfo.glu_candidates`` in turn); every instance whose scalar
+attributes differ is probed on its own, so a per-layer clamp cannot slip through.
+"""
+
+# ruff: noqa: E741
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from test_hf import TinyModel, dense_weights, rel_err, round_experts_to_bf16_, store
+
+transformers = pytest.importorskip("transformers")
+
+import kt_ops  # noqa: E402
+from kt_ops.hf import UnsupportedExpertsError, find_experts, replace_experts  # noqa: E402
+from kt_ops.nn import MoEExperts  # noqa: E402
+
+E, H, I = 8, 64, 32
+INPUT_IDS = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+TINY = dict(
+    vocab_size=128, hidden_size=H, intermediate_size=I, moe_intermediate_size=I,
+    num_local_experts=E, num_experts_per_tok=2, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+)  # fmt: skip
+
+
+def _tiny_causal_lm(model_type: str):
+    config = transformers.AutoConfig.for_model(model_type, **TINY)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    round_experts_to_bf16_(model)
+    return model
+
+
+@pytest.mark.parametrize(
+    "model_type, spec, biased",
+    [
+        ("gpt_oss", "silu(alpha=1.702,limit=7.0,up_offset=1.0)", True),
+        ("deepseek_v4", "silu(limit=10.0)", False),
+    ],
+)
+def test_causal_lm_matches_the_unmodified_model(model_type: str, spec: str, biased: bool):
+    model = _tiny_causal_lm(model_type)
+    reference = copy.deepcopy(model)
+    replace_experts(model)
+    replaced = [m for m in model.modules() if isinstance(m, MoEExperts)]
+    assert len(replaced) == 2 and all(m.activation == spec for m in replaced)
+    assert all((m.down_bias is not None) == biased for m in replaced)
+    with torch.inference_mode():
+        want, got = reference(INPUT_IDS).logits, model(INPUT_IDS).logits
+    assert rel_err(got, want) < 1e-4
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    # Training reaches the embeddings through the experts (their backward).
+    model.train()
+    model(INPUT_IDS).logits.float().pow(2).mean().backward()
+    emb = model.get_input_embeddings().weight.grad
+    assert emb is not None and emb.abs().sum() > 0
+
+
+def test_gpt_oss_quantized_and_gpu_experts_refused():
+    model = _tiny_causal_lm("gpt_oss")
+    reference = copy.deepcopy(model)
+    with pytest.raises(UnsupportedExpertsError, match="per-expert biases"):
+        replace_experts(model, gpu_experts=[0, 1])
+    assert not any(isinstance(m, MoEExperts) for m in model.modules())  # left untouched
+    replace_experts(model, "int8")
+    with torch.inference_mode():
+        assert rel_err(model(INPUT_IDS).logits, reference(INPUT_IDS).logits) < 5e-2
+
+
+def _experts_of(module_path: str, config_cls: str, **config):
+    mod = __import__(f"transformers.models.{module_path}", fromlist=["x"])
+    cfg = getattr(mod, config_cls)(**config)
+    return mod, cfg
+
+
+def _stored(module, seed: int):
+    store(module, *dense_weights(seed), concatenated=True, transposed=False)
+    return module
+
+
+@pytest.mark.parametrize(
+    "module_path, config_cls, experts_cls, config, spec",
+    [
+        ("glm5_next.modeling_glm5_next", "Glm5NextTextConfig", "Glm5NextTextExperts",
+         dict(swiglu_limit=0.5), "silu(limit=0.5)"),
+        ("hy_v4.modeling_hy_v4", "HYV4Config", "HYV4Experts",
+         dict(swiglu_limit=0.5), "silu(limit=0.5)"),
+        ("minimax_m3_vl.modeling_minimax_m3_vl", "MiniMaxM3VLTextConfig", "MiniMaxM3VLExperts",
+         dict(swiglu_limit=0.5, swiglu_alpha=1.702),
+         "silu(alpha=1.7020000219345093,limit=0.5,up_offset=1.0)"),
+    ],
+)  # fmt: skip
+def test_clamped_experts_classes(module_path, config_cls, experts_cls, config, spec):
+    mod = __import__(f"transformers.models.{module_path}", fromlist=["x"])
+    cfg = getattr(mod, config_cls)(
+        hidden_size=H, moe_intermediate_size=I, intermediate_size=I, num_local_experts=E,
+        hidden_act="silu", **config,
+    )  # fmt: skip
+    cls = getattr(mod, experts_cls)
+    experts = [_stored(cls(cfg), seed) for seed in range(2)]
+    torch.manual_seed(0)
+    model = TinyModel(*experts)
+    reference = copy.deepcopy(model)
+    x = torch.randn(5, H) * 4
+    replace_experts(model)
+    got = [m.activation for m in model.modules() if isinstance(m, MoEExperts)]
+    assert len(got) == 2 and kt_ops.layer.parse_activation(got[0]) == kt_ops.layer.parse_activation(
+        spec
+    )
+    with torch.no_grad():
+        assert rel_err(model(x), reference(x)) < 1e-4
+
+
+def test_a_clamp_set_on_some_layers_only_is_probed_on_each():
+    """Step-3.7's swiglu_limits: layer 0 unclamped, layer 1 clamps silu(gate) after the
+    activation. Each layer is probed (their `limit` attributes differ), so layer 1 gets its
+    clamp instead of layer 0's plain SwiGLU (the silent wrong result of issue 29)."""
+    mod = __import__("transformers.models.step3p7.modeling_step3p7", fromlist=["x"])
+    cfg = mod.Step3p7TextConfig(
+        hidden_size=H, moe_intermediate_size=I, n_routed_experts=E, hidden_act="silu"
+    )
+    plain, clamped = mod.Step3p7Experts(cfg, None), mod.Step3p7Experts(cfg, 0.3)
+    model = TinyModel(_stored(plain, 0), _stored(clamped, 1))
+    reference = copy.deepcopy(model)
+    infos = find_experts(model)
+    assert infos[0].glu_candidates == ("silu",)
+    assert infos[1].glu_candidates == ("silu(limit=0.3)", "silu(act_limit=0.3)", "silu")
+    replace_experts(model)
+    acts = [m.activation for m in model.modules() if isinstance(m, MoEExperts)]
+    assert acts == ["silu", "silu(act_limit=0.3)"]
+    x = torch.randn(5, H) * 4
+    with torch.no_grad():
+        assert rel_err(model(x), reference(x)) < 1e-4
