@@ -15,7 +15,7 @@ import torch  # noqa: F401  (first: loads libtorch*.so, which kt_ops._C links)
 from kt_ops import _C  # noqa: F401  (registers the kt:: ops)
 from kt_ops.formats.bf16 import pack_weights, unpack_weights
 from kt_ops.info import info, print_info
-from kt_ops.layer import ACTIVATIONS, ExpertWeights, LoRAWeights
+from kt_ops.layer import ACTIVATIONS, ExpertWeights, LoRAWeights, activation_spec
 from kt_ops.ops import (
     lora_activation_checkpointing,
     moe_forward,
@@ -57,6 +57,7 @@ __all__ = [
     "Config",
     "moe_forward",
     "ACTIVATIONS",
+    "activation_spec",
     "ExpertWeights",
     "LoRAWeights",
     "pack_weights",
