@@ -115,8 +115,16 @@ def _projection_meta(p: PackedProjection) -> dict:
         "group_size": p.group_size,
         "n": int(p.n),
         "k": int(p.k),
-        "tensors": sorted(p.tensors()),
+        "tensors": sorted(_saved_tensors(p)),
     }
+
+
+def _saved_tensors(p: PackedProjection) -> dict[str, torch.Tensor]:
+    """The tensors of a projection in a layer file: the packed ones and its bias (gpt-oss)."""
+    out = dict(p.tensors())
+    if p.bias is not None:
+        out["bias"] = p.bias
+    return out
 
 
 def _write_layer_file(path: Path, experts: ExpertWeights, meta: dict) -> None:
@@ -124,7 +132,7 @@ def _write_layer_file(path: Path, experts: ExpertWeights, meta: dict) -> None:
     tensors: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
     for role, p in zip(PROJECTIONS, experts.projections):
-        for name, t in p.tensors().items():
+        for name, t in _saved_tensors(p).items():
             t = t.detach().contiguous()
             ptr = t.untyped_storage().data_ptr()
             if ptr in seen:  # safetensors refuses tensors that share storage

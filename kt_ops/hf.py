@@ -308,7 +308,7 @@ def _load_converted(plan: _Plan, converted) -> MoEExperts:
             f"but '{info.name}' has {want}; was the directory converted from this model?"
         )
     packed = converted.load_layer(layer)
-    if info.biased:  # the biases are not converted: the model's own, small, are used
+    if info.biased:  # the model's own biases (small), whether or not the directory has them
         packed = packed.with_biases(*_dense_biases(plan.module, info))
     if info.layout == "fused":
         return MoEExperts(packed, activation=info.activation)

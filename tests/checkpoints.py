@@ -149,9 +149,11 @@ def write_hf(
         elif style == "gpt_oss":
             gate_up = torch.stack([w["gate"], w["up"]], dim=2).reshape(E, 2 * I, H)
             tensors[p + "mlp.experts.gate_up_proj"] = gate_up.transpose(1, 2).contiguous()
-            tensors[p + "mlp.experts.gate_up_proj_bias"] = torch.zeros(E, 2 * I).to(dtype)
+            # Biases that show their split: gate_up_proj_bias[e, j] = (e * 2I + j) / 100.
+            gu_bias = torch.arange(E * 2 * I, dtype=torch.float32).reshape(E, 2 * I) / 100
+            tensors[p + "mlp.experts.gate_up_proj_bias"] = gu_bias.to(dtype)
             tensors[p + "mlp.experts.down_proj"] = w["down"].transpose(1, 2).contiguous()
-            tensors[p + "mlp.experts.down_proj_bias"] = torch.zeros(E, H).to(dtype)
+            tensors[p + "mlp.experts.down_proj_bias"] = -torch.arange(E * H).reshape(E, H).to(dtype)
         else:
             raise ValueError(style)
     if drop is not None:

@@ -52,6 +52,8 @@ def assert_same_layer(a: ExpertWeights, b: ExpertWeights) -> None:
         assert sorted(ta) == sorted(tb), r
         for name in ta:
             assert ta[name].dtype == tb[name].dtype and torch.equal(ta[name], tb[name]), (r, name)
+        assert (pa.bias is None) == (pb.bias is None), r
+        assert pa.bias is None or torch.equal(pa.bias, pb.bias), r
 
 
 @pytest.fixture
@@ -101,7 +103,9 @@ def test_convert_default_group_size_recorded(hf_src, tmp_path):
     assert ConvertedExperts(tmp_path / "o").layers == [2, 3]
 
 
-@pytest.mark.parametrize("kind", ["fp8", "mxfp4", "gguf", "gguf_int8", "mixtral_native"])
+@pytest.mark.parametrize(
+    "kind", ["fp8", "mxfp4", "gguf", "gguf_int8", "mixtral_native", "gpt_oss_biases"]
+)
 def test_convert_sources_bit_identical(tmp_path, kind):
     src = tmp_path / "src"
     fmt = None
@@ -111,6 +115,8 @@ def test_convert_sources_bit_identical(tmp_path, kind):
         write_hf_mxfp4(src)
     elif kind == "mixtral_native":
         write_hf(src, "mixtral", dtype=torch.float32)
+    elif kind == "gpt_oss_biases":  # the per-expert biases travel with the packed layer
+        write_hf(src, "gpt_oss")
     else:
         src = tmp_path / "m.gguf"
         if kind == "gguf":
@@ -125,6 +131,8 @@ def test_convert_sources_bit_identical(tmp_path, kind):
     assert m["source"]["kind"] == ck.kind and m["format"] == (fmt or "native")
     for L in ck.moe_layers:
         assert_same_layer(load_converted(out, L), ck.load_layer(L, fmt))
+    if kind == "gpt_oss_biases":
+        assert load_converted(out, ck.moe_layers[0]).down.bias.abs().sum() > 0
     if kind == "gguf":
         formats = {r: m["layers"]["0"]["projections"][r]["format"] for r in ROLES}
         assert formats == {"gate": "q4_k", "up": "q4_k", "down": "q6_k"}

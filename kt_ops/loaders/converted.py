@@ -187,11 +187,14 @@ def _check_layer_desc(where: Any, prefix: str, shape: Any, projections: Any) -> 
             not isinstance(names, list)
             or not all(isinstance(n, str) for n in names)
             or "weight" not in names
-            or not set(names) <= {"weight", "scales", "zeros"}
+            or not set(names) <= {"weight", "scales", "zeros", "bias"}
             or len(set(names)) != len(names)
         ):
             raise _bad(
-                where, f"{f}.tensors", names, "a list of weight and optionally scales, zeros"
+                where,
+                f"{f}.tensors",
+                names,
+                "a list of weight and optionally scales, zeros, bias",
             )
         extra = set(p) - {"format", "group_size", "n", "k", "tensors"}
         if extra:
@@ -367,6 +370,7 @@ def _load_entry(out: Path, manifest: dict, layer: int, verify: bool) -> ExpertWe
                 group_size=pm["group_size"],
                 n=pm["n"],
                 k=pm["k"],
+                bias=ts.get("bias"),
             ).validate()
             if p.weight.dim() < 1 or p.weight.shape[0] != E:
                 raise ValueError(f"{E} experts in the metadata, {p.weight.shape[0]} in the weight")

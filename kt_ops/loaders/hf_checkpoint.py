@@ -44,9 +44,10 @@ Tensor layouts recognised (``{P}`` = ``...layers.{L}.mlp`` or
   natively by :func:`kt_ops.formats.from_mxfp4` when the target is ``mxfp4``,
   otherwise dequantized (``e2m1 * 2^(E-127)``) one chunk at a time.
 
-Expert biases (gpt-oss ``gate_up_proj_bias``, ``.bias`` of per-expert linears)
-are not part of packed kt_ops weights; they are reported by
-:attr:`HFCheckpoint.has_expert_bias` and a warning. Layers at or beyond
+Expert biases (gpt-oss ``gate_up_proj_bias`` ``[E, 2I]``, split as the weights'
+rows are, and ``down_proj_bias`` ``[E, H]``; ``.bias`` of per-expert linears) are
+read as fp32 into the layer's projections (``PackedProjection.bias``);
+:attr:`HFCheckpoint.has_expert_bias` tells whether there are any. Layers at or beyond
 ``config.num_hidden_layers`` (DeepSeek-V3's multi-token-prediction layer) are
 not listed as MoE layers.
 """
@@ -156,7 +157,7 @@ class HFCheckpoint(CheckpointReader):
         source_dtype: ``"bf16"``, ``"fp16"``, ``"fp32"``, ``"fp8"`` or ``"mxfp4"``.
         native_format: the kt_ops format that packs the source without requantizing
             (``"bf16"`` for float sources, else ``source_dtype``).
-        has_expert_bias: whether the experts have biases (not packed).
+        has_expert_bias: whether the experts have biases (loaded as ``PackedProjection.bias``).
 
     Raises:
         FileNotFoundError: the path, a shard named by the index, or any
@@ -209,12 +210,6 @@ class HFCheckpoint(CheckpointReader):
         self.has_expert_bias = any(
             "bias" in d for t in self._layers.values() for d in t.per_expert.values()
         ) or any(k.endswith("_bias") for t in self._layers.values() for k in t.fused)
-        if self.has_expert_bias:
-            logger.warning(
-                "%s: the experts have biases; kt_ops packs weights only, so the biases are "
-                "not part of the loaded projections",
-                self.path,
-            )
 
     # ------------------------------------------------------------------ discovery
 
@@ -656,7 +651,33 @@ class HFCheckpoint(CheckpointReader):
                         ) from e
 
                 out[role] = pack_in_chunks(E, n, k, pack)
-        return expert_weights(**out, where=f"{self.path}: layer {layer}")
+            weights = expert_weights(**out, where=f"{self.path}: layer {layer}")
+            if self.has_expert_bias:
+                weights = weights.with_biases(*self._read_biases(t, plan, handles))
+        return weights
+
+    def _read_biases(self, t: _LayerTensors, plan: _LayerPlan, handles) -> tuple:
+        """(gate [E, I], up [E, I], down [E, H]) biases of a layer, None where absent."""
+        if plan.style == "per_expert":
+
+            def stack(role: str):
+                ds = [t.per_expert.get((e, role), {}) for e in range(plan.num_experts)]
+                if not all("bias" in d for d in ds):
+                    return None
+                return torch.stack([self._get(d["bias"], handles).float() for d in ds])
+
+            return tuple(stack(role) for role in PROJECTIONS)
+        gate = up = down = None
+        if "gate_up_proj_bias" in t.fused:
+            both = self._get(t.fused["gate_up_proj_bias"], handles).float()
+            I = plan.intermediate_size  # noqa: E741
+            if plan.interleaved:
+                gate, up = both[:, 0::2], both[:, 1::2]
+            else:
+                gate, up = both[:, :I], both[:, I:]
+        if "down_proj_bias" in t.fused:
+            down = self._get(t.fused["down_proj_bias"], handles).float()
+        return gate, up, down
 
     def load_dense(self, layer: int) -> dict[str, torch.Tensor]:
         """The source values of one layer in fp32 (fp8 / MXFP4 dequantized).
