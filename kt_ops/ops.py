@@ -23,15 +23,14 @@ See :func:`set_lora_activation_checkpointing` for what forward saves.
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 from typing import Optional
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from kt_ops import _C
-from kt_ops.formats.spec import format_spec
 from kt_ops.layer import (
     DEFAULT_ACTIVATION,
     PROJECTIONS,
@@ -471,23 +470,38 @@ def _bind(*args, **kwargs) -> dict:
 
 
 def _check_fake_layer(op: str, bound: dict) -> ExpertWeights:
-    """The fake kernels' share of the op's checks: devices, ranks, shapes, dtypes.
+    """The fake kernels' share of the op's checks; returns the layer's experts.
 
-    The same rules as csrc/moe/moe_layer.cpp, on shapes only, so a compiled
-    graph fails at trace time with the message the eager op gives.
+    Ranks, shapes, dtypes, layouts, formats, LoRA factors, the activation: the op's
+    own checks (``moe::parse_moe_layer`` in shape-only mode, through
+    ``kt_ops._C.check_layer_shapes``) on meta stand-ins of the traced tensors, so a
+    compiled graph fails at trace time with the eager op's message. Devices are
+    checked here: with CUDA hidden states (the CUDA-stream bridge) the packed
+    weights stay on the CPU and everything else is on the GPU.
     """
     x, ids, w = bound["hidden_states"], bound["topk_ids"], bound["topk_weights"]
+    mask = bound.get("gpu_experts_mask")
     try:
-        parse_activation(bound["activation"])
-    except ValueError as err:
-        torch._check(False, lambda err=err: f"{op}: {err}")
-    try:
-        experts = ExpertWeights.from_op_args(
-            bound["weights"], bound["weight_format"], bound["sizes"], bound["group_sizes"]
+        _C.check_layer_shapes(
+            op,
+            _meta(x),
+            _meta(ids),
+            _meta(w),
+            [_meta(t) for t in bound["weights"]],
+            bound["weight_format"],
+            list(bound["sizes"]),
+            list(bound["group_sizes"]),
+            [_meta(t) for t in bound["lora"]],
+            float(bound["lora_scaling"]),
+            bound["activation"],
+            _meta(mask),
         )
-        lora = LoRAWeights.from_op_args(bound["lora"], bound["lora_scaling"])
-    except ValueError as err:
-        torch._check(False, lambda err=err: f"{op}: {err}")
+    except (RuntimeError, ValueError) as err:
+        torch._check(False, lambda err=err: str(err).split("\nException raised from")[0])
+    experts = ExpertWeights.from_op_args(
+        bound["weights"], bound["weight_format"], bound["sizes"], bound["group_sizes"]
+    )
+    lora = LoRAWeights.from_op_args(bound["lora"], bound["lora_scaling"])
     # A meta tensor mixed with real ones also lands here: name the odd one out
     # instead of returning an uninitialized tensor. With CUDA hidden states (the
     # CUDA-stream bridge) the packed weights stay on the CPU and everything else
@@ -501,7 +515,6 @@ def _check_fake_layer(op: str, bound: dict) -> ExpertWeights:
     named.update({"topk_ids": (ids, x.device), "topk_weights": (w, x.device)})
     factor_names = (f"{p}_lora_{f}" for p in PROJECTIONS for f in ("a", "b"))
     named.update({n: (t, x.device) for n, t in zip(factor_names, lora.factors()) if t is not None})
-    mask = bound.get("gpu_experts_mask")
     if mask is not None:
         named["gpu_experts_mask"] = (mask, x.device)
     for name, (t, device) in named.items():
@@ -512,98 +525,32 @@ def _check_fake_layer(op: str, bound: dict) -> ExpertWeights:
                 f"on {x.device}; the packed expert weights live on the CPU)"
             ),
         )
-    if mask is not None:
-        torch._check(
-            mask.dtype == torch.bool and mask.dim() == 1 and mask.shape[0] == experts.num_experts,
-            lambda: (
-                f"{op}: gpu_experts_mask must be a bool [E={experts.num_experts}] tensor, got "
-                f"{mask.dtype} {list(mask.shape)}"
-            ),
-        )
-    torch._check(x.dim() == 2, lambda: f"{op}: hidden_states must be 2-D [T, H]")
-    torch._check(
-        x.dtype in (torch.bfloat16, torch.float16, torch.float32),
-        lambda: f"{op}: hidden_states must be bf16, fp16 or fp32, got {x.dtype}",
-    )
-    torch._check(
-        x.shape[1] == experts.hidden_size,
-        lambda: (
-            f"{op}: hidden_states has {x.shape[1]} columns but the experts' hidden_size is "
-            f"{experts.hidden_size}"
-        ),
-    )
-    torch._check(ids.dim() == 2, lambda: f"{op}: topk_ids must be 2-D [T, K]")
-    torch._check(
-        ids.dtype in (torch.int32, torch.int64),
-        lambda: f"{op}: topk_ids must be int32 or int64, got {ids.dtype}",
-    )
-    torch._check(
-        ids.shape[0] == x.shape[0],
-        lambda: f"{op}: topk_ids must have one row per token of hidden_states",
-    )
-    torch._check(
-        w.shape == ids.shape, lambda: f"{op}: topk_weights must have the shape of topk_ids"
-    )
-    for name, p in zip(PROJECTIONS, experts.projections):
-        try:
-            _with_spec_scale_dtypes(p).validate()
-        except ValueError as err:
-            torch._check(False, lambda name=name, err=err: f"{op}: {name}: {err}")
-    _check_fake_lora(op, experts, lora)
     return experts
 
 
-_FLOAT_SCALES = (torch.float32, torch.float16, torch.bfloat16)
+def _concrete(n) -> int:
+    """A size as an int: a symbolic one (torch.compile's dynamic shapes) by its hint, so
+    checking it installs no guard (the relations the op checks hold for any value)."""
+    if isinstance(n, torch.SymInt):
+        hint = n.node.hint
+        return int(hint) if hint is not None else 1
+    return int(n)
 
 
-def _with_spec_scale_dtypes(p):
-    """``p`` with float scales/zeros cast to its format's scale dtype (shapes only matter).
-
-    The C++ op takes fp32, fp16 or bf16 scales and zeros for the formats with
-    float scales (``PackedProjection.validate`` wants the packers' dtype), so
-    the fake kernel checks those tensors' shapes only.
-    """
-    spec = format_spec(p.weight_format)
-    if spec.scale_dtype is None or not spec.scale_dtype.is_floating_point:
-        return p
-    cast = {
-        name: t.to(spec.scale_dtype)
-        for name in ("scales", "zeros")
-        if (t := getattr(p, name)) is not None
-        and t.dtype in _FLOAT_SCALES
-        and t.dtype != spec.scale_dtype
-    }
-    return dataclasses.replace(p, **cast) if cast else p
-
-
-def _check_fake_lora(op: str, experts: ExpertWeights, lora: LoRAWeights) -> None:
-    """LoRA shapes as the C++ op checks them (so a compiled graph fails at trace time)."""
-    E, H, inter = experts.num_experts, experts.hidden_size, experts.intermediate_size
-    sizes = {"gate": (inter, H), "up": (inter, H), "down": (H, inter)}
-    dtypes = {t.dtype for t in lora.factors() if t is not None}
-    torch._check(len(dtypes) <= 1, lambda: f"{op}: all LoRA tensors must have one dtype")
-    for proj, (n, k) in sizes.items():
-        pair = getattr(lora, proj)
-        if pair is None:
-            continue
-        a, b = pair
-        for name, t in ((f"{proj}_lora_a", a), (f"{proj}_lora_b", b)):
-            torch._check(
-                t.dtype in (torch.float32, torch.bfloat16, torch.float16),
-                lambda name=name, t=t: f"{op}: {name} must be fp32/bf16/fp16, got {t.dtype}",
-            )
-        torch._check(
-            a.dim() == 3 and a.shape[0] == E and a.shape[2] == k and a.shape[1] >= 1,
-            lambda proj=proj, a=a, k=k: (
-                f"{op}: {proj}_lora_a must be [E={E}, r, {k}], got {tuple(a.shape)}"
-            ),
-        )
-        torch._check(
-            b.dim() == 3 and b.shape[0] == E and b.shape[1] == n and b.shape[2] == a.shape[1],
-            lambda proj=proj, a=a, b=b, n=n: (
-                f"{op}: {proj}_lora_b must be [E={E}, {n}, r={a.shape[1]}], got {tuple(b.shape)}"
-            ),
-        )
+def _meta(t: Optional[Tensor]) -> Optional[Tensor]:
+    """A real meta tensor of ``t``'s dtype, sizes and strides (contiguous where ``t``'s
+    sizes are symbolic), for the C++ checks, which read concrete sizes."""
+    if t is None:
+        return None
+    sizes = [_concrete(n) for n in t.shape]
+    if any(isinstance(n, torch.SymInt) for n in t.shape):
+        strides = [1] * len(sizes)
+        for i in range(len(sizes) - 2, -1, -1):
+            strides[i] = strides[i + 1] * max(sizes[i + 1], 1)
+    else:
+        strides = [_concrete(n) for n in t.stride()]
+    with unset_fake_temporarily():
+        return torch.empty_strided(sizes, strides, dtype=t.dtype, device="meta")
 
 
 @torch.library.register_fake("kt::moe_forward")
@@ -765,7 +712,11 @@ def _check_frozen(weights) -> None:
     """Refuse packed base weights that require grad (the ``out=`` path has no autograd kernel)."""
     for i, t in enumerate(weights):
         if t is not None and t.requires_grad:
-            name = f"{PROJECTIONS[i // 3]}_{('weight', 'scales', 'zeros')[i % 3]}"
+            name = (
+                f"{PROJECTIONS[i // 3]}_{('weight', 'scales', 'zeros')[i % 3]}"
+                if i < 9
+                else f"{PROJECTIONS[i - 9]}_bias"
+            )
             raise RuntimeError(
                 f"kt.moe_forward: {name} requires grad, but the base expert weights are frozen "
                 "(kt.moe_backward computes gradients only for hidden_states, topk_weights and "

@@ -19,6 +19,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map
 
 import kt_ops
+from kt_ops.layer import layer_args
 
 SAMPLES = list(sample_inputs())
 OP = torch.ops.kt.moe_forward
@@ -213,3 +214,70 @@ def test_no_graph_breaks(fresh_dynamo):
     explanation = torch._dynamo.explain(model)(x, ids, weights)
     assert explanation.graph_break_count == 0, explanation.break_reasons
     assert explanation.graph_count == 1
+
+
+# --------------------------------------------------------------------------
+# The fake kernel makes the op's own checks (shape-only mode of parse_moe_layer)
+# --------------------------------------------------------------------------
+
+
+def _corrupt(args: list, case: str) -> list:
+    args = list(args)
+    weights = list(args[3])
+    if case == "weight_shape":
+        weights[0] = weights[0][:, :1]
+    elif case == "bias_dtype":
+        weights += [torch.zeros(6, 80, dtype=torch.bfloat16), None, None]
+    elif case == "weights_count":
+        weights = weights[:8]
+    elif case == "ids_dtype":
+        args[1] = args[1].float()
+    elif case == "activation":
+        args[9] = "silu(limit=-1)"
+    elif case == "lora_rank":
+        args[7] = [torch.zeros(6, 2, 96), torch.zeros(6, 80, 3)] + [torch.zeros(0)] * 4
+    elif case == "group_size":
+        args[6] = [0, 0, 7]
+    args[3] = weights
+    return args
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["weight_shape", "bias_dtype", "weights_count", "ids_dtype", "activation", "lora_rank",
+     "group_size"],
+)  # fmt: skip
+def test_fake_kernel_raises_the_eager_error(case: str):
+    experts = make_expert_weights(6, 96, 80, seed=1)
+    ids, w = make_routing(3, 6, 2)
+    x = make_hidden(3, 96, torch.float32)
+    args = _corrupt([x, ids, w, *layer_args(experts, None, "silu", x)], case)
+    with pytest.raises(RuntimeError) as eager:
+        torch.ops.kt.moe_forward.default(*args)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = tree_map(lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, args)
+        with pytest.raises(RuntimeError) as traced:
+            torch.ops.kt.moe_forward.default(*fake)
+    assert str(traced.value).split("\n")[0] == str(eager.value).split("\n")[0]
+
+
+def test_dynamic_token_count_compiles_once():
+    experts = make_expert_weights(6, 96, 80, seed=1)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    f = torch.compile(
+        lambda x, i, w: kt_ops.moe_forward(x, i, w, experts) * 2,
+        backend=backend,
+        dynamic=True,
+        fullgraph=True,
+    )
+    with torch.no_grad():
+        for T in (3, 5, 9, 17):
+            ids, w = make_routing(T, 6, 2, seed=T)
+            x = make_hidden(T, 96, torch.float32, seed=T)
+            assert torch.equal(f(x, ids, w), kt_ops.moe_forward(x, ids, w, experts) * 2)
+    assert len(graphs) == 1

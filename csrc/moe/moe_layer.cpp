@@ -27,7 +27,13 @@ bool is_float_dtype(at::ScalarType t) {
   return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
 }
 
+thread_local bool t_shape_only = false;  // ShapeOnlyScope
+
+// t's data, or nullptr under ShapeOnlyScope (a meta tensor has none).
+const void* data_of(const at::Tensor& t) { return t_shape_only ? nullptr : t.data_ptr(); }
+
 void check_cpu(const char* op, const at::Tensor& t, const std::string& name) {
+  if (t_shape_only) return;
   TORCH_CHECK(t.device().is_cpu(), op, ": ", name, " is on ", t.device(),
               "; the kt_ops experts run on the CPU: move it to the CPU");
 }
@@ -127,7 +133,7 @@ Projection parse_projection(const char* op, int i, const formats::FormatRow& f, 
                    "one scale per 128x128 block");
       p.scales = *scales;
       v.block_bytes = formats::fp8_block_bytes(v.kp);
-      v.scales = scales->data_ptr();
+      v.scales = data_of(*scales);
       break;
     }
     case formats::Layout::kQint: {
@@ -171,7 +177,7 @@ Projection parse_projection(const char* op, int i, const formats::FormatRow& f, 
         check_tensor(op, *scales, sname, fmt, {E, v.row_blocks, v.groups, 16},
                      "[E, ceil(N/16), groups, 16]");
       p.scales = *scales;
-      v.scales = scales->data_ptr();
+      v.scales = data_of(*scales);
       v.qint.zero_type = formats::ScaleType::kNone;
       if (zeros.has_value()) {
         TORCH_CHECK(f.zeros != formats::ZeroPolicy::kNever, op, ": ", zname,
@@ -181,7 +187,7 @@ Projection parse_projection(const char* op, int i, const formats::FormatRow& f, 
         check_tensor(op, *zeros, zname, fmt, {E, v.row_blocks, v.groups, 16},
                      "[E, ceil(N/16), groups, 16]");
         p.zeros = *zeros;
-        v.zeros = zeros->data_ptr();
+        v.zeros = data_of(*zeros);
         v.qint.zero_type = formats::scale_type_of(zeros->scalar_type());
       } else {
         TORCH_CHECK(f.zeros != formats::ZeroPolicy::kRequired, op, ": weight_format='", fmt,
@@ -190,7 +196,7 @@ Projection parse_projection(const char* op, int i, const formats::FormatRow& f, 
       break;
     }
   }
-  v.weight = static_cast<const uint8_t*>(w.data_ptr());
+  v.weight = static_cast<const uint8_t*>(data_of(w));
   return p;
 }
 
@@ -242,6 +248,9 @@ LoraProjection parse_lora(const char* op, int i, const at::Tensor& a, const at::
 }
 
 }  // namespace
+
+ShapeOnlyScope::ShapeOnlyScope() : previous_(t_shape_only) { t_shape_only = true; }
+ShapeOnlyScope::~ShapeOnlyScope() { t_shape_only = previous_; }
 
 const char* const kWeightNames[kNumWeightArgsBias] = {
     "gate_weight", "gate_scales", "gate_zeros", "up_weight", "up_scales", "up_zeros",

@@ -128,4 +128,20 @@ MoeLayer parse_layer(const char* op, const at::Tensor* hidden_states, KT_LAYER_P
 // hidden_states [T, H] against the layer's H.
 void check_hidden_size(const char* op, const at::Tensor& hidden_states, const MoeLayer& layer);
 
+// While one lives on a thread, parse_moe_layer checks shapes, dtypes and layouts
+// only: no device check and no data pointer read, so it runs on meta tensors.
+// The fake kernels (kt_ops/ops.py, through kt_ops._C.check_layer_shapes) make
+// the op's own checks this way instead of repeating them; they check devices
+// themselves (a CUDA-bridge call has its packed weights on the CPU).
+class ShapeOnlyScope {
+ public:
+  ShapeOnlyScope();
+  ~ShapeOnlyScope();
+  ShapeOnlyScope(const ShapeOnlyScope&) = delete;
+  ShapeOnlyScope& operator=(const ShapeOnlyScope&) = delete;
+
+ private:
+  bool previous_;
+};
+
 }  // namespace kt::moe
