@@ -133,15 +133,12 @@ def random_packed(
 
 
 def decoded_by_op(p: PackedProjection, down: PackedProjection, **scale_casts) -> torch.Tensor:
-    """``W`` [E, n, k] as the op's dense decoder produces it.
+    """``W`` [E, n, k] as the op's dense decoder produces it (the base of the LoRA
+    backward's GEMMs, ``moe::dense_expert_weight``; ``kt_ops._C._testing.dense_expert_weights``).
 
-    Token ``e*k + j`` is the one-hot ``x = e_j`` routed to expert ``e``: its saved gate
-    pre-activation ``W[e] @ x`` is column ``j`` of ``W[e]`` exactly (one product 1*w,
-    the rest zeros). ``down`` ([E, k, n], same format) completes the call.
+    ``down`` ([E, k, n], same format) completes the layer; ``scale_casts`` cast
+    the scales / zeros as the op accepts them.
     """
-    E, n, k = p.num_experts, p.n, p.k
-    x = torch.eye(k).repeat(E, 1)
-    ids = torch.arange(E).repeat_interleave(k).view(-1, 1)
 
     def cast(q: PackedProjection) -> PackedProjection:
         kw = {
@@ -152,8 +149,13 @@ def decoded_by_op(p: PackedProjection, down: PackedProjection, **scale_casts) ->
         return dataclasses.replace(q, **kw)
 
     experts = kt_ops.ExpertWeights(cast(p), cast(p), cast(down))
-    _, gate_pre, _ = kt_ops.ops.moe_forward_train(x, ids, torch.ones(E * k, 1), experts)
-    return gate_pre.view(E, k, n).transpose(1, 2)
+    return kt_ops._C._testing.dense_expert_weights(
+        experts.tensors(),
+        experts.weight_format,
+        [experts.hidden_size, experts.intermediate_size],
+        list(experts.group_sizes),
+        0,
+    )
 
 
 @functools.cache

@@ -28,26 +28,28 @@ inline float bits_to_float(uint32_t bits) {
   return f;
 }
 
-void dequantize_bf16_transposed(const Projection& p, int64_t expert, float* wt, int64_t ld) {
+// Columns [ka, kb) of W (ka even) as W^T rows: W[16 nb + r, kk] -> wt[(kk - ka) * ld + 16 nb + r].
+void dequantize_bf16_transposed(const Projection& p, int64_t expert, float* wt, int64_t ld,
+                                int64_t ka, int64_t kb) {
   constexpr int kRows = formats::kBf16BlockRows;
-  const int64_t n = p.n, k = p.k;
+  const int64_t n = p.n, k = kb;
   const int64_t blocks = formats::bf16_row_blocks(n);
   const int64_t pairs = formats::bf16_k_pairs(k);
-  const int64_t block_elems = formats::bf16_block_elems(k);
+  const int64_t block_elems = formats::bf16_block_elems(p.k);
   const auto* base =
       reinterpret_cast<const uint16_t*>(p.weight.data_ptr()) + expert * blocks * block_elems;
   constexpr int64_t kLine = kRows * formats::kBf16KPack;  // bf16 values per (nb, kp) line
-  const int64_t full_pairs = k / 2;                       // pairs whose odd element is inside k
+  const int64_t full_pairs = k / 2;  // pairs whose odd element is inside [ka, kb)
   for (int64_t nb = 0; nb < blocks; ++nb) {
     const int64_t rows = std::min<int64_t>(kRows, n - nb * kRows);
     const uint16_t* block = base + nb * block_elems;
-    float* col = wt + nb * kRows;
+    float* col = wt + nb * kRows;  // W^T row kk - ka
     if (rows == kRows) {
       // Fixed trip counts: the compiler turns these into shifts, masks and full-line stores.
-      for (int64_t kp = 0; kp < full_pairs; ++kp) {
+      for (int64_t kp = ka / 2; kp < full_pairs; ++kp) {
         uint32_t l[kRows];  // 32-bit lanes, read without aliasing the bf16 storage
         std::memcpy(l, block + kp * kLine, sizeof(l));
-        float* even = col + 2 * kp * ld;
+        float* even = col + (2 * kp - ka) * ld;
         float* odd = even + ld;
         for (int r = 0; r < kRows; ++r) {
           even[r] = bits_to_float(l[r] << 16);
@@ -55,19 +57,19 @@ void dequantize_bf16_transposed(const Projection& p, int64_t expert, float* wt, 
         }
       }
     } else {
-      for (int64_t kp = 0; kp < full_pairs; ++kp) {
+      for (int64_t kp = ka / 2; kp < full_pairs; ++kp) {
         uint32_t l[kRows];
         std::memcpy(l, block + kp * kLine, sizeof(l));
         for (int64_t r = 0; r < rows; ++r) {
-          col[2 * kp * ld + r] = bits_to_float(l[r] << 16);
-          col[(2 * kp + 1) * ld + r] = bits_to_float(l[r] & 0xFFFF0000u);
+          col[(2 * kp - ka) * ld + r] = bits_to_float(l[r] << 16);
+          col[(2 * kp + 1 - ka) * ld + r] = bits_to_float(l[r] & 0xFFFF0000u);
         }
       }
     }
-    if (full_pairs < pairs) {  // odd k: the last pair holds one real value
+    if (full_pairs < pairs && kb == p.k) {  // odd k: the last pair holds one real value
       uint32_t l[kRows];
       std::memcpy(l, block + full_pairs * kLine, sizeof(l));
-      for (int64_t r = 0; r < rows; ++r) col[(k - 1) * ld + r] = bits_to_float(l[r] << 16);
+      for (int64_t r = 0; r < rows; ++r) col[(k - 1 - ka) * ld + r] = bits_to_float(l[r] << 16);
     }
   }
 }
@@ -165,6 +167,7 @@ struct QintExpert {
   formats::ScaleType scale_type, zero_type;
   int64_t n, k, kp, groups, group_k;  // group_k: k per group (Kp when one group)
   int64_t ld;                         // row stride of the W^T output
+  int64_t ka, kb;                     // the columns of W decoded: [ka, kb), ka % 32 == 0
   int64_t block_bytes, low_bytes;
   int64_t block_param_bytes;  // k-quants: bytes of one block's scale records
   int32_t offset;
@@ -172,16 +175,17 @@ struct QintExpert {
 
 template <int Bits, Affine A>
 void decode_qint_transposed(const QintExpert& x, float* wt) {
-  const int64_t n = x.n, k = x.k;
+  const int64_t n = x.n, k = x.kb;
   constexpr int kWordK = Bits == 8 ? 4 : 8;  // k per 64-byte low-plane word
   for (int64_t nb = 0; nb * kRows < n; ++nb) {
     const int64_t rows = std::min<int64_t>(kRows, n - nb * kRows);
     const uint8_t* block = x.weight + nb * x.block_bytes;
     const uint8_t* high = block + x.low_bytes;
-    float* col = wt + nb * kRows;
+    float* col = wt + nb * kRows;  // W^T row kk - ka
     for (int64_t g = 0; g < x.groups; ++g) {
       const int64_t k0 = g * x.group_k;
-      if (k0 >= k) break;  // padding groups
+      if (k0 >= k) break;                  // padding groups, or past kb
+      if (k0 + x.group_k <= x.ka) continue;  // before ka
       float s[kRows], z[kRows] = {};
       if (formats::is_kquant(x.scale_type)) {
         // GGUF super-block records: d*sc and dmin*m, exact in fp32.
@@ -196,7 +200,7 @@ void decode_qint_transposed(const QintExpert& x, float* wt) {
         if (A == Affine::kZeros) load_params(x.zeros, x.zero_type, pidx, z);
       }
       const int64_t kend = std::min(k, k0 + x.group_k);
-      for (int64_t kw = k0; kw < kend; kw += kWordK) {
+      for (int64_t kw = std::max(k0, x.ka); kw < kend; kw += kWordK) {
         uint32_t lo[kRows];  // one row's 4 bytes per 32-bit lane
         std::memcpy(lo, block + (kw / kWordK) * 64, sizeof(lo));
         if (Bits == 8) {
@@ -206,7 +210,7 @@ void decode_qint_transposed(const QintExpert& x, float* wt) {
               const int32_t q = static_cast<int32_t>(lo[r] << (24 - 8 * j)) >> 24;
               line[r] = qint_value<A>(q, s[r], z[r], x.offset);
             }
-            store_line(line, col + (kw + j) * x.ld, rows);
+            store_line(line, col + (kw + j - x.ka) * x.ld, rows);
           }
           continue;
         }
@@ -232,7 +236,7 @@ void decode_qint_transposed(const QintExpert& x, float* wt) {
               if (Bits == 6) q |= static_cast<int32_t>(((hi[r] >> hsh) & 3u) << 4);
               line[r] = qint_value<A>(q, s[r], z[r], x.offset);
             }
-            store_line(line, col + kk * x.ld, rows);
+            store_line(line, col + (kk - x.ka) * x.ld, rows);
           }
         }
       }
@@ -244,10 +248,13 @@ formats::ScaleType param_type(const at::Tensor& t, bool e8m0) {
   return formats::scale_type_of(t.scalar_type(), e8m0);
 }
 
-void dequantize_qint_transposed(const Projection& p, int64_t expert, float* wt, int64_t ld) {
+void dequantize_qint_transposed(const Projection& p, int64_t expert, float* wt, int64_t ld,
+                                int64_t ka, int64_t kb) {
   const formats::QintFormat& f = p.format->qint;
   QintExpert x;
   x.ld = ld;
+  x.ka = ka;
+  x.kb = kb;
   x.n = p.n;
   x.k = p.k;
   x.kp = formats::qint_k_padded(p.k);
@@ -319,7 +326,8 @@ void dequantize_qint_transposed(const Projection& p, int64_t expert, float* wt, 
 
 // fp8 n16k1 blocks: packed[nb, kk, r] = e4m3 bits of W[16 nb + r, kk], one
 // fp32 scale per 128 x 128 (a 16-row block lies inside one 128-row band).
-void dequantize_fp8_transposed(const Projection& p, int64_t expert, float* wt, int64_t ld) {
+void dequantize_fp8_transposed(const Projection& p, int64_t expert, float* wt, int64_t ld,
+                               int64_t ka, int64_t kb) {
   const int64_t n = p.n, k = p.k;
   const int64_t kp = formats::qint_k_padded(k);
   const int64_t nb_count = formats::qint_row_blocks(n);
@@ -338,8 +346,8 @@ void dequantize_fp8_transposed(const Projection& p, int64_t expert, float* wt, i
     const int64_t rows = std::min<int64_t>(kRows, n - nb * kRows);
     const uint8_t* block = base + nb * kp * kRows;
     const float* srow = scales + (nb * kRows / formats::kFp8ScaleBlock) * sk;
-    float* col = wt + nb * kRows;
-    for (int64_t kk = 0; kk < k; ++kk) {
+    float* col = wt + nb * kRows;  // W^T row kk - ka
+    for (int64_t kk = ka; kk < kb; ++kk) {
       const float scale = srow[kk / formats::kFp8ScaleBlock];
       const uint8_t* b = block + kk * kRows;
       float line[kRows];
@@ -357,7 +365,7 @@ void dequantize_fp8_transposed(const Projection& p, int64_t expert, float* wt, i
                               ((b[r] & 0x80u) << 24);
         line[r] = bits_to_float(bits) * scale;
       }
-      store_line(line, col + kk * ld, rows);
+      store_line(line, col + (kk - ka) * ld, rows);
     }
   }
 }
@@ -368,6 +376,19 @@ void dequantize_fp8_transposed(const Projection& p, int64_t expert, float* wt, i
 // decode of Qwen3's down projection [2048, 768] ran 2x slower than its
 // gate [768, 2048]. 16 floats of padding break the pattern.
 int64_t dense_ld(int64_t n) { return (n * 4) % 2048 == 0 ? n + 16 : n; }
+
+// Columns [ka, kb) of expert's W into W^T rows 0 .. kb - ka of wt (row stride ld).
+void decode_columns(const Projection& p, int64_t expert, int64_t ka, int64_t kb, float* wt,
+                    int64_t ld) {
+  switch (p.format->layout) {
+    case formats::Layout::kBf16:
+      return dequantize_bf16_transposed(p, expert, wt, ld, ka, kb);
+    case formats::Layout::kFp8:
+      return dequantize_fp8_transposed(p, expert, wt, ld, ka, kb);
+    case formats::Layout::kQint:
+      return dequantize_qint_transposed(p, expert, wt, ld, ka, kb);
+  }
+}
 
 }  // namespace
 
@@ -386,21 +407,23 @@ at::Tensor dense_expert_weight(const Projection& p, int64_t expert, const at::Te
   } else {
     buf = at::empty({numel}, at::TensorOptions().dtype(at::kFloat));
   }
-  float* wt = buf.data_ptr<float>();
-  switch (p.format->layout) {
-    case formats::Layout::kBf16:
-      dequantize_bf16_transposed(p, expert, wt, ld);
-      break;
-    case formats::Layout::kFp8:
-      dequantize_fp8_transposed(p, expert, wt, ld);
-      break;
-    case formats::Layout::kQint:
-      dequantize_qint_transposed(p, expert, wt, ld);
-      break;
-  }
+  decode_columns(p, expert, 0, p.k, buf.data_ptr<float>(), ld);
   // Every decoder writes W^T: [k, ld] row-major storage, seen as W [n, k] with strides
   // (1, ld); the BLAS takes ld as the leading dimension (no copy).
   return buf.as_strided({p.n, p.k}, {1, ld});
+}
+
+int64_t dense_panel_ld(const Projection& p) { return dense_ld(p.n); }
+
+at::Tensor dense_expert_panel(const Projection& p, int64_t expert, int64_t k0, int64_t k1,
+                              float* panel) {
+  TORCH_CHECK(expert >= 0 && expert < p.num_experts() && k0 % 32 == 0 && 0 <= k0 && k0 < k1 &&
+                  k1 <= p.k,
+              "dense_expert_panel: expert ", expert, " columns [", k0, ", ", k1,
+              ") outside the projection or not 32-aligned");
+  const int64_t ld = dense_ld(p.n);
+  decode_columns(p, expert, k0, k1, panel, ld);
+  return at::from_blob(panel, {p.n, k1 - k0}, {1, ld}, at::TensorOptions().dtype(at::kFloat));
 }
 
 }  // namespace kt::moe

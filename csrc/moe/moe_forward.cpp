@@ -11,6 +11,7 @@
 #include "formats/qint.h"
 #include "kernels/dispatch.h"
 #include "kernels/plan.h"
+#include "moe/blas_tasks.h"
 #include "moe/moe_lora.h"
 #include "moe/moe_phases.h"
 #include "moe/routing.h"
@@ -110,6 +111,13 @@ struct Call {
   kernels::QuantizeRowQ8 quantize;
   bool x_q8 = false, h_q8 = false;      // some expert's kernel reads q8 records of x / of h
   bool x_bf16 = false, h_bf16 = false;  // some expert's tile kernel reads bf16 rows of x / of h
+  // The exact forward (moe_forward_experts_exact): [T*K, I] by slot, holding each
+  // row's LoRA term on entry and its gate / up pre-activation on return; nullptr
+  // for inference.
+  float* gate_pre = nullptr;
+  float* up_pre = nullptr;
+  bool down_delta = false;  // y's slots hold the down projection's LoRA term on entry
+  bool pre_only = false;    // the pre-activations alone: no down phase (backward's recompute)
 };
 
 // Route: the (token, slot) pairs of the batch, grouped per expert.
@@ -123,8 +131,7 @@ const RoutingPlan& route(const MoeLayer& layer, const at::Tensor& topk_ids,
 // Plan: the compute plan of each projection under this call's modes, and the
 // per-call forms of x and h that some active expert's kernel reads.
 Call plan_call(const at::Tensor& hidden_states, const MoeLayer& layer, kernels::Isa isa,
-               const RoutingPlan& routing, Scratch& s) {
-  const kernels::Modes modes = kernels::Modes::current();
+               const RoutingPlan& routing, Scratch& s, const kernels::Modes& modes) {
   const bool bf16_act = hidden_states.scalar_type() == at::kBFloat16;
   const int64_t Ip = formats::qint_k_padded(layer.intermediate_size);
   Call c{layer,
@@ -212,12 +219,27 @@ void add_bias(float* rows, const float* bias, int m, int n_valid) {
     for (int r = 0; r < n_valid; ++r) rows[i * kRows + r] += bias[r];
 }
 
+// The exact forward's pre-activations: rows of 16 += the slot's LoRA term in
+// pre (zero without LoRA), then the sum back into pre (what backward reads).
+void add_and_save_pre(const Call& c, float* rows, float* pre, int64_t nb, int64_t r0, int m,
+                      int n_valid) {
+  for (int i = 0; i < m; ++i) {
+    float* dst = pre + c.routing.row_slot[r0 + i] * c.I + nb * kRows;
+    float* row = rows + i * kRows;
+    for (int r = 0; r < n_valid; ++r) dst[r] = row[r] += dst[r];
+  }
+}
+
 // Epilogue of gate/up: h = act(g + bg) * (u + bu) for the block's valid
 // columns of expert e's m rows, into h (and its bf16 rows where down reads them).
 void glu_epilogue(const Call& c, int64_t e, float* g, float* u, int64_t nb, int64_t r0, int m) {
   const int n_valid = static_cast<int>(std::min<int64_t>(kRows, c.I - nb * kRows));
   if (const float* b = c.layer.gate.bias_row(e)) add_bias(g, b + nb * kRows, m, n_valid);
   if (const float* b = c.layer.up.bias_row(e)) add_bias(u, b + nb * kRows, m, n_valid);
+  if (c.gate_pre != nullptr) {
+    add_and_save_pre(c, g, c.gate_pre, nb, r0, m, n_valid);
+    add_and_save_pre(c, u, c.up_pre, nb, r0, m, n_valid);
+  }
   c.glu(g, u, m, c.layer.glu);
   const bool hb = c.down.reads_bf16(m);
   for (int i = 0; i < m; ++i) {
@@ -277,8 +299,64 @@ void down_block(const Call& c, int64_t e, int64_t nb, int64_t r0, int m,
     float* dst = s.y.data() + c.routing.row_slot[r0 + i] * c.H + nb * kRows;
     const float w = c.routing.row_weight[r0 + i];
     const float* d = t_gate_out.data() + i * kRows;
-    for (int r = 0; r < n_valid; ++r) dst[r] = w * d[r];
+    if (c.down_delta) {
+      for (int r = 0; r < n_valid; ++r) dst[r] = w * (d[r] + dst[r]);
+    } else {
+      for (int r = 0; r < n_valid; ++r) dst[r] = w * d[r];
+    }
   }
+}
+
+// fp32 [E, r, k] A and [E, n, r] B of a projection's LoRA factors.
+struct LoraF32 {
+  at::Tensor a, b;
+  bool present() const { return a.defined(); }
+};
+LoraF32 lora_f32(const LoraProjection& p) {
+  if (!p.present()) return {};
+  return {p.a.to(at::kFloat).contiguous(), p.b.to(at::kFloat).contiguous()};
+}
+
+// dst[slot(row) * n ...] = s * (in A[e]^T) B[e]^T for expert e's m rows of `in`
+// ([m, k], any row stride): the LoRA term of one projection, by slot.
+void lora_term_by_slot(const Call& c, const at::Tensor& in, const LoraF32& f, int64_t e,
+                       int64_t r0, float* dst, int64_t n) {
+  const at::Tensor t = at::mm(at::mm(in, f.a[e].t()), f.b[e].t());  // [m, n]
+  const float* tp = t.data_ptr<float>();
+  const float s = static_cast<float>(c.layer.lora.scaling);
+  for (int64_t i = 0; i < t.size(0); ++i) {
+    float* d = dst + c.routing.row_slot[r0 + i] * n;
+    for (int64_t j = 0; j < n; ++j) d[j] = s * tp[i * n + j];
+  }
+}
+
+// Before gate/up: the gate and up LoRA terms of every row, into gate_pre / up_pre.
+void lora_input_terms(const Call& c) {
+  const LoraF32 gate = lora_f32(c.layer.lora.gate), up = lora_f32(c.layer.lora.up);
+  if (!gate.present() && !up.present()) return;
+  const RoutingPlan& plan = c.routing;
+  run_blas_tasks(static_cast<int64_t>(plan.active_experts.size()), [&](int64_t a, int) {
+    const int64_t e = plan.active_experts[a], r0 = plan.expert_offsets[e];
+    const int64_t m = plan.expert_offsets[e + 1] - r0;
+    at::Tensor xe = at::empty({m, c.H}, at::kFloat);
+    float* xp = xe.data_ptr<float>();
+    for (int64_t i = 0; i < m; ++i) std::copy_n(c.s.x_rows[r0 + i], c.H, xp + i * c.H);
+    if (gate.present()) lora_term_by_slot(c, xe, gate, e, r0, c.gate_pre, c.I);
+    if (up.present()) lora_term_by_slot(c, xe, up, e, r0, c.up_pre, c.I);
+  });
+}
+
+// Between gate/up and down: the down LoRA term of every row, into its slot of y.
+void lora_down_terms(const Call& c) {
+  const LoraF32 down = lora_f32(c.layer.lora.down);
+  const RoutingPlan& plan = c.routing;
+  run_blas_tasks(static_cast<int64_t>(plan.active_experts.size()), [&](int64_t a, int) {
+    const int64_t e = plan.active_experts[a], r0 = plan.expert_offsets[e];
+    const int64_t m = plan.expert_offsets[e + 1] - r0;
+    const at::Tensor he =
+        at::from_blob(c.s.h.data() + r0 * c.Ip, {m, c.I}, {c.Ip, 1}, at::kFloat);
+    lora_term_by_slot(c, he, down, e, r0, c.s.y.data(), c.H);
+  });
 }
 
 // Experts: gate/up (with its epilogue) and down of every active expert.
@@ -293,6 +371,15 @@ void run_experts(const Call& c) {
   auto end_run = [&](int thread) { kernels::end_run(ks.at(thread)); };
   // NUMA placement (moe/numa_placement.h): one part unless several nodes.
   const NumaSplit numa = numa_split(c.layer);
+  if (c.gate_pre != nullptr) {
+    // The exact forward: the down projection's LoRA term needs an expert's whole
+    // h (ATen GEMMs per expert, between the phases).
+    for_each_expert_block(c.routing, numa.gate_up, gate_up, end_run);
+    if (c.pre_only) return;
+    if (c.down_delta) lora_down_terms(c);
+    for_each_expert_block(c.routing, numa.down, down, end_run);
+    return;
+  }
   if (numa.gate_up.parts() == 1 && numa.down.parts() == 1) {
     // One pool job: an expert's down blocks start as soon as its gate/up
     // blocks are done, with no barrier between the phases.
@@ -314,9 +401,8 @@ at::Tensor moe_forward_layer(const at::Tensor& hidden_states, const at::Tensor& 
                              kernels::Isa isa, const at::Tensor* out) {
   const at::Tensor x = hidden_states.contiguous();
   if (layer.lora.any()) {
-    // LoRA: the ATen expert path. Any format: the base is dequantized to fp32 per
-    // expert (QLoRA style) and multiplies fp32 activations, without the q8
-    // rounding of the quantized kernels.
+    // LoRA: the exact forward (fp32 activations times the exact weights, QLoRA
+    // style on a quantized base, without the q8 rounding of the quantized kernels).
     at::Tensor y = moe_forward_lora(x, topk_ids, topk_weights, layer, /*save_pre=*/false).out;
     return out != nullptr ? out->copy_(y) : y;
   }
@@ -331,11 +417,34 @@ void moe_forward_experts(const at::Tensor& hidden_states, const at::Tensor& topk
   Scratch& s = t_scratch;
   const RoutingPlan& routing = route(layer, topk_ids, topk_weights, s);
   if (hidden_states.size(0) == 0) return;
-  const Call call = plan_call(hidden_states, layer, isa, routing, s);
+  const Call call = plan_call(hidden_states, layer, isa, routing, s, kernels::Modes::current());
   prepare_activations(hidden_states, call);
   prepare_rows(call);
   run_experts(call);
   combine_slots(s.y.data(), routing, out);  // sum the top-k slots in k order, cast
+  trim_scratch(s);
+}
+
+void moe_forward_experts_exact(const at::Tensor& hidden_states, const at::Tensor& topk_ids,
+                               const at::Tensor& topk_weights, const MoeLayer& layer,
+                               kernels::Isa isa, at::Tensor* out, at::Tensor& gate_pre,
+                               at::Tensor& up_pre) {
+  Scratch& s = t_scratch;
+  const RoutingPlan& routing = route(layer, topk_ids, topk_weights, s);
+  if (hidden_states.size(0) == 0) return;
+  // fp32 activations times the exact weights: the streaming kernels, every
+  // format decoded to fp32 (no q8 rounding, no bf16 tile kernel).
+  const kernels::Modes exact{kernels::ComputePath::kStreaming, kernels::QuantActivations::kFp32};
+  Call call = plan_call(hidden_states, layer, isa, routing, s, exact);
+  call.gate_pre = gate_pre.data_ptr<float>();
+  call.up_pre = up_pre.data_ptr<float>();
+  call.down_delta = layer.lora.down.present();
+  call.pre_only = out == nullptr;
+  prepare_activations(hidden_states, call);
+  prepare_rows(call);
+  lora_input_terms(call);
+  run_experts(call);
+  if (out != nullptr) combine_slots(s.y.data(), routing, *out);
   trim_scratch(s);
 }
 

@@ -6,21 +6,18 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <initializer_list>
 #include <tuple>
 #include <utility>
 #include <vector>
 
 #include "formats/bf16.h"
 #include "kernels/activations.h"
+#include "kernels/dispatch.h"
+#include "moe/blas_tasks.h"
+#include "moe/moe_forward.h"
 #include "moe/routing.h"
 #include "runtime/thread_pool.h"
-
-// Intel MKL's per-thread thread count (the C entry point behind mkl_service.h's
-// mkl_set_num_threads_local macro; the lower-case symbol is the Fortran one,
-// which takes a pointer), exported by the MKL builds of libtorch (the x86-64
-// torch wheels). Weak, so a build against another BLAS still loads;
-// run_expert_tasks then runs the experts one after another.
-extern "C" int MKL_Set_Num_Threads_Local(int) __attribute__((weak));
 
 namespace kt::moe {
 
@@ -32,45 +29,6 @@ const at::TensorOptions kF32 = at::TensorOptions().dtype(at::kFloat);
 // from_blob tensors carry no autograd history, whatever the source tensor had.
 at::Tensor view(const float* p, at::IntArrayRef sizes) {
   return at::from_blob(const_cast<float*>(p), sizes, kF32);
-}
-
-// Holds the BLAS to one thread on the calling thread. Pool tasks run GEMMs
-// side by side: a multi-threaded GEMM would start an OpenMP team on every
-// pool thread (oversubscription), and MKL's sgemm rounds differently for
-// different thread counts (measured: m = 7 rows), which would make results
-// depend on the thread count.
-class SequentialBlasGuard {
- public:
-  SequentialBlasGuard() : prev_(MKL_Set_Num_Threads_Local(1)) {}
-  ~SequentialBlasGuard() { MKL_Set_Num_Threads_Local(prev_); }  // 0 = back to the global count
-  SequentialBlasGuard(const SequentialBlasGuard&) = delete;
-  SequentialBlasGuard& operator=(const SequentialBlasGuard&) = delete;
-
- private:
-  int prev_;
-};
-
-// fn(task, thread_index) for task in [0, n). On the pool when the BLAS can be
-// held to one thread per pool thread; otherwise on the calling thread alone
-// (each GEMM then uses the BLAS's own threads). Tasks call only at::mm-family
-// ops and plain loops: ATen's elementwise ops would start OpenMP teams from
-// pool threads.
-template <class F>
-void run_expert_tasks(int64_t n, const F& fn) {
-  if (MKL_Set_Num_Threads_Local == nullptr) {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    for (int64_t t = 0; t < n; ++t) fn(t, 0);
-    return;
-  }
-  runtime::ThreadPool::global().run(n, [&](int64_t task, int thread) {
-    SequentialBlasGuard blas;
-    at::AutoDispatchBelowADInplaceOrView below_autograd;  // temporaries need no autograd
-    fn(task, thread);
-  });
-}
-
-int num_task_threads() {
-  return MKL_Set_Num_Threads_Local ? runtime::ThreadPool::global().num_threads() : 1;
 }
 
 // Active experts, most rows first: long tasks start early, so the dynamic
@@ -106,18 +64,6 @@ LoraF32 lora_f32(const LoraProjection& p) {
   f.k = p.a.size(2);
   f.n = p.b.size(1);
   return f;
-}
-
-// out = in @ W^T + s * (in @ A^T) @ B^T for one projection of expert e.
-// `in` [m, k], w [n, k] (any strides); returns in @ A^T ([m, r], needed by backward) or an
-// undefined tensor without LoRA.
-at::Tensor project(const at::Tensor& in, const at::Tensor& w, const LoraF32& lora, int64_t e,
-                   float s, at::Tensor out) {
-  at::mm_out(out, in, w.t());
-  if (!lora.present()) return at::Tensor();
-  at::Tensor in_a = at::mm(in, lora.A(e).t());
-  out.addmm_(in_a, lora.B(e).t(), 1.0, s);
-  return in_a;
 }
 
 // rows i of src ([rows, n], row-major) -> dst[index[i] * n ...]
@@ -173,26 +119,35 @@ void combine_slots(const float* slots, const RoutingPlan& plan, int64_t H, at::T
       });
 }
 
-// Scratch for the dense fp32 weights of the expert a task works on, one set
-// per pool thread and call (allocated on first use: page faults once per
-// call, not per expert).
-struct ThreadWeights {
-  at::Tensor gate, up, down;
-};
+// Bytes of one fp32 panel of a projection's weights: a piece that stays in L2
+// (1 MiB per core on Zen 4, 2 MiB on Sapphire Rapids) beside the GEMM's other operands.
+constexpr int64_t kPanelBytes = 256 * 1024;
 
-// rows[i, :] += bias for m rows of n fp32 values (a projection's per-expert
-// bias, or nothing when it has none).
-void add_bias(const at::Tensor& rows, const float* bias) {
-  if (bias == nullptr) return;
-  float* p = rows.data_ptr<float>();
-  const int64_t m = rows.size(0), n = rows.size(1);
-  for (int64_t i = 0; i < m; ++i)
-    for (int64_t j = 0; j < n; ++j) p[i * n + j] += bias[j];
-}
-
-const at::Tensor& ensure(at::Tensor& t, int64_t numel) {
-  if (!t.defined()) t = at::empty({numel}, kF32);
-  return t;
+// out = sum_j d_j @ W_j for the backward's products with the frozen base (grad
+// of h: go Wd; grad of x: dg Wg + du Wu), W_j an expert's [n, k] projection
+// and every d_j [m, n]: per panel of 32-aligned columns of W, decoded to fp32
+// (dense_expert_panel) into `panel` and multiplied at once, so the whole fp32
+// matrix is never written to or read back from memory.
+void base_products(std::initializer_list<std::pair<const at::Tensor*, const Projection*>> terms,
+                   int64_t e, at::Tensor& out, std::vector<float>& panel) {
+  const Projection& p0 = *terms.begin()->second;
+  const int64_t k = p0.k, ld = dense_panel_ld(p0);
+  const int64_t kc = std::max<int64_t>(32, kPanelBytes / (ld * 4) / 32 * 32);
+  if (panel.size() < static_cast<size_t>(kc * ld)) panel.resize(kc * ld);
+  for (int64_t k0 = 0; k0 < k; k0 += kc) {
+    const int64_t k1 = std::min(k, k0 + kc);
+    at::Tensor o = out.narrow(1, k0, k1 - k0);
+    bool first = true;
+    for (const auto& [d, p] : terms) {
+      const at::Tensor wp = dense_expert_panel(*p, e, k0, k1, panel.data());
+      if (first) {
+        at::mm_out(o, *d, wp);
+      } else {
+        o.addmm_(*d, wp);
+      }
+      first = false;
+    }
+  }
 }
 
 }  // namespace
@@ -200,69 +155,17 @@ const at::Tensor& ensure(at::Tensor& t, int64_t numel) {
 LoraForwardResult moe_forward_lora(const at::Tensor& x, const at::Tensor& topk_ids,
                                    const at::Tensor& topk_weights, const MoeLayer& w,
                                    bool save_pre) {
-  const LoraParams& lora = w.lora;
-  const int64_t T = x.size(0), H = x.size(1), K = topk_ids.size(1);
-  const int64_t E = w.gate.num_experts(), I = w.gate.n;
+  const int64_t T = x.size(0), K = topk_ids.size(1), I = w.intermediate_size;
   LoraForwardResult res;
-  res.out = at::empty({T, H}, x.options());
+  res.out = at::empty(x.sizes(), x.options());
+  // The pre-activations hold the LoRA terms first (moe_forward_experts_exact).
+  at::Tensor gate_pre = at::zeros({T * K, I}, kF32), up_pre = at::zeros({T * K, I}, kF32);
+  moe_forward_experts_exact(x, topk_ids, topk_weights, w, kernels::active_isa(), &res.out,
+                            gate_pre, up_pre);
   if (save_pre) {
-    res.gate_pre = at::zeros({T * K, I}, kF32);
-    res.up_pre = at::zeros({T * K, I}, kF32);
+    res.gate_pre = gate_pre;
+    res.up_pre = up_pre;
   }
-  if (T == 0 || H == 0) return res;
-
-  RoutingPlan plan;
-  build_routing_plan(w.op, topk_ids, topk_weights, E, w.skip_mask(), plan);
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  const float* xp = xf.data_ptr<float>();
-  const LoraF32 lg = lora_f32(lora.gate), lu = lora_f32(lora.up), ld = lora_f32(lora.down);
-  const float s = static_cast<float>(lora.scaling);
-  // y[t*K + k] = w[t, k] * expert(x[t]); each slot written by exactly one task.
-  const at::Tensor slots = at::empty({T * K, H}, kF32);
-  float* yp = slots.data_ptr<float>();
-  float* gpre = save_pre ? res.gate_pre.data_ptr<float>() : nullptr;
-  float* upre = save_pre ? res.up_pre.data_ptr<float>() : nullptr;
-
-  const std::vector<int64_t> order = experts_by_load(plan);
-  std::vector<ThreadWeights> weights(num_task_threads());
-  const int64_t scratch_numel =
-      std::max({dense_expert_weight_numel(w.gate), dense_expert_weight_numel(w.up),
-                dense_expert_weight_numel(w.down)});
-  run_expert_tasks(static_cast<int64_t>(order.size()), [&](int64_t task, int thread) {
-    const int64_t e = order[task];
-    const int64_t r0 = plan.expert_offsets[e];
-    const int64_t m = plan.expert_offsets[e + 1] - r0;
-    const int64_t* slot = plan.row_slot.data() + r0;
-    ThreadWeights& tw = weights[thread];
-    // One scratch buffer serves the three projections in turn.
-    const at::Tensor& scratch = ensure(tw.gate, scratch_numel);
-
-    at::Tensor xe = at::empty({m, H}, kF32);
-    gather_rows(xp, m, H, plan.row_token.data() + r0, xe.data_ptr<float>());
-    at::Tensor g = at::empty({m, I}, kF32), u = at::empty({m, I}, kF32);
-    project(xe, dense_expert_weight(w.gate, e, scratch), lg, e, s, g);
-    project(xe, dense_expert_weight(w.up, e, scratch), lu, e, s, u);
-    add_bias(g, w.gate.bias_row(e));
-    add_bias(u, w.up.bias_row(e));
-    float* gp = g.data_ptr<float>();
-    const float* up = u.data_ptr<float>();
-    if (save_pre) {
-      scatter_rows(gp, m, I, slot, gpre);
-      scatter_rows(up, m, I, slot, upre);
-    }
-    for (int64_t i = 0; i < m * I; ++i) gp[i] = kernels::glu_value(w.glu, gp[i], up[i]);
-
-    at::Tensor y = at::empty({m, H}, kF32);
-    project(g, dense_expert_weight(w.down, e, scratch), ld, e, s, y);
-    add_bias(y, w.down.bias_row(e));
-    const float* yr = y.data_ptr<float>();
-    const float* rw = plan.row_weight.data() + r0;
-    for (int64_t i = 0; i < m; ++i) {
-      float* dst = yp + slot[i] * H;
-      for (int64_t j = 0; j < H; ++j) dst[j] = rw[i] * yr[i * H + j];
-    }
-  });
-  combine_slots(yp, plan, H, res.out);
   return res;
 }
 
@@ -307,14 +210,23 @@ void check_backward_args(const MoeLayer& layer, const at::Tensor& grad_output,
 
 MoeGrads moe_backward_lora(const at::Tensor& grad_output, const at::Tensor& x,
                            const at::Tensor& topk_ids, const at::Tensor& topk_weights,
-                           const MoeLayer& w, const at::Tensor& gate_pre, const at::Tensor& up_pre,
-                           bool compute_grad_x) {
+                           const MoeLayer& w, const at::Tensor& saved_gate_pre,
+                           const at::Tensor& saved_up_pre, bool compute_grad_x) {
+  // Without saved pre-activations (activation checkpointing) the exact forward
+  // recomputes them: the same bits as a forward that saved them.
+  at::Tensor gate_pre = saved_gate_pre, up_pre = saved_up_pre;
+  if (!gate_pre.defined() && x.size(0) > 0) {
+    const int64_t rows = x.size(0) * topk_ids.size(1);
+    gate_pre = at::zeros({rows, w.intermediate_size}, kF32);
+    up_pre = at::zeros({rows, w.intermediate_size}, kF32);
+    moe_forward_experts_exact(x.contiguous(), topk_ids, topk_weights, w, kernels::active_isa(),
+                              nullptr, gate_pre, up_pre);
+  }
   const LoraParams& lora = w.lora;
   const int64_t T = x.size(0), H = x.size(1), K = topk_ids.size(1);
   const int64_t E = w.gate.num_experts(), I = w.gate.n;
   const LoraF32 lg = lora_f32(lora.gate), lu = lora_f32(lora.up), ld = lora_f32(lora.down);
   const float s = static_cast<float>(lora.scaling);
-  const bool saved = gate_pre.defined();
 
   // fp32 accumulators; experts without tokens keep zero LoRA gradients.
   at::Tensor grad_w = at::zeros({T, K}, kF32);
@@ -338,46 +250,32 @@ MoeGrads moe_backward_lora(const at::Tensor& grad_output, const at::Tensor& x,
     const at::Tensor gof = grad_output.to(at::kFloat).contiguous();
     const float* xp = xf.data_ptr<float>();
     const float* gop = gof.data_ptr<float>();
-    const float* gpre = saved ? gate_pre.data_ptr<float>() : nullptr;
-    const float* upre = saved ? up_pre.data_ptr<float>() : nullptr;
+    const float* gpre = gate_pre.data_ptr<float>();
+    const float* upre = up_pre.data_ptr<float>();
     at::Tensor dx_slots;
     if (compute_grad_x) dx_slots = at::empty({T * K, H}, kF32);
     float* dxp = compute_grad_x ? dx_slots.data_ptr<float>() : nullptr;
     float* gwp = grad_w.data_ptr<float>();
 
     const std::vector<int64_t> order = experts_by_load(plan);
-    std::vector<ThreadWeights> weights(num_task_threads());
-    run_expert_tasks(static_cast<int64_t>(order.size()), [&](int64_t task, int thread) {
+    std::vector<std::vector<float>> panels(blas_task_threads());  // per pool thread
+    run_blas_tasks(static_cast<int64_t>(order.size()), [&](int64_t task, int thread) {
       const int64_t e = order[task];
       const int64_t r0 = plan.expert_offsets[e];
       const int64_t m = plan.expert_offsets[e + 1] - r0;
       const int64_t* slot = plan.row_slot.data() + r0;
       const int64_t* token = plan.row_token.data() + r0;
       const float* rw = plan.row_weight.data() + r0;
-      ThreadWeights& tw = weights[thread];
-      // Wg and Wu serve the pre-activations and grad x; only dequantized when used.
-      const bool need_gate_up_w = compute_grad_x || !saved;
-      at::Tensor wg, wu;  // [I, H]
-      if (need_gate_up_w) {
-        wg = dense_expert_weight(w.gate, e, ensure(tw.gate, dense_expert_weight_numel(w.gate)));
-        wu = dense_expert_weight(w.up, e, ensure(tw.up, dense_expert_weight_numel(w.up)));
-      }
+      std::vector<float>& panel = panels[thread];
 
       at::Tensor xe = at::empty({m, H}, kF32);
       gather_rows(xp, m, H, token, xe.data_ptr<float>());
       at::Tensor g = at::empty({m, I}, kF32), u = at::empty({m, I}, kF32);
       at::Tensor xa_g, xa_u;  // x A^T of gate / up, for the B gradients
-      if (saved) {
-        gather_rows(gpre, m, I, slot, g.data_ptr<float>());
-        gather_rows(upre, m, I, slot, u.data_ptr<float>());
-        if (lg.present()) xa_g = at::mm(xe, lg.A(e).t());
-        if (lu.present()) xa_u = at::mm(xe, lu.A(e).t());
-      } else {
-        xa_g = project(xe, wg, lg, e, s, g);
-        xa_u = project(xe, wu, lu, e, s, u);
-        add_bias(g, w.gate.bias_row(e));
-        add_bias(u, w.up.bias_row(e));
-      }
+      gather_rows(gpre, m, I, slot, g.data_ptr<float>());
+      gather_rows(upre, m, I, slot, u.data_ptr<float>());
+      if (lg.present()) xa_g = at::mm(xe, lg.A(e).t());
+      if (lu.present()) xa_u = at::mm(xe, lu.A(e).t());
       float* gp = g.data_ptr<float>();
       float* up = u.data_ptr<float>();
       at::Tensor h = at::empty({m, I}, kF32);
@@ -387,9 +285,8 @@ MoeGrads moe_backward_lora(const at::Tensor& grad_output, const at::Tensor& x,
       // dh_u = dL/dh before the routing weight: go Wd + s (go Bd) Ad.
       at::Tensor go = at::empty({m, H}, kF32);
       gather_rows(gop, m, H, token, go.data_ptr<float>());
-      const at::Tensor wd =
-          dense_expert_weight(w.down, e, ensure(tw.down, dense_expert_weight_numel(w.down)));
-      at::Tensor dh = at::mm(go, wd);  // [m, I]
+      at::Tensor dh = at::empty({m, I}, kF32);
+      base_products({{&go, &w.down}}, e, dh, panel);
       at::Tensor go_b;                 // go Bd [m, rd]
       if (ld.present()) {
         go_b = at::mm(go, ld.B(e));
@@ -442,8 +339,8 @@ MoeGrads moe_backward_lora(const at::Tensor& grad_output, const at::Tensor& x,
       const at::Tensor du_b = input_lora_grads(lu, du, xa_u, ga_u, gb_u);
       if (compute_grad_x) {
         // dx = dg Wg + du Wu + s (dg Bg) Ag + s (du Bu) Au.
-        at::Tensor dx = at::mm(dg, wg);
-        dx.addmm_(du, wu);
+        at::Tensor dx = at::empty({m, H}, kF32);
+        base_products({{&dg, &w.gate}, {&du, &w.up}}, e, dx, panel);
         if (lg.present()) dx.addmm_(dg_b, lg.A(e), 1.0, s);
         if (lu.present()) dx.addmm_(du_b, lu.A(e), 1.0, s);
         scatter_rows(dx.data_ptr<float>(), m, H, slot, dxp);

@@ -1,4 +1,4 @@
-// The routed experts with LoRA, forward and backward, on ATen (fp32 GEMMs).
+// The routed experts with LoRA, forward and backward.
 //
 // LoRA (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models";
 // PEFT convention): projection p of expert e computes
@@ -10,16 +10,20 @@
 //     g = gate(x) + bg, u = up(x) + bu, h = glu(g, u), y = down(h) + bd,
 //     out[t] = sum_k w[t, k] * y_{e = ids[t, k]}(x[t]).
 //
-// Work split: one pool task per active expert (largest first). A task
-// gathers the expert's rows, runs its GEMMs single-threaded (at::mm with the
-// BLAS held to one thread), and writes per-(token, slot) results; a second
-// pass sums the slots of each token in k order. Every value therefore comes
-// from the same sequence of operations for any thread count: results are
-// bit-identical for 1, 2, ... threads.
+// Forward: the inference driver's exact mode (moe_forward_experts_exact in
+// moe/moe_forward.h): the base products on the streaming kernels with fp32
+// activations times the exact weights (every format, QLoRA style on a
+// quantized base), the LoRA terms as ATen GEMMs per expert added in the
+// epilogues, the gate and up pre-activations saved by slot.
 //
-// Base weights are read through dense_expert_weight (expert_weights.h), so
-// these paths support every weight format (bf16 and the quantized ones: the
-// base is dequantized to fp32 per expert and multiplies fp32 activations).
+// Backward: one pool task per active expert (largest first). A task gathers
+// the expert's rows, runs its GEMMs single-threaded (at::mm with the BLAS held
+// to one thread, moe/blas_tasks.h) on the base read through
+// dense_expert_weight (expert_weights.h), and writes per-(token, slot)
+// results; a second pass sums the slots of each token in k order. Without
+// saved pre-activations it first reruns the exact forward (the same bits).
+// Every value comes from the same sequence of operations for any thread
+// count: results are bit-identical for 1, 2, ... threads.
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -2,6 +2,8 @@
 // (moe::parse_moe_layer) in shape-only mode, for the fake kernels of
 // kt_ops/ops.py. They pass meta stand-ins of the traced tensors and get the
 // eager op's error, word for word, at trace time; devices they check themselves.
+// And kt_ops._C._testing.dense_expert_weights: the backward's dense decoder
+// (moe/expert_weights.h) for the tests to compare with dequantize_weights.
 #include <ATen/ATen.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -11,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "moe/expert_weights.h"
 #include "moe/moe_layer.h"
 
 namespace py = pybind11;
@@ -34,8 +37,29 @@ void check_layer_shapes(const std::string& op, const at::Tensor& hidden_states,
                        sizes, group_sizes, lora, lora_scaling, activation, gpu_experts_mask);
 }
 
+// Projection `proj` (0 gate, 1 up, 2 down) of every expert as dense fp32 [E, n, k].
+at::Tensor dense_expert_weights(const std::vector<std::optional<at::Tensor>>& weights,
+                                const std::string& weight_format,
+                                const std::vector<int64_t>& sizes,
+                                const std::vector<int64_t>& group_sizes, int64_t proj) {
+  c10::List<std::optional<at::Tensor>> list;
+  for (const auto& w : weights) list.push_back(w);
+  const moe::MoeLayer layer =
+      moe::parse_layer("kt_ops._C._testing.dense_expert_weights", nullptr, list, weight_format,
+                       sizes, group_sizes, {}, 1.0, "silu", std::nullopt);
+  const moe::Projection& p = proj == 0 ? layer.gate : proj == 1 ? layer.up : layer.down;
+  at::Tensor scratch = at::empty({moe::dense_expert_weight_numel(p)}, at::kFloat);
+  std::vector<at::Tensor> experts;
+  for (int64_t e = 0; e < p.num_experts(); ++e)
+    experts.push_back(moe::dense_expert_weight(p, e, scratch).clone());
+  return at::stack(experts);
+}
+
 }  // namespace
 
-void register_layer_checks(py::module& m) { m.def("check_layer_shapes", &check_layer_shapes); }
+void register_layer_checks(py::module& m, py::module& testing) {
+  m.def("check_layer_shapes", &check_layer_shapes);
+  testing.def("dense_expert_weights", &dense_expert_weights);
+}
 
 }  // namespace kt::ops

@@ -30,7 +30,7 @@ namespace kt::ops {
 void register_numa(pybind11::module& m, pybind11::module& testing);  // csrc/ops/numa_bindings.cpp
 void register_test_hooks(pybind11::module& testing);                 // csrc/ops/test_hooks.cpp
 void register_prepared_layer_call(pybind11::module& m);              // csrc/ops/prepared_layer.cpp
-void register_layer_checks(pybind11::module& m);                     // csrc/ops/layer_bindings.cpp
+void register_layer_checks(pybind11::module& m, pybind11::module& testing);                     // csrc/ops/layer_bindings.cpp
 }  // namespace kt::ops
 
 namespace {
@@ -333,5 +333,5 @@ PYBIND11_MODULE(_C, m) {
   kt::hybrid::register_host_bridge(m, testing);
   kt::ops::register_numa(m, testing);
   kt::ops::register_prepared_layer_call(m);
-  kt::ops::register_layer_checks(m);
+  kt::ops::register_layer_checks(m, testing);
 }
