@@ -46,7 +46,8 @@ at::Tensor dense_expert_weights(const std::vector<std::optional<at::Tensor>>& we
   for (const auto& w : weights) list.push_back(w);
   const moe::MoeLayer layer =
       moe::parse_layer("kt_ops._C._testing.dense_expert_weights", nullptr, list, weight_format,
-                       sizes, group_sizes, {}, 1.0, "silu", std::nullopt);
+                       sizes, group_sizes, {}, 1.0,
+                       kernels::activation_name(kernels::Activation::kSilu), std::nullopt);
   const moe::Projection& p = proj == 0 ? layer.gate : proj == 1 ? layer.up : layer.down;
   at::Tensor scratch = at::empty({moe::dense_expert_weight_numel(p)}, at::kFloat);
   std::vector<at::Tensor> experts;
