@@ -5,7 +5,7 @@ for a :class:`kt_ops.nn.MoEExperts` that holds the same weights packed for the
 CPU kernels. The router, shared experts, attention and everything else stay in
 PyTorch, untouched.
 
-Two layouts of experts are recognised:
+Three layouts of experts are recognised:
 
 * **Fused (transformers >= 5).** Every MoE model's experts module is decorated
   with ``@use_experts_implementation`` (``transformers/integrations/moe.py``),
@@ -18,7 +18,11 @@ Two layouts of experts are recognised:
   supported. Modules with the same two parameters but without the decorator
   are read with the decorator's defaults (concatenated, not transposed).
   Examples: Qwen3MoeExperts, Qwen2MoeExperts, MixtralExperts, OlmoeExperts,
-  DeepseekV3Experts, GraniteMoeExperts.
+  DeepseekV3Experts, GraniteMoeExperts, GptOssExperts (with the per-expert
+  biases ``gate_up_proj_bias`` / ``down_proj_bias``).
+* **Stacked (DBRX).** An experts module whose ``mlp`` holds 2-D ``w1`` (gate),
+  ``v1`` (up) and ``w2`` (down, transposed), ``[E*I, H]`` each, called as the
+  fused ones are.
 * **Per-expert modules.** An ``nn.ModuleList`` registered under the name
   ``experts`` whose items are MLPs with bias-free ``nn.Linear`` layers
   ``gate_proj``/``up_proj``/``down_proj`` (Qwen-MoE/OLMoE style) or
@@ -34,15 +38,19 @@ Two layouts of experts are recognised:
 
 Supported experts compute the gated MLP ``down(act(gate(x)) * up(x))`` with
 ``act`` SiLU (SwiGLU) or GELU (erf or tanh approximation: GeGLU), found from the
-experts' ``act_fn`` (:data:`kt_ops.ACTIVATIONS`). Anything else is refused with
+experts' ``act_fn`` (:data:`kt_ops.ACTIVATIONS`), with the clamps, alpha and +1
+of gpt-oss-style SwiGLUs read from the module's ``limit`` / ``alpha`` (or
+``swiglu_*``) attributes and confirmed by the probe
+(:func:`kt_ops.activation_spec`). Anything else is refused with
 :class:`UnsupportedExpertsError` (a ``ValueError``) naming the module, its class
-and the reason: expert biases (``has_bias=True``, e.g. gpt-oss), non-gated
+and the reason: non-gated
 experts (``has_gate=False``), a post-expert norm, another activation, extra
 tensors such as
 quantization scales, or a custom gating function (``_apply_gate`` with clamps or
-a different GLU). As a last guard, the first replacement of each kind of module is checked on a
-probe batch against the module it replaces (``check=True``), which also catches
-gating that no flag describes.
+a different GLU). As a last guard, the first replacement of each kind of module (its
+class, layout and every scalar attribute, so a clamp set on some layers only makes its own
+kind) is checked on a probe batch against the module it replaces (``check=True``), which
+also catches gating that no flag describes.
 
 Nothing is replaced unless every experts module of the model is supported.
 After replacement the state-dict keys of the experts are ``gate_weight``,
@@ -77,8 +85,7 @@ from kt_ops.hf_experts import (
     ExpertsInfo,
     UnsupportedExpertsError,
     _dense_biases,
-    _dense_fused,
-    _dense_module_list,
+    _dense_experts,
     _Plan,
     _plan,
     find_experts,
@@ -127,6 +134,8 @@ def _probe_inputs(gate: Tensor, dtype: torch.dtype, device: torch.device, num_to
 
 def _relative_error(got: Tensor, want: Tensor) -> float:
     got, want = got.float().cpu(), want.float().cpu()
+    if got.shape != want.shape and got.numel() == want.numel():
+        got = got.reshape(want.shape)  # DBRX returns [T, 1, H] for [T, H] hidden states
     scale = want.abs().max().clamp_min(torch.finfo(torch.float32).tiny)
     return ((got - want).abs().max() / scale).item()
 
@@ -233,6 +242,8 @@ def _source_layout(plan: _Plan) -> dict:
     ``{'layout': 'module_list', 'linear_names': (gate, up, down)}`` (nn.Linear attribute names).
     """
     info = plan.info
+    if info.layout == "stacked":
+        return {"layout": "stacked", "param_names": ("mlp.w1", "mlp.v1", "mlp.w2")}
     if info.layout == "fused":
         names = [n for n, _ in plan.module.named_parameters(recurse=False)]
         return {
@@ -254,13 +265,13 @@ def _build(plan: _Plan, weight_format: str, **quant) -> tuple[MoEExperts, Tensor
     ``quant``: ``group_size`` / ``symmetric`` for the quantized formats.
     """
     act = plan.info.activation
-    if plan.info.layout == "fused":
-        gate, up, down = _dense_fused(plan.module, plan.info)
+    if plan.info.layout in _CALLED_AS_EXPERTS:
+        gate, up, down = _dense_experts(plan.module, plan.info)
         experts = ExpertWeights.from_dense(gate, up, down, weight_format, **quant)
         if plan.info.biased:
             experts = experts.with_biases(*_dense_biases(plan.module, plan.info))
         return MoEExperts(experts, activation=act), gate
-    gate, up, down = _dense_module_list(plan.module)
+    gate, up, down = _dense_experts(plan.module, plan.info)
     return (
         MoEExpertList.from_dense(gate, up, down, weight_format, activation=act, **quant),
         gate,
@@ -271,10 +282,7 @@ def _place_gpu_experts(
     plan: _Plan, new: MoEExperts, selection, counts, *, from_model: bool
 ) -> None:
     """Give ``new`` its GPU-resident experts: the model's dense weights, or dequantized."""
-    if plan.info.layout == "fused":
-        dense = _dense_fused(plan.module, plan.info)
-    else:
-        dense = _dense_module_list(plan.module)
+    dense = _dense_experts(plan.module, plan.info)
     if from_model:
         new.set_gpu_experts(selection, routing_counts=counts, dense=dense)
     else:  # converted experts: dequantize them, in the dtype / on the device of the model's
@@ -283,6 +291,10 @@ def _place_gpu_experts(
 
 
 _GPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+#: Layouts whose module is called as experts(hidden_states, top_k_index, top_k_weights)
+#: and becomes one MoEExperts (a module list becomes a MoEExpertList).
+_CALLED_AS_EXPERTS = ("fused", "stacked")
 
 
 def _layer_index(name: str) -> Optional[int]:
@@ -310,7 +322,7 @@ def _load_converted(plan: _Plan, converted) -> MoEExperts:
     packed = converted.load_layer(layer)
     if info.biased:  # the model's own biases (small), whether or not the directory has them
         packed = packed.with_biases(*_dense_biases(plan.module, info))
-    if info.layout == "fused":
+    if info.layout in _CALLED_AS_EXPERTS:
         return MoEExperts(packed, activation=info.activation)
     return MoEExpertList.from_packed(*packed.projections, activation=info.activation)
 

@@ -40,7 +40,9 @@ class ExpertsInfo:
     Attributes:
         name: qualified module name in the model (``model.layers.0.mlp.experts``).
         class_name: class of the module (``Qwen3MoeExperts``, ``ModuleList``...).
-        layout: ``'fused'`` (3-D ``gate_up_proj``/``down_proj``) or ``'module_list'``.
+        layout: ``'fused'`` (3-D ``gate_up_proj``/``down_proj``), ``'stacked'`` (DBRX's
+            2-D ``mlp.w1``/``v1``/``w2``, ``[E*I, H]`` each, called as fused experts
+            are) or ``'module_list'``.
         concatenated: gate rows then up rows (``True``) or interleaved (``False``); fused only.
         transposed: weights stored ``[E, in, out]``; fused only.
         num_experts, hidden_size, intermediate_size: ``E``, ``H``, ``I``.
@@ -257,6 +259,53 @@ def _plan_fused(name: str, module: nn.Module) -> ExpertsInfo:
     )
 
 
+def _is_stacked_experts(module: nn.Module) -> bool:
+    """DBRX's experts: ``mlp.w1`` (gate), ``mlp.v1`` (up), ``mlp.w2`` (down^T), 2-D
+    ``[E*I, H]`` parameters stacked over the experts."""
+    mlp = getattr(module, "mlp", None)
+    return isinstance(mlp, nn.Module) and all(
+        _is_2d(getattr(mlp, n, None)) for n in ("w1", "v1", "w2")
+    )
+
+
+def _plan_stacked(name: str, module: nn.Module) -> ExpertsInfo:
+    where = _where(name, module)
+    mlp = module.mlp
+    w1, v1, w2 = mlp.w1, mlp.v1, mlp.w2
+    E = getattr(module, "num_experts", None) or getattr(mlp, "moe_num_experts", None)
+    inter = getattr(module, "ffn_hidden_size", None) or getattr(mlp, "ffn_hidden_size", None)
+    H = w1.shape[1]
+    if not isinstance(E, int) or not isinstance(inter, int) or E * inter != w1.shape[0]:
+        raise UnsupportedExpertsError(
+            f"{where}: mlp.w1 {tuple(w1.shape)} is not [num_experts * ffn_hidden_size, H] "
+            f"(num_experts={E!r}, ffn_hidden_size={inter!r})"
+        )
+    if tuple(v1.shape) != tuple(w1.shape) or tuple(w2.shape) != tuple(w1.shape):
+        raise UnsupportedExpertsError(
+            f"{where}: mlp.w1, v1 and w2 must all be [E*I, H] = {tuple(w1.shape)}, got "
+            f"{tuple(v1.shape)} and {tuple(w2.shape)}"
+        )
+    extra = sorted(
+        n for n, _ in module.named_parameters() if n not in ("mlp.w1", "mlp.v1", "mlp.w2")
+    )
+    if extra:
+        raise UnsupportedExpertsError(
+            f"{where}: has tensors {extra} besides mlp.w1/v1/w2 that kt_ops would ignore"
+        )
+    _check_materialized(where, [w1, v1, w2])
+    act = getattr(mlp, "activation_fn", None)
+    activation = _kt_activation(act) if act is not None else DEFAULT_ACTIVATION
+    if activation is None:
+        raise UnsupportedExpertsError(
+            f"{where}: activation {type(act).__name__} is not supported; kt_ops experts "
+            f"compute act(gate(x)) * up(x) with act one of {list(ACTIVATIONS)}"
+        )
+    return ExpertsInfo(
+        name, type(module).__name__, "stacked", True, False, E, H, inter, activation,
+        glu_candidates=(activation,),
+    )  # fmt: skip
+
+
 def _describe(t: object) -> str:
     return f"tensor{tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
 
@@ -360,6 +409,8 @@ def _plan(model: nn.Module) -> tuple[list[_Plan], int]:
             info = _plan_module_list(name, module)
         elif _is_fused_experts(module):
             info = _plan_fused(name, module)
+        elif _is_stacked_experts(module):
+            info = _plan_stacked(name, module)
         else:
             continue
         if not name:
@@ -422,6 +473,26 @@ def _dense_biases(
     else:
         gate, up = gate_up[:, 0::2], gate_up[:, 1::2]
     return gate, up, module.down_proj_bias.detach()
+
+
+def _dense_stacked(module: nn.Module, info: ExpertsInfo) -> tuple[Tensor, Tensor, Tensor]:
+    """(gate [E, I, H], up [E, I, H], down [E, H, I]) views of DBRX's stacked experts
+    (expert e computes ``(act(x w1_e^T) * x v1_e^T) w2_e``)."""
+    E, inter, H = info.num_experts, info.intermediate_size, info.hidden_size
+    mlp = module.mlp
+    gate = mlp.w1.detach().view(E, inter, H)
+    up = mlp.v1.detach().view(E, inter, H)
+    down = mlp.w2.detach().view(E, inter, H).transpose(1, 2)
+    return gate, up, down
+
+
+def _dense_experts(module: nn.Module, info: ExpertsInfo) -> tuple[Tensor, Tensor, Tensor]:
+    """The dense (gate, up, down) of an experts module of any recognised layout."""
+    if info.layout == "fused":
+        return _dense_fused(module, info)
+    if info.layout == "stacked":
+        return _dense_stacked(module, info)
+    return _dense_module_list(module)
 
 
 def _dense_module_list(experts: nn.ModuleList) -> tuple[Tensor, Tensor, Tensor]:

@@ -246,6 +246,12 @@ def adapter_tensors(
         if not factors:
             continue
         layout = _layout(module)
+        if layout["layout"] not in ("fused", "module_list"):
+            raise ValueError(
+                f"{name}: experts replaced from the {layout['layout']!r} layout (DBRX's "
+                "stacked mlp.w1/v1/w2) have no PEFT adapter layout yet; save the LoRA factors "
+                "with the model's state_dict ({p}_lora_a / {p}_lora_b)"
+            )
         s = module.lora_scaling
         use_params = style == "parameters" or (style == "auto" and layout["layout"] == "fused")
         if use_params:

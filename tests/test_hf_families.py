@@ -1,7 +1,8 @@
-"""Hugging Face families whose experts carry biases or a clamped SwiGLU, served by
-``replace_experts``: gpt-oss (biases, alpha, clamps, +1), DeepSeek-V4 / GLM-5-Next / HY-V4
-(clamp before SiLU), MiniMax-M3 (gpt-oss's GLU without biases) and Step-3.7 (a clamp after
-SiLU that only some layers set), each against the unmodified module.
+"""Hugging Face families beyond the common layouts, served by ``replace_experts``: gpt-oss
+(biases, alpha, clamps, +1), DeepSeek-V4 / GLM-5-Next / HY-V4 (clamp before SiLU), MiniMax-M3
+(gpt-oss's GLU without biases), Step-3.7 (a clamp after SiLU that only some layers set), Gemma 4
+(GeGLU, tanh GELU) and DBRX (experts stacked as 2-D mlp.w1/v1/w2), each against the unmodified
+module or model.
 
 The GLU is read from the module's attributes and confirmed by the probe (which tries the
 candidates of ``ExpertsInfo.glu_candidates`` in turn); every instance whose scalar
@@ -21,7 +22,9 @@ transformers = pytest.importorskip("transformers")
 
 import kt_ops  # noqa: E402
 from kt_ops.hf import UnsupportedExpertsError, find_experts, replace_experts  # noqa: E402
+from kt_ops.lora import apply_lora  # noqa: E402
 from kt_ops.nn import MoEExperts  # noqa: E402
+from kt_ops.peft_adapters import adapter_tensors  # noqa: E402
 
 E, H, I = 8, 64, 32
 INPUT_IDS = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))
@@ -140,3 +143,54 @@ def test_a_clamp_set_on_some_layers_only_is_probed_on_each():
     x = torch.randn(5, H) * 4
     with torch.no_grad():
         assert rel_err(model(x), reference(x)) < 1e-4
+
+
+@pytest.mark.parametrize(
+    "module_path, config_cls, experts_cls",
+    [
+        ("gemma4.modeling_gemma4", "Gemma4TextConfig", "Gemma4TextExperts"),
+        ("diffusion_gemma.modeling_diffusion_gemma", "DiffusionGemmaTextConfig",
+         "DiffusionGemmaTextExperts"),
+    ],
+)  # fmt: skip
+def test_gemma4_gelu_tanh_experts(module_path, config_cls, experts_cls):
+    """Gemma 4's experts: GeGLU with the tanh GELU (hidden_activation gelu_pytorch_tanh)."""
+    mod = __import__(f"transformers.models.{module_path}", fromlist=["x"])
+    cfg = getattr(mod, config_cls)(hidden_size=H, moe_intermediate_size=I, num_experts=E)
+    experts = [_stored(getattr(mod, experts_cls)(cfg), seed) for seed in range(2)]
+    torch.manual_seed(0)
+    model = TinyModel(*experts)
+    reference = copy.deepcopy(model)
+    replace_experts(model)
+    assert [m.activation for m in model.modules() if isinstance(m, MoEExperts)] == ["gelu_tanh"] * 2
+    x = torch.randn(5, H) * 4
+    with torch.no_grad():
+        assert rel_err(model(x), reference(x)) < 1e-4
+
+
+def test_dbrx_stacked_experts():
+    config = transformers.DbrxConfig(
+        d_model=H, n_heads=4, n_layers=2, vocab_size=128, max_seq_len=64,
+        ffn_config={"ffn_hidden_size": I, "moe_num_experts": E, "moe_top_k": 2},
+        attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    round_experts_to_bf16_(model)
+    infos = find_experts(model)
+    assert [(i.layout, i.num_experts, i.hidden_size, i.intermediate_size) for i in infos] == [
+        ("stacked", E, H, I)
+    ] * 2
+    reference = copy.deepcopy(model)
+    replace_experts(model)
+    with torch.inference_mode():
+        want, got = reference(INPUT_IDS).logits, model(INPUT_IDS).logits
+    assert rel_err(got, want) < 1e-4 and torch.equal(got.argmax(-1), want.argmax(-1))
+    model.train()
+    model(INPUT_IDS).logits.float().pow(2).mean().backward()
+    assert model.get_input_embeddings().weight.grad.abs().sum() > 0
+    # LoRA trains on it; a PEFT adapter of this layout is refused with a reason.
+    apply_lora(model, rank=2)
+
+    with pytest.raises(ValueError, match="'stacked' layout"):
+        adapter_tensors(model)
