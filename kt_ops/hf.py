@@ -91,7 +91,7 @@ from kt_ops.hf_experts import (
     find_experts,
 )
 from kt_ops.layer import ACTIVATIONS, ExpertWeights, split_weight_format
-from kt_ops.nn import MoEExpertList, MoEExperts, parse_gpu_experts
+from kt_ops.nn import MoEExpertList, MoEExperts, MoEExpertsWithIdentity, parse_gpu_experts
 from kt_ops.routing_stats import RoutingStats, collect_routing_stats, record_routing
 
 __all__ = [
@@ -270,7 +270,7 @@ def _build(plan: _Plan, weight_format: str, **quant) -> tuple[MoEExperts, Tensor
         experts = ExpertWeights.from_dense(gate, up, down, weight_format, **quant)
         if plan.info.biased:
             experts = experts.with_biases(*_dense_biases(plan.module, plan.info))
-        return MoEExperts(experts, activation=act), gate
+        return _experts_module(experts, plan.info), gate
     gate, up, down = _dense_experts(plan.module, plan.info)
     return (
         MoEExpertList.from_dense(gate, up, down, weight_format, activation=act, **quant),
@@ -323,8 +323,18 @@ def _load_converted(plan: _Plan, converted) -> MoEExperts:
     if info.biased:  # the model's own biases (small), whether or not the directory has them
         packed = packed.with_biases(*_dense_biases(plan.module, info))
     if info.layout in _CALLED_AS_EXPERTS:
-        return MoEExperts(packed, activation=info.activation)
+        return _experts_module(packed, info)
     return MoEExpertList.from_packed(*packed.projections, activation=info.activation)
+
+
+def _experts_module(experts: ExpertWeights, info: ExpertsInfo) -> MoEExperts:
+    """The replacement module of a fused or stacked experts module (with its identity
+    experts where it has them: LongCat-Flash)."""
+    if info.identity_experts:
+        return MoEExpertsWithIdentity(
+            experts, activation=info.activation, num_identity=info.identity_experts
+        )
+    return MoEExperts(experts, activation=info.activation)
 
 
 def replace_experts(

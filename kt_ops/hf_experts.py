@@ -53,6 +53,8 @@ class ExpertsInfo:
         biased: fused only: per-expert biases ``gate_up_proj_bias`` / ``down_proj_bias``
             (gpt-oss).
         glu_candidates: the GLUs the module's attributes allow, most likely first.
+        identity_experts: fused only: zero-computation experts after the ``num_experts``
+            real ones (LongCat-Flash's ``zero_expert_num``: ids ``E ..`` return their input).
     """
 
     name: str
@@ -66,6 +68,7 @@ class ExpertsInfo:
     activation: str = DEFAULT_ACTIVATION
     biased: bool = False
     glu_candidates: tuple[str, ...] = ()
+    identity_experts: int = 0
 
 
 @dataclass
@@ -224,6 +227,14 @@ def _plan_fused(name: str, module: nn.Module) -> ExpertsInfo:
     transposed = bool(getattr(module, "is_transposed", False))
     concatenated = bool(getattr(module, "is_concatenated", True))
     E = gate_up.shape[0]
+    # LongCat-Flash: gate_up_proj has rows for its zero-computation experts too.
+    routed, zero = (
+        getattr(module, "num_routed_experts", None),
+        getattr(module, "zero_expert_num", 0),
+    )
+    identity = 0
+    if isinstance(routed, int) and isinstance(zero, int) and zero > 0 and E == routed + zero:
+        E, identity = routed, zero
     if transposed:
         H, two_i = gate_up.shape[1:]
         inter, h_down = down.shape[1:]
@@ -256,6 +267,7 @@ def _plan_fused(name: str, module: nn.Module) -> ExpertsInfo:
         candidates[0],
         biased,
         candidates,
+        identity,
     )
 
 
@@ -447,7 +459,7 @@ def find_experts(model: nn.Module) -> list[ExpertsInfo]:
 
 def _dense_fused(module: nn.Module, info: ExpertsInfo) -> tuple[Tensor, Tensor, Tensor]:
     """(gate [E, I, H], up [E, I, H], down [E, H, I]) views of a fused experts module."""
-    gate_up = module.gate_up_proj.detach()
+    gate_up = module.gate_up_proj.detach()[: info.num_experts]  # not the identity experts' rows
     down = module.down_proj.detach()
     if info.transposed:
         gate_up = gate_up.transpose(1, 2)  # [E, 2I, H]

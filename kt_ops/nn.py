@@ -55,7 +55,13 @@ from kt_ops.layer import (
 from kt_ops.ops import moe_forward, new_prepared_layer
 from kt_ops.runtime import numa_placement
 
-__all__ = ["MoEExperts", "MoEExpertList", "hottest_experts", "parse_gpu_experts"]
+__all__ = [
+    "MoEExperts",
+    "MoEExpertList",
+    "MoEExpertsWithIdentity",
+    "hottest_experts",
+    "parse_gpu_experts",
+]
 
 _PARTS = ("weight", "scales", "zeros")
 #: The per-expert bias buffers (None where a projection has none).
@@ -660,6 +666,35 @@ class _Expert:
 
     def __repr__(self) -> str:
         return f"{type(self._experts).__name__}[{self.index}]"
+
+
+class MoEExpertsWithIdentity(MoEExperts):
+    """:class:`MoEExperts` plus ``num_identity`` zero-computation experts (LongCat-Flash).
+
+    Ids ``E .. E + num_identity - 1`` are identity experts: a slot routed to one
+    adds ``top_k_weight * x`` (``nn.Identity`` in transformers'
+    ``LongcatFlashExperts``); ids of the ``E`` real experts run on kt_ops as in
+    :class:`MoEExperts`, and ids beyond both still raise.
+    """
+
+    def __init__(self, experts: ExpertWeights, *, num_identity: int, **kwargs) -> None:
+        if isinstance(num_identity, bool) or not isinstance(num_identity, int) or num_identity < 1:
+            raise ValueError(
+                f"MoEExpertsWithIdentity: num_identity must be an int >= 1, got {num_identity!r}"
+            )
+        super().__init__(experts, **kwargs)
+        self.num_identity = num_identity
+
+    def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        E = self.num_experts
+        identity = (top_k_index >= E) & (top_k_index < E + self.num_identity)
+        out = super().forward(hidden_states, top_k_index.masked_fill(identity, -1), top_k_weights)
+        w = (top_k_weights * identity).sum(-1, keepdim=True)
+        x = hidden_states.reshape(-1, hidden_states.shape[-1])
+        return out + (w.reshape(-1, 1) * x).reshape(out.shape).to(out.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, num_identity={self.num_identity}"
 
 
 class MoEExpertList(MoEExperts):

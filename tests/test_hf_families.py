@@ -194,3 +194,31 @@ def test_dbrx_stacked_experts():
 
     with pytest.raises(ValueError, match="'stacked' layout"):
         adapter_tensors(model)
+
+
+def test_longcat_zero_computation_experts():
+    """LongCat-Flash: ids E .. E + zero_expert_num - 1 are identity experts (their slot adds
+    top_k_weight * x); gate_up_proj holds rows for them that no expert uses."""
+    mod = __import__("transformers.models.longcat_flash.modeling_longcat_flash", fromlist=["x"])
+    cfg = transformers.AutoConfig.for_model(
+        "longcat_flash", hidden_size=H, expert_ffn_hidden_size=I, n_routed_experts=E,
+        zero_expert_num=2, hidden_act="silu",
+    )  # fmt: skip
+    experts = mod.LongcatFlashExperts(cfg)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        experts.gate_up_proj.copy_((torch.randn(E + 2, 2 * I, H, generator=g) / 8).bfloat16())
+        experts.down_proj.copy_((torch.randn(E, H, I, generator=g) / 6).bfloat16())
+    model = TinyModel(experts)
+    reference = copy.deepcopy(model)
+    assert find_experts(model)[0].identity_experts == 2
+    replace_experts(model)
+    new = model.layers[0].experts
+    assert type(new).__name__ == "MoEExpertsWithIdentity" and new.num_experts == E
+    x = torch.randn(6, H, generator=g)
+    ids = torch.tensor([[0, 8], [9, 3], [8, 9], [7, 1], [2, 9], [5, 8]])
+    w = torch.rand(6, 2, generator=g)
+    with torch.no_grad():
+        assert rel_err(new(x, ids, w), reference.layers[0].experts(x, ids, w)) < 1e-5
+        with pytest.raises(RuntimeError, match="topk_ids"):
+            new(x, ids.clamp(max=10) + (ids == 9).long(), w)  # id 10: past the identity ones
