@@ -222,3 +222,30 @@ def test_longcat_zero_computation_experts():
         assert rel_err(new(x, ids, w), reference.layers[0].experts(x, ids, w)) < 1e-5
         with pytest.raises(RuntimeError, match="topk_ids"):
             new(x, ids.clamp(max=10) + (ids == 9).long(), w)  # id 10: past the identity ones
+
+
+def test_openai_privacy_filter_experts():
+    """gpt-oss's GLU and biases with gate and up concatenated (not interleaved)."""
+    mod = __import__(
+        "transformers.models.openai_privacy_filter.modeling_openai_privacy_filter", fromlist=["x"]
+    )
+    cfg = mod.OpenAIPrivacyFilterConfig(
+        hidden_size=H, intermediate_size=I, num_local_experts=E, swiglu_limit=0.5
+    )
+    experts = [mod.OpenAIPrivacyFilterExperts(cfg) for _ in range(2)]
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for m in experts:
+            for p in m.parameters():
+                p.copy_((torch.randn(p.shape, generator=g) / 6).bfloat16())
+    torch.manual_seed(0)
+    model = TinyModel(*experts)
+    reference = copy.deepcopy(model)
+    infos = find_experts(model)
+    assert all(i.biased and i.concatenated and i.transposed for i in infos)
+    replace_experts(model)
+    acts = {m.activation for m in model.modules() if isinstance(m, MoEExperts)}
+    assert acts == {"silu(alpha=1.702,limit=0.5,up_offset=1.0)"}
+    x = torch.randn(5, H, generator=g) * 4
+    with torch.no_grad():
+        assert rel_err(model(x), reference(x)) < 1e-4
