@@ -249,3 +249,48 @@ def test_openai_privacy_filter_experts():
     x = torch.randn(5, H, generator=g) * 4
     with torch.no_grad():
         assert rel_err(model(x), reference(x)) < 1e-4
+
+
+class _SometimesBiasedExperts(torch.nn.Module):
+    """Fused experts (concatenated, not transposed) whose biases exist on some instances only,
+    as a model whose later layers alone have them."""
+
+    def __init__(self, biased: bool, seed: int):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.gate_up_proj = torch.nn.Parameter(
+            (torch.randn(E, 2 * I, H, generator=g) / 8).bfloat16().float()
+        )
+        self.down_proj = torch.nn.Parameter(
+            (torch.randn(E, H, I, generator=g) / 6).bfloat16().float()
+        )
+        self.has_bias = biased
+        if biased:
+            self.gate_up_proj_bias = torch.nn.Parameter(torch.randn(E, 2 * I, generator=g))
+            self.down_proj_bias = torch.nn.Parameter(torch.randn(E, H, generator=g))
+
+    def forward(self, x, top_k_index, top_k_weights):
+        out = torch.zeros_like(x)
+        for t in range(x.shape[0]):
+            for k in range(top_k_index.shape[1]):
+                e = int(top_k_index[t, k])
+                gu = self.gate_up_proj[e] @ x[t]
+                d_bias = 0.0
+                if self.has_bias:
+                    gu = gu + self.gate_up_proj_bias[e]
+                    d_bias = self.down_proj_bias[e]
+                h = torch.nn.functional.silu(gu[:I]) * gu[I:]
+                out[t] += top_k_weights[t, k] * (self.down_proj[e] @ h + d_bias)
+        return out
+
+
+def test_biases_on_later_layers_only_are_probed_and_kept():
+    model = TinyModel(_SometimesBiasedExperts(False, 0), _SometimesBiasedExperts(True, 1))
+    reference = copy.deepcopy(model)
+    assert [i.biased for i in find_experts(model)] == [False, True]
+    replace_experts(model)
+    new = [m for m in model.modules() if isinstance(m, MoEExperts)]
+    assert new[0].down_bias is None and new[1].down_bias is not None
+    x = torch.randn(5, H, generator=torch.Generator().manual_seed(3)) * 2
+    with torch.no_grad():
+        assert rel_err(model(x), reference(x)) < 1e-4
