@@ -70,7 +70,7 @@ from kt_ops.nn import MoEExperts
 __all__ = ["ARCHS", "NoCudaDevice", "make_config", "build_model", "greedy_generate", "run", "main"]
 
 #: Architectures the demo can build (``--arch``), each a transformers-v5 model type.
-ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3")
+ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_oss", "deepseek_v4")
 
 #: Max |logit difference| between kt_ops and the reference, as a fraction of the largest
 #: |logit| of the reference, per model dtype. fp32: both accumulate in fp32 from the same bf16
@@ -206,6 +206,22 @@ def make_config(
             qk_nope_head_dim=head_dim,
             v_head_dim=head_dim,
         )
+    if arch == "gpt_oss":  # per-expert biases and the clamped SwiGLU (alpha 1.702, limit 7)
+        return transformers.GptOssConfig(
+            **common,
+            head_dim=head_dim,
+            intermediate_size=moe_intermediate_size,
+            num_local_experts=num_experts,
+            num_experts_per_tok=top_k,
+        )
+    if arch == "deepseek_v4":  # SwiGLU clamped at swiglu_limit
+        return transformers.DeepseekV4Config(
+            **common,
+            head_dim=head_dim,
+            intermediate_size=moe_intermediate_size,
+            num_local_experts=num_experts,
+            num_experts_per_tok=top_k,
+        )
     raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
 
 
@@ -260,6 +276,10 @@ def build_model(config, *, dtype: torch.dtype = torch.float32, seed: int = 0) ->
             for param in experts.parameters():
                 if param.dim() == 3:
                     _fill_experts_(param, std, generator)
+                    param._is_hf_initialized = True
+                elif param.dim() == 2:  # per-expert biases (gpt-oss), bf16-representable
+                    noise = torch.randn(param.shape, generator=generator).mul_(std)
+                    param.copy_(noise.to(torch.bfloat16))
                     param._is_hf_initialized = True
             experts._is_hf_initialized = True
     torch.manual_seed(seed)
