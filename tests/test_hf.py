@@ -98,7 +98,7 @@ def test_replace_experts_matches_unmodified_model(arch, dtype, caplog):
     ref_params = dict(reference.named_parameters())
     for name, p in model.named_parameters():
         assert torch.equal(p, ref_params[name])
-    # gate_up_proj and down_proj per layer (and gpt-oss's two biases) now live in the packed buffers.
+    # gate_up_proj and down_proj per layer (and gpt-oss's biases) live in the packed buffers.
     moved = sum(len(list(reference.get_submodule(i.name).parameters())) for i in infos)
     assert moved == (4 if arch == "gpt_oss" else 2) * layers
     assert len(names) == len(ref_params) - moved

@@ -184,7 +184,7 @@ void decode_qint_transposed(const QintExpert& x, float* wt) {
     float* col = wt + nb * kRows;  // W^T row kk - ka
     for (int64_t g = 0; g < x.groups; ++g) {
       const int64_t k0 = g * x.group_k;
-      if (k0 >= k) break;                  // padding groups, or past kb
+      if (k0 >= k) break;                    // padding groups, or past kb
       if (k0 + x.group_k <= x.ka) continue;  // before ka
       float s[kRows], z[kRows] = {};
       if (formats::is_kquant(x.scale_type)) {
@@ -417,10 +417,10 @@ int64_t dense_panel_ld(const Projection& p) { return dense_ld(p.n); }
 
 at::Tensor dense_expert_panel(const Projection& p, int64_t expert, int64_t k0, int64_t k1,
                               float* panel) {
-  TORCH_CHECK(expert >= 0 && expert < p.num_experts() && k0 % 32 == 0 && 0 <= k0 && k0 < k1 &&
-                  k1 <= p.k,
-              "dense_expert_panel: expert ", expert, " columns [", k0, ", ", k1,
-              ") outside the projection or not 32-aligned");
+  TORCH_CHECK(
+      expert >= 0 && expert < p.num_experts() && k0 % 32 == 0 && 0 <= k0 && k0 < k1 && k1 <= p.k,
+      "dense_expert_panel: expert ", expert, " columns [", k0, ", ", k1,
+      ") outside the projection or not 32-aligned");
   const int64_t ld = dense_ld(p.n);
   decode_columns(p, expert, k0, k1, panel, ld);
   return at::from_blob(panel, {p.n, k1 - k0}, {1, ld}, at::TensorOptions().dtype(at::kFloat));

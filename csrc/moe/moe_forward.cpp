@@ -319,8 +319,8 @@ LoraF32 lora_f32(const LoraProjection& p) {
 
 // dst[slot(row) * n ...] = s * (in A[e]^T) B[e]^T for expert e's m rows of `in`
 // ([m, k], any row stride): the LoRA term of one projection, by slot.
-void lora_term_by_slot(const Call& c, const at::Tensor& in, const LoraF32& f, int64_t e,
-                       int64_t r0, float* dst, int64_t n) {
+void lora_term_by_slot(const Call& c, const at::Tensor& in, const LoraF32& f, int64_t e, int64_t r0,
+                       float* dst, int64_t n) {
   const at::Tensor t = at::mm(at::mm(in, f.a[e].t()), f.b[e].t());  // [m, n]
   const float* tp = t.data_ptr<float>();
   const float s = static_cast<float>(c.layer.lora.scaling);
@@ -353,8 +353,7 @@ void lora_down_terms(const Call& c) {
   run_blas_tasks(static_cast<int64_t>(plan.active_experts.size()), [&](int64_t a, int) {
     const int64_t e = plan.active_experts[a], r0 = plan.expert_offsets[e];
     const int64_t m = plan.expert_offsets[e + 1] - r0;
-    const at::Tensor he =
-        at::from_blob(c.s.h.data() + r0 * c.Ip, {m, c.I}, {c.Ip, 1}, at::kFloat);
+    const at::Tensor he = at::from_blob(c.s.h.data() + r0 * c.Ip, {m, c.I}, {c.Ip, 1}, at::kFloat);
     lora_term_by_slot(c, he, down, e, r0, c.s.y.data(), c.H);
   });
 }

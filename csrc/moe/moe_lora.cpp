@@ -160,8 +160,8 @@ LoraForwardResult moe_forward_lora(const at::Tensor& x, const at::Tensor& topk_i
   res.out = at::empty(x.sizes(), x.options());
   // The pre-activations hold the LoRA terms first (moe_forward_experts_exact).
   at::Tensor gate_pre = at::zeros({T * K, I}, kF32), up_pre = at::zeros({T * K, I}, kF32);
-  moe_forward_experts_exact(x, topk_ids, topk_weights, w, kernels::active_isa(), &res.out,
-                            gate_pre, up_pre);
+  moe_forward_experts_exact(x, topk_ids, topk_weights, w, kernels::active_isa(), &res.out, gate_pre,
+                            up_pre);
   if (save_pre) {
     res.gate_pre = gate_pre;
     res.up_pre = up_pre;
@@ -287,7 +287,7 @@ MoeGrads moe_backward_lora(const at::Tensor& grad_output, const at::Tensor& x,
       gather_rows(gop, m, H, token, go.data_ptr<float>());
       at::Tensor dh = at::empty({m, I}, kF32);
       base_products({{&go, &w.down}}, e, dh, panel);
-      at::Tensor go_b;                 // go Bd [m, rd]
+      at::Tensor go_b;  // go Bd [m, rd]
       if (ld.present()) {
         go_b = at::mm(go, ld.B(e));
         dh.addmm_(go_b, ld.A(e), 1.0, s);

@@ -39,15 +39,13 @@ void check_layer_shapes(const std::string& op, const at::Tensor& hidden_states,
 
 // Projection `proj` (0 gate, 1 up, 2 down) of every expert as dense fp32 [E, n, k].
 at::Tensor dense_expert_weights(const std::vector<std::optional<at::Tensor>>& weights,
-                                const std::string& weight_format,
-                                const std::vector<int64_t>& sizes,
+                                const std::string& weight_format, const std::vector<int64_t>& sizes,
                                 const std::vector<int64_t>& group_sizes, int64_t proj) {
   c10::List<std::optional<at::Tensor>> list;
   for (const auto& w : weights) list.push_back(w);
-  const moe::MoeLayer layer =
-      moe::parse_layer("kt_ops._C._testing.dense_expert_weights", nullptr, list, weight_format,
-                       sizes, group_sizes, {}, 1.0,
-                       kernels::activation_name(kernels::Activation::kSilu), std::nullopt);
+  const moe::MoeLayer layer = moe::parse_layer(
+      "kt_ops._C._testing.dense_expert_weights", nullptr, list, weight_format, sizes, group_sizes,
+      {}, 1.0, kernels::activation_name(kernels::Activation::kSilu), std::nullopt);
   const moe::Projection& p = proj == 0 ? layer.gate : proj == 1 ? layer.up : layer.down;
   at::Tensor scratch = at::empty({moe::dense_expert_weight_numel(p)}, at::kFloat);
   std::vector<at::Tensor> experts;

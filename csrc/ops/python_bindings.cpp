@@ -30,7 +30,8 @@ namespace kt::ops {
 void register_numa(pybind11::module& m, pybind11::module& testing);  // csrc/ops/numa_bindings.cpp
 void register_test_hooks(pybind11::module& testing);                 // csrc/ops/test_hooks.cpp
 void register_prepared_layer_call(pybind11::module& m);              // csrc/ops/prepared_layer.cpp
-void register_layer_checks(pybind11::module& m, pybind11::module& testing);                     // csrc/ops/layer_bindings.cpp
+void register_layer_checks(pybind11::module& m,
+                           pybind11::module& testing);  // csrc/ops/layer_bindings.cpp
 }  // namespace kt::ops
 
 namespace {
