@@ -204,6 +204,50 @@ def reference_moe_forward(
     return out.to(out_dtype)
 
 
+def assert_lora_gradients_match(
+    experts: kt_ops.ExpertWeights,
+    hidden_states: Tensor,
+    topk_ids: Tensor,
+    topk_weights: Tensor,
+    *,
+    act: str = "silu",
+    activation_checkpointing: Optional[bool] = None,
+    seed: int = 0,
+) -> None:
+    """``kt_ops.moe_forward`` with random rank-4 LoRA factors on gate, up and down (scaling
+    2): its output and the gradients of ``hidden_states``, ``topk_weights`` and every
+    factor (fp32), against autograd through :func:`reference_moe_forward`.
+
+    The factors and the output gradient are seeded (``seed``, 9); ``act`` is the
+    op's ``activation``. Raises ``AssertionError`` naming the first tensor that differs.
+    """
+    E, H, inter = experts.num_experts, experts.hidden_size, experts.intermediate_size
+    g = torch.Generator().manual_seed(seed)
+    factors = {}
+    for proj, (n, k) in {"gate": (inter, H), "up": (inter, H), "down": (H, inter)}.items():
+        factors[f"{proj}_lora_a"] = torch.randn(E, 4, k, generator=g) * 0.3 / k**0.5
+        factors[f"{proj}_lora_b"] = torch.randn(E, n, 4, generator=g) * 0.3 / 2
+    grad_out = torch.randn(hidden_states.shape, generator=torch.Generator().manual_seed(9))
+
+    def grads(fn, **kwargs):
+        x = hidden_states.clone().requires_grad_()
+        tw = topk_weights.clone().requires_grad_()
+        f = {k: v.clone().requires_grad_() for k, v in factors.items()}
+        pairs = {p: (f[f"{p}_lora_a"], f[f"{p}_lora_b"]) for p in ("gate", "up", "down")}
+        out = fn(x, topk_ids, tw, experts, kt_ops.LoRAWeights(**pairs, scaling=2.0), **kwargs)
+        out.backward(grad_out)
+        return out.detach(), {"x": x.grad, "w": tw.grad, **{k: v.grad for k, v in f.items()}}
+
+    got_out, got = grads(
+        kt_ops.moe_forward, activation=act, activation_checkpointing=activation_checkpointing
+    )
+    want_out, want = grads(reference_moe_forward, act=act)
+    assert_matches_reference(got_out, want_out)
+    for name, grad in got.items():
+        msg = mismatch_report(grad, want[name])
+        assert msg is None, f"{act}: grad of {name}: {msg}"
+
+
 def fp8_banded_product(v: Tensor, p: Any, e: int) -> Tensor:
     """``v [m, k] @ W[e].T`` as the fp8 brgemm computes it: ``[m, n]`` fp32.
 
@@ -829,7 +873,7 @@ def reference_for(
     fp8 = tuple(
         fp8_brgemm_min_tokens_of(p.weight_format, hidden_states.dtype) for p in experts.projections
     )
-    if experts.has_bias:
+    if experts.has_bias or any(b is not None for b in fp8):
         return per_projection_reference(
             hidden_states,
             topk_ids,
@@ -840,17 +884,6 @@ def reference_for(
             (experts.projections, fp8),
             act=act,
             biases=tuple(p.bias for p in experts.projections),
-        )
-    if any(b is not None for b in fp8):
-        return per_projection_reference(
-            hidden_states,
-            topk_ids,
-            topk_weights,
-            dense,
-            mins,
-            brg,
-            (experts.projections, fp8),
-            act=act,
         )
     if any(b is not None for b in brg) and any(m not in (None, 1) for m in mins):
         return per_projection_reference(

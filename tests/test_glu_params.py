@@ -20,6 +20,7 @@ import torch
 from reference import (
     TOL_BF16,
     TOL_BF16_BRGEMM,
+    assert_lora_gradients_match,
     assert_matches_reference,
     make_expert_weights,
     make_hidden,
@@ -32,7 +33,7 @@ from reference import (
 )
 
 import kt_ops
-from kt_ops.layer import LoRAWeights, activation_spec, layer_args, parse_activation, torch_glu
+from kt_ops.layer import activation_spec, layer_args, parse_activation, torch_glu
 from kt_ops.nn import MoEExperts
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -225,23 +226,6 @@ def test_without_parameters_the_plain_path_is_unchanged():
 # --------------------------------------------------------------------------
 
 
-def _lora(seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    dims = {"gate": (I, H), "up": (I, H), "down": (H, I)}
-    out = {}
-    for proj, (n, k) in dims.items():
-        out[f"{proj}_lora_a"] = torch.randn(E, 4, k, generator=g) * 0.3 / k**0.5
-        out[f"{proj}_lora_b"] = torch.randn(E, n, 4, generator=g) * 0.3 / 2
-    return out
-
-
-def _as_lora(f: dict[str, torch.Tensor]) -> LoRAWeights:
-    return LoRAWeights(
-        **{p: (f[f"{p}_lora_a"], f[f"{p}_lora_b"]) for p in ("gate", "up", "down")},
-        scaling=2.0,
-    )
-
-
 @pytest.mark.parametrize("spec, which", CASES, ids=["gpt_oss", "clamped", "after", "bias"])
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["save", "recompute"])
 @pytest.mark.parametrize("T", [1, 7, 40])
@@ -251,25 +235,9 @@ def test_lora_gradients_match_autograd_of_the_reference(
     experts = _biases(make_expert_weights(E, H, I, seed=4), which, seed=T)
     ids, w = make_routing(T, E, K, seed=T, skip_fraction=0.2)
     x0 = make_hidden(T, H, torch.float32, seed=T) * 3
-    factors = _lora(T)
-    grad_out = torch.randn(T, H, generator=torch.Generator().manual_seed(9))
-
-    def grads(fn, **kwargs):
-        x = x0.clone().requires_grad_()
-        tw = w.clone().requires_grad_()
-        f = {k: v.clone().requires_grad_() for k, v in factors.items()}
-        out = fn(x, ids, tw, experts, _as_lora(f), **kwargs)
-        out.backward(grad_out)
-        return out.detach(), {"x": x.grad, "w": tw.grad, **{k: v.grad for k, v in f.items()}}
-
-    got_out, got = grads(
-        kt_ops.moe_forward, activation=spec, activation_checkpointing=checkpointing
+    assert_lora_gradients_match(
+        experts, x0, ids, w, act=spec, activation_checkpointing=checkpointing, seed=T
     )
-    want_out, want = grads(reference_moe_forward, act=spec)
-    assert_matches_reference(got_out, want_out)
-    for name, g in got.items():
-        msg = mismatch_report(g, want[name])
-        assert msg is None, f"{spec} {which}: grad of {name}: {msg}"
 
 
 # --------------------------------------------------------------------------

@@ -307,21 +307,11 @@ void down_block(const Call& c, int64_t e, int64_t nb, int64_t r0, int m,
   }
 }
 
-// fp32 [E, r, k] A and [E, n, r] B of a projection's LoRA factors.
-struct LoraF32 {
-  at::Tensor a, b;
-  bool present() const { return a.defined(); }
-};
-LoraF32 lora_f32(const LoraProjection& p) {
-  if (!p.present()) return {};
-  return {p.a.to(at::kFloat).contiguous(), p.b.to(at::kFloat).contiguous()};
-}
-
 // dst[slot(row) * n ...] = s * (in A[e]^T) B[e]^T for expert e's m rows of `in`
 // ([m, k], any row stride): the LoRA term of one projection, by slot.
 void lora_term_by_slot(const Call& c, const at::Tensor& in, const LoraF32& f, int64_t e, int64_t r0,
                        float* dst, int64_t n) {
-  const at::Tensor t = at::mm(at::mm(in, f.a[e].t()), f.b[e].t());  // [m, n]
+  const at::Tensor t = at::mm(at::mm(in, f.A(e).t()), f.B(e).t());  // [m, n]
   const float* tp = t.data_ptr<float>();
   const float s = static_cast<float>(c.layer.lora.scaling);
   for (int64_t i = 0; i < t.size(0); ++i) {

@@ -42,30 +42,6 @@ std::vector<int64_t> experts_by_load(const RoutingPlan& plan) {
   return order;
 }
 
-// fp32 copies of one projection's LoRA factors for every expert.
-struct LoraF32 {
-  at::Tensor a_t, b_t;  // keep the storage alive
-  const float* a = nullptr;
-  const float* b = nullptr;
-  int64_t r = 0, n = 0, k = 0;
-  bool present() const { return a != nullptr; }
-  at::Tensor A(int64_t e) const { return view(a + e * r * k, {r, k}); }  // [r, k]
-  at::Tensor B(int64_t e) const { return view(b + e * n * r, {n, r}); }  // [n, r]
-};
-
-LoraF32 lora_f32(const LoraProjection& p) {
-  LoraF32 f;
-  if (!p.present()) return f;
-  f.a_t = p.a.to(at::kFloat).contiguous();
-  f.b_t = p.b.to(at::kFloat).contiguous();
-  f.a = f.a_t.data_ptr<float>();
-  f.b = f.b_t.data_ptr<float>();
-  f.r = p.a.size(1);
-  f.k = p.a.size(2);
-  f.n = p.b.size(1);
-  return f;
-}
-
 // rows i of src ([rows, n], row-major) -> dst[index[i] * n ...]
 void scatter_rows(const float* src, int64_t rows, int64_t n, const int64_t* index, float* dst) {
   for (int64_t i = 0; i < rows; ++i)
@@ -151,6 +127,22 @@ void base_products(std::initializer_list<std::pair<const at::Tensor*, const Proj
 }
 
 }  // namespace
+
+at::Tensor LoraF32::A(int64_t e) const { return view(a + e * r * k, {r, k}); }
+at::Tensor LoraF32::B(int64_t e) const { return view(b + e * n * r, {n, r}); }
+
+LoraF32 lora_f32(const LoraProjection& p) {
+  LoraF32 f;
+  if (!p.present()) return f;
+  f.a_t = p.a.to(at::kFloat).contiguous();
+  f.b_t = p.b.to(at::kFloat).contiguous();
+  f.a = f.a_t.data_ptr<float>();
+  f.b = f.b_t.data_ptr<float>();
+  f.r = p.a.size(1);
+  f.k = p.a.size(2);
+  f.n = p.b.size(1);
+  return f;
+}
 
 LoraForwardResult moe_forward_lora(const at::Tensor& x, const at::Tensor& topk_ids,
                                    const at::Tensor& topk_weights, const MoeLayer& w,

@@ -35,6 +35,19 @@
 
 namespace kt::moe {
 
+// fp32 copies of one projection's LoRA factors for every expert (the LoRA
+// forward's terms, moe/moe_forward.cpp, and the backward).
+struct LoraF32 {
+  at::Tensor a_t, b_t;  // keep the storage alive
+  const float* a = nullptr;
+  const float* b = nullptr;
+  int64_t r = 0, n = 0, k = 0;
+  bool present() const { return a != nullptr; }
+  at::Tensor A(int64_t e) const;  // [r, k], a view
+  at::Tensor B(int64_t e) const;  // [n, r], a view
+};
+LoraF32 lora_f32(const LoraProjection& p);
+
 // out [T, H] in the dtype of x. When save_pre is true, also returns the gate
 // and up pre-activations (with their LoRA terms), fp32 [T*K, I], row t*K + k
 // for slot (t, k), zero rows for slots with id -1 (what backward needs to
