@@ -327,6 +327,44 @@ def _load_converted(plan: _Plan, converted) -> MoEExperts:
     return MoEExpertList.from_packed(*packed.projections, activation=info.activation)
 
 
+class _CheckpointLayers:
+    """A checkpoint reader seen as a converted directory by :func:`_load_converted`:
+    ``load_layer(L)`` in the requested (or the checkpoint's own) format."""
+
+    def __init__(self, reader, weight_format: Optional[str]) -> None:
+        self.reader = reader
+        self.path = reader.path
+        self.layers = reader.layers
+        self.requested = weight_format  # None: each tensor in the format it is stored in
+        self.weight_format = weight_format or getattr(reader, "native_format", None)
+
+    def __contains__(self, layer: object) -> bool:
+        return layer in self.reader
+
+    def layer_shape(self, layer: int) -> tuple[int, int, int]:
+        return self.reader.layer_shape(layer)
+
+    def load_layer(self, layer: int):
+        return self.reader.load_layer(layer, self.requested)
+
+
+def _open_checkpoint(path, weight_format: Optional[str]) -> _CheckpointLayers:
+    from pathlib import Path
+
+    from kt_ops.convert import ConvertedExperts
+    from kt_ops.loaders import open_checkpoint
+
+    p = Path(path)
+    if p.is_dir() and (p / "manifest.json").is_file():
+        reader = ConvertedExperts(p)
+        return _CheckpointLayers(reader, reader.weight_format)
+    reader = open_checkpoint(p)
+    if weight_format is not None:
+        for L in reader.layers:
+            reader.check_weight_format(L, weight_format)
+    return _CheckpointLayers(reader, weight_format)
+
+
 def _experts_module(experts: ExpertWeights, info: ExpertsInfo) -> MoEExperts:
     """The replacement module of a fused or stacked experts module (with its identity
     experts where it has them: LongCat-Flash)."""
@@ -339,11 +377,12 @@ def _experts_module(experts: ExpertWeights, info: ExpertsInfo) -> MoEExperts:
 
 def replace_experts(
     model: nn.Module,
-    weight_format: str = "bf16",
+    weight_format: Optional[str] = None,
     *,
     group_size: Optional[int] = None,
     symmetric: bool = True,
     converted_dir: Optional[str] = None,
+    checkpoint: Optional[str] = None,
     check: bool = True,
     num_gpu_experts: Optional[int] = None,
     routing_stats: Optional[RoutingStats] = None,
@@ -364,7 +403,8 @@ def replace_experts(
             experts), its weights materialized (any floating dtype and device;
             packed weights are stored on the CPU).
         weight_format: one of ``kt_ops.formats.FORMATS`` (docs/formats.md),
-            or per-projection ``'gate,up,down'`` formats (``'q4_k,q4_k,q6_k'``);
+            or per-projection ``'gate,up,down'`` formats (``'q4_k,q4_k,q6_k'``),
+            None for ``'bf16'`` (or, with ``checkpoint``, the checkpoint's own format);
             the model's expert weights are quantized online (a few experts at
             a time) unless ``converted_dir`` is given.
         group_size: group along K for the grouped formats (``None``: the
@@ -375,6 +415,14 @@ def replace_experts(
             model's checkpoint: the packed experts are loaded from it (checksums
             verified) instead of quantized from the model's weights;
             ``weight_format`` is then ignored (the directory's format is used).
+        checkpoint: the model's checkpoint to read the experts from, in the formats
+            it stores (:func:`kt_ops.loaders.open_checkpoint`: GPTQ, AWQ,
+            compressed-tensors, DeepSeek-V4 MXFP4, fp8, MXFP4, GGUF, safetensors; or a
+            ``kt-ops convert`` directory), instead of the model's own weights: for
+            models published quantized, whose experts ``from_pretrained`` cannot
+            dequantize on a CPU. ``weight_format`` None (or the default) keeps the
+            checkpoint's own format (:attr:`native_format`), another name converts
+            to it. Layer ``L`` of the checkpoint replaces ``...layers.{L}...experts``.
         check: before replacing anything, run the first module of each kind
             (class and layout) and a bf16 replacement on a small probe batch, and
             refuse when they disagree beyond bf16 rounding (catches gating
@@ -411,11 +459,17 @@ def replace_experts(
     if not isinstance(model, nn.Module):
         raise TypeError(f"replace_experts: expected a torch.nn.Module, got {type(model).__name__}")
     converted = None
+    if converted_dir is not None and checkpoint is not None:
+        raise ValueError("replace_experts: pass converted_dir or checkpoint, not both")
     if converted_dir is not None:
         from kt_ops.convert import ConvertedExperts
 
         converted = ConvertedExperts(converted_dir)
         weight_format = converted.weight_format
+    elif checkpoint is not None:
+        converted = _open_checkpoint(checkpoint, weight_format)
+        weight_format = converted.weight_format
+    weight_format = weight_format or "bf16"
     quant = {} if weight_format == "bf16" else {"group_size": group_size, "symmetric": symmetric}
     if converted is None:
         try:

@@ -91,6 +91,7 @@ def test_registry_matches_the_table_of_docs_formats_md():
         "int4",
         "fp8",
         "mxfp4",
+        "nvfp4",
         "q8_0",
         "q4_0",
         "q4_k",
@@ -100,9 +101,10 @@ def test_registry_matches_the_table_of_docs_formats_md():
     table = {  # format: (bits, scale dtype, zeros, groups, activations, bits/weight)
         "bf16": (16, None, False, (0,), "fp32", 16.0),
         "int8": (8, torch.float32, False, (0,), "q8", 8.0),
-        "int4": (4, torch.float16, True, (32, 64, 128), "q8", 4.125),
+        "int4": (4, torch.float16, True, (0, 32, 64, 128), "q8", 4.125),
         "fp8": (8, torch.float32, False, (128,), "fp32", 8.0),
         "mxfp4": (4, torch.uint8, False, (32,), "q8", 4.25),
+        "nvfp4": (4, torch.float32, False, (16,), "q8", 6.0),
         "q8_0": (8, torch.float16, False, (32,), "q8", 8.5),
         "q4_0": (4, torch.float16, False, (32,), "q8", 4.5),
         # GGUF's own sizes: 4.5, 5.5 and 6.5625 bits per weight (scale records)

@@ -85,9 +85,10 @@ def _shape(gs: int) -> tuple[int, int]:
 
 LAYOUTS = [
     Layout("int8", 0, False, 72, 40),
-    *(Layout("int4", gs, z, *_shape(gs)) for gs in (32, 64, 128) for z in (False, True)),
+    *(Layout("int4", gs, z, *_shape(gs)) for gs in (0, 32, 64, 128) for z in (False, True)),
     Layout("fp8", 128, False, 200, 136),  # two 128-row and two 128-k scale blocks
     Layout("mxfp4", 32, False, 72, 40),
+    Layout("nvfp4", 16, False, 72, 40),
     Layout("q8_0", 32, False, 72, 40),
     Layout("q4_0", 32, False, 72, 40),
     # k-quants: K (and so, for the [k, n] down, n) a multiple of 256; scale records.
@@ -221,11 +222,12 @@ VARIANTS = [
     Variant("int8", None, True, 72, 40),
     *(
         Variant("int4", gs, sym, H, I)
-        for gs, H, I in ((32, 96, 64), (64, 128, 64), (128, 128, 512))
+        for gs, H, I in ((32, 96, 64), (64, 128, 64), (128, 128, 512), (0, 72, 40))
         for sym in (True, False)
     ),
     Variant("fp8", None, True, 72, 40),
     Variant("mxfp4", None, True, 72, 40),
+    Variant("nvfp4", None, True, 72, 40),
     Variant("q8_0", None, True, 96, 64),
     Variant("q4_0", None, True, 96, 64),
     Variant("q4_k", None, True, 256, 256),
@@ -254,7 +256,7 @@ def problem(v: Variant, T: int, ranks: dict[str, int] = ALL3, **case_kwargs):
 def test_every_format_trains():
     assert [v.fmt for v in PER_FORMAT] == QUANT_FORMATS
     assert {(v.group_size, v.symmetric) for v in VARIANTS if v.fmt == "int4"} == {
-        (gs, sym) for gs in (32, 64, 128) for sym in (True, False)
+        (gs, sym) for gs in (0, 32, 64, 128) for sym in (True, False)
     }
 
 

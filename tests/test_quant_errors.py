@@ -107,7 +107,7 @@ def test_unknown_format_name(fmt):
 
 @pytest.mark.parametrize(
     "fmt,gs,bad",
-    [("int4", 32, 16), ("int4", 32, 0), ("int4", 32, 256), ("int4", 32, -32), ("int8", None, 32),
+    [("int4", 32, 16), ("int4", 32, 8), ("int4", 32, 256), ("int4", 32, -32), ("int8", None, 32),
      ("int8", None, 128), ("fp8", None, 0), ("fp8", None, 64), ("mxfp4", None, 64),
      ("q8_0", None, 0), ("q4_0", None, 64)],
 )  # fmt: skip

@@ -113,11 +113,12 @@ VARIANTS = [
     Variant("int8", None, True, 50, 40),
     *(
         Variant("int4", gs, sym, H, I)
-        for gs, H, I in ((32, 96, 64), (64, 128, 192), (128, 256, 128))
+        for gs, H, I in ((32, 96, 64), (64, 128, 192), (128, 256, 128), (0, 80, 72))
         for sym in (True, False)
     ),
     Variant("fp8", None, True, 200, 136),
     Variant("mxfp4", None, True, 96, 64),
+    Variant("nvfp4", None, True, 96, 72),
     Variant("q8_0", None, True, 96, 64),
     Variant("q4_0", None, True, 96, 64),
     Variant("q4_k", None, True, 256, 256),
@@ -137,7 +138,7 @@ E_TOTAL, TOP_K = 6, 2
 def test_every_quantized_format_is_covered():
     assert {v.fmt for v in VARIANTS} == set(WEIGHT_FORMATS) - {"bf16"}
     assert {(v.group_size, v.symmetric) for v in VARIANTS if v.fmt == "int4"} == {
-        (gs, sym) for gs in (32, 64, 128) for sym in (True, False)
+        (gs, sym) for gs in (0, 32, 64, 128) for sym in (True, False)
     }
     assert [v.fmt for v in PER_FORMAT] == [f for f in WEIGHT_FORMATS if f != "bf16"]
 
@@ -588,6 +589,7 @@ TOTAL_ERROR = {
     "q5_k": 0.15,
     "int4": 0.30,
     "mxfp4": 0.30,
+    "nvfp4": 0.30,
     "q4_0": 0.30,
     "q4_k": 0.30,
 }

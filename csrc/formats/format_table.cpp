@@ -107,15 +107,21 @@ const std::vector<FormatRow>& format_table() {
        "bfloat16 weights (round to nearest even)"},
       {"int8", L::kQint, qint(8, true, false, 0.f), {0}, 0, S::kF32, Z::kNever, A::kQ8,
        kInt8Fp32, kInt8Brgemm, 8.0, "symmetric per-channel int8 (scale = amax/127)"},
-      {"int4", L::kQint, qint(4, false, false, 8.f), {32, 64, 128}, 128, S::kF16, Z::kOptional,
-       A::kQ8, kNoFp32, kNoBrgemmPath, 4.125,
-       "group-wise int4, symmetric or asymmetric (GPTQ/AWQ-style zero point)"},
+      // group_size 0: one scale (and zero) per output channel (kt-kernel AMXINT4 / AMXINT4_1).
+      {"int4", L::kQint, qint(4, false, false, 8.f), {0, 32, 64, 128}, 128, S::kF16,
+       Z::kOptional, A::kQ8, kNoFp32, kNoBrgemmPath, 4.125,
+       "int4 per group or per output channel, symmetric or asymmetric (GPTQ/AWQ-style zero point)"},
       {"fp8", L::kFp8, {}, {128}, 128, S::kF32, Z::kNever, A::kF32, kFp8Fp32, kFp8Brgemm, 8.0,
        "E4M3 (Micikevicius et al. 2022) with DeepSeek-V3 128x128 weight_scale_inv"},
       // OCP MX: E2M1 codes, one UE8M0 exponent per 32; kernel codes 2v + 12.
       {"mxfp4", L::kQint, qint(4, false, true, 12.f), {32}, 32, S::kE8M0, Z::kNever, A::kQ8,
        kNoFp32, kNoBrgemmPath, 4.25,
        "OCP Microscaling Formats (MX) v1.0: E2M1 elements, UE8M0 scales, 32 per block"},
+      // NVIDIA NVFP4: E2M1 codes, one E4M3 scale per 16 times a per-tensor fp32 scale. Stored
+      // as one fp32 scale per 16 (half the product, for the kernel codes 2v + 12): exact.
+      {"nvfp4", L::kQint, qint(4, false, true, 12.f), {16}, 16, S::kF32, Z::kNever, A::kQ8,
+       kNoFp32, kNoBrgemmPath, 6.0,
+       "NVIDIA NVFP4 (E2M1 elements, E4M3 scale per 16, fp32 per-tensor scale), fp32 scales"},
       {"q8_0", L::kQint, qint(8, true, false, 0.f), {32}, 32, S::kF16, Z::kNever, A::kQ8,
        kInt8Fp32, kQ80Brgemm, 8.5, kGgml, {32, 34}},
       {"q4_0", L::kQint, qint(4, false, false, 8.f), {32}, 32, S::kF16, Z::kNever, A::kQ8,

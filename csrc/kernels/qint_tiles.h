@@ -436,6 +436,8 @@ void qint_dot(const QintBlock& a, void (*fallback)(const QintBlock&)) {
   }
   if (f.bits == 4 && f.lut_e2m1 && unit == 32)
     return qint_block_dot<V, 4, true, 32, ZeroMode::kImplicit>(a);
+  if (f.bits == 4 && f.lut_e2m1 && unit == 16)  // nvfp4
+    return qint_block_dot<V, 4, true, 16, ZeroMode::kImplicit>(a);
   if (f.bits == 4 && unit == 32) {
     if (explicit_zero) return qint_block_dot<V, 4, false, 32, ZeroMode::kExplicit>(a);
     return qint_block_dot<V, 4, false, 32, ZeroMode::kImplicit>(a);

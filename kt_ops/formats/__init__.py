@@ -6,8 +6,9 @@ statement and the reference the C++ kernels are tested against:
 * :data:`FORMATS`, :func:`format_spec`: the format registry.
 * :class:`PackedProjection`: one packed projection (weight, scales, zeros).
 * :func:`quantize_weights`: dense ``[E, N, K]`` -> packed, online.
-* :func:`from_gguf`, :func:`from_fp8`, :func:`from_mxfp4`: lossless repacking
-  of GGUF blocks, DeepSeek-V3 fp8 and Hugging Face MXFP4 checkpoints.
+* :func:`from_gguf`, :func:`from_fp8`, :func:`from_mxfp4`, :func:`from_nvfp4`,
+  :func:`from_int4`: lossless repacking of GGUF blocks, DeepSeek-V3 fp8, MXFP4,
+  NVFP4 and GPTQ/AWQ/compressed-tensors int4 checkpoints.
 * :func:`dequantize_weights`: the reference dequantizer (packed -> fp32).
 * :func:`quantize_activations_q8`: the int8 activation rounding of the q8 formats.
 """
@@ -16,7 +17,9 @@ from kt_ops.formats.activations import quantize_activations_q8
 from kt_ops.formats.dequant import MXFP4_Q_LUT, dequantize_weights
 from kt_ops.formats.fp8 import from_fp8
 from kt_ops.formats.gguf_blocks import GGUF_FORMATS, from_gguf, quantize_gguf_raw
+from kt_ops.formats.int4 import from_int4
 from kt_ops.formats.mxfp4 import E2M1_VALUES, from_mxfp4
+from kt_ops.formats.nvfp4 import from_nvfp4
 from kt_ops.formats.packed import PackedProjection
 from kt_ops.formats.qint import (
     kquant_scale_values,
@@ -40,6 +43,8 @@ __all__ = [
     "from_gguf",
     "from_fp8",
     "from_mxfp4",
+    "from_nvfp4",
+    "from_int4",
     "quantize_activations_q8",
     "quantize_gguf_raw",
     "GGUF_FORMATS",

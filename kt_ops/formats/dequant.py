@@ -122,7 +122,8 @@ def dequantize_weights(p: PackedProjection) -> Tensor:
       ``d * (q - 8)`` / ``d*sc * (q - 32)``). ``mxfp4``: ``q = 2*e2m1(c) + 12``
       and ``scale = 2^(E-128)``, ``zero = 12 * scale`` (OCP MX v1.0 value
       ``2^(E-127) * e2m1(c)``), evaluated in float64 then rounded to fp32
-      (exact except where the value overflows fp32, which gives inf).
+      (exact except where the value overflows fp32, which gives inf);
+      ``nvfp4`` likewise with its fp32 ``scale`` (half the NVFP4 ``b * g``).
     * ``fp8``: ``W = float(E4M3 bits) * scale[n // 128, k // 128]`` in fp32.
 
     Raises:
@@ -159,9 +160,12 @@ def _dequantize_one(spec, group_size, n, k, weight, scales=None, zeros=None) -> 
             return _rows(scale * q.float() - zero, n, k)
         return _rows(scale * (q - (1 << (spec.bits - 1))).float(), n, k)
     scale = _expand_groups(scales, kp, group_size)
-    if spec.lut:  # mxfp4: E2M1 codes through the table
+    if spec.lut:  # mxfp4, nvfp4: E2M1 codes through the table
         qv = torch.tensor(MXFP4_Q_LUT, dtype=torch.float64)[q]
-        s = torch.pow(2.0, scale.to(torch.float64) - 128.0)
+        if scales.dtype == torch.uint8:  # UE8M0 exponents (mxfp4)
+            s = torch.pow(2.0, scale.to(torch.float64) - 128.0)
+        else:  # nvfp4: the fp32 scale itself
+            s = scale.to(torch.float64)
         return _rows(s * qv - 12.0 * s, n, k).float()
     scale = scale.float()
     if spec.signed:  # two's-complement byte

@@ -113,8 +113,15 @@ class PackedProjection:
         sshape = spec.scales_shape(e, self.n, self.k, gs)
         if sshape is not None:
             expect["scales"] = (sshape, spec.scale_dtype)
+            # fp32 scales: exact repacks of checkpoints whose scales fp16 cannot hold.
+            if spec.has_zeros and isinstance(self.scales, Tensor):
+                if self.scales.dtype == torch.float32:
+                    expect["scales"] = (sshape, torch.float32)
         if spec.has_zeros and (self.zeros is not None or spec.zeros_required):
             expect["zeros"] = (sshape, spec.scale_dtype)
+            # fp32 zero points hold scale * z exactly (GPTQ/AWQ/compressed-tensors repacks).
+            if self.zeros is not None and self.zeros.dtype == torch.float32:
+                expect["zeros"] = (sshape, torch.float32)
         for name in ("weight", "scales", "zeros"):
             t = getattr(self, name)
             if name not in expect:

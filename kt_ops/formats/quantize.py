@@ -11,6 +11,7 @@ from kt_ops.formats.bf16 import pack_weights
 from kt_ops.formats.fp8 import quantize_fp8
 from kt_ops.formats.gguf_blocks import from_gguf, quantize_gguf_raw
 from kt_ops.formats.mxfp4 import quantize_mxfp4
+from kt_ops.formats.nvfp4 import quantize_nvfp4
 from kt_ops.formats.packed import PackedProjection
 from kt_ops.formats.qint import pack_codes, pack_group_params
 from kt_ops.formats.spec import format_spec
@@ -39,6 +40,8 @@ def _fp16(x: Tensor) -> Tensor:
 
 def _quantize_int4(w: Tensor, group_size: int, symmetric: bool) -> PackedProjection:
     E, N, K = w.shape
+    per_channel = group_size == 0
+    group_size = group_size or K  # 0: one group per output channel
     wg = w.view(E, N, K // group_size, group_size)
     if symmetric:
         scale16 = _fp16(wg.abs().amax(dim=-1) / 7)
@@ -62,7 +65,7 @@ def _quantize_int4(w: Tensor, group_size: int, symmetric: bool) -> PackedProject
         pack_group_params(scale16, torch.float16),
         zeros,
         "int4",
-        group_size,
+        0 if group_size == K and per_channel else group_size,
         N,
         K,
     )
@@ -85,7 +88,8 @@ def quantize_weights(
     * ``int8``: symmetric per output channel, ``scale = amax / 127`` (fp32),
       ``q = round_half_even(w / scale)``.
     * ``int4``: groups of ``group_size`` (32, 64, 128; default 128) along K,
-      ``K % group_size == 0``. Symmetric: ``scale = amax / 7`` stored fp16,
+      ``K % group_size == 0``, or ``group_size=0``: one group per output channel
+      (kt-kernel's ``AMXINT4`` / ``AMXINT4_1``). Symmetric: ``scale = amax / 7`` stored fp16,
       ``q = clamp(round(w / scale) + 8, 0, 15)``, no zeros. Asymmetric
       (``symmetric=False``; GPTQ/AWQ zero point): over the group range
       widened to contain 0, ``scale = (max - min) / 15`` (fp16),
@@ -96,6 +100,8 @@ def quantize_weights(
       ``amax / 448`` (fp32, DeepSeek-V3 ``weight_scale_inv`` convention).
     * ``mxfp4``: OCP MX v1.0 shared exponent per 32 along K and E2M1
       elements (nearest, ties to even, saturating).
+    * ``nvfp4``: NVIDIA NVFP4, per-expert fp32 scale ``amax / (448 * 6)``, E4M3 scale
+      per 16 along K, E2M1 elements (:func:`kt_ops.formats.nvfp4.quantize_nvfp4`).
     * ``q8_0``, ``q4_0``: ``gguf.quants.quantize`` (llama.cpp's reference
       quantizers), repacked with ``from_gguf``; ``K`` a multiple of 32.
     * ``q4_k``, ``q5_k``, ``q6_k``: a simple round-to-nearest k-quant
@@ -150,7 +156,7 @@ def quantize_weights(
     if spec.name == "int8":
         return _quantize_int8(w)
     if spec.name == "int4":
-        if K % group_size:
+        if group_size and K % group_size:
             raise ValueError(
                 f"quantize_weights: K={K} is not a multiple of group_size={group_size} for 'int4'"
             )
@@ -159,5 +165,7 @@ def quantize_weights(
         return quantize_fp8(w)
     if spec.name == "mxfp4":
         return quantize_mxfp4(w)
+    if spec.name == "nvfp4":
+        return quantize_nvfp4(w)
     raw = quantize_gguf_raw(w.numpy(), spec.name)
     return from_gguf(spec.name, raw, N, K)

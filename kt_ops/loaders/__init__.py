@@ -15,8 +15,11 @@ weight_format=None, group_size=None, symmetric=True) ->``
   compressed-tensors ``pack-quantized`` int4 (kt-kernel's RAWINT4), as stored.
 * :class:`ConvertedExperts` (``converted.py``): a ``kt-ops convert``
   directory, as converted (:mod:`kt_ops.convert` writes it).
-* :func:`open_checkpoint`: a GGUF file or a Hugging Face checkpoint, chosen
-  from the path (the sources ``kt-ops convert`` reads).
+* :class:`QuantizedCheckpoint` (``quantized_linear.py``): checkpoints published
+  quantized: GPTQ, AWQ, compressed-tensors (int4, NVFP4, MXFP4, fp8) and
+  DeepSeek-V4's MXFP4 experts, exactly where a kt_ops format represents them.
+* :func:`open_checkpoint`: any of them, chosen from the path (the sources
+  ``kt-ops convert`` and ``replace_experts(checkpoint=...)`` read).
 
 HFCheckpoint and GGUFCheckpoint also have ``num_layers``, ``moe_layers``
 (= ``layers``), ``num_experts``, ``hidden_size``, ``intermediate_size``,
@@ -33,6 +36,8 @@ from kt_ops.loaders.compressed_tensors import CompressedTensorsCheckpoint
 from kt_ops.loaders.converted import ConvertedExperts, load_converted
 from kt_ops.loaders.gguf_file import GGUFCheckpoint
 from kt_ops.loaders.hf_checkpoint import HFCheckpoint
+from kt_ops.loaders.quantized_linear import QuantizedCheckpoint, quantization_scheme
+from kt_ops.loaders.safetensors_io import read_json
 
 __all__ = [
     "CheckpointReader",
@@ -40,6 +45,7 @@ __all__ = [
     "ConvertedExperts",
     "GGUFCheckpoint",
     "HFCheckpoint",
+    "QuantizedCheckpoint",
     "load_converted",
     "open_checkpoint",
 ]
@@ -47,8 +53,13 @@ __all__ = [
 _GGUF_MAGIC = b"GGUF"
 
 
-def open_checkpoint(path: Union[str, Path]) -> Union[HFCheckpoint, GGUFCheckpoint]:
-    """Open ``path`` as a GGUF file (``.gguf`` or GGUF magic) or a Hugging Face checkpoint.
+def open_checkpoint(path: Union[str, Path]) -> CheckpointReader:
+    """Open ``path`` with the reader its contents call for.
+
+    A GGUF file (``.gguf`` or GGUF magic): :class:`GGUFCheckpoint`; a checkpoint whose
+    ``config.json`` has a GPTQ, AWQ or compressed-tensors ``quantization_config``, or
+    DeepSeek-V4 MXFP4 experts: :class:`QuantizedCheckpoint`; any other Hugging Face
+    checkpoint: :class:`HFCheckpoint`.
 
     Raises FileNotFoundError when ``path`` does not exist, and whatever the chosen
     loader raises (ValueError for unreadable or unsupported checkpoints).
@@ -64,4 +75,16 @@ def open_checkpoint(path: Union[str, Path]) -> Union[HFCheckpoint, GGUFCheckpoin
             raise ValueError(f"{p}: cannot read it: {e}") from e
         if p.suffix == ".gguf" or magic == _GGUF_MAGIC:
             return GGUFCheckpoint(p)
-    return HFCheckpoint(p)
+    folder = p if p.is_dir() else p.parent
+    cfg = folder / "config.json"
+    config = read_json(cfg) if cfg.is_file() else {}
+    if isinstance(config, dict) and quantization_scheme(config, str(cfg)) is not None:
+        return QuantizedCheckpoint(p)
+    try:
+        return HFCheckpoint(p)
+    except ValueError:
+        try:  # DeepSeek-V4 names its experts layers.{L}.ffn.experts.{i}.w1
+            return QuantizedCheckpoint(p)
+        except (ValueError, FileNotFoundError):
+            pass
+        raise
