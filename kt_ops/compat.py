@@ -24,6 +24,17 @@ method            kt_ops format       ``load_weights`` reads ``weight_path`` as
 ``MOE_INT4``      ``int4`` g128 sym   as ``AMXINT4``
 ``RAWINT4``       ``int4`` sym        compressed-tensors ``weight_packed`` (bf16
                                       scales, group from the scales), exact
+``AMXINT4_1``     ``int4`` asym, per  HF float/fp8, quantized per output channel
+                  channel             with zero points
+``AMXINT4_1KGroup`` ``int4`` asym     HF float/fp8, quantized per group of
+                                      ``group_size`` with zero points
+``GPTQ_INT4``     ``int4``            GPTQ ``qweight``/``qzeros``/``scales`` (v1
+                                      and v2 zero points), exact; ``desc_act``
+                                      layers as ``bf16``
+``NVFP4``         ``nvfp4``           compressed-tensors ``nvfp4-pack-quantized``
+                                      or ModelOpt NVFP4, exact
+``MXFP4``         ``mxfp4``           DeepSeek-V4 ``ffn.experts.{i}.w1.weight`` /
+                                      ``.scale``, exact
 ``LLAMAFILE``     GGUF types          ``.gguf`` file (or a folder of them): Q8_0,
                                       Q4_0, Q4_K, Q5_K, Q6_K exact per tensor;
                                       F16/BF16/F32 as ``bf16``
@@ -33,13 +44,13 @@ Any method also reads a ``kt-ops convert`` directory (``manifest.json``) of its
 format. kt-kernel's *own* converted AMX layout
 (``blk.{L}.ffn_*_exps.{e}.numa.{n}.weight``) is kt-kernel's internal tile
 layout and is refused with a message saying what to pass instead.
-``AMXINT4``/``MOE_INT4`` are not bit-compatible with kt-kernel: kt-kernel
-quantizes int4 per output channel, which kt_ops' ``int4`` lacks; kt_ops uses
-groups of ``group_size`` (default 128) along K, which is the same bits plus a
-scale per group and a smaller error. Refused: ``FP8_PERCHANNEL`` (nearest
-``fp8``), ``GPTQ_INT4`` and ``SYCL_GPTQ_INT4`` (``int4``), ``MXFP4`` (DeepSeek-V4
-layout; ``mxfp4``), ``NVFP4`` (``mxfp4``), ``MXFP8`` (``fp8``), and
-``mode='sft'`` (kt_ops trains LoRA through ``replace_experts`` + ``apply_lora``).
+``AMXINT4``/``MOE_INT4`` quantize per group of ``group_size`` (default 128)
+along K, the same bits plus a scale per group and a smaller error than
+kt-kernel's per-output-channel int4; ``group_size=0`` gives kt-kernel's scheme
+(one scale per output channel). Refused: ``FP8_PERCHANNEL`` (nearest ``fp8``;
+``replace_experts(model, checkpoint=...)`` reads such checkpoints as bf16),
+``SYCL_GPTQ_INT4`` (``int4``), ``MXFP8`` (``fp8``), and ``mode='sft'`` (kt_ops
+trains LoRA through ``replace_experts`` + ``apply_lora``).
 
 **Arguments kt_ops has no use for.** ``cpuinfer_threads``: the first wrapper of
 the process calls :func:`kt_ops.set_num_threads` with it (kt-kernel creates
@@ -53,8 +64,9 @@ quantizes from the source). SFT-only arguments (``lora_*``,
 inference mode, as in kt-kernel; ``group_size`` picks the int4 group of the
 methods kt_ops quantizes to ``int4`` (32, 64 or 128). Refused with a
 ValueError: ``max_deferred_experts_per_token > 0`` (kt-kernel adds deferred
-experts' output to the *next* layer's), ``swiglu_limit`` / ``swiglu_alpha``
-other than 0 (kt_ops' activation is plain SiLU).
+experts' output to the *next* layer's), ``swiglu_alpha`` other than 0.
+``swiglu_limit`` > 0 runs DeepSeek-V4's clamped SwiGLU (``silu(limit=L)``: the
+gate clamped above at ``L``, up to ``[-L, L]``).
 
 **GPU experts.** ``gpu_experts_mask`` (bool ``[E]``, True = the expert lives on
 the GPU) makes the CPU skip those experts, as in kt-kernel; it is read at
@@ -82,6 +94,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Optional, Union
@@ -104,7 +117,7 @@ from kt_ops.compat_methods import (
     open_source,
     source_of,
 )
-from kt_ops.layer import ExpertWeights
+from kt_ops.layer import ExpertWeights, activation_spec
 
 if TYPE_CHECKING:  # kt_ops.loaders needs safetensors and gguf, optional dependencies
     from kt_ops.loaders import CheckpointReader
@@ -148,10 +161,15 @@ def generate_gpu_experts_masks(activation_freq: Tensor, num_gpu_experts: int) ->
 
 
 def _moe_forward_masked(
-    x: Tensor, ids: Tensor, weights: Tensor, experts: ExpertWeights, mask: Optional[Tensor]
+    x: Tensor,
+    ids: Tensor,
+    weights: Tensor,
+    experts: ExpertWeights,
+    mask: Optional[Tensor],
+    activation: str = "silu",
 ) -> Tensor:
     """``kt_ops.ops.moe_forward``, skipping the experts of ``mask`` (None: no GPU experts)."""
-    return ops.moe_forward(x, ids, weights, experts, gpu_experts_mask=mask)
+    return ops.moe_forward(x, ids, weights, experts, activation=activation, gpu_experts_mask=mask)
 
 
 # ---------------------------------------------------------------------- the wrapper
@@ -205,11 +223,13 @@ class KTMoEWrapper:
         mode: ``"inference"`` (``"sft"`` is refused).
         num_gpu_experts: without a mask, ``n > 0`` puts experts ``0..n-1`` on the
             GPU; with a mask, 0 or the mask's count.
-        group_size: int4 group of ``AMXINT4``/``MOE_INT4`` (and of ``RAWINT4`` /
-            ``AMXINT4`` via :meth:`load_weights_from_tensors`): 32, 64 or 128.
+        group_size: int4 group of ``AMXINT4``/``MOE_INT4``/``AMXINT4_1KGroup`` (and of
+            ``RAWINT4`` via :meth:`load_weights_from_tensors`): 32, 64 or 128, or 0
+            (per output channel, kt-kernel's ``AMXINT4``).
         lora_rank, lora_alpha, lora_dropout, max_cache_depth, zero_point,
             full_weight_grad: kt-kernel SFT arguments, ignored.
-        swiglu_limit, swiglu_alpha: 0 only.
+        swiglu_limit: 0 (plain SwiGLU) or the DeepSeek-V4 clamp ``L > 0``.
+        swiglu_alpha: 0 only.
 
     Attributes:
         the arguments above; ``gpu_experts_mask`` (CPU bool ``[E]``),
@@ -283,12 +303,17 @@ class KTMoEWrapper:
                 "output is added to the next layer's) are not supported by kt_ops.compat; pass 0"
             )
         self.max_deferred_experts_per_token = 0
-        if swiglu_limit != 0.0 or swiglu_alpha != 0.0:
+        if swiglu_alpha != 0.0:
             raise ValueError(
-                f"swiglu_limit={swiglu_limit}, swiglu_alpha={swiglu_alpha}: kt_ops' experts use "
-                "plain SiLU (activation 'silu'); only 0.0 is supported"
+                f"swiglu_alpha={swiglu_alpha}: only 0.0 is supported (kt_ops runs plain SwiGLU "
+                "or, with swiglu_limit, DeepSeek-V4's clamped SwiGLU)"
             )
-        self.swiglu_limit = 0.0
+        if not (swiglu_limit >= 0.0 and math.isfinite(swiglu_limit)):
+            raise ValueError(f"swiglu_limit={swiglu_limit}: expected a finite value >= 0")
+        self.swiglu_limit = float(swiglu_limit)
+        self.activation = (
+            activation_spec("silu", limit=self.swiglu_limit) if self.swiglu_limit else "silu"
+        )
         groups = group_choices(self.mapping.weight_format)
         if groups and group_size not in groups:
             allowed = ", ".join(map(str, groups[:-1])) + f" or {groups[-1]}"
@@ -622,7 +647,7 @@ class KTMoEWrapper:
         else:
             if self._current_prepared() is None:
                 self._prepare()  # for the next call
-            out = _moe_forward_masked(x, ids, w, self.experts, self._mask())
+            out = _moe_forward_masked(x, ids, w, self.experts, self._mask(), self.activation)
             self._pending = _Pending(rows=x.shape[0], out=out.to(hidden_states.dtype))
 
     def sync_forward(self, hidden_states: Tensor, cuda_stream: Any = None) -> Tensor:
@@ -680,7 +705,7 @@ class KTMoEWrapper:
                 try:
                     mask = self._mask()  # the op takes it on the device of hidden_states
                     mask = None if mask is None else mask.to(x.device, non_blocking=True)
-                    out = _moe_forward_masked(x, ids, w, self.experts, mask)
+                    out = _moe_forward_masked(x, ids, w, self.experts, mask, self.activation)
                     KTMoEWrapper._cuda_bridge = True
                     return _Pending(rows=x.shape[0], out=out.to(dtype))
                 except RuntimeError as e:
@@ -699,7 +724,11 @@ class KTMoEWrapper:
     def _finish_cuda(self, p: _Pending) -> Tensor:  # pragma: no cover - GPU
         p.event.synchronize()
         x, ids, w = p.host_inputs
-        out = _moe_forward_masked(x, ids, w, self.experts, self._mask()).to(p.dtype).pin_memory()
+        out = (
+            _moe_forward_masked(x, ids, w, self.experts, self._mask(), self.activation)
+            .to(p.dtype)
+            .pin_memory()
+        )
         with torch.cuda.stream(p.stream):
             return out.to(p.device, non_blocking=True)
 

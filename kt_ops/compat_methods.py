@@ -51,10 +51,14 @@ class MethodMapping:
             tensor keeps its own type: ``q4_k,q4_k,q6_k`` mixes stay as they are).
         source: what ``load_weights`` reads: ``"hf"`` (Hugging Face safetensors
             through :class:`kt_ops.loaders.HFCheckpoint`), ``"rawint4"``
-            (compressed-tensors int4) or ``"gguf"``
-            (:class:`kt_ops.loaders.GGUFCheckpoint`).
+            (compressed-tensors int4), ``"quantized"`` (GPTQ, compressed-tensors
+            NVFP4, DeepSeek-V4 MXFP4: :class:`kt_ops.loaders.QuantizedCheckpoint`)
+            or ``"gguf"`` (:class:`kt_ops.loaders.GGUFCheckpoint`).
         exact: True when kt_ops holds exactly the weights kt-kernel holds.
         note: one line for the table.
+        group_size: the int4 group the method fixes (0: per output channel), or None
+            where the wrapper's ``group_size`` picks it.
+        symmetric: False for the asymmetric int4 methods (zero points).
     """
 
     method: str
@@ -62,6 +66,8 @@ class MethodMapping:
     source: str
     exact: bool
     note: str
+    group_size: Optional[int] = None
+    symmetric: bool = True
 
 
 #: kt-kernel inference methods that kt_ops runs.
@@ -79,6 +85,21 @@ METHODS: dict[str, MethodMapping] = {
             "MOE_INT4", "int4", "hf", False, "int4 per group of group_size (kt-kernel: per channel)"
         ),
         MethodMapping("RAWINT4", "int4", "rawint4", True, "compressed-tensors int4, bf16 scales"),
+        MethodMapping(
+            "AMXINT4_1", "int4", "hf", True, "asymmetric int4 per output channel", 0, False
+        ),
+        MethodMapping(
+            "AMXINT4_1KGroup",
+            "int4",
+            "hf",
+            True,
+            "asymmetric int4 per group of group_size",
+            None,
+            False,
+        ),
+        MethodMapping("GPTQ_INT4", "int4", "quantized", True, "GPTQ qweight/qzeros/scales"),
+        MethodMapping("NVFP4", "nvfp4", "quantized", True, "compressed-tensors / ModelOpt NVFP4"),
+        MethodMapping("MXFP4", "mxfp4", "quantized", True, "DeepSeek-V4 ffn.experts MXFP4"),
         MethodMapping("LLAMAFILE", None, "gguf", True, "GGUF blocks, each tensor its own type"),
     )
 }
@@ -87,20 +108,10 @@ METHODS: dict[str, MethodMapping] = {
 REFUSED: dict[str, tuple[str, str]] = {
     "FP8_PERCHANNEL": (
         "fp8",
-        "its per-output-channel fp8 scales do not fit kt_ops fp8's 128x128 block scales",
-    ),
-    "GPTQ_INT4": (
-        "int4",
-        "kt_ops has no reader for GPTQ qweight/scales tensors; convert the dense model "
-        "with `kt-ops convert SRC OUT --format int4 --group-size G`",
+        "its per-output-channel fp8 scales do not fit kt_ops fp8's 128x128 block scales "
+        "(replace_experts(model, checkpoint=...) reads such checkpoints as bf16)",
     ),
     "SYCL_GPTQ_INT4": ("int4", "it runs GPTQ experts on a SYCL device; kt_ops runs on the CPU"),
-    "MXFP4": (
-        "mxfp4",
-        "kt_ops reads gpt-oss MXFP4 checkpoints (gate_up_proj_blocks/_scales), not the "
-        "DeepSeek-V4 ffn.experts.{i}.w1.weight/.scale layout",
-    ),
-    "NVFP4": ("mxfp4", "NVFP4's E4M3 scales per 16 values do not fit mxfp4's UE8M0 per 32"),
     "MXFP8": ("fp8", "kt_ops fp8 has 128x128 block scales, not UE8M0 scales per 32 values"),
 }
 
@@ -252,6 +263,10 @@ def open_source(source: str, path: Path, method: str, mapping: MethodMapping) ->
         return GGUFCheckpoint(path)
     if source == "rawint4":
         return CompressedTensorsCheckpoint(path)
+    if source == "quantized":
+        from kt_ops.loaders import QuantizedCheckpoint
+
+        return QuantizedCheckpoint(path)
     try:
         return HFCheckpoint(path)
     except (ValueError, FileNotFoundError) as e:
@@ -273,8 +288,10 @@ def load_experts(
     """
     fmt = mapping.weight_format
     if reader.kind == "hf_safetensors":
-        group = group_size if group_choices(fmt) else None
-        return reader.load_layer(layer, fmt, group, True)
+        group = mapping.group_size
+        if group is None:
+            group = group_size if group_choices(fmt) else None
+        return reader.load_layer(layer, fmt, group, mapping.symmetric)
     experts = reader.load_layer(layer)
     if reader.kind == "converted":
         got = {p.weight_format for p in experts.projections}

@@ -147,6 +147,7 @@ def test_every_kt_kernel_inference_method_is_mapped_or_refused():
     inference = {
         "AMXINT4", "AMXINT8", "RAWINT4", "FP8", "BF16", "FP8_PERCHANNEL", "GPTQ_INT4",
         "SYCL_GPTQ_INT4", "MXFP4", "NVFP4", "MXFP8", "LLAMAFILE", "MOE_INT4", "MOE_INT8",
+        "AMXINT4_1", "AMXINT4_1KGroup",
     }  # fmt: skip
     assert set(METHODS) | set(REFUSED) == inference
     assert not set(METHODS) & set(REFUSED)
@@ -352,7 +353,7 @@ def test_gpu_experts_mask_skips_those_experts(tmp_path):
 def test_mask_goes_to_the_op_keyword(monkeypatch):
     seen = {}
 
-    def fake(x, ids, w, experts, gpu_experts_mask=None):
+    def fake(x, ids, w, experts, activation="silu", gpu_experts_mask=None):
         seen["ids"], seen["mask"] = ids, gpu_experts_mask
         return x
 
@@ -428,7 +429,8 @@ def test_bad_constructor_arguments(tmp_path):
         (dict(num_experts=0), "num_experts must be an int >= 1"),
         (dict(hidden_size=64.0), "hidden_size must be an int"),
         (dict(max_deferred_experts_per_token=2), "deferred experts"),
-        (dict(swiglu_limit=10.0), "plain SiLU"),
+        (dict(swiglu_alpha=1.702), "swiglu_alpha=1.702: only 0.0"),
+        (dict(swiglu_limit=-1.0), "swiglu_limit=-1.0: expected a finite value >= 0"),
         (dict(threadpool_count=2, numa_nodes=[0]), "numa_nodes length"),
         (dict(gpu_experts_mask=torch.zeros(3, dtype=torch.bool)), r"shape \[4\]"),
         (dict(gpu_experts_mask=torch.tensor([0, 2, 0, 0])), "must be boolean"),

@@ -32,7 +32,7 @@ from tests.checkpoints import E2M1, save_tensors
 
 transformers = pytest.importorskip("transformers")
 
-E, H, I, LAYERS = 4, 64, 32, 2
+E, H, I, LAYERS = 4, 64, 32, 2  # noqa: E741
 PROJ = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
 
 
@@ -256,6 +256,25 @@ def dsv4_producer(kind: str):
     return produce, None
 
 
+def modelopt_producer(kind: str):
+    """ModelOpt's NVFP4 export: ``weight`` (the packed codes), ``weight_scale`` (E4M3 per 16),
+    ``weight_scale_2`` (fp32); made from compressed-tensors' NVFP4 (the converter in
+    compressed-tensors maps ``weight_scale_2`` to ``1 / weight_global_scale``)."""
+    ct_produce, _ = compressed_tensors_producer("ct_nvfp4")
+    lut = torch.tensor(E2M1)
+
+    def produce(w: torch.Tensor) -> tuple[dict, torch.Tensor]:
+        got, _ = ct_produce(w)
+        s2 = (1.0 / got["weight_global_scale"].float()).reshape(())
+        packed = got["weight_packed"]
+        codes = torch.stack([packed & 15, packed >> 4], dim=-1).flatten(-2).long()
+        scale = (got["weight_scale"].float() * s2).repeat_interleave(16, 1)
+        tensors = {"weight": packed, "weight_scale": got["weight_scale"], "weight_scale_2": s2}
+        return tensors, lut[codes] * scale
+
+    return produce, {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16}
+
+
 PRODUCERS = {
     **{
         k: compressed_tensors_producer
@@ -271,8 +290,14 @@ PRODUCERS = {
     **{k: gptq_producer for k in ("gptq_v1_sym", "gptq_v2_asym", "gptq_desc_act")},
     "awq": awq_producer,
     "dsv4_mxfp4": dsv4_producer,
+    "modelopt_nvfp4": modelopt_producer,
 }
-NATIVE = {"ct_nvfp4": "nvfp4", "ct_fp8_block": "fp8", "ct_fp8_channel": "bf16"}
+NATIVE = {
+    "ct_nvfp4": "nvfp4",
+    "modelopt_nvfp4": "nvfp4",
+    "ct_fp8_block": "fp8",
+    "ct_fp8_channel": "bf16",
+}
 NATIVE.update({"gptq_desc_act": "bf16", "dsv4_mxfp4": "mxfp4"})
 EXACT = set(PRODUCERS) - {"ct_fp8_channel", "gptq_desc_act"}
 
@@ -396,3 +421,70 @@ def test_missing_and_truncated_tensors_are_named(tmp_path):
     f2.write_bytes(f2.read_bytes()[:-100])
     with pytest.raises(ValueError, match="model.safetensors"):
         open_checkpoint(tmp_path / "ckpt2").load_layer(1)
+
+
+# ------------------------------------------------------------------ KTMoEWrapper methods
+
+
+def _wrapper(method: str, path, **kw):
+    from kt_ops.compat import KTMoEWrapper
+
+    return KTMoEWrapper(
+        layer_idx=1,
+        num_experts=E,
+        num_experts_per_tok=2,
+        hidden_size=H,
+        moe_intermediate_size=I,
+        gpu_experts_mask=None,
+        cpuinfer_threads=2,
+        threadpool_count=1,
+        weight_path=str(path),
+        chunked_prefill_size=64,
+        method=method,
+        **kw,
+    )
+
+
+def _dense_forward(w: dict[str, torch.Tensor], x, ids, tw, limit: float = 0.0) -> torch.Tensor:
+    out = torch.zeros(x.shape[0], H)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            g, u = w["gate"][e] @ x[t], w["up"][e] @ x[t]
+            if limit:
+                g, u = g.clamp(max=limit), u.clamp(-limit, limit)
+            out[t] += tw[t, j] * (w["down"][e] @ (torch.nn.functional.silu(g) * u))
+    return out
+
+
+@pytest.mark.parametrize(
+    "method,kind", [("GPTQ_INT4", "gptq_v2_asym"), ("NVFP4", "ct_nvfp4"), ("MXFP4", "dsv4_mxfp4")]
+)
+def test_kt_kernel_methods_load_the_checkpoints_exactly(tmp_path, method, kind):
+    model = tiny_model()
+    refs = write_checkpoint(tmp_path / "ckpt", kind, model)
+    limit = 0.5 if method == "MXFP4" else 0.0  # DeepSeek-V4's clamped SwiGLU
+    w = _wrapper(method, tmp_path / "ckpt", swiglu_limit=limit)
+    w.load_weights()
+    for role, proj in zip(("gate", "up", "down"), w.experts.projections):
+        assert torch.equal(dequantize_weights(proj), refs[1][role]), role
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, H, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(5)])
+    tw = torch.rand(5, 2, generator=g)
+    got = w.forward(x, ids, tw, None)
+    want = _dense_forward(refs[1], x, ids, tw, limit)
+    assert ((got - want).norm() / want.norm()).item() < 3e-2
+
+
+def test_amxint4_1_is_asymmetric_per_channel(tmp_path):
+    from tests.checkpoints import write_hf
+
+    write_hf(tmp_path / "m", E=E, H=H, I=I, num_layers=2)
+    w = _wrapper("AMXINT4_1", tmp_path / "m")
+    w.load_weights()
+    gate = w.experts.projections[0]
+    assert (gate.weight_format, gate.group_size, gate.zeros is not None) == ("int4", 0, True)
+    w = _wrapper("AMXINT4_1KGroup", tmp_path / "m", group_size=32)
+    w.load_weights()
+    assert w.experts.group_sizes == (32, 32, 32) and w.experts.projections[2].zeros is not None

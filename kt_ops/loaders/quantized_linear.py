@@ -22,6 +22,8 @@ compressed-tensors      ``weight_packed`` int32 ``[N, K/8]``,         ``int4``  
 compressed-tensors      ``weight_packed`` uint8 ``[N, K/2]``,         ``nvfp4``       yes
 ``nvfp4-pack-quantized``  ``weight_scale`` E4M3 ``[N, K/16]``,
                         ``weight_global_scale`` fp32 ``[1]``
+ModelOpt NVFP4          ``weight`` uint8 ``[N, K/2]``, ``weight_scale``  ``nvfp4``     yes
+(``modelopt``)          E4M3 ``[N, K/16]``, ``weight_scale_2`` fp32
 compressed-tensors      ``weight_packed`` uint8 ``[N, K/2]``,         ``mxfp4``       yes
 ``mxfp4-pack-quantized``  ``weight_scale`` uint8 UE8M0 ``[N, K/32]``
 compressed-tensors      ``weight`` E4M3 ``[N, K]``, ``weight_scale``  ``fp8``         yes
@@ -37,7 +39,8 @@ eight a word, first in the low bits; zero points along N likewise; the
 AWQ: AutoAWQ ``WQLinear_GEMM`` (``AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]``, as undone by
 compressed-tensors' ``AutoAWQConverter``). compressed-tensors: its ``pack_to_int32``
 (signed codes ``+ 2^(bits-1)``, zero points packed along N), ``NVFP4PackedCompressor``
-(``W = e2m1 * weight_scale / weight_global_scale``). DeepSeek-V4: two E2M1 codes a byte,
+(``W = e2m1 * weight_scale / weight_global_scale``); ModelOpt: ``W = e2m1 *
+weight_scale * weight_scale_2``. DeepSeek-V4: two E2M1 codes a byte,
 first in the low nibble (``torch.float4_e2m1fn_x2``), one UE8M0 exponent per 32.
 
 "Exact" means the packed experts dequantize to the producer's own dequantization
@@ -95,10 +98,10 @@ class Scheme:
     """One checkpoint's quantization scheme, as read from its config.
 
     ``name``: ``gptq``, ``awq``, ``ct_int4``, ``ct_nvfp4``, ``ct_mxfp4``, ``ct_fp8_block``,
-    ``ct_fp8_channel`` or ``dsv4_mxfp4``; ``weight_tensor``: the suffix that marks an
-    expert projection (``qweight``, ``weight_packed``, ``weight``); ``group_size``: the
-    config's (-1 or 0: per channel); ``symmetric``; ``zero_offset``: what to add to a
-    stored GPTQ zero point (1 for v1 checkpoints).
+    ``ct_fp8_channel``, ``modelopt_nvfp4`` or ``dsv4_mxfp4``; ``weight_tensor``: the suffix
+    that marks an expert projection (``qweight``, ``weight_packed``, ``weight``);
+    ``group_size``: the config's (-1 or 0: per channel); ``symmetric``; ``zero_offset``:
+    what to add to a stored GPTQ zero point (1 for v1 checkpoints).
     """
 
     name: str
@@ -115,6 +118,7 @@ class Scheme:
             "awq": "int4",
             "ct_int4": "int4",
             "ct_nvfp4": "nvfp4",
+            "modelopt_nvfp4": "nvfp4",
             "ct_mxfp4": "mxfp4",
             "ct_fp8_block": "fp8",
             "ct_fp8_channel": "bf16",
@@ -227,6 +231,10 @@ def quantization_scheme(config: dict, where: str) -> Optional[Scheme]:
         return Scheme("awq", "qweight", 0 if gs <= 0 else gs, not qc.get("zero_point", True))
     if method == "compressed-tensors":
         return _compressed_tensors_scheme(qc, where)
+    if method == "modelopt":
+        algo = qc.get("quant_algo")
+        _need(algo == "NVFP4", where, f"ModelOpt quant_algo={algo!r}; kt_ops reads NVFP4")
+        return Scheme("modelopt_nvfp4", "weight", 16)
     return None
 
 
@@ -367,7 +375,7 @@ class QuantizedCheckpoint(CheckpointReader):
                 return int(ws[0]), int(ws[1])
             _need(dt in ("I32", "U8"), where, f"is {dt}; expected int32 [N, K/8]")
             return shape[0], shape[1] * (8 if dt == "I32" else 2)
-        if s.name in ("ct_nvfp4", "ct_mxfp4", "dsv4_mxfp4"):
+        if s.name in ("ct_nvfp4", "ct_mxfp4", "dsv4_mxfp4", "modelopt_nvfp4"):
             _need(
                 dt in ("U8", "I8"),
                 where,
@@ -518,6 +526,11 @@ class QuantizedCheckpoint(CheckpointReader):
             )
             # weight_scale / weight_global_scale in fp32, as compressed-tensors divides.
             return from_nvfp4(w, bs.float() / gs.view(-1, 1, 1), 1.0)
+        if s.name == "modelopt_nvfp4":  # W = e2m1 * weight_scale * weight_scale_2
+            w = torch.stack([get(b, "weight").view(torch.uint8) for b in base_list])
+            bs = torch.stack([get(b, "weight_scale") for b in base_list])
+            s2 = torch.stack([get(b, "weight_scale_2").float().flatten()[0] for b in base_list])
+            return from_nvfp4(w, bs, s2)
         if s.name in ("ct_mxfp4", "dsv4_mxfp4"):
             wname, sname = (
                 ("weight_packed", "weight_scale") if s.name == "ct_mxfp4" else ("weight", "scale")
