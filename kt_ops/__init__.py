@@ -104,7 +104,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'kt_ops' has no attribute {name!r}")
 
 
-def replace_experts(model, weight_format: str = "bf16", **kwargs):
+def replace_experts(model, weight_format=None, **kwargs):
     """Move the routed experts of every MoE layer of ``model`` onto kt_ops.
 
     Alias of :func:`kt_ops.hf.replace_experts` (same arguments, errors and

@@ -356,8 +356,7 @@ def _open_checkpoint(path, weight_format: Optional[str]) -> _CheckpointLayers:
 
     p = Path(path)
     if p.is_dir() and (p / "manifest.json").is_file():
-        reader = ConvertedExperts(p)
-        return _CheckpointLayers(reader, reader.weight_format)
+        return _CheckpointLayers(ConvertedExperts(p), None)  # as converted
     reader = open_checkpoint(p)
     if weight_format is not None:
         for L in reader.layers:

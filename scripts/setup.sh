@@ -36,6 +36,10 @@ constraints=$(mktemp)
 trap 'rm -f "$constraints"' EXIT
 echo "torch==${torch_version}" >"$constraints"
 "$PY" -m pip install -q -c "$constraints" -r requirements.txt
+# Test-only: compressed-tensors, the independent producer of the quantized checkpoints in
+# tests/test_quantized_checkpoints.py (it needs torch >= 2.10; those tests skip without it).
+"$PY" -m pip install -q -c "$constraints" "compressed-tensors==0.20.0" \
+  || echo "[kt_ops setup] compressed-tensors not installed (torch ${torch_version}): its tests skip"
 
 # Rebuild only when the sources, the interpreter or its torch changed since the last build, or
 # the installed kt_ops is not this checkout's (checked outside the checkout, where the

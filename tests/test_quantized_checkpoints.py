@@ -362,7 +362,10 @@ def test_checkpoint_dequantizes_to_the_producer_and_runs_the_model(tmp_path, kin
         want = model(ids).logits
         kt_ops.replace_experts(model, checkpoint=str(tmp_path / "ckpt"), check=False)
         got = model(ids).logits
-    assert isinstance(model.model.layers[0].mlp.experts, kt_ops.nn.MoEExperts)
+    replaced = model.model.layers[0].mlp.experts
+    assert isinstance(replaced, kt_ops.nn.MoEExperts)
+    if kind != "gptq_desc_act":  # the stored format, not a requantization
+        assert replaced.weight_format == reader.native_format
     rel = ((got - want).norm() / want.norm()).item()
     # int8 activations (q8) for the 4-bit formats: ~1% per projection; bf16 activations
     # on the brgemm path of fp8 and bf16: ~1e-4.
@@ -488,3 +491,27 @@ def test_amxint4_1_is_asymmetric_per_channel(tmp_path):
     w = _wrapper("AMXINT4_1KGroup", tmp_path / "m", group_size=32)
     w.load_weights()
     assert w.experts.group_sizes == (32, 32, 32) and w.experts.projections[2].zeros is not None
+
+
+@pytest.mark.parametrize("kind", ["gptq_v2_asym", "ct_nvfp4", "dsv4_mxfp4"])
+def test_kt_ops_convert_reads_quantized_checkpoints(tmp_path, kind):
+    from kt_ops.convert import ConvertedExperts, convert
+
+    model = tiny_model()
+    write_checkpoint(tmp_path / "ckpt", kind, model)
+    manifest = convert(tmp_path / "ckpt", tmp_path / "out", progress=False)
+    assert manifest["source"]["kind"] == f"quantized_{kind.split('_v')[0]}"
+    reader = open_checkpoint(tmp_path / "ckpt")
+    conv = ConvertedExperts(tmp_path / "out")
+    for L in range(LAYERS):
+        a, b = reader.load_layer(L), conv.load_layer(L)
+        for pa, pb in zip(a.projections, b.projections):
+            for ta, tb in zip(pa.tensors().values(), pb.tensors().values()):
+                assert torch.equal(ta, tb)
+    # ... and the converted directory feeds replace_experts like the checkpoint does.
+    ids = torch.randint(0, 64, (1, 7), generator=torch.Generator().manual_seed(2))
+    other = tiny_model()
+    with torch.no_grad():
+        kt_ops.replace_experts(model, checkpoint=str(tmp_path / "ckpt"), check=False)
+        kt_ops.replace_experts(other, converted_dir=str(tmp_path / "out"), check=False)
+        assert torch.equal(model(ids).logits, other(ids).logits)
