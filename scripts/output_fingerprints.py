@@ -40,6 +40,8 @@ FORMATS = [
     ("int4", 64, False, 192, 128),
     ("fp8", None, True, 130, 200),
     ("mxfp4", None, True, 160, 96),
+    ("nvfp4", None, True, 160, 96),
+    ("int4", 0, False, 130, 70),
     ("q8_0", None, True, 160, 96),
     ("q4_0", None, True, 160, 96),
     ("q4_k", None, True, 256, 256),
