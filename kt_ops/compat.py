@@ -46,8 +46,8 @@ format. kt-kernel's *own* converted AMX layout
 layout and is refused with a message saying what to pass instead.
 ``AMXINT4``/``MOE_INT4`` quantize per group of ``group_size`` (default 128)
 along K, the same bits plus a scale per group and a smaller error than
-kt-kernel's per-output-channel int4; ``group_size=0`` gives kt-kernel's scheme
-(one scale per output channel). Refused: ``FP8_PERCHANNEL`` (nearest ``fp8``;
+kt-kernel's per-output-channel int4; ``group_size=0`` gives kt-kernel's
+granularity (one scale per output channel), not its rounding. Refused: ``FP8_PERCHANNEL`` (nearest ``fp8``;
 ``replace_experts(model, checkpoint=...)`` reads such checkpoints as bf16),
 ``SYCL_GPTQ_INT4`` (``int4``), ``MXFP8`` (``fp8``), and ``mode='sft'`` (kt_ops
 trains LoRA through ``replace_experts`` + ``apply_lora``).

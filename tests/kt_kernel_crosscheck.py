@@ -35,6 +35,8 @@ import traceback
 from pathlib import Path
 
 os.environ.setdefault("KT_FORCE_SYNC_SUBMIT", "1")
+# kt-kernel's NVFP4 (group 16) runs on its AVX2 FP4 backend only.
+os.environ.setdefault("KT_MXFP4_BACKEND", "avx2")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -52,9 +54,17 @@ if not torch.cuda.is_available():
         setattr(torch, _name, _no_pin(getattr(torch, _name)))
 
 import kt_kernel  # noqa: E402
-from checkpoints import write_compressed_int4, write_gguf, write_hf, write_hf_fp8  # noqa: E402
+from checkpoints import (  # noqa: E402
+    dense_experts,
+    write_compressed_int4,
+    write_gguf,
+    write_hf,
+    write_hf_fp8,
+)
 from gguf import GGMLQuantizationType as Q  # noqa: E402
+from test_quantized_checkpoints import write_checkpoint  # noqa: E402
 
+import kt_ops  # noqa: E402
 from kt_ops.compat import KTMoEWrapper  # noqa: E402
 
 E, K, H, I, T = 8, 2, 256, 256, 16
@@ -78,18 +88,29 @@ def reference(x, ids, w, dense, p2l=None, mask=None):
     return out
 
 
+def _release_kt_kernel_loader() -> None:
+    """kt-kernel keeps one checkpoint loader per process (its first weight_path); drop it."""
+    try:
+        from kt_kernel.utils.amx import NativeMoEWrapper
+    except ImportError:
+        return
+    NativeMoEWrapper.force_release_loader()
+
+
 def rel(a, b) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
 
-def run_case(name, method, path, dense, *, tensors=None, p2l=None, mask=None, seed=0):
+def run_case(
+    name, method, path, dense, *, tensors=None, p2l=None, mask=None, seed=0, experts=E, **extra
+):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(T, H, generator=g).to(torch.bfloat16)
-    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    ids = torch.stack([torch.randperm(experts, generator=g)[:K] for _ in range(T)])
     w = torch.softmax(torch.randn(T, K, generator=g), -1)
     args = dict(
         layer_idx=LAYER,
-        num_experts=E,
+        num_experts=experts,
         num_experts_per_tok=K,
         hidden_size=H,
         moe_intermediate_size=I,
@@ -99,11 +120,13 @@ def run_case(name, method, path, dense, *, tensors=None, p2l=None, mask=None, se
         weight_path=str(path),
         chunked_prefill_size=64,
         method=method,
+        **extra,
     )
-    ident = torch.arange(E, dtype=torch.int64)
+    ident = torch.arange(experts, dtype=torch.int64)
     m = ident if p2l is None else p2l
     outs = {}
     for side, cls in (("kt_kernel", kt_kernel.KTMoEWrapper), ("kt_ops", KTMoEWrapper)):
+        _release_kt_kernel_loader()
         wrapper = cls(**args)
         if tensors is not None:
             wrapper.load_weights_from_tensors(*tensors, m)
@@ -111,6 +134,13 @@ def run_case(name, method, path, dense, *, tensors=None, p2l=None, mask=None, se
             wrapper.load_weights(m)
         outs[side] = wrapper.forward(x, ids, w, 0).clone()
     ref = reference(x, ids, w, dense, p2l, mask)
+    # kt_ops' 4-bit kernels multiply int8 activations (q8, per 32) by default; its w4a16
+    # path (fp32 activations) is the like-for-like with kt-kernel's fp32-activation backends.
+    kt_ops.set_quant_activations("fp32")
+    try:
+        w4a16 = wrapper.forward(x, ids, w, 0).clone()
+    finally:
+        kt_ops.set_quant_activations("auto")
     a, b = outs["kt_kernel"], outs["kt_ops"]
     diff = (a.float() - b.float()).abs()
     return {
@@ -121,6 +151,7 @@ def run_case(name, method, path, dense, *, tensors=None, p2l=None, mask=None, se
         "max_rel": float(diff.max() / b.float().abs().max()),
         "ref_kt_kernel": rel(a, ref),
         "ref_kt_ops": rel(b, ref),
+        "ref_kt_ops_fp32_activations": rel(w4a16, ref),
         "finite_kt_kernel": bool(torch.isfinite(a.float()).all()),
     }
 
@@ -174,7 +205,30 @@ def main(out_json: str) -> int:
         (tmp / "amx4").mkdir()
         return run_case("AMXINT4", "AMXINT4", tmp / "amx4", bf16, tensors=dense_bf16)
 
-    for fn in (BF16, BF16_p2l, BF16_mask, FP8, RAWINT4, LLAMAFILE, AMXINT8, AMXINT4):
+    def AMXINT4_per_channel():  # kt-kernel's scheme: one int4 scale per output channel
+        (tmp / "amx4c").mkdir()
+        return run_case(
+            "AMXINT4_per_channel", "AMXINT4", tmp / "amx4c", bf16, tensors=dense_bf16, group_size=0
+        )
+
+    # Checkpoints published quantized (tests/test_quantized_checkpoints.py's producers).
+    # 4 experts: kt-kernel 0.7.2's GPTQ_INT4 / NVFP4 / MXFP4 wrappers crash (SIGSEGV /
+    # SIGABRT) with 8 experts on a 2-core AVX-512 host; 4 run.
+    EQ = 4
+    experts = {L: dense_experts(EQ, I, H, 40 + L) for L in range(LAYER + 1)}
+
+    def quantized(method, kind):
+        def fn():
+            refs = write_checkpoint(tmp / kind, kind, experts)
+            return run_case(method, method, tmp / kind, refs[LAYER], experts=EQ)
+
+        fn.__name__ = method
+        return fn
+
+    cases = [BF16, BF16_p2l, BF16_mask, FP8, RAWINT4, LLAMAFILE, AMXINT8, AMXINT4]
+    cases += [AMXINT4_per_channel, quantized("GPTQ_INT4", "gptq_v1_sym")]
+    cases += [quantized("NVFP4", "modelopt_nvfp4"), quantized("MXFP4", "dsv4_mxfp4")]
+    for fn in cases:
         case(fn)
     shutil.rmtree(tmp, ignore_errors=True)
     meta = {"kt_kernel": kt_kernel.__version__, "variant": kt_kernel.__cpu_variant__}

@@ -511,6 +511,12 @@ CROSS_CHECK_REL = {
     "LLAMAFILE": 0.05,
     "AMXINT8": 0.05,
     "AMXINT4": 0.35,
+    # kt-kernel's per-channel int4 rounds differently (both ~0.24 from the reference).
+    "AMXINT4_per_channel": 0.25,
+    # Checkpoints published quantized (same stored weights): kt_ops' q8 activations.
+    "GPTQ_INT4": 0.03,
+    "NVFP4": 0.03,
+    "MXFP4": 0.03,
 }
 
 
@@ -553,8 +559,11 @@ def test_cross_check_kt_kernel(tmp_path):
         assert "error" not in c, (name, c)
         assert c["finite_kt_kernel"], name
         assert c["rel"] <= CROSS_CHECK_REL[name], (name, c)
-        # kt_ops is never further from the fp32 reference of the stored weights
-        assert c["ref_kt_ops"] <= c["ref_kt_kernel"] * 1.05 + 1e-3, (name, c)
+        # kt_ops is never further from the fp32 reference of the stored weights: by default,
+        # or (where kt-kernel's backend keeps fp32 activations and kt_ops' default q8 rounds
+        # them to int8: GPTQ_INT4, NVFP4, MXFP4) with its fp32-activation (w4a16) path.
+        best = min(c["ref_kt_ops"], c["ref_kt_ops_fp32_activations"])
+        assert best <= c["ref_kt_kernel"] * 1.05 + 1e-3, (name, c)
 
 
 # ---------------------------------------------------------------------- the prepared CPU path

@@ -303,8 +303,9 @@ EXACT = set(PRODUCERS) - {"ct_fp8_channel", "gptq_desc_act"}
 
 
 def write_checkpoint(out: Path, kind: str, model) -> dict[int, dict[str, torch.Tensor]]:
-    """The model's experts through the producer, as a checkpoint with per-expert tensors;
-    returns the producer's dequantized experts per layer."""
+    """The experts of ``model`` (a tiny model, or ``{layer: {role: [E, N, K]}}``) through the
+    producer, as a checkpoint with per-expert tensors; returns the producer's dequantized
+    experts per layer."""
     produce, qconfig = PRODUCERS[kind](kind)
     block, names = (
         ("ffn", {"gate": "w1", "up": "w3", "down": "w2"})
@@ -315,8 +316,10 @@ def write_checkpoint(out: Path, kind: str, model) -> dict[int, dict[str, torch.T
         )
     )
     tensors, refs = {}, {}
-    for L in range(LAYERS):
-        w = expert_weights(model, L)
+    layers = (
+        model if isinstance(model, dict) else {L: expert_weights(model, L) for L in range(LAYERS)}
+    )
+    for L, w in layers.items():
         refs[L] = {}
         for role, t in w.items():
             deq = []
@@ -327,7 +330,7 @@ def write_checkpoint(out: Path, kind: str, model) -> dict[int, dict[str, torch.T
                 deq.append(ref)
             refs[L][role] = torch.stack(deq)
     save_tensors(out, tensors)
-    cfg = {"model_type": "qwen3_moe", "num_hidden_layers": LAYERS, "hidden_size": H}
+    cfg = {"model_type": "qwen3_moe", "num_hidden_layers": max(layers) + 1}
     if qconfig is not None:
         cfg["quantization_config"] = qconfig
     (out / "config.json").write_text(json.dumps(cfg))
