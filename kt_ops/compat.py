@@ -35,6 +35,10 @@ method            kt_ops format       ``load_weights`` reads ``weight_path`` as
                                       or ModelOpt NVFP4, exact
 ``MXFP4``         ``mxfp4``           DeepSeek-V4 ``ffn.experts.{i}.w1.weight`` /
                                       ``.scale``, exact
+``FP8_PERCHANNEL`` ``fp8_channel``    fp8 ``weight`` + ``weight_scale`` ``[N]`` /
+                                      ``[N, 1]`` (GLM-4.7-FP8), exact
+``MXFP8``         ``mxfp8``           fp8 ``weight`` + uint8 UE8M0
+                                      ``weight_scale_inv`` per 32 (MiniMax-M3), exact
 ``LLAMAFILE``     GGUF types          ``.gguf`` file (or a folder of them): Q8_0,
                                       Q4_0, Q4_K, Q5_K, Q6_K exact per tensor;
                                       F16/BF16/F32 as ``bf16``
@@ -47,10 +51,9 @@ layout and is refused with a message saying what to pass instead.
 ``AMXINT4``/``MOE_INT4`` quantize per group of ``group_size`` (default 128)
 along K, the same bits plus a scale per group and a smaller error than
 kt-kernel's per-output-channel int4; ``group_size=0`` gives kt-kernel's
-granularity (one scale per output channel), not its rounding. Refused: ``FP8_PERCHANNEL`` (nearest ``fp8``;
-``replace_experts(model, checkpoint=...)`` reads such checkpoints as bf16),
-``SYCL_GPTQ_INT4`` (``int4``), ``MXFP8`` (``fp8``), and ``mode='sft'`` (kt_ops
-trains LoRA through ``replace_experts`` + ``apply_lora``).
+granularity (one scale per output channel), not its rounding. Refused:
+``SYCL_GPTQ_INT4`` (a SYCL device method; nearest ``int4``) and ``mode='sft'``
+(kt_ops trains LoRA through ``replace_experts`` + ``apply_lora``).
 
 **Arguments kt_ops has no use for.** ``cpuinfer_threads``: the first wrapper of
 the process calls :func:`kt_ops.set_num_threads` with it (kt-kernel creates

@@ -100,19 +100,17 @@ METHODS: dict[str, MethodMapping] = {
         MethodMapping("GPTQ_INT4", "int4", "quantized", True, "GPTQ qweight/qzeros/scales"),
         MethodMapping("NVFP4", "nvfp4", "quantized", True, "compressed-tensors / ModelOpt NVFP4"),
         MethodMapping("MXFP4", "mxfp4", "quantized", True, "DeepSeek-V4 ffn.experts MXFP4"),
+        MethodMapping(
+            "FP8_PERCHANNEL", "fp8_channel", "quantized", True, "fp8 + weight_scale per channel"
+        ),
+        MethodMapping("MXFP8", "mxfp8", "quantized", True, "fp8 + UE8M0 weight_scale_inv per 32"),
         MethodMapping("LLAMAFILE", None, "gguf", True, "GGUF blocks, each tensor its own type"),
     )
 }
 
 #: kt-kernel inference methods kt_ops refuses: method -> (nearest kt_ops format, why).
 REFUSED: dict[str, tuple[str, str]] = {
-    "FP8_PERCHANNEL": (
-        "fp8",
-        "its per-output-channel fp8 scales do not fit kt_ops fp8's 128x128 block scales "
-        "(replace_experts(model, checkpoint=...) reads such checkpoints as bf16)",
-    ),
     "SYCL_GPTQ_INT4": ("int4", "it runs GPTQ experts on a SYCL device; kt_ops runs on the CPU"),
-    "MXFP8": ("fp8", "kt_ops fp8 has 128x128 block scales, not UE8M0 scales per 32 values"),
 }
 
 #: kt-kernel 0.7.2's ``mode='sft'`` methods (all refused).

@@ -39,6 +39,8 @@ FORMATS = [
     ("int4", 128, True, 256, 384),
     ("int4", 64, False, 192, 128),
     ("fp8", None, True, 130, 200),
+    ("fp8_channel", None, True, 130, 70),
+    ("mxfp8", None, True, 130, 70),
     ("mxfp4", None, True, 160, 96),
     ("nvfp4", None, True, 160, 96),
     ("int4", 0, False, 130, 70),

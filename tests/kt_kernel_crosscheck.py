@@ -228,6 +228,7 @@ def main(out_json: str) -> int:
     cases = [BF16, BF16_p2l, BF16_mask, FP8, RAWINT4, LLAMAFILE, AMXINT8, AMXINT4]
     cases += [AMXINT4_per_channel, quantized("GPTQ_INT4", "gptq_v1_sym")]
     cases += [quantized("NVFP4", "modelopt_nvfp4"), quantized("MXFP4", "dsv4_mxfp4")]
+    cases += [quantized("FP8_PERCHANNEL", "glm_fp8_channel"), quantized("MXFP8", "minimax_mxfp8")]
     for fn in cases:
         case(fn)
     shutil.rmtree(tmp, ignore_errors=True)

@@ -527,7 +527,20 @@ TOL_QUANT = Tolerance(compute=2e-5)
 #: so 2e-3 is a 10x margin; about 0.4% of the SwiGLU values fall in it.
 Q8_TIE_WINDOW = 2e-3
 
-for _fmt in ("int8", "int4", "fp8", "mxfp4", "nvfp4", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k"):
+for _fmt in (
+    "int8",
+    "int4",
+    "fp8",
+    "fp8_channel",
+    "mxfp8",
+    "mxfp4",
+    "nvfp4",
+    "q8_0",
+    "q4_0",
+    "q4_k",
+    "q5_k",
+    "q6_k",
+):
     TOLERANCES[_fmt] = TOL_QUANT
 del _fmt
 

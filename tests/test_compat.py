@@ -517,6 +517,8 @@ CROSS_CHECK_REL = {
     "GPTQ_INT4": 0.03,
     "NVFP4": 0.03,
     "MXFP4": 0.03,
+    "FP8_PERCHANNEL": 0.01,
+    "MXFP8": 0.01,
 }
 
 

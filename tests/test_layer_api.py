@@ -49,6 +49,8 @@ LAYERS = [
     ("int8", 64, 32, None),
     ("int4", 64, 32, 32),
     ("fp8", 64, 40, None),
+    ("fp8_channel", 64, 40, None),
+    ("mxfp8", 64, 40, None),
     ("mxfp4", 64, 32, None),
     ("nvfp4", 64, 32, None),
     ("int4", 64, 40, 0),

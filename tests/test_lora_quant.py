@@ -87,6 +87,8 @@ LAYOUTS = [
     Layout("int8", 0, False, 72, 40),
     *(Layout("int4", gs, z, *_shape(gs)) for gs in (0, 32, 64, 128) for z in (False, True)),
     Layout("fp8", 128, False, 200, 136),  # two 128-row and two 128-k scale blocks
+    Layout("fp8_channel", 0, False, 72, 40),
+    Layout("mxfp8", 32, False, 72, 40),
     Layout("mxfp4", 32, False, 72, 40),
     Layout("nvfp4", 16, False, 72, 40),
     Layout("q8_0", 32, False, 72, 40),
@@ -107,9 +109,9 @@ def random_packed(
 ) -> PackedProjection:
     """Random bytes in the layout of ``fmt``: every code value, random signed scales / zeros.
 
-    mxfp4 scale bytes lie in [0, 160): 2^-128 (an fp32 subnormal) up to finite
+    mxfp4 / mxfp8 scale bytes lie in [0, 160): 2^-128 (an fp32 subnormal) up to finite
     weights (the one-hot read of ``decoded_by_op`` turns inf into NaN); fp8 codes
-    skip the two NaN codes.
+    (fp8, fp8_channel, mxfp8) skip the two NaN codes.
     """
     spec = format_spec(fmt)
     g = torch.Generator().manual_seed(seed)
@@ -117,7 +119,7 @@ def random_packed(
         packed = kt_ops.pack_weights(torch.randn(E, n, k, generator=g))
         return PackedProjection(packed, None, None, fmt, 0, n, k).validate()
     weight = torch.randint(0, 256, spec.weight_shape(E, n, k), dtype=torch.uint8, generator=g)
-    if fmt == "fp8":
+    if spec.layout == "fp8":
         weight[(weight & 0x7F) == 0x7F] -= 1
     sshape = spec.scales_shape(E, n, k, group_size)
     if spec.is_kquant:  # every record byte random, then finite random fp16 d (and dmin)
@@ -226,6 +228,8 @@ VARIANTS = [
         for sym in (True, False)
     ),
     Variant("fp8", None, True, 72, 40),
+    Variant("fp8_channel", None, True, 72, 40),
+    Variant("mxfp8", None, True, 72, 40),
     Variant("mxfp4", None, True, 72, 40),
     Variant("nvfp4", None, True, 72, 40),
     Variant("q8_0", None, True, 96, 64),

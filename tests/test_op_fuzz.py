@@ -39,6 +39,8 @@ LAYERS = [
     ("int4", 32, 64, 32),
     ("int4", 128, 128, 128),
     ("fp8", None, 130, 70),
+    ("fp8_channel", None, 64, 40),
+    ("mxfp8", None, 72, 40),
     ("mxfp4", None, 64, 32),
     ("nvfp4", None, 64, 48),
     ("int4", 0, 40, 24),

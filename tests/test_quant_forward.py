@@ -117,6 +117,8 @@ VARIANTS = [
         for sym in (True, False)
     ),
     Variant("fp8", None, True, 200, 136),
+    Variant("fp8_channel", None, True, 200, 72),
+    Variant("mxfp8", None, True, 96, 72),
     Variant("mxfp4", None, True, 96, 64),
     Variant("nvfp4", None, True, 96, 72),
     Variant("q8_0", None, True, 96, 64),
@@ -256,7 +258,7 @@ def test_experts_without_tokens_are_not_read(qisa, v):
 # --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fmt", ["int8", "fp8", "mxfp4"])
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "fp8_channel", "mxfp8", "mxfp4"])
 @pytest.mark.parametrize("H,I", [(1, 1), (17, 15), (33, 50), (130, 129)])
 def test_odd_sizes(qisa, fmt, H, I):
     w = make_quant_experts(fmt, 4, H, I, seed=H + I)
@@ -585,6 +587,8 @@ TOTAL_ERROR = {
     "int8": 0.03,
     "q8_0": 0.03,
     "fp8": 0.07,
+    "fp8_channel": 0.07,
+    "mxfp8": 0.08,
     "q6_k": 0.10,
     "q5_k": 0.15,
     "int4": 0.30,
@@ -787,7 +791,9 @@ def test_checker_detects_wrong_weights(v):
     assert quant_mismatch_report(out, ref) is not None
 
 
-@pytest.mark.parametrize("v", [v for v in PER_FORMAT if v.fmt != "fp8"], ids=lambda v: v.id)
+@pytest.mark.parametrize(
+    "v", [v for v in PER_FORMAT if format_spec(v.fmt).activation == "q8"], ids=lambda v: v.id
+)
 def test_reference_without_activation_rounding_is_not_close(v):
     # The tight tolerance relies on modelling the q8 rounding: a reference without it
     # is off by more than even a flat 2e-3 of max|ref| (100x TOL_QUANT.compute).

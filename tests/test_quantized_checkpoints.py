@@ -98,6 +98,18 @@ def compressed_tensors_producer(kind: str):
             dict(num_bits=8, type="float", strategy="block", block_structure=[128, 128]),
         ),
         "ct_fp8_channel": ("float-quantized", dict(num_bits=8, type="float", strategy="channel")),
+        "ct_mxfp8": (
+            "mxfp8-quantized",
+            dict(
+                num_bits=8, type="float", strategy="group", group_size=32, scale_dtype=torch.uint8
+            ),
+        ),
+        "ct_mxfp4": (
+            "mxfp4-pack-quantized",
+            dict(
+                num_bits=4, type="float", strategy="group", group_size=32, scale_dtype=torch.uint8
+            ),
+        ),
     }[kind]
     qargs = QuantizationArgs(**args)
     scheme = QuantizationScheme(targets=["Linear"], weights=qargs)
@@ -119,14 +131,15 @@ def compressed_tensors_producer(kind: str):
             sd["weight_global_scale"] = gscale
         out = comp.compress(sd, scheme)
         dec = dict(out)
-        dec["weight_scale"] = out["weight_scale"].float()
+        if not fmt.startswith("mx"):  # (MX: UE8M0 bytes, which decompress decodes)
+            dec["weight_scale"] = out["weight_scale"].float()
         if fmt.startswith("nvfp4"):  # decompress in fp32: the exact values
             from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
             from compressed_tensors.quantization.lifecycle.forward import dequantize
 
             codes = unpack_fp4_from_uint8(out["weight_packed"], N, K, dtype=torch.float32)
             ref = dequantize(codes, dec["weight_scale"], args=qargs, global_scale=gscale)
-        else:
+        else:  # (MX: bf16, which holds E4M3 / E2M1 times 2^k exactly)
             ref = comp.decompress(dec, scheme)["weight"].float()
         return dict(out), ref
 
@@ -275,6 +288,22 @@ def modelopt_producer(kind: str):
     return produce, {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16}
 
 
+def renamed_producer(kind: str):
+    """Checkpoints kt-kernel reads without a ``quantization_config``, made from
+    compressed-tensors' tensors: MiniMax-M3's MXFP8 (``weight_scale_inv`` uint8 per 32,
+    ``block_sparse_moe.experts.{i}.w1``) and GLM-4.7-FP8's fp8 per output channel."""
+    source = {"minimax_mxfp8": "ct_mxfp8", "glm_fp8_channel": "ct_fp8_channel"}[kind]
+    produce_ct, _ = compressed_tensors_producer(source)
+
+    def produce(w: torch.Tensor) -> tuple[dict, torch.Tensor]:
+        got, ref = produce_ct(w)
+        if kind == "minimax_mxfp8":
+            got["weight_scale_inv"] = got.pop("weight_scale")
+        return got, ref
+
+    return produce, None
+
+
 PRODUCERS = {
     **{
         k: compressed_tensors_producer
@@ -285,21 +314,28 @@ PRODUCERS = {
             "ct_nvfp4",
             "ct_fp8_block",
             "ct_fp8_channel",
+            "ct_mxfp8",
+            "ct_mxfp4",
         )
     },
+    "minimax_mxfp8": renamed_producer,
+    "glm_fp8_channel": renamed_producer,
     **{k: gptq_producer for k in ("gptq_v1_sym", "gptq_v2_asym", "gptq_desc_act")},
     "awq": awq_producer,
     "dsv4_mxfp4": dsv4_producer,
     "modelopt_nvfp4": modelopt_producer,
 }
-NATIVE = {
-    "ct_nvfp4": "nvfp4",
-    "modelopt_nvfp4": "nvfp4",
-    "ct_fp8_block": "fp8",
-    "ct_fp8_channel": "bf16",
-}
+#: The format each scheme loads as (int4 where not listed).
+NATIVE = {"ct_nvfp4": "nvfp4", "modelopt_nvfp4": "nvfp4", "ct_fp8_block": "fp8"}
+NATIVE.update({"ct_fp8_channel": "fp8_channel", "glm_fp8_channel": "fp8_channel"})
+NATIVE.update({"ct_mxfp8": "mxfp8", "minimax_mxfp8": "mxfp8", "ct_mxfp4": "mxfp4"})
 NATIVE.update({"gptq_desc_act": "bf16", "dsv4_mxfp4": "mxfp4"})
-EXACT = set(PRODUCERS) - {"ct_fp8_channel", "gptq_desc_act"}
+EXACT = set(PRODUCERS) - {"gptq_desc_act"}
+#: Where each kind's experts live and what its projections are called.
+NAMING = {
+    "dsv4_mxfp4": ("ffn", {"gate": "w1", "up": "w3", "down": "w2"}),
+    "minimax_mxfp8": ("block_sparse_moe", {"gate": "w1", "up": "w3", "down": "w2"}),
+}
 
 
 def write_checkpoint(out: Path, kind: str, model) -> dict[int, dict[str, torch.Tensor]]:
@@ -307,14 +343,7 @@ def write_checkpoint(out: Path, kind: str, model) -> dict[int, dict[str, torch.T
     producer, as a checkpoint with per-expert tensors; returns the producer's dequantized
     experts per layer."""
     produce, qconfig = PRODUCERS[kind](kind)
-    block, names = (
-        ("ffn", {"gate": "w1", "up": "w3", "down": "w2"})
-        if kind == "dsv4_mxfp4"
-        else (
-            "mlp",
-            PROJ,
-        )
-    )
+    block, names = NAMING.get(kind, ("mlp", PROJ))
     tensors, refs = {}, {}
     layers = (
         model if isinstance(model, dict) else {L: expert_weights(model, L) for L in range(LAYERS)}
@@ -464,7 +493,14 @@ def _dense_forward(w: dict[str, torch.Tensor], x, ids, tw, limit: float = 0.0) -
 
 
 @pytest.mark.parametrize(
-    "method,kind", [("GPTQ_INT4", "gptq_v2_asym"), ("NVFP4", "ct_nvfp4"), ("MXFP4", "dsv4_mxfp4")]
+    "method,kind",
+    [
+        ("GPTQ_INT4", "gptq_v2_asym"),
+        ("NVFP4", "ct_nvfp4"),
+        ("MXFP4", "dsv4_mxfp4"),
+        ("FP8_PERCHANNEL", "glm_fp8_channel"),
+        ("MXFP8", "minimax_mxfp8"),
+    ],
 )
 def test_kt_kernel_methods_load_the_checkpoints_exactly(tmp_path, method, kind):
     model = tiny_model()

@@ -19,7 +19,8 @@ namespace kt::formats {
 enum class Layout : uint8_t {
   kBf16,  // formats/bf16.h: [E, ceil(N/16), ceil(K/2), 16, 2] bf16
   kQint,  // formats/qint.h: integer code planes + [E, NB, G, 16] scales (zeros)
-  kFp8,   // formats/fp8.h: [E, NB, Kp, 16] E4M3 + 128x128 fp32 block scales
+  kFp8,   // formats/fp8.h: [E, NB, Kp, 16] E4M3 + 128x128 fp32 block scales (or, with
+          // FormatRow::fp8_row_scales, one scale per row and group: [E, NB, G, 16])
 };
 
 // Whether a format stores explicit zeros (value = scale*q - zero).
@@ -92,6 +93,10 @@ struct FormatRow {
     int64_t weights = 0;
     int64_t bytes = 0;
   } gguf_block = {};
+  // kFp8 only: scales [E, NB, G, 16] per row and group of group_size k (0: per output
+  // channel; formats/fp8.h), in packed_scale_type (fp32, or UE8M0 bytes for mxfp8),
+  // instead of one fp32 scale per 128x128 block.
+  bool fp8_row_scales = false;
 
   // Bits of one stored weight code.
   int bits() const;

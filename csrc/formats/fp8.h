@@ -9,10 +9,18 @@
 //         rows, widened through fp16 (F16C) with no shuffles across rows.
 //         scales [E, ceil(N/128), ceil(K/128)] fp32, unchanged from the
 //         checkpoint: W = e4m3(code) * scales[e, n/128, k/128].
+// Row-scaled variants (FormatRow::fp8_row_scales): "fp8_channel" and "mxfp8" keep
+// the codes' layout and hold one scale per row and group of k, like qint's:
+//         scales [E, NB, G, 16] (G = 1 per output channel, Kp/32 for mxfp8),
+//         W = e4m3(code) * scales[e, n/16, k/group, n%16]; fp32, or UE8M0 bytes
+//         (2^(E-127), OCP MX v1.0) for mxfp8.
 #pragma once
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+
+#include "formats/qint.h"
 
 namespace kt::formats {
 
@@ -32,6 +40,19 @@ inline float e4m3_to_float(uint8_t bits) {
     v = std::ldexp(1.f + static_cast<float>(mant) / 8.f, exp - 7);
   }
   return sign ? -v : v;
+}
+
+// One row scale of a row-scaled fp8 format as fp32: an fp32 value, or the UE8M0
+// byte E as 2^(E-127) (exact, 2^-127 included; 255 is rejected by the packer).
+inline float fp8_row_scale(const void* scales, ScaleType t, int64_t i) {
+  if (t == ScaleType::kE8M0) {
+    const uint32_t e = static_cast<const uint8_t*>(scales)[i];
+    const uint32_t bits = e >= 1 ? e << 23 : 1u << 22;
+    float v;
+    std::memcpy(&v, &bits, sizeof v);
+    return v;
+  }
+  return static_cast<const float*>(scales)[i];
 }
 
 }  // namespace kt::formats

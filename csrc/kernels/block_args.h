@@ -51,6 +51,11 @@ struct Fp8Block {
   int64_t kp;
   float* out;
   int64_t ldo;
+  // Row-scaled formats (fp8_channel, mxfp8): this block's [G][16] scales in
+  // row_scale_type, one group per group_k k (a multiple of 32); scales is then nullptr.
+  const void* row_scales = nullptr;
+  formats::ScaleType row_scale_type = formats::ScaleType::kF32;
+  int64_t group_k = 0;
 };
 
 // Block nb of a's run; x_u8: dot_u8's tiles of the m rows, or nullptr.
@@ -86,6 +91,21 @@ inline const float* fp8_band_scales(const DotArgs& a, int64_t nb) {
 
 inline Fp8Block fp8_block(const DotArgs& a, int64_t nb) {
   const ProjectionView& p = *a.proj;
+  if (p.fp8_row_scales) {
+    const formats::ScaleType t = p.qint.scale_type;
+    const uint8_t* s = static_cast<const uint8_t*>(p.scales) +
+                       (a.expert * p.row_blocks + nb) * p.groups * 16 * scale_bytes(t);
+    return {a.x,
+            a.m,
+            p.block(a.expert, nb),
+            nullptr,
+            p.kp,
+            a.out + 16 * (nb - a.nb_begin),
+            a.ldo,
+            s,
+            t,
+            p.qint.group_size == 0 ? p.kp : p.qint.group_size};
+  }
   return {a.x,
           a.m,
           p.block(a.expert, nb),

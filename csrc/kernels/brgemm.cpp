@@ -135,6 +135,8 @@ bool kt_bf16_runs() { return bf16_runs() && bf16_uses_kt_kernel(); }
 
 bool kt_fp8_runs() { return fp8_runs() && fp8_uses_kt_kernel(); }
 
+bool fp8_applies(const formats::FormatRow& format) { return !format.fp8_row_scales; }
+
 bool u8s8_applies(const formats::FormatRow& format) {
   const formats::QintFormat& q = format.qint;
   return format.layout == formats::Layout::kQint && q.bits == 8 && q.is_signed && !q.lut_e2m1 &&

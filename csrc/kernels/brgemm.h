@@ -76,6 +76,8 @@ bool fp8_runs();
 // bf16_uses_kt_kernel(); fp8_runs() and fp8_uses_kt_kernel().
 bool kt_bf16_runs();
 bool kt_fp8_runs();
+// The fp8 tile kernels read 128x128 block scales: not the row-scaled fp8 formats.
+bool fp8_applies(const formats::FormatRow& format);
 
 // The formats the u8s8 kernel computes: 8-bit signed qint codes without a
 // table or zeros, with q8 activations (int8, q8_0).

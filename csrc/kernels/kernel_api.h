@@ -36,12 +36,14 @@ struct ProjectionView {
   formats::QintFormat qint;
   const uint8_t* weight;  // [E][row_blocks][block_bytes]
   const void* scales;     // kQint: [E][row_blocks][groups][16]; kFp8: [E][ceil(n/128)][ceil(k/128)]
+                          // (fp8_row_scales: [E][row_blocks][groups][16] in qint.scale_type)
   const void* zeros;      // kQint with explicit zeros: like scales; else nullptr
   int64_t n, k;           // dense [n, k] per expert (nn.Linear convention)
   int64_t kp;             // K extent of the activations (multiple of 32; bf16 reads ceil(k/2)*2)
   int64_t row_blocks;     // ceil(n / 16)
   int64_t groups;         // kQint: scale groups along K
   int64_t block_bytes;    // bytes of one 16-row block
+  bool fp8_row_scales = false;  // kFp8: scales per row and group (qint.group_size, 0: channel)
 
   const uint8_t* block(int64_t e, int64_t nb) const {
     return weight + (e * row_blocks + nb) * block_bytes;

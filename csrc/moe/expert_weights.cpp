@@ -331,24 +331,37 @@ void dequantize_fp8_transposed(const Projection& p, int64_t expert, float* wt, i
   const int64_t n = p.n, k = p.k;
   const int64_t kp = formats::qint_k_padded(k);
   const int64_t nb_count = formats::qint_row_blocks(n);
-  const int64_t sn = formats::ceil_div(n, formats::kFp8ScaleBlock);
-  const int64_t sk = formats::ceil_div(k, formats::kFp8ScaleBlock);
+  const bool rows_scaled = p.format->fp8_row_scales;  // fp8_channel, mxfp8
+  const int64_t group_k = p.group_size == 0 ? kp : p.group_size;
+  const int64_t sn = rows_scaled ? nb_count : formats::ceil_div(n, formats::kFp8ScaleBlock);
+  const int64_t sk =
+      rows_scaled ? kp / group_k * kRows : formats::ceil_div(k, formats::kFp8ScaleBlock);
+  const formats::ScaleType st = p.format->packed_scale_type;
+  const at::ScalarType sdt = st == formats::ScaleType::kE8M0 ? at::kByte : at::kFloat;
   TORCH_CHECK(p.weight.scalar_type() == at::kByte && p.weight.dim() == 4 &&
                   p.weight.size(1) == nb_count && p.weight.size(2) == kp && p.weight.size(3) == 16,
-              "dense_expert_weight: weight_format='fp8' weight must be uint8 [E, ", nb_count, ", ",
-              kp, ", 16], got ", p.weight.scalar_type(), " ", p.weight.sizes());
-  TORCH_CHECK(p.scales.defined() && p.scales.scalar_type() == at::kFloat &&
+              "dense_expert_weight: weight_format='", p.format->name, "' weight must be uint8 [E, ",
+              nb_count, ", ", kp, ", 16], got ", p.weight.scalar_type(), " ", p.weight.sizes());
+  TORCH_CHECK(p.scales.defined() && p.scales.scalar_type() == sdt &&
                   p.scales.numel() == p.num_experts() * sn * sk,
-              "dense_expert_weight: weight_format='fp8' needs fp32 scales [E, ", sn, ", ", sk, "]");
+              "dense_expert_weight: weight_format='", p.format->name, "' needs ", sdt,
+              " scales of ", sn * sk, " values per expert");
   const uint8_t* base = p.weight.data_ptr<uint8_t>() + expert * nb_count * kp * kRows;
-  const float* scales = p.scales.data_ptr<float>() + expert * sn * sk;
+  const char* scale_base =
+      static_cast<const char*>(p.scales.data_ptr()) + expert * sn * sk * p.scales.element_size();
   for (int64_t nb = 0; nb < nb_count; ++nb) {
     const int64_t rows = std::min<int64_t>(kRows, n - nb * kRows);
     const uint8_t* block = base + nb * kp * kRows;
-    const float* srow = scales + (nb * kRows / formats::kFp8ScaleBlock) * sk;
+    const int64_t band = rows_scaled ? nb : nb * kRows / formats::kFp8ScaleBlock;
+    const void* srow = scale_base + band * sk * p.scales.element_size();
     float* col = wt + nb * kRows;  // W^T row kk - ka
     for (int64_t kk = ka; kk < kb; ++kk) {
-      const float scale = srow[kk / formats::kFp8ScaleBlock];
+      // Block scales: one per 128 k; row scales: [group][16] (per row below).
+      const float scale =
+          rows_scaled ? 1.0f : static_cast<const float*>(srow)[kk / formats::kFp8ScaleBlock];
+      float rs[kRows];
+      for (int r = 0; r < kRows; ++r)
+        rs[r] = rows_scaled ? formats::fp8_row_scale(srow, st, (kk / group_k) * kRows + r) : 1.0f;
       const uint8_t* b = block + kk * kRows;
       float line[kRows];
       for (int r = 0; r < kRows; ++r) {
@@ -363,7 +376,7 @@ void dequantize_fp8_transposed(const Projection& p, int64_t expert, float* wt, i
         const uint32_t is_nan = 0u - ((mag + 1u) >> 7);        // all ones for mag == 0x7F
         const uint32_t bits = (normal & is_normal) | (sub & ~is_normal) | (is_nan & 0x7FC00000u) |
                               ((b[r] & 0x80u) << 24);
-        line[r] = bits_to_float(bits) * scale;
+        line[r] = bits_to_float(bits) * scale * rs[r];
       }
       store_line(line, col + (kk - ka) * ld, rows);
     }

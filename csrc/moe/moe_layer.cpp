@@ -124,6 +124,21 @@ Projection parse_projection(const char* op, int i, const formats::FormatRow& f, 
       absent(zeros, zname);
       TORCH_CHECK(scales.has_value(), op, ": weight_format='", fmt, "' needs ", sname);
       check_tensor(op, w, wname, fmt, {E, v.row_blocks, v.kp, 16}, dims);
+      if (f.fp8_row_scales) {  // fp8_channel, mxfp8: one scale per row and group
+        const bool e8m0 = f.packed_scale_type == formats::ScaleType::kE8M0;
+        TORCH_CHECK(scales->scalar_type() == (e8m0 ? at::kByte : at::kFloat), op, ": ", sname,
+                    " must be ", e8m0 ? "uint8 UE8M0 exponents" : "fp32", " for weight_format='",
+                    fmt, "', got ", scales->scalar_type());
+        v.groups = formats::qint_groups(v.qint.group_size, v.kp);
+        check_tensor(op, *scales, sname, fmt, {E, v.row_blocks, v.groups, 16},
+                     "[E, ceil(N/16), groups, 16]");
+        v.fp8_row_scales = true;
+        v.qint.scale_type = f.packed_scale_type;
+        p.scales = *scales;
+        v.block_bytes = formats::fp8_block_bytes(v.kp);
+        v.scales = data_of(*scales);
+        break;
+      }
       TORCH_CHECK(scales->scalar_type() == at::kFloat, op, ": ", sname,
                   " must be fp32 block scales for weight_format='fp8', got ",
                   scales->scalar_type());

@@ -77,13 +77,16 @@ bool placeable(const at::Tensor& t, int64_t E, int64_t row_blocks) {
 }
 
 // The packed tensors of a projection that are laid out per row block: the
-// weight in every layout, the scales and zero points of the qint layout (fp8's
-// 128x128 block scales are not: a few KiB, left where they are).
+// weight in every layout, the scales and zero points of the qint layout and the
+// row scales of fp8_channel / mxfp8 (fp8's 128x128 block scales are not: a few
+// KiB, left where they are).
 std::vector<const at::Tensor*> row_tensors(const Projection& p) {
   std::vector<const at::Tensor*> out{&p.weight};
   if (p.view.layout == formats::Layout::kQint) {
     out.push_back(&p.scales);
     out.push_back(&p.zeros);
+  } else if (p.view.fp8_row_scales) {
+    out.push_back(&p.scales);
   }
   return out;
 }

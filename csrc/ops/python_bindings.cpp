@@ -151,6 +151,7 @@ py::list formats_report() {
                           ? py::object(py::make_tuple(f.gguf_block.weights, f.gguf_block.bytes))
                           : py::object(py::none());
     d["source"] = f.source;
+    d["fp8_row_scales"] = f.fp8_row_scales;
     out.append(d);
   }
   return out;

@@ -15,7 +15,7 @@ statement and the reference the C++ kernels are tested against:
 
 from kt_ops.formats.activations import quantize_activations_q8
 from kt_ops.formats.dequant import MXFP4_Q_LUT, dequantize_weights
-from kt_ops.formats.fp8 import from_fp8
+from kt_ops.formats.fp8 import from_fp8, from_fp8_channel, from_mxfp8
 from kt_ops.formats.gguf_blocks import GGUF_FORMATS, from_gguf, quantize_gguf_raw
 from kt_ops.formats.int4 import from_int4
 from kt_ops.formats.mxfp4 import E2M1_VALUES, from_mxfp4
@@ -42,6 +42,8 @@ __all__ = [
     "dequantize_weights",
     "from_gguf",
     "from_fp8",
+    "from_fp8_channel",
+    "from_mxfp8",
     "from_mxfp4",
     "from_nvfp4",
     "from_int4",

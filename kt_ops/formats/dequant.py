@@ -124,7 +124,9 @@ def dequantize_weights(p: PackedProjection) -> Tensor:
       ``2^(E-127) * e2m1(c)``), evaluated in float64 then rounded to fp32
       (exact except where the value overflows fp32, which gives inf);
       ``nvfp4`` likewise with its fp32 ``scale`` (half the NVFP4 ``b * g``).
-    * ``fp8``: ``W = float(E4M3 bits) * scale[n // 128, k // 128]`` in fp32.
+    * ``fp8``: ``W = float(E4M3 bits) * scale[n // 128, k // 128]`` in fp32;
+      ``fp8_channel`` / ``mxfp8``: times the scale of row ``n`` and group ``k //
+      group_size`` (``mxfp8``: ``2^(E-127)``).
 
     Raises:
         ValueError: ``p`` fails :meth:`PackedProjection.validate`.
@@ -152,6 +154,12 @@ def _dequantize_one(spec, group_size, n, k, weight, scales=None, zeros=None) -> 
         # packed[e, nb, k, r] = bits(W[16 nb + r, k])
         bits = w[:, nn // BLOCK_ROWS, kk, nn % BLOCK_ROWS]
         vals = bits.to(torch.uint8).view(torch.float8_e4m3fn).float()
+        if spec.fp8_row_scales:  # scales [E, NB, G, 16]: per row and group
+            g = kk // (group_size or kp)
+            s = scales[:, nn // BLOCK_ROWS, g, nn % BLOCK_ROWS]
+            if s.dtype == torch.uint8:  # mxfp8: UE8M0, 2^(E-127)
+                return (vals.double() * torch.pow(2.0, s.double() - 127)).float()
+            return vals * s.float()
         return vals * scales.float()[:, nn // 128, kk // 128]
     q = _decode_codes(w, spec.bits, kp)
     if spec.is_kquant:

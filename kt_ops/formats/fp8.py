@@ -16,9 +16,17 @@ import torch
 from torch import Tensor
 
 from kt_ops.formats.packed import PackedProjection
+from kt_ops.formats.qint import pack_group_params
 from kt_ops.formats.spec import BLOCK_ROWS, ceil_div, padded_k
 
-__all__ = ["from_fp8", "quantize_fp8"]
+__all__ = [
+    "from_fp8",
+    "from_fp8_channel",
+    "from_mxfp8",
+    "quantize_fp8",
+    "quantize_fp8_channel",
+    "quantize_mxfp8",
+]
 
 FP8_MAX = 448.0
 FP8_BLOCK = 128
@@ -100,3 +108,121 @@ def from_fp8(weight: Tensor, scale_inv: Tensor) -> PackedProjection:
     if not bool(torch.isfinite(scale).all()):
         raise ValueError("from_fp8: scale_inv holds non-finite values")
     return PackedProjection(_pack_bits(bits), scale, None, "fp8", FP8_BLOCK, N, K).validate()
+
+
+# --------------------------------------------------------------------------- row-scaled fp8
+# fp8_channel: one fp32 scale per output channel; mxfp8 (OCP Microscaling Formats v1.0):
+# one UE8M0 exponent per 32 along K. Same codes layout; scales [E, NB, G, 16] (qint's).
+
+MXFP8_BLOCK = 32
+
+
+def _e4m3_bits(x: Tensor) -> Tensor:
+    """E4M3 bits of ``x`` (fp32, already within +-448): round to nearest even."""
+    return x.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+
+
+def _check_codes(weight: Tensor, fn: str) -> Tensor:
+    if not isinstance(weight, Tensor) or weight.dim() != 3 or min(weight.shape) < 1:
+        what = list(weight.shape) if isinstance(weight, Tensor) else type(weight).__name__
+        raise ValueError(f"{fn}: weight must be a non-empty 3-D tensor [E, N, K], got {what}")
+    if weight.dtype not in (torch.float8_e4m3fn, torch.uint8):
+        raise ValueError(
+            f"{fn}: weight must be torch.float8_e4m3fn (or its uint8 bits), got {weight.dtype}"
+        )
+    bits = weight.detach().cpu().contiguous().view(torch.uint8)
+    if bool(((bits & 0x7F) == 0x7F).any()):
+        raise ValueError(f"{fn}: weight holds NaN codes (E4M3 S.1111.111)")
+    return bits
+
+
+def quantize_fp8_channel(w: Tensor) -> PackedProjection:
+    """Dense fp32 ``[E, N, K]`` -> ``fp8_channel``: per output channel ``scale = amax / 448``
+    (fp32), codes ``E4M3(w / scale)`` (nearest even); an all-zero row gets scale 0."""
+    E, N, K = w.shape
+    scale = w.abs().amax(dim=-1, keepdim=True) / FP8_MAX  # [E, N, 1]
+    x = torch.where(scale > 0, w / torch.where(scale > 0, scale, 1.0), 0.0)
+    return _pack_channel(_e4m3_bits(x), scale, N, K)
+
+
+def _pack_channel(bits: Tensor, scale: Tensor, n: int, k: int) -> PackedProjection:
+    p = PackedProjection(
+        _pack_bits(bits), pack_group_params(scale, torch.float32), None, "fp8_channel", 0, n, k
+    )
+    return p.validate()
+
+
+def from_fp8_channel(weight: Tensor, scale: Tensor) -> PackedProjection:
+    """Pack an fp8 per-output-channel checkpoint projection, exactly.
+
+    Args:
+        weight: ``[E, N, K]`` ``torch.float8_e4m3fn`` (or its uint8 bits).
+        scale: ``[E, N]`` or ``[E, N, 1]`` floating (compressed-tensors ``weight_scale``
+            of strategy ``channel``; ``W = fp8 * scale``), stored as fp32.
+
+    Raises:
+        ValueError: a wrong shape or dtype (named), NaN codes, non-finite scales.
+    """
+    bits = _check_codes(weight, "from_fp8_channel")
+    E, N, K = bits.shape
+    if not isinstance(scale, Tensor) or not scale.is_floating_point():
+        raise ValueError("from_fp8_channel: scale must be a floating tensor [E, N]")
+    if tuple(scale.shape) not in ((E, N), (E, N, 1)):
+        raise ValueError(
+            f"from_fp8_channel: scale has shape {list(scale.shape)}, expected [E, N] = {[E, N]}"
+        )
+    s = scale.detach().cpu().float().reshape(E, N, 1)
+    if not bool(torch.isfinite(s).all()):
+        raise ValueError("from_fp8_channel: scale holds non-finite values")
+    return _pack_channel(bits, s, N, K)
+
+
+def _pack_mx(bits: Tensor, ebytes: Tensor, n: int, k: int) -> PackedProjection:
+    groups = padded_k(k) // MXFP8_BLOCK
+    ebytes = torch.nn.functional.pad(ebytes, (0, groups - ebytes.shape[-1]))
+    p = PackedProjection(
+        _pack_bits(bits), pack_group_params(ebytes, torch.uint8), None, "mxfp8", MXFP8_BLOCK, n, k
+    )
+    return p.validate()
+
+
+def quantize_mxfp8(w: Tensor) -> PackedProjection:
+    """Dense fp32 ``[E, N, K]`` -> ``mxfp8`` (OCP MX v1.0 conversion): per 32 along K (K
+    zero-padded), ``E = clamp(floor(log2(amax)) - 8 + 127, 0, 254)`` (8 = E4M3's largest
+    exponent; 0 for an all-zero block), elements ``E4M3(w / 2^(E-127))``, nearest even,
+    saturated at +-448."""
+    E, N, K = w.shape
+    kp = ceil_div(K, MXFP8_BLOCK) * MXFP8_BLOCK
+    wp = torch.nn.functional.pad(w.double(), (0, kp - K)).view(E, N, -1, MXFP8_BLOCK)
+    amax = wp.abs().amax(dim=-1)
+    _, ex = torch.frexp(amax)  # floor(log2(amax)) = ex - 1
+    ebyte = torch.where(amax > 0, (ex - 1 - 8 + 127).clamp(0, 254), 0)
+    x = wp / torch.pow(2.0, ebyte.double() - 127).unsqueeze(-1)
+    bits = _e4m3_bits(x.float().view(E, N, kp)[:, :, :K])
+    return _pack_mx(bits, ebyte.to(torch.uint8), N, K)
+
+
+def from_mxfp8(weight: Tensor, scales: Tensor) -> PackedProjection:
+    """Pack an MXFP8 checkpoint projection, exactly (``W = fp8 * 2^(E-127)``).
+
+    Args:
+        weight: ``[E, N, K]`` ``torch.float8_e4m3fn`` (or its uint8 bits).
+        scales: ``[E, N, ceil(K/32)]`` UE8M0 exponents: uint8 or ``torch.float8_e8m0fnu``.
+
+    Raises:
+        ValueError: a wrong shape or dtype (named), NaN codes, or the UE8M0 NaN byte 255.
+    """
+    bits = _check_codes(weight, "from_mxfp8")
+    E, N, K = bits.shape
+    G = ceil_div(K, MXFP8_BLOCK)
+    if not isinstance(scales, Tensor) or scales.element_size() != 1:
+        raise ValueError("from_mxfp8: scales must be uint8 (or float8_e8m0fnu) UE8M0 exponents")
+    if tuple(scales.shape) != (E, N, G):
+        raise ValueError(
+            f"from_mxfp8: scales has shape {list(scales.shape)}, expected [E, N, K/32] = "
+            f"{[E, N, G]}"
+        )
+    e = scales.detach().cpu().contiguous().view(torch.uint8)
+    if bool((e == 255).any()):
+        raise ValueError("from_mxfp8: scales holds the UE8M0 NaN byte 255")
+    return _pack_mx(bits, e, N, K)

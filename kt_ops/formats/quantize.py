@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from kt_ops.formats.bf16 import pack_weights
-from kt_ops.formats.fp8 import quantize_fp8
+from kt_ops.formats.fp8 import quantize_fp8, quantize_fp8_channel, quantize_mxfp8
 from kt_ops.formats.gguf_blocks import from_gguf, quantize_gguf_raw
 from kt_ops.formats.mxfp4 import quantize_mxfp4
 from kt_ops.formats.nvfp4 import quantize_nvfp4
@@ -100,6 +100,8 @@ def quantize_weights(
       ``amax / 448`` (fp32, DeepSeek-V3 ``weight_scale_inv`` convention).
     * ``mxfp4``: OCP MX v1.0 shared exponent per 32 along K and E2M1
       elements (nearest, ties to even, saturating).
+    * ``fp8_channel``: E4M3 with one fp32 scale ``amax / 448`` per output channel.
+    * ``mxfp8``: OCP MX v1.0 MXFP8, a UE8M0 exponent per 32 along K, E4M3 elements.
     * ``nvfp4``: NVIDIA NVFP4, per-expert fp32 scale ``amax / (448 * 6)``, E4M3 scale
       per 16 along K, E2M1 elements (:func:`kt_ops.formats.nvfp4.quantize_nvfp4`).
     * ``q8_0``, ``q4_0``: ``gguf.quants.quantize`` (llama.cpp's reference
@@ -163,6 +165,10 @@ def quantize_weights(
         return _quantize_int4(w, group_size, symmetric)
     if spec.name == "fp8":
         return quantize_fp8(w)
+    if spec.name == "fp8_channel":
+        return quantize_fp8_channel(w)
+    if spec.name == "mxfp8":
+        return quantize_mxfp8(w)
     if spec.name == "mxfp4":
         return quantize_mxfp4(w)
     if spec.name == "nvfp4":

@@ -93,6 +93,9 @@ class FormatSpec:
         gguf_block: the GGUF (ggml) block types: ``(weights, bytes)`` of one
             ggml block of the type the format repacks losslessly (as
             ``gguf.GGML_QUANT_SIZES``); ``None`` for the other formats.
+        fp8_row_scales: the fp8 layout with one scale per row and group
+            (``fp8_channel``: per output channel, fp32; ``mxfp8``: per 32 along K,
+            UE8M0 bytes): ``scales`` ``[E, NB, G, 16]`` as the qint formats'.
     """
 
     name: str
@@ -115,6 +118,7 @@ class FormatSpec:
     super_block: int = 0
     record_mins: bool = False
     gguf_block: Optional[tuple[int, int]] = None
+    fp8_row_scales: bool = False
 
     def brgemm_min_tokens_for(self, cpu_class: str) -> Optional[int]:
         """The ``'auto'`` brgemm threshold on ``cpu_class`` (``'avx512'`` or ``'amx'``)."""
@@ -143,7 +147,7 @@ class FormatSpec:
 
     def num_groups(self, k: int, group_size: int) -> int:
         """``G``: scale groups along K (1 for per-channel, ``Kp / group_size`` otherwise)."""
-        if self.layout != "qint":
+        if self.layout != "qint" and not self.fp8_row_scales:
             raise ValueError(f"num_groups: format {self.name!r} has no qint groups")
         return 1 if group_size == 0 else padded_k(k) // group_size
 
@@ -164,7 +168,7 @@ class FormatSpec:
         """Shape of ``scales`` (and of ``zeros`` where present); ``None`` for bf16."""
         if self.layout == "bf16":
             return None
-        if self.layout == "fp8":
+        if self.layout == "fp8" and not self.fp8_row_scales:
             return (e, ceil_div(n, 128), ceil_div(k, 128))
         if self.is_kquant:  # one record per 16 rows x 256 k (needs K % 256 == 0)
             return (
@@ -182,7 +186,7 @@ class FormatSpec:
         """
         if self.layout == "bf16":
             return 16.0
-        if self.layout == "fp8" or group_size == 0:
+        if (self.layout == "fp8" and not self.fp8_row_scales) or group_size == 0:
             return float(self.bits)
         if self.is_kquant:
             return self.bits + 8 * self.scale_record_bytes / (BLOCK_ROWS * self.super_block)
@@ -214,6 +218,7 @@ def _spec_from_row(row: dict) -> FormatSpec:
         super_block=row["super_block"],
         record_mins=row["record_mins"],
         gguf_block=row["gguf_block"],
+        fp8_row_scales=row["fp8_row_scales"],
     )
 
 

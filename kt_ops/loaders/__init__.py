@@ -57,8 +57,9 @@ def open_checkpoint(path: Union[str, Path]) -> CheckpointReader:
     """Open ``path`` with the reader its contents call for.
 
     A GGUF file (``.gguf`` or GGUF magic): :class:`GGUFCheckpoint`; a checkpoint whose
-    ``config.json`` has a GPTQ, AWQ or compressed-tensors ``quantization_config``, or
-    DeepSeek-V4 MXFP4 experts: :class:`QuantizedCheckpoint`; any other Hugging Face
+    ``config.json`` has a GPTQ, AWQ, compressed-tensors or ModelOpt
+    ``quantization_config``, or whose expert tensors are DeepSeek-V4 MXFP4, MXFP8 or
+    fp8 per output channel: :class:`QuantizedCheckpoint`; any other Hugging Face
     checkpoint: :class:`HFCheckpoint`.
 
     Raises FileNotFoundError when ``path`` does not exist, and whatever the chosen
@@ -80,11 +81,8 @@ def open_checkpoint(path: Union[str, Path]) -> CheckpointReader:
     config = read_json(cfg) if cfg.is_file() else {}
     if isinstance(config, dict) and quantization_scheme(config, str(cfg)) is not None:
         return QuantizedCheckpoint(p)
-    try:
-        return HFCheckpoint(p)
-    except ValueError:
-        try:  # DeepSeek-V4 names its experts layers.{L}.ffn.experts.{i}.w1
-            return QuantizedCheckpoint(p)
-        except (ValueError, FileNotFoundError):
-            pass
-        raise
+    try:  # schemes known by their tensors: DeepSeek-V4 MXFP4, MXFP8, fp8 per channel
+        return QuantizedCheckpoint(p)
+    except (ValueError, FileNotFoundError):
+        pass
+    return HFCheckpoint(p)

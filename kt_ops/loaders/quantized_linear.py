@@ -28,7 +28,12 @@ compressed-tensors      ``weight_packed`` uint8 ``[N, K/2]``,         ``mxfp4`` 
 ``mxfp4-pack-quantized``  ``weight_scale`` uint8 UE8M0 ``[N, K/32]``
 compressed-tensors      ``weight`` E4M3 ``[N, K]``, ``weight_scale``  ``fp8``         yes
 ``float-quantized`` fp8   fp32 ``[N/128, K/128]`` (block 128x128)
-  (per channel)         ``weight_scale`` ``[N, 1]``                    ``bf16``        no
+  (per channel)         ``weight_scale`` ``[N, 1]`` (also without a    ``fp8_channel`` yes
+                        config: GLM-4.7-FP8, kt-kernel FP8_PERCHANNEL)
+compressed-tensors      ``weight`` E4M3 ``[N, K]``, ``weight_scale``  ``mxfp8``       yes
+``mxfp8-quantized``       uint8 UE8M0 ``[N, K/32]``
+MiniMax-M3 MXFP8        ``weight`` E4M3, ``weight_scale_inv`` uint8   ``mxfp8``       yes
+                        UE8M0 ``[N, K/32]`` (no config needed)
 DeepSeek-V4 MXFP4       ``weight`` int8/uint8 ``[N, K/2]``, ``scale``  ``mxfp4``       yes
                         UE8M0 ``[N, K/32]``
 ======================  ===========================================  ==============  =====
@@ -44,12 +49,12 @@ weight_scale * weight_scale_2``. DeepSeek-V4: two E2M1 codes a byte,
 first in the low nibble (``torch.float4_e2m1fn_x2``), one UE8M0 exponent per 32.
 
 "Exact" means the packed experts dequantize to the producer's own dequantization
-evaluated in fp32 (``s * (q - z)``, ``e2m1 * b * g``). The inexact rows hold what no
-kt_ops format represents: GPTQ act-order scales change along K per column, fp8 per
-output channel has no kt_ops row yet; they are dequantized exactly in fp32 and packed as
-``bf16`` (relative error at most 2^-9 per weight) unless ``weight_format`` asks for
-another format. Any scheme can also be requantized to any format (``weight_format``).
-Files are memory-mapped; one layer is read per :meth:`QuantizedCheckpoint.load_layer`.
+evaluated in fp32 (``s * (q - z)``, ``e2m1 * b * g``). The inexact row holds what no
+kt_ops format represents: GPTQ act-order scales change along K per column; such
+projections are dequantized exactly in fp32 and packed as ``bf16`` (relative error at
+most 2^-9 per weight) unless ``weight_format`` asks for another format. Any scheme
+can also be requantized to any format (``weight_format``). Files are memory-mapped;
+one layer is read per :meth:`QuantizedCheckpoint.load_layer`.
 """
 
 from __future__ import annotations
@@ -68,8 +73,10 @@ from kt_ops.formats import (
     PackedProjection,
     dequantize_weights,
     from_fp8,
+    from_fp8_channel,
     from_int4,
     from_mxfp4,
+    from_mxfp8,
     from_nvfp4,
     quantize_weights,
 )
@@ -121,7 +128,9 @@ class Scheme:
             "modelopt_nvfp4": "nvfp4",
             "ct_mxfp4": "mxfp4",
             "ct_fp8_block": "fp8",
-            "ct_fp8_channel": "bf16",
+            "ct_fp8_channel": "fp8_channel",
+            "ct_mxfp8": "mxfp8",
+            "mxfp8_scale_inv": "mxfp8",
             "dsv4_mxfp4": "mxfp4",
         }[self.name]
 
@@ -186,9 +195,15 @@ def _compressed_tensors_scheme(qc: dict, where: str) -> Scheme:
             f"fp8 strategy {strategy!r}; expected 'block' or 'channel'",
         )
         return Scheme("ct_fp8_channel", "weight")
+    if fmt == "mxfp8-quantized":
+        _need(
+            bits == 8 and typ == "float" and gs == 32, where, "mxfp8 must be float 8 bit, group 32"
+        )
+        return Scheme("ct_mxfp8", "weight", 32)
     raise ValueError(
         f"{where}: compressed-tensors format {fmt!r} is not read; kt_ops reads pack-quantized "
-        "(int4), nvfp4-pack-quantized, mxfp4-pack-quantized and float-quantized (fp8)"
+        "(int4), nvfp4-pack-quantized, mxfp4-pack-quantized, float-quantized (fp8) and "
+        "mxfp8-quantized"
     )
 
 
@@ -279,7 +294,7 @@ class QuantizedCheckpoint(CheckpointReader):
                     self._names[name] = f
         scheme = quantization_scheme(config, str(cfg_path))
         if scheme is None:
-            scheme = self._deepseek_v4_scheme()
+            scheme = self._scheme_from_tensors()
         if scheme is None:
             raise ValueError(
                 f"{self.path}: no GPTQ, AWQ or compressed-tensors quantization_config in "
@@ -327,11 +342,33 @@ class QuantizedCheckpoint(CheckpointReader):
         if scheme.desc_act:
             logger.info("kt_ops: %s: GPTQ desc_act; act-order layers load as bf16", self.path)
 
-    def _deepseek_v4_scheme(self) -> Optional[Scheme]:
-        for name in self._names:
-            m = _EXPERT_RE.match(name)
-            if m and m["block"] == "ffn" and m["kind"] == "scale":
-                return Scheme("dsv4_mxfp4", "weight", 32)
+    def _scheme_from_tensors(self) -> Optional[Scheme]:
+        """Checkpoints known by their tensors (no ``quantization_config`` kt_ops reads):
+        DeepSeek-V4's MXFP4 (``ffn.experts.{i}.w1.scale``), MiniMax-M3's MXFP8 (fp8
+        ``weight`` with uint8 ``weight_scale_inv`` per 32) and fp8 per output channel
+        (fp8 ``weight`` with ``weight_scale`` ``[N]`` or ``[N, 1]``: GLM-4.7-FP8)."""
+        with ExitStack() as stack:
+            handles: dict = {"__stack__": stack}
+            for name in self._names:
+                m = _EXPERT_RE.match(name)
+                if m is None:
+                    continue
+                if m["block"] == "ffn" and m["kind"] == "scale":
+                    return Scheme("dsv4_mxfp4", "weight", 32)
+                if m["kind"] in ("weight_scale_inv", "weight_scale"):
+                    base = name[: -len(m["kind"])]
+                    if base + "weight" not in self._names:
+                        continue
+                    wdt, _ = self._header(base + "weight", handles)
+                    sdt, sshape = self._header(name, handles)
+                    if wdt != "F8_E4M3":
+                        continue
+                    if m["kind"] == "weight_scale_inv" and sdt in ("U8", "F8_E8M0"):
+                        return Scheme("mxfp8_scale_inv", "weight", 32)
+                    if m["kind"] == "weight_scale" and (
+                        len(sshape) == 1 or (len(sshape) == 2 and sshape[1] == 1)
+                    ):
+                        return Scheme("ct_fp8_channel", "weight")
         return None
 
     # ------------------------------------------------------------------ tensors
@@ -539,6 +576,9 @@ class QuantizedCheckpoint(CheckpointReader):
             sc = torch.stack([get(b, sname).view(torch.uint8) for b in base_list])
             return from_mxfp4(w, sc)
         w8 = torch.stack([get(b, "weight") for b in base_list])
+        if s.name in ("ct_mxfp8", "mxfp8_scale_inv"):
+            sname = "weight_scale" if s.name == "ct_mxfp8" else "weight_scale_inv"
+            return from_mxfp8(w8, torch.stack([get(b, sname).view(torch.uint8) for b in base_list]))
         sc = torch.stack([get(b, "weight_scale").float() for b in base_list])
         if s.name == "ct_fp8_block":
             return from_fp8(w8, sc)
@@ -547,7 +587,7 @@ class QuantizedCheckpoint(CheckpointReader):
             f"{self.path}: {base_list[0]}weight_scale",
             f"has shape {list(sc.shape[1:])}; expected [{n}, 1]",
         )
-        return w8.float() * sc.view(-1, n, 1)
+        return from_fp8_channel(w8, sc.view(-1, n))
 
     def check_weight_format(self, layer: int, weight_format: Optional[str]) -> None:
         """Any format: None keeps the stored scheme (:attr:`native_format`)."""

@@ -84,15 +84,28 @@ KT_INLINE void decode_e4m3_pair(__m256i v, __m256* out) {
 // times with separate partial sums per (line, k parity, half), so the FMA
 // chains are 4*U deep in parallel: one chain per 2 FMAs would tie M = 1 to
 // the FMA latency (4 cycles per line, ~13 GB/s a core), not to its inputs.
-template <int M, int U>
+// The 16 row scales of group g of a row-scaled block, times 2^8 (the decode's
+// fp16 bias): s[0] rows 0-7, s[1] rows 8-15.
+KT_INLINE void fp8_group_row_scales(const Fp8Block& a, int64_t g, __m256* s) {
+  alignas(32) float v[16];
+  for (int r = 0; r < 16; ++r)
+    v[r] = formats::fp8_row_scale(a.row_scales, a.row_scale_type, g * 16 + r) * 256.0f;
+  s[0] = _mm256_load_ps(v);
+  s[1] = _mm256_load_ps(v + 8);
+}
+
+// RowScaled: one scale per row and group of a.group_k k (fp8_channel, mxfp8),
+// applied per group as two 8-row vectors; else one per 128 k (the band's).
+template <int M, int U, bool RowScaled = false>
 KT_INLINE void fp8_tile(const Fp8Block& a, const float* const* x_rows, float* out) {
   constexpr int64_t kBlock = formats::kFp8ScaleBlock;
   static_assert(kBlock % (2 * U) == 0, "the unroll must divide a scale block");
+  const int64_t step = RowScaled ? a.group_k : kBlock;  // group_k: a multiple of 32
   __m256 acc[M][2];
   for (int i = 0; i < M; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-  for (int64_t k0 = 0; k0 < a.kp; k0 += kBlock) {
-    // kp is a multiple of 32, so of 2 * U; a scale block ends at kp or at k0 + 128.
-    const int64_t k1 = std::min(a.kp, k0 + kBlock);
+  for (int64_t k0 = 0; k0 < a.kp; k0 += step) {
+    // kp is a multiple of 32, so of 2 * U; a scale group ends at kp or at k0 + step.
+    const int64_t k1 = std::min(a.kp, k0 + step);
     __m256 part[M][U][4];
     for (int i = 0; i < M; ++i)
       for (int u = 0; u < U; ++u)
@@ -116,7 +129,12 @@ KT_INLINE void fp8_tile(const Fp8Block& a, const float* const* x_rows, float* ou
         }
       }
     }
-    const __m256 s = _mm256_set1_ps(a.scales[k0 / kBlock] * 256.0f);
+    __m256 s[2];
+    if constexpr (RowScaled) {
+      fp8_group_row_scales(a, k0 / step, s);
+    } else {
+      s[0] = s[1] = _mm256_set1_ps(a.scales[k0 / kBlock] * 256.0f);
+    }
     for (int i = 0; i < M; ++i) {
       __m256 lo = _mm256_add_ps(part[i][0][0], part[i][0][2]);
       __m256 hi = _mm256_add_ps(part[i][0][1], part[i][0][3]);
@@ -124,8 +142,8 @@ KT_INLINE void fp8_tile(const Fp8Block& a, const float* const* x_rows, float* ou
         lo = _mm256_add_ps(lo, _mm256_add_ps(part[i][u][0], part[i][u][2]));
         hi = _mm256_add_ps(hi, _mm256_add_ps(part[i][u][1], part[i][u][3]));
       }
-      acc[i][0] = _mm256_fmadd_ps(lo, s, acc[i][0]);
-      acc[i][1] = _mm256_fmadd_ps(hi, s, acc[i][1]);
+      acc[i][0] = _mm256_fmadd_ps(lo, s[0], acc[i][0]);
+      acc[i][1] = _mm256_fmadd_ps(hi, s[1], acc[i][1]);
     }
   }
   for (int i = 0; i < M; ++i) {
@@ -138,6 +156,12 @@ void fp8_dot(const Fp8Block& a) {
   // Two tokens: 8 partial + 4 total accumulators + 4 decoded weights.
   constexpr int kTile = 2;
   int i = 0;
+  if (a.row_scales != nullptr) {
+    for (; i + kTile <= a.m; i += kTile)
+      fp8_tile<kTile, 1, true>(a, a.x_rows + i, a.out + i * a.ldo);
+    if (a.m - i == 1) fp8_tile<1, 2, true>(a, a.x_rows + i, a.out + i * a.ldo);
+    return;
+  }
   for (; i + kTile <= a.m; i += kTile) fp8_tile<kTile, 1>(a, a.x_rows + i, a.out + i * a.ldo);
   if (a.m - i == 1) fp8_tile<1, 2>(a, a.x_rows + i, a.out + i * a.ldo);
 }
@@ -225,6 +249,17 @@ void qint_decode(const QintBlock& a, float* w) {
 }
 
 void fp8_decode(const Fp8Block& a, float* w) {
+  if (a.row_scales != nullptr) {  // per row and group: two 8-row scale vectors per group
+    __m256 s[2];
+    for (int64_t k = 0; k < a.kp; k += 2) {
+      if (k % a.group_k == 0) fp8_group_row_scales(a, k / a.group_k, s);
+      __m256 v[4];
+      decode_e4m3_pair(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.block + k * 16)), v);
+      for (int j = 0; j < 4; ++j)
+        _mm256_storeu_ps(w + k * 16 + 8 * j, _mm256_mul_ps(v[j], s[j & 1]));
+    }
+    return;
+  }
   for (int64_t k = 0; k < a.kp; k += 2) {
     __m256 v[4];
     decode_e4m3_pair(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.block + k * 16)), v);

@@ -83,8 +83,15 @@ void qint_block_decode(const QintBlock& a, float* w) {
 
 namespace {
 
+// The scale of row r for k-group k0 / step (row-scaled formats) or 128-k block.
+float fp8_scale(const Fp8Block& a, int r, int64_t k0, int64_t step) {
+  if (a.row_scales != nullptr)
+    return formats::fp8_row_scale(a.row_scales, a.row_scale_type, (k0 / step) * 16 + r);
+  return a.scales[k0 / step];
+}
+
 void fp8_block_dot(const Fp8Block& a) {
-  constexpr int64_t kBlock = formats::kFp8ScaleBlock;
+  const int64_t kBlock = a.row_scales != nullptr ? a.group_k : formats::kFp8ScaleBlock;
   for (int i = 0; i < a.m; ++i) {
     const float* x = a.x_rows[i];
     for (int r = 0; r < 16; ++r) {
@@ -96,7 +103,7 @@ void fp8_block_dot(const Fp8Block& a) {
           const uint8_t bits = a.block[k * 16 + r];
           part += formats::e4m3_to_float(bits) * x[k];
         }
-        acc += part * a.scales[k0 / kBlock];
+        acc += part * fp8_scale(a, r, k0, kBlock);
       }
       a.out[i * a.ldo + r] = acc;
     }
@@ -104,10 +111,11 @@ void fp8_block_dot(const Fp8Block& a) {
 }
 
 void fp8_block_decode(const Fp8Block& a, float* w) {
-  for (int64_t k = 0; k < a.kp; ++k) {
-    const float s = a.scales[k / formats::kFp8ScaleBlock];
-    for (int r = 0; r < 16; ++r) w[k * 16 + r] = formats::e4m3_to_float(a.block[k * 16 + r]) * s;
-  }
+  const int64_t step = a.row_scales != nullptr ? a.group_k : formats::kFp8ScaleBlock;
+  for (int64_t k = 0; k < a.kp; ++k)
+    for (int r = 0; r < 16; ++r)
+      w[k * 16 + r] =
+          formats::e4m3_to_float(a.block[k * 16 + r]) * fp8_scale(a, r, k - k % step, step);
 }
 
 void dense_dot(const float* const* x, int m, const float* w, int64_t kp, float* out, int64_t ldo) {
