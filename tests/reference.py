@@ -177,7 +177,7 @@ def reference_moe_forward(
 
     def project(v: Tensor, p: Any, proj: str, e: int) -> Tensor:
         pair = getattr(lora, proj)
-        if fp8_scaled_activations and p.weight_format == "fp8" and pair is None:
+        if fp8_scaled_activations and p.weight_format in FP8_TILE_FORMATS and pair is None:
             return fp8_banded_product(v, p, e)
         if bf16_activations:
             v = v.bfloat16().float()
@@ -248,14 +248,27 @@ def assert_lora_gradients_match(
         assert msg is None, f"{act}: grad of {name}: {msg}"
 
 
+#: The formats the fp8 tile kernels (oneDNN's bf16 brgemm, kt_ops' fp8_dp) compute.
+FP8_TILE_FORMATS = ("fp8", "fp8_channel")
+
+
 def fp8_banded_product(v: Tensor, p: Any, e: int) -> Tensor:
     """``v [m, k] @ W[e].T`` as the fp8 brgemm computes it: ``[m, n]`` fp32.
 
     For each 128-row band ``b`` of the fp8 projection ``p``: ``bf16(v * s[b,
     k // 128]) @ e4m3[rows of b].T``, the E4M3 values exact (the block scales
-    applied to the activations, rounded once to bf16).
+    applied to the activations, rounded once to bf16). ``fp8_channel``:
+    ``(bf16(v) @ e4m3.T) * s[row]`` (unit band scales, the row scales on the outputs).
     """
-    from kt_ops.formats import PackedProjection
+    from kt_ops.formats import PackedProjection, unpack_group_params
+
+    if p.weight_format == "fp8_channel":
+        ones = torch.ones_like(p.scales[e : e + 1])
+        codes = dense_expert(
+            PackedProjection(p.weight[e : e + 1], ones, None, p.weight_format, 0, p.n, p.k), 0
+        )
+        s = unpack_group_params(p.scales[e : e + 1], p.n)[0, :, 0]
+        return (v.bfloat16().float() @ codes.T) * s
 
     ones = torch.ones_like(p.scales[e : e + 1])
     codes = dense_expert(
@@ -772,9 +785,9 @@ def fp8_brgemm_min_tokens_of(weight_format: str, act_dtype: torch.dtype) -> Opti
     elsewhere. Such projections multiply bf16(x * block scale) by the exact
     E4M3 values (:func:`fp8_banded_product`).
     """
-    if weight_format != "fp8":
+    if weight_format not in FP8_TILE_FORMATS:
         return None
-    p = kt_ops.compute_paths().get("fp8")
+    p = kt_ops.compute_paths().get(weight_format)
     if p is None or p["brgemm_kernel"] is None:
         return None
     if kt_ops.get_compute_path() == "auto" and act_dtype != torch.bfloat16:

@@ -67,6 +67,8 @@ BRGEMM_KERNELS = {
         else "onednn/brgemm_fp8_bf16"
     ),
 }
+# fp8_channel: fp8's tiles with unit band scales, its row scales applied to the outputs.
+BRGEMM_KERNELS["fp8_channel"] = BRGEMM_KERNELS["fp8"]
 
 #: 'auto' with experts on both paths, against the unrounded reference: the
 #: brgemm experts' bf16 activations (relative rounding 2^-9 per value).
@@ -180,9 +182,10 @@ def test_format_table_records_the_thresholds():
         # The VNNI streaming kernel wins at every count measured; AMX not measured.
         assert spec.brgemm_min_tokens_for("avx512") is None
         assert spec.brgemm_min_tokens_for("amx") == 16
-    spec = kt_ops.formats.format_spec("fp8")  # docs/formats.md "Compute paths"
-    assert spec.brgemm_min_tokens_for("avx512") == 3  # kt_ops' fused tiles
-    assert spec.brgemm_min_tokens_for("amx") == 6  # oneDNN's brgemm on decoded tiles
+    for name in ("fp8", "fp8_channel"):  # docs/formats.md "Compute paths"
+        spec = kt_ops.formats.format_spec(name)
+        assert spec.brgemm_min_tokens_for("avx512") == 3  # kt_ops' fused tiles
+        assert spec.brgemm_min_tokens_for("amx") == 6  # oneDNN's brgemm on decoded tiles
     for name in kt_ops.formats.FORMATS:
         if name not in BRGEMM_KERNELS:  # no brgemm path yet: streaming
             assert dict(kt_ops.formats.format_spec(name).brgemm_min_tokens) == {
@@ -215,7 +218,8 @@ def test_where_brgemm_runs(isa):
         and torch.backends.mkldnn.is_available()
     )
     # Both on the bf16 brgemm path; fp8 rounds its A rows with AVX512_BF16 itself.
-    for name, runs in (("bf16", expected), ("fp8", expected and feats["avx512_bf16"])):
+    fp8_runs = expected and feats["avx512_bf16"]
+    for name, runs in (("bf16", expected), ("fp8", fp8_runs), ("fp8_channel", fp8_runs)):
         want = BRGEMM_KERNELS[name] if runs else None
         assert paths[name]["brgemm_kernel"] == want
         assert paths[name]["brgemm_min_tokens"] == (1 if runs else None)  # forced: any count
@@ -729,22 +733,24 @@ def check_fp8(path: str, x, ids, w, experts):
     return out
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "fp8_channel"])
 @pytest.mark.parametrize("path", ["streaming", "brgemm"])
 @pytest.mark.parametrize("H,I", FP8_SHAPES)
-def test_fp8_odd_sizes(isa, path, H, I):  # noqa: E741
+def test_fp8_odd_sizes(isa, path, H, I, fmt):  # noqa: E741
     E, K, T = 5, 2, 37
-    experts = make_quant_experts("fp8", E, H, I, seed=H * 100 + I)
+    experts = make_quant_experts(fmt, E, H, I, seed=H * 100 + I)
     ids, w = make_routing(T, E, K, seed=H + I)
     for dtype in (torch.float32, torch.bfloat16):
         check_fp8(path, make_hidden(T, H, dtype, seed=H), ids, w, experts)
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "fp8_channel"])
 @pytest.mark.parametrize("act_dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
-def test_fp8_token_counts_per_expert(isa, act_dtype):
+def test_fp8_token_counts_per_expert(isa, act_dtype, fmt):
     # Experts with 0, 1, 7, 8, ... 130 tokens: forced paths against their
     # references, and 'auto' per expert: brgemm from the threshold for bf16
     # activations only (fp32 / fp16 ones keep their precision on streaming).
-    experts = make_quant_experts("fp8", len(FP8_COUNTS), 160, 200, seed=21)
+    experts = make_quant_experts(fmt, len(FP8_COUNTS), 160, 200, seed=21)
     ids, w = fp8_routing(FP8_COUNTS, seed=21)
     x = make_hidden(ids.shape[0], 160, act_dtype, seed=21)
     outs = {path: check_fp8(path, x, ids, w, experts) for path in ("streaming", "brgemm")}

@@ -113,9 +113,10 @@ const std::vector<FormatRow>& format_table() {
        "int4 per group or per output channel, symmetric or asymmetric (GPTQ/AWQ-style zero point)"},
       {"fp8", L::kFp8, {}, {128}, 128, S::kF32, Z::kNever, A::kF32, kFp8Fp32, kFp8Brgemm, 8.0,
        "E4M3 (Micikevicius et al. 2022) with DeepSeek-V3 128x128 weight_scale_inv"},
-      // E4M3 with a scale per output channel (FP8-dynamic exports) or per 32 along K (OCP
-      // MXFP8); the streaming kernels and the weight-only path (no brgemm path yet).
-      {"fp8_channel", L::kFp8, {}, {0}, 0, S::kF32, Z::kNever, A::kF32, kFp8Fp32, kNoBrgemmPath,
+      // E4M3 with a scale per output channel (FP8-dynamic exports; fp8's tile path with unit
+      // band scales, the row scales applied to the outputs, fp8's thresholds) or per 32
+      // along K (OCP MXFP8: the streaming kernels and the weight-only path only).
+      {"fp8_channel", L::kFp8, {}, {0}, 0, S::kF32, Z::kNever, A::kF32, kFp8Fp32, kFp8Brgemm,
        8.0, "E4M3 with one fp32 scale per output channel (FP8-dynamic, compressed-tensors)",
        {}, true},
       {"mxfp8", L::kFp8, {}, {32}, 32, S::kE8M0, Z::kNever, A::kF32, kFp8Fp32, kNoBrgemmPath,

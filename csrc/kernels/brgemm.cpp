@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <exception>
+#include <vector>
 
 #include "formats/bf16.h"
 #include "formats/q8_activations.h"
@@ -135,7 +136,11 @@ bool kt_bf16_runs() { return bf16_runs() && bf16_uses_kt_kernel(); }
 
 bool kt_fp8_runs() { return fp8_runs() && fp8_uses_kt_kernel(); }
 
-bool fp8_applies(const formats::FormatRow& format) { return !format.fp8_row_scales; }
+bool fp8_applies(const formats::FormatRow& format) {
+  // fp8_channel: unit band scales, its row scales applied to the outputs (below);
+  // mxfp8's scales change every 32 k and do not factor out.
+  return !format.fp8_row_scales || format.default_group_size == 0;
+}
 
 bool u8s8_applies(const formats::FormatRow& format) {
   const formats::QintFormat& q = format.qint;
@@ -281,6 +286,26 @@ TileScratch::Slot& fp8_scaled_rows(const DotArgs& a, TileScratch& ts, const floa
   return s;
 }
 
+// The band scales the activations are multiplied by: fp8's 128x128 block scales, or
+// ones for fp8_channel (one scale per output row, applied by scale_outputs).
+const float* fp8_tile_scales(const DotArgs& a, int64_t nb) {
+  if (!a.proj->fp8_row_scales) return fp8_band_scales(a, nb);
+  static const std::vector<float> ones(1 << 16, 1.0f);  // ceil(k/128) <= 65536: k < 8M
+  TORCH_CHECK(
+      formats::ceil_div(a.proj->k, formats::kFp8ScaleBlock) <= static_cast<int64_t>(ones.size()),
+      "fp8_channel: K too large for the brgemm path");
+  return ones.data();
+}
+
+// fp8_channel: block nb's m output rows of 16 times their rows' scales.
+void scale_outputs(const DotArgs& a, int64_t nb, float* out) {
+  const ProjectionView& p = *a.proj;
+  if (!p.fp8_row_scales) return;
+  const float* s = static_cast<const float*>(p.scales) + (a.expert * p.row_blocks + nb) * 16;
+  for (int i = 0; i < a.m; ++i)
+    for (int r = 0; r < 16; ++r) out[i * a.ldo + r] *= s[r];
+}
+
 // oneDNN: block nb's dot products from its group's (computed on a miss).
 void fp8_onednn_block(const DotArgs& a, TileScratch& ts, int64_t nb) {
   const ProjectionView& p = *a.proj;
@@ -288,7 +313,7 @@ void fp8_onednn_block(const DotArgs& a, TileScratch& ts, int64_t nb) {
   const int64_t g0 = nb - nb % kTileGroupBlocks;  // the group's blocks [g0, g1), one band
   const int64_t g1 = std::min<int64_t>(p.row_blocks, g0 + kTileGroupBlocks);
   const int ncol = static_cast<int>(16 * (g1 - g0));
-  TileScratch::Slot& s = fp8_scaled_rows(a, ts, fp8_band_scales(a, g0));
+  TileScratch::Slot& s = fp8_scaled_rows(a, ts, fp8_tile_scales(a, g0));
   const uint8_t* group = p.block(a.expert, g0);
   if (s.group != group) {
     for (int64_t b = g0; b < g1; ++b) {
@@ -303,6 +328,7 @@ void fp8_onednn_block(const DotArgs& a, TileScratch& ts, int64_t nb) {
   float* out = a.out + 16 * (nb - a.nb_begin);
   const float* c = s.out.data() + 16 * (nb - g0);
   for (int i = 0; i < a.m; ++i) std::copy(c + i * ncol, c + i * ncol + 16, out + i * a.ldo);
+  scale_outputs(a, nb, out);
 }
 
 }  // namespace
@@ -322,9 +348,11 @@ void fp8_dp_dot(const DotArgs& a, const TileOperand& op) {
   const int64_t kp = a.proj->kp;  // multiple of 32, zero codes and zero activations past k
   TileScratch& ts = *op.scratch;  // ts.tile: one decoded block for its later token tiles
   for (int64_t nb = a.nb_begin; nb < a.nb_end; ++nb) {
-    const TileScratch::Slot& s = fp8_scaled_rows(a, ts, fp8_band_scales(a, nb));
+    const TileScratch::Slot& s = fp8_scaled_rows(a, ts, fp8_tile_scales(a, nb));
+    float* out = a.out + 16 * (nb - a.nb_begin);
     avx512::fp8_dp_block(s.rows.data(), tile_rows_ld(kp), a.m, a.proj->block(a.expert, nb), kp,
-                         ts.tile.data(), a.out + 16 * (nb - a.nb_begin), a.ldo);
+                         ts.tile.data(), out, a.ldo);
+    scale_outputs(a, nb, out);
   }
 #else
   (void)a;

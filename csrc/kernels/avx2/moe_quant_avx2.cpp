@@ -87,11 +87,23 @@ KT_INLINE void decode_e4m3_pair(__m256i v, __m256* out) {
 // The 16 row scales of group g of a row-scaled block, times 2^8 (the decode's
 // fp16 bias): s[0] rows 0-7, s[1] rows 8-15.
 KT_INLINE void fp8_group_row_scales(const Fp8Block& a, int64_t g, __m256* s) {
-  alignas(32) float v[16];
-  for (int r = 0; r < 16; ++r)
-    v[r] = formats::fp8_row_scale(a.row_scales, a.row_scale_type, g * 16 + r) * 256.0f;
-  s[0] = _mm256_load_ps(v);
-  s[1] = _mm256_load_ps(v + 8);
+  if (a.row_scale_type == formats::ScaleType::kE8M0) {
+    // UE8M0 byte E -> 2^(E-127) * 2^8: the fp32 bits (E + 8) << 23 (E = 0 included;
+    // E >= 247 overflows to inf, as the scalar product would).
+    const uint8_t* e = static_cast<const uint8_t*>(a.row_scales) + g * 16;
+    const __m256i eight = _mm256_set1_epi32(8), inf_exp = _mm256_set1_epi32(255);
+    for (int h = 0; h < 2; ++h) {
+      const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(e + 8 * h));
+      const __m256i ex =
+          _mm256_min_epi32(_mm256_add_epi32(_mm256_cvtepu8_epi32(b), eight), inf_exp);
+      s[h] = _mm256_castsi256_ps(_mm256_slli_epi32(ex, 23));
+    }
+    return;
+  }
+  const float* f = static_cast<const float*>(a.row_scales) + g * 16;
+  const __m256 k256 = _mm256_set1_ps(256.0f);
+  s[0] = _mm256_mul_ps(_mm256_loadu_ps(f), k256);
+  s[1] = _mm256_mul_ps(_mm256_loadu_ps(f + 8), k256);
 }
 
 // RowScaled: one scale per row and group of a.group_k k (fp8_channel, mxfp8),
