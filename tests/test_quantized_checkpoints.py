@@ -432,6 +432,26 @@ def test_bad_gptq_configs_are_refused(tmp_path, edit, match):
         open_checkpoint(tmp_path / "ckpt")
 
 
+def test_group_size_and_g_idx_are_checked(tmp_path):
+    model = tiny_model()
+    write_checkpoint(tmp_path / "ckpt", "gptq_v2_asym", model)
+    cfg_path = tmp_path / "ckpt" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["quantization_config"]["group_size"] = 64  # the tensors have groups of 32
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"group_size=64 gives 1 for K=64 \(a mismatched"):
+        open_checkpoint(tmp_path / "ckpt").load_layer(0)
+    write_checkpoint(tmp_path / "act", "gptq_desc_act", model)
+    from safetensors.torch import load_file, save_file
+
+    f = tmp_path / "act" / "model.safetensors"
+    tensors = load_file(str(f))
+    del tensors["model.layers.0.mlp.experts.1.up_proj.g_idx"]
+    save_file(tensors, str(f))
+    with pytest.raises(ValueError, match=r"experts.1.up_proj.g_idx is missing \(GPTQ desc_act\)"):
+        open_checkpoint(tmp_path / "act").load_layer(0)
+
+
 def test_missing_and_truncated_tensors_are_named(tmp_path):
     from safetensors.torch import load_file, save_file
 
@@ -532,14 +552,17 @@ def test_amxint4_1_is_asymmetric_per_channel(tmp_path):
     assert w.experts.group_sizes == (32, 32, 32) and w.experts.projections[2].zeros is not None
 
 
-@pytest.mark.parametrize("kind", ["gptq_v2_asym", "ct_nvfp4", "dsv4_mxfp4"])
+@pytest.mark.parametrize(
+    "kind", ["gptq_v2_asym", "ct_nvfp4", "dsv4_mxfp4", "minimax_mxfp8", "glm_fp8_channel"]
+)
 def test_kt_ops_convert_reads_quantized_checkpoints(tmp_path, kind):
     from kt_ops.convert import ConvertedExperts, convert
 
     model = tiny_model()
     write_checkpoint(tmp_path / "ckpt", kind, model)
     manifest = convert(tmp_path / "ckpt", tmp_path / "out", progress=False)
-    assert manifest["source"]["kind"] == f"quantized_{kind.split('_v')[0]}"
+    scheme = {"minimax_mxfp8": "mxfp8_scale_inv", "glm_fp8_channel": "ct_fp8_channel"}
+    assert manifest["source"]["kind"] == f"quantized_{scheme.get(kind, kind.split('_v')[0])}"
     reader = open_checkpoint(tmp_path / "ckpt")
     conv = ConvertedExperts(tmp_path / "out")
     for L in range(LAYERS):

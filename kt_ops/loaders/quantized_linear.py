@@ -436,11 +436,34 @@ class QuantizedCheckpoint(CheckpointReader):
 
     # ------------------------------------------------------------------ decoding
 
+    def _check_groups(self, where: str, name: str, groups: int, k: int) -> None:
+        """``groups`` scales a row must be what the config's group size gives for ``k``."""
+        gs = self.scheme.group_size
+        want = 1 if gs == 0 else -(-k // gs)
+        _need(
+            groups == want,
+            where,
+            f"{name} holds {groups} groups a row, but the config's group_size={gs or -1} gives "
+            f"{want} for K={k} (a mismatched group size)",
+        )
+
     def _int4_parts(self, base: str, n: int, k: int, handles: dict) -> dict[str, Any]:
         """codes ``[N, K]``, scales ``[N, G]``, zero points ``[N, G]`` (or None), g_idx."""
-        s = self.scheme
         get = lambda suffix: self._get(base + suffix, handles)  # noqa: E731
         where = f"{self.path}: {base}"
+        out = self._int4_tensors(base, n, k, get, where)
+        self._check_groups(where, "the scales", out["scales"].shape[1], k)
+        if out["zeros"] is not None:
+            _need(
+                tuple(out["zeros"].shape) == tuple(out["scales"].shape),
+                where,
+                f"the zero points unpack to {list(out['zeros'].shape)}, the scales are "
+                f"{list(out['scales'].shape)}",
+            )
+        return out
+
+    def _int4_tensors(self, base: str, n: int, k: int, get, where: str) -> dict[str, Any]:
+        s = self.scheme
         if s.name == "ct_int4":
             w = get("weight_packed")
             if w.dtype == torch.int32:
