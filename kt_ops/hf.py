@@ -79,6 +79,7 @@ from typing import Optional, Union
 import torch
 from torch import Tensor, nn
 
+from kt_ops.distributed import keep_packed_experts_out_of_ddp
 from kt_ops.formats import FORMATS
 from kt_ops.hf_experts import (
     _MLP_NAMES,
@@ -561,6 +562,7 @@ def replace_experts(
         weight_format,
         f", {n_gpu} of them with GPU-resident experts" if n_gpu else "",
     )
+    keep_packed_experts_out_of_ddp(model)  # a plain DDP(model) keeps one copy of them
     return model
 
 
@@ -674,4 +676,5 @@ def set_gpu_experts(
             name, module.num_experts, num_gpu_experts, routing_stats, gpu_experts
         )
         module.set_gpu_experts(selection, routing_counts=counts, dtype=dtype, device=device)
+    keep_packed_experts_out_of_ddp(model)
     return model

@@ -65,6 +65,7 @@ def format_info(report: dict) -> str:
     lines = [
         f"topology       : {topo['num_cores']} physical cores, {topo['num_pus']} PUs, "
         f"{topo['num_numa_nodes']} NUMA node(s) ({topo['source']})",
+        f"core share     : {_share_line(topo)}",
         f"cpu features   : {feats}",
         f"ISA built      : {', '.join(report['built_isas'])}",
         f"ISA supported  : {', '.join(report['supported_isas'])}",
@@ -88,6 +89,16 @@ def format_info(report: dict) -> str:
             extra += f" (from {brg['brgemm_min_tokens']} tokens/expert: {brg['brgemm_kernel']})"
         lines.append(f"kernels {fmt:<7}: {own}" + extra)
     return "\n".join(lines)
+
+
+def _share_line(topo: dict) -> str:
+    """This process's share of the host's cores (several local ranks split them)."""
+    i, n = topo.get("core_share", (0, 1))
+    host = topo.get("host_cores", topo["num_cores"])
+    if n <= 1:
+        return f"the whole host ({host} cores; KT_OPS_CORE_SHARE, LOCAL_RANK unset)"
+    cores = ", ".join(str(c["core"]) for c in topo["cores"])
+    return f"part {i} of {n} ({topo['core_share_source']}): cores {cores} of the host's {host}"
 
 
 def _numa_line(numa: dict) -> str:

@@ -318,6 +318,9 @@ def apply_lora(
         )
     if freeze_base:
         mark_only_lora_as_trainable(model)
+    from kt_ops.distributed import keep_packed_experts_out_of_ddp
+
+    keep_packed_experts_out_of_ddp(model)  # DDP syncs the LoRA factors, not the experts
     return list(modules)
 
 

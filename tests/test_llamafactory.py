@@ -216,3 +216,37 @@ def test_llamafactory_sft_runs_and_saves_the_adapter(tmp_path, monkeypatch):
     want = logits(loaded)
     assert rel_err(logits(kt_model), want) <= RTOL_FP32
     assert rel_err(logits(plain), want) > 10 * RTOL_FP32
+
+
+def test_llamafactory_sft_on_two_ranks(tmp_path):
+    # examples/accelerate_multi_cpu.yaml: accelerate launches 2 ranks (gloo, CPU); each
+    # trains its micro-batches with the experts on kt_ops, DDP syncs the LoRA gradients.
+    if REQUIRE_LF:
+        import llamafactory  # noqa: F401  (CI: fail, do not skip)
+    else:
+        pytest.importorskip("llamafactory", reason=LF_MISSING)
+    pytest.importorskip("accelerate")
+    import subprocess
+
+    example = load_example()
+    model_dir = tmp_path / "model"
+    example.save_model(example.parse_args(TINY_MODEL_ARGS), model_dir)
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KT_OPS_")}
+    env.update(HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file"]
+    cmd += [str(ROOT / "examples" / "accelerate_multi_cpu.yaml"), "-m"]
+    cmd += ["kt_ops.integrations.llamafactory", "train", str(YAML)]
+    cmd += [f"model_name_or_path={model_dir}", f"output_dir={out}", "max_steps=6"]
+    cmd += ["per_device_train_batch_size=4", "kt_lora_rank=4", "ddp_backend=gloo"]
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-6000:]
+    assert "world size: 2" in r.stdout + r.stderr
+    losses = [
+        json.loads(line)["loss"]
+        for line in (out / "trainer_log.jsonl").read_text().splitlines()
+        if '"loss"' in line
+    ]
+    assert len(losses) == 6 and losses[-1] < losses[0], losses
+    weights = peft.utils.load_peft_weights(str(out))  # saved by rank 0, loads in plain PEFT
+    assert weights["base_model.model.model.layers.1.mlp.experts.lora_B.weight"].abs().max() > 0

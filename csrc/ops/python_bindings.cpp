@@ -56,6 +56,9 @@ py::dict topology_report() {
   out["source"] = topo.source;
   out["num_numa_nodes"] = topo.num_numa_nodes;
   out["num_cores"] = static_cast<int>(topo.cores.size());
+  out["host_cores"] = topo.host_cores;
+  out["core_share"] = py::make_tuple(topo.share_index, topo.share_count);
+  out["core_share_source"] = topo.share_source;
   out["num_pus"] = topo.num_pus;
   out["cores"] = cores;
   return out;

@@ -7,12 +7,60 @@
 #include <cstdlib>
 #include <mutex>
 #include <stdexcept>
+#include <string>
 #include <utility>
 #include <vector>
 
 namespace kt::runtime {
 
 namespace {
+
+// An int in [lo, hi] from `text`, or -1.
+int parse_int(const char* text, int lo, int hi) {
+  if (text == nullptr || text[0] == '\0') return -1;
+  char* end = nullptr;
+  const long v = std::strtol(text, &end, 10);
+  return (end == text || *end != '\0' || v < lo || v > hi) ? -1 : static_cast<int>(v);
+}
+
+// The share of $KT_OPS_CORE_SHARE / $LOCAL_RANK of $LOCAL_WORLD_SIZE (topology.h).
+void apply_core_share(Topology& info) {
+  int index = 0, count = 1;
+  const char* env = std::getenv("KT_OPS_CORE_SHARE");
+  const std::string spec = env != nullptr ? env : "";
+  info.share_source = "none";
+  if (spec == "off") return;
+  if (!spec.empty() && spec != "auto") {
+    const size_t slash = spec.find('/');
+    const int n = slash == std::string::npos ? -1 : parse_int(spec.c_str() + slash + 1, 1, 1 << 16);
+    const int i = n < 1 ? -1 : parse_int(spec.substr(0, slash).c_str(), 0, n - 1);
+    if (i < 0)
+      throw std::invalid_argument("KT_OPS_CORE_SHARE='" + spec +
+                                  "' must be 'auto', 'off' or 'i/n' with 0 <= i < n");
+    index = i;
+    count = n;
+    info.share_source = "KT_OPS_CORE_SHARE";
+  } else {
+    const int n = parse_int(std::getenv("LOCAL_WORLD_SIZE"), 1, 1 << 16);
+    const int i = n < 1 ? -1 : parse_int(std::getenv("LOCAL_RANK"), 0, n - 1);
+    if (i < 0) return;  // not launched as local ranks (or malformed): the whole host
+    index = i;
+    count = n;
+    info.share_source = "LOCAL_RANK/LOCAL_WORLD_SIZE";
+  }
+  info.share_index = index;
+  info.share_count = count;
+  if (count <= 1) return;
+  const int c = static_cast<int>(info.cores.size());
+  std::vector<Core> mine;
+  if (c >= count) {
+    mine.assign(info.cores.begin() + static_cast<int64_t>(index) * c / count,
+                info.cores.begin() + static_cast<int64_t>(index + 1) * c / count);
+  } else {
+    mine.push_back(info.cores[index % c]);
+  }
+  info.cores = std::move(mine);
+}
 
 struct HwlocHolder {
   hwloc_topology_t topo = nullptr;
@@ -65,6 +113,8 @@ struct HwlocHolder {
       }
     }
     if (info.cores.empty()) info.cores.push_back(Core{0, 0, {}});
+    info.host_cores = static_cast<int>(info.cores.size());
+    apply_core_share(info);
   }
   ~HwlocHolder() {
     if (topo != nullptr) hwloc_topology_destroy(topo);

@@ -18,7 +18,24 @@ struct Topology {
   int num_numa_nodes = 1;
   int num_pus = 0;
   std::string source;  // "this machine" or the synthetic description
+  // The process's share of the host's cores (CoreShare below): `cores` holds part
+  // `share_index` of `share_count` contiguous parts of the host's `host_cores`.
+  int host_cores = 0;
+  int share_index = 0;
+  int share_count = 1;
+  std::string share_source;  // "LOCAL_RANK/LOCAL_WORLD_SIZE", "KT_OPS_CORE_SHARE", "none"
 };
+
+// Several processes of one job on a host (torchrun / accelerate data-parallel ranks)
+// split its cores instead of each binding a full pool to all of them. The share is
+// read once, when the topology is first built:
+//   $KT_OPS_CORE_SHARE = "off"  the whole host (one process per host);
+//                      = "i/n"  part i of n;
+//   unset or "auto"             part $LOCAL_RANK of $LOCAL_WORLD_SIZE when both are set
+//                               (torchrun, accelerate, torch.distributed.launch), else off.
+// Part i of n holds cores [i*C/n, (i+1)*C/n) of the C cores, in NUMA-node order, so a
+// rank stays on as few nodes as it can; with fewer cores than ranks, rank i gets core
+// i mod C. Throws std::invalid_argument for a malformed $KT_OPS_CORE_SHARE.
 
 // The process-wide topology. The synthetic description in $KT_OPS_HWLOC_SYNTHETIC
 // (hwloc's syntax, e.g. "node:2 core:4 pu:1") replaces the real machine; tests

@@ -77,6 +77,7 @@ import yaml
 
 import kt_ops
 from kt_ops import peft_adapters
+from kt_ops.distributed import keep_packed_experts_out_of_ddp
 from kt_ops.lora import LORA_PROJECTIONS, apply_lora, lora_parameters
 
 __all__ = [
@@ -198,6 +199,9 @@ def make_init_adapter(original: Callable, options: KtOptions = KtOptions()) -> C
             _enable_kt_lora(model)  # PEFT's get_peft_model froze everything but its own adapters
             if hasattr(model, "peft_config"):
                 _patch_save(model)
+        # The Trainer wraps this (PEFT) model in DDP when several ranks train: its
+        # packed experts stay off DDP's buffer broadcast (one copy per host).
+        keep_packed_experts_out_of_ddp(model)
         return model
 
     return init_adapter
