@@ -311,7 +311,11 @@ class Config:
     stays an error (the setter too) until it is corrected. ``KT_OPS_HWLOC_SYNTHETIC``
     (an hwloc synthetic topology such as ``"node:2 core:4 pu:1"``, for tests)
     replaces the machine's topology, from which ``num_threads`` and ``numa``
-    take their defaults. Build-time variables (``KT_OPS_CUDA_BRIDGE``,
+    take their defaults. ``KT_OPS_CORE_SHARE`` (``'auto'``: part ``LOCAL_RANK`` of
+    ``LOCAL_WORLD_SIZE`` when torchrun / accelerate set them; ``'i/n'``; ``'off'``)
+    restricts that topology to this process's share of the host's cores, so
+    data-parallel ranks on one host split them (:mod:`kt_ops.distributed`). Build-time
+    variables (``KT_OPS_CUDA_BRIDGE``,
     ``KT_OPS_BUILD_TYPE``, ...) belong to ``setup.py``, not to this object.
 
     Every knob is process-wide (all threads, all layers) and leaves results
