@@ -208,6 +208,7 @@ def _probe_kind(plan: _Plan) -> tuple:
         info.concatenated,
         info.transposed,
         info.biased,
+        info.non_gated,
         info.glu_candidates or (info.activation,),
         scalars,
     )
@@ -243,6 +244,8 @@ def _source_layout(plan: _Plan) -> dict:
     ``{'layout': 'module_list', 'linear_names': (gate, up, down)}`` (nn.Linear attribute names).
     """
     info = plan.info
+    if info.non_gated:
+        return {"layout": "non_gated", "param_names": ("up_proj", "down_proj")}
     if info.layout == "stacked":
         return {"layout": "stacked", "param_names": ("mlp.w1", "mlp.v1", "mlp.w2")}
     if info.layout == "fused":

@@ -55,6 +55,10 @@ class ExpertsInfo:
         glu_candidates: the GLUs the module's attributes allow, most likely first.
         identity_experts: fused only: zero-computation experts after the ``num_experts``
             real ones (LongCat-Flash's ``zero_expert_num``: ids ``E ..`` return their input).
+        non_gated: fused only: ``down(relu(up(x))^2)`` experts without a gate projection
+            (NemotronH's ``has_gate=False`` with ``relu2``), run as the GLU ``relu`` with the
+            gate a copy of up: ``relu(u) * u = relu(u)^2``. Their LoRA is refused (an
+            adapter on up would not reach the gate's copy).
     """
 
     name: str
@@ -69,6 +73,7 @@ class ExpertsInfo:
     biased: bool = False
     glu_candidates: tuple[str, ...] = ()
     identity_experts: int = 0
+    non_gated: bool = False
 
 
 @dataclass
@@ -98,6 +103,48 @@ def _is_fused_experts(module: nn.Module) -> bool:
         getattr(module, "down_proj", None)
     )
     return decorated or has_weights
+
+
+def _plan_non_gated(name: str, module: nn.Module) -> ExpertsInfo:
+    """NemotronH's ``has_gate=False`` experts: ``down(act(up(x)))`` with 3-D ``up_proj``
+    ``[E, I, H]`` and ``down_proj`` ``[E, H, I]``; served for ``act = relu2`` only."""
+    where = _where(name, module)
+    act = getattr(module, "act_fn", None)
+    if type(act).__name__ != "ReLUSquaredActivation":
+        raise UnsupportedExpertsError(
+            f"{where}: experts without a gate projection (has_gate=False) with activation "
+            f"{_act_name(module, act)}: kt_ops serves them for relu2 only (as relu(u) * u); "
+            "other non-gated activations are not supported"
+        )
+    up, down = getattr(module, "up_proj", None), getattr(module, "down_proj", None)
+    if not (_is_3d(up) and _is_3d(down)):
+        raise UnsupportedExpertsError(
+            f"{where}: expected 3-D tensors up_proj and down_proj, got up_proj={_describe(up)}, "
+            f"down_proj={_describe(down)}"
+        )
+    transposed = bool(getattr(module, "is_transposed", False))
+    E = up.shape[0]
+    inter, H = (up.shape[2], up.shape[1]) if transposed else (up.shape[1], up.shape[2])
+    want_down = (E, inter, H) if transposed else (E, H, inter)
+    if tuple(down.shape) != want_down or getattr(module, "has_bias", False):
+        raise UnsupportedExpertsError(
+            f"{where}: up_proj {tuple(up.shape)} and down_proj {tuple(down.shape)} are not "
+            f"[E, I, H] and [E, H, I] without biases (is_transposed={transposed})"
+        )
+    extra = sorted(
+        n
+        for n, _ in list(module.named_parameters()) + list(module.named_buffers())
+        if n not in ("up_proj", "down_proj")
+    )
+    if extra:
+        raise UnsupportedExpertsError(
+            f"{where}: has tensors {extra} besides up_proj/down_proj that kt_ops would ignore"
+        )
+    _check_materialized(where, [up, down])
+    return ExpertsInfo(
+        name, type(module).__name__, "fused", True, transposed, E, H, inter, "relu",
+        glu_candidates=("relu",), non_gated=True,
+    )  # fmt: skip
 
 
 #: transformers' activation classes (transformers.activations.ACT2CLS) by kt_ops' name.
@@ -184,10 +231,7 @@ def _check_materialized(where: str, tensors: list[Tensor]) -> None:
 def _plan_fused(name: str, module: nn.Module) -> ExpertsInfo:
     where = _where(name, module)
     if not getattr(module, "has_gate", True):
-        raise UnsupportedExpertsError(
-            f"{where}: experts without a gate projection (has_gate=False: act(up(x)) as in "
-            "NemotronH) are not supported; kt_ops computes gated SwiGLU experts"
-        )
+        return _plan_non_gated(name, module)
     biased = bool(getattr(module, "has_bias", False))
     bias_names = ("gate_up_proj_bias", "down_proj_bias") if biased else ()
     if biased and not all(_is_2d(getattr(module, n, None)) for n in bias_names):
@@ -458,7 +502,13 @@ def find_experts(model: nn.Module) -> list[ExpertsInfo]:
 
 
 def _dense_fused(module: nn.Module, info: ExpertsInfo) -> tuple[Tensor, Tensor, Tensor]:
-    """(gate [E, I, H], up [E, I, H], down [E, H, I]) views of a fused experts module."""
+    """(gate [E, I, H], up [E, I, H], down [E, H, I]) views of a fused experts module
+    (non-gated experts: up twice, the gate a copy of it)."""
+    if info.non_gated:
+        up, down = module.up_proj.detach(), module.down_proj.detach()
+        if info.transposed:
+            up, down = up.transpose(1, 2), down.transpose(1, 2)
+        return up, up, down
     gate_up = module.gate_up_proj.detach()[: info.num_experts]  # not the identity experts' rows
     down = module.down_proj.detach()
     if info.transposed:

@@ -56,7 +56,8 @@ PROJECTIONS = ("gate", "up", "down")
 
 #: The GLU activations of the experts, ``h = act(gate(x)) * up(x)``, by the name the ops
 #: take (``activation=``): ``'silu'`` (SwiGLU), ``'gelu'`` (GeGLU, erf), ``'gelu_tanh'``
-#: (GeGLU with PyTorch's tanh approximation). Read from the C++ table,
+#: (GeGLU with PyTorch's tanh approximation), ``'relu'`` (ReGLU; with the gate a copy of
+#: up, NemotronH's relu^2). Read from the C++ table,
 #: csrc/kernels/activations.h, which defines each (formulas and sources there).
 ACTIVATIONS: tuple[str, ...] = tuple(_C.activations())
 
@@ -69,6 +70,7 @@ _TORCH_ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "silu": torch.nn.functional.silu,
     "gelu": torch.nn.functional.gelu,
     "gelu_tanh": functools.partial(torch.nn.functional.gelu, approximate="tanh"),
+    "relu": torch.relu,
 }
 
 

@@ -220,6 +220,7 @@ def add_lora(
         ValueError: ``rank < 1``; unknown, repeated or no projections; a dtype other than
             fp32/bf16/fp16; ``share_gate_up_a`` without gate and up; adapters already there.
     """
+    module.check_lora_allowed("add_lora")
     if not isinstance(rank, int) or rank < 1:
         raise ValueError(f"add_lora: rank must be a positive int, got {rank!r}")
     projections = tuple(projections)

@@ -264,6 +264,16 @@ class MoEExperts(GpuResidentExperts, nn.Module):
             pairs[p] = (a, getattr(self, f"{p}_lora_b")) if a is not None else None
         return LoRAWeights(**pairs, scaling=self.lora_scaling)
 
+    def check_lora_allowed(self, where: str) -> None:
+        """Raise ValueError when LoRA cannot be added: experts replaced from a non-gated
+        module (NemotronH's relu2, run as relu(u) * u with the gate a copy of up, which
+        an adapter on either projection would break)."""
+        if getattr(self, "source_layout", {}).get("layout") == "non_gated":
+            raise ValueError(
+                f"{where}: these experts come from a non-gated module (NemotronH's relu2, run "
+                "as relu(u) * u with the gate a copy of up); LoRA on them is not supported"
+            )
+
     def add_lora(
         self,
         rank: int,
@@ -302,9 +312,12 @@ class MoEExperts(GpuResidentExperts, nn.Module):
             ``self``.
 
         Raises:
-            ValueError: a rank below 1, an unknown projection or dtype, or
-                projections that already have LoRA.
+            ValueError: a rank below 1, an unknown projection or dtype,
+                projections that already have LoRA, or experts replaced from a
+                non-gated module (NemotronH: the gate is a copy of up, which an
+                adapter on either would break).
         """
+        self.check_lora_allowed("MoEExperts.add_lora")
         if int(rank) < 1:
             raise ValueError(f"MoEExperts.add_lora: rank must be >= 1, got {rank}")
         unknown = [p for p in projections if p not in PROJECTIONS]

@@ -294,3 +294,39 @@ def test_biases_on_later_layers_only_are_probed_and_kept():
     x = torch.randn(5, H, generator=torch.Generator().manual_seed(3)) * 2
     with torch.no_grad():
         assert rel_err(model(x), reference(x)) < 1e-4
+
+
+def _tiny_nemotron_h():
+    config = transformers.AutoConfig.for_model(
+        "nemotron_h", vocab_size=128, hidden_size=H, intermediate_size=I,
+        moe_intermediate_size=I, n_routed_experts=E, num_experts_per_tok=2,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        hybrid_override_pattern="E*E", moe_shared_expert_intermediate_size=I,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    round_experts_to_bf16_(model)
+    return model
+
+
+def test_nemotron_h_non_gated_relu2_experts():
+    # NemotronH: down(relu(up(x))^2) without a gate, run as relu(g) * u with g a copy of up.
+    model = _tiny_nemotron_h()
+    reference = copy.deepcopy(model)
+    infos = find_experts(model)
+    assert [i.non_gated for i in infos] == [True, True] and infos[0].activation == "relu"
+    replace_experts(model)
+    replaced = [m for m in model.modules() if isinstance(m, MoEExperts)]
+    assert len(replaced) == 2 and all(m.activation == "relu" for m in replaced)
+    with torch.inference_mode():
+        want, got = reference(INPUT_IDS).logits, model(INPUT_IDS).logits
+    assert rel_err(got, want) < 1e-4
+    # The backward reaches the embeddings, equal to the dense model's (W_g = W_u).
+    model.train()
+    reference.train()
+    for m in (model, reference):
+        m(INPUT_IDS).logits.float().pow(2).mean().backward()
+    g, w = (m.get_input_embeddings().weight.grad for m in (model, reference))
+    assert rel_err(g, w) < 1e-4
+    with pytest.raises(ValueError, match="non-gated module"):
+        apply_lora(model, rank=2)

@@ -17,6 +17,9 @@
 //   gelu_tanh  g / (1 + exp(-2 z)), z = sqrt(2/pi) (g + 0.044715 g^3)
 //              = 0.5 g (1 + tanh z): PyTorch's gelu(approximate='tanh'),
 //              Hugging Face's gelu_pytorch_tanh / gelu_new / gelu_fast
+//   relu       max(g, 0) (NaN stays NaN, as torch.relu): ReGLU; with the gate
+//              a copy of up, relu(u) * u = relu(u)^2, NemotronH's non-gated
+//              relu2 experts (So et al. 2021, "Primer")
 //
 // The GLU around act (struct Glu, the `activation` argument's parameters) adds
 // what some families do to SwiGLU:
@@ -55,7 +58,8 @@ namespace kt::kernels {
 #define KT_ACTIVATIONS(X) \
   X(kSilu, "silu")        \
   X(kGelu, "gelu")        \
-  X(kGeluTanh, "gelu_tanh")
+  X(kGeluTanh, "gelu_tanh") \
+  X(kRelu, "relu")
 
 enum class Activation : uint8_t {
 #define KT_ACT_ENUM(e, name) e,
@@ -197,6 +201,8 @@ inline float activation_value(Activation a, float g, float alpha = 1.0f) {
       const float z = act_detail::kGeluTanhC * (g + act_detail::kGeluTanhA * g * g * g);
       return g / (1.0f + std::exp(-2.0f * z));
     }
+    case Activation::kRelu:
+      return g > 0.0f || g != g ? g : 0.0f;  // NaN passes, -0 and negatives give +0
   }
   return 0.0f;
 }
@@ -225,6 +231,11 @@ inline void glu_backward(Activation a, float g, float u, float dh, float* dg, fl
       const float dz = act_detail::kGeluTanhC * (1.0f + 3.0f * act_detail::kGeluTanhA * g2);
       *dg = dh * u * (0.5f * (1.0f + th) + 0.5f * g * (1.0f - th * th) * dz);
       *du = dh * (0.5f * g * (1.0f + th));
+      return;
+    }
+    case Activation::kRelu: {  // relu' = [g > 0] (0 at 0, as torch)
+      *dg = g > 0.0f ? dh * u : 0.0f;
+      *du = dh * (g > 0.0f || g != g ? g : 0.0f);
       return;
     }
   }
@@ -300,6 +311,10 @@ KT_ALWAYS_INLINE typename V::Reg act_reg(typename V::Reg gv, typename V::Reg z) 
     const Reg pos = V::max(V::sign1(gv), V::zero());  // 1 for g >= +0, else 0
     const Reg cdf = V::fma(pos, V::add(one, V::mul(V::set1(-2.0f), q)), q);
     return V::mul(gv, cdf);
+  } else if constexpr (A == Activation::kRelu) {
+    (void)one;
+    (void)z;
+    return V::max(V::zero(), gv);  // x86 max returns its second operand (gv) for NaN
   } else {
     static_assert(A == Activation::kGeluTanh);
     const Reg g3 = V::mul(V::mul(gv, gv), gv);
