@@ -169,7 +169,22 @@ def _kt_activation(act: object) -> Optional[str]:
         return "gelu"
     if isinstance(act, nn.GELU):
         return "gelu_tanh" if act.approximate == "tanh" else "gelu"
+    if act is torch.relu or act is torch.nn.functional.relu or isinstance(act, nn.ReLU):
+        return "relu"  # ReGLU
     return _HF_ACTIVATIONS.get(type(act).__name__)
+
+
+def _softcapped_swiglu(act: object) -> Optional[str]:
+    """Inkling2's ``act_fn(gate, up)``: ``softcap(g) * sigmoid(g) * softcap(u)`` with
+    ``gate_softcap`` / ``up_softcap`` modules holding ``softcap``, as an ``activation`` spec."""
+    if type(act).__name__ != "Inkling2SoftcappedSwiGLU":
+        return None
+    caps = {}
+    for key in ("gate_softcap", "up_softcap"):
+        c = getattr(getattr(act, key, None), "softcap", None)
+        if isinstance(c, (int, float)) and not isinstance(c, bool) and c > 0 and math.isfinite(c):
+            caps[key] = float(c)
+    return activation_spec("silu", **caps) if caps else None
 
 
 def _scalar_attr(module: nn.Module, *names: str) -> Optional[float]:
@@ -245,7 +260,8 @@ def _plan_fused(name: str, module: nn.Module) -> ExpertsInfo:
         )
     act = getattr(module, "act_fn", None)
     activation = DEFAULT_ACTIVATION if act is None else _kt_activation(act)
-    if activation is None:
+    softcapped = _softcapped_swiglu(act)
+    if activation is None and softcapped is None:
         raise UnsupportedExpertsError(
             f"{where}: activation {_act_name(module, act)} is not supported; kt_ops experts "
             f"compute act(gate(x)) * up(x) with act one of {list(ACTIVATIONS)}"
@@ -298,7 +314,7 @@ def _plan_fused(name: str, module: nn.Module) -> ExpertsInfo:
                 f"{where}: gate_up_proj_bias {tuple(gub.shape)} and down_proj_bias "
                 f"{tuple(db.shape)} are not [E, 2I] = {[E, 2 * inter]} and [E, H] = {[E, H]}"
             )
-    candidates = _glu_candidates(module, activation)
+    candidates = (softcapped,) if softcapped else _glu_candidates(module, activation)
     return ExpertsInfo(
         name,
         type(module).__name__,

@@ -88,8 +88,9 @@ def torch_activation(name: str) -> Callable[[Tensor], Tensor]:
 def parse_activation(spec: str) -> dict:
     """The parts of an ``activation`` argument, read by the ops' own parser (C++).
 
-    Returns ``{'name', 'alpha', 'limit', 'act_limit', 'up_offset'}`` (``limit`` /
-    ``act_limit`` None when absent; values as the kernels hold them, fp32).
+    Returns ``{'name', 'alpha', 'limit', 'act_limit', 'up_offset', 'gate_softcap',
+    'up_softcap'}`` (``limit`` / ``act_limit`` / the softcaps None when absent; values as
+    the kernels hold them, fp32).
     Raises ``ValueError`` naming what is wrong.
     """
     if not isinstance(spec, str):
@@ -104,6 +105,8 @@ def activation_spec(
     limit: Optional[float] = None,
     act_limit: Optional[float] = None,
     up_offset: Optional[float] = None,
+    gate_softcap: Optional[float] = None,
+    up_softcap: Optional[float] = None,
 ) -> str:
     """The ``activation`` argument of a GLU with parameters (csrc/kernels/activations.h)::
 
@@ -115,12 +118,15 @@ def activation_spec(
 
     gpt-oss (and MiniMax-M3): ``activation_spec('silu', alpha=1.702, limit=7.0,
     up_offset=1.0)``; DeepSeek-V4, GLM-5-Next, HY-V4: ``limit`` alone;
-    Step-3.7: ``act_limit``. With no parameter: ``name`` itself.
+    Step-3.7: ``act_limit``. Inkling2's softcapped SwiGLU: ``activation_spec('silu',
+    gate_softcap=cg, up_softcap=cu)``, ``h = cg tanh(g / cg) * sigmoid(g) * cu tanh(u /
+    cu)`` (not combined with the others). With no parameter: ``name`` itself.
 
     Raises ``ValueError`` for an unknown name, ``alpha`` on another activation,
     both limits, or a non-positive / non-finite value.
     """
     params = {"alpha": alpha, "limit": limit, "act_limit": act_limit, "up_offset": up_offset}
+    params.update(gate_softcap=gate_softcap, up_softcap=up_softcap)
     given = {k: float(v) for k, v in params.items() if v is not None}
     spec = name if not given else f"{name}({','.join(f'{k}={v!r}' for k, v in given.items())})"
     parse_activation(spec)
@@ -132,7 +138,10 @@ def _glu_params(spec: str) -> tuple:
     """``parse_activation(spec)`` as a tuple: a constant to torch.compile (the C++ parser is
     not traceable), evaluated once per spec when a graph is traced."""
     p = parse_activation(spec)
-    return (p["name"], p["alpha"], p["limit"], p["act_limit"], p["up_offset"])
+    return (
+        p["name"], p["alpha"], p["limit"], p["act_limit"], p["up_offset"], p["gate_softcap"],
+        p["up_softcap"],
+    )  # fmt: skip
 
 
 def torch_glu(spec: str) -> Callable[[Tensor, Tensor], Tensor]:
@@ -141,8 +150,16 @@ def torch_glu(spec: str) -> Callable[[Tensor, Tensor], Tensor]:
 
     Raises ``ValueError`` for a spec the ops refuse.
     """
-    name, alpha, limit, act_limit, offset = _glu_params(spec)
+    name, alpha, limit, act_limit, offset, gate_cap, up_cap = _glu_params(spec)
     act = _TORCH_ACTIVATIONS[name]
+    if gate_cap is not None or up_cap is not None:  # Inkling2's softcapped SwiGLU
+
+        def softcapped(g: Tensor, u: Tensor) -> Tensor:
+            gc = g if gate_cap is None else torch.tanh(g / gate_cap) * gate_cap
+            uc = u if up_cap is None else torch.tanh(u / up_cap) * up_cap
+            return gc * torch.sigmoid(g) * uc
+
+        return softcapped
     if alpha == 1.0 and limit is None and act_limit is None and offset == 0.0:
         return lambda g, u: act(g) * u
     bound = limit if limit is not None else act_limit

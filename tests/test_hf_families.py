@@ -330,3 +330,39 @@ def test_nemotron_h_non_gated_relu2_experts():
     assert rel_err(g, w) < 1e-4
     with pytest.raises(ValueError, match="non-gated module"):
         apply_lora(model, rank=2)
+
+
+def _tiny_inkling2():
+    text = transformers.AutoConfig.for_model("inkling2").text_config
+    small = dict(
+        vocab_size=128, unpadded_vocab_size=128, hidden_size=H, num_hidden_layers=2,
+        layer_types=["hybrid_sliding", "hybrid"], num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, swa_num_attention_heads=4,
+        swa_num_key_value_heads=2, swa_head_dim=16, sliding_window_size=16,
+        moe_intermediate_size=I, n_routed_experts=E, num_experts_per_tok=2, rel_extent=16,
+        d_rel=4, eos_token_id=0, n_layers_per_attn_res_block=1, mlp_gate_softcap=1.0,
+        mlp_up_softcap=2.0,
+    )  # fmt: skip
+    config = type(text)(**{**text.to_dict(), **small})
+    torch.manual_seed(0)
+    model = transformers.models.inkling2.modeling_inkling2.Inkling2ForCausalLM(config).eval()
+    round_experts_to_bf16_(model)
+    return model
+
+
+def test_inkling2_softcapped_swiglu():
+    # h = cg tanh(g / cg) * sigmoid(g) * cu tanh(u / cu), the caps read from the act_fn.
+    model = _tiny_inkling2()
+    reference = copy.deepcopy(model)
+    spec = kt_ops.activation_spec("silu", gate_softcap=1.0, up_softcap=2.0)
+    assert [i.activation for i in find_experts(model)] == [spec, spec]
+    replace_experts(model)
+    with torch.inference_mode():
+        want, got = reference(INPUT_IDS).logits, model(INPUT_IDS).logits
+    assert rel_err(got, want) < 1e-4
+    model.train()
+    reference.train()
+    for m in (model, reference):
+        m(INPUT_IDS).logits.float().pow(2).mean().backward()
+    g, w = (m.get_input_embeddings().weight.grad for m in (model, reference))
+    assert rel_err(g, w) < 1e-4

@@ -31,6 +31,9 @@
 //   act_limit  act(g) <- min(act(g), limit) after act, u clamped the same way
 //              (Step-3.7's swiglu_limits)
 //   up_offset  h = act(g) * (u + up_offset) (gpt-oss: 1)
+//   gate_softcap, up_softcap (silu only; Inkling2's softcapped SwiGLU, without the
+//              other parameters): h = cg tanh(g / cg) * sigmoid(g) * cu tanh(u / cu),
+//              the sigmoid on the raw gate; either cap alone is allowed
 // written "silu(alpha=1.702,limit=7,up_offset=1)"; a bare name is the plain GLU.
 // The clamps follow torch.clamp: NaN stays NaN, and the gradient passes where
 // the value is inside the bounds (ends included).
@@ -92,10 +95,15 @@ struct Glu {
   float limit = std::numeric_limits<float>::infinity();
   bool clamp_after = false;  // limit clamps act(g) (act_limit) instead of g (limit)
   float up_offset = 0.0f;
+  float gate_softcap = std::numeric_limits<float>::infinity();  // silu only: c tanh(g / c)
+  float up_softcap = std::numeric_limits<float>::infinity();    // c tanh(u / c)
 
   bool clamped() const { return std::isfinite(limit); }
+  bool softcapped() const { return std::isfinite(gate_softcap) || std::isfinite(up_softcap); }
   // No parameter set: the plain act(g) * u, computed exactly as before they existed.
-  bool plain() const { return alpha == 1.0f && !clamped() && up_offset == 0.0f; }
+  bool plain() const {
+    return alpha == 1.0f && !clamped() && up_offset == 0.0f && !softcapped();
+  }
 };
 
 // Parses "name" or "name(key=value,...)" (keys alpha, limit, act_limit,
@@ -149,11 +157,22 @@ inline bool parse_glu(std::string_view text, Glu* out, std::string* error) {
         glu.clamp_after = key == "act_limit";
       } else if (key == "up_offset") {
         glu.up_offset = static_cast<float>(v);
+      } else if (key == "gate_softcap" || key == "up_softcap") {
+        if (glu.act != Activation::kSilu || !(v > 0.0)) {
+          *error = key + " applies to silu only and must be positive";
+          return false;
+        }
+        (key == "gate_softcap" ? glu.gate_softcap : glu.up_softcap) = static_cast<float>(v);
       } else {
-        *error = "unknown parameter '" + key + "' (expected alpha, limit, act_limit, up_offset)";
+        *error = "unknown parameter '" + key +
+                 "' (expected alpha, limit, act_limit, up_offset, gate_softcap, up_softcap)";
         return false;
       }
     }
+  }
+  if (glu.softcapped() && (glu.alpha != 1.0f || glu.clamped() || glu.up_offset != 0.0f)) {
+    *error = "gate_softcap / up_softcap do not combine with alpha, limit or up_offset";
+    return false;
   }
   *out = glu;
   return true;
@@ -250,9 +269,19 @@ inline float clamp_pm(float x, float lim) {
 }
 }  // namespace act_detail
 
+namespace act_detail {
+// c tanh(x / c), and x itself for c = inf (no cap).
+inline float softcap(float x, float c) { return std::isfinite(c) ? c * std::tanh(x / c) : x; }
+inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
+}  // namespace act_detail
+
 // h of one element under the GLU p (the LoRA training path's forward).
 inline float glu_value(const Glu& p, float g, float u) {
   if (p.plain()) return activation_value(p.act, g) * u;
+  if (p.softcapped()) {  // silu: softcap(g) * sigmoid(g) * softcap(u)
+    return act_detail::softcap(g, p.gate_softcap) * act_detail::sigmoid(g) *
+           act_detail::softcap(u, p.up_softcap);
+  }
   if (p.clamped()) {
     if (!p.clamp_after) g = act_detail::clamp_max(g, p.limit);
     u = act_detail::clamp_pm(u, p.limit);
@@ -267,6 +296,19 @@ inline float glu_value(const Glu& p, float g, float u) {
 inline void glu_backward(const Glu& p, float g, float u, float dh, float* dg, float* du) {
   if (p.plain()) {
     glu_backward(p.act, g, u, dh, dg, du);
+    return;
+  }
+  if (p.softcapped()) {
+    // d/dx c tanh(x / c) = 1 - tanh^2; d/dg [sc(g) s(g)] = sc'(g) s + sc(g) s (1 - s).
+    const float tg = std::isfinite(p.gate_softcap) ? std::tanh(g / p.gate_softcap) : 0.0f;
+    const float tu = std::isfinite(p.up_softcap) ? std::tanh(u / p.up_softcap) : 0.0f;
+    const float scg = std::isfinite(p.gate_softcap) ? p.gate_softcap * tg : g;
+    const float dscg = std::isfinite(p.gate_softcap) ? 1.0f - tg * tg : 1.0f;
+    const float scu = std::isfinite(p.up_softcap) ? p.up_softcap * tu : u;
+    const float dscu = std::isfinite(p.up_softcap) ? 1.0f - tu * tu : 1.0f;
+    const float s = act_detail::sigmoid(g);
+    *dg = dh * scu * (dscg * s + scg * s * (1.0f - s));
+    *du = dh * scg * s * dscu;
     return;
   }
   float gate_pass = 1.0f, up_pass = 1.0f;
@@ -336,9 +378,48 @@ KT_ALWAYS_INLINE void glu_16(float* g, const float* u) {
 // The same under a parametrized GLU p (Glu above). The clamps put the bound
 // first: x86's min/max return their second operand when one is NaN, so NaN
 // passes through as in torch.clamp (kernels/<isa>/vec.h's min and max).
+// tanh(x) over one register: the odd rational minimax approximation of Eigen's
+// ptanh_float (13/6 degree, x clamped to +-7.905, where tanh is 1 in fp32): a few ulp,
+// and no cancellation near 0, unlike 1 - 2 / (exp(2x) + 1). The clamp puts the bound
+// first so that NaN passes (x86 min/max return their second operand for NaN).
+template <class V>
+KT_ALWAYS_INLINE typename V::Reg tanh_reg(typename V::Reg x) {
+  using Reg = typename V::Reg;
+  const Reg bound = V::set1(7.90531110763549805f);
+  x = V::max(V::neg(bound), V::min(bound, x));
+  const Reg x2 = V::mul(x, x);
+  Reg p = V::set1(-2.76076847742355e-16f);
+  for (float c : {2.00018790482477e-13f, -8.60467152213735e-11f, 5.12229709037114e-08f,
+                  1.48572235717979e-05f, 6.37261928875436e-04f, 4.89352455891786e-03f})
+    p = V::fma(p, x2, V::set1(c));
+  Reg q = V::set1(1.19825839466702e-06f);
+  for (float c : {1.18534705686654e-04f, 2.26843463243900e-03f, 4.89352518554385e-03f})
+    q = V::fma(q, x2, V::set1(c));
+  return V::div(V::mul(p, x), q);
+}
+
+// c tanh(x / c) over one register (saturates to +-c; NaN passes).
+template <class V>
+KT_ALWAYS_INLINE typename V::Reg softcap_reg(typename V::Reg x, float c) {
+  return V::mul(V::set1(c), tanh_reg<V>(V::mul(V::set1(1.0f / c), x)));
+}
+
 template <class V, Activation A>
 KT_ALWAYS_INLINE void glu_16(float* g, const float* u, const Glu& p) {
   using Reg = typename V::Reg;
+  if constexpr (A == Activation::kSilu) {
+    if (p.softcapped()) {  // Inkling2: softcap(g) * sigmoid(g) * softcap(u)
+      const Reg one = V::set1(1.0f);
+      const bool cg = std::isfinite(p.gate_softcap), cu = std::isfinite(p.up_softcap);
+      for (int v = 0; v < 16; v += V::kLanes) {
+        const Reg gv = V::load(g + v), uv = V::load(u + v);
+        const Reg sig = V::div(one, V::add(one, V::exp(V::neg(gv))));
+        const Reg a = V::mul(cg ? softcap_reg<V>(gv, p.gate_softcap) : gv, sig);
+        V::store(g + v, V::mul(a, cu ? softcap_reg<V>(uv, p.up_softcap) : uv));
+      }
+      return;
+    }
+  }
   const Reg hi = V::set1(p.limit), lo = V::set1(-p.limit);
   const Reg alpha = V::set1(p.alpha), offset = V::set1(p.up_offset);
   const bool clamped = p.clamped(), before = clamped && !p.clamp_after;

@@ -235,7 +235,8 @@ PYBIND11_MODULE(_C, m) {
   });
   m.def("parse_activation", [](const std::string& text) {
     // The ops' one parser of the `activation` argument (kernels/activations.h):
-    // {"name", "alpha", "limit" or None, "act_limit" or None, "up_offset"}.
+    // {"name", "alpha", "limit" or None, "act_limit" or None, "up_offset",
+    //  "gate_softcap" or None, "up_softcap" or None}.
     kt::kernels::Glu glu;
     std::string error;
     if (!kt::kernels::parse_glu(text, &glu, &error))
@@ -246,6 +247,9 @@ PYBIND11_MODULE(_C, m) {
     d["limit"] = glu.clamped() && !glu.clamp_after ? py::cast(glu.limit) : py::none();
     d["act_limit"] = glu.clamped() && glu.clamp_after ? py::cast(glu.limit) : py::none();
     d["up_offset"] = glu.up_offset;
+    const auto cap = [](float c) { return std::isfinite(c) ? py::cast(c) : py::none(); };
+    d["gate_softcap"] = cap(glu.gate_softcap);
+    d["up_softcap"] = cap(glu.up_softcap);
     return d;
   });
   m.def("built_isas", [] { return names(kt::kernels::built_isas()); });
