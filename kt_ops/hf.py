@@ -84,6 +84,7 @@ from kt_ops.formats import FORMATS
 from kt_ops.hf_experts import (
     _MLP_NAMES,
     ExpertsInfo,
+    JetMoeBlock,
     UnsupportedExpertsError,
     _dense_biases,
     _dense_experts,
@@ -161,7 +162,10 @@ def _check_replacement(plan: _Plan, new: MoEExperts, gate: Tensor) -> None:
         dtype = torch.float32
     x, ids, weights = _probe_inputs(gate, dtype, device)
     errors = {}
-    if info.layout == "fused" or type(old).forward is not nn.Module.forward:
+    if info.layout == "jetmoe":  # the whole block, with its own router: x -> block(x)
+        x3 = x.unsqueeze(0)
+        errors["block(x)"] = _relative_error(new(x3.cpu()), old(x3))
+    elif info.layout == "fused" or type(old).forward is not nn.Module.forward:
         # The module's own call: x -> weighted sum of the routed experts.
         try:
             want = old(x, ids, weights)
@@ -246,6 +250,8 @@ def _source_layout(plan: _Plan) -> dict:
     info = plan.info
     if info.non_gated:
         return {"layout": "non_gated", "param_names": ("up_proj", "down_proj")}
+    if info.layout == "jetmoe":
+        return {"layout": "jetmoe", "param_names": ("input_linear.weight", "output_linear.weight")}
     if info.layout == "stacked":
         return {"layout": "stacked", "param_names": ("mlp.w1", "mlp.v1", "mlp.w2")}
     if info.layout == "fused":
@@ -274,7 +280,7 @@ def _build(plan: _Plan, weight_format: str, **quant) -> tuple[MoEExperts, Tensor
         experts = ExpertWeights.from_dense(gate, up, down, weight_format, **quant)
         if plan.info.biased:
             experts = experts.with_biases(*_dense_biases(plan.module, plan.info))
-        return _experts_module(experts, plan.info), gate
+        return _replacement(plan, _experts_module(experts, plan.info)), gate
     gate, up, down = _dense_experts(plan.module, plan.info)
     return (
         MoEExpertList.from_dense(gate, up, down, weight_format, activation=act, **quant),
@@ -287,6 +293,7 @@ def _place_gpu_experts(
 ) -> None:
     """Give ``new`` its GPU-resident experts: the model's dense weights, or dequantized."""
     dense = _dense_experts(plan.module, plan.info)
+    new = _kt_experts(new)
     if from_model:
         new.set_gpu_experts(selection, routing_counts=counts, dense=dense)
     else:  # converted experts: dequantize them, in the dtype / on the device of the model's
@@ -296,9 +303,10 @@ def _place_gpu_experts(
 
 _GPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-#: Layouts whose module is called as experts(hidden_states, top_k_index, top_k_weights)
-#: and becomes one MoEExperts (a module list becomes a MoEExpertList).
-_CALLED_AS_EXPERTS = ("fused", "stacked")
+#: Layouts whose module becomes one MoEExperts, called as experts(hidden_states,
+#: top_k_index, top_k_weights) (JetMoE's block: inside a JetMoeBlock; a module list
+#: becomes a MoEExpertList).
+_CALLED_AS_EXPERTS = ("fused", "stacked", "jetmoe")
 
 
 def _layer_index(name: str) -> Optional[int]:
@@ -327,7 +335,7 @@ def _load_converted(plan: _Plan, converted) -> MoEExperts:
     if info.biased:  # the model's own biases (small), whether or not the directory has them
         packed = packed.with_biases(*_dense_biases(plan.module, info))
     if info.layout in _CALLED_AS_EXPERTS:
-        return _experts_module(packed, info)
+        return _replacement(plan, _experts_module(packed, info))
     return MoEExpertList.from_packed(*packed.projections, activation=info.activation)
 
 
@@ -366,6 +374,17 @@ def _open_checkpoint(path, weight_format: Optional[str]) -> _CheckpointLayers:
         for L in reader.layers:
             reader.check_weight_format(L, weight_format)
     return _CheckpointLayers(reader, weight_format)
+
+
+def _replacement(plan: _Plan, experts: nn.Module) -> nn.Module:
+    """What replaces ``plan.module``: ``experts`` itself, or for a whole MoE block
+    (JetMoE) the block around them."""
+    return JetMoeBlock(plan.module, experts) if plan.info.layout == "jetmoe" else experts
+
+
+def _kt_experts(module: nn.Module) -> MoEExperts:
+    """The MoEExperts of a replacement (itself, or a block's ``kt_experts``)."""
+    return module.kt_experts if isinstance(module, JetMoeBlock) else module
 
 
 def _experts_module(experts: ExpertWeights, info: ExpertsInfo) -> MoEExperts:
@@ -547,7 +566,7 @@ def replace_experts(
             if selection is not None:
                 _place_gpu_experts(plan, new, selection, counts, from_model=converted is None)
             new.train(plan.module.training)
-            new.source_layout = _source_layout(plan)
+            _kt_experts(new).source_layout = _source_layout(plan)
             setattr(plan.parent, plan.attr, new)
             plan.module = None  # drop the reference held here to the dense weights
     counts = Counter(p.info.class_name for p in plans)

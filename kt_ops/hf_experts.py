@@ -42,7 +42,8 @@ class ExpertsInfo:
         class_name: class of the module (``Qwen3MoeExperts``, ``ModuleList``...).
         layout: ``'fused'`` (3-D ``gate_up_proj``/``down_proj``), ``'stacked'`` (DBRX's
             2-D ``mlp.w1``/``v1``/``w2``, ``[E*I, H]`` each, called as fused experts
-            are) or ``'module_list'``.
+            are), ``'jetmoe'`` (JetMoE's whole MoE block, replaced by a
+            :class:`JetMoeBlock`) or ``'module_list'``.
         concatenated: gate rows then up rows (``True``) or interleaved (``False``); fused only.
         transposed: weights stored ``[E, in, out]``; fused only.
         num_experts, hidden_size, intermediate_size: ``E``, ``H``, ``I``.
@@ -103,6 +104,73 @@ def _is_fused_experts(module: nn.Module) -> bool:
         getattr(module, "down_proj", None)
     )
     return decorated or has_weights
+
+
+def _is_jetmoe_block(module: nn.Module) -> bool:
+    """JetMoE's MoE block: ``input_linear`` / ``output_linear`` parallel experts (3-D
+    ``weight`` ``[E, 2I, H]`` / ``[E, H, I]``), a top-k ``router``, a shared output ``bias``
+    and an ``activation``; called as ``block(hidden_states)``."""
+    w_in = getattr(getattr(module, "input_linear", None), "weight", None)
+    w_out = getattr(getattr(module, "output_linear", None), "weight", None)
+    router = getattr(module, "router", None)
+    return (
+        _is_3d(w_in)
+        and _is_3d(w_out)
+        and hasattr(module, "activation")
+        and isinstance(getattr(router, "layer", None), nn.Linear)
+        and isinstance(getattr(router, "top_k", None), int)
+        and w_in.shape[1] == 2 * w_out.shape[2]
+    )
+
+
+def _plan_jetmoe(name: str, module: nn.Module) -> ExpertsInfo:
+    where = _where(name, module)
+    w_in, w_out = module.input_linear.weight, module.output_linear.weight
+    E, two_i, H = w_in.shape
+    if tuple(w_out.shape) != (E, H, two_i // 2):
+        raise UnsupportedExpertsError(
+            f"{where}: input_linear.weight {tuple(w_in.shape)} and output_linear.weight "
+            f"{tuple(w_out.shape)} are not [E, 2I, H] and [E, H, I]"
+        )
+    bias = getattr(module, "bias", None)
+    if not (isinstance(bias, Tensor) and tuple(bias.shape) == (H,)):
+        raise UnsupportedExpertsError(f"{where}: expected an output bias [H={H}], got {bias!r}")
+    activation = _kt_activation(module.activation)
+    if activation is None:
+        raise UnsupportedExpertsError(
+            f"{where}: activation {_act_name(module, module.activation)} is not supported"
+        )
+    _check_materialized(where, [w_in, w_out])
+    return ExpertsInfo(
+        name, type(module).__name__, "jetmoe", True, False, E, H, two_i // 2, activation,
+        glu_candidates=(activation,),
+    )  # fmt: skip
+
+
+class JetMoeBlock(nn.Module):
+    """JetMoE's MoE block with its experts on kt_ops: the block's own router (kept, so
+    ``output_router_logits`` still records its logits) and output bias around a
+    :class:`kt_ops.nn.MoEExperts` (``kt_experts``) of ``input_linear`` (gate rows, then
+    up rows) and ``output_linear``.
+
+    ``forward(layer_input [B, S, H]) -> [B, S, H]``: the router's top-k of its logits,
+    softmax over them (``type_as`` the input, as JetMoE's ``JetMoeTopKGating``), the
+    weighted experts, plus the bias.
+    """
+
+    def __init__(self, block: nn.Module, experts: nn.Module) -> None:
+        super().__init__()
+        self.router = block.router
+        self.bias = block.bias
+        self.kt_experts = experts
+
+    def forward(self, layer_input: Tensor) -> Tensor:
+        shape = layer_input.shape
+        x = layer_input.reshape(-1, shape[-1])
+        logits = self.router(x)[4]  # (.., router_logits): what the output recorder reads
+        top_logits, top_ids = logits.topk(self.router.top_k, dim=1)
+        gates = torch.softmax(top_logits, dim=1).type_as(x)
+        return self.kt_experts(x, top_ids, gates).view(shape) + self.bias
 
 
 def _plan_non_gated(name: str, module: nn.Module) -> ExpertsInfo:
@@ -475,10 +543,16 @@ def _plan(model: nn.Module) -> tuple[list[_Plan], int]:
             already += 1
             claimed.append(name)
             continue
+        if isinstance(module, JetMoeBlock):
+            already += 1
+            claimed.append(name)
+            continue
         if name.rsplit(".", 1)[-1] == "experts" and isinstance(module, nn.ModuleList):
             if len(module) == 0:
                 continue
             info = _plan_module_list(name, module)
+        elif _is_jetmoe_block(module):
+            info = _plan_jetmoe(name, module)
         elif _is_fused_experts(module):
             info = _plan_fused(name, module)
         elif _is_stacked_experts(module):
@@ -570,6 +644,10 @@ def _dense_experts(module: nn.Module, info: ExpertsInfo) -> tuple[Tensor, Tensor
         return _dense_fused(module, info)
     if info.layout == "stacked":
         return _dense_stacked(module, info)
+    if info.layout == "jetmoe":  # chunk(2): gate rows, then up rows
+        w_in = module.input_linear.weight.detach()
+        inter = info.intermediate_size
+        return w_in[:, :inter], w_in[:, inter:], module.output_linear.weight.detach()
     return _dense_module_list(module)
 
 

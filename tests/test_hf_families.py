@@ -366,3 +366,41 @@ def test_inkling2_softcapped_swiglu():
         m(INPUT_IDS).logits.float().pow(2).mean().backward()
     g, w = (m.get_input_embeddings().weight.grad for m in (model, reference))
     assert rel_err(g, w) < 1e-4
+
+
+def test_jetmoe_block():
+    # JetMoE's MoE block (input_linear / output_linear parallel experts, its own router
+    # and output bias), replaced as a whole by a JetMoeBlock around kt_ops experts.
+    from kt_ops.hf_experts import JetMoeBlock
+
+    config = transformers.AutoConfig.for_model(
+        "jetmoe", vocab_size=128, hidden_size=H, intermediate_size=I, num_local_experts=E,
+        num_experts_per_tok=2, num_hidden_layers=2, num_key_value_heads=2, kv_channels=16,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for lin in (layer.mlp.input_linear, layer.mlp.output_linear):
+                lin.weight.copy_(lin.weight.bfloat16().float())
+            layer.mlp.bias.normal_(0, 0.1)
+    reference = copy.deepcopy(model)
+    infos = find_experts(model)
+    assert [i.layout for i in infos] == ["jetmoe", "jetmoe"]
+    replace_experts(model)
+    assert all(isinstance(layer.mlp, JetMoeBlock) for layer in model.model.layers)
+    with torch.inference_mode():
+        out = model(INPUT_IDS, output_router_logits=True)
+        ref = reference(INPUT_IDS, output_router_logits=True)
+    assert rel_err(out.logits, ref.logits) < 1e-4
+    assert len(out.router_logits) == len(ref.router_logits)  # the router is still recorded
+    model.train()
+    reference.train()
+    for m in (model, reference):
+        m(INPUT_IDS).logits.float().pow(2).mean().backward()
+    g, w = (m.get_input_embeddings().weight.grad for m in (model, reference))
+    assert rel_err(g, w) < 1e-4
+    # kt_ops LoRA on the block's experts.
+    apply_lora(model, rank=2)
+    assert model.model.layers[0].mlp.kt_experts.gate_lora_a is not None
+    assert find_experts(model) == []  # already replaced
