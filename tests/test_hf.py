@@ -410,9 +410,9 @@ def test_model_without_experts():
 
 
 def test_activation_kt_ops_lacks():
-    # GELU experts are served (tests/test_activations.py); ReLU GLU experts are not.
-    model = tiny_model("qwen3_moe", hidden_act="relu")
-    with pytest.raises(UnsupportedExpertsError, match="Qwen3MoeExperts .*activation ReLU"):
+    # GELU and ReLU GLU experts are served (tests/test_activations.py); tanh ones are not.
+    model = tiny_model("qwen3_moe", hidden_act="tanh")
+    with pytest.raises(UnsupportedExpertsError, match="Qwen3MoeExperts .*activation Tanh"):
         replace_experts(model)
 
 

@@ -277,9 +277,9 @@ def test_constructor_checks_the_layer(dense):
         make(weights, "int9", sizes, groups, "silu", None, 0)
     with pytest.raises(RuntimeError, match="weights must hold 9 entries"):
         make(weights[:8], fmt, sizes, groups, "silu", None, 0)
-    with pytest.raises(RuntimeError, match="activation='relu' is not supported"):
-        make(weights, fmt, sizes, groups, "relu", None, 0)
-    assert new_prepared_layer(m.expert_weights(), activation="relu") is None
+    with pytest.raises(RuntimeError, match="activation='tanh' is not supported"):
+        make(weights, fmt, sizes, groups, "tanh", None, 0)
+    assert new_prepared_layer(m.expert_weights(), activation="tanh") is None
 
 
 def test_top_k_and_mask(dense):
