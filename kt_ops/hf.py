@@ -74,6 +74,7 @@ import dataclasses
 import logging
 import re
 from collections import Counter
+from pathlib import Path
 from typing import Optional, Union
 
 import torch
@@ -361,8 +362,6 @@ class _CheckpointLayers:
 
 
 def _open_checkpoint(path, weight_format: Optional[str]) -> _CheckpointLayers:
-    from pathlib import Path
-
     from kt_ops.convert import ConvertedExperts
     from kt_ops.loaders import open_checkpoint
 
