@@ -11,8 +11,20 @@ string(REGEX MATCH "[0-9a-f]+ +[0-9]+ FUNC +[A-Z]+ +[A-Z]+ +[0-9]+ _ZNSo9_M_inse
 # The unwinder from libgcc_s.so.1: a private static copy (-static-libgcc) is hidden, so
 # only its absence from the dependencies shows it.
 string(FIND "${_dyn}" "libgcc_s.so" _unwinder)
-if(_needed EQUAL -1 OR _unwinder EQUAL -1 OR _own)
+set(_why "")
+if(_needed EQUAL -1)
+  string(APPEND _why " libstdc++.so.6 is not among its dependencies;")
+endif()
+if(_unwinder EQUAL -1)
+  string(APPEND _why " libgcc_s.so.1 is not among its dependencies;")
+endif()
+if(_own)
+  string(APPEND _why " it defines std::ostream::_M_insert<long> itself;")
+endif()
+if(_why)
+  string(REGEX MATCHALL "\\(NEEDED\\)[^\n]*" _deps "${_dyn}")
   message(FATAL_ERROR
+    "kt_ops:${_why} dependencies: ${_deps}. "
     "kt_ops: ${LIB} carries its own copy of libstdc++ or of the unwinder (linked "
     "statically: does the compiler add -static-libstdc++ or -static-libgcc?). Next to "
     "torch's libstdc++.so.6 such a copy crashes when an error message formats a number, or "
