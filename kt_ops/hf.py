@@ -5,7 +5,7 @@ for a :class:`kt_ops.nn.MoEExperts` that holds the same weights packed for the
 CPU kernels. The router, shared experts, attention and everything else stay in
 PyTorch, untouched.
 
-Three layouts of experts are recognised:
+Four layouts of experts are recognised:
 
 * **Fused (transformers >= 5).** Every MoE model's experts module is decorated
   with ``@use_experts_implementation`` (``transformers/integrations/moe.py``),
@@ -23,6 +23,12 @@ Three layouts of experts are recognised:
 * **Stacked (DBRX).** An experts module whose ``mlp`` holds 2-D ``w1`` (gate),
   ``v1`` (up) and ``w2`` (down, transposed), ``[E*I, H]`` each, called as the
   fused ones are.
+* **Whole MoE blocks.** JetMoE's block (parallel experts ``input_linear`` /
+  ``output_linear`` and an output bias) and Llama 4's (transposed fused experts
+  called as ``experts(routed_in)`` on inputs already scaled by the routing
+  scores) are replaced as a whole by :class:`kt_ops.hf_experts.JetMoeBlock` /
+  :class:`kt_ops.hf_experts.Llama4MoeBlock`, which keep the block's router (and
+  shared expert) and run the experts on kt_ops.
 * **Per-expert modules.** An ``nn.ModuleList`` registered under the name
   ``experts`` whose items are MLPs with bias-free ``nn.Linear`` layers
   ``gate_proj``/``up_proj``/``down_proj`` (Qwen-MoE/OLMoE style) or
@@ -86,6 +92,7 @@ from kt_ops.hf_experts import (
     _MLP_NAMES,
     ExpertsInfo,
     JetMoeBlock,
+    Llama4MoeBlock,
     UnsupportedExpertsError,
     _dense_biases,
     _dense_experts,
@@ -163,9 +170,12 @@ def _check_replacement(plan: _Plan, new: MoEExperts, gate: Tensor) -> None:
         dtype = torch.float32
     x, ids, weights = _probe_inputs(gate, dtype, device)
     errors = {}
-    if info.layout == "jetmoe":  # the whole block, with its own router: x -> block(x)
+    if info.layout in _BLOCK_LAYOUTS:  # the whole block, with its own router: x -> block(x)
         x3 = x.unsqueeze(0)
-        errors["block(x)"] = _relative_error(new(x3.cpu()), old(x3))
+        got, want = new(x3.cpu()), old(x3)
+        if isinstance(want, tuple):  # Llama 4: (out, router_logits)
+            got, want = got[0], want[0]
+        errors["block(x)"] = _relative_error(got, want)
     elif info.layout == "fused" or type(old).forward is not nn.Module.forward:
         # The module's own call: x -> weighted sum of the routed experts.
         try:
@@ -253,6 +263,8 @@ def _source_layout(plan: _Plan) -> dict:
         return {"layout": "non_gated", "param_names": ("up_proj", "down_proj")}
     if info.layout == "jetmoe":
         return {"layout": "jetmoe", "param_names": ("input_linear.weight", "output_linear.weight")}
+    if info.layout == "llama4":
+        return {"layout": "llama4", "param_names": ("experts.gate_up_proj", "experts.down_proj")}
     if info.layout == "stacked":
         return {"layout": "stacked", "param_names": ("mlp.w1", "mlp.v1", "mlp.w2")}
     if info.layout == "fused":
@@ -307,7 +319,10 @@ _GPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: Layouts whose module becomes one MoEExperts, called as experts(hidden_states,
 #: top_k_index, top_k_weights) (JetMoE's block: inside a JetMoeBlock; a module list
 #: becomes a MoEExpertList).
-_CALLED_AS_EXPERTS = ("fused", "stacked", "jetmoe")
+_CALLED_AS_EXPERTS = ("fused", "stacked", "jetmoe", "llama4")
+
+#: Layouts replaced as a whole MoE block (router kept) around one MoEExperts.
+_BLOCK_LAYOUTS = {"jetmoe": JetMoeBlock, "llama4": Llama4MoeBlock}
 
 
 def _layer_index(name: str) -> Optional[int]:
@@ -378,12 +393,13 @@ def _open_checkpoint(path, weight_format: Optional[str]) -> _CheckpointLayers:
 def _replacement(plan: _Plan, experts: nn.Module) -> nn.Module:
     """What replaces ``plan.module``: ``experts`` itself, or for a whole MoE block
     (JetMoE) the block around them."""
-    return JetMoeBlock(plan.module, experts) if plan.info.layout == "jetmoe" else experts
+    block = _BLOCK_LAYOUTS.get(plan.info.layout)
+    return block(plan.module, experts) if block else experts
 
 
 def _kt_experts(module: nn.Module) -> MoEExperts:
     """The MoEExperts of a replacement (itself, or a block's ``kt_experts``)."""
-    return module.kt_experts if isinstance(module, JetMoeBlock) else module
+    return module.kt_experts if isinstance(module, tuple(_BLOCK_LAYOUTS.values())) else module
 
 
 def _experts_module(experts: ExpertWeights, info: ExpertsInfo) -> MoEExperts:

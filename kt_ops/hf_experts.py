@@ -13,6 +13,7 @@ weights (``[E, I, H]`` gate/up, ``[E, H, I]`` down) that the replacement packs.
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -43,7 +44,8 @@ class ExpertsInfo:
         layout: ``'fused'`` (3-D ``gate_up_proj``/``down_proj``), ``'stacked'`` (DBRX's
             2-D ``mlp.w1``/``v1``/``w2``, ``[E*I, H]`` each, called as fused experts
             are), ``'jetmoe'`` (JetMoE's whole MoE block, replaced by a
-            :class:`JetMoeBlock`) or ``'module_list'``.
+            :class:`JetMoeBlock`), ``'llama4'`` (Llama 4's whole MoE block, replaced by a
+            :class:`Llama4MoeBlock`) or ``'module_list'``.
         concatenated: gate rows then up rows (``True``) or interleaved (``False``); fused only.
         transposed: weights stored ``[E, in, out]``; fused only.
         num_experts, hidden_size, intermediate_size: ``E``, ``H``, ``I``.
@@ -171,6 +173,94 @@ class JetMoeBlock(nn.Module):
         top_logits, top_ids = logits.topk(self.router.top_k, dim=1)
         gates = torch.softmax(top_logits, dim=1).type_as(x)
         return self.kt_experts(x, top_ids, gates).view(shape) + self.bias
+
+
+def _is_llama4_block(module: nn.Module) -> bool:
+    """Llama 4's MoE block: ``experts`` with transposed 3-D ``gate_up_proj`` ``[E, H, 2I]`` /
+    ``down_proj`` ``[E, I, H]`` called as ``experts(routed_in)`` on every expert's copy of the
+    tokens, each already scaled by its routing score (``Llama4TextMoe``); a top-k
+    ``router`` (an ``nn.Linear`` returning ``(scores, logits)``) and a ``shared_expert``."""
+    experts = getattr(module, "experts", None)
+    router = getattr(module, "router", None)
+    if not (
+        isinstance(experts, nn.Module)
+        and _is_3d(getattr(experts, "gate_up_proj", None))
+        and _is_3d(getattr(experts, "down_proj", None))
+        and isinstance(router, nn.Linear)
+        and isinstance(getattr(router, "top_k", None), int)
+        and isinstance(getattr(module, "shared_expert", None), nn.Module)
+    ):
+        return False
+    try:  # called with the routed tokens alone: forward(self, hidden_states)
+        params = inspect.signature(type(experts).forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return len(params) == 2
+
+
+def _plan_llama4(name: str, module: nn.Module) -> ExpertsInfo:
+    where = _where(name, module)
+    experts = module.experts
+    gate_up, down = experts.gate_up_proj, experts.down_proj
+    E, H, two_i = gate_up.shape
+    if tuple(down.shape) != (E, two_i // 2, H) or two_i % 2:
+        raise UnsupportedExpertsError(
+            f"{where}: experts.gate_up_proj {tuple(gate_up.shape)} and experts.down_proj "
+            f"{tuple(down.shape)} are not [E, H, 2I] and [E, I, H]"
+        )
+    extra = sorted(
+        n
+        for n, _ in list(experts.named_parameters()) + list(experts.named_buffers())
+        if n not in ("gate_up_proj", "down_proj")
+    )
+    if extra:
+        raise UnsupportedExpertsError(
+            f"{where}: experts have tensors {extra} besides gate_up_proj/down_proj"
+        )
+    act = getattr(experts, "act_fn", None)
+    activation = _kt_activation(act)
+    if activation is None:
+        raise UnsupportedExpertsError(
+            f"{where}: activation {_act_name(experts, act)} is not supported"
+        )
+    _check_materialized(where, [gate_up, down])
+    return ExpertsInfo(
+        name, type(module).__name__, "llama4", True, True, E, H, two_i // 2, activation,
+        glu_candidates=(activation,),
+    )  # fmt: skip
+
+
+class Llama4MoeBlock(nn.Module):
+    """Llama 4's MoE block with its experts on kt_ops: the block's own ``router`` and
+    ``shared_expert`` (kept) around a :class:`kt_ops.nn.MoEExperts` (``kt_experts``).
+
+    Llama 4 scales each routed expert's *input* by its routing score (``sigmoid`` of the
+    top-k router logits): ``sum_k expert_k(s_k * x)``, not ``sum_k s_k * expert_k(x)``. The
+    block therefore runs the ``T * top_k`` scaled copies of the tokens as tokens of their
+    own, each routed to its one expert with weight 1, and sums the ``top_k`` outputs of
+    each token: the same products as the original's dense ``bmm`` over all ``E`` experts,
+    without the ``E - top_k`` experts whose input is zero.
+
+    ``forward(hidden_states [B, S, H]) -> (out [B*S, H], router_logits [B*S, E])``, as
+    ``Llama4TextMoe``.
+    """
+
+    def __init__(self, block: nn.Module, experts: nn.Module) -> None:
+        super().__init__()
+        self.router = block.router
+        self.shared_expert = block.shared_expert
+        self.kt_experts = experts
+
+    def forward(self, hidden_states: Tensor) -> tuple[Tensor, Tensor]:
+        x = hidden_states.reshape(-1, hidden_states.shape[-1])
+        scores, logits = self.router(x)
+        k = self.router.top_k
+        top_ids = torch.topk(logits, k, dim=1).indices  # the router's own top-k call
+        scaled = (x.unsqueeze(1) * scores.gather(1, top_ids).unsqueeze(-1)).reshape(-1, x.shape[1])
+        ones = torch.ones(scaled.shape[0], 1, dtype=x.dtype, device=x.device)
+        routed = self.kt_experts(scaled, top_ids.reshape(-1, 1), ones)
+        out = self.shared_expert(x)
+        return out + routed.view(x.shape[0], k, -1).sum(dim=1), logits
 
 
 def _plan_non_gated(name: str, module: nn.Module) -> ExpertsInfo:
@@ -543,7 +633,7 @@ def _plan(model: nn.Module) -> tuple[list[_Plan], int]:
             already += 1
             claimed.append(name)
             continue
-        if isinstance(module, JetMoeBlock):
+        if isinstance(module, (JetMoeBlock, Llama4MoeBlock)):
             already += 1
             claimed.append(name)
             continue
@@ -553,6 +643,8 @@ def _plan(model: nn.Module) -> tuple[list[_Plan], int]:
             info = _plan_module_list(name, module)
         elif _is_jetmoe_block(module):
             info = _plan_jetmoe(name, module)
+        elif _is_llama4_block(module):
+            info = _plan_llama4(name, module)
         elif _is_fused_experts(module):
             info = _plan_fused(name, module)
         elif _is_stacked_experts(module):
@@ -644,6 +736,10 @@ def _dense_experts(module: nn.Module, info: ExpertsInfo) -> tuple[Tensor, Tensor
         return _dense_fused(module, info)
     if info.layout == "stacked":
         return _dense_stacked(module, info)
+    if info.layout == "llama4":  # [E, H, 2I] (gate columns, then up) and [E, I, H]
+        gate_up = module.experts.gate_up_proj.detach().transpose(1, 2)
+        inter = info.intermediate_size
+        return gate_up[:, :inter], gate_up[:, inter:], module.experts.down_proj.detach().mT
     if info.layout == "jetmoe":  # chunk(2): gate rows, then up rows
         w_in = module.input_linear.weight.detach()
         inter = info.intermediate_size

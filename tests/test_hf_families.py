@@ -400,3 +400,47 @@ def test_jetmoe_block():
     apply_lora(model, rank=2)
     assert model.model.layers[0].mlp.kt_experts.gate_lora_a is not None
     assert find_experts(model) == []  # already replaced
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_llama4_block_scales_the_expert_inputs(top_k: int):
+    # Llama 4 calls its experts on every expert's copy of the tokens, each already scaled
+    # by its sigmoid routing score (sum_k expert_k(s_k x), not sum_k s_k expert_k(x)), with
+    # transposed [E, H, 2I] / [E, I, H] weights: the block is replaced as a whole.
+    from kt_ops.hf_experts import Llama4MoeBlock
+
+    config = transformers.AutoConfig.for_model(
+        "llama4_text", vocab_size=128, hidden_size=H, intermediate_size=I,
+        intermediate_size_mlp=2 * I, num_local_experts=E, num_experts_per_tok=top_k,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        interleave_moe_layer_step=1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for p in (
+                layer.feed_forward.experts.gate_up_proj,
+                layer.feed_forward.experts.down_proj,
+            ):
+                p.normal_(0, 0.05).copy_(p.bfloat16().float())  # zeros by default
+    reference = copy.deepcopy(model)
+    infos = find_experts(model)
+    assert [(i.layout, i.transposed) for i in infos] == [("llama4", True)] * 2
+    replace_experts(model)
+    assert all(isinstance(layer.feed_forward, Llama4MoeBlock) for layer in model.model.layers)
+    with torch.inference_mode():
+        out = model(INPUT_IDS, output_router_logits=True)
+        ref = reference(INPUT_IDS, output_router_logits=True)
+    assert rel_err(out.logits, ref.logits) < 1e-4
+    # Against kt_ops' usual weighted sum, the scaled inputs make a real difference.
+    block = model.model.layers[0].feed_forward
+    x = torch.randn(5, H)
+    scores, logits = block.router(x)
+    ids = logits.topk(top_k, dim=1).indices
+    weighted = block.kt_experts(x, ids, scores.gather(1, ids)) + block.shared_expert(x)
+    assert rel_err(weighted, block(x)[0]) > 1e-2
+    assert_embedding_grads_match(model, reference)
+    apply_lora(model, rank=2)
+    assert model.model.layers[0].feed_forward.kt_experts.gate_lora_a is not None
+    assert find_experts(model) == []  # already replaced
