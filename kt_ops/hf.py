@@ -29,6 +29,8 @@ Four layouts of experts are recognised:
   scores) are replaced as a whole by :class:`kt_ops.hf_experts.JetMoeBlock` /
   :class:`kt_ops.hf_experts.Llama4MoeBlock`, which keep the block's router (and
   shared expert) and run the experts on kt_ops.
+* A norm after each expert (MuseSpark's ``has_post_expert_norm``) is kept as the
+  model's module around the kt_ops experts (:class:`kt_ops.hf_experts.PostNormExperts`).
 * **Per-expert modules.** An ``nn.ModuleList`` registered under the name
   ``experts`` whose items are MLPs with bias-free ``nn.Linear`` layers
   ``gate_proj``/``up_proj``/``down_proj`` (Qwen-MoE/OLMoE style) or
@@ -50,7 +52,7 @@ of gpt-oss-style SwiGLUs read from the module's ``limit`` / ``alpha`` (or
 (:func:`kt_ops.activation_spec`). Anything else is refused with
 :class:`UnsupportedExpertsError` (a ``ValueError``) naming the module, its class
 and the reason: non-gated
-experts (``has_gate=False``), a post-expert norm, another activation, extra
+experts (``has_gate=False``) other than relu2, another activation, extra
 tensors such as
 quantization scales, or a custom gating function (``_apply_gate`` with clamps or
 a different GLU). As a last guard, the first replacement of each kind of module (its
@@ -91,8 +93,10 @@ from kt_ops.formats import FORMATS
 from kt_ops.hf_experts import (
     _MLP_NAMES,
     ExpertsInfo,
+    ExpertsWrapper,
     JetMoeBlock,
     Llama4MoeBlock,
+    PostNormExperts,
     UnsupportedExpertsError,
     _dense_biases,
     _dense_experts,
@@ -393,13 +397,15 @@ def _open_checkpoint(path, weight_format: Optional[str]) -> _CheckpointLayers:
 def _replacement(plan: _Plan, experts: nn.Module) -> nn.Module:
     """What replaces ``plan.module``: ``experts`` itself, or for a whole MoE block
     (JetMoE) the block around them."""
+    if plan.info.post_expert_norm:
+        return PostNormExperts(experts, plan.module.post_expert_norm)
     block = _BLOCK_LAYOUTS.get(plan.info.layout)
     return block(plan.module, experts) if block else experts
 
 
 def _kt_experts(module: nn.Module) -> MoEExperts:
     """The MoEExperts of a replacement (itself, or a block's ``kt_experts``)."""
-    return module.kt_experts if isinstance(module, tuple(_BLOCK_LAYOUTS.values())) else module
+    return module.kt_experts if isinstance(module, ExpertsWrapper) else module
 
 
 def _experts_module(experts: ExpertWeights, info: ExpertsInfo) -> MoEExperts:

@@ -62,6 +62,9 @@ class ExpertsInfo:
             (NemotronH's ``has_gate=False`` with ``relu2``), run as the GLU ``relu`` with the
             gate a copy of up: ``relu(u) * u = relu(u)^2``. Their LoRA is refused (an
             adapter on up would not reach the gate's copy).
+        post_expert_norm: fused only: a norm module ``post_expert_norm`` applied to each
+            expert's output before its routing weight (MuseSpark's
+            ``has_post_expert_norm=True``); replaced by a :class:`PostNormExperts`.
     """
 
     name: str
@@ -77,6 +80,7 @@ class ExpertsInfo:
     glu_candidates: tuple[str, ...] = ()
     identity_experts: int = 0
     non_gated: bool = False
+    post_expert_norm: bool = False
 
 
 @dataclass
@@ -149,7 +153,46 @@ def _plan_jetmoe(name: str, module: nn.Module) -> ExpertsInfo:
     )  # fmt: skip
 
 
-class JetMoeBlock(nn.Module):
+class ExpertsWrapper(nn.Module):
+    """A replacement that wraps a :class:`kt_ops.nn.MoEExperts` (``kt_experts``) in the
+    parts of the original module kt_ops does not compute (a router, a norm)."""
+
+    kt_experts: MoEExperts
+
+
+def per_slot_outputs(experts: MoEExperts, x: Tensor, top_k_index: Tensor) -> Tensor:
+    """Each routed expert's own output, unweighted: ``[T, k, H]`` from ``x`` ``[T, H]`` or
+    ``[T, k, H]`` (a different input per slot) and ``top_k_index`` ``[T, k]``.
+
+    Runs the ``T * k`` (token, slot) pairs as tokens of their own, each routed to its one
+    expert with weight 1 (exact: the same products as the weighted call, the weighting
+    left to the caller), for blocks that act on an expert's output before weighting it.
+    """
+    T, k = top_k_index.shape
+    rows = x.reshape(T * k, -1) if x.dim() == 3 else x.repeat_interleave(k, dim=0)
+    ones = torch.ones(T * k, 1, dtype=rows.dtype, device=rows.device)
+    return experts(rows, top_k_index.reshape(T * k, 1), ones).view(T, k, -1)
+
+
+class PostNormExperts(ExpertsWrapper):
+    """Experts with a norm after each expert (MuseSpark's ``has_post_expert_norm``):
+    ``sum_k w_k * norm(expert_k(x))``, the experts on kt_ops (:func:`per_slot_outputs`),
+    the original ``post_expert_norm`` module (kept, with its weight) in PyTorch.
+
+    ``forward(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]``.
+    """
+
+    def __init__(self, experts: MoEExperts, post_expert_norm: nn.Module) -> None:
+        super().__init__()
+        self.kt_experts = experts
+        self.post_expert_norm = post_expert_norm
+
+    def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        out = self.post_expert_norm(per_slot_outputs(self.kt_experts, hidden_states, top_k_index))
+        return (out * top_k_weights.unsqueeze(-1).to(out.dtype)).sum(dim=1).to(hidden_states.dtype)
+
+
+class JetMoeBlock(ExpertsWrapper):
     """JetMoE's MoE block with its experts on kt_ops: the block's own router (kept, so
     ``output_router_logits`` still records its logits) and output bias around a
     :class:`kt_ops.nn.MoEExperts` (``kt_experts``) of ``input_linear`` (gate rows, then
@@ -230,7 +273,7 @@ def _plan_llama4(name: str, module: nn.Module) -> ExpertsInfo:
     )  # fmt: skip
 
 
-class Llama4MoeBlock(nn.Module):
+class Llama4MoeBlock(ExpertsWrapper):
     """Llama 4's MoE block with its experts on kt_ops: the block's own ``router`` and
     ``shared_expert`` (kept) around a :class:`kt_ops.nn.MoEExperts` (``kt_experts``).
 
@@ -256,11 +299,9 @@ class Llama4MoeBlock(nn.Module):
         scores, logits = self.router(x)
         k = self.router.top_k
         top_ids = torch.topk(logits, k, dim=1).indices  # the router's own top-k call
-        scaled = (x.unsqueeze(1) * scores.gather(1, top_ids).unsqueeze(-1)).reshape(-1, x.shape[1])
-        ones = torch.ones(scaled.shape[0], 1, dtype=x.dtype, device=x.device)
-        routed = self.kt_experts(scaled, top_ids.reshape(-1, 1), ones)
-        out = self.shared_expert(x)
-        return out + routed.view(x.shape[0], k, -1).sum(dim=1), logits
+        scaled = x.unsqueeze(1) * scores.gather(1, top_ids).unsqueeze(-1)  # [T, k, H]
+        routed = per_slot_outputs(self.kt_experts, scaled, top_ids)
+        return self.shared_expert(x) + routed.sum(dim=1), logits
 
 
 def _plan_non_gated(name: str, module: nn.Module) -> ExpertsInfo:
@@ -412,9 +453,17 @@ def _plan_fused(name: str, module: nn.Module) -> ExpertsInfo:
             f"{where}: has_bias=True without 2-D gate_up_proj_bias [E, 2I] and down_proj_bias "
             f"[E, H] (got {[_describe(getattr(module, n, None)) for n in bias_names]})"
         )
-    if getattr(module, "has_post_expert_norm", False):
-        raise UnsupportedExpertsError(
-            f"{where}: a norm after each expert (has_post_expert_norm=True) is not supported"
+    post_norm = bool(getattr(module, "has_post_expert_norm", False))
+    norm_names: tuple[str, ...] = ()
+    if post_norm:
+        norm = getattr(module, "post_expert_norm", None)
+        if not isinstance(norm, nn.Module):
+            raise UnsupportedExpertsError(
+                f"{where}: has_post_expert_norm=True without a post_expert_norm module"
+            )
+        norm_names = tuple(
+            f"post_expert_norm.{n}"
+            for n, _ in list(norm.named_parameters()) + list(norm.named_buffers())
         )
     act = getattr(module, "act_fn", None)
     activation = DEFAULT_ACTIVATION if act is None else _kt_activation(act)
@@ -434,7 +483,7 @@ def _plan_fused(name: str, module: nn.Module) -> ExpertsInfo:
     extra = sorted(
         n
         for n, _ in list(module.named_parameters()) + list(module.named_buffers())
-        if n not in ("gate_up_proj", "down_proj", *bias_names)
+        if n not in ("gate_up_proj", "down_proj", *bias_names, *norm_names)
     )
     if extra:
         raise UnsupportedExpertsError(
@@ -486,6 +535,7 @@ def _plan_fused(name: str, module: nn.Module) -> ExpertsInfo:
         biased,
         candidates,
         identity,
+        post_expert_norm=post_norm,
     )
 
 
@@ -633,7 +683,7 @@ def _plan(model: nn.Module) -> tuple[list[_Plan], int]:
             already += 1
             claimed.append(name)
             continue
-        if isinstance(module, (JetMoeBlock, Llama4MoeBlock)):
+        if isinstance(module, ExpertsWrapper):
             already += 1
             claimed.append(name)
             continue

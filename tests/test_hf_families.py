@@ -444,3 +444,56 @@ def test_llama4_block_scales_the_expert_inputs(top_k: int):
     apply_lora(model, rank=2)
     assert model.model.layers[0].feed_forward.kt_experts.gate_lora_a is not None
     assert find_experts(model) == []  # already replaced
+
+
+def test_muse_spark_post_expert_norm():
+    # MuseSpark: a norm after each expert, before its routing weight:
+    # sum_k w_k * norm(expert_k(x)). The experts run on kt_ops one (token, slot) pair per
+    # row, the model's own norm (kept, trainable) in PyTorch.
+    from kt_ops.hf_experts import PostNormExperts
+
+    config = transformers.AutoConfig.for_model(
+        "muse_spark_text", vocab_size=128, hidden_size=H, intermediate_size=2 * I,
+        moe_intermediate_size=I, moe_hidden_size=48, num_local_experts=E,
+        num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"], mlp_layer_types=["sparse"] * 2,
+        layer_rope_theta=[10000.0, 0], bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.AutoModel.from_config(config).eval()  # the text model: no LM head
+    round_experts_to_bf16_(model)
+    with torch.no_grad():
+        for m in model.modules():
+            if type(m).__name__ == "MuseSparkExperts":
+                m.post_expert_norm.weight.normal_(0, 0.5)  # zeros (a plain RMSNorm) by default
+    reference = copy.deepcopy(model)
+    assert [i.post_expert_norm for i in find_experts(model)] == [True, True]
+    replace_experts(model)
+    wrapped = [m for m in model.modules() if isinstance(m, PostNormExperts)]
+    assert len(wrapped) == 2
+    with torch.inference_mode():
+        got, want = (m(INPUT_IDS).last_hidden_state for m in (model, reference))
+    assert rel_err(got, want) < 1e-4
+    # Without the norm the output is a different function: the wrapper's norm matters.
+    x = torch.randn(5, 48)
+    ids = torch.stack([torch.randperm(E)[:2] for _ in range(5)])
+    w = torch.rand(5, 2)
+    plain = wrapped[0].kt_experts(x, ids, w)
+    assert rel_err(plain, wrapped[0](x, ids, w)) > 1e-1
+    # Gradients against a fixed random probe (the squared norm of a final RMSNorm's output
+    # has none): the embeddings' and the post-expert norms' own weights.
+    probe = torch.randn(got.shape, generator=torch.Generator().manual_seed(1))
+    for m in (model, reference):
+        (m(INPUT_IDS).last_hidden_state * probe).sum().backward()
+    assert rel_err(*(m.get_input_embeddings().weight.grad for m in (model, reference))) < 1e-4
+    norm_grads = [
+        [m.post_expert_norm.weight.grad for m in net.modules() if hasattr(m, "post_expert_norm")]
+        for net in (model, reference)
+    ]
+    assert len(norm_grads[0]) == 2 and len(norm_grads[1]) == 2
+    for g, w in zip(*norm_grads):
+        assert rel_err(g, w) < 1e-4
+    apply_lora(model, rank=2)
+    assert wrapped[0].kt_experts.gate_lora_a is not None
+    assert find_experts(model) == []  # already replaced
