@@ -497,3 +497,43 @@ def test_muse_spark_post_expert_norm():
     apply_lora(model, rank=2)
     assert wrapped[0].kt_experts.gate_lora_a is not None
     assert find_experts(model) == []  # already replaced
+
+
+@pytest.mark.parametrize("via", ["checkpoint", "converted"])
+def test_gpt_oss_mxfp4_checkpoint_end_to_end(tmp_path, via: str):
+    # gpt-oss as published: MXFP4 experts (gate/up rows interleaved) read by kt_ops, with the
+    # model's per-expert biases and its clamped GLU, against the transformers model holding
+    # the dequantized experts; straight from the checkpoint, and through kt-ops convert.
+    from checkpoints import write_hf_mxfp4
+
+    from kt_ops.convert import convert
+
+    model = _tiny_causal_lm("gpt_oss")
+    deq = write_hf_mxfp4(tmp_path / "ckpt", E=E, H=H, I=I, num_layers=2)
+    with torch.no_grad():
+        for L, layer in enumerate(model.model.layers):
+            experts = layer.mlp.experts
+            gate_up = torch.empty(E, 2 * I, H)
+            gate_up[:, 0::2], gate_up[:, 1::2] = deq[L]["gate"], deq[L]["up"]
+            experts.gate_up_proj.copy_(gate_up.transpose(1, 2))  # [E, H, 2I]
+            experts.down_proj.copy_(deq[L]["down"].transpose(1, 2))  # [E, I, H]
+            experts.gate_up_proj_bias.normal_(0, 0.1)
+            experts.down_proj_bias.normal_(0, 0.1)
+    reference = copy.deepcopy(model)
+    source = tmp_path / "ckpt"
+    if via == "converted":
+        convert(source, tmp_path / "converted")
+        source = tmp_path / "converted"
+    replace_experts(model, checkpoint=str(source))
+    replaced = [m for m in model.modules() if isinstance(m, MoEExperts)]
+    assert [m.weight_format for m in replaced] == ["mxfp4", "mxfp4"]
+    assert all(m.down_bias is not None for m in replaced)
+    before = kt_ops.config.quant_activations
+    try:
+        kt_ops.config.quant_activations = "fp32"  # the weights exact: only the order of sums
+        with torch.inference_mode():
+            got, want = model(INPUT_IDS).logits, reference(INPUT_IDS).logits
+    finally:
+        kt_ops.config.quant_activations = before
+    assert rel_err(got, want) < 1e-4
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
