@@ -1,8 +1,11 @@
 """Hugging Face families beyond the common layouts, served by ``replace_experts``: gpt-oss
 (biases, alpha, clamps, +1), DeepSeek-V4 / GLM-5-Next / HY-V4 (clamp before SiLU), MiniMax-M3
 (gpt-oss's GLU without biases), Step-3.7 (a clamp after SiLU that only some layers set), Gemma 4
-(GeGLU, tanh GELU) and DBRX (experts stacked as 2-D mlp.w1/v1/w2), each against the unmodified
-module or model.
+(GeGLU, tanh GELU), DBRX (experts stacked as 2-D mlp.w1/v1/w2), LongCat-Flash (identity
+experts), NemotronH (non-gated relu2), Inkling2 (softcapped SwiGLU), and the blocks replaced
+around kt_ops experts: JetMoE, Llama 4 (inputs scaled by the routing scores) and MuseSpark's
+post-expert norm; gpt-oss's MXFP4 checkpoint end to end. Each against the unmodified module or
+model.
 
 The GLU is read from the module's attributes and confirmed by the probe (which tries the
 candidates of ``ExpertsInfo.glu_candidates`` in turn); every instance whose scalar
