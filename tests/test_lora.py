@@ -740,3 +740,56 @@ def test_backward_argument_errors(call):
         bwd(go, **call.raw(up_lora_b=torch.zeros(E, I, R + 1)))
     with pytest.raises(RuntimeError, match="kt.moe_backward: lora must be empty or hold 6"):
         bwd(go, **dict(kw, lora=kw["lora"][:4]))
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["save", "recompute"])
+def test_lora_gradients_at_fp32_accuracy_on_a_bf16_base(checkpointing: bool, isa: str):
+    # bf16 hidden states times bf16 weights run the gate / up products on the inference
+    # kernels (the tile path at 64+ tokens per expert): their products are exact in fp32,
+    # so the LoRA factors' gradients stay at fp32 accuracy: within 1e-5 of an fp64
+    # reference (a bf16 rounding of the activations anywhere would give ~1e-3).
+    E, H, I, K, T, r = 4, 256, 96, 2, 160, 4  # noqa: E741
+    g = torch.Generator().manual_seed(7)
+    dense = [(torch.randn(E, n, k, generator=g) / k**0.5).bfloat16() for n, k in ((I, H),) * 2]
+    dense.append((torch.randn(E, H, I, generator=g) / I**0.5).bfloat16())
+    weights = kt_ops.ExpertWeights.from_dense(*dense, "bf16")
+    x = torch.randn(T, H, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    tw = torch.rand(T, K, generator=g)
+    go = torch.randn(T, H, generator=g).bfloat16()  # the op returns bf16: its grad is bf16
+    dims = {"gate": (I, H), "up": (I, H), "down": (H, I)}
+    lora = {}
+    for p, (n, k) in dims.items():
+        lora[f"{p}_a"] = torch.randn(E, r, k, generator=g) / k**0.5
+        lora[f"{p}_b"] = torch.randn(E, n, r, generator=g) * 0.1
+
+    def run(dtype, op):
+        leaves = {k: v.detach().to(dtype).requires_grad_(True) for k, v in lora.items()}
+        pairs = {p: (leaves[f"{p}_a"], leaves[f"{p}_b"]) for p in dims}
+        out = op(pairs)
+        out.backward(go.to(out.dtype))
+        return {k: v.grad.double() for k, v in leaves.items()}
+
+    def kt(pairs):
+        lw = kt_ops.LoRAWeights(**pairs, scaling=2.0)
+        return kt_ops.moe_forward(x, ids, tw, weights, lw, activation_checkpointing=checkpointing)
+
+    def fp64(pairs):
+        out = torch.zeros(T, H, dtype=torch.float64)
+        xd = x.double()
+        for e in range(E):
+            tok, slot = torch.nonzero(ids == e, as_tuple=True)
+
+            def proj(v, p, W, e=e):
+                a, b = pairs[p]
+                return v @ W[e].double().T + 2.0 * (v @ a[e].T) @ b[e].T
+
+            h = torch.nn.functional.silu(proj(xd[tok], "gate", dense[0]))
+            y = proj(h * proj(xd[tok], "up", dense[1]), "down", dense[2])
+            out = out.index_add(0, tok, tw[tok, slot, None].double() * y)
+        return out
+
+    got, want = run(torch.float32, kt), run(torch.float64, fp64)
+    for name in want:
+        rel = ((got[name] - want[name]).norm() / want[name].norm()).item()
+        assert rel < 1e-5, (name, rel)

@@ -417,13 +417,13 @@ void moe_forward_experts(const at::Tensor& hidden_states, const at::Tensor& topk
 void moe_forward_experts_exact(const at::Tensor& hidden_states, const at::Tensor& topk_ids,
                                const at::Tensor& topk_weights, const MoeLayer& layer,
                                kernels::Isa isa, at::Tensor* out, at::Tensor& gate_pre,
-                               at::Tensor& up_pre) {
+                               at::Tensor& up_pre, kernels::ComputePath path) {
   Scratch& s = t_scratch;
   const RoutingPlan& routing = route(layer, topk_ids, topk_weights, s);
   if (hidden_states.size(0) == 0) return;
   // fp32 activations times the exact weights: the streaming kernels, every
   // format decoded to fp32 (no q8 rounding, no bf16 tile kernel).
-  const kernels::Modes exact{kernels::ComputePath::kStreaming, kernels::QuantActivations::kFp32};
+  const kernels::Modes exact{path, kernels::QuantActivations::kFp32};
   Call call = plan_call(hidden_states, layer, isa, routing, s, exact);
   call.gate_pre = gate_pre.data_ptr<float>();
   call.up_pre = up_pre.data_ptr<float>();

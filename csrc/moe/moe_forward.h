@@ -55,10 +55,13 @@ void moe_forward_experts(const at::Tensor& hidden_states, const at::Tensor& topk
 // rows of id -1 slots stay zero). The LoRA terms are ATen GEMMs per expert
 // (x A^T B^T before gate/up, h Ad^T Bd^T between the phases). `out` nullptr:
 // the pre-activations alone (no down phase; the backward's recompute).
+// `path`: kStreaming (the above), or kAuto where the tile kernel's products are exact
+// too (bf16 activations times bf16 weights: the products fit fp32, the sums are fp32).
 void moe_forward_experts_exact(const at::Tensor& hidden_states, const at::Tensor& topk_ids,
                                const at::Tensor& topk_weights, const MoeLayer& layer,
                                kernels::Isa isa, at::Tensor* out, at::Tensor& gate_pre,
-                               at::Tensor& up_pre);
+                               at::Tensor& up_pre,
+                               kernels::ComputePath path = kernels::ComputePath::kStreaming);
 
 // THE forward of kt.moe_forward on a parsed layer: the ATen LoRA path
 // (moe/moe_lora.h) when the layer has LoRA factors, else moe_forward_experts on

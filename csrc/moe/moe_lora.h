@@ -10,11 +10,14 @@
 //     g = gate(x) + bg, u = up(x) + bu, h = glu(g, u), y = down(h) + bd,
 //     out[t] = sum_k w[t, k] * y_{e = ids[t, k]}(x[t]).
 //
-// Forward: the inference driver's exact mode (moe_forward_experts_exact in
-// moe/moe_forward.h): the base products on the streaming kernels with fp32
-// activations times the exact weights (every format, QLoRA style on a
-// quantized base), the LoRA terms as ATen GEMMs per expert added in the
-// epilogues, the gate and up pre-activations saved by slot.
+// Forward: one pool task per active expert (largest first), fp32 throughout so the
+// LoRA gradients keep fp32 accuracy: the base products as single-threaded BLAS GEMMs
+// on L2-sized fp32 panels of the weights (dense_expert_panel: every format, QLoRA
+// style on a quantized base), the LoRA terms as small GEMMs, the GLU by the tier's
+// vector epilogue. Where the gate and up products are exact on the inference kernels
+// (bf16 hidden states times bf16 weights: the products fit fp32, the sums are fp32),
+// they run there instead (moe_forward_experts_exact, tile path included). The gate
+// and up pre-activations are saved by slot for the backward.
 //
 // Backward: one pool task per active expert (largest first). A task gathers
 // the expert's rows, runs its GEMMs single-threaded (at::mm with the BLAS held
