@@ -265,8 +265,8 @@ bool pre_activations_on_kernels(const at::Tensor& x, const MoeLayer& w) {
 void pre_activations_by_kernels(const at::Tensor& x, const at::Tensor& topk_ids,
                                 const at::Tensor& topk_weights, const MoeLayer& w,
                                 at::Tensor& gate_pre, at::Tensor& up_pre) {
-  moe_forward_experts_exact(x, topk_ids, topk_weights, w, kernels::active_isa(), nullptr, gate_pre,
-                            up_pre, kernels::ComputePath::kAuto);
+  moe_pre_activations_exact(x, topk_ids, topk_weights, w, kernels::active_isa(), gate_pre, up_pre,
+                            kernels::ComputePath::kAuto);
 }
 
 }  // namespace
