@@ -127,6 +127,49 @@ void base_products(std::initializer_list<std::pair<const at::Tensor*, const Proj
   }
 }
 
+// The big elementwise steps of a call (fp32 copies of the activations, zeroed buffers)
+// run on kt_ops' pool, not as ATen ops: ATen's would start torch's OpenMP team, whose
+// threads then spin beside the pool's (libgomp took ~10% of a backward on 2 cores).
+constexpr int64_t kElementsPerTask = int64_t{1} << 16;
+
+template <class Src>
+void to_f32_range(const Src* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+// An fp32 contiguous copy of a CPU float tensor (the tensor itself when it is one).
+at::Tensor f32_on_pool(const at::Tensor& t) {
+  if (t.scalar_type() == at::kFloat && t.is_contiguous()) return t;
+  if (t.scalar_type() != at::kBFloat16 && t.scalar_type() != at::kHalf)
+    return t.to(at::kFloat).contiguous();
+  const at::Tensor src = t.contiguous();
+  at::Tensor out = at::empty(src.sizes(), kF32);
+  const int64_t n = src.numel();
+  float* dst = out.data_ptr<float>();
+  const bool bf16 = src.scalar_type() == at::kBFloat16;
+  runtime::ThreadPool::global().run(formats::ceil_div(n, kElementsPerTask), [&](int64_t task, int) {
+    const int64_t b = task * kElementsPerTask, len = std::min(kElementsPerTask, n - b);
+    if (bf16) {
+      to_f32_range(src.data_ptr<c10::BFloat16>() + b, dst + b, len);
+    } else {
+      to_f32_range(src.data_ptr<c10::Half>() + b, dst + b, len);
+    }
+  });
+  return out;
+}
+
+// A zero fp32 tensor.
+at::Tensor zeros_on_pool(at::IntArrayRef sizes) {
+  at::Tensor out = at::empty(sizes, kF32);
+  const int64_t n = out.numel();
+  float* p = out.data_ptr<float>();
+  runtime::ThreadPool::global().run(formats::ceil_div(n, kElementsPerTask), [&](int64_t task, int) {
+    const int64_t b = task * kElementsPerTask;
+    std::memset(p + b, 0, std::min(kElementsPerTask, n - b) * sizeof(float));
+  });
+  return out;
+}
+
 // A pool thread's buffers for its experts' matrices, kept across experts and calls:
 // fresh at::empty tensors of a few hundred KiB were fresh mmaps, and zeroing their pages
 // took a fifth of the backward (perf: clear_page_erms). Each Mat is a slot: a task takes
@@ -302,8 +345,8 @@ LoraForwardResult moe_forward_lora(const at::Tensor& x, const at::Tensor& topk_i
   LoraForwardResult res;
   res.out = at::empty(x.sizes(), x.options());
   if (save_pre) {  // zero rows for the slots without an expert
-    res.gate_pre = at::zeros({T * K, I}, kF32);
-    res.up_pre = at::zeros({T * K, I}, kF32);
+    res.gate_pre = zeros_on_pool({T * K, I});
+    res.up_pre = zeros_on_pool({T * K, I});
   }
   RoutingPlan plan;
   build_routing_plan(w.op, topk_ids, topk_weights, w.gate.num_experts(), w.skip_mask(), plan);
@@ -313,15 +356,14 @@ LoraForwardResult moe_forward_lora(const at::Tensor& x, const at::Tensor& topk_i
   at::Tensor gate_pre = res.gate_pre, up_pre = res.up_pre;
   if (on_kernels) {
     if (!save_pre) {
-      gate_pre = at::zeros({T * K, I}, kF32);
-      up_pre = at::zeros({T * K, I}, kF32);
+      gate_pre = zeros_on_pool({T * K, I});
+      up_pre = zeros_on_pool({T * K, I});
     }
     pre_activations_by_kernels(x, topk_ids, topk_weights, w, gate_pre, up_pre);
   }
-  lora_forward_experts(x.to(at::kFloat).contiguous(), plan, w,
-                       gate_pre.defined() ? gate_pre.data_ptr<float>() : nullptr,
-                       up_pre.defined() ? up_pre.data_ptr<float>() : nullptr,
-                       y_slots.data_ptr<float>(), on_kernels);
+  lora_forward_experts(
+      f32_on_pool(x), plan, w, gate_pre.defined() ? gate_pre.data_ptr<float>() : nullptr,
+      up_pre.defined() ? up_pre.data_ptr<float>() : nullptr, y_slots.data_ptr<float>(), on_kernels);
   combine_slots(y_slots.data_ptr<float>(), plan, H, res.out);
   return res;
 }
@@ -374,14 +416,14 @@ MoeGrads moe_backward_lora(const at::Tensor& grad_output, const at::Tensor& x,
   at::Tensor gate_pre = saved_gate_pre, up_pre = saved_up_pre;
   if (!gate_pre.defined() && x.size(0) > 0) {
     const int64_t rows = x.size(0) * topk_ids.size(1);
-    gate_pre = at::zeros({rows, w.intermediate_size}, kF32);
-    up_pre = at::zeros({rows, w.intermediate_size}, kF32);
+    gate_pre = zeros_on_pool({rows, w.intermediate_size});
+    up_pre = zeros_on_pool({rows, w.intermediate_size});
     if (pre_activations_on_kernels(x, w)) {  // as the forward computed them
       pre_activations_by_kernels(x.contiguous(), topk_ids, topk_weights, w, gate_pre, up_pre);
     } else if (x.size(1) > 0) {
       RoutingPlan plan;
       build_routing_plan(w.op, topk_ids, topk_weights, w.gate.num_experts(), w.skip_mask(), plan);
-      lora_forward_experts(x.to(at::kFloat).contiguous(), plan, w, gate_pre.data_ptr<float>(),
+      lora_forward_experts(f32_on_pool(x), plan, w, gate_pre.data_ptr<float>(),
                            up_pre.data_ptr<float>(), nullptr, false);
     }
   }
@@ -395,9 +437,8 @@ MoeGrads moe_backward_lora(const at::Tensor& grad_output, const at::Tensor& x,
   // fp32 accumulators; experts without tokens keep zero LoRA gradients.
   at::Tensor grad_w = at::zeros({T, K}, kF32);
   auto lora_grads = [&](const LoraF32& l) {
-    return l.present()
-               ? std::make_pair(at::zeros({E, l.r, l.k}, kF32), at::zeros({E, l.n, l.r}, kF32))
-               : std::make_pair(at::Tensor(), at::Tensor());
+    return l.present() ? std::make_pair(zeros_on_pool({E, l.r, l.k}), zeros_on_pool({E, l.n, l.r}))
+                       : std::make_pair(at::Tensor(), at::Tensor());
   };
   // Plain variables, not structured bindings: the expert lambda captures them (C++17).
   at::Tensor ga_g, gb_g, ga_u, gb_u, ga_d, gb_d;
@@ -410,8 +451,8 @@ MoeGrads moe_backward_lora(const at::Tensor& grad_output, const at::Tensor& x,
   if (T > 0 && H > 0) {
     RoutingPlan plan;
     build_routing_plan(w.op, topk_ids, topk_weights, E, w.skip_mask(), plan);
-    const at::Tensor xf = x.to(at::kFloat).contiguous();
-    const at::Tensor gof = grad_output.to(at::kFloat).contiguous();
+    const at::Tensor xf = f32_on_pool(x);
+    const at::Tensor gof = f32_on_pool(grad_output);
     const float* xp = xf.data_ptr<float>();
     const float* gop = gof.data_ptr<float>();
     const float* gpre = gate_pre.data_ptr<float>();
