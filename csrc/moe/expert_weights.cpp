@@ -46,15 +46,17 @@ void dequantize_bf16_transposed(const Projection& p, int64_t expert, float* wt, 
     float* col = wt + nb * kRows;  // W^T row kk - ka
     if (rows == kRows) {
       // Fixed trip counts: the compiler turns these into shifts, masks and full-line stores.
+      // One line is 16 lanes of (even, odd) bf16 pairs: a shift and a mask give the two
+      // fp32 rows. Written with vector extensions, which the baseline x86-64 build lowers
+      // to SSE2 (the scalar loop it made of the plain form took a fifth of the backward).
+      typedef uint32_t Lanes __attribute__((vector_size(kRows * 4)));
       for (int64_t kp = ka / 2; kp < full_pairs; ++kp) {
-        uint32_t l[kRows];  // 32-bit lanes, read without aliasing the bf16 storage
-        std::memcpy(l, block + kp * kLine, sizeof(l));
-        float* even = col + (2 * kp - ka) * ld;
-        float* odd = even + ld;
-        for (int r = 0; r < kRows; ++r) {
-          even[r] = bits_to_float(l[r] << 16);
-          odd[r] = bits_to_float(l[r] & 0xFFFF0000u);
-        }
+        Lanes l;  // read without aliasing the bf16 storage
+        std::memcpy(&l, block + kp * kLine, sizeof(l));
+        const Lanes even = l << 16, odd = l & 0xFFFF0000u;
+        float* dst = col + (2 * kp - ka) * ld;
+        std::memcpy(dst, &even, sizeof(even));
+        std::memcpy(dst + ld, &odd, sizeof(odd));
       }
     } else {
       for (int64_t kp = ka / 2; kp < full_pairs; ++kp) {
