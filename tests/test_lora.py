@@ -19,7 +19,9 @@ import pytest
 import torch
 from reference import (
     LORA_NAMES,
+    TOL_BF16,
     WEIGHT_NAMES,
+    Tolerance,
     assert_matches_reference,
     bf16_projection,
     lora_weights_from,
@@ -193,13 +195,25 @@ def _report(got: torch.Tensor, ref: torch.Tensor) -> Optional[str]:
 # --------------------------------------------------------------------------
 
 
+#: bf16 hidden states on a bf16 base: the LoRA forward runs the inference driver, whose
+#: tile kernel (at enough tokens per expert) reads the GLU outputs rounded to bf16 before
+#: the down projection, as inference does: about one bf16 rounding (2^-9) of the down
+#: input, ~1e-3 of max|out| against the fp32 reference. The saved pre-activations (so
+#: the LoRA gradients) stay exact: test_lora_gradients_at_fp32_accuracy_on_a_bf16_base.
+TOL_BF16_ON_KERNELS = Tolerance(compute=3e-3)
+
+
+def forward_tolerance(p: Problem) -> Tolerance:
+    return TOL_BF16_ON_KERNELS if p.x.dtype == torch.bfloat16 else TOL_BF16
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_forward_matches_reference(case: Case, isa: str):
     p = make_problem(case)
     out = kt_ops.moe_forward(*p.op_args(), **p.op_kwargs())
     assert out.dtype == p.x.dtype and out.shape == p.x.shape
     ref = reference_moe_forward(*p.op_args(), p.lora_weights(), out_dtype=torch.float32)
-    assert_matches_reference(out, ref)
+    assert_matches_reference(out, ref, forward_tolerance(p))
 
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["save", "recompute"])
@@ -208,7 +222,7 @@ def test_gradients_match_reference(case: Case, checkpointing: bool, isa: str):
     p = make_problem(case)
     out, grads = op_grads(p, checkpointing)
     ref_out, ref_grads = reference_grads(p)
-    assert_matches_reference(out, ref_out)
+    assert_matches_reference(out, ref_out, forward_tolerance(p))
     for name, t in grads.items():
         want_dtype = {"hidden_states": p.x.dtype, "topk_weights": p.topk_weights.dtype}.get(
             name, case.lora_dtype

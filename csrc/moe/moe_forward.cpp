@@ -111,11 +111,13 @@ struct Call {
   kernels::QuantizeRowQ8 quantize;
   bool x_q8 = false, h_q8 = false;      // some expert's kernel reads q8 records of x / of h
   bool x_bf16 = false, h_bf16 = false;  // some expert's tile kernel reads bf16 rows of x / of h
-  // The exact pre-activations (moe_pre_activations_exact): [T*K, I] by slot, holding
-  // each row's LoRA term on entry and its gate / up pre-activation on return; nullptr
+  // The exact forward (moe_forward_experts_exact): [T*K, I] by slot, holding each
+  // row's LoRA term on entry and its gate / up pre-activation on return; nullptr
   // for inference.
   float* gate_pre = nullptr;
   float* up_pre = nullptr;
+  bool down_delta = false;  // y's slots hold the down projection's LoRA term on entry
+  bool pre_only = false;    // the pre-activations alone: no down phase (backward's recompute)
 };
 
 // Route: the (token, slot) pairs of the batch, grouped per expert.
@@ -297,7 +299,11 @@ void down_block(const Call& c, int64_t e, int64_t nb, int64_t r0, int m,
     float* dst = s.y.data() + c.routing.row_slot[r0 + i] * c.H + nb * kRows;
     const float w = c.routing.row_weight[r0 + i];
     const float* d = t_gate_out.data() + i * kRows;
-    for (int r = 0; r < n_valid; ++r) dst[r] = w * d[r];
+    if (c.down_delta) {
+      for (int r = 0; r < n_valid; ++r) dst[r] = w * (d[r] + dst[r]);
+    } else {
+      for (int r = 0; r < n_valid; ++r) dst[r] = w * d[r];
+    }
   }
 }
 
@@ -305,7 +311,11 @@ void down_block(const Call& c, int64_t e, int64_t nb, int64_t r0, int m,
 // ([m, k], any row stride): the LoRA term of one projection, by slot.
 void lora_term_by_slot(const Call& c, const at::Tensor& in, const LoraF32& f, int64_t e, int64_t r0,
                        float* dst, int64_t n) {
-  const at::Tensor t = at::mm(at::mm(in, f.A(e).t()), f.B(e).t());  // [m, n]
+  // Into a buffer the thread keeps: a fresh tensor of this size is a fresh mmap.
+  thread_local std::vector<float> t_term;
+  grow(t_term, static_cast<size_t>(in.size(0) * n));
+  at::Tensor t = at::from_blob(t_term.data(), {in.size(0), n}, at::kFloat);
+  at::mm_out(t, at::mm(in, f.A(e).t()), f.B(e).t());  // [m, n]
   const float* tp = t.data_ptr<float>();
   const float s = static_cast<float>(c.layer.lora.scaling);
   for (int64_t i = 0; i < t.size(0); ++i) {
@@ -322,11 +332,25 @@ void lora_input_terms(const Call& c) {
   run_blas_tasks(static_cast<int64_t>(plan.active_experts.size()), [&](int64_t a, int) {
     const int64_t e = plan.active_experts[a], r0 = plan.expert_offsets[e];
     const int64_t m = plan.expert_offsets[e + 1] - r0;
-    at::Tensor xe = at::empty({m, c.H}, at::kFloat);
+    thread_local std::vector<float> t_xe;  // kept: a fresh tensor is a fresh mmap
+    grow(t_xe, static_cast<size_t>(m * c.H));
+    at::Tensor xe = at::from_blob(t_xe.data(), {m, c.H}, at::kFloat);
     float* xp = xe.data_ptr<float>();
     for (int64_t i = 0; i < m; ++i) std::copy_n(c.s.x_rows[r0 + i], c.H, xp + i * c.H);
     if (gate.present()) lora_term_by_slot(c, xe, gate, e, r0, c.gate_pre, c.I);
     if (up.present()) lora_term_by_slot(c, xe, up, e, r0, c.up_pre, c.I);
+  });
+}
+
+// Between gate/up and down: the down LoRA term of every row, into its slot of y.
+void lora_down_terms(const Call& c) {
+  const LoraF32 down = lora_f32(c.layer.lora.down);
+  const RoutingPlan& plan = c.routing;
+  run_blas_tasks(static_cast<int64_t>(plan.active_experts.size()), [&](int64_t a, int) {
+    const int64_t e = plan.active_experts[a], r0 = plan.expert_offsets[e];
+    const int64_t m = plan.expert_offsets[e + 1] - r0;
+    const at::Tensor he = at::from_blob(c.s.h.data() + r0 * c.Ip, {m, c.I}, {c.Ip, 1}, at::kFloat);
+    lora_term_by_slot(c, he, down, e, r0, c.s.y.data(), c.H);
   });
 }
 
@@ -342,8 +366,13 @@ void run_experts(const Call& c) {
   auto end_run = [&](int thread) { kernels::end_run(ks.at(thread)); };
   // NUMA placement (moe/numa_placement.h): one part unless several nodes.
   const NumaSplit numa = numa_split(c.layer);
-  if (c.gate_pre != nullptr) {  // the exact pre-activations alone (moe_pre_activations_exact)
+  if (c.gate_pre != nullptr) {
+    // The exact forward: the down projection's LoRA term needs an expert's whole
+    // h (ATen GEMMs per expert, between the phases).
     for_each_expert_block(c.routing, numa.gate_up, gate_up, end_run);
+    if (c.pre_only) return;
+    if (c.down_delta) lora_down_terms(c);
+    for_each_expert_block(c.routing, numa.down, down, end_run);
     return;
   }
   if (numa.gate_up.parts() == 1 && numa.down.parts() == 1) {
@@ -391,23 +420,26 @@ void moe_forward_experts(const at::Tensor& hidden_states, const at::Tensor& topk
   trim_scratch(s);
 }
 
-void moe_pre_activations_exact(const at::Tensor& hidden_states, const at::Tensor& topk_ids,
+void moe_forward_experts_exact(const at::Tensor& hidden_states, const at::Tensor& topk_ids,
                                const at::Tensor& topk_weights, const MoeLayer& layer,
-                               kernels::Isa isa, at::Tensor& gate_pre, at::Tensor& up_pre,
-                               kernels::ComputePath path) {
+                               kernels::Isa isa, at::Tensor* out, at::Tensor& gate_pre,
+                               at::Tensor& up_pre, kernels::ComputePath path) {
   Scratch& s = t_scratch;
   const RoutingPlan& routing = route(layer, topk_ids, topk_weights, s);
   if (hidden_states.size(0) == 0) return;
-  // fp32 activations times the exact weights: no q8 rounding; the tile kernel only
-  // where the caller knows its bf16 products are exact.
+  // fp32 activations times the exact weights: the streaming kernels, every
+  // format decoded to fp32 (no q8 rounding, no bf16 tile kernel).
   const kernels::Modes exact{path, kernels::QuantActivations::kFp32};
   Call call = plan_call(hidden_states, layer, isa, routing, s, exact);
   call.gate_pre = gate_pre.data_ptr<float>();
   call.up_pre = up_pre.data_ptr<float>();
+  call.down_delta = layer.lora.down.present();
+  call.pre_only = out == nullptr;
   prepare_activations(hidden_states, call);
   prepare_rows(call);
   lora_input_terms(call);
   run_experts(call);
+  if (out != nullptr) combine_slots(s.y.data(), routing, *out);
   trim_scratch(s);
 }
 

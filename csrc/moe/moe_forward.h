@@ -47,16 +47,21 @@ void moe_forward_experts(const at::Tensor& hidden_states, const at::Tensor& topk
                          const at::Tensor& topk_weights, const MoeLayer& layer, kernels::Isa isa,
                          at::Tensor& out);
 
-// The gate and up pre-activations of the LoRA and training paths (moe/moe_lora.h) on
-// the inference driver: fp32 activations times the exact weights (no q8 rounding), the
-// layer's bias and LoRA terms (x A^T B^T, ATen GEMMs per expert) included, written to
-// gate_pre / up_pre (fp32 [T*K, I], contiguous, zero on entry: the rows of id -1 slots
-// stay zero). `path`: kStreaming, or kAuto where the tile kernel's products are exact
+// The exact forward of the LoRA and training paths (moe/moe_lora.h): the same
+// driver with the layer's LoRA terms, fp32 activations times the exact weights
+// (the streaming kernels under QuantActivations::kFp32: no q8 rounding, no bf16
+// tile kernel), and the gate and up pre-activations (bias and LoRA included)
+// written to gate_pre / up_pre (fp32 [T*K, I], contiguous, zero on entry: the
+// rows of id -1 slots stay zero). The LoRA terms are ATen GEMMs per expert
+// (x A^T B^T before gate/up, h Ad^T Bd^T between the phases). `out` nullptr:
+// the pre-activations alone (no down phase; the backward's recompute).
+// `path`: kStreaming (the above), or kAuto where the tile kernel's products are exact
 // too (bf16 activations times bf16 weights: the products fit fp32, the sums are fp32).
-void moe_pre_activations_exact(const at::Tensor& hidden_states, const at::Tensor& topk_ids,
+void moe_forward_experts_exact(const at::Tensor& hidden_states, const at::Tensor& topk_ids,
                                const at::Tensor& topk_weights, const MoeLayer& layer,
-                               kernels::Isa isa, at::Tensor& gate_pre, at::Tensor& up_pre,
-                               kernels::ComputePath path);
+                               kernels::Isa isa, at::Tensor* out, at::Tensor& gate_pre,
+                               at::Tensor& up_pre,
+                               kernels::ComputePath path = kernels::ComputePath::kStreaming);
 
 // THE forward of kt.moe_forward on a parsed layer: the ATen LoRA path
 // (moe/moe_lora.h) when the layer has LoRA factors, else moe_forward_experts on

@@ -316,8 +316,16 @@ bool pre_activations_on_kernels(const at::Tensor& x, const MoeLayer& w) {
 void pre_activations_by_kernels(const at::Tensor& x, const at::Tensor& topk_ids,
                                 const at::Tensor& topk_weights, const MoeLayer& w,
                                 at::Tensor& gate_pre, at::Tensor& up_pre) {
-  moe_pre_activations_exact(x, topk_ids, topk_weights, w, kernels::active_isa(), gate_pre, up_pre,
-                            kernels::ComputePath::kAuto);
+  moe_forward_experts_exact(x, topk_ids, topk_weights, w, kernels::active_isa(), nullptr, gate_pre,
+                            up_pre, kernels::ComputePath::kAuto);
+}
+
+// Whether the whole forward may run on the inference driver: the above with a bf16
+// down projection too. Its tile kernel reads h rounded to bf16, as inference does: the
+// output (bf16, as x is) moves by about its own rounding; the saved pre-activations,
+// hence the LoRA gradients, are exact, and the down LoRA term reads the fp32 h.
+bool forward_on_kernels(const at::Tensor& x, const MoeLayer& w) {
+  return pre_activations_on_kernels(x, w) && w.down.format->layout == formats::Layout::kBf16;
 }
 
 }  // namespace
@@ -348,19 +356,22 @@ LoraForwardResult moe_forward_lora(const at::Tensor& x, const at::Tensor& topk_i
     res.gate_pre = zeros_on_pool({T * K, I});
     res.up_pre = zeros_on_pool({T * K, I});
   }
+  const bool on_kernels = pre_activations_on_kernels(x, w);
+  at::Tensor gate_pre = res.gate_pre, up_pre = res.up_pre;
+  if (on_kernels && !save_pre && T > 0) {
+    gate_pre = zeros_on_pool({T * K, I});
+    up_pre = zeros_on_pool({T * K, I});
+  }
+  if (forward_on_kernels(x, w)) {
+    moe_forward_experts_exact(x, topk_ids, topk_weights, w, kernels::active_isa(), &res.out,
+                              gate_pre, up_pre, kernels::ComputePath::kAuto);
+    return res;
+  }
   RoutingPlan plan;
   build_routing_plan(w.op, topk_ids, topk_weights, w.gate.num_experts(), w.skip_mask(), plan);
   if (T == 0 || H == 0) return res;
   at::Tensor y_slots = at::empty({T * K, H}, kF32);
-  const bool on_kernels = pre_activations_on_kernels(x, w);
-  at::Tensor gate_pre = res.gate_pre, up_pre = res.up_pre;
-  if (on_kernels) {
-    if (!save_pre) {
-      gate_pre = zeros_on_pool({T * K, I});
-      up_pre = zeros_on_pool({T * K, I});
-    }
-    pre_activations_by_kernels(x, topk_ids, topk_weights, w, gate_pre, up_pre);
-  }
+  if (on_kernels) pre_activations_by_kernels(x, topk_ids, topk_weights, w, gate_pre, up_pre);
   lora_forward_experts(
       f32_on_pool(x), plan, w, gate_pre.defined() ? gate_pre.data_ptr<float>() : nullptr,
       up_pre.defined() ? up_pre.data_ptr<float>() : nullptr, y_slots.data_ptr<float>(), on_kernels);

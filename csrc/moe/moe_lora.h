@@ -16,7 +16,7 @@
 // style on a quantized base), the LoRA terms as small GEMMs, the GLU by the tier's
 // vector epilogue. Where the gate and up products are exact on the inference kernels
 // (bf16 hidden states times bf16 weights: the products fit fp32, the sums are fp32),
-// they run there instead (moe_pre_activations_exact, tile path included). The gate
+// they run there instead (moe_forward_experts_exact, tile path included). The gate
 // and up pre-activations are saved by slot for the backward.
 //
 // Backward: one pool task per active expert (largest first). A task gathers
