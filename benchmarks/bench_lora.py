@@ -8,6 +8,7 @@ forward saving what backward needs, then backward of a fixed ``grad_output``
 to the hidden states, the routing weights and the six LoRA factors -- of
 
 * ``kt``           -- ``kt_ops.moe_forward(x, ids, w, packed, kt_ops.LoRAWeights(...))``
+  on bf16 hidden states (``--kt-dtype``; fp32 LoRA factors and routing weights)
   saving the gate/up pre-activations (activation checkpointing off), then
   ``out.backward(gy)``; on the base in each ``--formats`` entry (``bf16``,
   ``int8``, ...: ``kt_ops.ExpertWeights.from_dense``);
@@ -325,13 +326,16 @@ def leaf_lora(lora: dict, dtype=torch.float32) -> dict:
     return {k: v.to(dtype).clone().requires_grad_() for k, v in lora.items()}
 
 
-def make_step(run_forward, T, E, K, x0, gy0, lora, dtype=torch.float32):
-    """A training step: fresh routing, forward, ``out.backward(gy)``; returns what to compare."""
+def make_step(run_forward, T, E, K, x0, gy0, lora, dtype=torch.float32, rw_dtype=None):
+    """A training step: fresh routing, forward, ``out.backward(gy)``; returns what to compare.
+
+    ``dtype``: of the hidden states and of ``gy``; ``rw_dtype``: of the routing weights
+    (default ``dtype``)."""
 
     def step(i):
         ids, rw = routing(T, E, K, i)
         x = x0.to(dtype, copy=True).requires_grad_()
-        rw = rw.to(dtype, copy=True).requires_grad_()
+        rw = rw.to(rw_dtype or dtype, copy=True).requires_grad_()
         for v in lora.values():
             v.grad = None
         y = run_forward(x, ids, rw)
@@ -390,6 +394,12 @@ def main() -> int:
     ap.add_argument("--peak-gflops", type=float, default=230.0, help="compute peak, roofline")
     ap.add_argument("--peer-timeout", type=float, default=1800.0, help="seconds per kt-kernel run")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--kt-dtype",
+        choices=["bf16", "fp32"],
+        default="bf16",
+        help="kt_ops' hidden states and output gradient (bf16: as kt-kernel's and a bf16 model's)",
+    )
     ap.add_argument(
         "--kt-kernel-worker", nargs=3, metavar=("SPEC", "METHOD", "OUT"), help=argparse.SUPPRESS
     )
@@ -462,6 +472,7 @@ def main() -> int:
                 )
 
     packed = {fmt: kt_ops.ExpertWeights.from_dense(*dense, fmt) for fmt in args.formats}
+    kt_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.kt_dtype]
     bpe = {fmt: expert_bytes(p) / E for fmt, p in packed.items()}
     dense_bf16 = [d.to(bf) for d in dense] if "torch_bf16" in systems else None
     notes = []
@@ -495,7 +506,7 @@ def main() -> int:
                     def fwd(x, ids, rw, lk=lk, fmt=fmt):
                         return kt_ops.moe_forward(x, ids, rw, packed[fmt], lora_weights(lk, s))
 
-                    step = make_step(fwd, T, E, K, x0, gy0, lk)
+                    step = make_step(fwd, T, E, K, x0, gy0, lk, kt_dtype, torch.float32)
                     run(f"kt_ops ({nt}t)", fmt, step, f"kt:{fmt}:{nt}")
                 if "kt_recompute" in systems:
                     lk = leaf_lora(lora)
@@ -506,11 +517,12 @@ def main() -> int:
                             x, ids, rw, packed[fmt], lw, activation_checkpointing=True
                         )
 
-                    step = make_step(fwd, T, E, K, x0, gy0, lk)
+                    step = make_step(fwd, T, E, K, x0, gy0, lk, kt_dtype, torch.float32)
                     run(f"kt_ops recompute ({nt}t)", fmt, step, f"ktr:{fmt}:{nt}")
                 if "kt_forward" in systems:
+                    xk = x0.to(kt_dtype)
 
-                    def fwd_only(i, fmt=fmt, T=T, x0=x0):
+                    def fwd_only(i, fmt=fmt, T=T, x0=xk):
                         ids, rw = routing(T, E, K, i)
                         with torch.no_grad():
                             kt_ops.moe_forward(x0, ids, rw, packed[fmt], lora_weights(lora, s))

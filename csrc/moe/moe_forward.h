@@ -55,8 +55,9 @@ void moe_forward_experts(const at::Tensor& hidden_states, const at::Tensor& topk
 // rows of id -1 slots stay zero). The LoRA terms are ATen GEMMs per expert
 // (x A^T B^T before gate/up, h Ad^T Bd^T between the phases). `out` nullptr:
 // the pre-activations alone (no down phase; the backward's recompute).
-// `path`: kStreaming (the above), or kAuto where the tile kernel's products are exact
-// too (bf16 activations times bf16 weights: the products fit fp32, the sums are fp32).
+// `path`: kStreaming (the above), or kAuto for bf16 activations on bf16 weights: the
+// tile kernel's gate/up products are exact too (they fit fp32, the sums are fp32), and
+// its down projection reads the GLU outputs rounded to bf16, as inference does.
 void moe_forward_experts_exact(const at::Tensor& hidden_states, const at::Tensor& topk_ids,
                                const at::Tensor& topk_weights, const MoeLayer& layer,
                                kernels::Isa isa, at::Tensor* out, at::Tensor& gate_pre,

@@ -16,8 +16,11 @@
 // style on a quantized base), the LoRA terms as small GEMMs, the GLU by the tier's
 // vector epilogue. Where the gate and up products are exact on the inference kernels
 // (bf16 hidden states times bf16 weights: the products fit fp32, the sums are fp32),
-// they run there instead (moe_forward_experts_exact, tile path included). The gate
-// and up pre-activations are saved by slot for the backward.
+// they run there instead (moe_forward_experts_exact, tile path included), and with a
+// bf16 down projection the whole forward does: its tile kernel reads the GLU outputs
+// rounded to bf16, as inference does (the bf16 output moves by about its own
+// rounding), while the down LoRA term and the saved pre-activations stay fp32. The
+// gate and up pre-activations are saved by slot for the backward.
 //
 // Backward: one pool task per active expert (largest first). A task gathers
 // the expert's rows, runs its GEMMs single-threaded (at::mm with the BLAS held
