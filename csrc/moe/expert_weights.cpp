@@ -205,6 +205,22 @@ void decode_qint_transposed(const QintExpert& x, float* wt) {
       for (int64_t kw = std::max(k0, x.ka); kw < kend; kw += kWordK) {
         uint32_t lo[kRows];  // one row's 4 bytes per 32-bit lane
         std::memcpy(lo, block + (kw / kWordK) * 64, sizeof(lo));
+        if (Bits == 8 && A == Affine::kSigned && rows == kRows && kw + 4 <= k) {
+          // Four whole lines: vector extensions (SSE2 in the baseline build), as the
+          // bf16 decoder; the scalar form below ran the int8 LoRA path's panels.
+          typedef int32_t Ints __attribute__((vector_size(kRows * 4)));
+          typedef float Floats __attribute__((vector_size(kRows * 4)));
+          Ints li;
+          Floats sv;
+          std::memcpy(&li, lo, sizeof(li));
+          std::memcpy(&sv, s, sizeof(sv));
+          for (int j = 0; j < 4; ++j) {
+            const Ints q = (li << (24 - 8 * j)) >> 24;
+            const Floats v = sv * __builtin_convertvector(q, Floats);
+            std::memcpy(col + (kw + j - x.ka) * x.ld, &v, sizeof(v));
+          }
+          continue;
+        }
         if (Bits == 8) {
           for (int j = 0; j < 4 && kw + j < k; ++j) {
             float line[kRows];
