@@ -548,6 +548,19 @@ def replace_experts(
                 already,
             )
             return model
+        dicts = [
+            n
+            for n, m in model.named_modules()
+            if n.rsplit(".", 1)[-1] == "experts" and isinstance(m, nn.ModuleDict)
+        ]
+        if dicts:  # Switch Transformers, NLLB-MoE
+            raise UnsupportedExpertsError(
+                f"{type(model).__name__}: its experts ('{dicts[0]}' and {len(dicts) - 1} more) "
+                "are an nn.ModuleDict of non-gated MLPs (down(act(up(x))), routed with an "
+                "expert capacity): kt_ops runs gated experts down(act(gate(x)) * up(x)) "
+                "(relu2 the one non-gated activation) and is not used for this model "
+                "(found no MoE experts module it can run)"
+            )
         raise UnsupportedExpertsError(
             f"{type(model).__name__}: found no MoE experts module (looked for transformers' fused "
             "experts with 3-D gate_up_proj/down_proj and for an nn.ModuleList named 'experts' of "

@@ -29,7 +29,7 @@ SLICE = [
 
 #: Families kt_ops refuses, with the reason the survey must report.
 REFUSED = {
-    "switch_transformers": "found no MoE experts module",  # ModuleDict of ReLU MLPs
+    "switch_transformers": "nn.ModuleDict of non-gated MLPs",
 }
 
 
