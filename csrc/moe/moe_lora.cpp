@@ -183,7 +183,7 @@ TaskScratch& task_scratch() {
   return s;
 }
 // Above this many floats in one slot the memory goes back after the call.
-constexpr size_t kKeepScratchFloats = size_t{16} << 20;
+constexpr size_t kKeepScratchFloats = size_t{4} << 20;  // 16 MiB
 
 at::Tensor scratch_mat(int slot, int64_t rows, int64_t cols) {
   std::vector<float>& v = task_scratch().mats[slot];
@@ -198,39 +198,6 @@ void trim_task_scratch() {
     if (v.size() > kKeepScratchFloats) std::vector<float>().swap(v);
 }
 
-// Bytes of one fp32 panel of the forward's products x W^T, in K: larger than the
-// backward's (an sgemm per 32-64 columns of K ran at half speed).
-constexpr int64_t kInputPanelBytes = 1024 * 1024;
-
-// out = a @ W^T for expert e's projection W [n, k] and a [m, k]: per panel of
-// 32-aligned columns of W (K), decoded to fp32 (dense_expert_panel), accumulated.
-void input_products(const at::Tensor& a, const Projection& p, int64_t e, at::Tensor& out,
-                    std::vector<float>& panel) {
-  const int64_t k = p.k, ld = dense_panel_ld(p);
-  const int64_t kc = std::max<int64_t>(32, kInputPanelBytes / (ld * 4) / 32 * 32);
-  if (panel.size() < static_cast<size_t>(std::min(kc, k + 31) * ld))
-    panel.resize(std::min(kc, k + 31) * ld);
-  for (int64_t k0 = 0; k0 < k; k0 += kc) {
-    const int64_t k1 = std::min(k, k0 + kc);
-    const at::Tensor wt = dense_expert_panel(p, e, k0, k1, panel.data()).t();  // [kc, n]
-    const at::Tensor ak = a.narrow(1, k0, k1 - k0);
-    if (k0 == 0) {
-      at::mm_out(out, ak, wt);
-    } else {
-      out.addmm_(ak, wt);
-    }
-  }
-}
-
-// rows of m += the bias row b (nullable) of n values.
-void add_bias(at::Tensor& m, const float* b) {
-  if (b == nullptr) return;
-  const int64_t rows = m.size(0), n = m.size(1);
-  float* p = m.data_ptr<float>();
-  for (int64_t i = 0; i < rows; ++i)
-    for (int64_t j = 0; j < n; ++j) p[i * n + j] += b[j];
-}
-
 // h[0, n) = glu(g, u): the tier's vector epilogue over lines of 16, the scalar form
 // for the tail. h may be g itself.
 void glu_values(kernels::GluRows rows, const float* g, const float* u, int64_t n,
@@ -241,91 +208,19 @@ void glu_values(kernels::GluRows rows, const float* g, const float* u, int64_t n
   for (int64_t i = lines * 16; i < n; ++i) h[i] = kernels::glu_value(glu, h[i], u[i]);
 }
 
-// The forward of every active expert on the BLAS (one pool task per expert, largest
-// first): g = x Wg^T + s (x Ag^T) Bg^T + bg and u likewise, saved by slot into
-// gate_pre / up_pre (nullable); then, unless y_slots is null, h = glu(g, u) and
-// y = w * (h Wd^T + s (h Ad^T) Bd^T + bd) by slot. fp32 throughout: the activations
-// are not rounded (unlike the inference kernels' q8 / bf16 paths), which keeps the
-// LoRA gradients at fp32 accuracy; and each expert's GEMMs run on one thread, so the
-// bits do not depend on the thread count.
-//
-// pre_given: gate_pre / up_pre already hold the pre-activations (computed on the
-// inference kernels where their products are exact, pre_activations_on_kernels);
-// the experts' rows are read from there.
-void lora_forward_experts(const at::Tensor& xf, const RoutingPlan& plan, const MoeLayer& w,
-                          float* gate_pre, float* up_pre, float* y_slots, bool pre_given) {
-  const int64_t H = w.hidden_size, I = w.intermediate_size;
-  const LoraF32 lg = lora_f32(w.lora.gate), lu = lora_f32(w.lora.up), ld = lora_f32(w.lora.down);
-  const float s = static_cast<float>(w.lora.scaling);
-  const float* xp = xf.data_ptr<float>();
-  const kernels::GluRows glu = kernels::glu_rows(kernels::active_isa(), w.glu);
-  const std::vector<int64_t> order = experts_by_load(plan);
-  run_blas_tasks(static_cast<int64_t>(order.size()), [&](int64_t task, int) {
-    const int64_t e = order[task];
-    const int64_t r0 = plan.expert_offsets[e];
-    const int64_t m = plan.expert_offsets[e + 1] - r0;
-    const int64_t* slot = plan.row_slot.data() + r0;
-    std::vector<float>& panel = task_scratch().panel;
-    at::Tensor g = scratch_mat(1, m, I), u = scratch_mat(2, m, I);
-    if (pre_given) {
-      gather_rows(gate_pre, m, I, slot, g.data_ptr<float>());
-      gather_rows(up_pre, m, I, slot, u.data_ptr<float>());
-    } else {
-      at::Tensor xe = scratch_mat(0, m, H);
-      gather_rows(xp, m, H, plan.row_token.data() + r0, xe.data_ptr<float>());
-      input_products(xe, w.gate, e, g, panel);
-      input_products(xe, w.up, e, u, panel);
-      if (lg.present()) g.addmm_(at::mm(xe, lg.A(e).t()), lg.B(e).t(), 1.0, s);
-      if (lu.present()) u.addmm_(at::mm(xe, lu.A(e).t()), lu.B(e).t(), 1.0, s);
-      add_bias(g, w.gate.bias_row(e));
-      add_bias(u, w.up.bias_row(e));
-      if (gate_pre != nullptr) {
-        scatter_rows(g.data_ptr<float>(), m, I, slot, gate_pre);
-        scatter_rows(u.data_ptr<float>(), m, I, slot, up_pre);
-      }
-    }
-    if (y_slots == nullptr) return;
-    float* hp = g.data_ptr<float>();  // h over g
-    glu_values(glu, hp, u.data_ptr<float>(), m * I, w.glu, hp);
-    at::Tensor y = scratch_mat(3, m, H);
-    input_products(g, w.down, e, y, panel);
-    if (ld.present()) y.addmm_(at::mm(g, ld.A(e).t()), ld.B(e).t(), 1.0, s);
-    add_bias(y, w.down.bias_row(e));
-    const float* rw = plan.row_weight.data() + r0;
-    float* yp = y.data_ptr<float>();
-    for (int64_t i = 0; i < m; ++i) {
-      float* dst = y_slots + slot[i] * H;
-      for (int64_t j = 0; j < H; ++j) dst[j] = rw[i] * yp[i * H + j];
-    }
-  });
-  runtime::ThreadPool::global().run(blas_task_threads(), [](int64_t, int) { trim_task_scratch(); });
-}
-
-// Whether the gate and up products may run on the inference kernels (their tile
-// path included) without losing the exact forward's accuracy: bf16 activations times
-// bf16 weights, whose products fit fp32 and whose sums are fp32 (vdpbf16ps, AMX and
-// oneDNN's brgemm accumulate in fp32). Other dtypes / formats round (x to bf16, a
-// dequantized weight to bf16) and take the fp32 BLAS path.
-bool pre_activations_on_kernels(const at::Tensor& x, const MoeLayer& w) {
-  return x.scalar_type() == at::kBFloat16 && w.gate.format->layout == formats::Layout::kBf16 &&
-         w.up.format->layout == formats::Layout::kBf16;
-}
-
-// gate_pre / up_pre ([T*K, I] fp32, zero) <- the pre-activations, bias and LoRA terms
-// included, by the inference driver in its exact mode with the tile path allowed.
-void pre_activations_by_kernels(const at::Tensor& x, const at::Tensor& topk_ids,
-                                const at::Tensor& topk_weights, const MoeLayer& w,
-                                at::Tensor& gate_pre, at::Tensor& up_pre) {
-  moe_forward_experts_exact(x, topk_ids, topk_weights, w, kernels::active_isa(), nullptr, gate_pre,
-                            up_pre, kernels::ComputePath::kAuto);
-}
-
-// Whether the whole forward may run on the inference driver: the above with a bf16
-// down projection too. Its tile kernel reads h rounded to bf16, as inference does: the
-// output (bf16, as x is) moves by about its own rounding; the saved pre-activations,
-// hence the LoRA gradients, are exact, and the down LoRA term reads the fp32 h.
-bool forward_on_kernels(const at::Tensor& x, const MoeLayer& w) {
-  return pre_activations_on_kernels(x, w) && w.down.format->layout == formats::Layout::kBf16;
+// Whether the forward may run on the inference driver with its tile path: bf16 hidden
+// states on a bf16 base. The gate and up products are then exact (bf16 products fit
+// fp32, the sums are fp32: vdpbf16ps, AMX and oneDNN's brgemm accumulate in fp32), so
+// the saved pre-activations, hence the LoRA gradients, keep fp32 accuracy; the down
+// projection's tile kernel reads h rounded to bf16, as inference does: the output (bf16,
+// as x is) moves by about its own rounding, and the down LoRA term reads the fp32 h.
+// Anything else runs the streaming kernels with fp32 activations (no rounding at all).
+kernels::ComputePath lora_forward_path(const at::Tensor& x, const MoeLayer& w) {
+  const bool bf16 = x.scalar_type() == at::kBFloat16 &&
+                    w.gate.format->layout == formats::Layout::kBf16 &&
+                    w.up.format->layout == formats::Layout::kBf16 &&
+                    w.down.format->layout == formats::Layout::kBf16;
+  return bf16 ? kernels::ComputePath::kAuto : kernels::ComputePath::kStreaming;
 }
 
 }  // namespace
@@ -349,33 +244,17 @@ LoraF32 lora_f32(const LoraProjection& p) {
 LoraForwardResult moe_forward_lora(const at::Tensor& x, const at::Tensor& topk_ids,
                                    const at::Tensor& topk_weights, const MoeLayer& w,
                                    bool save_pre) {
-  const int64_t T = x.size(0), K = topk_ids.size(1), H = x.size(1), I = w.intermediate_size;
+  const int64_t T = x.size(0), K = topk_ids.size(1), I = w.intermediate_size;
   LoraForwardResult res;
   res.out = at::empty(x.sizes(), x.options());
-  if (save_pre) {  // zero rows for the slots without an expert
-    res.gate_pre = zeros_on_pool({T * K, I});
-    res.up_pre = zeros_on_pool({T * K, I});
+  // Zero rows for the slots without an expert; the driver adds into them.
+  at::Tensor gate_pre = zeros_on_pool({T * K, I}), up_pre = zeros_on_pool({T * K, I});
+  moe_forward_experts_exact(x, topk_ids, topk_weights, w, kernels::active_isa(), &res.out, gate_pre,
+                            up_pre, lora_forward_path(x, w));
+  if (save_pre) {
+    res.gate_pre = gate_pre;
+    res.up_pre = up_pre;
   }
-  const bool on_kernels = pre_activations_on_kernels(x, w);
-  at::Tensor gate_pre = res.gate_pre, up_pre = res.up_pre;
-  if (on_kernels && !save_pre && T > 0) {
-    gate_pre = zeros_on_pool({T * K, I});
-    up_pre = zeros_on_pool({T * K, I});
-  }
-  if (forward_on_kernels(x, w)) {
-    moe_forward_experts_exact(x, topk_ids, topk_weights, w, kernels::active_isa(), &res.out,
-                              gate_pre, up_pre, kernels::ComputePath::kAuto);
-    return res;
-  }
-  RoutingPlan plan;
-  build_routing_plan(w.op, topk_ids, topk_weights, w.gate.num_experts(), w.skip_mask(), plan);
-  if (T == 0 || H == 0) return res;
-  at::Tensor y_slots = at::empty({T * K, H}, kF32);
-  if (on_kernels) pre_activations_by_kernels(x, topk_ids, topk_weights, w, gate_pre, up_pre);
-  lora_forward_experts(
-      f32_on_pool(x), plan, w, gate_pre.defined() ? gate_pre.data_ptr<float>() : nullptr,
-      up_pre.defined() ? up_pre.data_ptr<float>() : nullptr, y_slots.data_ptr<float>(), on_kernels);
-  combine_slots(y_slots.data_ptr<float>(), plan, H, res.out);
   return res;
 }
 
@@ -429,14 +308,8 @@ MoeGrads moe_backward_lora(const at::Tensor& grad_output, const at::Tensor& x,
     const int64_t rows = x.size(0) * topk_ids.size(1);
     gate_pre = zeros_on_pool({rows, w.intermediate_size});
     up_pre = zeros_on_pool({rows, w.intermediate_size});
-    if (pre_activations_on_kernels(x, w)) {  // as the forward computed them
-      pre_activations_by_kernels(x.contiguous(), topk_ids, topk_weights, w, gate_pre, up_pre);
-    } else if (x.size(1) > 0) {
-      RoutingPlan plan;
-      build_routing_plan(w.op, topk_ids, topk_weights, w.gate.num_experts(), w.skip_mask(), plan);
-      lora_forward_experts(f32_on_pool(x), plan, w, gate_pre.data_ptr<float>(),
-                           up_pre.data_ptr<float>(), nullptr, false);
-    }
+    moe_forward_experts_exact(x.contiguous(), topk_ids, topk_weights, w, kernels::active_isa(),
+                              nullptr, gate_pre, up_pre, lora_forward_path(x, w));
   }
   const LoraParams& lora = w.lora;
   const int64_t T = x.size(0), H = x.size(1), K = topk_ids.size(1);

@@ -10,17 +10,15 @@
 //     g = gate(x) + bg, u = up(x) + bu, h = glu(g, u), y = down(h) + bd,
 //     out[t] = sum_k w[t, k] * y_{e = ids[t, k]}(x[t]).
 //
-// Forward: one pool task per active expert (largest first), fp32 throughout so the
-// LoRA gradients keep fp32 accuracy: the base products as single-threaded BLAS GEMMs
-// on L2-sized fp32 panels of the weights (dense_expert_panel: every format, QLoRA
-// style on a quantized base), the LoRA terms as small GEMMs, the GLU by the tier's
-// vector epilogue. Where the gate and up products are exact on the inference kernels
-// (bf16 hidden states times bf16 weights: the products fit fp32, the sums are fp32),
-// they run there instead (moe_forward_experts_exact, tile path included), and with a
-// bf16 down projection the whole forward does: its tile kernel reads the GLU outputs
-// rounded to bf16, as inference does (the bf16 output moves by about its own
-// rounding), while the down LoRA term and the saved pre-activations stay fp32. The
-// gate and up pre-activations are saved by slot for the backward.
+// Forward: the inference driver's exact mode (moe_forward_experts_exact in
+// moe/moe_forward.h), with the LoRA terms as ATen GEMMs per expert and the saved
+// gate/up pre-activations written in the epilogues. bf16 hidden states on a bf16 base
+// run its tile path: bf16 products fit fp32 and the sums are fp32, so the
+// pre-activations (and the LoRA gradients) keep fp32 accuracy, while down reads h
+// rounded to bf16 as inference does (the bf16 output moves by about its own
+// rounding). Anything else runs the streaming kernels with fp32 activations times the
+// exact weights (every format, QLoRA style on a quantized base; no rounding). A BLAS
+// forward on fp32 weight panels (as the backward's) was tried: 1.5x slower for int8.
 //
 // Backward: one pool task per active expert (largest first). A task gathers
 // the expert's rows, runs its GEMMs single-threaded (at::mm with the BLAS held
