@@ -249,8 +249,8 @@ def adapter_tensors(
         if layout["layout"] not in ("fused", "module_list"):
             raise ValueError(
                 f"{name}: experts replaced from the {layout['layout']!r} layout (DBRX's "
-                "stacked mlp.w1/v1/w2, JetMoE's block) have no PEFT adapter layout yet; save "
-                "the LoRA factors "
+                "stacked mlp.w1/v1/w2, JetMoE's or Llama 4's block) have no PEFT adapter "
+                "layout yet; save the LoRA factors "
                 "with the model's state_dict ({p}_lora_a / {p}_lora_b)"
             )
         s = module.lora_scaling
