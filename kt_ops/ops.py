@@ -152,7 +152,7 @@ def moe_forward(
             ``experts`` (:meth:`ExpertWeights.with_biases`).
         activation_checkpointing: what a call that records autograd saves for
             backward: ``False`` saves the gate/up pre-activations (``2*K*I*4``
-            bytes per token; ATen forward), ``True`` recomputes them; ``None``
+            bytes per token), ``True`` recomputes them; ``None``
             (default): with LoRA, :func:`set_lora_activation_checkpointing`'s
             setting, without LoRA ``True`` (the fast inference kernel).
         out: optional caller-owned contiguous ``[T, H]`` tensor in the dtype of
@@ -168,13 +168,17 @@ def moe_forward(
         ``[T, H]`` tensor in the dtype of ``hidden_states`` (``out`` when
         given). Accumulation is fp32; results are bit-identical for any thread
         count on one ISA path. Without LoRA the ISA kernels run; with LoRA (and
-        for the saving training forward) an ATen fp32 path (per-expert GEMMs)
-        runs instead, on the base weights dequantized to fp32 (exactly
-        ``kt_ops.formats.dequantize_weights``) and fp32 activations. The
-        kernels of the integer formats round the activations to int8 (q8,
-        docs/formats.md) and that path does not, so on such a base the LoRA
-        path with ``B = 0`` differs from the no-LoRA call by that rounding:
-        about 1e-2 relative (fp8, whose kernels keep fp32 activations: 6e-7).
+        for the saving training forward) they run in their exact mode: fp32
+        activations times the exact weights (the streaming kernels, no q8
+        rounding), the LoRA terms as fp32 GEMMs per expert. bf16 hidden states
+        on a bf16 base also take the tile path there (bf16 products are exact
+        in fp32; the down projection reads the GLU outputs rounded to bf16, as
+        inference does). The kernels of the integer formats round the
+        activations to int8 (q8, docs/formats.md) and the exact mode does not,
+        so on such a base the LoRA path with ``B = 0`` differs from the no-LoRA
+        call by that rounding: about 1e-2 relative (fp8, whose kernels keep
+        fp32 activations: 6e-7). The backward runs fp32 GEMMs on the base
+        weights dequantized to fp32 (exactly ``kt_ops.formats.dequantize_weights``).
         Inference calls (grad mode off, no LoRA, mask or ``out``) compute the
         same bits through a layer parsed once and kept on ``experts``
         (``kt_ops._C.PreparedLayer``), which skips the op's argument conversion
