@@ -172,22 +172,23 @@ def op_grads(p: Problem, checkpointing: bool) -> tuple[torch.Tensor, dict[str, t
     return out.detach(), grads
 
 
-def assert_grads_match(got: dict, want: dict) -> None:
+def assert_grads_match(got: dict, want: dict, tolerances: Optional[dict] = None) -> None:
+    """Each gradient against the reference's (``tolerances``: per name, else TOL_BF16)."""
     assert got.keys() == want.keys()
     for name, ref in want.items():
         g = got[name]
         assert g is not None, f"no gradient for {name}"
         assert g.shape == ref.shape, f"{name}: shape {tuple(g.shape)} != {tuple(ref.shape)}"
-        report = _report(g, ref)
+        report = _report(g, ref, (tolerances or {}).get(name, TOL_BF16))
         assert report is None, f"{name}: {report}"
 
 
-def _report(got: torch.Tensor, ref: torch.Tensor) -> Optional[str]:
+def _report(got: torch.Tensor, ref: torch.Tensor, tol: Tolerance = TOL_BF16) -> Optional[str]:
     if got.numel() == 0:
         return None
     if ref.abs().max() == 0:  # e.g. every slot skipped: must be exactly zero
         return None if torch.count_nonzero(got) == 0 else "nonzero gradient where it must be 0"
-    return mismatch_report(got, ref)
+    return mismatch_report(got, ref, tol)
 
 
 # --------------------------------------------------------------------------
@@ -205,6 +206,14 @@ TOL_BF16_ON_KERNELS = Tolerance(compute=3e-3)
 
 def forward_tolerance(p: Problem) -> Tolerance:
     return TOL_BF16_ON_KERNELS if p.x.dtype == torch.bfloat16 else TOL_BF16
+
+
+def grad_tolerances(p: Problem) -> dict:
+    """bf16 hidden states on a bf16 base: the backward's dg Wg + du Wu runs on oneDNN's
+    bf16 brgemm with dg, du rounded to bf16 (x's gradient is bf16 anyway): about one
+    bf16 rounding of those, as in the forward; go Wd stays exact (bf16 products), so the
+    LoRA factors' gradients keep TOL_BF16."""
+    return {"hidden_states": TOL_BF16_ON_KERNELS} if p.x.dtype == torch.bfloat16 else {}
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
@@ -228,7 +237,7 @@ def test_gradients_match_reference(case: Case, checkpointing: bool, isa: str):
             name, case.lora_dtype
         )
         assert t.dtype == want_dtype, f"{name}: dtype {t.dtype}, expected {want_dtype}"
-    assert_grads_match(grads, ref_grads)
+    assert_grads_match(grads, ref_grads, grad_tolerances(p))
 
 
 def test_experts_without_tokens_get_zero_lora_gradients():

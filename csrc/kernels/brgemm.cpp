@@ -366,4 +366,20 @@ void release() {
 #endif
 }
 
+void bf16_gemm(int m, int64_t n, int64_t k, const uint16_t* a, int64_t lda, const uint16_t* b,
+               float* c, int64_t ldc, bool add_c) {
+#ifdef KT_HAVE_CPUBLAS_BRGEMM
+  const auto* ab = reinterpret_cast<const c10::BFloat16*>(a);
+  const auto* bb = reinterpret_cast<const c10::BFloat16*>(b);
+  for (int i = 0; i < m; i += kMaxTileRows) {
+    const int rows = std::min(kMaxTileRows, m - i);
+    at::native::cpublas::brgemm(rows, n, k, lda, n, ldc, add_c, ab + i * lda, bb, c + i * ldc,
+                                true);
+  }
+#else
+  (void)m, (void)n, (void)k, (void)a, (void)lda, (void)b, (void)c, (void)ldc, (void)add_c;
+  TORCH_CHECK(false, "kt_ops: built without oneDNN's brgemm (bf16_gemm)");
+#endif
+}
+
 }  // namespace kt::kernels::brgemm

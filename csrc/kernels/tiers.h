@@ -61,6 +61,11 @@ __attribute__((weak)) void fp8_dp_block(const uint16_t* xs, int64_t ldx, int m,
                                         float* out, int64_t ldo);
 __attribute__((weak)) void scale_rows_to_bf16(const float* const* x, int m, int64_t kp,
                                               const float* scales, uint16_t* dst, int64_t ld);
+// The LoRA backward's weight panels (kernels/avx512/bf16_vnni_panel_avx512.cpp): the
+// columns 2 kp0 .. 2 kp0 + cols of one packed bf16 16-row block as brgemm's VNNI B
+// operand over the rows, its 8 row pairs at dst + j * cols * 2 (cols a multiple of 16).
+__attribute__((weak)) void bf16_vnni_panel_block(const uint16_t* block, int64_t kp0, int64_t cols,
+                                                 uint16_t* dst);
 }  // namespace avx512
 
 }  // namespace kt::kernels

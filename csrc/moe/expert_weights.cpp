@@ -12,6 +12,8 @@
 #include "formats/fp8.h"
 #include "formats/qint.h"
 #include "formats/scale_dtype.h"
+#include "kernels/tiers.h"
+#include "runtime/cpu_features.h"
 
 namespace kt::moe {
 
@@ -445,6 +447,25 @@ at::Tensor dense_expert_weight(const Projection& p, int64_t expert, const at::Te
 }
 
 int64_t dense_panel_ld(const Projection& p) { return dense_ld(p.n); }
+
+bool bf16_vnni_panel_applies(const Projection& p) {
+  return p.format->layout == formats::Layout::kBf16 && p.n % 16 == 0 && p.k % 16 == 0 &&
+         kernels::avx512::bf16_vnni_panel_block != nullptr && runtime::cpu_features().avx512;
+}
+
+void bf16_vnni_panel(const Projection& p, int64_t expert, int64_t k0, int64_t cols, uint16_t* dst) {
+  TORCH_CHECK(bf16_vnni_panel_applies(p) && expert >= 0 && expert < p.num_experts() &&
+                  k0 % 16 == 0 && cols % 16 == 0 && k0 >= 0 && k0 + cols <= p.k,
+              "bf16_vnni_panel: columns [", k0, ", ", k0 + cols, ") of a ", p.n, " x ", p.k, " ",
+              p.format->name, " projection (or no AVX-512 here)");
+  constexpr int kRows = formats::kBf16BlockRows;
+  const int64_t blocks = p.n / kRows, block_elems = formats::bf16_block_elems(p.k);
+  const auto* base =
+      reinterpret_cast<const uint16_t*>(p.weight.data_ptr()) + expert * blocks * block_elems;
+  for (int64_t nb = 0; nb < blocks; ++nb)  // row pairs 8 nb .. 8 nb + 7
+    kernels::avx512::bf16_vnni_panel_block(base + nb * block_elems, k0 / 2, cols,
+                                           dst + nb * (kRows / 2) * cols * 2);
+}
 
 at::Tensor dense_expert_panel(const Projection& p, int64_t expert, int64_t k0, int64_t k1,
                               float* panel) {

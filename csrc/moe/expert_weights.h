@@ -42,4 +42,13 @@ at::Tensor dense_expert_panel(const Projection& p, int64_t expert, int64_t k0, i
                               float* panel);
 int64_t dense_panel_ld(const Projection& p);
 
+// Columns [k0, k0 + cols) of expert's bf16 W [n, k] as a brgemm B operand whose
+// reduction runs over n (the backward's d @ W, d [m, n]): bf16 [n / 2][cols][2], the
+// VNNI layout (pairs of consecutive rows of W per column), exact (no rounding), by
+// AVX-512 code (kernels/avx512/bf16_vnni_panel_avx512.cpp). Needs
+// bf16_vnni_panel_applies(p) (the bf16 layout, n and k multiples of 16, an AVX-512 CPU
+// and build) and k0, cols multiples of 16 inside [0, k); throws c10::Error otherwise.
+bool bf16_vnni_panel_applies(const Projection& p);
+void bf16_vnni_panel(const Projection& p, int64_t expert, int64_t k0, int64_t cols, uint16_t* dst);
+
 }  // namespace kt::moe

@@ -2,18 +2,23 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/LegacyTypeDispatch.h>
+#include <c10/util/BFloat16.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <exception>
 #include <initializer_list>
+#include <limits>
 #include <tuple>
 #include <utility>
 #include <vector>
 
 #include "formats/bf16.h"
 #include "kernels/activations.h"
+#include "kernels/brgemm.h"
 #include "kernels/dispatch.h"
+#include "kernels/isa.h"
 #include "moe/blas_tasks.h"
 #include "moe/moe_forward.h"
 #include "moe/routing.h"
@@ -177,6 +182,8 @@ at::Tensor zeros_on_pool(at::IntArrayRef sizes) {
 struct TaskScratch {
   std::vector<float> mats[10];
   std::vector<float> panel;
+  std::vector<uint16_t> rows16[2];  // bf16 rows of the backward's products on brgemm
+  std::vector<uint16_t> panel16;    // a bf16 VNNI panel of the weights
 };
 TaskScratch& task_scratch() {
   thread_local TaskScratch s;
@@ -196,6 +203,65 @@ void trim_task_scratch() {
   TaskScratch& s = task_scratch();
   for (auto& v : s.mats)
     if (v.size() > kKeepScratchFloats) std::vector<float>().swap(v);
+  for (auto& v : s.rows16)
+    if (v.size() > 2 * kKeepScratchFloats) std::vector<uint16_t>().swap(v);
+}
+
+// m rows of n bf16 values in a pool thread's kept buffer `slot`.
+uint16_t* scratch_rows16(int slot, int64_t m, int64_t n) {
+  std::vector<uint16_t>& v = task_scratch().rows16[slot];
+  if (v.size() < static_cast<size_t>(m * n)) v.resize(m * n);
+  return v.data();
+}
+
+// Whether the backward's products with the base (go Wd, dg Wg + du Wu) run on oneDNN's
+// bf16 brgemm (kernels::brgemm::bf16_gemm) instead of fp32 BLAS: bf16 hidden states and
+// output gradient on a bf16 base (n and k multiples of 16), on a tier that runs the
+// bf16 tile kernels. go Wd then stays exact (bf16 go times bf16 weights: products
+// exact in fp32, fp32 sums), so the gate/up LoRA gradients keep fp32 accuracy; dg and
+// du are rounded to bf16 for dx, whose bf16 result (the dtype of x) carries about that
+// rounding anyway. The A operands of x's gradient are the only rounding.
+bool backward_on_brgemm(const at::Tensor& x, const at::Tensor& grad_output, const MoeLayer& w) {
+  static const kernels::Isa avx512 = [] {
+    try {
+      return kernels::parse_isa("avx512");
+    } catch (const std::exception&) {  // a build without the AVX-512 tiers
+      return std::numeric_limits<kernels::Isa>::max();
+    }
+  }();
+  return x.scalar_type() == at::kBFloat16 && grad_output.scalar_type() == at::kBFloat16 &&
+         bf16_vnni_panel_applies(w.gate) && bf16_vnni_panel_applies(w.up) &&
+         bf16_vnni_panel_applies(w.down) && kernels::active_isa() >= avx512 &&
+         kernels::brgemm::bf16_runs();
+}
+
+// Output columns per brgemm call of the backward: a [n/2][64][2] bf16 panel of the
+// weights (256 KiB at n = 2048) stays in L2 while the expert's rows stream past it.
+constexpr int64_t kVnniCols = 64;
+
+// out [m, k] fp32 (row stride k) = sum_j a_j [m, n] (bf16 rows) @ W_j [n, k] for expert
+// e's projections W_j (one n and k), per 64-column VNNI panel, on oneDNN's brgemm.
+void vnni_products(std::initializer_list<std::pair<const uint16_t*, const Projection*>> terms,
+                   int64_t m, int64_t e, float* out) {
+  const Projection& p0 = *terms.begin()->second;
+  const int64_t n = p0.n, k = p0.k;
+  std::vector<uint16_t>& panel = task_scratch().panel16;
+  if (panel.size() < static_cast<size_t>(n * kVnniCols)) panel.resize(n * kVnniCols);
+  for (int64_t c0 = 0; c0 < k; c0 += kVnniCols) {
+    const int64_t cols = std::min(kVnniCols, k - c0);
+    bool first = true;
+    for (const auto& [a, p] : terms) {
+      bf16_vnni_panel(*p, e, c0, cols, panel.data());
+      kernels::brgemm::bf16_gemm(static_cast<int>(m), cols, n, a, n, panel.data(), out + c0, k,
+                                 !first);
+      first = false;
+    }
+  }
+}
+
+// dst [m, n] bf16 (round to nearest even) of src [m, n] fp32.
+void to_bf16_rows(const float* src, int64_t count, uint16_t* dst) {
+  for (int64_t i = 0; i < count; ++i) dst[i] = c10::BFloat16(src[i]).x;
 }
 
 // h[0, n) = glu(g, u): the tier's vector epilogue over lines of 16, the scalar form
@@ -337,6 +403,9 @@ MoeGrads moe_backward_lora(const at::Tensor& grad_output, const at::Tensor& x,
     build_routing_plan(w.op, topk_ids, topk_weights, E, w.skip_mask(), plan);
     const at::Tensor xf = f32_on_pool(x);
     const at::Tensor gof = f32_on_pool(grad_output);
+    const bool on_brgemm = backward_on_brgemm(x, grad_output, w);
+    const at::Tensor go16 = on_brgemm ? grad_output.contiguous() : at::Tensor();
+    const auto* go16p = on_brgemm ? static_cast<const uint16_t*>(go16.data_ptr()) : nullptr;
     const float* xp = xf.data_ptr<float>();
     const float* gop = gof.data_ptr<float>();
     const float* gpre = gate_pre.data_ptr<float>();
@@ -374,7 +443,14 @@ MoeGrads moe_backward_lora(const at::Tensor& grad_output, const at::Tensor& x,
       at::Tensor go = scratch_mat(4, m, H);
       gather_rows(gop, m, H, token, go.data_ptr<float>());
       at::Tensor dh = scratch_mat(5, m, I);
-      base_products({{&go, &w.down}}, e, dh, panel);
+      if (on_brgemm) {
+        uint16_t* go_rows = scratch_rows16(0, m, H);
+        for (int64_t i = 0; i < m; ++i)
+          std::memcpy(go_rows + i * H, go16p + token[i] * H, H * sizeof(uint16_t));
+        vnni_products({{go_rows, &w.down}}, m, e, dh.data_ptr<float>());
+      } else {
+        base_products({{&go, &w.down}}, e, dh, panel);
+      }
       at::Tensor go_b;  // go Bd [m, rd]
       if (ld.present()) {
         go_b = at::mm(go, ld.B(e));
@@ -428,11 +504,20 @@ MoeGrads moe_backward_lora(const at::Tensor& grad_output, const at::Tensor& x,
       if (compute_grad_x) {
         // dx = dg Wg + du Wu + s (dg Bg) Ag + s (du Bu) Au.
         at::Tensor dx = scratch_mat(6, m, H);
-        base_products({{&dg, &w.gate}, {&du, &w.up}}, e, dx, panel);
+        if (on_brgemm) {
+          uint16_t* dg16 = scratch_rows16(0, m, I);
+          uint16_t* du16 = scratch_rows16(1, m, I);
+          to_bf16_rows(dg.data_ptr<float>(), m * I, dg16);
+          to_bf16_rows(du.data_ptr<float>(), m * I, du16);
+          vnni_products({{dg16, &w.gate}, {du16, &w.up}}, m, e, dx.data_ptr<float>());
+        } else {
+          base_products({{&dg, &w.gate}, {&du, &w.up}}, e, dx, panel);
+        }
         if (lg.present()) dx.addmm_(dg_b, lg.A(e), 1.0, s);
         if (lu.present()) dx.addmm_(du_b, lu.A(e), 1.0, s);
         scatter_rows(dx.data_ptr<float>(), m, H, slot, dxp);
       }
+      if (on_brgemm) kernels::brgemm::release();  // AMX: the tile configuration
     });
     runtime::ThreadPool::global().run(blas_task_threads(),
                                       [](int64_t, int) { trim_task_scratch(); });
