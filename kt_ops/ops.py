@@ -178,7 +178,9 @@ def moe_forward(
         so on such a base the LoRA path with ``B = 0`` differs from the no-LoRA
         call by that rounding: about 1e-2 relative (fp8, whose kernels keep
         fp32 activations: 6e-7). The backward runs fp32 GEMMs on the base
-        weights dequantized to fp32 (exactly ``kt_ops.formats.dequantize_weights``).
+        weights dequantized to fp32 (exactly ``kt_ops.formats.dequantize_weights``);
+        for bf16 hidden states and gradients on a bf16 base, bf16 brgemm products
+        (``go Wd`` exact; ``dg``, ``du`` rounded to bf16 for the gradient of x).
         Inference calls (grad mode off, no LoRA, mask or ``out``) compute the
         same bits through a layer parsed once and kept on ``experts``
         (``kt_ops._C.PreparedLayer``), which skips the op's argument conversion

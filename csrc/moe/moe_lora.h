@@ -22,9 +22,13 @@
 //
 // Backward: one pool task per active expert (largest first). A task gathers
 // the expert's rows, runs its GEMMs single-threaded (at::mm with the BLAS held
-// to one thread, moe/blas_tasks.h) on the base read through
-// dense_expert_weight (expert_weights.h), and writes per-(token, slot)
-// results; a second pass sums the slots of each token in k order. Without
+// to one thread, moe/blas_tasks.h) on L2-sized fp32 panels of the base
+// (dense_expert_panel, expert_weights.h), and writes per-(token, slot)
+// results; a second pass sums the slots of each token in k order. With bf16
+// hidden states and gradients on a bf16 base, the products with the base run on
+// oneDNN's bf16 brgemm instead (kernels::brgemm::bf16_gemm) with VNNI panels of
+// the weights over n (bf16_vnni_panel): go Wd stays exact (bf16 products, fp32
+// sums), dg and du are rounded to bf16 for x's (bf16) gradient. Without
 // saved pre-activations it first reruns the exact forward (the same bits).
 // Every value comes from the same sequence of operations for any thread
 // count: results are bit-identical for 1, 2, ... threads.
