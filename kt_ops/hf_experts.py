@@ -241,6 +241,15 @@ def _is_llama4_block(module: nn.Module) -> bool:
     return len(params) == 2
 
 
+def _extra_tensors(module: nn.Module, allowed: tuple[str, ...]) -> list[str]:
+    """The module's parameters and buffers other than ``allowed`` (what kt_ops would ignore)."""
+    return sorted(
+        n
+        for n, _ in list(module.named_parameters()) + list(module.named_buffers())
+        if n not in allowed
+    )
+
+
 def _plan_llama4(name: str, module: nn.Module) -> ExpertsInfo:
     where = _where(name, module)
     experts = module.experts
@@ -251,11 +260,7 @@ def _plan_llama4(name: str, module: nn.Module) -> ExpertsInfo:
             f"{where}: experts.gate_up_proj {tuple(gate_up.shape)} and experts.down_proj "
             f"{tuple(down.shape)} are not [E, H, 2I] and [E, I, H]"
         )
-    extra = sorted(
-        n
-        for n, _ in list(experts.named_parameters()) + list(experts.named_buffers())
-        if n not in ("gate_up_proj", "down_proj")
-    )
+    extra = _extra_tensors(experts, ("gate_up_proj", "down_proj"))
     if extra:
         raise UnsupportedExpertsError(
             f"{where}: experts have tensors {extra} besides gate_up_proj/down_proj"
@@ -330,11 +335,7 @@ def _plan_non_gated(name: str, module: nn.Module) -> ExpertsInfo:
             f"{where}: up_proj {tuple(up.shape)} and down_proj {tuple(down.shape)} are not "
             f"[E, I, H] and [E, H, I] without biases (is_transposed={transposed})"
         )
-    extra = sorted(
-        n
-        for n, _ in list(module.named_parameters()) + list(module.named_buffers())
-        if n not in ("up_proj", "down_proj")
-    )
+    extra = _extra_tensors(module, ("up_proj", "down_proj"))
     if extra:
         raise UnsupportedExpertsError(
             f"{where}: has tensors {extra} besides up_proj/down_proj that kt_ops would ignore"
@@ -480,11 +481,7 @@ def _plan_fused(name: str, module: nn.Module) -> ExpertsInfo:
             f"{where}: expected 3-D tensors gate_up_proj and down_proj, got "
             f"gate_up_proj={_describe(gate_up)}, down_proj={_describe(down)}"
         )
-    extra = sorted(
-        n
-        for n, _ in list(module.named_parameters()) + list(module.named_buffers())
-        if n not in ("gate_up_proj", "down_proj", *bias_names, *norm_names)
-    )
+    extra = _extra_tensors(module, ("gate_up_proj", "down_proj", *bias_names, *norm_names))
     if extra:
         raise UnsupportedExpertsError(
             f"{where}: has tensors {extra} besides gate_up_proj/down_proj (quantization "

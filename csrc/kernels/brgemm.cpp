@@ -169,31 +169,13 @@ bool fp8_uses_kt_kernel() {
          runtime::cpu_features().avx512_vbmi;
 }
 
-#ifdef KT_HAVE_CPUBLAS_BRGEMM
-namespace {
-// oneDNN's bf16 brgemm of m bf16 rows x (row stride ldx) with a bf16 VNNI
-// tile w of n columns ([k/2][n][2]) into out (row stride ldo): token tiles of
-// kMaxTileRows rows. The bf16 blocks (n = 16) and the fp8 groups (n = 32).
-void onednn_bf16_rows(const uint16_t* x, int64_t ldx, int m, const uint16_t* w, int64_t n,
-                      int64_t k, float* out, int64_t ldo) {
-  const auto* xb = reinterpret_cast<const c10::BFloat16*>(x);
-  const auto* wb = reinterpret_cast<const c10::BFloat16*>(w);
-  for (int i = 0; i < m; i += kMaxTileRows) {
-    const int rows = std::min(kMaxTileRows, m - i);
-    at::native::cpublas::brgemm(rows, n, k, ldx, n, ldo, false, xb + i * ldx, wb, out + i * ldo,
-                                true);
-  }
-}
-}  // namespace
-#endif
-
 void bf16_dot(const DotArgs& a, const TileOperand& op) {
 #ifdef KT_HAVE_CPUBLAS_BRGEMM
   const int64_t k = 2 * formats::bf16_k_pairs(a.proj->k);  // even: the VNNI pairs
   const auto* x = static_cast<const uint16_t*>(op.rows);
   for (int64_t nb = a.nb_begin; nb < a.nb_end; ++nb)
-    onednn_bf16_rows(x, op.ld, a.m, reinterpret_cast<const uint16_t*>(a.proj->block(a.expert, nb)),
-                     16, k, a.out + 16 * (nb - a.nb_begin), a.ldo);
+    bf16_gemm(a.m, 16, k, x, op.ld, reinterpret_cast<const uint16_t*>(a.proj->block(a.expert, nb)),
+              a.out + 16 * (nb - a.nb_begin), a.ldo, false);
 #else
   (void)a;
   (void)op;
@@ -322,7 +304,7 @@ void fp8_onednn_block(const DotArgs& a, TileScratch& ts, int64_t nb) {
       avx512::fp8_to_bf16_vnni(codes, kp, ts.tile.data() + 2 * 16 * (b - g0), ncol,
                                codes + kTileGroupBlocks * p.block_bytes, true);
     }
-    onednn_bf16_rows(s.rows.data(), ld, a.m, ts.tile.data(), ncol, kp, s.out.data(), ncol);
+    bf16_gemm(a.m, ncol, kp, s.rows.data(), ld, ts.tile.data(), s.out.data(), ncol, false);
     s.group = group;
   }
   float* out = a.out + 16 * (nb - a.nb_begin);

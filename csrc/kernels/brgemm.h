@@ -148,9 +148,9 @@ void release();
 
 // C [m][ldc] = (add_c ? C : 0) + A [m][lda] x B, fp32 sums of bf16 products, on
 // oneDNN's brgemm in token tiles of kMaxTileRows rows: A bf16 rows, B a bf16 VNNI
-// operand [k/2][n][2] (k even). For products outside the kernel families (the LoRA
-// backward's d @ W, moe/moe_lora.cpp). Only where bf16_runs(); release() after a
-// thread's last call.
+// operand [k/2][n][2] (k even). The bf16 and fp8 tile kernels' calls (n = 16 / 32) and
+// the LoRA backward's d @ W (moe/moe_lora.cpp). Only where bf16_runs(); release()
+// after a thread's last call.
 void bf16_gemm(int m, int64_t n, int64_t k, const uint16_t* a, int64_t lda, const uint16_t* b,
                float* c, int64_t ldc, bool add_c);
 
