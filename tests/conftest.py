@@ -10,6 +10,7 @@
   ``test_every_supported_isa_was_exercised`` (in test_moe_forward.py, moved to
   the end of the run) FAILS when the CPU supports a path that no test used: a
   new ISA tier cannot ship untested just because nobody added it to a list.
+  The report also names the oneDNN ISA class that ran (tests/onednn_isa.py).
 * Every test leaves the process-wide thread count and ISA path as it found them
   (autouse ``_restore_runtime``).
 
@@ -26,6 +27,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Callable, Optional, TypeVar
 
+import onednn_isa
 import pytest
 from reference import single_threaded_torch
 
@@ -151,6 +153,12 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     if unrunnable:
         lines.append(f"built but not runnable on this CPU (untested here): {', '.join(unrunnable)}")
     lines += kernel_lines([k for k in supported if EXERCISED_ISAS[k]])
+    # The class oneDNN's brgemm ran (its verbose header): which bit-identity checks held.
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "unset")
+    lines.append(
+        f"oneDNN ISA: {onednn_isa.onednn_isa()} ({onednn_isa.onednn_isa_description()}); "
+        f"ONEDNN_MAX_CPU_ISA={cap}"
+    )
     terminalreporter.write_sep("-", "kt_ops ISA paths")
     for line in lines:
         terminalreporter.write_line(line)
