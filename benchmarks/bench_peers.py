@@ -30,10 +30,11 @@ this row's ms (same quantization scheme where kt-kernel has one), ``rel err`` =
 ||y - y_ref|| / ||y_ref|| on the first (warm-up) input of each T, with
 ``y_ref`` the fp32 computation on the **unquantized** weights (so quantized
 formats include their quantization error, and kt-kernel's int8-activation
-paths their activation rounding), and ``roofline``: at decode (T <= 8) the
-bytes of the experts hit (distinct experts x bytes per expert, scales
-included) over the read bandwidth, at prefill the FLOPs over the bf16 peak
-(bf16 formats) or the int8 peak (integer formats), divided by the time. The
+paths their activation rounding), and ``roofline``: at every T the larger of
+the bytes of the experts hit (distinct experts x bytes per expert, scales
+included) over the read bandwidth and the FLOPs over the bf16 peak (bf16
+formats) or the int8 peak (integer formats), divided by the time, with the
+binding term named (``BW``, ``bf16`` or ``int8``). The
 limits come from ``machine_peaks`` at the benchmark's thread count, measured
 before, between and after the runs in the same process (best samples).
 ``vs adjacent read`` (decode only): the median over the timed calls of the
@@ -96,7 +97,7 @@ VENV_ENV = "KT_OPS_PEERS_VENV"
 DEFAULT_VENV = os.path.join(os.path.expanduser("~"), ".cache", "kt_ops", "peers-venv")
 _REEXEC_ENV = "KT_OPS_PEERS_REEXEC"
 
-TOKENS = (1, 8, 512)
+TOKENS = (1, 8, 512, 2048)
 DEFAULT_REPEATS = {1: 31, 8: 21}
 DEFAULT_REPEATS_LARGE = 5
 QUICK_REPEATS = {1: 7, 8: 5}
@@ -250,6 +251,7 @@ class KtKernelExperts:
         up: torch.Tensor,
         down: torch.Tensor,
         unique: int,
+        max_tokens: int = 512,
     ):
         import kt_kernel_ext.moe as moe_mod
         from kt_kernel_ext.moe import MOEConfig
@@ -265,7 +267,8 @@ class KtKernelExperts:
         cfg = MOEConfig(E, K, H, Im, self.mask.data_ptr())
         cfg.layer_idx = 0
         cfg.pool = pool.cpu_infer.backend_
-        cfg.max_len = 512  # chunked_prefill_size: the largest T of a call
+        # chunked_prefill_size: the largest T of a call; kt-kernel segfaults past it.
+        cfg.max_len = max(512, max_tokens)
         if spec.load == "bf16":
             projs = [t.contiguous() for t in (gate, up, down)]
             self.keep += projs
@@ -307,7 +310,7 @@ class KtKernelExperts:
             self.keep += qs
             cfg.m_block = 32
             cfg.group_min_len = 10
-            cfg.group_max_len = 512
+            cfg.group_max_len = max(512, max_tokens)
             cfg.gate_proj, cfg.up_proj, cfg.down_proj = (q.data_ptr() for q in qs)
             cfg.gate_type = cfg.up_type = cfg.down_type = ggml_type.Q4_K
             cfg.hidden_type = ggml_type.BF16
@@ -520,22 +523,23 @@ def summarize(
         smp = samples[s.label]
         t = med[s.label]
         nbytes = [hit * s.bytes_per_expert for hit in smp.experts_hit]
-        if decode:
-            bound = "BW"
-            pct = statistics.median(
-                100 * b / (peaks.read_gbs * 1e9) / x for b, x in zip(nbytes, smp.seconds)
-            )
+        # Every T: max(weight bytes / read, FLOPs / peak) per call, the binding term named
+        # (at T = 512 a bf16 layer can still be bound by its bytes on a fast-compute CPU).
+        compute = FAMILIES[s.family].compute
+        peak = peaks.bf16_gflops if compute == "bf16" else peaks.int8_gops
+        bounds = [machine_peaks.roofline(b, flops, peaks.read_gbs, peak) for b in nbytes]
+        pct = statistics.median(100 * sec / x for (sec, _), x in zip(bounds, smp.seconds))
+        term = machine_peaks.roofline(statistics.median(nbytes), flops, peaks.read_gbs, peak)[1]
+        bound = "BW" if term == "read" else compute
+        if term == "read":
             achieved = statistics.median(b / x / 1e9 for b, x in zip(nbytes, smp.seconds))
+        else:
+            achieved = flops / t / 1e9
+        adjacent = None
+        if decode:
             adjacent = statistics.median(
                 100 * b / x / 1e9 / g for b, x, g in zip(nbytes, smp.seconds, smp.read_gbs)
             )
-        else:
-            compute = FAMILIES[s.family].compute
-            peak = peaks.bf16_gflops if compute == "bf16" else peaks.int8_gops
-            bound = compute
-            pct = float("nan") if peak is None else 100 * flops / (peak * 1e9) / t
-            achieved = flops / t / 1e9
-            adjacent = None
         peer = best_kt.get(FAMILIES[s.family].kt_kernel_peer)
         vs = med[peer.label] / t if peer is not None else None
         rows.append(
@@ -779,13 +783,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     failed: dict[str, str] = {}
     if kt_kernel is not None:
         gate_c, up_c = gate.contiguous(), up.contiguous()
+        max_t = max(args.tokens)
         for workers in args.kt_workers:
             pool = KtKernelPool(kt_ext, workers)
             for name in args.kt_backends:
                 spec = KT_BACKENDS[name]
                 t1 = time.perf_counter()
                 try:
-                    m = KtKernelExperts(name, pool, shape, gate_c, up_c, down, unique)
+                    m = KtKernelExperts(name, pool, shape, gate_c, up_c, down, unique, max_t)
                 except Exception as err:  # a backend this build / CPU does not run
                     failed[name] = f"{type(err).__name__}: {err}"
                     print(f"#   kt-kernel {name}: FAILED {failed[name]}", flush=True)

@@ -119,6 +119,21 @@ def measure(threads: int, bw_samples: int = 5) -> Peaks:
         torch.set_num_threads(prev)
 
 
+def roofline(
+    nbytes: float, flops: float, read_gbs: float, peak_gflops: Optional[float]
+) -> tuple[float, str]:
+    """The time bound of a call: max(bytes / read bandwidth, FLOPs / compute peak).
+
+    Returns (seconds, binding term): ``"read"`` or ``"compute"``. ``nbytes``: the
+    weight bytes the call must stream (scales included); ``flops``: 2 per
+    multiply-add; ``peak_gflops``: GFLOP/s (GOP/s for int8) of the compute the
+    call runs on, ``None`` where unknown (then only the bytes bind).
+    """
+    mem_s = nbytes / (read_gbs * 1e9)
+    comp_s = 0.0 if not peak_gflops else flops / (peak_gflops * 1e9)
+    return (mem_s, "read") if mem_s >= comp_s else (comp_s, "compute")
+
+
 def describe(p: Peaks) -> str:
     int8 = "n/a" if p.int8_gops is None else f"{p.int8_gops:.0f} GOP/s"
     return (
