@@ -131,6 +131,8 @@ KT_OPS_VARIANTS = {
     "int8": ("int8", "int8", None),
     "int4-g128": ("int4-g128", "int4", 128),
     "int4-g32": ("int4-g32", "int4", 32),
+    # group_size 0: one scale per output channel, like kt-kernel's AMXINT4.
+    "int4-pc": ("int4-pc", "int4", 0),
     "q4_k": ("q4_k", "q4_k", None),
 }
 
@@ -388,7 +390,7 @@ def build_kt_ops(
         m.num_experts = E
     m.eval()
     nbytes = sum(b.nbytes for b in m.buffers())
-    what = fmt if group is None else f"{fmt} g{group} sym"
+    what = fmt if group is None else f"{fmt} per channel" if group == 0 else f"{fmt} g{group} sym"
 
     return System(f"kt_ops {label}", "kt_ops", family, what, m, nbytes / E, keep=[m])
 

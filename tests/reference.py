@@ -777,6 +777,30 @@ def q8_brgemm_min_tokens_of(weight_format: str) -> Optional[int]:
     return p["brgemm_min_tokens"]
 
 
+def w8a8_min_tokens_of(weight_format: str) -> Optional[int]:
+    """Rows per expert from which ``weight_format`` runs on the w8a8 brgemm (per-token int8).
+
+    In the current compute path and quant-activation mode (``kt_ops.compute_paths()``):
+    int8 where oneDNN runs u8s8, under quant ``'auto'``; ``None`` elsewhere. Such
+    experts multiply activations quantized per token (``q8_activations`` with one
+    block per row, :func:`token_q8_activations`).
+    """
+    p = kt_ops.compute_paths().get(weight_format)
+    if p is None or p["brgemm_kernel"] != "onednn/brgemm_w8a8":
+        return None
+    return p["brgemm_min_tokens"]
+
+
+def token_q8_activations(x: Tensor) -> Tensor:
+    """Per-token int8 activations (the w8a8 brgemm): ``q8_activations`` over whole rows."""
+    return q8_activations(x, block=max(1, x.shape[-1]))
+
+
+def token_q8_tie_steps(x: Tensor) -> Tensor:
+    """``q8_tie_steps`` of :func:`token_q8_activations`: the row's step where near a tie."""
+    return q8_tie_steps(x, block=max(1, x.shape[-1]))
+
+
 def fp8_brgemm_min_tokens_of(weight_format: str, act_dtype: torch.dtype) -> Optional[int]:
     """Rows per expert from which an ``weight_format`` projection runs on the fp8 brgemm.
 
@@ -823,6 +847,7 @@ def per_projection_reference(
     fp8_brgemm: Optional[tuple[tuple[Any, ...], tuple[Optional[int], ...]]] = None,
     act: str = "silu",
     biases: tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]] = (None, None, None),
+    w8a8_min: tuple[Optional[int], Optional[int], Optional[int]] = (None, None, None),
 ) -> QuantReference:
     """``reference_quant_moe_forward`` with the q8-or-fp32 choice made per projection.
 
@@ -835,6 +860,8 @@ def per_projection_reference(
     fp8 projection with at least that many rows is the fp8 brgemm's
     :func:`fp8_banded_product`. ``act``: the experts' GLU activation; ``biases``:
     the per-expert biases of gate, up, down (``[E, n]`` or None), added to the products.
+    ``w8a8_min`` (:func:`w8a8_min_tokens_of` of each): a projection with at least that
+    many rows multiplies per-token int8 activations (:func:`token_q8_activations`).
     """
     glu = torch_glu(act)
     projections, fp8_min = fp8_brgemm if fp8_brgemm is not None else ((), (None, None, None))
@@ -863,16 +890,23 @@ def per_projection_reference(
                     return True
                 return fp32_min[p] is None or m < fp32_min[p]
 
+            def per_token(p: int, m: int = m) -> bool:
+                return w8a8_min[p] is not None and m >= w8a8_min[p]
+
+            def rounded(v: Tensor, p: int) -> Tensor:
+                if per_token(p):
+                    return token_q8_activations(v)
+                return q8_activations(v) if q8(p) else v
+
             xe = xf[tok]
-            xg = q8_activations(xe) if q8(0) else xe
-            xu = q8_activations(xe) if q8(1) else xe
-            g = product(xg, 0, gate[e], e, m)
-            h = glu(g, product(xu, 1, up[e], e, m))
+            g = product(rounded(xe, 0), 0, gate[e], e, m)
+            h = glu(g, product(rounded(xe, 1), 1, up[e], e, m))
             wd = down[e].float()
             we = w[tok, slot].unsqueeze(1)
-            if q8(2):
-                slack.index_add_(0, tok, (q8_tie_steps(h) @ wd.abs().T) * we.abs())
-                h = q8_activations(h)
+            if per_token(2) or q8(2):
+                steps = token_q8_tie_steps(h) if per_token(2) else q8_tie_steps(h)
+                slack.index_add_(0, tok, (steps @ wd.abs().T) * we.abs())
+                h = rounded(h, 2)
             out.index_add_(0, tok, product(h, 2, wd, e, m) * we)
     return QuantReference(out, slack)
 
@@ -899,7 +933,8 @@ def reference_for(
     fp8 = tuple(
         fp8_brgemm_min_tokens_of(p.weight_format, hidden_states.dtype) for p in experts.projections
     )
-    if experts.has_bias or any(b is not None for b in fp8):
+    w8a8 = tuple(w8a8_min_tokens_of(p.weight_format) for p in experts.projections)
+    if experts.has_bias or any(b is not None for b in fp8 + w8a8):
         return per_projection_reference(
             hidden_states,
             topk_ids,
@@ -910,6 +945,7 @@ def reference_for(
             (experts.projections, fp8),
             act=act,
             biases=tuple(p.bias for p in experts.projections),
+            w8a8_min=w8a8,
         )
     if any(b is not None for b in brg) and any(m not in (None, 1) for m in mins):
         return per_projection_reference(

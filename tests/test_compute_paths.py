@@ -60,7 +60,9 @@ BRGEMM_KERNELS = {
         if _FEATS["avx512_bf16"] and not _FEATS.get("amx")
         else "onednn/brgemm_bf16"
     ),
-    "int8": "onednn/brgemm_u8s8",
+    # int8 (per channel) under quant 'auto': full-K calls on per-token int8 activations;
+    # under 'q8' the u8s8 kernel on the q8 records (bit-identical to the q8 kernels).
+    "int8": "onednn/brgemm_w8a8",
     "q8_0": "onednn/brgemm_u8s8",
     "fp8": (
         "avx512_bf16/fp8_dp"
@@ -211,9 +213,12 @@ def test_where_brgemm_runs(isa):
         and torch.backends.mkldnn.is_available()
     )
     for name in Q8_BRGEMM_FORMATS:
-        want = "onednn/brgemm_u8s8" if expected_u8s8 else None
+        want = BRGEMM_KERNELS[name] if expected_u8s8 else None
         assert paths[name]["brgemm_kernel"] == want
         assert paths[name]["brgemm_min_tokens"] == (1 if expected_u8s8 else None)
+        with kt_ops.use_compute_path("brgemm"), kt_ops.use_quant_activations("q8"):
+            q8 = kt_ops.compute_paths()[name]["brgemm_kernel"]
+        assert q8 == ("onednn/brgemm_u8s8" if expected_u8s8 else None)
     expected = (
         kt_ops._C.brgemm_built()
         and isa not in ("ref", "avx2")
@@ -590,8 +595,10 @@ def test_q8_formats_bit_identical_to_streaming_q8(isa, fmt):
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         x = make_hidden(T, H, dtype, seed=12)
         want = streaming_q8(x, ids, w, experts)
-        # Where brgemm does not run, 'brgemm' under quant 'auto' streams on the fp32 path.
-        for quant in ("q8", "auto") if brgemm_runs(fmt) else ("q8",):
+        # Where brgemm does not run, 'brgemm' under quant 'auto' streams on the fp32 path;
+        # int8 under 'auto' takes the w8a8 kernel (per-token activations, its own section).
+        on_u8s8 = brgemm_runs(fmt) and BRGEMM_KERNELS[fmt] == "onednn/brgemm_u8s8"
+        for quant in ("q8", "auto") if on_u8s8 else ("q8",):
             with kt_ops.use_quant_activations(quant):
                 assert torch.equal(run("brgemm", x, ids, w, experts), want), (dtype, quant)
 
@@ -709,6 +716,116 @@ def test_onednn_limited_below_vnni_streams_int8(python_subprocess):
     proc = python_subprocess(code, env={"ONEDNN_MAX_CPU_ISA": "AVX512_CORE"})
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["None", "True"]
+
+
+# --------------------------------------------------------------------------
+# int8 on the w8a8 brgemm: full-K calls on per-token int8 activations
+# --------------------------------------------------------------------------
+# Under quant 'auto' the int8 format (one scale per output channel) runs on
+# full-K u8s8 calls with the activations quantized per token (one scale per
+# row): the per-token rounding of reference.py (token_q8_activations), and the
+# exact int32 sums. Not the q8 kernels' bits (their scales are per 32 k).
+
+
+def w8a8_runs() -> bool:
+    with kt_ops.use_compute_path("brgemm"):
+        return kt_ops.compute_paths()["int8"]["brgemm_kernel"] == "onednn/brgemm_w8a8"
+
+
+def check_w8a8(x, ids, w, experts):
+    """Forced brgemm under quant 'auto' against the reference of what runs there."""
+    with kt_ops.use_compute_path("brgemm"):
+        out = kt_ops.moe_forward(x, ids, w, experts)
+        ref = reference_for(experts, x, ids, w)
+    assert out.dtype == x.dtype and out.shape == x.shape
+    msg = quant_mismatch_report(out, ref)
+    assert msg is None, msg
+    return out
+
+
+@pytest.mark.parametrize("T", [0, 1, 5, 40, 300])
+@pytest.mark.parametrize("H,I", [(1, 1), (17, 15), (130, 70), (160, 96), (33, 200)])
+def test_w8a8_against_the_per_token_reference(isa, H, I, T):  # noqa: E741
+    # Odd sizes (not multiples of the 16-row block, the 32-k quad or the 64-row
+    # token tile), T = 0 and 1, experts without tokens (6 experts, top-2 at T = 1
+    # and 5), and at T = 300 experts past two 64-row tiles.
+    experts = make_quant_experts("int8", 6, H, I, seed=H * 7 + I)
+    ids, w = make_routing(T, 6, 2, seed=T + H)
+    for dtype in (torch.bfloat16, torch.float32):
+        check_w8a8(make_hidden(T, H, dtype, seed=T + I), ids, w, experts)
+
+
+def test_w8a8_is_per_token_not_per_32(isa):
+    # Not vacuous: with one outlier channel the per-token scale is 50x the per-32 one
+    # of the other blocks, so the q8 reference (per 32) must NOT match, and the
+    # per-token one must.
+    if not w8a8_runs():
+        pytest.skip("the w8a8 brgemm does not run on this ISA path / CPU / torch")
+    E, H, I, T = 2, 256, 64, 30  # noqa: E741
+    experts = make_quant_experts("int8", E, H, I, seed=5)
+    ids, w = make_routing(T, E, 1, seed=5)
+    x = make_hidden(T, H, torch.float32, seed=5)
+    x[:, 7] = 50.0
+    out = check_w8a8(x, ids, w, experts)
+    with kt_ops.use_quant_activations("q8"):
+        q8_ref = reference_for(experts, x, ids, w)
+    assert quant_mismatch_report(out, q8_ref) is not None
+
+
+def test_w8a8_only_under_quant_auto(isa):
+    # 'q8' asks for the q8 kernels' bits (u8s8 on the q8 records), 'fp32' for
+    # exact activations (no 8-bit brgemm at all).
+    if not w8a8_runs():
+        pytest.skip("the w8a8 brgemm does not run on this ISA path / CPU / torch")
+    with kt_ops.use_compute_path("brgemm"):
+        kernels = {}
+        for quant in ("auto", "q8", "fp32"):
+            with kt_ops.use_quant_activations(quant):
+                kernels[quant] = kt_ops.compute_paths()["int8"]["brgemm_kernel"]
+    assert kernels == {
+        "auto": "onednn/brgemm_w8a8",
+        "q8": "onednn/brgemm_u8s8",
+        "fp32": None,
+    }
+
+
+def test_w8a8_long_k_is_folded_per_chunk(isa):
+    # The int32 sums wrap, so C[i] - C[comp] = sum q * w is exact while it fits in
+    # int32: |q * w| <= 127 * 127, at most 131072 of them (brgemm.h, kW8A8MaxK).
+    # K = 133376 codes at the extremes would exceed 2^31 in one call, so the
+    # kernel folds K per chunk. Constant rows quantize to code 127 and every
+    # weight to +-127: the largest sums there are.
+    if not w8a8_runs():
+        pytest.skip("the w8a8 brgemm does not run on this ISA path / CPU / torch")
+    from kt_ops.formats import quantize_weights
+
+    H, I, T = 133376, 16, 3  # noqa: E741
+    sign = torch.ones(1, I, H)
+    sign[:, 1::2] = -1.0  # half the channels all negative
+    gate = quantize_weights(sign * 0.01, "int8")
+    up = quantize_weights(torch.ones(1, I, H) * 0.01, "int8")
+    down = quantize_weights(
+        torch.randn(1, H, I, generator=torch.Generator().manual_seed(0)), "int8"
+    )
+    experts = kt_ops.ExpertWeights(gate, up, down)
+    x = torch.full((T, H), 0.5)
+    ids = torch.zeros(T, 1, dtype=torch.long)
+    w = torch.ones(T, 1)
+    with kt_ops.use_compute_path("brgemm"):
+        out = kt_ops.moe_forward(x, ids, w, experts)
+        ref = reference_for(experts, x, ids, w)
+    # The reference's own fp32 sums of 133376 equal terms are off by ~1e-4 (the
+    # kernel's are exact integers); a wrapped int32 sum would be off by O(1).
+    assert quant_mismatch_report(out, ref, Tolerance(compute=3e-3)) is None
+
+
+@pytest.mark.parametrize("path", ["brgemm", "auto"])
+def test_w8a8_thread_counts_bit_identical(isa, path):
+    E, H, I, K, T = 4, 160, 96, 2, 200  # noqa: E741  (~100 tokens per expert: 2 tiles)
+    experts = make_quant_experts("int8", E, H, I, seed=8)
+    ids, w = make_routing(T, E, K, seed=8)
+    x = make_hidden(T, H, torch.bfloat16, seed=8)
+    assert_thread_counts_bit_identical(path, x, ids, w, experts)
 
 
 # --------------------------------------------------------------------------

@@ -237,6 +237,56 @@ void u8s8_dot(const DotArgs& a, const TileOperand& op) {
 #endif
 }
 
+bool w8a8_applies(const formats::FormatRow& format) {
+  // Per output channel only: one weight scale per row factors out of the full-K sum.
+  return u8s8_applies(format) && format.group_sizes.size() == 1 && format.group_sizes[0] == 0;
+}
+
+bool w8a8_runs() {
+  return avx512::quantize_rows_i8_token != nullptr && avx512::w8a8_epilogue != nullptr &&
+         u8s8_runs();
+}
+
+void pack_w8a8_rows(const float* const* x, int m, int64_t kp, uint8_t* dst) {
+  auto* scales = reinterpret_cast<float*>(dst);
+  uint8_t* tiles = dst + w8a8_scale_bytes(m);
+  const int64_t ld = w8a8_ld(kp);
+  for (int i = 0; i < m; i += kMaxTileRows) {
+    const int rows = std::min(kMaxTileRows, m - i);
+    avx512::quantize_rows_i8_token(x + i, rows, kp, tiles, ld, scales + i);
+    std::fill_n(tiles + rows * ld, kp, uint8_t{128});  // the compensation row
+    tiles += (rows + 1) * ld;
+  }
+}
+
+void w8a8_dot(const DotArgs& a, const TileOperand& op) {
+#ifdef KT_HAVE_CPUBLAS_BRGEMM
+  const ProjectionView& p = *a.proj;
+  const int64_t kp = p.kp, ld = w8a8_ld(kp);
+  const auto* x_scales = static_cast<const float*>(op.rows);
+  const uint8_t* tiles = static_cast<const uint8_t*>(op.rows) + w8a8_scale_bytes(a.m);
+  alignas(64) int32_t c[(kMaxTileRows + 1) * 16];  // one tile's sums and its compensation
+  for (int64_t nb = a.nb_begin; nb < a.nb_end; ++nb) {
+    const QintBlock blk = qint_block(a, nb);
+    const auto* w = reinterpret_cast<const signed char*>(blk.block);  // [kp/4][16][4]
+    for (int i = 0, tile = 0; i < a.m; i += kMaxTileRows, ++tile) {
+      const int rows = std::min(kMaxTileRows, a.m - i);
+      const uint8_t* xa = tiles + (i + tile) * ld;  // earlier tiles carry one extra row each
+      for (int64_t k0 = 0; k0 < kp; k0 += kW8A8MaxK) {
+        const int64_t kc = std::min(kW8A8MaxK, kp - k0);
+        at::native::cpublas::brgemm(rows + 1, 16, kc, ld, 16, 16, false, xa + k0, w + k0 * 16, c,
+                                    true);
+        avx512::w8a8_epilogue(c, rows, x_scales + i, blk.scales, p.qint.scale_type, k0 > 0,
+                              blk.out + i * blk.ldo, blk.ldo);
+      }
+    }
+  }
+#else
+  (void)a;
+  (void)op;
+#endif
+}
+
 #ifdef KT_HAVE_CPUBLAS_BRGEMM
 namespace {
 

@@ -132,6 +132,37 @@ inline int64_t u8s8_bytes(int m, int64_t kp) { return u8s8_rows(m) * kp; }
 // rows kp bytes apart would fall into few L1 sets).
 void gather_u8s8_rows(const uint8_t* const* records, int m, int64_t kp, uint8_t* dst);
 
+// w8a8 (int8 per output channel, the int8 format): full-K u8s8 calls on
+// activations quantized per token, as kt-kernel's AMXINT8 and SGLang's w8a8_int8
+// do (dynamic symmetric int8 per row: amax = max|x|, sx = amax / 127, q =
+// round_half_even(x * (127 / amax)), formats/q8_activations.h's formula over the
+// whole row instead of per 32). One call per 16-row block and token tile over
+// all of K (the q8 path's 32-k calls are the shape matrix engines are worst at):
+// C[i][r] = sum (q + 128) * w, the tile's extra row of 128s giving 128 * sum w
+// (the u8s8 compensation, computed by the same call); the epilogue writes
+// out = float(C[i] - C[comp]) * sx_i * sw_r. Exact integer sums, so the result
+// depends only on the activation rounding: not bit-identical to the q8 kernels
+// (their scales are per 32 k), within the per-token rounding's bound
+// (docs/formats.md "Compute paths"). Only under QuantActivations::kAuto (kQ8 asks
+// for the q8 kernels' bits: the u8s8 kernel; kFp32 for exact activations).
+bool w8a8_applies(const formats::FormatRow& format);
+bool w8a8_runs();
+// The A operand of m rows of kp: their per-token scales (m floats, padded to 64
+// bytes), then per token tile (kMaxTileRows rows, the last one shorter) the
+// tile's codes + 128 and a row of 128s, rows w8a8_ld(kp) bytes apart.
+inline int64_t w8a8_ld(int64_t kp) { return kp + 64; }  // rows 4 KiB apart share L1 sets
+inline int64_t w8a8_scale_bytes(int m) { return (static_cast<int64_t>(m) * 4 + 63) / 64 * 64; }
+inline int64_t w8a8_bytes(int m, int64_t kp) {
+  return w8a8_scale_bytes(m) + u8s8_rows(m) * w8a8_ld(kp);
+}
+// Writes it from the m fp32 rows x (kp long, zero padded past k; TileKernel::pack_rows).
+void pack_w8a8_rows(const float* const* x, int m, int64_t kp, uint8_t* dst);
+void w8a8_dot(const DotArgs& a, const TileOperand& op);
+// K per w8a8 call. The int32 sums wrap (vpdpbusd, AMX's tdpbusd), so
+// C[i] - C[comp] = sum q * w is exact while that difference fits:
+// |q * w| <= 127 * 127, 131072 of them < 2^31. Longer K is folded per chunk.
+constexpr int64_t kW8A8MaxK = 131072;
+
 // fp8_dot (oneDNN) / fp8_dp_dot (kt_ops' fused tiles): a's run of blocks
 // with the fp32 rows a.x: per 128-row band, A = bf16(x * scale), kept in a
 // slot of op.scratch while the thread computes the band's blocks. oneDNN: per

@@ -72,6 +72,22 @@ const TileKernel kOneDnnU8S8{
     /*release=*/brgemm::release,
     /*fallback=*/nullptr,
 };
+// Full-K u8s8 calls on per-token int8 activations (int8 per channel), under
+// QuantActivations::kAuto only (tile_kernel); elsewhere the u8s8 kernel above.
+const TileKernel kOneDnnW8A8{
+    /*name=*/"onednn/brgemm_w8a8",
+    /*input=*/TileInput::kI8TokenRows,
+    /*bf16_activations_only=*/false,
+    /*keeps=*/false,
+    /*applies=*/brgemm::w8a8_applies,
+    /*runs=*/brgemm::w8a8_runs,
+    /*dot=*/brgemm::w8a8_dot,
+    /*pack_bytes=*/brgemm::w8a8_bytes,
+    /*pack=*/nullptr,
+    /*release=*/brgemm::release,
+    /*fallback=*/&kOneDnnU8S8,
+    /*pack_rows=*/brgemm::pack_w8a8_rows,
+};
 const TileKernel kOneDnnFp8{
     /*name=*/"onednn/brgemm_fp8_bf16",
     /*input=*/TileInput::kFp32Rows,
@@ -144,7 +160,7 @@ const Tier kTiers[] = {
      [](const runtime::CpuFeatures& f) { return f.avx512; },
      "AVX-512 F/BW/VL/DQ",
      {avx512::bf16_kernels, avx512::qint_kernels, nullptr},
-     {&kKtBf16, &kOneDnnU8S8, &kKtFp8},
+     {&kKtBf16, &kOneDnnW8A8, &kKtFp8},
      avx512::glu_rows,
      avx512::quantize_row_q8},
     // vpdpbusd for the integer formats; the rest from the avx512 row.
@@ -260,12 +276,14 @@ const ProjectionKernels& projection_kernels(formats::Layout layout, Isa isa) {
   return kTiers[0].layouts[static_cast<int>(layout)]();
 }
 
-const TileKernel* tile_kernel(const formats::FormatRow& format, Isa isa) {
+const TileKernel* tile_kernel(const formats::FormatRow& format, Isa isa, bool token_int8) {
   for (Isa i = isa; i >= 0; --i) {
     const TileKernel* k = kTiers[i].tiles[static_cast<int>(format.layout)];
     if (k == nullptr) continue;
-    for (; k != nullptr; k = k->fallback)
+    for (; k != nullptr; k = k->fallback) {
+      if (!token_int8 && k->input == TileInput::kI8TokenRows) continue;
       if ((k->applies == nullptr || k->applies(format)) && k->runs()) return k;
+    }
     return nullptr;
   }
   return nullptr;

@@ -179,12 +179,14 @@ struct TileScratch {
 
 // The A operand of a tile kernel, made by the plan for each expert.
 enum class TileInput : uint8_t {
-  kBf16Rows,  // TileOperand::rows: the m rows rounded to bf16, [m][ld] uint16_t,
-              // zero padded past k to an even count
-  kQ8Packed,  // TileOperand::rows: TileKernel::pack of the m q8 records DotArgs::xq
-              // (e.g. the u8s8 brgemm's codes + 128 with compensation rows); the
-              // kernel reads the records' scales from DotArgs::xq
-  kFp32Rows,  // none: the kernel reads DotArgs::x (and makes its own A in TileScratch)
+  kBf16Rows,     // TileOperand::rows: the m rows rounded to bf16, [m][ld] uint16_t,
+                 // zero padded past k to an even count
+  kQ8Packed,     // TileOperand::rows: TileKernel::pack of the m q8 records DotArgs::xq
+                 // (e.g. the u8s8 brgemm's codes + 128 with compensation rows); the
+                 // kernel reads the records' scales from DotArgs::xq
+  kFp32Rows,     // none: the kernel reads DotArgs::x (and makes its own A in TileScratch)
+  kI8TokenRows,  // TileOperand::rows: TileKernel::pack_rows of the m fp32 rows DotArgs::x
+                 // (the w8a8 kernel's per-token int8 codes + 128 and their scales)
 };
 
 // What a tile kernel gets besides DotArgs.
@@ -223,6 +225,9 @@ struct TileKernel {
   // AMX tile configuration); nullptr: nothing to release.
   void (*release)();
   const TileKernel* fallback;  // tried where this one does not run
+  // kI8TokenRows: the A operand of m fp32 rows of kp, pack_bytes(m, kp) bytes,
+  // written by pack_rows (once per expert, rows source and op call); nullptr otherwise.
+  void (*pack_rows)(const float* const* x, int m, int64_t kp, uint8_t* dst) = nullptr;
 };
 
 // The q8 activation record of one fp32 row x[kp] (formats/q8_activations.h),

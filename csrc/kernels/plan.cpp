@@ -73,7 +73,9 @@ int fp32_min_tokens(const formats::FormatRow& format, Isa isa) {
 TilePath tile_path(const formats::FormatRow& format, Isa isa, const Modes& modes) {
   constexpr TilePath kNone{nullptr, formats::kNoBrgemm};
   if (modes.path == ComputePath::kStreaming) return kNone;
-  const TileKernel* k = tile_kernel(format, isa);
+  // Per-token int8 activations (w8a8) only under 'auto': 'q8' asks for the q8
+  // kernels' bits (the u8s8 kernel reproduces them), 'fp32' for exact activations.
+  const TileKernel* k = tile_kernel(format, isa, modes.quant == QuantActivations::kAuto);
   if (k == nullptr) return kNone;
   // A kernel on q8 records multiplies q8 activations: not when they are off.
   if (k->input == TileInput::kQ8Packed && modes.quant == QuantActivations::kFp32) return kNone;
@@ -175,6 +177,12 @@ void ProjectionPlan::dot_tile(const DotArgs& a, const ExpertRows& rows, ThreadSc
       const size_t n = static_cast<size_t>(tile_->pack_bytes(rows.m, kp));
       op.rows = cached(ts.q8_packed, rows, tile_, n,
                        [&](uint8_t* dst) { tile_->pack(rows.xq, rows.m, kp, dst); });
+      break;
+    }
+    case TileInput::kI8TokenRows: {
+      const size_t n = static_cast<size_t>(tile_->pack_bytes(rows.m, kp));
+      op.rows = cached(ts.q8_packed, rows, tile_, n,
+                       [&](uint8_t* dst) { tile_->pack_rows(rows.x, rows.m, kp, dst); });
       break;
     }
     case TileInput::kFp32Rows:

@@ -133,7 +133,7 @@ struct OperandCache {
 struct alignas(64) ThreadScratch {
   OperandCache bf16_rows;    // TileInput::kBf16Rows gathered at tile_rows_ld(kp)
   OperandCache u8_tiles;     // Family::kStreamingU8's tiles (pack_u8_tiles)
-  OperandCache q8_packed;    // TileInput::kQ8Packed (TileKernel::pack)
+  OperandCache q8_packed;    // TileInput::kQ8Packed / kI8TokenRows (pack / pack_rows)
   std::vector<float> block;  // Family::kWeightOnlyFp32: one block decoded, [kp][16]
   TileScratch tile;          // TileKernel::keeps
   // The TileKernel::release owed after this thread's run of calls, or nullptr.

@@ -40,6 +40,18 @@ __attribute__((weak)) void brgemm_q8_fold(const int32_t* c, int nc, int rows,
                                           const void* scales, formats::ScaleType scale_type,
                                           int64_t group_size, float* out, int64_t ldo);
 
+// The w8a8 brgemm path (kernels/brgemm.h), AVX-512 code (kernels/avx512/w8a8_avx512.cpp).
+// quantize_rows_i8_token: m fp32 rows x (kp long) as int8 per token, stored as codes +
+// 128 at dst + i * ld, their scales amax / 127 in scales[i]. w8a8_epilogue: one tile's
+// int32 sums c [rows + 1][16] (row `rows`: the compensation) to out[i * ldo + r] =
+// (accumulate ? out : 0) + float(c[i][r] - c[rows][r]) * x_scales[i] * w_scales[r]
+// (the block's 16 per-channel scales in scale_type).
+__attribute__((weak)) void quantize_rows_i8_token(const float* const* x, int m, int64_t kp,
+                                                  uint8_t* dst, int64_t ld, float* scales);
+__attribute__((weak)) void w8a8_epilogue(const int32_t* c, int rows, const float* x_scales,
+                                         const void* w_scales, formats::ScaleType scale_type,
+                                         bool accumulate, float* out, int64_t ldo);
+
 // The bf16 tile kernel of the compute-bound path on AVX512_BF16 CPUs without
 // AMX (kernels/avx512/bf16_dp_avx512bf16.cpp, vdpbf16ps under a function-level
 // target; a TileKernel of the tier table); null when the avx512 tier or the
