@@ -73,6 +73,16 @@ __attribute__((weak)) void fp8_dp_block(const uint16_t* xs, int64_t ldx, int m,
                                         float* out, int64_t ldo);
 __attribute__((weak)) void scale_rows_to_bf16(const float* const* x, int m, int64_t kp,
                                               const float* scales, uint16_t* dst, int64_t ld);
+// The LoRA products of rank r, fp32 (kernels/avx512/lora_avx512.cpp; moe/lora_products.h):
+// lora_xat: y [m, r] = x a^T (x [m, k] rows ldx apart, a [r, k] rows lda apart);
+// lora_tw: out [m, n] = (accumulate ? out : 0) + s t w (t [m, r], w [r, n] rows ldw apart);
+// lora_dtx: g [r, k] = s d^T x (d [m, r] rows ldd apart, x [m, k] rows ldx apart).
+__attribute__((weak)) void lora_xat(const float* x, int64_t ldx, int m, int64_t k, const float* a,
+                                    int64_t lda, int r, float* y);
+__attribute__((weak)) void lora_tw(const float* t, int m, int r, const float* w, int64_t ldw,
+                                   int64_t n, float s, bool accumulate, float* out, int64_t ldo);
+__attribute__((weak)) void lora_dtx(const float* d, int64_t ldd, int m, int r, const float* x,
+                                    int64_t ldx, int64_t k, float s, float* g, int64_t ldg);
 // The LoRA backward's weight panels (kernels/avx512/bf16_vnni_panel_avx512.cpp): the
 // columns 2 kp0 .. 2 kp0 + cols of one packed bf16 16-row block as brgemm's VNNI B
 // operand over the rows, its 8 row pairs at dst + j * cols * 2 (cols a multiple of 16).

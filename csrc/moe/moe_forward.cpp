@@ -13,6 +13,7 @@
 #include "kernels/dispatch.h"
 #include "kernels/plan.h"
 #include "moe/blas_tasks.h"
+#include "moe/lora_products.h"
 #include "moe/moe_lora.h"
 #include "moe/moe_phases.h"
 #include "moe/routing.h"
@@ -328,17 +329,15 @@ void down_block(const Call& c, int64_t e, int64_t nb, int64_t r0, int m,
 // ([m, k], any row stride): the LoRA term of one projection, by slot.
 void lora_term_by_slot(const Call& c, const at::Tensor& in, const LoraF32& f, int64_t e, int64_t r0,
                        float* dst, int64_t n) {
-  // Into a buffer the thread keeps: a fresh tensor of this size is a fresh mmap.
-  thread_local std::vector<float> t_term;
-  grow(t_term, static_cast<size_t>(in.size(0) * n));
-  at::Tensor t = at::from_blob(t_term.data(), {in.size(0), n}, at::kFloat);
-  at::mm_out(t, at::mm(in, f.A(e).t()), f.B(e).t());  // [m, n]
-  const float* tp = t.data_ptr<float>();
+  const int64_t m = in.size(0);
+  thread_local std::vector<float> t_xa;  // in A^T [m, r]
+  grow(t_xa, static_cast<size_t>(m * f.r));
+  lora_products::xat(in.data_ptr<float>(), in.stride(0), m, f.k, f.a_of(e), f.k, f.r, t_xa.data());
+  const float* bt = f.bt_of(e);  // [r, n]
   const float s = static_cast<float>(c.layer.lora.scaling);
-  for (int64_t i = 0; i < t.size(0); ++i) {
-    float* d = dst + c.routing.row_slot[r0 + i] * n;
-    for (int64_t j = 0; j < n; ++j) d[j] = s * tp[i * n + j];
-  }
+  for (int64_t i = 0; i < m; ++i)
+    lora_products::tw(t_xa.data() + i * f.r, 1, f.r, bt, n, n, s, false,
+                      dst + c.routing.row_slot[r0 + i] * n, n);
 }
 
 // Before gate/up: the gate and up LoRA terms of every row, into gate_pre / up_pre.

@@ -20,6 +20,7 @@
 #include "kernels/dispatch.h"
 #include "kernels/isa.h"
 #include "moe/blas_tasks.h"
+#include "moe/lora_products.h"
 #include "moe/moe_forward.h"
 #include "moe/routing.h"
 #include "runtime/thread_pool.h"
@@ -54,6 +55,12 @@ void scatter_rows(const float* src, int64_t rows, int64_t n, const int64_t* inde
 }
 
 // dst row i <- src[index[i] * n ...]
+// dst [cols, rows] = src [rows, cols]^T (small: a LoRA factor's gradient).
+void transpose_into(const float* src, int64_t rows, int64_t cols, float* dst) {
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < cols; ++j) dst[j * rows + i] = src[i * cols + j];
+}
+
 void gather_rows(const float* src, int64_t rows, int64_t n, const int64_t* index, float* dst) {
   for (int64_t i = 0; i < rows; ++i)
     std::memcpy(dst + i * n, src + index[i] * n, n * sizeof(float));
@@ -293,6 +300,14 @@ kernels::ComputePath lora_forward_path(const at::Tensor& x, const MoeLayer& w) {
 
 at::Tensor LoraF32::A(int64_t e) const { return view(a + e * r * k, {r, k}); }
 at::Tensor LoraF32::B(int64_t e) const { return view(b + e * n * r, {n, r}); }
+const float* LoraF32::bt_of(int64_t e) const {
+  thread_local std::vector<float> t_bt;
+  if (t_bt.size() < static_cast<size_t>(n * r)) t_bt.resize(static_cast<size_t>(n * r));
+  const float* src = b_of(e);
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t j = 0; j < r; ++j) t_bt[j * n + i] = src[i * r + j];
+  return t_bt.data();
+}
 
 LoraF32 lora_f32(const LoraProjection& p) {
   LoraF32 f;
@@ -431,8 +446,14 @@ MoeGrads moe_backward_lora(const at::Tensor& grad_output, const at::Tensor& x,
       at::Tensor xa_g, xa_u;  // x A^T of gate / up, for the B gradients
       gather_rows(gpre, m, I, slot, g.data_ptr<float>());
       gather_rows(upre, m, I, slot, u.data_ptr<float>());
-      if (lg.present()) xa_g = at::mm(xe, lg.A(e).t());
-      if (lu.present()) xa_u = at::mm(xe, lu.A(e).t());
+      const float* xep = xe.data_ptr<float>();
+      auto xat = [&](const float* src, int64_t k, const float* a, int64_t r) {
+        at::Tensor y = at::empty({m, r}, kF32);
+        lora_products::xat(src, k, m, k, a, k, r, y.data_ptr<float>());
+        return y;
+      };
+      if (lg.present()) xa_g = xat(xep, H, lg.a_of(e), lg.r);
+      if (lu.present()) xa_u = xat(xep, H, lu.a_of(e), lu.r);
       float* gp = g.data_ptr<float>();
       float* up = u.data_ptr<float>();
       at::Tensor h = scratch_mat(3, m, I);
@@ -453,8 +474,9 @@ MoeGrads moe_backward_lora(const at::Tensor& grad_output, const at::Tensor& x,
       }
       at::Tensor go_b;  // go Bd [m, rd]
       if (ld.present()) {
-        go_b = at::mm(go, ld.B(e));
-        dh.addmm_(go_b, ld.A(e), 1.0, s);
+        go_b = xat(go.data_ptr<float>(), H, ld.bt_of(e), ld.r);
+        lora_products::tw(go_b.data_ptr<float>(), m, ld.r, ld.a_of(e), I, I, s, true,
+                          dh.data_ptr<float>(), I);
       }
       // d out[t] / d w[t, k] = <go, y> = <dh_u, h> (+ <go, bd> with a down bias).
       float* dhp = dh.data_ptr<float>();
@@ -472,7 +494,7 @@ MoeGrads moe_backward_lora(const at::Tensor& grad_output, const at::Tensor& x,
       }
       if (ld.present()) {
         // dBd = s go^T (w * (h Ad^T)), dAd = s (w * go Bd)^T h.
-        at::Tensor ha = at::mm(h, ld.A(e).t());
+        at::Tensor ha = xat(hp, I, ld.a_of(e), ld.r);
         float* hap = ha.data_ptr<float>();
         float* gbp = go_b.data_ptr<float>();
         for (int64_t i = 0; i < m; ++i) {
@@ -481,8 +503,12 @@ MoeGrads moe_backward_lora(const at::Tensor& grad_output, const at::Tensor& x,
             gbp[i * ld.r + j] *= rw[i];
           }
         }
-        view(gb_d.data_ptr<float>() + e * H * ld.r, {H, ld.r}).addmm_(go.t(), ha, 0.0, s);
-        view(ga_d.data_ptr<float>() + e * ld.r * I, {ld.r, I}).addmm_(go_b.t(), h, 0.0, s);
+        // dBd [H, rd] = s go^T ha, made as s ha^T go [rd, H] and transposed.
+        float* gbt = scratch_mat(7, ld.r, H).data_ptr<float>();
+        lora_products::dtx(hap, ld.r, m, ld.r, go.data_ptr<float>(), H, H, s, gbt, H);
+        transpose_into(gbt, ld.r, H, gb_d.data_ptr<float>() + e * H * ld.r);
+        lora_products::dtx(gbp, ld.r, m, ld.r, hp, I, I, s, ga_d.data_ptr<float>() + e * ld.r * I,
+                           I);
       }
 
       // dg = dh * u * act'(g), du = dh * act(g); written over g and u.
@@ -494,9 +520,14 @@ MoeGrads moe_backward_lora(const at::Tensor& grad_output, const at::Tensor& x,
       auto input_lora_grads = [&](const LoraF32& l, const at::Tensor& d, const at::Tensor& xa,
                                   const at::Tensor& grad_a, const at::Tensor& grad_b) {
         if (!l.present()) return at::Tensor();
-        at::Tensor d_b = at::mm(d, l.B(e));  // [m, r]
-        view(grad_b.data_ptr<float>() + e * I * l.r, {I, l.r}).addmm_(d.t(), xa, 0.0, s);
-        view(grad_a.data_ptr<float>() + e * l.r * H, {l.r, H}).addmm_(d_b.t(), xe, 0.0, s);
+        const float* dp = d.data_ptr<float>();
+        at::Tensor d_b = xat(dp, I, l.bt_of(e), l.r);  // d B [m, r]
+        // dB [I, r] = s d^T xa, made as s xa^T d [r, I] and transposed.
+        float* gbt = scratch_mat(7, l.r, I).data_ptr<float>();
+        lora_products::dtx(xa.data_ptr<float>(), l.r, m, l.r, dp, I, I, s, gbt, I);
+        transpose_into(gbt, l.r, I, grad_b.data_ptr<float>() + e * I * l.r);
+        lora_products::dtx(d_b.data_ptr<float>(), l.r, m, l.r, xep, H, H, s,
+                           grad_a.data_ptr<float>() + e * l.r * H, H);
         return d_b;
       };
       const at::Tensor dg_b = input_lora_grads(lg, dg, xa_g, ga_g, gb_g);
@@ -513,8 +544,11 @@ MoeGrads moe_backward_lora(const at::Tensor& grad_output, const at::Tensor& x,
         } else {
           base_products({{&dg, &w.gate}, {&du, &w.up}}, e, dx, panel);
         }
-        if (lg.present()) dx.addmm_(dg_b, lg.A(e), 1.0, s);
-        if (lu.present()) dx.addmm_(du_b, lu.A(e), 1.0, s);
+        float* dxe = dx.data_ptr<float>();
+        if (lg.present())
+          lora_products::tw(dg_b.data_ptr<float>(), m, lg.r, lg.a_of(e), H, H, s, true, dxe, H);
+        if (lu.present())
+          lora_products::tw(du_b.data_ptr<float>(), m, lu.r, lu.a_of(e), H, H, s, true, dxe, H);
         scatter_rows(dx.data_ptr<float>(), m, H, slot, dxp);
       }
       if (on_brgemm) kernels::brgemm::release();  // AMX: the tile configuration

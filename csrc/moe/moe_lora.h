@@ -53,6 +53,10 @@ struct LoraF32 {
   bool present() const { return a != nullptr; }
   at::Tensor A(int64_t e) const;  // [r, k], a view
   at::Tensor B(int64_t e) const;  // [n, r], a view
+  const float* a_of(int64_t e) const { return a + e * r * k; }
+  const float* b_of(int64_t e) const { return b + e * n * r; }
+  // B[e]^T [r, n] (contiguous) in the calling thread's buffer, valid until its next call.
+  const float* bt_of(int64_t e) const;
 };
 LoraF32 lora_f32(const LoraProjection& p);
 

@@ -1,0 +1,58 @@
+#include "moe/lora_products.h"
+
+#include <ATen/ATen.h>
+
+#include "kernels/dispatch.h"
+#include "kernels/tiers.h"
+
+namespace kt::moe::lora_products {
+
+namespace {
+
+at::Tensor mat(const float* p, int64_t rows, int64_t cols, int64_t ld) {
+  return at::from_blob(const_cast<float*>(p), {rows, cols}, {ld, 1}, at::kFloat);
+}
+
+}  // namespace
+
+bool on_avx512() {
+  static const kernels::Isa avx512 = kernels::parse_isa("avx512");
+  return kernels::avx512::lora_xat != nullptr && kernels::active_isa() >= avx512;
+}
+
+void xat(const float* x, int64_t ldx, int64_t m, int64_t k, const float* a, int64_t lda, int64_t r,
+         float* y) {
+  if (m == 0 || r == 0) return;
+  if (on_avx512()) {
+    kernels::avx512::lora_xat(x, ldx, static_cast<int>(m), k, a, lda, static_cast<int>(r), y);
+    return;
+  }
+  at::Tensor out = mat(y, m, r, r);
+  at::mm_out(out, mat(x, m, k, ldx), mat(a, r, k, lda).t());
+}
+
+void tw(const float* t, int64_t m, int64_t r, const float* w, int64_t ldw, int64_t n, float s,
+        bool accumulate, float* out, int64_t ldo) {
+  if (m == 0 || n == 0) return;
+  if (on_avx512()) {
+    kernels::avx512::lora_tw(t, static_cast<int>(m), static_cast<int>(r), w, ldw, n, s, accumulate,
+                             out, ldo);
+    return;
+  }
+  at::Tensor o = mat(out, m, n, ldo);
+  o.addmm_(mat(t, m, r, r), mat(w, r, n, ldw), accumulate ? 1.0 : 0.0, s);
+}
+
+void dtx(const float* d, int64_t ldd, int64_t m, int64_t r, const float* x, int64_t ldx, int64_t k,
+         float s, float* g, int64_t ldg) {
+  if (r == 0 || k == 0) return;
+  if (on_avx512()) {
+    kernels::avx512::lora_dtx(d, ldd, static_cast<int>(m), static_cast<int>(r), x, ldx, k, s, g,
+                              ldg);
+    return;
+  }
+  at::Tensor out = mat(g, r, k, ldg);
+  out.addmm_(mat(d, m, r, ldd).t(), mat(x, m, k, ldx), 0.0, s);
+}
+
+}  // namespace kt::moe::lora_products

@@ -1,0 +1,27 @@
+// The rank-r products of the LoRA forward and backward, fp32: y = x A^T,
+// out (+)= s t W, g = s d^T x. On the AVX-512 kernels
+// (kernels/avx512/lora_avx512.cpp) where the active ISA path is avx512 or
+// higher, at::mm elsewhere (KT_OPS_ISA=avx2 runs no AVX-512 instruction).
+// Pointers to row-major fp32 matrices with the given row strides; m, k, n >= 0.
+#pragma once
+
+#include <cstdint>
+
+namespace kt::moe::lora_products {
+
+// y [m, r] (contiguous) = x [m, k] a^T, a [r, k].
+void xat(const float* x, int64_t ldx, int64_t m, int64_t k, const float* a, int64_t lda, int64_t r,
+         float* y);
+
+// out [m, n] = (accumulate ? out : 0) + s * t [m, r] (contiguous) w [r, n].
+void tw(const float* t, int64_t m, int64_t r, const float* w, int64_t ldw, int64_t n, float s,
+        bool accumulate, float* out, int64_t ldo);
+
+// g [r, k] = s * d^T x: d [m, r], x [m, k].
+void dtx(const float* d, int64_t ldd, int64_t m, int64_t r, const float* x, int64_t ldx, int64_t k,
+         float s, float* g, int64_t ldg);
+
+// Whether the AVX-512 kernels compute them now (tests, docs).
+bool on_avx512();
+
+}  // namespace kt::moe::lora_products
