@@ -45,28 +45,6 @@ struct Scratch {
 
 thread_local Scratch t_scratch;
 
-// Scratch a calling thread keeps between calls (KT_OPS_SCRATCH_KEEP_MB, default
-// 512 MiB). Decode and ordinary prefill stay below it (no allocation, no fresh
-// page faults per call): the per-slot outputs y alone are T * K * H fp32, 134 MB
-// at T = 2048 for a Qwen3-30B-A3B layer, and faulting them in afresh (the
-// kernel zeroes every page) cost 18% of that call on Zen 4 (548 -> 446 ms) when
-// the limit was 64 MiB. A larger call (e.g. 16k tokens) frees its buffers on
-// return instead of holding them for the life of the thread.
-size_t scratch_keep_bytes() {
-  static const size_t bytes = [] {
-    const char* env = std::getenv("KT_OPS_SCRATCH_KEEP_MB");
-    if (env == nullptr || env[0] == '\0') return size_t{512} << 20;
-    char* end = nullptr;
-    const long long mb = std::strtoll(env, &end, 10);
-    TORCH_CHECK(end != env && *end == '\0' && mb >= 0 && mb <= (1LL << 20),
-                "KT_OPS_SCRATCH_KEEP_MB='", env,
-                "' must be an integer number of MiB in [0, 1048576] (the scratch a calling "
-                "thread keeps between calls; default 512)");
-    return static_cast<size_t>(mb) << 20;
-  }();
-  return bytes;
-}
-
 template <class T>
 size_t capacity_bytes(const std::vector<T>& v) {
   return v.capacity() * sizeof(T);
@@ -457,6 +435,28 @@ void moe_forward_experts_exact(const at::Tensor& hidden_states, const at::Tensor
   run_experts(call);
   if (out != nullptr) combine_slots(s.y.data(), routing, *out);
   trim_scratch(s);
+}
+
+// Scratch a calling thread keeps between calls (KT_OPS_SCRATCH_KEEP_MB, default
+// 512 MiB). Decode and ordinary prefill stay below it (no allocation, no fresh
+// page faults per call): the per-slot outputs y alone are T * K * H fp32, 134 MB
+// at T = 2048 for a Qwen3-30B-A3B layer, and faulting them in afresh (the
+// kernel zeroes every page) cost 18% of that call on Zen 4 (548 -> 446 ms) when
+// the limit was 64 MiB. A larger call (e.g. 16k tokens) frees its buffers on
+// return instead of holding them for the life of the thread.
+size_t scratch_keep_bytes() {
+  static const size_t bytes = [] {
+    const char* env = std::getenv("KT_OPS_SCRATCH_KEEP_MB");
+    if (env == nullptr || env[0] == '\0') return size_t{512} << 20;
+    char* end = nullptr;
+    const long long mb = std::strtoll(env, &end, 10);
+    TORCH_CHECK(end != env && *end == '\0' && mb >= 0 && mb <= (1LL << 20),
+                "KT_OPS_SCRATCH_KEEP_MB='", env,
+                "' must be an integer number of MiB in [0, 1048576] (the scratch a calling "
+                "thread keeps between calls; default 512)");
+    return static_cast<size_t>(mb) << 20;
+  }();
+  return bytes;
 }
 
 size_t retained_scratch_bytes() { return scratch_bytes(t_scratch); }

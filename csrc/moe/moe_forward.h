@@ -80,7 +80,9 @@ at::Tensor moe_forward_layer(const at::Tensor& hidden_states, const at::Tensor& 
 // Bytes of scratch the calling thread keeps between calls of
 // moe_forward_experts (activations, GLU outputs, slot outputs, and the
 // kernel families' per-thread scratch of its calls, kernels::CallScratch). At
-// most 64 MiB: a larger call frees its buffers when it returns.
+// most scratch_keep_bytes(): a larger call frees its buffers when it returns.
 size_t retained_scratch_bytes();
+// KT_OPS_SCRATCH_KEEP_MB (default 512) in bytes, read once; an invalid value throws.
+size_t scratch_keep_bytes();
 
 }  // namespace kt::moe
