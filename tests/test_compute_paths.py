@@ -672,14 +672,17 @@ def test_q8_formats_repeated_and_interleaved_calls_bit_identical(isa):
 
 
 def test_q8_brgemm_needs_q8_activations():
-    # set_quant_activations('fp32') turns q8 activations off: the u8s8 brgemm
-    # does not run even when forced (the weight-only fp32 path streams).
-    experts = make_quant_experts("int8", 4, 64, 96, seed=3)
+    # set_quant_activations('fp32') turns q8 activations off: no 8-bit brgemm runs
+    # even when forced. q8_0 streams (the weight-only fp32 path); int8 (per channel)
+    # takes its exact bf16 kernel where it runs (the int8_bf16 section below).
+    experts = make_quant_experts("q8_0", 4, 64, 96, seed=3)
     ids, w = make_routing(30, 4, 2, seed=3)
     x = make_hidden(30, 64, seed=3)
     with kt_ops.use_quant_activations("fp32"):
         with kt_ops.use_compute_path("brgemm"):
-            assert kt_ops.compute_paths()["int8"]["brgemm_kernel"] is None
+            paths = kt_ops.compute_paths()
+            assert paths["q8_0"]["brgemm_kernel"] is None
+            assert paths["int8"]["brgemm_kernel"] in (None, "onednn/brgemm_int8_bf16")
         want = run("streaming", x, ids, w, experts)
         assert torch.equal(run("brgemm", x, ids, w, experts), want)
 
@@ -774,7 +777,7 @@ def test_w8a8_is_per_token_not_per_32(isa):
 
 def test_w8a8_only_under_quant_auto(isa):
     # 'q8' asks for the q8 kernels' bits (u8s8 on the q8 records), 'fp32' for
-    # exact activations (no 8-bit brgemm at all).
+    # exact activations (no 8-bit brgemm: the codes as bf16 values times bf16 rows).
     if not w8a8_runs():
         pytest.skip("the w8a8 brgemm does not run on this ISA path / CPU / torch")
     with kt_ops.use_compute_path("brgemm"):
@@ -785,7 +788,7 @@ def test_w8a8_only_under_quant_auto(isa):
     assert kernels == {
         "auto": "onednn/brgemm_w8a8",
         "q8": "onednn/brgemm_u8s8",
-        "fp32": None,
+        "fp32": "onednn/brgemm_int8_bf16",  # exact activations: codes as bf16 values
     }
 
 
@@ -826,6 +829,58 @@ def test_w8a8_thread_counts_bit_identical(isa, path):
     ids, w = make_routing(T, E, K, seed=8)
     x = make_hidden(T, H, torch.bfloat16, seed=8)
     assert_thread_counts_bit_identical(path, x, ids, w, experts)
+
+
+# --------------------------------------------------------------------------
+# int8 on the bf16 brgemm, exact: quant 'fp32' (the LoRA forward on an int8 base)
+# --------------------------------------------------------------------------
+# Every int8 code is a bf16 value, so bf16 rows times the decoded block are exact
+# products summed in fp32, the channel scales applied to the outputs: against an
+# fp64 reference with the GLU output rounded to bf16 (the down projection's rows,
+# as the bf16 tile path reads them), fp32 hidden states holding bf16 values.
+
+
+def int8_bf16_runs() -> bool:
+    with kt_ops.use_compute_path("brgemm"), kt_ops.use_quant_activations("fp32"):
+        return kt_ops.compute_paths()["int8"]["brgemm_kernel"] == "onednn/brgemm_int8_bf16"
+
+
+def bf16_h_reference(x, ids, w, experts):
+    """fp64 MoE of the dequantized weights with the GLU output rounded to bf16."""
+    from reference import dense_weights
+
+    gate, up, down = (t.double() for t in dense_weights(experts))
+    xd = x.double()
+    out = torch.zeros(xd.shape, dtype=torch.float64)
+    for e in torch.unique(ids[ids >= 0]).tolist():
+        tok, slot = torch.nonzero(ids == e, as_tuple=True)
+        g, u = xd[tok] @ gate[e].T, xd[tok] @ up[e].T
+        h = (torch.nn.functional.silu(g) * u).float().bfloat16().double()
+        out.index_add_(0, tok, (h @ down[e].T) * w[tok, slot].double().unsqueeze(1))
+    return out
+
+
+@pytest.mark.parametrize("T", [0, 1, 6, 150])
+@pytest.mark.parametrize("H,I", [(1, 1), (17, 15), (130, 70), (33, 200)])
+def test_int8_bf16_exact_against_fp64(isa, H, I, T):  # noqa: E741
+    if not int8_bf16_runs():
+        pytest.skip("the bf16 brgemm does not run on this ISA path / CPU / torch")
+    experts = make_quant_experts("int8", 5, H, I, seed=H + 3 * I)
+    ids, w = make_routing(T, 5, 2, seed=T + 1)
+    x = make_hidden(T, H, torch.bfloat16, seed=I).float()  # bf16 values, fp32 outputs
+    with kt_ops.use_compute_path("brgemm"), kt_ops.use_quant_activations("fp32"):
+        out = kt_ops.moe_forward(x, ids, w, experts)
+    ref = bf16_h_reference(x, ids, w, experts)
+    # fp32 sums of exact products, and h's bf16 roundings on either side of a boundary.
+    assert_matches_reference(out, ref.float(), TOL_BF16_BRGEMM)
+
+
+def test_int8_bf16_thread_counts_bit_identical(isa):
+    with kt_ops.use_quant_activations("fp32"):
+        experts = make_quant_experts("int8", 4, 96, 64, seed=4)
+        ids, w = make_routing(120, 4, 2, seed=4)
+        x = make_hidden(120, 96, torch.bfloat16, seed=4)
+        assert_thread_counts_bit_identical("brgemm", x, ids, w, experts)
 
 
 # --------------------------------------------------------------------------

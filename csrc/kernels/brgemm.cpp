@@ -259,6 +259,27 @@ void pack_w8a8_rows(const float* const* x, int m, int64_t kp, uint8_t* dst) {
   }
 }
 
+bool int8_bf16_runs() {
+  return avx512::int8_to_bf16_vnni != nullptr && avx512::scale_columns16 != nullptr && bf16_runs();
+}
+
+void int8_bf16_dot(const DotArgs& a, const TileOperand& op) {
+#ifdef KT_HAVE_CPUBLAS_BRGEMM
+  const ProjectionView& p = *a.proj;
+  uint16_t* tile = op.scratch->tile.data();  // >= kp * 16 (TileScratch::reserve)
+  const auto* x = static_cast<const uint16_t*>(op.rows);
+  for (int64_t nb = a.nb_begin; nb < a.nb_end; ++nb) {
+    const QintBlock blk = qint_block(a, nb);
+    avx512::int8_to_bf16_vnni(blk.block, p.kp, tile);
+    bf16_gemm(a.m, 16, p.kp, x, op.ld, tile, blk.out, blk.ldo, false);
+    avx512::scale_columns16(blk.out, a.m, blk.ldo, blk.scales, p.qint.scale_type);
+  }
+#else
+  (void)a;
+  (void)op;
+#endif
+}
+
 void w8a8_dot(const DotArgs& a, const TileOperand& op) {
 #ifdef KT_HAVE_CPUBLAS_BRGEMM
   const ProjectionView& p = *a.proj;

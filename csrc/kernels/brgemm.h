@@ -163,6 +163,15 @@ void w8a8_dot(const DotArgs& a, const TileOperand& op);
 // |q * w| <= 127 * 127, 131072 of them < 2^31. Longer K is folded per chunk.
 constexpr int64_t kW8A8MaxK = 131072;
 
+// int8 (per channel) on the bf16 brgemm, exact for bf16 activation rows: per
+// block, the codes decoded to their bf16 values into op.scratch's tile
+// (kernels/avx512/int8_bf16_avx512.cpp; every |q| <= 127 is a bf16 value), one
+// bf16 call per token tile, then out[i][r] *= the channel scale. The products are
+// exact in fp32 and summed in fp32: as exact as the bf16 base's tile path, for the
+// LoRA forward on an int8 base (quant 'fp32': exact activations).
+bool int8_bf16_runs();
+void int8_bf16_dot(const DotArgs& a, const TileOperand& op);
+
 // fp8_dot (oneDNN) / fp8_dp_dot (kt_ops' fused tiles): a's run of blocks
 // with the fp32 rows a.x: per 128-row band, A = bf16(x * scale), kept in a
 // slot of op.scratch while the thread computes the band's blocks. oneDNN: per

@@ -58,6 +58,25 @@ const TileKernel kKtBf16{
     /*release=*/nullptr,
     /*fallback=*/&kOneDnnBf16,
 };
+// int8 (per channel) times bf16 hidden states, exactly: each block's codes decoded to
+// their bf16 values (|q| <= 127: exact), bf16 x bf16 products (exact in fp32), fp32
+// sums, the channel scales applied to the outputs. Under quant 'fp32' (exact
+// activations): the LoRA forward on an int8 base, and forced 'brgemm'.
+const TileKernel kOneDnnInt8Bf16{
+    /*name=*/"onednn/brgemm_int8_bf16",
+    /*input=*/TileInput::kBf16Rows,
+    /*bf16_activations_only=*/true,
+    /*keeps=*/true,
+    /*applies=*/brgemm::w8a8_applies,
+    /*runs=*/brgemm::int8_bf16_runs,
+    /*dot=*/brgemm::int8_bf16_dot,
+    /*pack_bytes=*/nullptr,
+    /*pack=*/nullptr,
+    /*release=*/brgemm::release,
+    /*fallback=*/nullptr,
+    /*pack_rows=*/nullptr,
+    /*quant_modes=*/kQuantFp32Bit,
+};
 // On q8 records, bit-identical to the streaming q8 kernels: any activations.
 const TileKernel kOneDnnU8S8{
     /*name=*/"onednn/brgemm_u8s8",
@@ -70,7 +89,9 @@ const TileKernel kOneDnnU8S8{
     /*pack_bytes=*/brgemm::u8s8_bytes,
     /*pack=*/brgemm::gather_u8s8_rows,
     /*release=*/brgemm::release,
-    /*fallback=*/nullptr,
+    /*fallback=*/&kOneDnnInt8Bf16,
+    /*pack_rows=*/nullptr,
+    /*quant_modes=*/kQuantAutoBit | kQuantQ8Bit,
 };
 // Full-K u8s8 calls on per-token int8 activations (int8 per channel), under
 // QuantActivations::kAuto only (tile_kernel); elsewhere the u8s8 kernel above.
@@ -87,6 +108,7 @@ const TileKernel kOneDnnW8A8{
     /*release=*/brgemm::release,
     /*fallback=*/&kOneDnnU8S8,
     /*pack_rows=*/brgemm::pack_w8a8_rows,
+    /*quant_modes=*/kQuantAutoBit,
 };
 const TileKernel kOneDnnFp8{
     /*name=*/"onednn/brgemm_fp8_bf16",
@@ -276,12 +298,12 @@ const ProjectionKernels& projection_kernels(formats::Layout layout, Isa isa) {
   return kTiers[0].layouts[static_cast<int>(layout)]();
 }
 
-const TileKernel* tile_kernel(const formats::FormatRow& format, Isa isa, bool token_int8) {
+const TileKernel* tile_kernel(const formats::FormatRow& format, Isa isa, uint8_t quant_mode) {
   for (Isa i = isa; i >= 0; --i) {
     const TileKernel* k = kTiers[i].tiles[static_cast<int>(format.layout)];
     if (k == nullptr) continue;
     for (; k != nullptr; k = k->fallback) {
-      if (!token_int8 && k->input == TileInput::kI8TokenRows) continue;
+      if ((k->quant_modes & quant_mode) == 0) continue;
       if ((k->applies == nullptr || k->applies(format)) && k->runs()) return k;
     }
     return nullptr;

@@ -30,9 +30,10 @@ const ProjectionKernels& projection_kernels(formats::Layout layout, Isa isa);
 // process now: the first of the tier table's chain for the format's layout
 // (at `isa` or the next lower tier that has one) that applies to the format
 // and runs; nullptr: none (the streaming kernels compute). Which experts it
-// takes is the plan's decision (kernels/plan.h). token_int8 = false skips the
-// kernels that quantize the activations per token (TileInput::kI8TokenRows).
-const TileKernel* tile_kernel(const formats::FormatRow& format, Isa isa, bool token_int8 = true);
+// takes is the plan's decision (kernels/plan.h). quant_mode: a QuantModeBits bit;
+// kernels whose TileKernel::quant_modes lack it are skipped.
+const TileKernel* tile_kernel(const formats::FormatRow& format, Isa isa,
+                              uint8_t quant_mode = kQuantAutoBit);
 // The GLU epilogue act(g) * u of activation `a` on tier `isa` (kernels/activations.h).
 GluRows glu_rows(Isa isa, const Glu& glu);
 // The q8 activation quantizer of tier `isa`.

@@ -196,6 +196,15 @@ struct TileOperand {
   TileScratch* scratch;  // this pool thread's, for this op call (TileKernel::keeps)
 };
 
+// The quant-activation modes (kernels/plan.h, QuantActivations) under which a tile
+// kernel runs, as bits of TileKernel::quant_modes.
+enum QuantModeBits : uint8_t {
+  kQuantAutoBit = 1,
+  kQuantQ8Bit = 2,
+  kQuantFp32Bit = 4,
+  kAnyQuantMode = 7,
+};
+
 // A tile (matrix-engine) kernel family of one layout: a row of the tier
 // table (kernels/dispatch.cpp), which chains each to its fallback. The plan
 // (kernels/plan.h) takes the first of a chain that applies to the format and
@@ -228,6 +237,9 @@ struct TileKernel {
   // kI8TokenRows: the A operand of m fp32 rows of kp, pack_bytes(m, kp) bytes,
   // written by pack_rows (once per expert, rows source and op call); nullptr otherwise.
   void (*pack_rows)(const float* const* x, int m, int64_t kp, uint8_t* dst) = nullptr;
+  // QuantModeBits: per-token int8 activations only under 'auto', the q8 records'
+  // kernels not under 'fp32', an exact kernel for a quantized format only there.
+  uint8_t quant_modes = kAnyQuantMode;
 };
 
 // The q8 activation record of one fp32 row x[kp] (formats/q8_activations.h),

@@ -73,12 +73,14 @@ int fp32_min_tokens(const formats::FormatRow& format, Isa isa) {
 TilePath tile_path(const formats::FormatRow& format, Isa isa, const Modes& modes) {
   constexpr TilePath kNone{nullptr, formats::kNoBrgemm};
   if (modes.path == ComputePath::kStreaming) return kNone;
-  // Per-token int8 activations (w8a8) only under 'auto': 'q8' asks for the q8
-  // kernels' bits (the u8s8 kernel reproduces them), 'fp32' for exact activations.
-  const TileKernel* k = tile_kernel(format, isa, modes.quant == QuantActivations::kAuto);
+  // Each tile kernel says under which quant modes it runs (TileKernel::quant_modes):
+  // per-token int8 activations (w8a8) only under 'auto'; the q8 records' kernel
+  // (u8s8) not under 'fp32'; int8 times bf16 activations exactly only under 'fp32'.
+  const uint8_t bit = modes.quant == QuantActivations::kAuto ? kQuantAutoBit
+                      : modes.quant == QuantActivations::kQ8 ? kQuantQ8Bit
+                                                             : kQuantFp32Bit;
+  const TileKernel* k = tile_kernel(format, isa, bit);
   if (k == nullptr) return kNone;
-  // A kernel on q8 records multiplies q8 activations: not when they are off.
-  if (k->input == TileInput::kQ8Packed && modes.quant == QuantActivations::kFp32) return kNone;
   if (modes.path == ComputePath::kBrgemm) return {k, 1};
   const formats::BrgemmIsa cls =
       runtime::cpu_features().amx ? formats::BrgemmIsa::kAmx : formats::BrgemmIsa::kAvx512;

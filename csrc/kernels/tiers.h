@@ -52,6 +52,14 @@ __attribute__((weak)) void w8a8_epilogue(const int32_t* c, int rows, const float
                                          const void* w_scales, formats::ScaleType scale_type,
                                          bool accumulate, float* out, int64_t ldo);
 
+// int8 on the bf16 brgemm (kernels/avx512/int8_bf16_avx512.cpp). int8_to_bf16_vnni:
+// one int8 block [kp/4][16][4] as its exact bf16 values in brgemm's VNNI layout
+// [kp/2][16][2] at dst. scale_columns16: out[i * ldo + r] *= scales[r] (r < 16,
+// i < m; the block's per-channel scales in scale_type).
+__attribute__((weak)) void int8_to_bf16_vnni(const uint8_t* block, int64_t kp, uint16_t* dst);
+__attribute__((weak)) void scale_columns16(float* out, int m, int64_t ldo, const void* scales,
+                                           formats::ScaleType scale_type);
+
 // The bf16 tile kernel of the compute-bound path on AVX512_BF16 CPUs without
 // AMX (kernels/avx512/bf16_dp_avx512bf16.cpp, vdpbf16ps under a function-level
 // target; a TileKernel of the tier table); null when the avx512 tier or the
