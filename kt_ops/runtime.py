@@ -314,7 +314,10 @@ class Config:
     take their defaults. ``KT_OPS_CORE_SHARE`` (``'auto'``: part ``LOCAL_RANK`` of
     ``LOCAL_WORLD_SIZE`` when torchrun / accelerate set them; ``'i/n'``; ``'off'``)
     restricts that topology to this process's share of the host's cores, so
-    data-parallel ranks on one host split them (:mod:`kt_ops.distributed`). Build-time
+    data-parallel ranks on one host split them (:mod:`kt_ops.distributed`).
+    ``KT_OPS_SCRATCH_KEEP_MB`` (default 512) is how many MiB of scratch a calling
+    thread keeps between op calls (a call that needs more frees it on return); a
+    malformed value makes the op calls raise an error naming it. Build-time
     variables (``KT_OPS_CUDA_BRIDGE``,
     ``KT_OPS_BUILD_TYPE``, ...) belong to ``setup.py``, not to this object.
 

@@ -768,17 +768,24 @@ def test_backward_argument_errors(call):
         bwd(go, **dict(kw, lora=kw["lora"][:4]))
 
 
+@pytest.mark.parametrize("base", ["bf16", "int8"])
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["save", "recompute"])
-def test_lora_gradients_at_fp32_accuracy_on_a_bf16_base(checkpointing: bool, isa: str):
+def test_lora_gradients_at_fp32_accuracy_on_a_bf16_base(checkpointing: bool, isa: str, base: str):
     # bf16 hidden states times bf16 weights run the gate / up products on the inference
     # kernels (the tile path at 64+ tokens per expert): their products are exact in fp32,
     # so the LoRA factors' gradients stay at fp32 accuracy: within 1e-5 of an fp64
-    # reference (a bf16 rounding of the activations anywhere would give ~1e-3).
+    # reference (a bf16 rounding of the activations anywhere would give ~1e-3). An int8
+    # base too: its codes are exact in bf16 (forward: onednn/brgemm_int8_bf16), and the
+    # backward's go Wd splits go * scale into two bf16 rows (within 2^-17).
+    from reference import dense_weights
+
     E, H, I, K, T, r = 4, 256, 96, 2, 160, 4  # noqa: E741
     g = torch.Generator().manual_seed(7)
     dense = [(torch.randn(E, n, k, generator=g) / k**0.5).bfloat16() for n, k in ((I, H),) * 2]
     dense.append((torch.randn(E, H, I, generator=g) / I**0.5).bfloat16())
-    weights = kt_ops.ExpertWeights.from_dense(*dense, "bf16")
+    weights = kt_ops.ExpertWeights.from_dense(*dense, base)
+    if base != "bf16":  # the reference multiplies the dequantized weights
+        dense = list(dense_weights(weights))
     x = torch.randn(T, H, generator=g).bfloat16()
     ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
     tw = torch.rand(T, K, generator=g)

@@ -12,6 +12,7 @@
 #include "formats/fp8.h"
 #include "formats/qint.h"
 #include "formats/scale_dtype.h"
+#include "kernels/brgemm.h"
 #include "kernels/tiers.h"
 #include "runtime/cpu_features.h"
 
@@ -449,8 +450,24 @@ at::Tensor dense_expert_weight(const Projection& p, int64_t expert, const at::Te
 int64_t dense_panel_ld(const Projection& p) { return dense_ld(p.n); }
 
 bool bf16_vnni_panel_applies(const Projection& p) {
-  return p.format->layout == formats::Layout::kBf16 && p.n % 16 == 0 && p.k % 16 == 0 &&
+  const bool bf16 = p.format->layout == formats::Layout::kBf16;
+  const bool int8 = kernels::brgemm::w8a8_applies(*p.format) && !p.zeros.defined() &&
+                    kernels::avx512::int8_to_bf16_vnni != nullptr;
+  return (bf16 || int8) && p.n % 16 == 0 && p.k % 16 == 0 &&
          kernels::avx512::bf16_vnni_panel_block != nullptr && runtime::cpu_features().avx512;
+}
+
+const float* int8_channel_scales(const Projection& p, int64_t expert) {
+  if (p.format->layout == formats::Layout::kBf16) return nullptr;
+  thread_local std::vector<float> t_scales;
+  if (t_scales.size() < static_cast<size_t>(p.n)) t_scales.resize(static_cast<size_t>(p.n));
+  const int64_t blocks = formats::ceil_div(p.n, int64_t{16});
+  const auto* base = static_cast<const uint8_t*>(p.scales.data_ptr());
+  const int64_t esize = static_cast<int64_t>(p.scales.element_size());
+  for (int64_t r = 0; r < p.n; ++r)  // [E][NB][1][16]: one group per channel
+    t_scales[r] = formats::scale_value(base + (expert * blocks * 16) * esize,
+                                       formats::scale_type_of(p.scales.scalar_type()), r);
+  return t_scales.data();
 }
 
 void bf16_vnni_panel(const Projection& p, int64_t expert, int64_t k0, int64_t cols, uint16_t* dst) {
@@ -459,6 +476,24 @@ void bf16_vnni_panel(const Projection& p, int64_t expert, int64_t k0, int64_t co
               "bf16_vnni_panel: columns [", k0, ", ", k0 + cols, ") of a ", p.n, " x ", p.k, " ",
               p.format->name, " projection (or no AVX-512 here)");
   constexpr int kRows = formats::kBf16BlockRows;
+  if (p.format->layout != formats::Layout::kBf16) {
+    // int8: the block's codes of columns [k0, k0 + cols) decoded to their exact bf16
+    // values ([cols/2][16][2], a bf16 block of that width), then the same panel.
+    thread_local std::vector<uint16_t> t_block;
+    if (t_block.size() < static_cast<size_t>(cols * kRows))
+      t_block.resize(static_cast<size_t>(cols * kRows));
+    const int64_t blocks = p.n / kRows;
+    const int64_t block_bytes = p.weight.size(-1);  // [E][NB][Kp * 16]: [Kp/4][16][4] codes
+    const auto* base =
+        static_cast<const uint8_t*>(p.weight.data_ptr()) + expert * blocks * block_bytes;
+    for (int64_t nb = 0; nb < blocks; ++nb) {
+      kernels::avx512::int8_to_bf16_vnni(base + nb * block_bytes + k0 * kRows, cols,
+                                         t_block.data());
+      kernels::avx512::bf16_vnni_panel_block(t_block.data(), 0, cols,
+                                             dst + nb * (kRows / 2) * cols * 2);
+    }
+    return;
+  }
   const int64_t blocks = p.n / kRows, block_elems = formats::bf16_block_elems(p.k);
   const auto* base =
       reinterpret_cast<const uint16_t*>(p.weight.data_ptr()) + expert * blocks * block_elems;

@@ -450,10 +450,10 @@ size_t scratch_keep_bytes() {
     if (env == nullptr || env[0] == '\0') return size_t{512} << 20;
     char* end = nullptr;
     const long long mb = std::strtoll(env, &end, 10);
-    TORCH_CHECK(end != env && *end == '\0' && mb >= 0 && mb <= (1LL << 20),
-                "KT_OPS_SCRATCH_KEEP_MB='", env,
-                "' must be an integer number of MiB in [0, 1048576] (the scratch a calling "
-                "thread keeps between calls; default 512)");
+    TORCH_CHECK_VALUE(end != env && *end == '\0' && mb >= 0 && mb <= (1LL << 20),
+                      "KT_OPS_SCRATCH_KEEP_MB='", env,
+                      "' must be an integer number of MiB in [0, 1048576] (the scratch a calling "
+                      "thread keeps between calls; default 512)");
     return static_cast<size_t>(mb) << 20;
   }();
   return bytes;

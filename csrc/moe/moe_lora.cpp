@@ -223,11 +223,14 @@ uint16_t* scratch_rows16(int slot, int64_t m, int64_t n) {
 
 // Whether the backward's products with the base (go Wd, dg Wg + du Wu) run on oneDNN's
 // bf16 brgemm (kernels::brgemm::bf16_gemm) instead of fp32 BLAS: bf16 hidden states and
-// output gradient on a bf16 base (n and k multiples of 16), on a tier that runs the
-// bf16 tile kernels. go Wd then stays exact (bf16 go times bf16 weights: products
-// exact in fp32, fp32 sums), so the gate/up LoRA gradients keep fp32 accuracy; dg and
-// du are rounded to bf16 for dx, whose bf16 result (the dtype of x) carries about that
-// rounding anyway. The A operands of x's gradient are the only rounding.
+// output gradient on a bf16 or int8 (per channel) base (n and k multiples of 16), on a
+// tier that runs the bf16 tile kernels. go Wd then stays exact on a bf16 base (bf16 go
+// times bf16 weights: products exact in fp32, fp32 sums), so the gate/up LoRA gradients
+// keep fp32 accuracy; dg and du are rounded to bf16 for dx, whose bf16 result (the
+// dtype of x) carries about that rounding anyway. On int8 the panels hold the codes'
+// exact bf16 values and the channel scales move onto the A rows: for dx into dg, du
+// before their rounding; for go Wd (scales along its reduction) go * s is split into
+// two bf16 rows, hi + lo, within 2^-17 of it (two calls on one panel).
 bool backward_on_brgemm(const at::Tensor& x, const at::Tensor& grad_output, const MoeLayer& w) {
   static const kernels::Isa avx512 = [] {
     try {
@@ -257,8 +260,10 @@ void vnni_products(std::initializer_list<std::pair<const uint16_t*, const Projec
   for (int64_t c0 = 0; c0 < k; c0 += kVnniCols) {
     const int64_t cols = std::min(kVnniCols, k - c0);
     bool first = true;
+    const Projection* made = nullptr;  // the projection whose panel is in `panel`
     for (const auto& [a, p] : terms) {
-      bf16_vnni_panel(*p, e, c0, cols, panel.data());
+      if (p != made) bf16_vnni_panel(*p, e, c0, cols, panel.data());
+      made = p;
       kernels::brgemm::bf16_gemm(static_cast<int>(m), cols, n, a, n, panel.data(), out + c0, k,
                                  !first);
       first = false;
@@ -266,9 +271,15 @@ void vnni_products(std::initializer_list<std::pair<const uint16_t*, const Projec
   }
 }
 
-// dst [m, n] bf16 (round to nearest even) of src [m, n] fp32.
-void to_bf16_rows(const float* src, int64_t count, uint16_t* dst) {
-  for (int64_t i = 0; i < count; ++i) dst[i] = c10::BFloat16(src[i]).x;
+// dst [m, n] bf16 (round to nearest even) of src [m, n] fp32, each column j times
+// scales[j] first where scales is not null (an int8 projection's channel scales).
+void to_bf16_rows(const float* src, int64_t m, int64_t n, const float* scales, uint16_t* dst) {
+  if (scales == nullptr) {
+    for (int64_t i = 0; i < m * n; ++i) dst[i] = c10::BFloat16(src[i]).x;
+    return;
+  }
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < n; ++j) dst[i * n + j] = c10::BFloat16(src[i * n + j] * scales[j]).x;
 }
 
 // h[0, n) = glu(g, u): the tier's vector epilogue over lines of 16, the scalar form
@@ -481,9 +492,22 @@ MoeGrads moe_backward_lora(const at::Tensor& grad_output, const at::Tensor& x,
       at::Tensor dh = scratch_mat(5, m, I);
       if (on_brgemm) {
         uint16_t* go_rows = scratch_rows16(0, m, H);
-        for (int64_t i = 0; i < m; ++i)
-          std::memcpy(go_rows + i * H, go16p + token[i] * H, H * sizeof(uint16_t));
-        vnni_products({{go_rows, &w.down}}, m, e, dh.data_ptr<float>());
+        const float* sd = int8_channel_scales(w.down, e);
+        if (sd == nullptr) {
+          for (int64_t i = 0; i < m; ++i)
+            std::memcpy(go_rows + i * H, go16p + token[i] * H, H * sizeof(uint16_t));
+          vnni_products({{go_rows, &w.down}}, m, e, dh.data_ptr<float>());
+        } else {  // int8: go * s = hi + lo, both bf16 (the scales run along the reduction)
+          uint16_t* lo_rows = scratch_rows16(1, m, H);
+          const float* gor = go.data_ptr<float>();
+          for (int64_t i = 0; i < m * H; ++i) {
+            const float v = gor[i] * sd[i % H];
+            const c10::BFloat16 hi(v);
+            go_rows[i] = hi.x;
+            lo_rows[i] = c10::BFloat16(v - static_cast<float>(hi)).x;
+          }
+          vnni_products({{go_rows, &w.down}, {lo_rows, &w.down}}, m, e, dh.data_ptr<float>());
+        }
       } else {
         base_products({{&go, &w.down}}, e, dh, panel);
       }
@@ -553,8 +577,8 @@ MoeGrads moe_backward_lora(const at::Tensor& grad_output, const at::Tensor& x,
         if (on_brgemm) {
           uint16_t* dg16 = scratch_rows16(0, m, I);
           uint16_t* du16 = scratch_rows16(1, m, I);
-          to_bf16_rows(dg.data_ptr<float>(), m * I, dg16);
-          to_bf16_rows(du.data_ptr<float>(), m * I, du16);
+          to_bf16_rows(dg.data_ptr<float>(), m, I, int8_channel_scales(w.gate, e), dg16);
+          to_bf16_rows(du.data_ptr<float>(), m, I, int8_channel_scales(w.up, e), du16);
           vnni_products({{dg16, &w.gate}, {du16, &w.up}}, m, e, dx.data_ptr<float>());
         } else {
           base_products({{&dg, &w.gate}, {&du, &w.up}}, e, dx, panel);
