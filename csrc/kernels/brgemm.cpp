@@ -127,7 +127,7 @@ bool fp8_runs() {
   // The decode rounds with vcvtne2ps2bf16 (AVX512_BF16), also on AMX CPUs.
   const runtime::CpuFeatures& f = runtime::cpu_features();
   if (!f.avx512_bf16 || avx512::fp8_to_bf16_vnni == nullptr ||
-      avx512::scale_rows_to_bf16 == nullptr)
+      avx512::scale_rows_to_bf16 == nullptr || avx512::scale_columns16 == nullptr)
     return false;
   return onednn_enabled() && bf16_probed_ok();
 }
@@ -237,7 +237,7 @@ void u8s8_dot(const DotArgs& a, const TileOperand& op) {
 #endif
 }
 
-bool w8a8_applies(const formats::FormatRow& format) {
+bool int8_per_channel_applies(const formats::FormatRow& format) {
   // Per output channel only: one weight scale per row factors out of the full-K sum.
   return u8s8_applies(format) && format.group_sizes.size() == 1 && format.group_sizes[0] == 0;
 }
@@ -355,8 +355,7 @@ void scale_outputs(const DotArgs& a, int64_t nb, float* out) {
   const ProjectionView& p = *a.proj;
   if (!p.fp8_row_scales) return;
   const float* s = static_cast<const float*>(p.scales) + (a.expert * p.row_blocks + nb) * 16;
-  for (int i = 0; i < a.m; ++i)
-    for (int r = 0; r < 16; ++r) out[i * a.ldo + r] *= s[r];
+  avx512::scale_columns16(out, a.m, a.ldo, s, formats::ScaleType::kF32);
 }
 
 // oneDNN: block nb's dot products from its group's (computed on a miss).

@@ -145,8 +145,10 @@ void gather_u8s8_rows(const uint8_t* const* records, int m, int64_t kp, uint8_t*
 // (their scales are per 32 k), within the per-token rounding's bound
 // (docs/formats.md "Compute paths"). Only under QuantActivations::kAuto (kQ8 asks
 // for the q8 kernels' bits: the u8s8 kernel; kFp32 for exact activations).
-bool w8a8_applies(const formats::FormatRow& format);
 bool w8a8_runs();
+// The formats of the w8a8 and int8_bf16 kernels and of the LoRA backward's int8 panels:
+// 8-bit signed codes with one scale per output channel (the int8 format).
+bool int8_per_channel_applies(const formats::FormatRow& format);
 // The A operand of m rows of kp: their per-token scales (m floats, padded to 64
 // bytes), then per token tile (kMaxTileRows rows, the last one shorter) the
 // tile's codes + 128 and a row of 128s, rows w8a8_ld(kp) bytes apart.

@@ -451,7 +451,7 @@ int64_t dense_panel_ld(const Projection& p) { return dense_ld(p.n); }
 
 bool bf16_vnni_panel_applies(const Projection& p) {
   const bool bf16 = p.format->layout == formats::Layout::kBf16;
-  const bool int8 = kernels::brgemm::w8a8_applies(*p.format) && !p.zeros.defined() &&
+  const bool int8 = kernels::brgemm::int8_per_channel_applies(*p.format) && !p.zeros.defined() &&
                     kernels::avx512::int8_to_bf16_vnni != nullptr;
   return (bf16 || int8) && p.n % 16 == 0 && p.k % 16 == 0 &&
          kernels::avx512::bf16_vnni_panel_block != nullptr && runtime::cpu_features().avx512;
@@ -462,11 +462,10 @@ const float* int8_channel_scales(const Projection& p, int64_t expert) {
   thread_local std::vector<float> t_scales;
   if (t_scales.size() < static_cast<size_t>(p.n)) t_scales.resize(static_cast<size_t>(p.n));
   const int64_t blocks = formats::ceil_div(p.n, int64_t{16});
-  const auto* base = static_cast<const uint8_t*>(p.scales.data_ptr());
-  const int64_t esize = static_cast<int64_t>(p.scales.element_size());
-  for (int64_t r = 0; r < p.n; ++r)  // [E][NB][1][16]: one group per channel
-    t_scales[r] = formats::scale_value(base + (expert * blocks * 16) * esize,
-                                       formats::scale_type_of(p.scales.scalar_type()), r);
+  const formats::ScaleType type = formats::scale_type_of(p.scales.scalar_type());
+  const auto* base = static_cast<const uint8_t*>(p.scales.data_ptr()) +
+                     expert * blocks * 16 * p.scales.element_size();  // [E][NB][1][16]
+  for (int64_t r = 0; r < p.n; ++r) t_scales[r] = formats::scale_value(base, type, r);
   return t_scales.data();
 }
 

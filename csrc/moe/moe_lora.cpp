@@ -54,13 +54,13 @@ void scatter_rows(const float* src, int64_t rows, int64_t n, const int64_t* inde
     std::memcpy(dst + index[i] * n, src + i * n, n * sizeof(float));
 }
 
-// dst row i <- src[index[i] * n ...]
-// dst [cols, rows] = src [rows, cols]^T (small: a LoRA factor's gradient).
+// dst [cols, rows] = src [rows, cols]^T (small: a LoRA factor or its gradient).
 void transpose_into(const float* src, int64_t rows, int64_t cols, float* dst) {
   for (int64_t i = 0; i < rows; ++i)
     for (int64_t j = 0; j < cols; ++j) dst[j * rows + i] = src[i * cols + j];
 }
 
+// dst row i <- src[index[i] * n ...]
 void gather_rows(const float* src, int64_t rows, int64_t n, const int64_t* index, float* dst) {
   for (int64_t i = 0; i < rows; ++i)
     std::memcpy(dst + i * n, src + index[i] * n, n * sizeof(float));
@@ -310,7 +310,7 @@ kernels::ComputePath lora_forward_path(const at::Tensor& x, const MoeLayer& w) {
   for (const Projection* p : {&w.gate, &w.up, &w.down}) {
     const bool bf16 = p->format->layout == formats::Layout::kBf16;
     all_bf16 = all_bf16 && bf16;
-    exact_tiles = exact_tiles && (bf16 || kernels::brgemm::w8a8_applies(*p->format));
+    exact_tiles = exact_tiles && (bf16 || kernels::brgemm::int8_per_channel_applies(*p->format));
   }
   if (all_bf16) return kernels::ComputePath::kAuto;
   return exact_tiles ? kernels::ComputePath::kBrgemm : kernels::ComputePath::kStreaming;
@@ -323,9 +323,7 @@ at::Tensor LoraF32::B(int64_t e) const { return view(b + e * n * r, {n, r}); }
 const float* LoraF32::bt_of(int64_t e) const {
   thread_local std::vector<float> t_bt;
   if (t_bt.size() < static_cast<size_t>(n * r)) t_bt.resize(static_cast<size_t>(n * r));
-  const float* src = b_of(e);
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t j = 0; j < r; ++j) t_bt[j * n + i] = src[i * r + j];
+  transpose_into(b_of(e), n, r, t_bt.data());
   return t_bt.data();
 }
 
@@ -500,11 +498,13 @@ MoeGrads moe_backward_lora(const at::Tensor& grad_output, const at::Tensor& x,
         } else {  // int8: go * s = hi + lo, both bf16 (the scales run along the reduction)
           uint16_t* lo_rows = scratch_rows16(1, m, H);
           const float* gor = go.data_ptr<float>();
-          for (int64_t i = 0; i < m * H; ++i) {
-            const float v = gor[i] * sd[i % H];
-            const c10::BFloat16 hi(v);
-            go_rows[i] = hi.x;
-            lo_rows[i] = c10::BFloat16(v - static_cast<float>(hi)).x;
+          for (int64_t i = 0; i < m; ++i) {
+            for (int64_t j = 0; j < H; ++j) {
+              const float v = gor[i * H + j] * sd[j];
+              const c10::BFloat16 hi(v);
+              go_rows[i * H + j] = hi.x;
+              lo_rows[i * H + j] = c10::BFloat16(v - static_cast<float>(hi)).x;
+            }
           }
           vnni_products({{go_rows, &w.down}, {lo_rows, &w.down}}, m, e, dh.data_ptr<float>());
         }
