@@ -246,4 +246,14 @@ struct TileKernel {
 // vectorized per tier (kernels/q8_quantize.h).
 using QuantizeRowQ8 = void (*)(const float* x, int64_t kp, uint8_t* rec);
 
+// Lines to prefetch to L2 while a kernel computes: `lines` 64-byte lines in chunks of
+// 2^chunk_lines_log2 lines, chunk c at base + c * stride (line i: chunk i >> log2, line
+// i & (2^log2 - 1) of it). The source of the next weight panel, strided over the blocks.
+struct PrefetchChunks {
+  const void* base = nullptr;
+  int64_t stride = 0;
+  int chunk_lines_log2 = 0;
+  int64_t lines = 0;
+};
+
 }  // namespace kt::kernels

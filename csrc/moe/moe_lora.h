@@ -25,9 +25,11 @@
 // to one thread, moe/blas_tasks.h) on L2-sized fp32 panels of the base
 // (dense_expert_panel, expert_weights.h), and writes per-(token, slot)
 // results; a second pass sums the slots of each token in k order. With bf16
-// hidden states and gradients on a bf16 base, the products with the base run on
-// oneDNN's bf16 brgemm instead (kernels::brgemm::bf16_gemm) with VNNI panels of
-// the weights over n (bf16_vnni_panel): go Wd stays exact (bf16 products, fp32
+// hidden states and gradients on a bf16 (or int8) base, the products with the base
+// run on bf16 VNNI panels of the weights over n (bf16_vnni_panel) instead: on kt_ops'
+// vdpbf16ps kernel where the forward's bf16 tiles are kt_ops' (AVX512_BF16 without
+// AMX; it prefetches the next panel's weights while it multiplies), else on oneDNN's
+// brgemm (kernels::brgemm::bf16_gemm). go Wd stays exact (bf16 products, fp32
 // sums), dg and du are rounded to bf16 for x's (bf16) gradient. Without
 // saved pre-activations it first reruns the exact forward (the same bits).
 // Every value comes from the same sequence of operations for any thread

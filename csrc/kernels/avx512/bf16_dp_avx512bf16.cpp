@@ -24,7 +24,9 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 #include "kernels/kernel_api.h"
 #include "kernels/row_tiles.h"
@@ -94,12 +96,106 @@ KT_BF16DP_TARGET void bf16_dp_dot_impl(const DotArgs& a, const uint16_t* xb, int
   }
 }
 
+// The LoRA backward's tile: MT rows of packed pairs a [k_pairs][MT] (one pointer, the
+// rows at fixed offsets: the row pointers of dp_tile would not fit the general
+// registers next to a prefetch stream) times one 16-column panel slice w [k_pairs][16][2].
+// While it runs, 8 lines of the next panel's source are prefetched to L2 per 8 k pairs
+// for the first pf_pairs pairs: chunks of CL lines (8: bf16, 4: int8), `stride` apart.
+// One k pair p of dp_packed_tile: acc[i] += a[p][i] . w[p] for its MT rows.
+template <int MT>
+KT_BF16DP_TARGET __attribute__((always_inline)) inline void dp_packed_step(__m512* acc,
+                                                                           const uint32_t* a,
+                                                                           const uint16_t* w,
+                                                                           int p) {
+  const __m512bh wl = (__m512bh)_mm512_loadu_si512(w + 32 * static_cast<int64_t>(p));
+  const uint32_t* ap = a + static_cast<int64_t>(p) * MT;
+#pragma GCC unroll 32
+  for (int i = 0; i < MT; ++i)
+    acc[i] = _mm512_dpbf16_ps(acc[i], wl, (__m512bh)_mm512_set1_epi32(static_cast<int>(ap[i])));
+}
+
+template <int MT, int CL>
+KT_BF16DP_TARGET void dp_packed_tile(const uint32_t* a, const uint16_t* w, int k_pairs, float* out,
+                                     int64_t ldo, bool add, const char* pf, int64_t stride,
+                                     int pf_pairs) {
+  __m512 acc[MT];
+#pragma GCC unroll 32
+  for (int i = 0; i < MT; ++i) acc[i] = add ? _mm512_loadu_ps(out + i * ldo) : _mm512_setzero_ps();
+  int p = 0;
+  if constexpr (CL > 0) {
+    for (; p + 8 <= pf_pairs; p += 8) {
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) {
+        __builtin_prefetch(pf + (j / CL) * stride + (j % CL) * 64, 0, 2);
+        dp_packed_step<MT>(acc, a, w, p + j);
+      }
+      pf += (8 / CL) * stride;
+    }
+  }
+  for (; p < k_pairs; ++p) dp_packed_step<MT>(acc, a, w, p);
+#pragma GCC unroll 32
+  for (int i = 0; i < MT; ++i) _mm512_storeu_ps(out + i * ldo, acc[i]);
+}
+
+// dp_packed_tile<rows, CL> for rows in [1, N], picked at run time.
+template <int N, int CL>
+KT_BF16DP_TARGET void dp_packed_tile_n(int rows, const uint32_t* a, const uint16_t* w, int k_pairs,
+                                       float* out, int64_t ldo, bool add, const char* pf,
+                                       int64_t stride, int pf_pairs) {
+  if constexpr (N >= 1) {
+    if (rows == N) return dp_packed_tile<N, CL>(a, w, k_pairs, out, ldo, add, pf, stride, pf_pairs);
+    return dp_packed_tile_n<N - 1, CL>(rows, a, w, k_pairs, out, ldo, add, pf, stride, pf_pairs);
+  }
+}
+
+KT_BF16DP_TARGET void bf16_dp_panel_impl(const uint32_t* a_tiles, int m, const uint16_t* w,
+                                         int k_pairs, float* out, int64_t ldo, bool add,
+                                         const PrefetchChunks& next) {
+  const auto* pf = static_cast<const char*>(next.base);
+  const int log2 = next.chunk_lines_log2;
+  // Whole groups of 8 lines (8 k pairs) only: a tail of < 8 lines goes unprefetched.
+  const int pf_pairs =
+      pf == nullptr ? 0 : static_cast<int>(std::min<int64_t>(next.lines, k_pairs)) / 8 * 8;
+  for_each_row_tile(m, kMaxTileRows, [&](int t, int i, int rows) {
+    const uint32_t* a = a_tiles + static_cast<int64_t>(i) * k_pairs;
+    float* o = out + i * ldo;
+    if (t == 0 && pf_pairs > 0 && log2 == 3) {
+      dp_packed_tile_n<kMaxTileRows, 8>(rows, a, w, k_pairs, o, ldo, add, pf, next.stride,
+                                        pf_pairs);
+    } else if (t == 0 && pf_pairs > 0 && log2 == 2) {
+      dp_packed_tile_n<kMaxTileRows, 4>(rows, a, w, k_pairs, o, ldo, add, pf, next.stride,
+                                        pf_pairs);
+    } else {
+      dp_packed_tile_n<kMaxTileRows, 0>(rows, a, w, k_pairs, o, ldo, add, nullptr, 0, 0);
+    }
+  });
+}
+
 }  // namespace
 
 // Plain entry point (a target-attributed declaration would be a GCC function
 // version): tiers.h declares it weak. op.rows: the m bf16 rows (TileInput::kBf16Rows).
 void bf16_dp_dot(const DotArgs& a, const TileOperand& op) {
   bf16_dp_dot_impl(a, static_cast<const uint16_t*>(op.rows), op.ld);
+}
+
+void bf16_dp_panel(const uint32_t* a_tiles, int m, const uint16_t* w, int k_pairs, float* out,
+                   int64_t ldo, bool add, const PrefetchChunks& next) {
+  bf16_dp_panel_impl(a_tiles, m, w, k_pairs, out, ldo, add, next);
+}
+
+void pack_pair_tiles(const uint16_t* const* rows, int m, int k_pairs, uint32_t* dst) {
+  for_each_row_tile(m, kMaxTileRows, [&](int, int i, int mt) {
+    uint32_t* d = dst + static_cast<int64_t>(i) * k_pairs;
+    for (int r = 0; r < mt; ++r) {
+      const uint16_t* src = rows[i + r];
+      for (int p = 0; p < k_pairs; ++p) {
+        uint32_t pair;
+        std::memcpy(&pair, src + 2 * p, sizeof(pair));
+        d[static_cast<int64_t>(p) * mt + r] = pair;
+      }
+    }
+  });
 }
 #endif
 
