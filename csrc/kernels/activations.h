@@ -445,6 +445,30 @@ void glu_rows_params(float* g, const float* u, int m, const Glu& p) {
   for (int i = 0; i < m; ++i) glu_16<V, A>(g + 16 * i, u + 16 * i, p);
 }
 
+// The GLU's backward over `lines` lines of 16 values, in place: g <- dL/dg and u <- dL/du
+// from g, u and dh = dL/dh (the LoRA backward, moe/moe_lora.cpp). The vector form of
+// glu_backward() for a plain SiLU GLU (silu' = s (1 + g (1 - s)), s = sigmoid(g)), the
+// tier's exp; null for any other GLU, which keeps the scalar form.
+using GluBackwardRows = void (*)(float* g, float* u, const float* dh, int64_t lines);
+
+template <class V>
+void silu_glu_backward_rows(float* g, float* u, const float* dh, int64_t lines) {
+  using Reg = typename V::Reg;
+  const Reg one = V::set1(1.0f);
+  for (int64_t i = 0; i < lines * 16; i += V::kLanes) {
+    const Reg gv = V::load(g + i), uv = V::load(u + i), dv = V::load(dh + i);
+    const Reg s = V::div(one, V::add(one, V::exp(V::neg(gv))));
+    const Reg ds = V::fma(V::mul(gv, s), V::add(one, V::neg(s)), s);  // s (1 + g (1 - s))
+    V::store(g + i, V::mul(V::mul(dv, uv), ds));
+    V::store(u + i, V::mul(dv, V::mul(gv, s)));
+  }
+}
+
+template <class V>
+GluBackwardRows glu_backward_rows_for(const Glu& p) {
+  return p.plain() && p.act == Activation::kSilu ? &silu_glu_backward_rows<V> : nullptr;
+}
+
 // The driver's epilogue (moe/moe_forward.cpp): g = h over m rows of 16.
 using GluRows = void (*)(float* g, const float* u, int m, const Glu& p);
 

@@ -18,6 +18,7 @@ namespace avx512 {
 KT_WEAK const ProjectionKernels& bf16_kernels();
 KT_WEAK const ProjectionKernels& qint_kernels();
 KT_WEAK GluRows glu_rows(const Glu& glu);
+KT_WEAK GluBackwardRows glu_backward_rows(const Glu& glu);
 KT_WEAK void quantize_row_q8(const float* x, int64_t kp, uint8_t* rec);
 }  // namespace avx512
 namespace avx512_vnni {
@@ -154,9 +155,10 @@ struct Tier {
   const char* name;
   bool (*runs)(const runtime::CpuFeatures&);
   const char* needs;
-  KernelsFn layouts[3];        // kBf16, kQint, kFp8
-  const TileKernel* tiles[3];  // kBf16, kQint, kFp8
-  GluRows (*glu)(const Glu&);  // the epilogue of each activation
+  KernelsFn layouts[3];                         // kBf16, kQint, kFp8
+  const TileKernel* tiles[3];                   // kBf16, kQint, kFp8
+  GluRows (*glu)(const Glu&);                   // the epilogue of each activation
+  GluBackwardRows (*glu_backward)(const Glu&);  // its backward (LoRA), where vectorized
   QuantizeRowQ8 quantize_q8;
 };
 
@@ -167,6 +169,7 @@ const Tier kTiers[] = {
      {ref::bf16_kernels, ref::qint_kernels, ref::fp8_kernels},
      {nullptr, nullptr, nullptr},
      ref::glu_rows,
+     ref::glu_backward_rows,
      ref::quantize_row_q8},
     {"avx2",
      [](const runtime::CpuFeatures& f) { return f.avx2; },
@@ -174,6 +177,7 @@ const Tier kTiers[] = {
      {avx2::bf16_kernels, avx2::qint_kernels, avx2::fp8_kernels},
      {nullptr, nullptr, nullptr},  // oneDNN's bf16 / int8 brgemm does not run on AVX2
      avx2::glu_rows,
+     avx2::glu_backward_rows,
      avx2::quantize_row_q8},
     // fp8 and the weight-only fp32 path stay on AVX2 code, which every AVX-512 CPU runs.
     // The tile families: oneDNN's brgemm (AVX-512 code, or AMX tiles where the
@@ -184,6 +188,7 @@ const Tier kTiers[] = {
      {avx512::bf16_kernels, avx512::qint_kernels, nullptr},
      {&kKtBf16, &kOneDnnW8A8, &kKtFp8},
      avx512::glu_rows,
+     avx512::glu_backward_rows,
      avx512::quantize_row_q8},
     // vpdpbusd for the integer formats; the rest from the avx512 row.
     {"avx512_vnni",
@@ -191,6 +196,7 @@ const Tier kTiers[] = {
      "AVX-512 F/BW/VL/DQ + AVX512_VNNI",
      {nullptr, avx512_vnni::qint_kernels, nullptr},
      {nullptr, nullptr, nullptr},
+     nullptr,
      nullptr,
      nullptr},
 };
@@ -315,6 +321,12 @@ GluRows glu_rows(Isa isa, const Glu& glu) {
   for (Isa i = isa; i > 0; --i)
     if (kTiers[i].glu != nullptr) return kTiers[i].glu(glu);
   return kTiers[0].glu(glu);
+}
+
+GluBackwardRows glu_backward_rows(Isa isa, const Glu& glu) {
+  for (Isa i = isa; i > 0; --i)
+    if (kTiers[i].glu_backward != nullptr) return kTiers[i].glu_backward(glu);
+  return kTiers[0].glu_backward(glu);
 }
 
 QuantizeRowQ8 quantize_row_q8(Isa isa) {

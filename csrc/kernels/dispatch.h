@@ -36,6 +36,8 @@ const TileKernel* tile_kernel(const formats::FormatRow& format, Isa isa,
                               uint8_t quant_mode = kQuantAutoBit);
 // The GLU epilogue act(g) * u of activation `a` on tier `isa` (kernels/activations.h).
 GluRows glu_rows(Isa isa, const Glu& glu);
+// Its backward over lines of 16 (the LoRA backward), or nullptr: the scalar glu_backward.
+GluBackwardRows glu_backward_rows(Isa isa, const Glu& glu);
 // The q8 activation quantizer of tier `isa`.
 QuantizeRowQ8 quantize_row_q8(Isa isa);
 

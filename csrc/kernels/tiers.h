@@ -16,6 +16,7 @@ const ProjectionKernels& bf16_kernels();
 const ProjectionKernels& qint_kernels();
 const ProjectionKernels& fp8_kernels();
 GluRows glu_rows(const Glu& glu);
+GluBackwardRows glu_backward_rows(const Glu& glu);
 void quantize_row_q8(const float* x, int64_t kp, uint8_t* rec);
 // Scalar per-block kernels, also the SIMD tiers' answer for a code width
 // they do not specialise.
@@ -29,6 +30,7 @@ __attribute__((weak)) const ProjectionKernels& bf16_kernels();
 __attribute__((weak)) const ProjectionKernels& qint_kernels();
 __attribute__((weak)) const ProjectionKernels& fp8_kernels();
 __attribute__((weak)) GluRows glu_rows(const Glu& glu);
+__attribute__((weak)) GluBackwardRows glu_backward_rows(const Glu& glu);
 __attribute__((weak)) void quantize_row_q8(const float* x, int64_t kp, uint8_t* rec);
 }  // namespace avx2
 

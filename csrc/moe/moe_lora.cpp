@@ -495,6 +495,8 @@ MoeGrads moe_backward_lora(const at::Tensor& grad_output, const at::Tensor& x,
   const int64_t E = w.gate.num_experts(), I = w.gate.n;
   const LoraF32 lg = lora_f32(lora.gate), lu = lora_f32(lora.up), ld = lora_f32(lora.down);
   const kernels::GluRows glu = kernels::glu_rows(kernels::active_isa(), w.glu);
+  const kernels::GluBackwardRows glu_back =
+      kernels::glu_backward_rows(kernels::active_isa(), w.glu);
   const float s = static_cast<float>(lora.scaling);
 
   // fp32 accumulators; experts without tokens keep zero LoRA gradients.
@@ -634,7 +636,9 @@ MoeGrads moe_backward_lora(const at::Tensor& grad_output, const at::Tensor& x,
       }
 
       // dg = dh * u * act'(g), du = dh * act(g); written over g and u.
-      for (int64_t i = 0; i < m * I; ++i)
+      const int64_t vec = glu_back != nullptr ? m * I / 16 * 16 : 0;
+      if (vec > 0) glu_back(gp, up, dhp, vec / 16);
+      for (int64_t i = vec; i < m * I; ++i)
         kernels::glu_backward(w.glu, gp[i], up[i], dhp[i], &gp[i], &up[i]);
       const at::Tensor& dg = g;
       const at::Tensor& du = u;

@@ -14,5 +14,8 @@ const ProjectionKernels& bf16_kernels() {
 }
 
 GluRows glu_rows(const Glu& glu) { return kernels::glu_rows_for<Vec>(glu); }
+GluBackwardRows glu_backward_rows(const Glu& glu) {
+  return kernels::glu_backward_rows_for<Vec>(glu);
+}
 
 }  // namespace kt::kernels::avx512
