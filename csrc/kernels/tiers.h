@@ -95,13 +95,13 @@ __attribute__((weak)) void lora_dtx(const float* d, int64_t ldd, int m, int r, c
                                     int64_t ldx, int64_t k, float s, float* g, int64_t ldg);
 // The LoRA backward's products with the base on AVX512_BF16 without AMX (in
 // kernels/avx512/bf16_dp_avx512bf16.cpp, beside the forward's tile kernel).
-// pack_pair_tiles: m bf16 rows (rows[i], 2 k_pairs values) as the row tiles of up to 28
+// pack_pair_tiles: m bf16 rows (2 k_pairs values, ld apart) as the row tiles of up to 28
 // rows the kernel runs (near-equal, kernels/row_tiles.h), the tile of rows [i, i + mt)
 // at dst + i * k_pairs as [k_pairs][mt] 32-bit pairs. bf16_dp_panel: out [m][16] (rows
 // ldo apart) = (add ? out : 0) + those rows times w [k_pairs][16][2] (a 16-column VNNI
 // panel slice), fp32 sums in k order per output; while the first row tile runs, the
 // lines of `next` are prefetched to L2 (8 per 8 k pairs).
-__attribute__((weak)) void pack_pair_tiles(const uint16_t* const* rows, int m, int k_pairs,
+__attribute__((weak)) void pack_pair_tiles(const uint16_t* rows, int64_t ld, int m, int k_pairs,
                                            uint32_t* dst);
 __attribute__((weak)) void bf16_dp_panel(const uint32_t* a_tiles, int m, const uint16_t* w,
                                          int k_pairs, float* out, int64_t ldo, bool add,

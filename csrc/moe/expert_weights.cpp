@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstring>
 #include <stdexcept>
+#include <utility>
 
 #include "formats/bf16.h"
 #include "formats/format_table.h"
@@ -469,58 +470,59 @@ const float* int8_channel_scales(const Projection& p, int64_t expert) {
   return t_scales.data();
 }
 
-void bf16_vnni_panel(const Projection& p, int64_t expert, int64_t n0, int64_t rows, int64_t k0,
-                     int64_t cols, uint16_t* dst) {
-  constexpr int kRows = formats::kBf16BlockRows;
+namespace {
+
+// Expert `expert`'s first 16-row block of a bf16 or int8 projection and the bytes
+// from one block to the next (bf16: [k/2][16][2]; int8: [Kp/4][16][4] codes).
+std::pair<const uint8_t*, int64_t> expert_blocks(const Projection& p, int64_t expert) {
+  const int64_t block_bytes = p.format->layout == formats::Layout::kBf16
+                                  ? formats::bf16_block_elems(p.k) * 2
+                                  : p.weight.size(-1);  // [E][NB][Kp * 16]
+  return {static_cast<const uint8_t*>(p.weight.data_ptr()) +
+              expert * (p.n / formats::kBf16BlockRows) * block_bytes,
+          block_bytes};
+}
+
+}  // namespace
+
+void bf16_vnni_panel(const Projection& p, int64_t expert, int64_t k0, int64_t cols, uint16_t* dst) {
   TORCH_CHECK(bf16_vnni_panel_applies(p) && expert >= 0 && expert < p.num_experts() &&
-                  k0 % 16 == 0 && cols % 16 == 0 && k0 >= 0 && k0 + cols <= p.k &&
-                  n0 % kRows == 0 && rows % kRows == 0 && n0 >= 0 && n0 + rows <= p.n,
-              "bf16_vnni_panel: rows [", n0, ", ", n0 + rows, ") x columns [", k0, ", ", k0 + cols,
-              ") of a ", p.n, " x ", p.k, " ", p.format->name, " projection (or no AVX-512 here)");
-  const int64_t nb0 = n0 / kRows, nb1 = (n0 + rows) / kRows;
+                  k0 % 16 == 0 && cols % 16 == 0 && k0 >= 0 && k0 + cols <= p.k,
+              "bf16_vnni_panel: columns [", k0, ", ", k0 + cols, ") of a ", p.n, " x ", p.k, " ",
+              p.format->name, " projection (or no AVX-512 here)");
+  constexpr int kRows = formats::kBf16BlockRows;
+  const int64_t blocks = p.n / kRows;
+  const auto [base, block_bytes] = expert_blocks(p, expert);
   if (p.format->layout != formats::Layout::kBf16) {
     // int8: the block's codes of columns [k0, k0 + cols) decoded to their exact bf16
     // values ([cols/2][16][2], a bf16 block of that width), then the same panel.
     thread_local std::vector<uint16_t> t_block;
     if (t_block.size() < static_cast<size_t>(cols * kRows))
       t_block.resize(static_cast<size_t>(cols * kRows));
-    const int64_t block_bytes = p.weight.size(-1);  // [E][NB][Kp * 16]: [Kp/4][16][4] codes
-    const auto* base =
-        static_cast<const uint8_t*>(p.weight.data_ptr()) + expert * (p.n / kRows) * block_bytes;
-    for (int64_t nb = nb0; nb < nb1; ++nb) {
+    for (int64_t nb = 0; nb < blocks; ++nb) {
       kernels::avx512::int8_to_bf16_vnni(base + nb * block_bytes + k0 * kRows, cols,
                                          t_block.data());
       kernels::avx512::bf16_vnni_panel_block(t_block.data(), 0, cols,
-                                             dst + (nb - nb0) * (kRows / 2) * cols * 2);
+                                             dst + nb * (kRows / 2) * cols * 2);
     }
     return;
   }
-  const int64_t block_elems = formats::bf16_block_elems(p.k);
-  const auto* base =
-      reinterpret_cast<const uint16_t*>(p.weight.data_ptr()) + expert * (p.n / kRows) * block_elems;
-  for (int64_t nb = nb0; nb < nb1; ++nb)  // row pairs 8 (nb - nb0) .. + 7 of the panel
-    kernels::avx512::bf16_vnni_panel_block(base + nb * block_elems, k0 / 2, cols,
-                                           dst + (nb - nb0) * (kRows / 2) * cols * 2);
+  for (int64_t nb = 0; nb < blocks; ++nb)  // row pairs 8 nb .. 8 nb + 7
+    kernels::avx512::bf16_vnni_panel_block(
+        reinterpret_cast<const uint16_t*>(base + nb * block_bytes), k0 / 2, cols,
+        dst + nb * (kRows / 2) * cols * 2);
 }
 
 kernels::PrefetchChunks vnni_panel_source(const Projection& p, int64_t expert, int64_t k0) {
-  constexpr int kRows = formats::kBf16BlockRows;
-  const int64_t blocks = p.n / kRows;
+  const auto [base, block_bytes] = expert_blocks(p, expert);
+  const bool bf16 = p.format->layout == formats::Layout::kBf16;
   kernels::PrefetchChunks src;
-  if (p.format->layout == formats::Layout::kBf16) {
-    const int64_t block_bytes = formats::bf16_block_elems(p.k) * 2;
-    src.base = static_cast<const uint8_t*>(p.weight.data_ptr()) + expert * blocks * block_bytes +
-               k0 / 2 * 64;  // [k/2][16][2]: a k pair of 16 rows per line
-    src.stride = block_bytes;
-    src.chunk_lines_log2 = 3;  // 16 columns: 8 lines
-  } else {
-    const int64_t block_bytes = p.weight.size(-1);  // [Kp/4][16][4] int8 codes
-    src.base = static_cast<const uint8_t*>(p.weight.data_ptr()) + expert * blocks * block_bytes +
-               k0 * kRows;
-    src.stride = block_bytes;
-    src.chunk_lines_log2 = 2;  // 16 columns: 4 lines
-  }
-  src.lines = blocks << src.chunk_lines_log2;
+  // 16 columns of a block: bf16 8 lines from k pair k0 / 2 (a pair of 16 rows per line),
+  // int8 4 lines from k quad k0 / 4 (a quad of 16 rows per line).
+  src.base = base + (bf16 ? k0 / 2 * 64 : k0 * formats::kBf16BlockRows);
+  src.stride = block_bytes;
+  src.chunk_lines_log2 = bf16 ? 3 : 2;
+  src.lines = (p.n / formats::kBf16BlockRows) << src.chunk_lines_log2;
   return src;
 }
 

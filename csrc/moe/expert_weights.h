@@ -42,19 +42,17 @@ at::Tensor dense_expert_panel(const Projection& p, int64_t expert, int64_t k0, i
                               float* panel);
 int64_t dense_panel_ld(const Projection& p);
 
-// Rows [n0, n0 + rows) x columns [k0, k0 + cols) of expert's bf16 W [n, k] as a brgemm
-// B operand whose reduction runs over n (the backward's d @ W, d [m, n]): bf16
-// [rows / 2][cols][2], the VNNI layout (pairs of consecutive rows of W per column),
-// exact (no rounding), by AVX-512 code (kernels/avx512/bf16_vnni_panel_avx512.cpp). For
-// int8 (per channel, no zeros) the panel holds the codes' exact bf16 values, without the
-// channel scales (int8_channel_scales: the caller folds them into d). Needs
-// bf16_vnni_panel_applies(p) (bf16 or int8, n and k multiples of 16, an AVX-512 CPU and
-// build), n0, rows multiples of 16 inside [0, n) and k0, cols multiples of 16 inside
-// [0, k); throws c10::Error otherwise.
+// Columns [k0, k0 + cols) of expert's bf16 W [n, k] as a brgemm B operand whose
+// reduction runs over n (the backward's d @ W, d [m, n]): bf16 [n / 2][cols][2], the
+// VNNI layout (pairs of consecutive rows of W per column), exact (no rounding), by
+// AVX-512 code (kernels/avx512/bf16_vnni_panel_avx512.cpp). For int8 (per channel,
+// no zeros) the panel holds the codes' exact bf16 values, without the channel scales
+// (int8_channel_scales: the caller folds them into d). Needs bf16_vnni_panel_applies(p)
+// (bf16 or int8, n and k multiples of 16, an AVX-512 CPU and build) and k0, cols
+// multiples of 16 inside [0, k); throws c10::Error otherwise.
 bool bf16_vnni_panel_applies(const Projection& p);
-void bf16_vnni_panel(const Projection& p, int64_t expert, int64_t n0, int64_t rows, int64_t k0,
-                     int64_t cols, uint16_t* dst);
-// Where bf16_vnni_panel(p, expert, 0, p.n, k0, 16, ...) reads: its lines, to prefetch
+void bf16_vnni_panel(const Projection& p, int64_t expert, int64_t k0, int64_t cols, uint16_t* dst);
+// Where bf16_vnni_panel(p, expert, k0, 16, ...) reads: its lines, to prefetch
 // to L2 while the previous panel is multiplied (kernels::avx512::bf16_dp_panel).
 kernels::PrefetchChunks vnni_panel_source(const Projection& p, int64_t expert, int64_t k0);
 // An int8 projection's n channel scales of `expert` as fp32 (the calling thread's

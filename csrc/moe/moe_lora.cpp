@@ -277,72 +277,57 @@ bool panel_on_kt_kernel() {
 void vnni_products(std::initializer_list<std::pair<const uint16_t*, const Projection*>> terms,
                    int64_t m, int64_t e, float* out, const Projection* then = nullptr) {
   const Projection& p0 = *terms.begin()->second;
-  const int64_t n = p0.n, k = p0.k, lda = kernels::tile_rows_ld(n);
+  const int64_t n = p0.n, k = p0.k, kp = n / 2, lda = kernels::tile_rows_ld(n);
+  const bool kt = panel_on_kt_kernel();
   std::vector<uint16_t>& panel = task_scratch().panel16;
   if (panel.size() < static_cast<size_t>(n * kVnniCols)) panel.resize(n * kVnniCols);
-  if (panel_on_kt_kernel()) {
-    // Each term's rows packed once as the kernel's row tiles of k pairs.
-    const int64_t kp = n / 2;
-    std::vector<uint32_t>* packed = task_scratch().pairs;
-    std::vector<const uint16_t*> rows(static_cast<size_t>(m));
+  // kt_ops' kernel: each term's rows packed once as its row tiles of k pairs.
+  std::vector<uint32_t>* packed = task_scratch().pairs;
+  if (kt) {
     int slot = 0;
     for (const auto& term : terms) {
       std::vector<uint32_t>& v = packed[slot++];
       if (v.size() < static_cast<size_t>(m * kp)) v.resize(static_cast<size_t>(m * kp));
-      for (int64_t i = 0; i < m; ++i) rows[i] = term.first + i * lda;
-      kernels::avx512::pack_pair_tiles(rows.data(), static_cast<int>(m), static_cast<int>(kp),
+      kernels::avx512::pack_pair_tiles(term.first, lda, static_cast<int>(m), static_cast<int>(kp),
                                        v.data());
     }
-    // The panels in order: (projection, first column), one per distinct pair.
-    std::vector<std::pair<const Projection*, int64_t>> panels;
-    for (int64_t c0 = 0; c0 < k; c0 += kVnniCols)
-      for (const auto& term : terms)
-        if (panels.empty() || panels.back() != std::make_pair(term.second, c0))
-          panels.emplace_back(term.second, c0);
-    size_t next = 0;  // index in `panels` of the panel after the one built last
-    for (int64_t c0 = 0; c0 < k; c0 += kVnniCols) {
-      const int64_t cols = std::min(kVnniCols, k - c0);
-      bool add = false;
-      const Projection* made = nullptr;
-      slot = 0;
-      for (const auto& term : terms) {
-        const Projection* p = term.second;
-        if (p != made) {
-          for (int64_t s = 0; s < cols; s += 16)
-            bf16_vnni_panel(*p, e, 0, n, c0 + s, 16, panel.data() + s * n);
-          ++next;
-        }
-        made = p;
-        // The source of the panel after this one (or `then`'s first), slice by slice.
-        const Projection* np = nullptr;
-        int64_t nc0 = 0;
-        if (next < panels.size()) {
-          std::tie(np, nc0) = panels[next];
-        } else if (then != nullptr) {
-          np = then;
-        }
-        const uint32_t* a = packed[slot++].data();
-        for (int64_t s = 0; s < cols; s += 16) {
-          kernels::PrefetchChunks pf;
-          if (np != nullptr && nc0 + s < np->k) pf = vnni_panel_source(*np, e, nc0 + s);
-          kernels::avx512::bf16_dp_panel(a, static_cast<int>(m), panel.data() + s * n,
-                                         static_cast<int>(kp), out + c0 + s, k, add, pf);
-        }
-        add = true;
-      }
-    }
-    return;
   }
+  const std::pair<const uint16_t*, const Projection*>* first = terms.begin();
+  const int64_t count = static_cast<int64_t>(terms.size());
+  // The panel built after term j's at column c0 (a later term's projection, else the
+  // first term's next columns, else `then`'s first), whose weights kt_ops' kernel
+  // prefetches while it multiplies; {nullptr, 0}: none.
+  auto next_panel = [&](int64_t j, int64_t c0) -> std::pair<const Projection*, int64_t> {
+    for (int64_t i = j + 1; i < count; ++i)
+      if (first[i].second != first[j].second) return {first[i].second, c0};
+    if (c0 + kVnniCols < k) return {first[0].second, c0 + kVnniCols};
+    return {then, 0};
+  };
   for (int64_t c0 = 0; c0 < k; c0 += kVnniCols) {
     const int64_t cols = std::min(kVnniCols, k - c0);
-    bool first = true;
     const Projection* made = nullptr;  // the projection whose panel is in `panel`
-    for (const auto& [a, p] : terms) {
-      if (p != made) bf16_vnni_panel(*p, e, 0, n, c0, cols, panel.data());
+    for (int64_t j = 0; j < count; ++j) {
+      const auto& [a, p] = first[j];
+      const bool add = j > 0;
+      if (!kt) {  // oneDNN: one [n/2][cols][2] panel per call
+        if (p != made) bf16_vnni_panel(*p, e, c0, cols, panel.data());
+        made = p;
+        kernels::brgemm::bf16_gemm(static_cast<int>(m), cols, n, a, lda, panel.data(), out + c0, k,
+                                   add);
+        continue;
+      }
+      // kt_ops: 16-column slices [n/2][16][2], the next panel's weights prefetched.
+      if (p != made)
+        for (int64_t s = 0; s < cols; s += 16)
+          bf16_vnni_panel(*p, e, c0 + s, 16, panel.data() + s * n);
       made = p;
-      kernels::brgemm::bf16_gemm(static_cast<int>(m), cols, n, a, lda, panel.data(), out + c0, k,
-                                 !first);
-      first = false;
+      const auto [np, nc0] = next_panel(j, c0);
+      for (int64_t s = 0; s < cols; s += 16) {
+        kernels::PrefetchChunks pf;
+        if (np != nullptr && nc0 + s < np->k) pf = vnni_panel_source(*np, e, nc0 + s);
+        kernels::avx512::bf16_dp_panel(packed[j].data(), static_cast<int>(m), panel.data() + s * n,
+                                       static_cast<int>(kp), out + c0 + s, k, add, pf);
+      }
     }
   }
 }

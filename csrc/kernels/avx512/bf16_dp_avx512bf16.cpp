@@ -96,11 +96,6 @@ KT_BF16DP_TARGET void bf16_dp_dot_impl(const DotArgs& a, const uint16_t* xb, int
   }
 }
 
-// The LoRA backward's tile: MT rows of packed pairs a [k_pairs][MT] (one pointer, the
-// rows at fixed offsets: the row pointers of dp_tile would not fit the general
-// registers next to a prefetch stream) times one 16-column panel slice w [k_pairs][16][2].
-// While it runs, 8 lines of the next panel's source are prefetched to L2 per 8 k pairs
-// for the first pf_pairs pairs: chunks of CL lines (8: bf16, 4: int8), `stride` apart.
 // One k pair p of dp_packed_tile: acc[i] += a[p][i] . w[p] for its MT rows.
 template <int MT>
 KT_BF16DP_TARGET __attribute__((always_inline)) inline void dp_packed_step(__m512* acc,
@@ -114,6 +109,11 @@ KT_BF16DP_TARGET __attribute__((always_inline)) inline void dp_packed_step(__m51
     acc[i] = _mm512_dpbf16_ps(acc[i], wl, (__m512bh)_mm512_set1_epi32(static_cast<int>(ap[i])));
 }
 
+// The LoRA backward's tile: MT rows of packed pairs a [k_pairs][MT] (one pointer, the
+// rows at fixed offsets: the row pointers of dp_tile would not fit the general
+// registers next to a prefetch stream) times one 16-column panel slice w [k_pairs][16][2].
+// While it runs, 8 lines of the next panel's source are prefetched to L2 per 8 k pairs
+// for the first pf_pairs pairs: chunks of CL lines (8: bf16, 4: int8), `stride` apart.
 template <int MT, int CL>
 KT_BF16DP_TARGET void dp_packed_tile(const uint32_t* a, const uint16_t* w, int k_pairs, float* out,
                                      int64_t ldo, bool add, const char* pf, int64_t stride,
@@ -184,11 +184,11 @@ void bf16_dp_panel(const uint32_t* a_tiles, int m, const uint16_t* w, int k_pair
   bf16_dp_panel_impl(a_tiles, m, w, k_pairs, out, ldo, add, next);
 }
 
-void pack_pair_tiles(const uint16_t* const* rows, int m, int k_pairs, uint32_t* dst) {
+void pack_pair_tiles(const uint16_t* rows, int64_t ld, int m, int k_pairs, uint32_t* dst) {
   for_each_row_tile(m, kMaxTileRows, [&](int, int i, int mt) {
     uint32_t* d = dst + static_cast<int64_t>(i) * k_pairs;
     for (int r = 0; r < mt; ++r) {
-      const uint16_t* src = rows[i + r];
+      const uint16_t* src = rows + (i + r) * ld;
       for (int p = 0; p < k_pairs; ++p) {
         uint32_t pair;
         std::memcpy(&pair, src + 2 * p, sizeof(pair));
