@@ -789,12 +789,14 @@ def test_lora_gradients_at_fp32_accuracy_on_a_bf16_base(
     # as row tiles and prefetches the next weight panel: one expert of 3 tokens, others
     # of ~60 in 3 tiles, panels of 64 and 32 columns); x's gradient (bf16, from dg / du
     # rounded to bf16) and the routing weights' stay within their bf16 bounds, and every
-    # gradient is bit-identical at 1 and 2 threads.
+    # gradient is bit-identical at 1 and 2 threads. H = 512: the LoRA factors' rows along
+    # H are 2 KiB apart, so the rank-r products read padded copies of them (LoraF32::a_rows,
+    # bt_rows) for experts of 16+ rows and the factors themselves for the expert of 3.
     if bf16_kernel == "kt" and not kt_ops.info()["cpu_features"]["avx512_bf16"]:
         pytest.skip("kt_ops' bf16 kernels need AVX512_BF16")
     from reference import dense_weights
 
-    E, H, I, K, T, r = 5, 256, 96, 2, 160, 4  # noqa: E741
+    E, H, I, K, T, r = 5, 512, 96, 2, 160, 4  # noqa: E741
     g = torch.Generator().manual_seed(7)
     dense = [(torch.randn(E, n, k, generator=g) / k**0.5).bfloat16() for n, k in ((I, H),) * 2]
     dense.append((torch.randn(E, H, I, generator=g) / I**0.5).bfloat16())

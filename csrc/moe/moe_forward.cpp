@@ -310,17 +310,18 @@ void lora_term_by_slot(const Call& c, const at::Tensor& in, const LoraF32& f, in
   const int64_t m = in.size(0);
   thread_local std::vector<float> t_xa;  // in A^T [m, r]
   grow(t_xa, static_cast<size_t>(m * f.r));
-  lora_products::xat(in.data_ptr<float>(), in.stride(0), m, f.k, f.a_of(e), f.k, f.r, t_xa.data());
-  const float* bt = f.bt_of(e);  // [r, n]
+  const LoraRows a = f.a_rows(e, m);
+  lora_products::xat(in.data_ptr<float>(), in.stride(0), m, f.k, a.p, a.ld, f.r, t_xa.data());
+  const LoraRows bt = f.bt_rows(e);  // [r, n]
   const float s = static_cast<float>(c.layer.lora.scaling);
   for (int64_t i = 0; i < m; ++i)
-    lora_products::tw(t_xa.data() + i * f.r, 1, f.r, bt, n, n, s, false,
+    lora_products::tw(t_xa.data() + i * f.r, 1, f.r, bt.p, bt.ld, n, s, false,
                       dst + c.routing.row_slot[r0 + i] * n, n);
 }
 
 // Before gate/up: the gate and up LoRA terms of every row, into gate_pre / up_pre.
 void lora_input_terms(const Call& c) {
-  const LoraF32 gate = lora_f32(c.layer.lora.gate), up = lora_f32(c.layer.lora.up);
+  const LoraF32 gate = lora_f32(c.layer.lora.gate, 0), up = lora_f32(c.layer.lora.up, 1);
   if (!gate.present() && !up.present()) return;
   const RoutingPlan& plan = c.routing;
   run_blas_tasks(static_cast<int64_t>(plan.active_experts.size()), [&](int64_t a, int) {
@@ -338,7 +339,7 @@ void lora_input_terms(const Call& c) {
 
 // Between gate/up and down: the down LoRA term of every row, into its slot of y.
 void lora_down_terms(const Call& c) {
-  const LoraF32 down = lora_f32(c.layer.lora.down);
+  const LoraF32 down = lora_f32(c.layer.lora.down, 2);
   const RoutingPlan& plan = c.routing;
   run_blas_tasks(static_cast<int64_t>(plan.active_experts.size()), [&](int64_t a, int) {
     const int64_t e = plan.active_experts[a], r0 = plan.expert_offsets[e];

@@ -5,6 +5,7 @@
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <exception>
@@ -383,16 +384,58 @@ kernels::ComputePath lora_forward_path(const at::Tensor& x, const MoeLayer& w) {
 
 }  // namespace
 
-at::Tensor LoraF32::A(int64_t e) const { return view(a + e * r * k, {r, k}); }
-at::Tensor LoraF32::B(int64_t e) const { return view(b + e * n * r, {n, r}); }
-const float* LoraF32::bt_of(int64_t e) const {
-  thread_local std::vector<float> t_bt;
-  if (t_bt.size() < static_cast<size_t>(n * r)) t_bt.resize(static_cast<size_t>(n * r));
-  transpose_into(b_of(e), n, r, t_bt.data());
-  return t_bt.data();
+namespace {
+
+std::atomic<uint64_t> g_lora_f32_calls{0};
+
+// Row stride of a factor's copy: k, plus one 64-byte line where rows k floats apart would
+// be a multiple of 2 KiB apart (all in one or two of the L1's 64 sets).
+int64_t padded_ld(int64_t k) { return k % 512 == 0 ? k + 16 : k; }
+
+// A thread's copy of one factor of one expert: 2 per projection (A, B^T).
+struct FactorCopy {
+  uint64_t call = 0;
+  int64_t e = -1;
+  std::vector<float> rows;
+};
+FactorCopy& factor_copy(int slot) {
+  thread_local FactorCopy t_copies[6];
+  return t_copies[slot];
 }
 
-LoraF32 lora_f32(const LoraProjection& p) {
+// Rows of the LoRA products below which A is read where it is (a copy costs more).
+constexpr int64_t kCopyAMinRows = 16;
+
+}  // namespace
+
+LoraRows LoraF32::a_rows(int64_t e, int64_t m) const {
+  const int64_t ld = padded_ld(k);
+  if (ld == k || m < kCopyAMinRows) return {a_of(e), k};
+  FactorCopy& c = factor_copy(2 * id);
+  if (c.call != call || c.e != e) {
+    if (c.rows.size() < static_cast<size_t>(r * ld)) c.rows.resize(static_cast<size_t>(r * ld));
+    for (int64_t j = 0; j < r; ++j) std::memcpy(c.rows.data() + j * ld, a_of(e) + j * k, k * 4);
+    c.call = call;
+    c.e = e;
+  }
+  return {c.rows.data(), ld};
+}
+
+LoraRows LoraF32::bt_rows(int64_t e) const {
+  const int64_t ld = padded_ld(n);
+  FactorCopy& c = factor_copy(2 * id + 1);
+  if (c.call != call || c.e != e) {
+    if (c.rows.size() < static_cast<size_t>(r * ld)) c.rows.resize(static_cast<size_t>(r * ld));
+    const float* src = b_of(e);  // [n, r]
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t j = 0; j < r; ++j) c.rows[j * ld + i] = src[i * r + j];
+    c.call = call;
+    c.e = e;
+  }
+  return {c.rows.data(), ld};
+}
+
+LoraF32 lora_f32(const LoraProjection& p, int id) {
   LoraF32 f;
   if (!p.present()) return f;
   f.a_t = p.a.to(at::kFloat).contiguous();
@@ -402,6 +445,8 @@ LoraF32 lora_f32(const LoraProjection& p) {
   f.r = p.a.size(1);
   f.k = p.a.size(2);
   f.n = p.b.size(1);
+  f.id = id;
+  f.call = ++g_lora_f32_calls;
   return f;
 }
 
@@ -478,7 +523,7 @@ MoeGrads moe_backward_lora(const at::Tensor& grad_output, const at::Tensor& x,
   const LoraParams& lora = w.lora;
   const int64_t T = x.size(0), H = x.size(1), K = topk_ids.size(1);
   const int64_t E = w.gate.num_experts(), I = w.gate.n;
-  const LoraF32 lg = lora_f32(lora.gate), lu = lora_f32(lora.up), ld = lora_f32(lora.down);
+  const LoraF32 lg = lora_f32(lora.gate, 0), lu = lora_f32(lora.up, 1), ld = lora_f32(lora.down, 2);
   const kernels::GluRows glu = kernels::glu_rows(kernels::active_isa(), w.glu);
   const kernels::GluBackwardRows glu_back =
       kernels::glu_backward_rows(kernels::active_isa(), w.glu);
@@ -538,13 +583,14 @@ MoeGrads moe_backward_lora(const at::Tensor& grad_output, const at::Tensor& x,
       gather_rows(gpre, m, I, slot, g.data_ptr<float>());
       gather_rows(upre, m, I, slot, u.data_ptr<float>());
       const float* xep = xe.data_ptr<float>();
-      auto xat = [&](const float* src, int64_t k, const float* a, int64_t r) {
+      // src [m, k] (rows k apart) a^T, for a factor's rows a: [m, r].
+      auto xat = [&](const float* src, int64_t k, LoraRows a, int64_t r) {
         at::Tensor y = at::empty({m, r}, kF32);
-        lora_products::xat(src, k, m, k, a, k, r, y.data_ptr<float>());
+        lora_products::xat(src, k, m, k, a.p, a.ld, r, y.data_ptr<float>());
         return y;
       };
-      if (lg.present()) xa_g = xat(xep, H, lg.a_of(e), lg.r);
-      if (lu.present()) xa_u = xat(xep, H, lu.a_of(e), lu.r);
+      if (lg.present()) xa_g = xat(xep, H, lg.a_rows(e, m), lg.r);
+      if (lu.present()) xa_u = xat(xep, H, lu.a_rows(e, m), lu.r);
       float* gp = g.data_ptr<float>();
       float* up = u.data_ptr<float>();
       at::Tensor h = scratch_mat(3, m, I);
@@ -583,8 +629,9 @@ MoeGrads moe_backward_lora(const at::Tensor& grad_output, const at::Tensor& x,
       }
       at::Tensor go_b;  // go Bd [m, rd]
       if (ld.present()) {
-        go_b = xat(go.data_ptr<float>(), H, ld.bt_of(e), ld.r);
-        lora_products::tw(go_b.data_ptr<float>(), m, ld.r, ld.a_of(e), I, I, s, true,
+        go_b = xat(go.data_ptr<float>(), H, ld.bt_rows(e), ld.r);
+        const LoraRows ad = ld.a_rows(e, m);
+        lora_products::tw(go_b.data_ptr<float>(), m, ld.r, ad.p, ad.ld, I, s, true,
                           dh.data_ptr<float>(), I);
       }
       // d out[t] / d w[t, k] = <go, y> = <dh_u, h> (+ <go, bd> with a down bias).
@@ -603,7 +650,7 @@ MoeGrads moe_backward_lora(const at::Tensor& grad_output, const at::Tensor& x,
       }
       if (ld.present()) {
         // dBd = s go^T (w * (h Ad^T)), dAd = s (w * go Bd)^T h.
-        at::Tensor ha = xat(hp, I, ld.a_of(e), ld.r);
+        at::Tensor ha = xat(hp, I, ld.a_rows(e, m), ld.r);
         float* hap = ha.data_ptr<float>();
         float* gbp = go_b.data_ptr<float>();
         for (int64_t i = 0; i < m; ++i) {
@@ -632,7 +679,7 @@ MoeGrads moe_backward_lora(const at::Tensor& grad_output, const at::Tensor& x,
                                   const at::Tensor& grad_a, const at::Tensor& grad_b) {
         if (!l.present()) return at::Tensor();
         const float* dp = d.data_ptr<float>();
-        at::Tensor d_b = xat(dp, I, l.bt_of(e), l.r);  // d B [m, r]
+        at::Tensor d_b = xat(dp, I, l.bt_rows(e), l.r);  // d B [m, r]
         // dB [I, r] = s d^T xa, made as s xa^T d [r, I] and transposed.
         float* gbt = scratch_mat(7, l.r, I).data_ptr<float>();
         lora_products::dtx(xa.data_ptr<float>(), l.r, m, l.r, dp, I, I, s, gbt, I);
@@ -657,10 +704,13 @@ MoeGrads moe_backward_lora(const at::Tensor& grad_output, const at::Tensor& x,
           base_products({{&dg, &w.gate}, {&du, &w.up}}, e, dx, panel);
         }
         float* dxe = dx.data_ptr<float>();
-        if (lg.present())
-          lora_products::tw(dg_b.data_ptr<float>(), m, lg.r, lg.a_of(e), H, H, s, true, dxe, H);
-        if (lu.present())
-          lora_products::tw(du_b.data_ptr<float>(), m, lu.r, lu.a_of(e), H, H, s, true, dxe, H);
+        auto add_tw = [&](const LoraF32& l, const at::Tensor& t) {
+          if (!l.present()) return;
+          const LoraRows a = l.a_rows(e, m);
+          lora_products::tw(t.data_ptr<float>(), m, l.r, a.p, a.ld, H, s, true, dxe, H);
+        };
+        add_tw(lg, dg_b);
+        add_tw(lu, du_b);
         scatter_rows(dx.data_ptr<float>(), m, H, slot, dxp);
       }
       if (on_brgemm) kernels::brgemm::release();  // AMX: the tile configuration
