@@ -54,13 +54,17 @@ def paths_for(fmt: str) -> tuple[tuple[str, str, str], ...]:
     bf16 and fp8 also time ``brgemm@onednn``: the brgemm path on oneDNN's
     kernel (``kt_ops.set_brgemm_bf16_kernel('onednn')``), beside ``brgemm`` on
     the kernel ``auto`` picks (kt_ops' vdpbf16ps tiles on AVX512_BF16 without
-    AMX; for fp8 with AVX512_VBMI too).
+    AMX; for fp8 with AVX512_VBMI too). bf16 also times ``brgemm@onednn_pairs``:
+    oneDNN's kernel with its 16-row blocks in pairs, one N = 32 call each
+    (``KT_OPS_BRGEMM_BF16_PAIRS``, csrc/kernels/brgemm.h).
     """
     if fmt in BF16_BRGEMM_FORMATS:
+        pairs = (("brgemm@onednn_pairs", "brgemm", "auto"),) if fmt == "bf16" else ()
         return (
             ("streaming", "streaming", "auto"),
             ("brgemm", "brgemm", "auto"),
             ("brgemm@onednn", "brgemm", "auto"),
+            *pairs,
             ("auto", "auto", "auto"),
         )
     if fmt in Q8_FORMATS:
@@ -82,16 +86,20 @@ def time_paths(sides, x, ids, w, experts, repeats: int) -> dict[str, float]:
     times = {label: [] for label, _, _ in sides}
     for _ in range(repeats):
         for label, path, act in sides:
-            kernel = "onednn" if label.endswith("@onednn") else "auto"
-            with (
-                kt_ops.use_compute_path(path),
-                kt_ops.use_quant_activations(act),
-                kt_ops.use_brgemm_bf16_kernel(kernel),
-            ):
-                kt_ops.moe_forward(x, ids, w, experts)  # warm (JIT, caches)
-                t0 = time.perf_counter()
-                kt_ops.moe_forward(x, ids, w, experts)
-                times[label].append(time.perf_counter() - t0)
+            kernel = "onednn" if "@onednn" in label else "auto"
+            pairs = kt_ops._C._testing.set_brgemm_bf16_pairs(label.endswith("_pairs"))
+            try:
+                with (
+                    kt_ops.use_compute_path(path),
+                    kt_ops.use_quant_activations(act),
+                    kt_ops.use_brgemm_bf16_kernel(kernel),
+                ):
+                    kt_ops.moe_forward(x, ids, w, experts)  # warm (JIT, caches)
+                    t0 = time.perf_counter()
+                    kt_ops.moe_forward(x, ids, w, experts)
+                    times[label].append(time.perf_counter() - t0)
+            finally:
+                kt_ops._C._testing.set_brgemm_bf16_pairs(pairs)
     return {label: 1e3 * statistics.median(v) for label, v in times.items()}
 
 

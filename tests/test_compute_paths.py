@@ -425,6 +425,39 @@ def test_kt_and_onednn_bf16_kernels_bit_identical(isa, H, I, T, E):  # noqa: E74
         assert torch.equal(outs["kt"], outs["onednn"])
 
 
+@pytest.mark.parametrize(
+    "H,I,T,E", [(2048, 40, 150, 2), (130, 70, 61, 3), (33, 16, 90, 2)]
+)  # fmt: skip
+def test_onednn_bf16_block_pairs(isa, H, I, T, E):  # noqa: E741
+    # oneDNN's bf16 kernel with its blocks in pairs (one N = 32 call on two interleaved
+    # blocks, the results kept for the pair's other block; KT_OPS_BRGEMM_BF16_PAIRS):
+    # I = 40 and 70 have an odd block count (the last block alone), I = 16 one block;
+    # experts past the 64-row call size. Each output is the same k chain as with N = 16:
+    # bit-identical where oneDNN sums in k order, else each against the reference; the
+    # same bits at 1, 2 and 3 threads (a pair split between two threads' runs is
+    # computed by both).
+    if not brgemm_runs():
+        pytest.skip("needs the bf16 brgemm path")
+    experts = make_expert_weights(E, H, I, seed=H + I)
+    ids, w = make_routing(T, E, 2, seed=T)
+    x = make_hidden(T, H, seed=I)
+    outs = {}
+    with kt_ops.use_brgemm_bf16_kernel("onednn"):
+        for pairs in (False, True):
+            before = kt_ops._C._testing.set_brgemm_bf16_pairs(pairs)
+            try:
+                got = []
+                for n in THREAD_COUNTS:
+                    kt_ops.set_num_threads(n)
+                    got.append(check_path("brgemm", x, ids, w, experts))
+                    assert torch.equal(got[-1], got[0]), f"pairs={pairs}, {n} threads"
+            finally:
+                kt_ops._C._testing.set_brgemm_bf16_pairs(before)
+            outs[pairs] = got[0]
+    if onednn_sums_in_kt_order():
+        assert torch.equal(outs[True], outs[False])
+
+
 @pytest.mark.parametrize("m", [1, 2, 13, 27, 28, 29, 55, 56, 57, 84, 85, 113])
 def test_kt_bf16_kernel_tiles(isa, m):
     # One expert with m tokens: every tile split of the kt kernel, 1/2/3 threads.

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
+#include <cstring>
 #include <exception>
 #include <vector>
 
@@ -169,13 +171,99 @@ bool fp8_uses_kt_kernel() {
          runtime::cpu_features().avx512_vbmi;
 }
 
+namespace {
+std::atomic<bool>& bf16_pairs_flag() {
+  static std::atomic<bool> on{[] {
+    const char* v = std::getenv("KT_OPS_BRGEMM_BF16_PAIRS");
+    return v != nullptr && v[0] == '1';
+  }()};
+  return on;
+}
+}  // namespace
+
+bool bf16_pairs() { return bf16_pairs_flag().load(std::memory_order_relaxed); }
+void set_bf16_pairs(bool on) { bf16_pairs_flag().store(on, std::memory_order_relaxed); }
+
+#ifdef KT_HAVE_CPUBLAS_BRGEMM
+namespace {
+
+// The slot of ts keeping the results of `group` (a pair's first block) for these m rows
+// of a.x: a hit, or the least recently used slot, emptied for it.
+TileScratch::Slot& group_slot(const DotArgs& a, TileScratch& ts, const uint8_t* group, bool* hit) {
+  TileScratch::Slot* pick = &ts.slots[0];
+  *hit = false;
+  for (TileScratch::Slot& s : ts.slots) {
+    if (s.x == a.x && s.m == a.m && s.scales == nullptr && s.group == group) {
+      pick = &s;
+      *hit = true;
+      break;
+    }
+    if (s.last_use < pick->last_use) pick = &s;
+  }
+  pick->last_use = ++ts.uses;
+  if (!*hit) {
+    pick->x = a.x;
+    pick->m = a.m;
+    pick->scales = nullptr;
+    pick->group = nullptr;
+  }
+  return *pick;
+}
+
+// Block nb's products from its pair's: blocks g0, g0 + 1 interleaved into one VNNI tile
+// [k/2][32][2] (64 bytes of each per k pair; the next pair's lines prefetched to L2
+// meanwhile) and one N = 32 call per token tile, on a miss.
+void bf16_pair_block(const DotArgs& a, const TileOperand& op, int64_t nb) {
+  const ProjectionView& p = *a.proj;
+  const int64_t kp2 = formats::bf16_k_pairs(p.k);
+  const auto* x = static_cast<const uint16_t*>(op.rows);
+  const int64_t g0 = nb - nb % kTileGroupBlocks;
+  TileScratch& ts = *op.scratch;
+  const uint8_t* group = p.block(a.expert, g0);
+  bool hit = false;
+  TileScratch::Slot& s = group_slot(a, ts, group, &hit);
+  constexpr int kCols = 16 * kTileGroupBlocks;
+  if (!hit) {
+    uint16_t* tile = ts.tile.data();
+    const uint8_t* next = p.block(a.expert, std::min(g0 + 2 * kTileGroupBlocks, p.row_blocks)) -
+                          kTileGroupBlocks * p.block_bytes;  // the next pair, clamped
+    for (int64_t q = 0; q < kp2; ++q) {
+      for (int b = 0; b < kTileGroupBlocks; ++b) {
+        const int64_t off = b * p.block_bytes + q * 64;
+        std::memcpy(tile + (q * kCols + 16 * b) * 2, group + off, 64);
+        __builtin_prefetch(next + off, 0, 2);
+      }
+    }
+    bf16_gemm(a.m, kCols, 2 * kp2, x, op.ld, tile, s.out.data(), kCols, false);
+    s.group = group;
+  }
+  float* out = a.out + 16 * (nb - a.nb_begin);
+  const float* c = s.out.data() + 16 * (nb - g0);
+  for (int i = 0; i < a.m; ++i) std::memcpy(out + i * a.ldo, c + i * kCols, 16 * sizeof(float));
+}
+
+}  // namespace
+#endif
+
 void bf16_dot(const DotArgs& a, const TileOperand& op) {
 #ifdef KT_HAVE_CPUBLAS_BRGEMM
-  const int64_t k = 2 * formats::bf16_k_pairs(a.proj->k);  // even: the VNNI pairs
+  const int64_t kp2 = formats::bf16_k_pairs(a.proj->k);
+  const int64_t k = 2 * kp2;  // even: the VNNI pairs
   const auto* x = static_cast<const uint16_t*>(op.rows);
-  for (int64_t nb = a.nb_begin; nb < a.nb_end; ++nb)
+  // Pairs where the plan sized op.scratch for them (it asked bf16_pairs() first).
+  const bool pairs =
+      bf16_pairs() && a.x != nullptr && op.scratch != nullptr &&
+      op.scratch->tile.size() >= static_cast<size_t>(kp2 * 32 * kTileGroupBlocks) &&
+      op.scratch->slots[0].out.size() >= static_cast<size_t>(a.m) * 16 * kTileGroupBlocks;
+  const int64_t paired_end = a.proj->row_blocks / kTileGroupBlocks * kTileGroupBlocks;
+  for (int64_t nb = a.nb_begin; nb < a.nb_end; ++nb) {
+    if (pairs && nb < paired_end) {
+      bf16_pair_block(a, op, nb);
+      continue;
+    }
     bf16_gemm(a.m, 16, k, x, op.ld, reinterpret_cast<const uint16_t*>(a.proj->block(a.expert, nb)),
               a.out + 16 * (nb - a.nb_begin), a.ldo, false);
+  }
 #else
   (void)a;
   (void)op;

@@ -103,7 +103,20 @@ bool fp8_uses_kt_kernel();
 // bf16_dot: a's run of blocks with the bf16 rows op.rows (row stride op.ld).
 // Token tiles of at most kMaxTileRows rows, then one remainder tile: which
 // tile a token lands in depends only on m (bit-identical for any thread count).
+// Where bf16_pairs(): blocks in pairs (kTileGroupBlocks), the two interleaved into
+// op.scratch's tile [k/2][32][2] (the next pair's lines prefetched to L2 meanwhile) and
+// multiplied by one N = 32 call per token tile, the pair's results kept for its other
+// block, as fp8_dot does; the last block of an odd count alone. Each output is the same
+// chain over k as with N = 16 (bit-identical where oneDNN sums in k order: AVX512_BF16).
 void bf16_dot(const DotArgs& a, const TileOperand& op);
+
+// Whether bf16_dot pairs its blocks: off unless KT_OPS_BRGEMM_BF16_PAIRS=1 when first
+// asked (tests set it with kt_ops._C._testing.set_brgemm_bf16_pairs). Off by default
+// because it is measured only on Zen 4, where oneDNN's N = 16 and N = 32 calls take the
+// same time (docs/formats.md, "Compute paths"); AMX, where one thread's hot N = 32 calls
+// ran 1.37x faster than N = 16, is where it is meant for and still to be measured.
+bool bf16_pairs();
+void set_bf16_pairs(bool on);
 
 // Most A rows per brgemm call: oneDNN generates (JIT) one kernel per distinct
 // M per thread, so M is capped.

@@ -45,6 +45,9 @@ const TileKernel kOneDnnBf16{
     /*pack=*/nullptr,
     /*release=*/brgemm::release,
     /*fallback=*/nullptr,
+    /*pack_rows=*/nullptr,
+    /*quant_modes=*/kAnyQuantMode,
+    /*keeps_if=*/brgemm::bf16_pairs,
 };
 const TileKernel kKtBf16{
     /*name=*/"avx512_bf16/bf16_dp",

@@ -240,6 +240,9 @@ struct TileKernel {
   // QuantModeBits: per-token int8 activations only under 'auto', the q8 records'
   // kernels not under 'fp32', an exact kernel for a quantized format only there.
   uint8_t quant_modes = kAnyQuantMode;
+  // Where `keeps` is false: whether it uses TileOperand::scratch in this call after all
+  // (oneDNN's bf16 kernel with its blocks in pairs, brgemm::bf16_pairs); nullptr: never.
+  bool (*keeps_if)() = nullptr;
 };
 
 // The q8 activation record of one fp32 row x[kp] (formats/q8_activations.h),

@@ -190,7 +190,8 @@ void ProjectionPlan::dot_tile(const DotArgs& a, const ExpertRows& rows, ThreadSc
     case TileInput::kFp32Rows:
       break;
   }
-  if (tile_->keeps) ts.tile.reserve(rows.m, kp);
+  if (tile_->keeps || (tile_->keeps_if != nullptr && tile_->keeps_if()))
+    ts.tile.reserve(rows.m, kp);
   if (tile_->release != nullptr) ts.release = tile_->release;
   tile_->dot(a, op);
 }

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "formats/q8_activations.h"
+#include "kernels/brgemm.h"
 #include "kernels/dispatch.h"
 #include "kernels/tiers.h"
 #include "runtime/cpu_features.h"
@@ -31,6 +32,16 @@ namespace kt::ops {
 
 void register_test_hooks(py::module& t) {
   using kt::kernels::Isa;
+  t.def(
+      "set_brgemm_bf16_pairs",
+      [](bool on) {
+        const bool before = kt::kernels::brgemm::bf16_pairs();
+        kt::kernels::brgemm::set_bf16_pairs(on);
+        return before;
+      },
+      py::arg("on"),
+      "Whether oneDNN's bf16 kernel multiplies 16-row blocks in pairs (one N = 32 call; "
+      "kernels/brgemm.h, bf16_pairs); returns the previous setting.");
   t.def(
       "parallel_probe",
       [](int64_t tasks, int64_t fail_at, bool caller_waits, bool pool_threads) {
