@@ -318,8 +318,8 @@ class Config:
     ``KT_OPS_SCRATCH_KEEP_MB`` (default 512) is how many MiB of scratch a calling
     thread keeps between op calls (a call that needs more frees it on return); a
     malformed value makes the op calls raise an error naming it.
-    ``KT_OPS_BRGEMM_BF16_PAIRS=1`` (read once) makes oneDNN's bf16 brgemm multiply
-    two 16-row blocks per call (N = 32; docs/formats.md, "Compute paths"). Build-time
+    ``KT_OPS_BRGEMM_BF16_PAIRS`` set to ``1`` (read once) makes oneDNN's bf16 brgemm
+    multiply two 16-row blocks per call (N = 32; docs/formats.md, "Compute paths"). Build-time
     variables (``KT_OPS_CUDA_BRIDGE``,
     ``KT_OPS_BUILD_TYPE``, ...) belong to ``setup.py``, not to this object.
 
