@@ -190,24 +190,18 @@ namespace {
 // The slot of ts keeping the results of `group` (a pair's first block) for these m rows
 // of a.x: a hit, or the least recently used slot, emptied for it.
 TileScratch::Slot& group_slot(const DotArgs& a, TileScratch& ts, const uint8_t* group, bool* hit) {
-  TileScratch::Slot* pick = &ts.slots[0];
-  *hit = false;
-  for (TileScratch::Slot& s : ts.slots) {
-    if (s.x == a.x && s.m == a.m && s.scales == nullptr && s.group == group) {
-      pick = &s;
-      *hit = true;
-      break;
-    }
-    if (s.last_use < pick->last_use) pick = &s;
-  }
-  pick->last_use = ++ts.uses;
+  TileScratch::Slot& s = ts.find(
+      [&](const TileScratch::Slot& c) {
+        return c.x == a.x && c.m == a.m && c.scales == nullptr && c.group == group;
+      },
+      hit);
   if (!*hit) {
-    pick->x = a.x;
-    pick->m = a.m;
-    pick->scales = nullptr;
-    pick->group = nullptr;
+    s.x = a.x;
+    s.m = a.m;
+    s.scales = nullptr;
+    s.group = nullptr;
   }
-  return *pick;
+  return s;
 }
 
 // Block nb's products from its pair's: blocks g0, g0 + 1 interleaved into one VNNI tile
@@ -404,18 +398,12 @@ namespace {
 // whose group results are then dropped). The slots are emptied when an op call
 // starts (TileScratch::reset), so (x, m, scales) names rows of this call.
 TileScratch::Slot& fp8_scaled_rows(const DotArgs& a, TileScratch& ts, const float* scales) {
-  TileScratch::Slot* pick = &ts.slots[0];
   bool hit = false;
-  for (TileScratch::Slot& s : ts.slots) {
-    if (s.x != nullptr && s.x == a.x && s.m == a.m && s.scales == scales) {
-      pick = &s;
-      hit = true;
-      break;
-    }
-    if (s.last_use < pick->last_use) pick = &s;
-  }
-  TileScratch::Slot& s = *pick;
-  s.last_use = ++ts.uses;
+  TileScratch::Slot& s = ts.find(
+      [&](const TileScratch::Slot& c) {
+        return c.x != nullptr && c.x == a.x && c.m == a.m && c.scales == scales;
+      },
+      &hit);
   if (!hit) {
     const int64_t kp = a.proj->kp;
     avx512::scale_rows_to_bf16(a.x, a.m, kp, scales, s.rows.data(), tile_rows_ld(kp));

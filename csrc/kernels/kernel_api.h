@@ -160,6 +160,23 @@ struct TileScratch {
     const size_t t = static_cast<size_t>(kp) * 16 * kTileGroupBlocks;
     if (tile.size() < t) tile.resize(t);
   }
+  // The slot that `match` accepts (*hit = true), else the least recently used one (for
+  // the caller to refill); either way marked as used now.
+  template <class Match>
+  Slot& find(const Match& match, bool* hit) {
+    Slot* pick = &slots[0];
+    *hit = false;
+    for (Slot& s : slots) {
+      if (match(s)) {
+        pick = &s;
+        *hit = true;
+        break;
+      }
+      if (s.last_use < pick->last_use) pick = &s;
+    }
+    pick->last_use = ++uses;
+    return *pick;
+  }
   // Forgets every kept result (the plan, when an op call starts); keeps the memory.
   void reset() {
     for (Slot& s : slots) {
