@@ -56,7 +56,9 @@ def paths_for(fmt: str) -> tuple[tuple[str, str, str], ...]:
     the kernel ``auto`` picks (kt_ops' vdpbf16ps tiles on AVX512_BF16 without
     AMX; for fp8 with AVX512_VBMI too). bf16 also times ``brgemm@onednn_pairs``:
     oneDNN's kernel with its 16-row blocks in pairs, one N = 32 call each
-    (``KT_OPS_BRGEMM_BF16_PAIRS``, csrc/kernels/brgemm.h).
+    (``KT_OPS_BRGEMM_BF16_PAIRS``, csrc/kernels/brgemm.h). int8 times its w8a8
+    kernels likewise: ``brgemm`` on kt_ops' vpdpbusd tiles (AVX512_VNNI without AMX),
+    ``brgemm@onednn`` on oneDNN's u8s8 brgemm.
     """
     if fmt in BF16_BRGEMM_FORMATS:
         pairs = (("brgemm@onednn_pairs", "brgemm", "auto"),) if fmt == "bf16" else ()
@@ -68,10 +70,12 @@ def paths_for(fmt: str) -> tuple[tuple[str, str, str], ...]:
             ("auto", "auto", "auto"),
         )
     if fmt in Q8_FORMATS:
+        onednn = (("brgemm@onednn", "brgemm", "auto"),) if fmt == "int8" else ()
         return (
             ("streaming", "streaming", "auto"),
             ("streaming@q8", "streaming", "q8"),
             ("brgemm", "brgemm", "auto"),
+            *onednn,
             ("auto", "auto", "auto"),
         )
     return (

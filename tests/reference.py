@@ -781,12 +781,13 @@ def w8a8_min_tokens_of(weight_format: str) -> Optional[int]:
     """Rows per expert from which ``weight_format`` runs on the w8a8 brgemm (per-token int8).
 
     In the current compute path and quant-activation mode (``kt_ops.compute_paths()``):
-    int8 where oneDNN runs u8s8, under quant ``'auto'``; ``None`` elsewhere. Such
+    int8 where kt_ops' vpdpbusd tiles or oneDNN's u8s8 run, under quant ``'auto'``;
+    ``None`` elsewhere. Such
     experts multiply activations quantized per token (``q8_activations`` with one
     block per row, :func:`token_q8_activations`).
     """
     p = kt_ops.compute_paths().get(weight_format)
-    if p is None or p["brgemm_kernel"] != "onednn/brgemm_w8a8":
+    if p is None or p["brgemm_kernel"] not in ("avx512_vnni/w8a8_dp", "onednn/brgemm_w8a8"):
         return None
     return p["brgemm_min_tokens"]
 

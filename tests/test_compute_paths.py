@@ -62,7 +62,11 @@ BRGEMM_KERNELS = {
     ),
     # int8 (per channel) under quant 'auto': full-K calls on per-token int8 activations;
     # under 'q8' the u8s8 kernel on the q8 records (bit-identical to the q8 kernels).
-    "int8": "onednn/brgemm_w8a8",
+    "int8": (
+        "avx512_vnni/w8a8_dp"
+        if _FEATS.get("avx512_vnni") and not _FEATS.get("amx")
+        else "onednn/brgemm_w8a8"
+    ),
     "q8_0": "onednn/brgemm_u8s8",
     "fp8": (
         "avx512_bf16/fp8_dp"
@@ -763,9 +767,24 @@ def test_onednn_limited_below_vnni_streams_int8(python_subprocess):
 # exact int32 sums. Not the q8 kernels' bits (their scales are per 32 k).
 
 
+W8A8_KERNELS = ("avx512_vnni/w8a8_dp", "onednn/brgemm_w8a8")
+
+
 def w8a8_runs() -> bool:
     with kt_ops.use_compute_path("brgemm"):
-        return kt_ops.compute_paths()["int8"]["brgemm_kernel"] == "onednn/brgemm_w8a8"
+        return kt_ops.compute_paths()["int8"]["brgemm_kernel"] in W8A8_KERNELS
+
+
+def w8a8_kernels_here() -> list[str]:
+    """The w8a8 kernels that run here, by the ``brgemm_bf16_kernel`` setting that picks each
+    (kt_ops' vpdpbusd tiles under ``'kt'`` on AVX512_VNNI, oneDNN's under ``'onednn'``)."""
+    found = {}
+    for setting in ("kt", "onednn"):
+        with kt_ops.use_compute_path("brgemm"), kt_ops.use_brgemm_bf16_kernel(setting):
+            name = kt_ops.compute_paths()["int8"]["brgemm_kernel"]
+        if name in W8A8_KERNELS:
+            found.setdefault(name, setting)
+    return list(found.values())
 
 
 def check_w8a8(x, ids, w, experts):
@@ -787,8 +806,10 @@ def test_w8a8_against_the_per_token_reference(isa, H, I, T):  # noqa: E741
     # and 5), and at T = 300 experts past two 64-row tiles.
     experts = make_quant_experts("int8", 6, H, I, seed=H * 7 + I)
     ids, w = make_routing(T, 6, 2, seed=T + H)
-    for dtype in (torch.bfloat16, torch.float32):
-        check_w8a8(make_hidden(T, H, dtype, seed=T + I), ids, w, experts)
+    for setting in w8a8_kernels_here() or ["auto"]:
+        with kt_ops.use_brgemm_bf16_kernel(setting):
+            for dtype in (torch.bfloat16, torch.float32):
+                check_w8a8(make_hidden(T, H, dtype, seed=T + I), ids, w, experts)
 
 
 def test_w8a8_is_per_token_not_per_32(isa):
@@ -819,7 +840,7 @@ def test_w8a8_only_under_quant_auto(isa):
             with kt_ops.use_quant_activations(quant):
                 kernels[quant] = kt_ops.compute_paths()["int8"]["brgemm_kernel"]
     assert kernels == {
-        "auto": "onednn/brgemm_w8a8",
+        "auto": BRGEMM_KERNELS["int8"],
         "q8": "onednn/brgemm_u8s8",
         # exact activations: the codes as bf16 values, where the bf16 brgemm runs
         "fp32": "onednn/brgemm_int8_bf16" if brgemm_runs("bf16") else None,
@@ -848,12 +869,41 @@ def test_w8a8_long_k_is_folded_per_chunk(isa):
     x = torch.full((T, H), 0.5)
     ids = torch.zeros(T, 1, dtype=torch.long)
     w = torch.ones(T, 1)
-    with kt_ops.use_compute_path("brgemm"):
-        out = kt_ops.moe_forward(x, ids, w, experts)
-        ref = reference_for(experts, x, ids, w)
-    # The reference's own fp32 sums of 133376 equal terms are off by ~1e-4 (the
-    # kernel's are exact integers); a wrapped int32 sum would be off by O(1).
-    assert quant_mismatch_report(out, ref, Tolerance(compute=3e-3)) is None
+    for setting in w8a8_kernels_here():
+        with kt_ops.use_compute_path("brgemm"), kt_ops.use_brgemm_bf16_kernel(setting):
+            out = kt_ops.moe_forward(x, ids, w, experts)
+            ref = reference_for(experts, x, ids, w)
+        # The reference's own fp32 sums of 133376 equal terms are off by ~1e-4 (the
+        # kernel's are exact integers); a wrapped int32 sum would be off by O(1).
+        assert quant_mismatch_report(out, ref, Tolerance(compute=3e-3)) is None, setting
+
+
+@pytest.mark.parametrize("m", [1, 2, 13, 27, 28, 29, 55, 56, 57, 64, 65, 84, 85, 130])
+def test_kt_and_onednn_w8a8_kernels_bit_identical(isa, m):
+    # kt_ops' vpdpbusd tiles (28-row tiles, near-equal splits: m = 29 is 15 + 14) and
+    # oneDNN's u8s8 brgemm (64-row calls) both compute exact int32 sums of the same
+    # per-token codes and apply the same epilogue operations: bit for bit the same, on
+    # every CPU (integer sums have no order), at 1, 2 and 3 threads. K = 100 pads to
+    # 128 (zero codes past k), I = 36 is not a multiple of 16 (a partial last block).
+    kernels = w8a8_kernels_here()
+    if len(kernels) < 2:
+        pytest.skip(f"needs both w8a8 kernels (AVX512_VNNI CPU, oneDNN u8s8); here {kernels}")
+    H, I = 100, 36  # noqa: E741
+    experts = make_quant_experts("int8", 2, H, I, seed=m)
+    ids = torch.zeros(m, 1, dtype=torch.long)
+    w = torch.ones(m, 1)
+    x = make_hidden(m, H, torch.float32, seed=m)
+    x[0, 3] = 40.0  # one outlier row: its scale differs from the others'
+    outs = {}
+    for setting in kernels:
+        with kt_ops.use_brgemm_bf16_kernel(setting):
+            got = []
+            for n in THREAD_COUNTS:
+                kt_ops.set_num_threads(n)
+                got.append(check_w8a8(x, ids, w, experts))
+                assert torch.equal(got[-1], got[0]), f"{setting}, {n} threads"
+            outs[setting] = got[0]
+    assert torch.equal(outs["kt"], outs["onednn"])
 
 
 @pytest.mark.parametrize("path", ["brgemm", "auto"])

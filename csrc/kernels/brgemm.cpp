@@ -138,6 +138,16 @@ bool kt_bf16_runs() { return bf16_runs() && bf16_uses_kt_kernel(); }
 
 bool kt_fp8_runs() { return fp8_runs() && fp8_uses_kt_kernel(); }
 
+bool kt_w8a8_runs() {
+  if (avx512::w8a8_dp_dot == nullptr || avx512::pack_w8a8_dp_rows == nullptr ||
+      avx512::quantize_rows_i8_token == nullptr)
+    return false;
+  const Bf16Kernel k = bf16_kernel_setting();
+  const runtime::CpuFeatures& f = runtime::cpu_features();
+  if (k == Bf16Kernel::kOneDnn || !f.avx512_vnni) return false;
+  return k == Bf16Kernel::kKt || !f.amx;  // AMX: oneDNN's tiles, unless forced
+}
+
 bool fp8_applies(const formats::FormatRow& format) {
   // fp8_channel: unit band scales, its row scales applied to the outputs (below);
   // mxfp8's scales change every 32 k and do not factor out.

@@ -178,6 +178,24 @@ void w8a8_dot(const DotArgs& a, const TileOperand& op);
 // |q * w| <= 127 * 127, 131072 of them < 2^31. Longer K is folded per chunk.
 constexpr int64_t kW8A8MaxK = 131072;
 
+// kt_ops' own w8a8 tiles (kernels/avx512/w8a8_dp_avx512vnni.cpp) for AVX512_VNNI CPUs
+// without AMX (or forced, brgemm_bf16_kernel = 'kt'; 'onednn' turns them off): the
+// same exact int32 sums and epilogue as w8a8_dot, so bit-identical to it, with the
+// weights as vpdpbusd's unsigned operand (code + 128) and each token's signed quad
+// broadcast from memory. Needs no oneDNN.
+bool kt_w8a8_runs();
+// Token rows per tile of that kernel, and its A operand for m rows of kp: the
+// per-token scales (m floats, padded to 64 bytes), then per row and K chunk of
+// kW8A8MaxK the int32 -128 * sum q (padded to 64 bytes), then the rows' signed
+// codes q in near-equal tiles of at most kW8A8TileRows rows (kernels/row_tiles.h),
+// the tile of rows [i, i + mt) at byte i * kp as [kp/4][mt][4].
+constexpr int kW8A8TileRows = 28;
+inline int64_t w8a8_dp_chunks(int64_t kp) { return (kp + kW8A8MaxK - 1) / kW8A8MaxK; }
+inline int64_t w8a8_dp_header_bytes(int m, int64_t kp) {
+  return w8a8_scale_bytes(m) + (m * w8a8_dp_chunks(kp) * 4 + 63) / 64 * 64;
+}
+inline int64_t w8a8_dp_bytes(int m, int64_t kp) { return w8a8_dp_header_bytes(m, kp) + m * kp; }
+
 // int8 (per channel) on the bf16 brgemm, exact for bf16 activation rows: per
 // block, the codes decoded to their bf16 values into op.scratch's tile
 // (kernels/avx512/int8_bf16_avx512.cpp; every |q| <= 127 is a bf16 value), one

@@ -114,6 +114,22 @@ const TileKernel kOneDnnW8A8{
     /*pack_rows=*/brgemm::pack_w8a8_rows,
     /*quant_modes=*/kQuantAutoBit,
 };
+// kt_ops' vpdpbusd tiles for the same product, bit-identical (AVX512_VNNI without AMX).
+const TileKernel kKtW8A8{
+    /*name=*/"avx512_vnni/w8a8_dp",
+    /*input=*/TileInput::kI8TokenRows,
+    /*bf16_activations_only=*/false,
+    /*keeps=*/false,
+    /*applies=*/brgemm::int8_per_channel_applies,
+    /*runs=*/brgemm::kt_w8a8_runs,
+    /*dot=*/avx512::w8a8_dp_dot,
+    /*pack_bytes=*/brgemm::w8a8_dp_bytes,
+    /*pack=*/nullptr,
+    /*release=*/nullptr,
+    /*fallback=*/&kOneDnnW8A8,
+    /*pack_rows=*/avx512::pack_w8a8_dp_rows,
+    /*quant_modes=*/kQuantAutoBit,
+};
 const TileKernel kOneDnnFp8{
     /*name=*/"onednn/brgemm_fp8_bf16",
     /*input=*/TileInput::kFp32Rows,
@@ -189,7 +205,7 @@ const Tier kTiers[] = {
      [](const runtime::CpuFeatures& f) { return f.avx512; },
      "AVX-512 F/BW/VL/DQ",
      {avx512::bf16_kernels, avx512::qint_kernels, nullptr},
-     {&kKtBf16, &kOneDnnW8A8, &kKtFp8},
+     {&kKtBf16, &kKtW8A8, &kKtFp8},
      avx512::glu_rows,
      avx512::glu_backward_rows,
      avx512::quantize_row_q8},

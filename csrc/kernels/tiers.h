@@ -54,6 +54,14 @@ __attribute__((weak)) void w8a8_epilogue(const int32_t* c, int rows, const float
                                          const void* w_scales, formats::ScaleType scale_type,
                                          bool accumulate, float* out, int64_t ldo);
 
+// kt_ops' w8a8 tiles on AVX512_VNNI (kernels/avx512/w8a8_dp_avx512vnni.cpp, vpdpbusd
+// under a function-level target; kernels/brgemm.h, kt_w8a8_runs): pack_w8a8_dp_rows
+// writes the A operand (brgemm::w8a8_dp_bytes(m, kp) bytes) of m fp32 rows; null when
+// the avx512 tier or the compiler's avx512vnni target is missing.
+__attribute__((weak)) void w8a8_dp_dot(const DotArgs& a, const TileOperand& op);
+__attribute__((weak)) void pack_w8a8_dp_rows(const float* const* x, int m, int64_t kp,
+                                             uint8_t* dst);
+
 // int8 on the bf16 brgemm (kernels/avx512/int8_bf16_avx512.cpp). int8_to_bf16_vnni:
 // one int8 block [kp/4][16][4] as its exact bf16 values in brgemm's VNNI layout
 // [kp/2][16][2] at dst. scale_columns16: out[i * ldo + r] *= scales[r] (r < 16,

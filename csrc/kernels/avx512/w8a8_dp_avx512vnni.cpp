@@ -1,0 +1,178 @@
+// The w8a8 tile kernel for AVX512_VNNI CPUs without AMX: the product of the
+// w8a8 brgemm path (kernels/brgemm.h: int8 weights with one scale per output
+// channel, activations quantized per token), written with vpdpbusd, as
+// avx512_bf16/bf16_dp is for bf16. oneDNN's u8s8 brgemm leaves the weight
+// stream to the hardware prefetchers and takes u8 activations, so each token
+// quad is a separate broadcast; here the roles swap: the weights are the
+// unsigned operand (code ^ 0x80 = code + 128, one vpxord per 64-byte line and
+// tile) and each token's signed quad is broadcast straight from memory into
+// vpdpbusd (its {1to16} operand). The + 128 comes back as 128 * sum q per
+// token and K chunk, computed once when the rows are packed:
+//   acc = -128 sum q + sum (w + 128) q = sum w q   (exact modulo 2^32)
+// then out = float(acc) * (sw * sx) (+ out for the chunks after the first):
+// the same exact int32 sums and the same epilogue operations as
+// onednn/brgemm_w8a8 (avx512::w8a8_epilogue), so the two are bit-identical.
+//
+// REGISTER PLAN  a tile is MT <= 28 token rows x 16 weight rows: MT zmm int32
+//   accumulators, the converted weight line and the 0x80 constant. The A
+//   operand is packed per tile, [kp/4][mt][4] signed quads (one pointer, the
+//   rows at fixed offsets; row pointers would not fit the general registers).
+//   m rows are cut into near-equal tiles (kernels/row_tiles.h); the first tile
+//   streams the block from DRAM with a software prefetch kPrefetchLines ahead,
+//   the others find it in L2.
+//
+// Compiled in the avx512 tier with a function-level target (avx512vnni): a tile
+// kernel of the tier table (kernels/dispatch.cpp), which the plan runs only where
+// brgemm::kt_w8a8_runs() (AVX512_VNNI) holds.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "kernels/avx512/vec.h"
+#include "kernels/brgemm.h"
+#include "kernels/row_tiles.h"
+#include "kernels/tiers.h"
+
+namespace kt::kernels::avx512 {
+
+namespace {
+
+#define KT_VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+
+constexpr int kMaxTileRows = brgemm::kW8A8TileRows;
+// Weight lines (64 bytes, one k quad) ahead of the first tile's loads: 2 KB.
+constexpr int kPrefetchLines = 32;
+
+// acc += the 4-byte dot products of u8 (unsigned) with the signed quad at q, broadcast
+// from memory by vpdpbusd itself ({1to16}). Inline assembly: GCC 12 neither folds the
+// broadcast into the instruction nor keeps 28 accumulators of the intrinsic in
+// registers (it spilled every one of them per k quad).
+KT_VNNI_TARGET __attribute__((always_inline)) inline void dpbusd_bcast(__m512i& acc, __m512i u8,
+                                                                       const uint8_t* q) {
+  asm("vpdpbusd %2%{1to16%}, %1, %0"
+      : "+v"(acc)
+      : "v"(u8), "m"(*reinterpret_cast<const int32_t*>(q)));
+}
+
+// Tile of MT rows over the quads [q0, q1) of one 16-row block w [kp/4][16][4];
+// a: the tile's packed quads [kp/4][MT][4]; init[i * init_ld]: -128 * the row's sum
+// of q over the chunk; out[i * ldo + r] = (accumulate ? out : 0) + acc * sw * sx[i].
+template <int MT, bool Prefetch>
+KT_VNNI_TARGET void w8a8_tile(const uint8_t* a, const uint8_t* w, int64_t q0, int64_t q1,
+                              const int32_t* init, int64_t init_ld, const float* sx, __m512 sw,
+                              bool accumulate, float* out, int64_t ldo) {
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512i acc[MT];
+#pragma GCC unroll 32
+  for (int i = 0; i < MT; ++i) acc[i] = _mm512_set1_epi32(init[i * init_ld]);
+  for (int64_t q = q0; q < q1; ++q) {
+    if constexpr (Prefetch) __builtin_prefetch(w + 64 * (q + kPrefetchLines));
+    const __m512i wl = _mm512_xor_si512(_mm512_loadu_si512(w + 64 * q), flip);
+    const uint8_t* aq = a + q * (4 * MT);
+#pragma GCC unroll 32
+    for (int i = 0; i < MT; ++i) dpbusd_bcast(acc[i], wl, aq + 4 * i);
+  }
+#pragma GCC unroll 32
+  for (int i = 0; i < MT; ++i) {
+    const __m512 s = _mm512_mul_ps(sw, _mm512_set1_ps(sx[i]));
+    float* o = out + i * ldo;
+    const __m512 base = accumulate ? _mm512_loadu_ps(o) : _mm512_setzero_ps();
+    _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i]), s, base));
+  }
+}
+
+// w8a8_tile<rows, Prefetch> for rows in [1, N], picked at run time.
+template <int N, bool Prefetch>
+KT_VNNI_TARGET void w8a8_tile_n(int rows, const uint8_t* a, const uint8_t* w, int64_t q0,
+                                int64_t q1, const int32_t* init, int64_t init_ld, const float* sx,
+                                __m512 sw, bool accumulate, float* out, int64_t ldo) {
+  if constexpr (N >= 1) {
+    if (rows == N)
+      return w8a8_tile<N, Prefetch>(a, w, q0, q1, init, init_ld, sx, sw, accumulate, out, ldo);
+    return w8a8_tile_n<N - 1, Prefetch>(rows, a, w, q0, q1, init, init_ld, sx, sw, accumulate, out,
+                                        ldo);
+  }
+}
+
+KT_VNNI_TARGET void w8a8_dp_dot_impl(const DotArgs& a, const uint8_t* packed) {
+  const ProjectionView& p = *a.proj;
+  const int64_t kp = p.kp, chunks = brgemm::w8a8_dp_chunks(kp);
+  const auto* sx = reinterpret_cast<const float*>(packed);
+  const auto* init = reinterpret_cast<const int32_t*>(packed + brgemm::w8a8_scale_bytes(a.m));
+  const uint8_t* tiles = packed + brgemm::w8a8_dp_header_bytes(a.m, kp);
+  using V = QintVec512<false>;
+  for (int64_t nb = a.nb_begin; nb < a.nb_end; ++nb) {
+    const QintBlock blk = qint_block(a, nb);
+    const __m512 sw = V::load_scales(blk.scales, p.qint.scale_type, 0);  // per channel
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t q0 = c * (brgemm::kW8A8MaxK / 4);
+      const int64_t q1 = std::min(kp, (c + 1) * brgemm::kW8A8MaxK) / 4;
+      for_each_row_tile(a.m, kMaxTileRows, [&](int t, int i, int rows) {
+        const uint8_t* at = tiles + static_cast<int64_t>(i) * kp;
+        float* o = blk.out + i * blk.ldo;
+        const int32_t* in = init + static_cast<int64_t>(i) * chunks + c;
+        if (t == 0) {
+          w8a8_tile_n<kMaxTileRows, true>(rows, at, blk.block, q0, q1, in, chunks, sx + i, sw,
+                                          c > 0, o, blk.ldo);
+        } else {
+          w8a8_tile_n<kMaxTileRows, false>(rows, at, blk.block, q0, q1, in, chunks, sx + i, sw,
+                                           c > 0, o, blk.ldo);
+        }
+      });
+    }
+  }
+}
+
+// Sum of the signed codes of one row's u8 codes (q + 128) over n bytes (n a multiple of 4).
+KT_VNNI_TARGET int32_t sum_q(const uint8_t* u8, int64_t n) {
+  __m512i acc = _mm512_setzero_si512();
+  int64_t j = 0;
+  for (; j + 64 <= n; j += 64)
+    acc =
+        _mm512_add_epi64(acc, _mm512_sad_epu8(_mm512_loadu_si512(u8 + j), _mm512_setzero_si512()));
+  int64_t s = _mm512_reduce_add_epi64(acc);
+  for (; j < n; ++j) s += u8[j];
+  return static_cast<int32_t>(s - 128 * n);
+}
+
+}  // namespace
+
+// Plain entry points (a target-attributed declaration would be a GCC function
+// version): tiers.h declares them weak.
+void w8a8_dp_dot(const DotArgs& a, const TileOperand& op) {
+  w8a8_dp_dot_impl(a, static_cast<const uint8_t*>(op.rows));
+}
+
+void pack_w8a8_dp_rows(const float* const* x, int m, int64_t kp, uint8_t* dst) {
+  auto* scales = reinterpret_cast<float*>(dst);
+  auto* init = reinterpret_cast<int32_t*>(dst + brgemm::w8a8_scale_bytes(m));
+  uint8_t* tiles = dst + brgemm::w8a8_dp_header_bytes(m, kp);
+  const int64_t chunks = brgemm::w8a8_dp_chunks(kp);
+  thread_local std::vector<uint8_t> t_row;
+  if (t_row.size() < static_cast<size_t>(kp)) t_row.resize(static_cast<size_t>(kp));
+  uint8_t* row = t_row.data();
+  for_each_row_tile(m, kMaxTileRows, [&](int, int i0, int mt) {
+    uint8_t* tile = tiles + static_cast<int64_t>(i0) * kp;
+    for (int r = 0; r < mt; ++r) {
+      const int i = i0 + r;
+      quantize_rows_i8_token(x + i, 1, kp, row, kp, scales + i);  // q + 128
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t k0 = c * brgemm::kW8A8MaxK;
+        const int64_t k1 = std::min(kp, k0 + brgemm::kW8A8MaxK);
+        init[static_cast<int64_t>(i) * chunks + c] =
+            static_cast<int32_t>(-128 * static_cast<int64_t>(sum_q(row + k0, k1 - k0)));
+      }
+      for (int64_t q = 0; q < kp / 4; ++q) {
+        uint32_t quad;
+        std::memcpy(&quad, row + 4 * q, sizeof(quad));
+        quad ^= 0x80808080u;  // q + 128 -> q as a signed byte
+        std::memcpy(tile + (q * mt + r) * 4, &quad, sizeof(quad));
+      }
+    }
+  });
+}
+
+}  // namespace kt::kernels::avx512
