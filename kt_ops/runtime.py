@@ -531,9 +531,11 @@ class Config:
           included); oneDNN's brgemm where it has not.
 
         Both compute the same fp32 sums in the same order (one vdpbf16ps chain
-        per output over k): their results are bit-identical. For tests and
-        benchmarks; ``compute_paths()['bf16']['brgemm_kernel']`` names the
-        kernel that runs.
+        per output over k): their results are bit-identical. The same choice
+        holds for fp8's tiles and for int8's w8a8 tiles (kt_ops' vpdpbusd
+        kernel on AVX512_VNNI CPUs; exact int32 sums, bit-identical to
+        oneDNN's u8s8 brgemm). For tests and benchmarks;
+        ``compute_paths()[fmt]['brgemm_kernel']`` names the kernel that runs.
         """
         return _C.brgemm_bf16_kernel()
 

@@ -84,7 +84,8 @@ THREAD_COUNTS = (1, 2, 3)
 
 
 def brgemm_runs(fmt: str = "bf16") -> bool:
-    """Whether oneDNN's brgemm computes ``fmt`` on the active ISA path when forced."""
+    """Whether a tile kernel (oneDNN's brgemm, or kt_ops' own tiles) computes ``fmt`` on the
+    active ISA path when forced."""
     with kt_ops.use_compute_path("brgemm"):
         return kt_ops.compute_paths()[fmt]["brgemm_kernel"] is not None
 
@@ -186,8 +187,9 @@ def test_format_table_records_the_thresholds():
         spec.brgemm_min_tokens_for("avx2")
     for name in Q8_BRGEMM_FORMATS:  # u8s8 brgemm, docs/formats.md "Compute paths"
         spec = kt_ops.formats.format_spec(name)
-        # The VNNI streaming kernel wins at every count measured; AMX not measured.
-        assert spec.brgemm_min_tokens_for("avx512") is None
+        # q8_0: the VNNI streaming kernel wins at every count measured; int8 (w8a8, kt_ops'
+        # vpdpbusd tiles) from 10 tokens per expert. AMX not measured.
+        assert spec.brgemm_min_tokens_for("avx512") == (10 if name == "int8" else None)
         assert spec.brgemm_min_tokens_for("amx") == 16
     for name in ("fp8", "fp8_channel"):  # docs/formats.md "Compute paths"
         spec = kt_ops.formats.format_spec(name)
@@ -216,10 +218,14 @@ def test_where_brgemm_runs(isa):
         and onednn_isa.at_least("AVX512_CORE_VNNI")
         and torch.backends.mkldnn.is_available()
     )
+    # int8's w8a8 on kt_ops' own vpdpbusd tiles needs no oneDNN: an AVX512_VNNI CPU
+    # without AMX and an AVX-512 path.
+    kt_w8a8 = isa not in ("ref", "avx2") and feats["avx512_vnni"] and not feats.get("amx")
     for name in Q8_BRGEMM_FORMATS:
-        want = BRGEMM_KERNELS[name] if expected_u8s8 else None
+        runs = expected_u8s8 or (name == "int8" and kt_w8a8)
+        want = BRGEMM_KERNELS[name] if runs else None
         assert paths[name]["brgemm_kernel"] == want
-        assert paths[name]["brgemm_min_tokens"] == (1 if expected_u8s8 else None)
+        assert paths[name]["brgemm_min_tokens"] == (1 if runs else None)
         with kt_ops.use_compute_path("brgemm"), kt_ops.use_quant_activations("q8"):
             q8 = kt_ops.compute_paths()[name]["brgemm_kernel"]
         assert q8 == ("onednn/brgemm_u8s8" if expected_u8s8 else None)
@@ -738,11 +744,13 @@ def test_q8_formats_mkldnn_disabled_falls_back_to_streaming():
 
 def test_onednn_limited_below_vnni_streams_int8(python_subprocess):
     # ONEDNN_MAX_CPU_ISA=AVX512_CORE: oneDNN refuses the u8s8 kernel; the
-    # probe call finds out and int8 streams (bit-identical to streaming).
+    # probe call finds out and int8 streams (bit-identical to streaming). Under quant
+    # 'q8' (the u8s8 kernel's mode: no w8a8, whose kt_ops tiles need no oneDNN).
     if not brgemm_runs("int8"):
         pytest.skip("oneDNN's u8s8 brgemm does not run on this CPU / torch")
     code = (
         "import torch, kt_ops\n"
+        "kt_ops.config.quant_activations = 'q8'\n"
         "from reference import make_quant_experts, make_hidden, make_routing\n"
         "print(kt_ops.compute_paths()['int8']['brgemm_kernel'])\n"
         "e = make_quant_experts('int8', 4, 40, 24)\n"
@@ -841,7 +849,8 @@ def test_w8a8_only_under_quant_auto(isa):
                 kernels[quant] = kt_ops.compute_paths()["int8"]["brgemm_kernel"]
     assert kernels == {
         "auto": BRGEMM_KERNELS["int8"],
-        "q8": "onednn/brgemm_u8s8",
+        # the u8s8 kernel where oneDNN runs it (q8_0 has the same one)
+        "q8": "onednn/brgemm_u8s8" if brgemm_runs("q8_0") else None,
         # exact activations: the codes as bf16 values, where the bf16 brgemm runs
         "fp32": "onednn/brgemm_int8_bf16" if brgemm_runs("bf16") else None,
     }

@@ -57,12 +57,15 @@ constexpr BrgemmPolicy kBf16Brgemm = {{kBf16BrgemmMinAvx512, kBf16BrgemmMinAmx}}
 // (32), 1.31 (64), 1.37 (96), 1.35 (128), 1.36 (256). Streaming wins at every
 // count measured, so 'auto' never takes it on AVX512_VNNI (forced 'brgemm'
 // still runs it). AMX (tdpbusd) not measured: the earlier AVX-512 value, 16.
-// int8 under quant 'auto' runs the w8a8 kernel instead (full-K calls, per-token
-// activations; kernels/brgemm.h): 1.59 (2), 1.14 (16), 0.96 (32), 0.92 (64),
-// 0.86 (128) against streaming on Zen 4, a layer at T = 2048 1.13x faster. For
-// at most 1.15x, 'auto' keeps the finer q8 rounding on AVX512_VNNI; AMX's 16
-// (unmeasured) now applies to w8a8.
-constexpr int kInt8BrgemmMinAvx512 = kNoBrgemm;
+// int8 under quant 'auto' runs a w8a8 kernel instead (full-K sums, per-token
+// activations; kernels/brgemm.h). oneDNN's: 1.59 (2), 1.14 (16), 0.96 (32), 0.92
+// (64), 0.86 (128) against streaming on Zen 4, a layer at T = 2048 1.13x faster:
+// too little for the coarser rounding. kt_ops' vpdpbusd tiles (the avx512 class's
+// kernel on AVX512_VNNI CPUs, kernels/avx512/w8a8_dp_avx512vnni.cpp): 1.25 (2),
+// 1.28 (6), 1.01-1.02 (8), 0.86 (10), 0.84 (12), 0.80-0.84 (16), 0.72-0.81 (24-32),
+// 0.80 (64), 0.82 (128); a layer 1.33x (T = 512) and 1.27x (T = 2048) faster: from
+// 10 tokens. AMX's 16 (unmeasured) applies to oneDNN's w8a8 there.
+constexpr int kInt8BrgemmMinAvx512 = 10;
 constexpr int kInt8BrgemmMinAmx = 16;
 constexpr BrgemmPolicy kInt8Brgemm = {{kInt8BrgemmMinAvx512, kInt8BrgemmMinAmx}};
 constexpr int kQ80BrgemmMinAvx512 = kNoBrgemm;

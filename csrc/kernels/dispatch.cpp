@@ -65,7 +65,9 @@ const TileKernel kKtBf16{
 // int8 (per channel) times bf16 hidden states, exactly: each block's codes decoded to
 // their bf16 values (|q| <= 127: exact), bf16 x bf16 products (exact in fp32), fp32
 // sums, the channel scales applied to the outputs. Under quant 'fp32' (exact
-// activations): the LoRA forward on an int8 base, and forced 'brgemm'.
+// activations), only where 'brgemm' is forced: the LoRA forward on an int8 base (the
+// down projection reads h rounded to bf16; under 'auto' compute the int8 row's
+// threshold is the w8a8 kernels', and 'fp32' streams the weight-only path).
 const TileKernel kOneDnnInt8Bf16{
     /*name=*/"onednn/brgemm_int8_bf16",
     /*input=*/TileInput::kBf16Rows,
@@ -80,6 +82,8 @@ const TileKernel kOneDnnInt8Bf16{
     /*fallback=*/nullptr,
     /*pack_rows=*/nullptr,
     /*quant_modes=*/kQuantFp32Bit,
+    /*keeps_if=*/nullptr,
+    /*forced_only=*/true,
 };
 // On q8 records, bit-identical to the streaming q8 kernels: any activations.
 const TileKernel kOneDnnU8S8{

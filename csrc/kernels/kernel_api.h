@@ -260,6 +260,9 @@ struct TileKernel {
   // Where `keeps` is false: whether it uses TileOperand::scratch in this call after all
   // (oneDNN's bf16 kernel with its blocks in pairs, brgemm::bf16_pairs); nullptr: never.
   bool (*keeps_if)() = nullptr;
+  // Whether it computes only where 'brgemm' is forced (the LoRA forward forces it):
+  // the format row's threshold belongs to another kernel of the chain.
+  bool forced_only = false;
 };
 
 // The q8 activation record of one fp32 row x[kp] (formats/q8_activations.h),

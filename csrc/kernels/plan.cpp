@@ -82,6 +82,7 @@ TilePath tile_path(const formats::FormatRow& format, Isa isa, const Modes& modes
   const TileKernel* k = tile_kernel(format, isa, bit);
   if (k == nullptr) return kNone;
   if (modes.path == ComputePath::kBrgemm) return {k, 1};
+  if (k->forced_only) return kNone;
   const formats::BrgemmIsa cls =
       runtime::cpu_features().amx ? formats::BrgemmIsa::kAmx : formats::BrgemmIsa::kAvx512;
   const int min = format.brgemm.min(cls);
