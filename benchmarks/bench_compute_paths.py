@@ -157,7 +157,11 @@ def main() -> int:
     p.add_argument("--intermediate", type=int, default=768)
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 3, 4, 6, 8, 12, 16, 32])
-    p.add_argument("--format", default="bf16")
+    p.add_argument(
+        "--format",
+        default="bf16",
+        help="a format name, or int4-g<group>[-asym] (int4-g0: one scale per output channel)",
+    )
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--isa", choices=kt_ops.supported_isas())
     p.add_argument("--layer", type=int, nargs="+", help="time a whole layer at these T instead")
@@ -169,10 +173,22 @@ def main() -> int:
     if args.layer:
         return layer_main(args)
     E, H, I = args.experts, args.hidden, args.intermediate  # noqa: E741
-    experts = make_expert_weights(E, H, I, weight_format=args.format)
-    sides = paths_for(args.format)
+    if args.format.startswith("int4-g"):  # int4-g<group>[-asym]; int4-g0: per channel
+        from bench_formats import build_variant, parse_variant
+
+        variant = parse_variant(args.format)
+        g = torch.Generator().manual_seed(0)
+        dense = (
+            torch.randn(E, I, H, generator=g) / H**0.5,
+            torch.randn(E, I, H, generator=g) / H**0.5,
+            torch.randn(E, H, I, generator=g) / I**0.5,
+        )
+        experts, fmt = build_variant(variant, dense, E).experts, variant.weight_format
+    else:
+        experts, fmt = make_expert_weights(E, H, I, weight_format=args.format), args.format
+    sides = paths_for(fmt)
     with kt_ops.use_compute_path("brgemm"):  # the kernel that forced 'brgemm' runs
-        brg = kt_ops.compute_paths()[args.format]["brgemm_kernel"]
+        brg = kt_ops.compute_paths()[fmt]["brgemm_kernel"]
     print(
         f"# {args.format} H={H} I={I}, {E} experts all hit, isa {kt_ops.active_isa()}, "
         f"{kt_ops.get_num_threads()} threads, brgemm kernel {brg}"

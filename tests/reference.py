@@ -777,6 +777,10 @@ def q8_brgemm_min_tokens_of(weight_format: str) -> Optional[int]:
     return p["brgemm_min_tokens"]
 
 
+#: The tile kernels that multiply per-token int8 activations (w8a8 for int8, w4a8 for int4).
+TOKEN_INT8_KERNELS = ("avx512_vnni/w8a8_dp", "onednn/brgemm_w8a8", "avx512_vnni/w4a8_dp")
+
+
 def w8a8_min_tokens_of(weight_format: str) -> Optional[int]:
     """Rows per expert from which ``weight_format`` runs on the w8a8 brgemm (per-token int8).
 
@@ -787,9 +791,20 @@ def w8a8_min_tokens_of(weight_format: str) -> Optional[int]:
     block per row, :func:`token_q8_activations`).
     """
     p = kt_ops.compute_paths().get(weight_format)
-    if p is None or p["brgemm_kernel"] not in ("avx512_vnni/w8a8_dp", "onednn/brgemm_w8a8"):
+    if p is None or p["brgemm_kernel"] not in TOKEN_INT8_KERNELS:
         return None
     return p["brgemm_min_tokens"]
+
+
+def token_int8_min_tokens_of(projection: Any) -> Optional[int]:
+    """:func:`w8a8_min_tokens_of` of one packed projection: the w4a8 tiles take int4
+    projections with one scale per output channel only (``group_size`` 0); the
+    grouped ones stream (q8 activations)."""
+    m = w8a8_min_tokens_of(projection.weight_format)
+    if m is None or getattr(projection, "group_size", 0) == 0:
+        return m
+    kernel = kt_ops.compute_paths()[projection.weight_format]["brgemm_kernel"]
+    return None if kernel == "avx512_vnni/w4a8_dp" else m
 
 
 def token_q8_activations(x: Tensor) -> Tensor:
@@ -934,7 +949,7 @@ def reference_for(
     fp8 = tuple(
         fp8_brgemm_min_tokens_of(p.weight_format, hidden_states.dtype) for p in experts.projections
     )
-    w8a8 = tuple(w8a8_min_tokens_of(p.weight_format) for p in experts.projections)
+    w8a8 = tuple(token_int8_min_tokens_of(p) for p in experts.projections)
     if experts.has_bias or any(b is not None for b in fp8 + w8a8):
         return per_projection_reference(
             hidden_states,

@@ -76,6 +76,11 @@ BRGEMM_KERNELS = {
 }
 # fp8_channel: fp8's tiles with unit band scales, its row scales applied to the outputs.
 BRGEMM_KERNELS["fp8_channel"] = BRGEMM_KERNELS["fp8"]
+#: The 4-bit integer format on kt_ops' w4a8 tiles (AVX512_VNNI without AMX; nothing
+#: elsewhere): its projections with one scale per output channel.
+W4A8_FORMATS = ("int4",)
+for _name in W4A8_FORMATS:
+    BRGEMM_KERNELS[_name] = "avx512_vnni/w4a8_dp"
 
 #: 'auto' with experts on both paths, against the unrounded reference: the
 #: brgemm experts' bf16 activations (relative rounding 2^-9 per value).
@@ -191,6 +196,9 @@ def test_format_table_records_the_thresholds():
         # vpdpbusd tiles) from 10 tokens per expert. AMX not measured.
         assert spec.brgemm_min_tokens_for("avx512") == (10 if name == "int8" else None)
         assert spec.brgemm_min_tokens_for("amx") == 16
+    spec = kt_ops.formats.format_spec("int4")  # per channel on kt_ops' w4a8 tiles
+    assert spec.brgemm_min_tokens_for("avx512") == 4
+    assert spec.brgemm_min_tokens_for("amx") is None  # no kernel there
     for name in ("fp8", "fp8_channel"):  # docs/formats.md "Compute paths"
         spec = kt_ops.formats.format_spec(name)
         assert spec.brgemm_min_tokens_for("avx512") == 3  # kt_ops' fused tiles
@@ -221,6 +229,9 @@ def test_where_brgemm_runs(isa):
     # int8's w8a8 on kt_ops' own vpdpbusd tiles needs no oneDNN: an AVX512_VNNI CPU
     # without AMX and an AVX-512 path.
     kt_w8a8 = isa not in ("ref", "avx2") and feats["avx512_vnni"] and not feats.get("amx")
+    for name in W4A8_FORMATS:  # kt_ops' w4a8 tiles, under 'auto' quant only
+        assert paths[name]["brgemm_kernel"] == (BRGEMM_KERNELS[name] if kt_w8a8 else None)
+        assert paths[name]["brgemm_min_tokens"] == (1 if kt_w8a8 else None)
     for name in Q8_BRGEMM_FORMATS:
         runs = expected_u8s8 or (name == "int8" and kt_w8a8)
         want = BRGEMM_KERNELS[name] if runs else None
@@ -922,6 +933,100 @@ def test_w8a8_thread_counts_bit_identical(isa, path):
     ids, w = make_routing(T, E, K, seed=8)
     x = make_hidden(T, H, torch.bfloat16, seed=8)
     assert_thread_counts_bit_identical(path, x, ids, w, experts)
+
+
+# --------------------------------------------------------------------------
+# int4 per channel on kt_ops' w4a8 tiles: per-token int8 activations, full-K int32 sums
+# --------------------------------------------------------------------------
+# The unsigned 4-bit codes times the per-token codes, exact int32 sums over all of K,
+# then the channel's scale (and zero). The reference: per-token int8 activations
+# (token_q8_activations) times the dequantized weights. int4 with groups and q4_0 stay
+# on the streaming q8 kernels, even when brgemm is forced: their reference is the q8 one
+# (reference.token_int8_min_tokens_of), and their outputs the streaming bits.
+
+#: (format, group size, symmetric): per channel (symmetric, zero points), and the
+#: formats that must stream: int4 with groups, q4_0.
+W4A8_VARIANTS = [
+    ("int4", 0, True),
+    ("int4", 0, False),
+    ("int4", 32, True),
+    ("int4", 128, False),
+    ("q4_0", None, True),
+]
+W4A8_IDS = [f"{f}-g{g}-{'sym' if s else 'zp'}" for f, g, s in W4A8_VARIANTS]
+
+
+def w4a8_runs() -> bool:
+    with kt_ops.use_compute_path("brgemm"):
+        return kt_ops.compute_paths()["int4"]["brgemm_kernel"] == "avx512_vnni/w4a8_dp"
+
+
+@pytest.mark.parametrize("variant", W4A8_VARIANTS, ids=W4A8_IDS)
+@pytest.mark.parametrize("T", [0, 1, 40, 300])
+@pytest.mark.parametrize("H,I", [(128, 64), (256, 160), (2048, 64)])
+def test_w4a8_against_the_per_token_reference(isa, variant, H, I, T):  # noqa: E741
+    # T = 0 and 1, experts without tokens (6 experts, top-2), experts past one 28-row
+    # tile (T = 300: ~100 rows each); H = 2048 is the 4 KiB row stride. Forced brgemm
+    # (any token count).
+    if not w4a8_runs():
+        pytest.skip("kt_ops' w4a8 tiles do not run on this ISA path / CPU")
+    fmt, gs, sym = variant
+    if gs and (H % gs or I % gs):
+        pytest.skip("group size does not divide K")
+    experts = make_quant_experts(fmt, 6, H, I, group_size=gs, symmetric=sym, seed=H + I + T)
+    ids, w = make_routing(T, 6, 2, seed=T + H)
+    for dtype in (torch.bfloat16, torch.float32):
+        x = make_hidden(T, H, dtype, seed=T + I)
+        out = check_w8a8(x, ids, w, experts)
+        if gs != 0:  # grouped: the streaming q8 kernels, bit for bit
+            with kt_ops.use_quant_activations("q8"):
+                assert torch.equal(out, run("streaming", x, ids, w, experts))
+
+
+def test_w4a8_is_per_token_not_per_32(isa):
+    # Not vacuous: one outlier channel makes the per-token scale 50x the per-32 one of
+    # the other blocks, so the q8 (per-32) reference must NOT match, and the per-token
+    # one must.
+    if not w4a8_runs():
+        pytest.skip("kt_ops' w4a8 tiles do not run on this ISA path / CPU")
+    experts = make_quant_experts("int4", 2, 256, 128, group_size=0, seed=5)
+    ids, w = make_routing(30, 2, 1, seed=5)
+    x = make_hidden(30, 256, torch.float32, seed=5)
+    x[:, 7] = 50.0
+    out = check_w8a8(x, ids, w, experts)
+    with kt_ops.use_quant_activations("q8"):
+        q8_ref = reference_for(experts, x, ids, w)
+    assert quant_mismatch_report(out, q8_ref) is not None
+
+
+@pytest.mark.parametrize("variant", W4A8_VARIANTS[:2], ids=W4A8_IDS[:2])
+@pytest.mark.parametrize("m", [1, 13, 28, 29, 57, 85])
+def test_w4a8_tiles_and_thread_counts(isa, variant, m):
+    # One expert with m tokens: every tile split (28 rows: 29 is 15 + 14), the same
+    # bits at 1, 2 and 3 threads (each output is its own chain in a fixed order).
+    if not w4a8_runs():
+        pytest.skip("kt_ops' w4a8 tiles do not run on this ISA path / CPU")
+    fmt, gs, sym = variant
+    experts = make_quant_experts(fmt, 2, 128, 128, group_size=gs, symmetric=sym, seed=m)
+    ids = torch.zeros(m, 1, dtype=torch.long)
+    w = torch.ones(m, 1)
+    x = make_hidden(m, 128, torch.float32, seed=m)
+    got = []
+    for n in THREAD_COUNTS:
+        kt_ops.set_num_threads(n)
+        got.append(check_w8a8(x, ids, w, experts))
+        assert torch.equal(got[-1], got[0]), f"{n} threads"
+
+
+def test_w4a8_only_under_quant_auto(isa):
+    if not w4a8_runs():
+        pytest.skip("kt_ops' w4a8 tiles do not run on this ISA path / CPU")
+    with kt_ops.use_compute_path("brgemm"):
+        for quant in ("q8", "fp32"):
+            with kt_ops.use_quant_activations(quant):
+                assert kt_ops.compute_paths()["int4"]["brgemm_kernel"] is None, quant
+    with kt_ops.use_compute_path("brgemm"), kt_ops.use_brgemm_bf16_kernel("onednn"):
+        assert kt_ops.compute_paths()["int4"]["brgemm_kernel"] is None  # no oneDNN w4a8
 
 
 # --------------------------------------------------------------------------

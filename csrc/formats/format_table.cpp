@@ -68,6 +68,14 @@ constexpr BrgemmPolicy kBf16Brgemm = {{kBf16BrgemmMinAvx512, kBf16BrgemmMinAmx}}
 constexpr int kInt8BrgemmMinAvx512 = 10;
 constexpr int kInt8BrgemmMinAmx = 16;
 constexpr BrgemmPolicy kInt8Brgemm = {{kInt8BrgemmMinAvx512, kInt8BrgemmMinAmx}};
+// int4 with one scale per output channel (group_size 0) on kt_ops' w4a8 tiles
+// (per-token int8 activations, full-K int32 sums; kernels/avx512/w8a8_dp_avx512vnni.cpp)
+// against the streaming q8 kernel, Zen 4 (AVX512_VNNI, 2 threads, H=2048, I=768):
+// 1.14 (2), 0.87 (4), 0.76 (6), 0.79 (8), 0.75 (10-16), 0.74 (32-64), 0.76 (128):
+// from 4 tokens. int4 with groups and every other 4-bit format stream (the per-group
+// fold costs more there; TileKernel::applies_to). No kernel on AMX (not measured).
+constexpr int kInt4BrgemmMinAvx512 = 4;
+constexpr BrgemmPolicy kInt4Brgemm = {{kInt4BrgemmMinAvx512, kNoBrgemm}};
 constexpr int kQ80BrgemmMinAvx512 = kNoBrgemm;
 constexpr int kQ80BrgemmMinAmx = 16;
 constexpr BrgemmPolicy kQ80Brgemm = {{kQ80BrgemmMinAvx512, kQ80BrgemmMinAmx}};
@@ -117,7 +125,7 @@ const std::vector<FormatRow>& format_table() {
        kInt8Fp32, kInt8Brgemm, 8.0, "symmetric per-channel int8 (scale = amax/127)"},
       // group_size 0: one scale (and zero) per output channel (kt-kernel AMXINT4 / AMXINT4_1).
       {"int4", L::kQint, qint(4, false, false, 8.f), {0, 32, 64, 128}, 128, S::kF16,
-       Z::kOptional, A::kQ8, kNoFp32, kNoBrgemmPath, 4.125,
+       Z::kOptional, A::kQ8, kNoFp32, kInt4Brgemm, 4.125,
        "int4 per group or per output channel, symmetric or asymmetric (GPTQ/AWQ-style zero point)"},
       {"fp8", L::kFp8, {}, {128}, 128, S::kF32, Z::kNever, A::kF32, kFp8Fp32, kFp8Brgemm, 8.0,
        "E4M3 (Micikevicius et al. 2022) with DeepSeek-V3 128x128 weight_scale_inv"},

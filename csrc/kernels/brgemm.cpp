@@ -138,6 +138,23 @@ bool kt_bf16_runs() { return bf16_runs() && bf16_uses_kt_kernel(); }
 
 bool kt_fp8_runs() { return fp8_runs() && fp8_uses_kt_kernel(); }
 
+bool kt_w4a8_runs() {
+  return avx512::w4a8_dp_dot != nullptr && avx512::pack_w4a8_dp_rows != nullptr && kt_w8a8_runs();
+}
+
+bool w4a8_applies(const formats::FormatRow& format) {
+  // Unsigned 4-bit integer codes with a per-channel variant (int4): not mxfp4 / nvfp4
+  // (E2M1 tables), the k-quants (their records) or q4_0 (groups of 32 only).
+  const formats::QintFormat& q = format.qint;
+  const bool per_channel = std::find(format.group_sizes.begin(), format.group_sizes.end(),
+                                     int64_t{0}) != format.group_sizes.end();
+  return format.layout == formats::Layout::kQint && q.bits == 4 && !q.is_signed && !q.lut_e2m1 &&
+         !formats::is_kquant(q.scale_type) && format.activation == formats::ActType::kQ8 &&
+         per_channel;
+}
+
+bool w4a8_applies_to(const ProjectionView& view) { return view.qint.group_size == 0; }
+
 bool kt_w8a8_runs() {
   if (avx512::w8a8_dp_dot == nullptr || avx512::pack_w8a8_dp_rows == nullptr ||
       avx512::quantize_rows_i8_token == nullptr)

@@ -195,6 +195,19 @@ inline int64_t w8a8_dp_header_bytes(int m, int64_t kp) {
   return w8a8_scale_bytes(m) + (m * w8a8_dp_chunks(kp) * 4 + 63) / 64 * 64;
 }
 inline int64_t w8a8_dp_bytes(int m, int64_t kp) { return w8a8_dp_header_bytes(m, kp) + m * kp; }
+// kt_ops' w4a8 tiles (the same file): int4 codes with one scale (and zero) per output
+// channel times the per-token int8 activations, exact int32 sums over all of K
+// (kernels/avx512/w8a8_dp_avx512vnni.cpp). Its A operand: the per-token scales as
+// above, then per row the int32 sum of q over each 32 k (padded to 64 bytes), then the
+// tiles as above. w4a8_applies: the int4 format (it has per-channel projections);
+// w4a8_applies_to: a projection of it with group_size 0 (per channel).
+bool kt_w4a8_runs();
+bool w4a8_applies(const formats::FormatRow& format);
+bool w4a8_applies_to(const ProjectionView& view);
+inline int64_t w4a8_dp_header_bytes(int m, int64_t kp) {
+  return w8a8_scale_bytes(m) + (m * (kp / 32) * 4 + 63) / 64 * 64;
+}
+inline int64_t w4a8_dp_bytes(int m, int64_t kp) { return w4a8_dp_header_bytes(m, kp) + m * kp; }
 
 // int8 (per channel) on the bf16 brgemm, exact for bf16 activation rows: per
 // block, the codes decoded to their bf16 values into op.scratch's tile

@@ -134,6 +134,26 @@ const TileKernel kKtW8A8{
     /*pack_rows=*/avx512::pack_w8a8_dp_rows,
     /*quant_modes=*/kQuantAutoBit,
 };
+// int4 per channel on kt_ops' vpdpbusd tiles with per-token activations (w4a8),
+// AVX512_VNNI without AMX; the int8 formats go on down the chain.
+const TileKernel kKtW4A8{
+    /*name=*/"avx512_vnni/w4a8_dp",
+    /*input=*/TileInput::kI8TokenRows,
+    /*bf16_activations_only=*/false,
+    /*keeps=*/false,
+    /*applies=*/brgemm::w4a8_applies,
+    /*runs=*/brgemm::kt_w4a8_runs,
+    /*dot=*/avx512::w4a8_dp_dot,
+    /*pack_bytes=*/brgemm::w4a8_dp_bytes,
+    /*pack=*/nullptr,
+    /*release=*/nullptr,
+    /*fallback=*/&kKtW8A8,
+    /*pack_rows=*/avx512::pack_w4a8_dp_rows,
+    /*quant_modes=*/kQuantAutoBit,
+    /*keeps_if=*/nullptr,
+    /*forced_only=*/false,
+    /*applies_to=*/brgemm::w4a8_applies_to,
+};
 const TileKernel kOneDnnFp8{
     /*name=*/"onednn/brgemm_fp8_bf16",
     /*input=*/TileInput::kFp32Rows,
@@ -209,7 +229,7 @@ const Tier kTiers[] = {
      [](const runtime::CpuFeatures& f) { return f.avx512; },
      "AVX-512 F/BW/VL/DQ",
      {avx512::bf16_kernels, avx512::qint_kernels, nullptr},
-     {&kKtBf16, &kKtW8A8, &kKtFp8},
+     {&kKtBf16, &kKtW4A8, &kKtFp8},
      avx512::glu_rows,
      avx512::glu_backward_rows,
      avx512::quantize_row_q8},

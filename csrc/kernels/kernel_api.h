@@ -263,6 +263,9 @@ struct TileKernel {
   // Whether it computes only where 'brgemm' is forced (the LoRA forward forces it):
   // the format row's threshold belongs to another kernel of the chain.
   bool forced_only = false;
+  // Of the formats it applies to, the projections it computes (e.g. int4 per channel
+  // only, not its groups); nullptr: all. The others stream.
+  bool (*applies_to)(const ProjectionView& view) = nullptr;
 };
 
 // The q8 activation record of one fp32 row x[kp] (formats/q8_activations.h),

@@ -127,9 +127,10 @@ ProjectionPlan::ProjectionPlan(const formats::FormatRow& format, const Projectio
   // with its scales; fp32 and fp16 activations keep their precision on the
   // streaming kernels unless 'brgemm' is forced.
   const TilePath tile = tile_path(format, isa, modes);
-  const bool allowed =
-      tile.kernel != nullptr && (modes.path == ComputePath::kBrgemm || bf16_activations ||
-                                 !tile.kernel->bf16_activations_only);
+  const bool allowed = tile.kernel != nullptr &&
+                       (tile.kernel->applies_to == nullptr || tile.kernel->applies_to(view)) &&
+                       (modes.path == ComputePath::kBrgemm || bf16_activations ||
+                        !tile.kernel->bf16_activations_only);
   tile_ = allowed ? tile.kernel : nullptr;
   tile_min_ = allowed ? tile.min_tokens : formats::kNoBrgemm;
   u8_codes_ = q8_ && streaming_->dot_u8 != nullptr && format.layout == formats::Layout::kQint &&

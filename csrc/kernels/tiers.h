@@ -61,6 +61,9 @@ __attribute__((weak)) void w8a8_epilogue(const int32_t* c, int rows, const float
 __attribute__((weak)) void w8a8_dp_dot(const DotArgs& a, const TileOperand& op);
 __attribute__((weak)) void pack_w8a8_dp_rows(const float* const* x, int m, int64_t kp,
                                              uint8_t* dst);
+__attribute__((weak)) void w4a8_dp_dot(const DotArgs& a, const TileOperand& op);
+__attribute__((weak)) void pack_w4a8_dp_rows(const float* const* x, int m, int64_t kp,
+                                             uint8_t* dst);
 
 // int8 on the bf16 brgemm (kernels/avx512/int8_bf16_avx512.cpp). int8_to_bf16_vnni:
 // one int8 block [kp/4][16][4] as its exact bf16 values in brgemm's VNNI layout
