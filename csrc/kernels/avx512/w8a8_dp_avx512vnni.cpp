@@ -137,7 +137,9 @@ KT_VNNI_TARGET void w8a8_dp_dot_impl(const DotArgs& a, const uint8_t* packed) {
 // with sum q from the packed rows' per-32 sums. Per channel only
 // (brgemm::w4a8_applies_to): with groups, the per-group fold into fp32 sums kept in
 // L1 cost more than the streaming kernel's (Zen 4, 8 experts x 128 tokens: g128
-// 21.0 against 21.2 ms, g32 34.3 against 21.0; per channel 16.4 against 22.0).
+// 21.0 against 21.2 ms, g32 34.3 against 21.0; per channel 16.4 against 22.0), and
+// with them in registers (sub-tiles of 12 rows) g128 gained 1.10x, g64 lost (21.9
+// against 21.1), g32 lost 1.45x: not worth the coarser activation rounding.
 // ---------------------------------------------------------------------------
 
 template <int MT, bool Prefetch>
