@@ -235,11 +235,14 @@ void w4a8_dp_dot(const DotArgs& a, const TileOperand& op) {
   w4a8_dp_dot_impl(a, static_cast<const uint8_t*>(op.rows));
 }
 
-void pack_w4a8_dp_rows(const float* const* x, int m, int64_t kp, uint8_t* dst) {
-  auto* scales = reinterpret_cast<float*>(dst);
-  auto* sums = reinterpret_cast<int32_t*>(dst + brgemm::w8a8_scale_bytes(m));
-  uint8_t* tiles = dst + brgemm::w4a8_dp_header_bytes(m, kp);
-  const int64_t units = kp / 32;
+namespace {
+
+// The per-token rows of both kernels' A operands: row i's scale at scales[i], its
+// signed codes in the near-equal tiles at `tiles` ([kp/4][mt][4] per tile), and
+// row_sums(i, row) with its codes + 128 (kp bytes) for the kernel's sums of q.
+template <class RowSums>
+void pack_token_rows(const float* const* x, int m, int64_t kp, float* scales, uint8_t* tiles,
+                     RowSums row_sums) {
   thread_local std::vector<uint8_t> t_row;
   if (t_row.size() < static_cast<size_t>(kp)) t_row.resize(static_cast<size_t>(kp));
   uint8_t* row = t_row.data();
@@ -248,8 +251,7 @@ void pack_w4a8_dp_rows(const float* const* x, int m, int64_t kp, uint8_t* dst) {
     for (int r = 0; r < mt; ++r) {
       const int i = i0 + r;
       quantize_rows_i8_token(x + i, 1, kp, row, kp, scales + i);  // q + 128
-      for (int64_t u = 0; u < units; ++u)
-        sums[static_cast<int64_t>(i) * units + u] = sum_q(row + 32 * u, 32);
+      row_sums(i, row);
       for (int64_t q = 0; q < kp / 4; ++q) {
         uint32_t quad;
         std::memcpy(&quad, row + 4 * q, sizeof(quad));
@@ -260,33 +262,30 @@ void pack_w4a8_dp_rows(const float* const* x, int m, int64_t kp, uint8_t* dst) {
   });
 }
 
+}  // namespace
+
+void pack_w4a8_dp_rows(const float* const* x, int m, int64_t kp, uint8_t* dst) {
+  auto* sums = reinterpret_cast<int32_t*>(dst + brgemm::w8a8_scale_bytes(m));
+  const int64_t units = kp / 32;
+  pack_token_rows(x, m, kp, reinterpret_cast<float*>(dst),
+                  dst + brgemm::w4a8_dp_header_bytes(m, kp), [&](int i, const uint8_t* row) {
+                    for (int64_t u = 0; u < units; ++u)
+                      sums[static_cast<int64_t>(i) * units + u] = sum_q(row + 32 * u, 32);
+                  });
+}
+
 void pack_w8a8_dp_rows(const float* const* x, int m, int64_t kp, uint8_t* dst) {
-  auto* scales = reinterpret_cast<float*>(dst);
   auto* init = reinterpret_cast<int32_t*>(dst + brgemm::w8a8_scale_bytes(m));
-  uint8_t* tiles = dst + brgemm::w8a8_dp_header_bytes(m, kp);
   const int64_t chunks = brgemm::w8a8_dp_chunks(kp);
-  thread_local std::vector<uint8_t> t_row;
-  if (t_row.size() < static_cast<size_t>(kp)) t_row.resize(static_cast<size_t>(kp));
-  uint8_t* row = t_row.data();
-  for_each_row_tile(m, kMaxTileRows, [&](int, int i0, int mt) {
-    uint8_t* tile = tiles + static_cast<int64_t>(i0) * kp;
-    for (int r = 0; r < mt; ++r) {
-      const int i = i0 + r;
-      quantize_rows_i8_token(x + i, 1, kp, row, kp, scales + i);  // q + 128
-      for (int64_t c = 0; c < chunks; ++c) {
-        const int64_t k0 = c * brgemm::kW8A8MaxK;
-        const int64_t k1 = std::min(kp, k0 + brgemm::kW8A8MaxK);
-        init[static_cast<int64_t>(i) * chunks + c] =
-            static_cast<int32_t>(-128 * static_cast<int64_t>(sum_q(row + k0, k1 - k0)));
-      }
-      for (int64_t q = 0; q < kp / 4; ++q) {
-        uint32_t quad;
-        std::memcpy(&quad, row + 4 * q, sizeof(quad));
-        quad ^= 0x80808080u;  // q + 128 -> q as a signed byte
-        std::memcpy(tile + (q * mt + r) * 4, &quad, sizeof(quad));
-      }
-    }
-  });
+  pack_token_rows(x, m, kp, reinterpret_cast<float*>(dst),
+                  dst + brgemm::w8a8_dp_header_bytes(m, kp), [&](int i, const uint8_t* row) {
+                    for (int64_t c = 0; c < chunks; ++c) {
+                      const int64_t k0 = c * brgemm::kW8A8MaxK;
+                      const int64_t k1 = std::min(kp, k0 + brgemm::kW8A8MaxK);
+                      init[static_cast<int64_t>(i) * chunks + c] = static_cast<int32_t>(
+                          -128 * static_cast<int64_t>(sum_q(row + k0, k1 - k0)));
+                    }
+                  });
 }
 
 }  // namespace kt::kernels::avx512
