@@ -356,6 +356,32 @@ def test_fp32_path_every_token_tile_split(qisa, fmt):
 
 
 @pytest.mark.parametrize("v", PER_FORMAT, ids=[v.id for v in PER_FORMAT])
+def test_q8_path_every_token_tile_split(v):
+    # The q8 kernels cut an expert's m rows into register tiles of the tier's
+    # size (AVX2 / AVX-512 4 tokens, AVX512_VNNI 12) and one remainder tile:
+    # expert e gets counts[e] tokens, so every tile size and remainder of each
+    # tier runs. Each SIMD tier against the reference, and bit-identical to the
+    # others (exact int32 sums, the same fp32 fold: kernels/qint_tiles.h).
+    counts = list(range(1, 28)) + [37]
+    w = make_quant_experts(v.fmt, len(counts), v.H, v.I, group_size=v.group_size, seed=3)
+    ids = torch.cat([torch.full((c,), e) for e, c in enumerate(counts)])
+    ids = ids[torch.randperm(ids.numel(), generator=torch.Generator().manual_seed(3))].view(-1, 1)
+    weights = torch.rand(ids.shape[0], 1, generator=torch.Generator().manual_seed(4)) + 0.5
+    x = make_hidden(ids.shape[0], v.H, torch.float32, seed=5)
+    outs = {}
+    # q8 activations on the streaming kernels, pinned (the reference follows both).
+    with kt_ops.use_quant_activations("q8"), kt_ops.use_compute_path("streaming"):
+        ref = reference_for(w, x, ids, weights)
+        for name in [i for i in kt_ops.supported_isas() if i != "ref"]:
+            with kt_ops.use_isa(name):
+                outs[name] = run_op(x, ids, weights, w)
+            assert quant_mismatch_report(outs[name], ref) is None, name
+    first = next(iter(outs))
+    for name, out in outs.items():
+        assert torch.equal(out, outs[first]), f"{name} differs bit-wise from {first}"
+
+
+@pytest.mark.parametrize("v", PER_FORMAT, ids=[v.id for v in PER_FORMAT])
 def test_fp32_path_thread_counts_bit_identical(qisa, v):
     w = layer(v)
     T = 40

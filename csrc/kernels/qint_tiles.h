@@ -30,7 +30,8 @@
 //   on VNNI, with u8 tiles from the plan (dot_u8), qint8_u8_block_dot (below) instead.
 // TILES  decode (m <= 2) reads each line once with all parts together (one
 //   sequential DRAM stream); more tokens go part by part in tiles of
-//   V::kMaxTile, so the codes of a part stay in registers for the tile.
+//   V::kMaxTile (AVX2 / AVX-512 4, AVX512_VNNI 12) and one remainder tile,
+//   so the codes of a part stay in registers for the tile.
 #pragma once
 
 #include <cstdint>
@@ -262,6 +263,14 @@ KT_ALWAYS_INLINE void qint_tile(const QintBlock& a, const uint8_t* const* x_rows
     for (int p = 0; p < P; ++p) V::store(out + i * a.ldo + (part0 + p) * V::kRows, acc[i][p]);
 }
 
+// qint_tile for a remainder of 1 <= rows <= N tokens (one part).
+template <class V, int Bits, bool Lut, int Unit, ZeroMode Z, bool KQ, int N>
+KT_ALWAYS_INLINE void qint_tile_rem(const QintBlock& a, const uint8_t* const* x, float* out,
+                                    int part, int rows) {
+  if (rows == N) return qint_tile<V, Bits, Lut, Unit, Z, KQ, N, 1>(a, x, out, part);
+  if constexpr (N > 1) qint_tile_rem<V, Bits, Lut, Unit, Z, KQ, N - 1>(a, x, out, part, rows);
+}
+
 template <class V, int Bits, bool Lut, int Unit, ZeroMode Z, bool KQ = false>
 void qint_block_dot(const QintBlock& a) {
   if (V::kParts > 1 && a.m <= 2) {  // decode: one sequential pass over the block
@@ -274,21 +283,9 @@ void qint_block_dot(const QintBlock& a) {
     int i = 0;
     for (; i + MT <= a.m; i += MT)
       qint_tile<V, Bits, Lut, Unit, Z, KQ, MT, 1>(a, a.x_rows + i, a.out + i * a.ldo, part);
-    const int rem = a.m - i;
-    const uint8_t* const* x = a.x_rows + i;
-    float* out = a.out + i * a.ldo;
-    // Remainder tiles (MT <= 8).
-    if constexpr (MT > 7)
-      if (rem == 7) qint_tile<V, Bits, Lut, Unit, Z, KQ, 7, 1>(a, x, out, part);
-    if constexpr (MT > 6)
-      if (rem == 6) qint_tile<V, Bits, Lut, Unit, Z, KQ, 6, 1>(a, x, out, part);
-    if constexpr (MT > 5)
-      if (rem == 5) qint_tile<V, Bits, Lut, Unit, Z, KQ, 5, 1>(a, x, out, part);
-    if constexpr (MT > 4)
-      if (rem == 4) qint_tile<V, Bits, Lut, Unit, Z, KQ, 4, 1>(a, x, out, part);
-    if (rem == 3) qint_tile<V, Bits, Lut, Unit, Z, KQ, 3, 1>(a, x, out, part);
-    if (rem == 2) qint_tile<V, Bits, Lut, Unit, Z, KQ, 2, 1>(a, x, out, part);
-    if (rem == 1) qint_tile<V, Bits, Lut, Unit, Z, KQ, 1, 1>(a, x, out, part);
+    if (i < a.m)
+      qint_tile_rem<V, Bits, Lut, Unit, Z, KQ, MT - 1>(a, a.x_rows + i, a.out + i * a.ldo, part,
+                                                       a.m - i);
   }
 }
 
