@@ -382,6 +382,24 @@ def test_q8_path_every_token_tile_split(v):
 
 
 @pytest.mark.parametrize("v", PER_FORMAT, ids=[v.id for v in PER_FORMAT])
+def test_pinned_paths_are_batch_invariant(qisa, v):
+    # docs/formats.md: with the activation and compute paths pinned, a token's
+    # output does not depend on how many tokens share its experts. In a batch of
+    # 64 its expert's rows go through prefill tiles (and their remainders); alone,
+    # through the 1-token decode tile: the same bits.
+    w = layer(v)
+    T = 64
+    ids, weights = routing(T, seed=11)
+    x = make_hidden(T, v.H, torch.float32, seed=11)
+    for mode in ("q8", "fp32"):
+        with kt_ops.use_quant_activations(mode), kt_ops.use_compute_path("streaming"):
+            batch = run_op(x, ids, weights, w)
+            for t in (1, 5, 33, 63):
+                alone = run_op(x[t : t + 1], ids[t : t + 1], weights[t : t + 1], w)
+                assert torch.equal(alone[0], batch[t]), f"{mode}: token {t} alone differs"
+
+
+@pytest.mark.parametrize("v", PER_FORMAT, ids=[v.id for v in PER_FORMAT])
 def test_fp32_path_thread_counts_bit_identical(qisa, v):
     w = layer(v)
     T = 40

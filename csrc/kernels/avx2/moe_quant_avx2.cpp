@@ -165,17 +165,21 @@ KT_INLINE void fp8_tile(const Fp8Block& a, const float* const* x_rows, float* ou
 }
 
 void fp8_dot(const Fp8Block& a) {
-  // Two tokens: 8 partial + 4 total accumulators + 4 decoded weights.
+  // Two tokens: 8 partial + 4 total accumulators + 4 decoded weights. A lone
+  // token sums in the pairs' order (U = 1), so its bits do not depend on how
+  // many tokens its expert has (pinned paths are batch-invariant,
+  // test_pinned_paths_are_batch_invariant); two chains over k (U = 2) had
+  // broke that and were no faster (hot T = 1 fp8 / mxfp8, Zen 4).
   constexpr int kTile = 2;
   int i = 0;
   if (a.row_scales != nullptr) {
     for (; i + kTile <= a.m; i += kTile)
       fp8_tile<kTile, 1, true>(a, a.x_rows + i, a.out + i * a.ldo);
-    if (a.m - i == 1) fp8_tile<1, 2, true>(a, a.x_rows + i, a.out + i * a.ldo);
+    if (a.m - i == 1) fp8_tile<1, 1, true>(a, a.x_rows + i, a.out + i * a.ldo);
     return;
   }
   for (; i + kTile <= a.m; i += kTile) fp8_tile<kTile, 1>(a, a.x_rows + i, a.out + i * a.ldo);
-  if (a.m - i == 1) fp8_tile<1, 2>(a, a.x_rows + i, a.out + i * a.ldo);
+  if (a.m - i == 1) fp8_tile<1, 1>(a, a.x_rows + i, a.out + i * a.ldo);
 }
 
 // ---- weight-only path: decode a block to fp32, then fp32 FMAs -------------
