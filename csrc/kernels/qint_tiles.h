@@ -15,7 +15,11 @@
 //     for each fold unit u (16 or 32 k; formats::qint_fold_unit):
 //       isum = sum_{k in u} q[r][k] * xq_i[k]                       (exact int32)
 //       acc += s[r,g] * (x_scale_i(u) * isum) - zero[r,g] * x_sum_i(u)
-//   (implicit zero: zero = zero_offset * s). The fp32 fold is the same
+//   (implicit zero: zero = zero_offset * s, folded as
+//   acc = fma(s, fma(float(isum), x_scale, -zero_offset * x_sum), acc) for
+//   int4, q4_0, mxfp4 and nvfp4; 8-bit codes and q6_k keep fma(s,
+//   fnmadd(offset, x_sum, float(isum) * x_scale), acc), as
+//   brgemm_fold_avx512.cpp). The fp32 fold is the same
 //   sequence of operations (FMAs) on every SIMD tier, and the int32 sums are
 //   exact, so avx2, avx512 and avx512_vnni give bit-identical results (ref,
 //   plain C++ without FMA contraction, rounds its folds differently).
@@ -131,6 +135,18 @@ KT_ALWAYS_INLINE void qint_tile(const QintBlock& a, const uint8_t* const* x_rows
   F acc[M][P];
   for (int i = 0; i < M; ++i)
     for (int p = 0; p < P; ++p) acc[i][p] = V::fzero();
+  // Implicit zeros of the 4-bit formats (not k-quants): the fold adds nz = -zero_offset *
+  // x_sum of each token and unit inside one FMA, float(isum) * x_scale + nz
+  // (one vector op less per token and unit than fnmadd(offset, x_sum, .)).
+  // Prefill tiles (M > 2) compute nz for kNzUnits units at a time, so the fold
+  // reads it as a broadcast operand; decode tiles compute it in the fold (a
+  // per-tile pass over the units cost more than the fold at 1-2 tokens: hot
+  // T = 1 mxfp4 / int4-g32 17-19% slower). The same fp32 product either
+  // way, so a token's result does not depend on the tile it falls in.
+  constexpr bool kNz = !KQ && Z == ZeroMode::kImplicit && Bits != 8;
+  constexpr bool kNzFill = kNz && M > 2;
+  constexpr int kNzUnits = 64;
+  [[maybe_unused]] alignas(64) float nz[kNzFill ? M * kNzUnits : 1];
   [[maybe_unused]] alignas(64) float kq_s[KQ ? 16 * 16 : 1];
   [[maybe_unused]] alignas(64) float kq_z[KQ ? 8 * 16 : 1];
   // The scale group of k0, followed without a division per unit (a 64-bit
@@ -140,6 +156,20 @@ KT_ALWAYS_INLINE void qint_tile(const QintBlock& a, const uint8_t* const* x_rows
     // Keep the block's stream ahead of the decode, in the first pass only
     // (later parts find the lines in cache).
     if (part0 == 0) qint_prefetch_unit<Bits, Unit>(a.block, high, k0);
+    if constexpr (kNzFill) {
+      const int64_t u0 = k0 / Unit;
+      if (u0 % kNzUnits == 0) {
+        const int64_t n = kp / Unit - u0 < kNzUnits ? kp / Unit - u0 : kNzUnits;
+        for (int i = 0; i < M; ++i) {
+          const float* s16 = xr.sum16[i] + u0 * (Unit / 16);
+          for (int64_t j = 0; j < n; ++j) {
+            float x_sum = s16[j * (Unit / 16)];
+            if constexpr (Unit == 32) x_sum += s16[j * 2 + 1];
+            nz[i * kNzUnits + j] = -f.zero_offset * x_sum;
+          }
+        }
+      }
+    }
     if constexpr (KQ) {
       if (k0 % formats::kKSuperK == 0)
         kquant_decode_super<V>(
@@ -245,9 +275,23 @@ KT_ALWAYS_INLINE void qint_tile(const QintBlock& a, const uint8_t* const* x_rows
       }
     }
     for (int i = 0; i < M; ++i) {
+      const F x_scale = V::set1(xr.scales[i][k0 / 32]);
+      if constexpr (kNz) {
+        // acc += s * (float(isum) * x_scale - zero_offset * x_sum)
+        F nzi;
+        if constexpr (kNzFill) {
+          nzi = V::set1(nz[i * kNzUnits + (k0 / Unit) % kNzUnits]);
+        } else {
+          float x_sum = xr.sum16[i][k0 / 16];
+          if constexpr (Unit == 32) x_sum += xr.sum16[i][k0 / 16 + 1];
+          nzi = V::set1(-f.zero_offset * x_sum);
+        }
+        for (int p = 0; p < P; ++p)
+          acc[i][p] = V::fmadd(s[p], V::fmadd(V::cvt(isum[i][p]), x_scale, nzi), acc[i][p]);
+        continue;
+      }
       float x_sum = xr.sum16[i][k0 / 16];
       if constexpr (Unit == 32) x_sum += xr.sum16[i][k0 / 16 + 1];
-      const F x_scale = V::set1(xr.scales[i][k0 / 32]);
       const F xs = V::set1(x_sum);
       for (int p = 0; p < P; ++p) {
         const F xa = V::mul(V::cvt(isum[i][p]), x_scale);
