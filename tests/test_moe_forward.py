@@ -343,6 +343,22 @@ def test_thread_counts_bit_identical_qwen3(isa, qwen3_layer, T):
     _assert_all_bit_identical(_outputs_for_threads(lambda: run_op(x, ids, weights, qwen3_layer)))
 
 
+@pytest.mark.parametrize("path", ["streaming", "brgemm"])
+def test_pinned_paths_are_batch_invariant(isa, path):
+    # docs/formats.md: with the compute path pinned, a token's output does not
+    # depend on how many tokens share its experts. In a batch of 64 its expert's
+    # rows run in the prefill tiles; alone, in the 1-token decode tile (which
+    # once kept two FMA chains over k and differed by an ulp).
+    w = small_layer(8, 130, 70)
+    ids, weights = make_routing(64, 8, 4, seed=12)
+    x = make_hidden(64, 130, torch.float32, seed=12)
+    with kt_ops.use_compute_path(path):
+        batch = run_op(x, ids, weights, w)
+        for t in (1, 5, 33, 63):
+            alone = run_op(x[t : t + 1], ids[t : t + 1], weights[t : t + 1], w)
+            assert torch.equal(alone[0], batch[t]), f"token {t} alone differs"
+
+
 def test_repeated_calls_bit_identical(isa):
     E, H, I = 8, 130, 70
     w = small_layer(E, H, I)

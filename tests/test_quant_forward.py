@@ -39,6 +39,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import itertools
 import math
 
 import pytest
@@ -391,12 +392,12 @@ def test_pinned_paths_are_batch_invariant(qisa, v):
     T = 64
     ids, weights = routing(T, seed=11)
     x = make_hidden(T, v.H, torch.float32, seed=11)
-    for mode in ("q8", "fp32"):
-        with kt_ops.use_quant_activations(mode), kt_ops.use_compute_path("streaming"):
+    for mode, path in itertools.product(("q8", "fp32"), ("streaming", "brgemm")):
+        with kt_ops.use_quant_activations(mode), kt_ops.use_compute_path(path):
             batch = run_op(x, ids, weights, w)
             for t in (1, 5, 33, 63):
                 alone = run_op(x[t : t + 1], ids[t : t + 1], weights[t : t + 1], w)
-                assert torch.equal(alone[0], batch[t]), f"{mode}: token {t} alone differs"
+                assert torch.equal(alone[0], batch[t]), f"{mode}, {path}: token {t} alone differs"
 
 
 @pytest.mark.parametrize("v", PER_FORMAT, ids=[v.id for v in PER_FORMAT])

@@ -11,9 +11,12 @@
 // REGISTER PLAN  a tile is M tokens x 16 rows = M x (16/V::kLanes) vector
 //   accumulators. Per k-pair: one 64-byte weight load split into the even-k
 //   and odd-k vectors (shift / mask, no shuffle), two broadcasts per token,
-//   two FMAs per accumulator. Small tiles (M <= 2, decode) keep separate
-//   even/odd accumulators so the FMA latency chain is half as long; the
-//   weight stream, not the FMAs, is then the limit. AVX-512: M <= 8 (8 zmm
+//   two FMAs per accumulator, even k then odd k. Every tile sums in this one
+//   order, so a token's bits do not depend on the tile it lands in (pinned
+//   paths are batch-invariant, tests/test_moe_forward.py). Decode tiles once
+//   kept separate even/odd chains to halve the FMA latency chain: measured
+//   no faster on Zen 4 (T = 1 and 2, 8 experts streamed from DRAM), where the
+//   weight stream is the limit. AVX-512: M <= 8 (8 zmm
 //   accs); AVX2: M <= 4 (8 ymm accs + 4 weight ymm). Measured on Zen 3: AVX2
 //   tiles of 6 tokens (even-k then odd-k sweeps, 2 weight ymm live) were
 //   10-15% slower at T=512 than tiles of 4.
@@ -41,15 +44,10 @@ template <class V, int M>
 KT_ALWAYS_INLINE void bf16_tile(const float* const* x, const uint16_t* w, int k_pairs, float* out,
                                 int64_t ldo) {
   constexpr int NV = 16 / V::kLanes;
-  constexpr bool kSplitK = M <= 2;
   using Reg = typename V::Reg;
-  Reg acc0[M][NV];
-  Reg acc1[M][NV];
+  Reg acc[M][NV];
   for (int i = 0; i < M; ++i)
-    for (int v = 0; v < NV; ++v) {
-      acc0[i][v] = V::zero();
-      acc1[i][v] = V::zero();
-    }
+    for (int v = 0; v < NV; ++v) acc[i][v] = V::zero();
   const float* xr[M];
   for (int i = 0; i < M; ++i) xr[i] = x[i];
   for (int p = 0; p < k_pairs; ++p) {
@@ -63,20 +61,13 @@ KT_ALWAYS_INLINE void bf16_tile(const float* const* x, const uint16_t* w, int k_
       const Reg a0 = V::set1(xr[i][2 * p]);
       const Reg a1 = V::set1(xr[i][2 * p + 1]);
       for (int v = 0; v < NV; ++v) {
-        acc0[i][v] = V::fma(w_even[v], a0, acc0[i][v]);
-        if (kSplitK) {
-          acc1[i][v] = V::fma(w_odd[v], a1, acc1[i][v]);
-        } else {
-          acc0[i][v] = V::fma(w_odd[v], a1, acc0[i][v]);
-        }
+        acc[i][v] = V::fma(w_even[v], a0, acc[i][v]);
+        acc[i][v] = V::fma(w_odd[v], a1, acc[i][v]);
       }
     }
   }
   for (int i = 0; i < M; ++i)
-    for (int v = 0; v < NV; ++v) {
-      const Reg r = kSplitK ? V::add(acc0[i][v], acc1[i][v]) : acc0[i][v];
-      V::store(out + i * ldo + v * V::kLanes, r);
-    }
+    for (int v = 0; v < NV; ++v) V::store(out + i * ldo + v * V::kLanes, acc[i][v]);
 }
 
 // One token tile of one block: out[i * ldo + r] for the M rows at x.
