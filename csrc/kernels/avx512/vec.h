@@ -99,7 +99,8 @@ struct QintVec512 {
   // Measured on Zen 4 (a layer of 128 experts, T = 512, 2 threads, hot, best
   // of 27 calls in 3 alternating processes), 4 -> 12 tokens: int4-g128 73.1 ->
   // 68.8 ms, q4_k 80.6 -> 73.9; 8 -> 12: mxfp4 73.1 -> 69.8. The avx512 tier
-  // (pmaddubsw, int16 stages: more registers per token) keeps its 4.
+  // (pmaddubsw, int16 stages: more registers per token) keeps its 4: at 8 GCC
+  // spills (zmm stack accesses in the object: 443 -> 1922).
   static constexpr int kMaxTile = kVnni ? 12 : 4;
 
   // Quads summed before widening to int32: pmaddubsw's int16 bound (see
