@@ -180,6 +180,14 @@ def routing(T: int, *, seed: int, ids_dtype=torch.int64, weights_dtype=torch.flo
     )
 
 
+def routing_by_counts(counts: list[int]) -> tuple[Tensor, Tensor]:
+    """Top-1 routing in shuffled order where expert e gets exactly counts[e] tokens."""
+    ids = torch.cat([torch.full((c,), e) for e, c in enumerate(counts)])
+    ids = ids[torch.randperm(ids.numel(), generator=torch.Generator().manual_seed(3))].view(-1, 1)
+    weights = torch.rand(ids.shape[0], 1, generator=torch.Generator().manual_seed(4)) + 0.5
+    return ids, weights
+
+
 # --------------------------------------------------------------------------
 # The reference dequantizer agrees with the packers' own dense input
 # --------------------------------------------------------------------------
@@ -346,9 +354,7 @@ def test_fp32_path_every_token_tile_split(qisa, fmt):
     counts = list(range(1, 20)) + [25, 36, 37]
     gs = 32 if fmt == "int4" else None
     experts = make_quant_experts(fmt, len(counts), 96, 64, group_size=gs, seed=3)
-    ids = torch.cat([torch.full((c,), e) for e, c in enumerate(counts)])
-    ids = ids[torch.randperm(ids.numel(), generator=torch.Generator().manual_seed(3))].view(-1, 1)
-    weights = torch.rand(ids.shape[0], 1, generator=torch.Generator().manual_seed(4)) + 0.5
+    ids, weights = routing_by_counts(counts)
     x = make_hidden(ids.shape[0], 96, torch.float32, seed=5)
     with kt_ops.use_quant_activations("fp32"), kt_ops.use_compute_path("streaming"):
         out = kt_ops.moe_forward(x, ids, weights, experts)
@@ -365,9 +371,7 @@ def test_q8_path_every_token_tile_split(v):
     # others (exact int32 sums, the same fp32 fold: kernels/qint_tiles.h).
     counts = list(range(1, 28)) + [37]
     w = make_quant_experts(v.fmt, len(counts), v.H, v.I, group_size=v.group_size, seed=3)
-    ids = torch.cat([torch.full((c,), e) for e, c in enumerate(counts)])
-    ids = ids[torch.randperm(ids.numel(), generator=torch.Generator().manual_seed(3))].view(-1, 1)
-    weights = torch.rand(ids.shape[0], 1, generator=torch.Generator().manual_seed(4)) + 0.5
+    ids, weights = routing_by_counts(counts)
     x = make_hidden(ids.shape[0], v.H, torch.float32, seed=5)
     outs = {}
     # q8 activations on the streaming kernels, pinned (the reference follows both).

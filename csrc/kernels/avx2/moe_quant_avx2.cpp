@@ -108,37 +108,30 @@ KT_INLINE void fp8_group_row_scales(const Fp8Block& a, int64_t g, __m256* s) {
 
 // RowScaled: one scale per row and group of a.group_k k (fp8_channel, mxfp8),
 // applied per group as two 8-row vectors; else one per 128 k (the band's).
-template <int M, int U, bool RowScaled = false>
+template <int M, bool RowScaled = false>
 KT_INLINE void fp8_tile(const Fp8Block& a, const float* const* x_rows, float* out) {
   constexpr int64_t kBlock = formats::kFp8ScaleBlock;
-  static_assert(kBlock % (2 * U) == 0, "the unroll must divide a scale block");
   const int64_t step = RowScaled ? a.group_k : kBlock;  // group_k: a multiple of 32
   __m256 acc[M][2];
   for (int i = 0; i < M; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
   for (int64_t k0 = 0; k0 < a.kp; k0 += step) {
-    // kp is a multiple of 32, so of 2 * U; a scale group ends at kp or at k0 + step.
+    // kp is a multiple of 32; a scale group ends at kp or at k0 + step.
     const int64_t k1 = std::min(a.kp, k0 + step);
-    __m256 part[M][U][4];
+    __m256 part[M][4];
     for (int i = 0; i < M; ++i)
-      for (int u = 0; u < U; ++u)
-        for (int j = 0; j < 4; ++j) part[i][u][j] = _mm256_setzero_ps();
-    for (int64_t k = k0; k < k1; k += 2 * U) {
+      for (int j = 0; j < 4; ++j) part[i][j] = _mm256_setzero_ps();
+    for (int64_t k = k0; k < k1; k += 2) {
       __builtin_prefetch(a.block + k * 16 + 2048, 0, 3);
-      if constexpr (U == 2) __builtin_prefetch(a.block + k * 16 + 2048 + 32, 0, 3);
       __builtin_prefetch(a.block + k * 16 + 8192, 0, 2);  // into L2 (kernels/qint_tiles.h)
-      for (int u = 0; u < U; ++u) {
-        const int64_t kk = k + 2 * u;
-        __m256 w[4];
-        decode_e4m3_pair(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.block + kk * 16)),
-                         w);
-        for (int i = 0; i < M; ++i) {
-          const __m256 x0 = _mm256_set1_ps(x_rows[i][kk]);
-          const __m256 x1 = _mm256_set1_ps(x_rows[i][kk + 1]);
-          part[i][u][0] = _mm256_fmadd_ps(w[0], x0, part[i][u][0]);
-          part[i][u][1] = _mm256_fmadd_ps(w[1], x0, part[i][u][1]);
-          part[i][u][2] = _mm256_fmadd_ps(w[2], x1, part[i][u][2]);
-          part[i][u][3] = _mm256_fmadd_ps(w[3], x1, part[i][u][3]);
-        }
+      __m256 w[4];
+      decode_e4m3_pair(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.block + k * 16)), w);
+      for (int i = 0; i < M; ++i) {
+        const __m256 x0 = _mm256_set1_ps(x_rows[i][k]);
+        const __m256 x1 = _mm256_set1_ps(x_rows[i][k + 1]);
+        part[i][0] = _mm256_fmadd_ps(w[0], x0, part[i][0]);
+        part[i][1] = _mm256_fmadd_ps(w[1], x0, part[i][1]);
+        part[i][2] = _mm256_fmadd_ps(w[2], x1, part[i][2]);
+        part[i][3] = _mm256_fmadd_ps(w[3], x1, part[i][3]);
       }
     }
     __m256 s[2];
@@ -148,12 +141,8 @@ KT_INLINE void fp8_tile(const Fp8Block& a, const float* const* x_rows, float* ou
       s[0] = s[1] = _mm256_set1_ps(a.scales[k0 / kBlock] * 256.0f);
     }
     for (int i = 0; i < M; ++i) {
-      __m256 lo = _mm256_add_ps(part[i][0][0], part[i][0][2]);
-      __m256 hi = _mm256_add_ps(part[i][0][1], part[i][0][3]);
-      for (int u = 1; u < U; ++u) {
-        lo = _mm256_add_ps(lo, _mm256_add_ps(part[i][u][0], part[i][u][2]));
-        hi = _mm256_add_ps(hi, _mm256_add_ps(part[i][u][1], part[i][u][3]));
-      }
+      const __m256 lo = _mm256_add_ps(part[i][0], part[i][2]);
+      const __m256 hi = _mm256_add_ps(part[i][1], part[i][3]);
       acc[i][0] = _mm256_fmadd_ps(lo, s[0], acc[i][0]);
       acc[i][1] = _mm256_fmadd_ps(hi, s[1], acc[i][1]);
     }
@@ -166,20 +155,19 @@ KT_INLINE void fp8_tile(const Fp8Block& a, const float* const* x_rows, float* ou
 
 void fp8_dot(const Fp8Block& a) {
   // Two tokens: 8 partial + 4 total accumulators + 4 decoded weights. A lone
-  // token sums in the pairs' order (U = 1), so its bits do not depend on how
-  // many tokens its expert has (pinned paths are batch-invariant,
-  // test_pinned_paths_are_batch_invariant); two chains over k (U = 2) had
-  // broke that and were no faster (hot T = 1 fp8 / mxfp8, Zen 4).
+  // token sums in the pairs' order, so its bits do not depend on how many
+  // tokens its expert has (pinned paths are batch-invariant,
+  // test_pinned_paths_are_batch_invariant); a lone-token tile with two chains
+  // over k had broken that and was no faster (hot T = 1 fp8 / mxfp8, Zen 4).
   constexpr int kTile = 2;
   int i = 0;
   if (a.row_scales != nullptr) {
-    for (; i + kTile <= a.m; i += kTile)
-      fp8_tile<kTile, 1, true>(a, a.x_rows + i, a.out + i * a.ldo);
-    if (a.m - i == 1) fp8_tile<1, 1, true>(a, a.x_rows + i, a.out + i * a.ldo);
+    for (; i + kTile <= a.m; i += kTile) fp8_tile<kTile, true>(a, a.x_rows + i, a.out + i * a.ldo);
+    if (a.m - i == 1) fp8_tile<1, true>(a, a.x_rows + i, a.out + i * a.ldo);
     return;
   }
-  for (; i + kTile <= a.m; i += kTile) fp8_tile<kTile, 1>(a, a.x_rows + i, a.out + i * a.ldo);
-  if (a.m - i == 1) fp8_tile<1, 1>(a, a.x_rows + i, a.out + i * a.ldo);
+  for (; i + kTile <= a.m; i += kTile) fp8_tile<kTile>(a, a.x_rows + i, a.out + i * a.ldo);
+  if (a.m - i == 1) fp8_tile<1>(a, a.x_rows + i, a.out + i * a.ldo);
 }
 
 // ---- weight-only path: decode a block to fp32, then fp32 FMAs -------------
