@@ -552,6 +552,28 @@ def test_from_checkpoint_raw_blocks(qisa, source):
         check(make_hidden(T, w.hidden_size, torch.float32, seed=T), ids, weights, w)
 
 
+def test_fp8_streaming_every_code_bit_identical_across_tiers():
+    # The fp8 streaming kernels decode E4M3 per tier (AVX2: fp16 bit moves and
+    # F16C; AVX-512 with VBMI: byte tables, kernels/avx512/fp8_avx512.cpp) to the
+    # same fp32 values (e4m3 * 2^-8) and sum them in the same order: every
+    # non-NaN code (subnormals, +-0, +-448), 1 to 5 tokens per expert, the same bits.
+    w = fp8_raw_layer()
+    isas = [i for i in kt_ops.supported_isas() if i != "ref"]
+    if len(isas) < 2:
+        pytest.skip("one SIMD tier on this CPU")
+    names = {i: kt_ops._C.kernel_names(i)["fp8"][0] for i in isas}
+    for T in (1, 2, 3, 5):
+        ids, weights = routing_by_counts([T] * w.num_experts)
+        x = make_hidden(ids.shape[0], w.hidden_size, torch.float32, seed=T)
+        with kt_ops.use_quant_activations("q8"), kt_ops.use_compute_path("streaming"):
+            outs = {}
+            for name in isas:
+                with kt_ops.use_isa(name):
+                    outs[name] = run_op(x, ids, weights, w)
+        for name in isas[1:]:
+            assert torch.equal(outs[name], outs[isas[0]]), (T, names[name], names[isas[0]])
+
+
 # --------------------------------------------------------------------------
 # Scale (and zero) dtypes: the kernels read fp32, fp16 and bf16
 # --------------------------------------------------------------------------

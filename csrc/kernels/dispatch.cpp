@@ -12,11 +12,13 @@
 // compiler could not build (cmake/isa_kernels.cmake) leaves them null, which
 // is how the table below knows what is built, with no #ifdef per tier.
 #define KT_WEAK __attribute__((weak))
-// (avx2's are in kernels/tiers.h: other tiers reuse its fp8 and fp32-path kernels.)
+// (avx2's are in kernels/tiers.h: other tiers reuse its fp32-path kernels, and its fp8
+// kernels on CPUs without AVX512_VBMI.)
 namespace kt::kernels {
 namespace avx512 {
 KT_WEAK const ProjectionKernels& bf16_kernels();
 KT_WEAK const ProjectionKernels& qint_kernels();
+KT_WEAK const ProjectionKernels& fp8_kernels();
 KT_WEAK GluRows glu_rows(const Glu& glu);
 KT_WEAK GluBackwardRows glu_backward_rows(const Glu& glu);
 KT_WEAK void quantize_row_q8(const float* x, int64_t kp, uint8_t* rec);
@@ -222,13 +224,14 @@ const Tier kTiers[] = {
      avx2::glu_rows,
      avx2::glu_backward_rows,
      avx2::quantize_row_q8},
-    // fp8 and the weight-only fp32 path stay on AVX2 code, which every AVX-512 CPU runs.
+    // The weight-only fp32 path stays on AVX2 code, which every AVX-512 CPU runs;
+    // so does fp8 without AVX512_VBMI (avx512::fp8_kernels chooses).
     // The tile families: oneDNN's brgemm (AVX-512 code, or AMX tiles where the
     // CPU has them) and kt_ops' AVX512_BF16 tiles, each where it runs.
     {"avx512",
      [](const runtime::CpuFeatures& f) { return f.avx512; },
      "AVX-512 F/BW/VL/DQ",
-     {avx512::bf16_kernels, avx512::qint_kernels, nullptr},
+     {avx512::bf16_kernels, avx512::qint_kernels, avx512::fp8_kernels},
      {&kKtBf16, &kKtW4A8, &kKtFp8},
      avx512::glu_rows,
      avx512::glu_backward_rows,

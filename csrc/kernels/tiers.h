@@ -1,6 +1,7 @@
 // Entry points that several tiers share (declarations only, no intrinsics):
 // the ref tier's kernels and scalar per-block kernels, and the AVX2 tier's,
-// whose fp8 and weight-only kernels the AVX-512 tiers reuse. The tier table
+// whose weight-only kernels (and fp8's, on CPUs without AVX512_VBMI:
+// avx512::fp8_kernels) the AVX-512 tiers reuse. The tier table
 // in dispatch.cpp declares the rest; a tier that lacks a layout falls back
 // there, never inside a kernel.
 #pragma once

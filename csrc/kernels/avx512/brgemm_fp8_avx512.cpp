@@ -5,16 +5,10 @@
 //    (formats/fp8.h, row inside the block last) -> their exact values as
 //    bf16 in brgemm's VNNI B layout, k pairs per column: word
 //    ((k / 2) * ldb + col0 + r) * 2 + k % 2 holds W[r][k]. Every E4M3 value is
-//    a bf16 value (3 mantissa bits, exponents -9..8), so this is pure
-//    integer work, no rounding:
-//      normal (exponent field e > 0):  bf16 = s | (e + 120) << 7 | m << 4
-//      subnormal (e == 0):             m * 2^-9 (a normal bf16)
-//    (the codes 0x7F / 0xFF, E4M3's NaN, which the packer rejects, decode to
-//    +-480 as in the streaming kernels' fp16 decode). With AVX512_VBMI the
-//    whole map is two 128-entry byte tables (vpermt2b: the low and the high
-//    byte of the bf16 of the code's low 7 bits; the sign is the code's top
-//    bit), 64 codes per step; without it (AVX512_BW only) the formula above
-//    on 16-bit lanes, 32 codes per step, ~2x the instructions.
+//    a bf16 value, so this is pure integer work, no rounding
+//    (kernels/avx512/e4m3_decode.h: with AVX512_VBMI two 128-entry byte
+//    tables, 64 codes per step; without it (AVX512_BW only) the formula on
+//    16-bit lanes, 32 codes per step, ~2x the instructions).
 // 2. scale_rows_to_bf16: the activations times the 128-k block scales of one
 //    128-row band, rounded once to bf16 (vcvtne2ps2bf16, AVX512_BF16): the
 //    brgemm's A operand. The scales move from the weights to the activations
@@ -29,6 +23,7 @@
 #include <cstdint>
 
 #include "formats/fp8.h"
+#include "kernels/avx512/e4m3_decode.h"
 #include "kernels/row_tiles.h"
 #include "kernels/tiers.h"
 #include "runtime/cpu_features.h"
@@ -39,76 +34,10 @@ namespace kt::kernels::avx512 {
 
 namespace {
 
-// bf16 bits of the E4M3 value of code c (c < 128; sign apart).
-constexpr uint16_t e4m3_magnitude_bf16(int c) {
-  const int e = c >> 3, m = c & 7;
-  if (e > 0) return static_cast<uint16_t>((e + 120) << 7 | m << 4);
-  // m * 2^-9: normalize m (1..7) to 1.f * 2^p.
-  if (m == 0) return 0;
-  int p = 2;  // m in [4, 8)
-  while ((m >> p) == 0) --p;
-  const int frac = (m << (3 - p)) & 7;  // the 3 bits below the leading one
-  return static_cast<uint16_t>((p - 9 + 127) << 7 | frac << 4);
-}
+using VbmiDecoder = E4m3VbmiDecoder<0>;
 
-struct ByteTables {
-  alignas(64) uint8_t lo[128];
-  alignas(64) uint8_t hi[128];
-  constexpr ByteTables() : lo{}, hi{} {
-    for (int c = 0; c < 128; ++c) {
-      lo[c] = static_cast<uint8_t>(e4m3_magnitude_bf16(c) & 0xFF);
-      hi[c] = static_cast<uint8_t>(e4m3_magnitude_bf16(c) >> 8);
-    }
-  }
-};
-constexpr ByteTables kTables{};
-
-// VBMI: 64 codes (4 k x 16 rows, one 64-byte line) per step. vpermb first
-// puts the codes in the order that unpacklo / unpackhi_epi8 (within 128-bit
-// lanes) of the two looked-up byte planes turn into the VNNI pairs: output
-// word q of the two stores (q < 32 the first: k pair 0, else pair 1) is
-// code (2 (q / 32) + q % 2) * 16 + (q % 32) / 2, and unpacklo's word w of
-// lane l is byte 16 l + w (w < 8), unpackhi's byte 16 l + 8 + w.
-struct VbmiOrder {
-  alignas(64) uint8_t idx[64];
-  constexpr VbmiOrder() : idx{} {
-    for (int q = 0; q < 64; ++q) {
-      const int code = (2 * (q / 32) + q % 2) * 16 + (q % 32) / 2;
-      const int w = q % 32;
-      const int byte = 16 * (w / 8) + (q < 32 ? 0 : 8) + w % 8;
-      idx[byte] = static_cast<uint8_t>(code);
-    }
-  }
-};
-constexpr VbmiOrder kVbmiOrder{};
-
-#define KT_FP8_VBMI_TARGET __attribute__((target("avx512f,avx512bw,avx512vbmi")))
-
-// The VBMI decode's constants, loaded once per block.
-struct VbmiDecoder {
-  __m512i lo0, lo1, hi0, hi1, order, sign;
-  KT_FP8_VBMI_TARGET VbmiDecoder()
-      : lo0(_mm512_load_si512(kTables.lo)),
-        lo1(_mm512_load_si512(kTables.lo + 64)),
-        hi0(_mm512_load_si512(kTables.hi)),
-        hi1(_mm512_load_si512(kTables.hi + 64)),
-        order(_mm512_load_si512(kVbmiOrder.idx)),
-        sign(_mm512_set1_epi8(static_cast<char>(0x80))) {}
-  // The 64 codes of one line (k .. k + 3) -> the VNNI lines of pairs k / 2 and k / 2 + 1.
-  KT_FP8_VBMI_TARGET KT_ALWAYS_INLINE_FP8 void decode(const uint8_t* line, __m512i& p0,
-                                                      __m512i& p1) const {
-    const __m512i c = _mm512_permutexvar_epi8(order, _mm512_loadu_si512(line));
-    const __m512i lo = _mm512_permutex2var_epi8(lo0, c, lo1);  // index: the low 7 bits
-    // hi | (c & 0x80): the sign (ternary-logic table of A | (B & C)).
-    const __m512i hi =
-        _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(hi0, c, hi1), c, sign, 0xF8);
-    p0 = _mm512_unpacklo_epi8(lo, hi);
-    p1 = _mm512_unpackhi_epi8(lo, hi);
-  }
-};
-
-KT_FP8_VBMI_TARGET void decode_vbmi(const uint8_t* codes, int64_t kp, uint16_t* dst, int64_t ldb,
-                                    const uint8_t* next) {
+KT_E4M3_VBMI_TARGET void decode_vbmi(const uint8_t* codes, int64_t kp, uint16_t* dst, int64_t ldb,
+                                     const uint8_t* next) {
   const VbmiDecoder dec;
   for (int64_t k = 0; k < kp; k += 4) {
     if (next != nullptr) _mm_prefetch(reinterpret_cast<const char*>(next + k * 16), _MM_HINT_T1);
