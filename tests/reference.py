@@ -249,7 +249,7 @@ def assert_lora_gradients_match(
 
 
 #: The formats the fp8 tile kernels (oneDNN's bf16 brgemm, kt_ops' fp8_dp) compute.
-FP8_TILE_FORMATS = ("fp8", "fp8_channel")
+FP8_TILE_FORMATS = ("fp8", "fp8_channel", "mxfp8")
 
 
 def fp8_banded_product(v: Tensor, p: Any, e: int) -> Tensor:
@@ -259,8 +259,14 @@ def fp8_banded_product(v: Tensor, p: Any, e: int) -> Tensor:
     k // 128]) @ e4m3[rows of b].T``, the E4M3 values exact (the block scales
     applied to the activations, rounded once to bf16). ``fp8_channel``:
     ``(bf16(v) @ e4m3.T) * s[row]`` (unit band scales, the row scales on the outputs).
+    ``mxfp8``: ``bf16(v) @ W.T`` (unit band scales, its power-of-two scales exact in
+    the decoded bf16 values; blocks whose exponents leave bf16's range stream instead:
+    only where a test makes them).
     """
     from kt_ops.formats import PackedProjection, unpack_group_params
+
+    if p.weight_format == "mxfp8":
+        return v.bfloat16().float() @ dense_expert(p, e).T
 
     if p.weight_format == "fp8_channel":
         ones = torch.ones_like(p.scales[e : e + 1])

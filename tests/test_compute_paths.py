@@ -74,8 +74,9 @@ BRGEMM_KERNELS = {
         else "onednn/brgemm_fp8_bf16"
     ),
 }
-# fp8_channel: fp8's tiles with unit band scales, its row scales applied to the outputs.
-BRGEMM_KERNELS["fp8_channel"] = BRGEMM_KERNELS["fp8"]
+# fp8_channel: fp8's tiles with unit band scales, its row scales applied to the outputs;
+# mxfp8: the same, its exponents moved into the decoded bf16 values.
+BRGEMM_KERNELS["fp8_channel"] = BRGEMM_KERNELS["mxfp8"] = BRGEMM_KERNELS["fp8"]
 #: The 4-bit integer format on kt_ops' w4a8 tiles (AVX512_VNNI without AMX; nothing
 #: elsewhere): its projections with one scale per output channel.
 W4A8_FORMATS = ("int4",)
@@ -199,9 +200,9 @@ def test_format_table_records_the_thresholds():
     spec = kt_ops.formats.format_spec("int4")  # per channel on kt_ops' w4a8 tiles
     assert spec.brgemm_min_tokens_for("avx512") == 4
     assert spec.brgemm_min_tokens_for("amx") is None  # no kernel there
-    for name in ("fp8", "fp8_channel"):  # docs/formats.md "Compute paths"
+    for name in ("fp8", "fp8_channel", "mxfp8"):  # docs/formats.md "Compute paths"
         spec = kt_ops.formats.format_spec(name)
-        assert spec.brgemm_min_tokens_for("avx512") == 3  # kt_ops' fused tiles
+        assert spec.brgemm_min_tokens_for("avx512") == 5  # kt_ops' fused tiles
         assert spec.brgemm_min_tokens_for("amx") == 6  # oneDNN's brgemm on decoded tiles
     for name in kt_ops.formats.FORMATS:
         if name not in BRGEMM_KERNELS:  # no brgemm path yet: streaming
@@ -248,7 +249,8 @@ def test_where_brgemm_runs(isa):
     )
     # Both on the bf16 brgemm path; fp8 rounds its A rows with AVX512_BF16 itself.
     fp8_runs = expected and feats["avx512_bf16"]
-    for name, runs in (("bf16", expected), ("fp8", fp8_runs), ("fp8_channel", fp8_runs)):
+    fp8s = [(name, fp8_runs) for name in ("fp8", "fp8_channel", "mxfp8")]
+    for name, runs in [("bf16", expected), *fp8s]:
         want = BRGEMM_KERNELS[name] if runs else None
         assert paths[name]["brgemm_kernel"] == want
         assert paths[name]["brgemm_min_tokens"] == (1 if runs else None)  # forced: any count
@@ -1136,7 +1138,7 @@ def check_fp8(path: str, x, ids, w, experts):
     return out
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "fp8_channel"])
+@pytest.mark.parametrize("fmt", ["fp8", "fp8_channel", "mxfp8"])
 @pytest.mark.parametrize("path", ["streaming", "brgemm"])
 @pytest.mark.parametrize("H,I", FP8_SHAPES)
 def test_fp8_odd_sizes(isa, path, H, I, fmt):  # noqa: E741
@@ -1147,7 +1149,7 @@ def test_fp8_odd_sizes(isa, path, H, I, fmt):  # noqa: E741
         check_fp8(path, make_hidden(T, H, dtype, seed=H), ids, w, experts)
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "fp8_channel"])
+@pytest.mark.parametrize("fmt", ["fp8", "fp8_channel", "mxfp8"])
 @pytest.mark.parametrize("act_dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 def test_fp8_token_counts_per_expert(isa, act_dtype, fmt):
     # Experts with 0, 1, 7, 8, ... 130 tokens: forced paths against their
@@ -1230,8 +1232,9 @@ def test_fp8_brgemm_with_power_of_two_scales_is_the_bf16_brgemm(isa):
 TOL_FP8_SWIGLU_FLIPS = Tolerance(compute=2e-3)
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp8"])
 @pytest.mark.parametrize("act_dtype", [torch.bfloat16, torch.float32], ids=str)
-def test_fp8_brgemm_kernels_bit_identical(isa, act_dtype):
+def test_fp8_brgemm_kernels_bit_identical(isa, act_dtype, fmt):
     # kt_ops' fused tiles and oneDNN's AVX512_BF16 brgemm on the decoded tile
     # compute the same sums in the same order (one fp32 chain per output over k
     # pairs): bit-identical there. On AMX (oneDNN's order) each is held to the
@@ -1240,7 +1243,7 @@ def test_fp8_brgemm_kernels_bit_identical(isa, act_dtype):
         pytest.skip("one fp8 brgemm kernel runs here (or none)")
     counts = [0, 1, 3, 27, 28, 29, 57, 64, 65, 130]
     for H, I in FP8_SHAPES:  # noqa: E741
-        experts = make_quant_experts("fp8", len(counts), H, I, seed=H * 3 + I)
+        experts = make_quant_experts(fmt, len(counts), H, I, seed=H * 3 + I)
         ids, w = fp8_routing(counts, seed=I)
         x = make_hidden(ids.shape[0], H, act_dtype, seed=H)
         ref = reference_moe_forward(
@@ -1253,6 +1256,38 @@ def test_fp8_brgemm_kernels_bit_identical(isa, act_dtype):
             assert_matches_reference(outs[-1], ref, TOL_FP8_SWIGLU_FLIPS)
         if onednn_sums_in_kt_order():
             assert torch.equal(outs[0], outs[1]), (H, I)
+
+
+def mxfp8_with_exponent(experts: kt_ops.ExpertWeights, e: int, value: int):
+    """``experts`` with UE8M0 exponent ``value`` in group 0 of rows 0-15 of expert ``e``'s gate."""
+    from kt_ops.formats import PackedProjection
+
+    g = experts.projections[0]
+    scales = g.scales.clone()
+    scales[e, 0, 0, :] = value  # [E, NB, G, 16]: block 0, group 0, its 16 rows
+    gate = PackedProjection(g.weight, scales, None, "mxfp8", g.group_size, g.n, g.k)
+    return kt_ops.ExpertWeights(gate, *experts.projections[1:])
+
+
+@pytest.mark.parametrize("value", [0, 5, 9])
+def test_mxfp8_exponents_outside_bf16_take_the_streaming_kernel(isa, value):
+    # mxfp8 on the fp8 tiles adds E - 127 to the decoded bf16 exponents, which is
+    # exact while E is in [10, 246]. A block with an exponent outside (here E <= 9:
+    # the add would borrow into the sign bit and decode huge values) is computed by
+    # the streaming kernel instead; the rest of the layer stays on the tiles.
+    if not brgemm_runs("mxfp8"):
+        pytest.skip("the fp8 brgemm does not run on this ISA path / CPU / torch")
+    H, I, counts = 160, 96, [5, 40, 0, 70]  # noqa: E741
+    base = make_quant_experts("mxfp8", len(counts), H, I, seed=17)
+    experts = mxfp8_with_exponent(base, 1, value)
+    ids, w = fp8_routing(counts, seed=17)
+    x = make_hidden(ids.shape[0], H, torch.bfloat16, seed=17)
+    ref = reference_moe_forward(x, ids, w, experts, bf16_activations=True)
+    for kernel in fp8_kernels():
+        with kt_ops.use_brgemm_bf16_kernel(kernel):
+            out = run("brgemm", x, ids, w, experts)
+        assert torch.isfinite(out).all(), kernel
+        assert_matches_reference(out, ref, TOL_BF16_BRGEMM)
 
 
 def test_fp8_every_code_decodes_exactly(isa):

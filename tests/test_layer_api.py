@@ -362,26 +362,32 @@ def test_formats_are_the_cpp_table():
         format_spec("int5")
 
 
+#: The streaming kernels in their fast form (formats::Fp32Class::kVnni), whose fp32-path
+#: break-evens are the spec's ``fp32_min_tokens_vnni``: vpdpbusd on u8 activations for the
+#: integer formats, E4M3 by byte tables (AVX-512 with VBMI) for the fp8 layout.
+FAST_STREAMING_KERNELS = ("avx512_vnni/qint_q8", "avx512/fp8_vbmi")
+
+
 def test_fp32_min_tokens_follows_the_table():
     built = kt_ops.info()["built_isas"]
+    supported = kt_ops.supported_isas()
     for name in FORMATS:
         spec = format_spec(name)
-        if spec.activation == "q8":
-            for isa in ("ref", "avx2", "avx512"):
-                if isa in built:
-                    got = kt_ops.quant_fp32_min_tokens(name, isa)
-                    assert got == spec.fp32_min_tokens, (name, isa)
-            if "avx512_vnni" in built:
-                got = kt_ops.quant_fp32_min_tokens(name, "avx512_vnni")
-                assert got == spec.fp32_min_tokens_vnni, name
-        want = (
-            spec.fp32_min_tokens_vnni
-            if kt_ops.active_isa() == "avx512_vnni"
-            else spec.fp32_min_tokens
-        )
-        assert kt_ops.quant_fp32_min_tokens(name) == want, name
+        for isa in built:
+            if isa not in supported or (spec.activation != "q8" and spec.layout != "fp8"):
+                continue
+            fast = _C.kernel_names(isa)[name][0] in FAST_STREAMING_KERNELS
+            want = spec.fp32_min_tokens_vnni if fast else spec.fp32_min_tokens
+            assert kt_ops.quant_fp32_min_tokens(name, isa) == want, (name, isa)
+        fast = _C.kernel_names(kt_ops.active_isa())[name][0] in FAST_STREAMING_KERNELS
+        want = spec.fp32_min_tokens_vnni if fast else spec.fp32_min_tokens
+        if spec.activation == "q8" or spec.layout == "fp8":
+            assert kt_ops.quant_fp32_min_tokens(name) == want, name
     for name in ("int8", "q8_0"):  # the vpdpbusd kernel beats the fp32 path at every count
         assert format_spec(name).fp32_min_tokens == 16
+        assert format_spec(name).fp32_min_tokens_vnni is None
+    for name in ("fp8", "fp8_channel", "mxfp8"):  # so does the VBMI E4M3 decode (to 128)
+        assert format_spec(name).fp32_min_tokens == 8
         assert format_spec(name).fp32_min_tokens_vnni is None
     with pytest.raises(ValueError, match="avx9"):
         kt_ops.quant_fp32_min_tokens("int8", "avx9")

@@ -431,8 +431,9 @@ def test_auto_switches_path_at_the_threshold(qisa, fmt):
     v = next(v for v in PER_FORMAT if v.fmt == fmt)
     n = kt_ops.quant_fp32_min_tokens(fmt)
     w = layer(v)
-    if n is None:  # int8 / q8_0 on avx512_vnni: 'auto' is q8 at any count
-        assert qisa == "avx512_vnni" and fmt != "fp8"
+    if n is None:  # int8 / q8_0 on avx512_vnni, fp8 with VBMI: 'auto' is q8 at any count
+        own = kt_ops._C.kernel_names(qisa)[fmt][0]
+        assert own in ("avx512_vnni/qint_q8", "avx512/fp8_vbmi"), own
         ids, weights = _heavy_and_light_routing(80, heavy=64, light=16)
         x = make_hidden(80, v.H, torch.float32, seed=11)
         with kt_ops.use_compute_path("streaming"):
@@ -475,7 +476,8 @@ def test_quant_activation_modes():
     for fmt in ("int8", "q8_0", "fp8"):
         assert kt_ops.quant_fp32_min_tokens(fmt, "avx2") >= 2, fmt
     if "avx512_vnni" in kt_ops.info()["built_isas"]:
-        assert kt_ops.quant_fp32_min_tokens("fp8", "avx512_vnni") >= 2
+        vbmi = kt_ops.info()["cpu_features"].get("avx512_vbmi")  # fp8's fast E4M3 decode
+        assert (kt_ops.quant_fp32_min_tokens("fp8", "avx512_vnni") is None) == bool(vbmi)
         for fmt in ("int8", "q8_0"):
             assert kt_ops.quant_fp32_min_tokens(fmt, "avx512_vnni") is None, fmt
     with pytest.raises(ValueError, match="int3"):

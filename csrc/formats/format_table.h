@@ -51,10 +51,12 @@ struct BrgemmPolicy {
   int min(BrgemmIsa isa) const { return min_tokens[static_cast<int>(isa)]; }
 };
 
-// The kernel classes of the 'auto' switch to the weight-only fp32 path:
-// kVnni where the tier's q8 kernel multiplies 8-bit codes with vpdpbusd on u8
-// activations (kernels::ProjectionKernels::u8_codes: avx512_vnni), kBase on
-// the other tiers (sign trick, pmaddubsw).
+// The kernel classes of the 'auto' switch to the weight-only fp32 path
+// (kernels::ProjectionKernels::fp32_class says which a kernel set is in): kVnni
+// where the streaming kernel has its fast form, kBase elsewhere. The fast forms:
+// the q8 kernel multiplying 8-bit codes with vpdpbusd on u8 activations
+// (avx512_vnni; kBase: the sign trick, pmaddubsw), and fp8's E4M3 decoded by
+// byte tables (AVX-512 with VBMI; kBase: AVX2's fp16 bit moves and F16C).
 enum class Fp32Class : uint8_t { kBase, kVnni };
 constexpr int kNumFp32Classes = 2;
 

@@ -25,6 +25,8 @@
 namespace kt::formats {
 
 constexpr int64_t kFp8ScaleBlock = 128;
+// mxfp8: k per UE8M0 exponent (OCP MX v1.0 block size).
+constexpr int64_t kMxfp8GroupK = 32;
 
 inline int64_t fp8_block_bytes(int64_t kp) { return 16 * kp; }
 

@@ -129,7 +129,8 @@ bool fp8_runs() {
   // The decode rounds with vcvtne2ps2bf16 (AVX512_BF16), also on AMX CPUs.
   const runtime::CpuFeatures& f = runtime::cpu_features();
   if (!f.avx512_bf16 || avx512::fp8_to_bf16_vnni == nullptr ||
-      avx512::scale_rows_to_bf16 == nullptr || avx512::scale_columns16 == nullptr)
+      avx512::scale_rows_to_bf16 == nullptr || avx512::scale_columns16 == nullptr ||
+      avx512::fp8_e8m0_fits_bf16 == nullptr || avx512::fp8_kernels == nullptr)
     return false;
   return onednn_enabled() && bf16_probed_ok();
 }
@@ -167,8 +168,11 @@ bool kt_w8a8_runs() {
 
 bool fp8_applies(const formats::FormatRow& format) {
   // fp8_channel: unit band scales, its row scales applied to the outputs (below);
-  // mxfp8's scales change every 32 k and do not factor out.
-  return !format.fp8_row_scales || format.default_group_size == 0;
+  // mxfp8: unit band scales, its exponents per row and 32 k moved into the decoded
+  // bf16 values (exact: powers of two), where they fit (fp8_e8m0_fits_bf16).
+  return !format.fp8_row_scales || format.default_group_size == 0 ||
+         (format.packed_scale_type == formats::ScaleType::kE8M0 &&
+          format.default_group_size == formats::kMxfp8GroupK);
 }
 
 bool u8s8_applies(const formats::FormatRow& format) {
@@ -443,7 +447,8 @@ TileScratch::Slot& fp8_scaled_rows(const DotArgs& a, TileScratch& ts, const floa
 }
 
 // The band scales the activations are multiplied by: fp8's 128x128 block scales, or
-// ones for fp8_channel (one scale per output row, applied by scale_outputs).
+// ones for fp8_channel (one scale per output row, applied by scale_outputs) and
+// mxfp8 (its exponents go into the decoded values).
 const float* fp8_tile_scales(const DotArgs& a, int64_t nb) {
   if (!a.proj->fp8_row_scales) return fp8_band_scales(a, nb);
   static const std::vector<float> ones(1 << 16, 1.0f);  // ceil(k/128) <= 65536: k < 8M
@@ -453,10 +458,35 @@ const float* fp8_tile_scales(const DotArgs& a, int64_t nb) {
   return ones.data();
 }
 
+// mxfp8: block nb's exponents [groups][16] (UE8M0 bytes), else nullptr.
+const uint8_t* e8m0_of(const DotArgs& a, int64_t nb) {
+  const ProjectionView& p = *a.proj;
+  if (!p.fp8_row_scales || p.qint.scale_type != formats::ScaleType::kE8M0) return nullptr;
+  return static_cast<const uint8_t*>(p.scales) + (a.expert * p.row_blocks + nb) * p.groups * 16;
+}
+
+// Whether block nb's values are exact bf16 values once decoded (always but for
+// mxfp8 exponents outside [10, 246], which no real checkpoint holds).
+bool decodes_to_bf16(const DotArgs& a, int64_t nb) {
+  const uint8_t* e = e8m0_of(a, nb);
+  const int rows = static_cast<int>(std::min<int64_t>(16, a.proj->n - 16 * nb));
+  return e == nullptr || avx512::fp8_e8m0_fits_bf16(e, a.proj->groups, rows);
+}
+
+// Block nb on the streaming kernel (fp32 activations times the exact values):
+// mxfp8 blocks whose exponents do not fit bf16's range.
+void streaming_block(const DotArgs& a, int64_t nb) {
+  DotArgs one = a;
+  one.nb_begin = nb;
+  one.nb_end = nb + 1;
+  one.out = a.out + 16 * (nb - a.nb_begin);
+  avx512::fp8_kernels().dot(one);
+}
+
 // fp8_channel: block nb's m output rows of 16 times their rows' scales.
 void scale_outputs(const DotArgs& a, int64_t nb, float* out) {
   const ProjectionView& p = *a.proj;
-  if (!p.fp8_row_scales) return;
+  if (!p.fp8_row_scales || p.qint.group_size != 0) return;
   const float* s = static_cast<const float*>(p.scales) + (a.expert * p.row_blocks + nb) * 16;
   avx512::scale_columns16(out, a.m, a.ldo, s, formats::ScaleType::kF32);
 }
@@ -468,6 +498,8 @@ void fp8_onednn_block(const DotArgs& a, TileScratch& ts, int64_t nb) {
   const int64_t g0 = nb - nb % kTileGroupBlocks;  // the group's blocks [g0, g1), one band
   const int64_t g1 = std::min<int64_t>(p.row_blocks, g0 + kTileGroupBlocks);
   const int ncol = static_cast<int>(16 * (g1 - g0));
+  for (int64_t b = g0; b < g1; ++b)
+    if (!decodes_to_bf16(a, b)) return streaming_block(a, nb);
   TileScratch::Slot& s = fp8_scaled_rows(a, ts, fp8_tile_scales(a, g0));
   const uint8_t* group = p.block(a.expert, g0);
   if (s.group != group) {
@@ -475,7 +507,7 @@ void fp8_onednn_block(const DotArgs& a, TileScratch& ts, int64_t nb) {
       const uint8_t* codes = p.block(a.expert, b);
       // Prefetch the same block of the next group (prefetches never fault).
       avx512::fp8_to_bf16_vnni(codes, kp, ts.tile.data() + 2 * 16 * (b - g0), ncol,
-                               codes + kTileGroupBlocks * p.block_bytes, true);
+                               codes + kTileGroupBlocks * p.block_bytes, true, e8m0_of(a, b));
     }
     bf16_gemm(a.m, ncol, kp, s.rows.data(), ld, ts.tile.data(), s.out.data(), ncol, false);
     s.group = group;
@@ -503,10 +535,14 @@ void fp8_dp_dot(const DotArgs& a, const TileOperand& op) {
   const int64_t kp = a.proj->kp;  // multiple of 32, zero codes and zero activations past k
   TileScratch& ts = *op.scratch;  // ts.tile: one decoded block for its later token tiles
   for (int64_t nb = a.nb_begin; nb < a.nb_end; ++nb) {
+    if (!decodes_to_bf16(a, nb)) {
+      streaming_block(a, nb);
+      continue;
+    }
     const TileScratch::Slot& s = fp8_scaled_rows(a, ts, fp8_tile_scales(a, nb));
     float* out = a.out + 16 * (nb - a.nb_begin);
     avx512::fp8_dp_block(s.rows.data(), tile_rows_ld(kp), a.m, a.proj->block(a.expert, nb), kp,
-                         ts.tile.data(), out, a.ldo);
+                         ts.tile.data(), out, a.ldo, e8m0_of(a, nb));
     scale_outputs(a, nb, out);
   }
 #else

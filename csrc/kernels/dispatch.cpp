@@ -18,7 +18,6 @@ namespace kt::kernels {
 namespace avx512 {
 KT_WEAK const ProjectionKernels& bf16_kernels();
 KT_WEAK const ProjectionKernels& qint_kernels();
-KT_WEAK const ProjectionKernels& fp8_kernels();
 KT_WEAK GluRows glu_rows(const Glu& glu);
 KT_WEAK GluBackwardRows glu_backward_rows(const Glu& glu);
 KT_WEAK void quantize_row_q8(const float* x, int64_t kp, uint8_t* rec);

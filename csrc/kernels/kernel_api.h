@@ -111,6 +111,9 @@ struct ProjectionKernels {
   // per-line compensation (the AVX512_VNNI tier); the same results as `dot`.
   // nullptr on tiers without it.
   void (*dot_u8)(const DotArgs&, const uint8_t* x_u8) = nullptr;
+  // Which column of a format's fp32-path policy applies to these kernels
+  // (formats::Fp32Policy: the break-evens differ with the streaming kernel's speed).
+  formats::Fp32Class fp32_class = formats::Fp32Class::kBase;
 };
 
 // Row stride (elements) of the bf16 A operands of the tile kernels (an

@@ -66,8 +66,7 @@ ComputePath compute_path() { return g_compute_path.load(); }
 int fp32_min_tokens(const formats::FormatRow& format, Isa isa) {
   const ProjectionKernels& k = projection_kernels(format.layout, isa);
   if (k.dot_fp32 == nullptr) return formats::kNoFp32Path;
-  return format.fp32_min_tokens.min(k.dot_u8 != nullptr ? formats::Fp32Class::kVnni
-                                                        : formats::Fp32Class::kBase);
+  return format.fp32_min_tokens.min(k.fp32_class);
 }
 
 TilePath tile_path(const formats::FormatRow& format, Isa isa, const Modes& modes) {

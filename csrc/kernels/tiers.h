@@ -35,9 +35,14 @@ __attribute__((weak)) GluBackwardRows glu_backward_rows(const Glu& glu);
 __attribute__((weak)) void quantize_row_q8(const float* x, int64_t kp, uint8_t* rec);
 }  // namespace avx2
 
+namespace avx512 {
+// fp8's streaming kernels (kernels/avx512/fp8_avx512.cpp; the AVX2 tier's on CPUs
+// without AVX512_VBMI); the tier table's, and the fp8 brgemm path's for blocks
+// it does not take (mxfp8 exponents outside bf16's range).
+__attribute__((weak)) const ProjectionKernels& fp8_kernels();
+
 // The epilogue of the u8s8 brgemm path (kernels/brgemm.h), AVX-512 code
 // (kernels/avx512/brgemm_fold_avx512.cpp); null when the avx512 tier is not built.
-namespace avx512 {
 __attribute__((weak)) void brgemm_q8_fold(const int32_t* c, int nc, int rows,
                                           const uint8_t* const* xq, int64_t kp, int64_t chunk0,
                                           const void* scales, formats::ScaleType scale_type,
@@ -85,14 +90,24 @@ __attribute__((weak)) void bf16_dp_dot(const DotArgs& a, const TileOperand& op);
 // codes [kp][16] as their exact bf16 values in brgemm's VNNI B layout with
 // ldb columns, the block's 16 at dst (word ((k/2) * ldb + r) * 2 + k % 2);
 // `next` (or nullptr) is prefetched to L2 meanwhile; vbmi = false forces the
-// AVX512_BW decode on CPUs with AVX512_VBMI (tests). scale_rows_to_bf16: the
+// AVX512_BW decode on CPUs with AVX512_VBMI (tests); e8m0 (or nullptr): mxfp8's
+// exponents of the block [kp/32][16], each row's values times 2^(E-127) (exact
+// when fp8_e8m0_fits_bf16 holds for them). fp8_dp_block: out [m][16] (rows ldo
+// apart) = the m bf16 rows xs (ldx apart) times the block's values (fused
+// decode-and-multiply tiles, AVX512_BF16 + VBMI; the block decoded once into
+// `tile` for its later token tiles). scale_rows_to_bf16: the
 // m fp32 rows x times the 128-k scales of one band, rounded to bf16, row i at
 // dst + i * ld (AVX512_BF16).
 __attribute__((weak)) void fp8_to_bf16_vnni(const uint8_t* codes, int64_t kp, uint16_t* dst,
-                                            int64_t ldb, const uint8_t* next, bool vbmi);
+                                            int64_t ldb, const uint8_t* next, bool vbmi,
+                                            const uint8_t* e8m0 = nullptr);
 __attribute__((weak)) void fp8_dp_block(const uint16_t* xs, int64_t ldx, int m,
                                         const uint8_t* codes, int64_t kp, uint16_t* tile,
-                                        float* out, int64_t ldo);
+                                        float* out, int64_t ldo, const uint8_t* e8m0 = nullptr);
+// True when a block's UE8M0 exponents ([groups][16]; rows [0, rows) looked at, the
+// rest are padding) make every E4M3 value times 2^(E-127) a normal bf16 (E in
+// [10, 246]; kernels/avx512/e4m3_decode.h).
+__attribute__((weak)) bool fp8_e8m0_fits_bf16(const uint8_t* e8m0, int64_t groups, int rows);
 __attribute__((weak)) void scale_rows_to_bf16(const float* const* x, int m, int64_t kp,
                                               const float* scales, uint16_t* dst, int64_t ld);
 // The LoRA products of rank r, fp32 (kernels/avx512/lora_avx512.cpp; moe/lora_products.h):

@@ -72,8 +72,11 @@ class FormatSpec:
             (:func:`kt_ops.set_quant_activations`): experts with at least this
             many tokens take the weight-only fp32 path; ``None``: never. On
             the tiers whose q8 kernels have no VNNI (ref, avx2, avx512).
-        fp32_min_tokens_vnni: the same on ``avx512_vnni`` (int8 and q8_0:
-            ``None``, the vpdpbusd kernel wins at every count measured);
+        fp32_min_tokens_vnni: the same where the format's streaming kernel has
+            its fast form: the integer formats on ``avx512_vnni`` (int8 and
+            q8_0: ``None``, the vpdpbusd kernel wins at every count measured),
+            the fp8 layout on AVX-512 CPUs with VBMI (E4M3 by byte tables:
+            ``None``, it wins up to 128 tokens measured);
             :func:`kt_ops.quant_fp32_min_tokens` gives the active tier's.
         brgemm_min_tokens: the compute-path policy of ``'auto'``
             (:func:`kt_ops.set_compute_path`) per CPU class (``'avx512'``:

@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "formats/fp8.h"
 #include "kernels/avx512/e4m3_decode.h"
@@ -37,12 +38,18 @@ namespace {
 using VbmiDecoder = E4m3VbmiDecoder<0>;
 
 KT_E4M3_VBMI_TARGET void decode_vbmi(const uint8_t* codes, int64_t kp, uint16_t* dst, int64_t ldb,
-                                     const uint8_t* next) {
+                                     const uint8_t* next, const uint8_t* e8m0) {
   const VbmiDecoder dec;
+  __m512i off = _mm512_setzero_si512();
   for (int64_t k = 0; k < kp; k += 4) {
     if (next != nullptr) _mm_prefetch(reinterpret_cast<const char*>(next + k * 16), _MM_HINT_T1);
     __m512i p0, p1;
     dec.decode(codes + k * 16, p0, p1);
+    if (e8m0 != nullptr) {
+      if (k % kE8m0Group == 0) off = e8m0_pair_offsets(e8m0 + (k / kE8m0Group) * 16);
+      p0 = scale_bf16_pairs(p0, off);
+      p1 = scale_bf16_pairs(p1, off);
+    }
     uint16_t* d = dst + (k / 2) * ldb * 2;
     _mm512_storeu_si512(d, p0);
     _mm512_storeu_si512(d + ldb * 2, p1);
@@ -62,10 +69,12 @@ constexpr int kFusedPrefetchLines = 16;  // 1 KB of codes ahead
 
 #define KT_FP8_DP_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,avx512bf16")))
 
-template <int MT, bool First>
+template <int MT, bool First, bool E8m0>
 KT_FP8_DP_TARGET void fused_tile(const uint16_t* x, int64_t ldx, const uint8_t* codes,
-                                 uint16_t* tile, int64_t kp, float* out, int64_t ldo) {
+                                 uint16_t* tile, int64_t kp, float* out, int64_t ldo,
+                                 const uint8_t* e8m0) {
   const VbmiDecoder dec;
+  [[maybe_unused]] __m512i off = _mm512_setzero_si512();
   __m512 acc[MT];
 #pragma GCC unroll 32
   for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
@@ -75,6 +84,11 @@ KT_FP8_DP_TARGET void fused_tile(const uint16_t* x, int64_t ldx, const uint8_t* 
       _mm_prefetch(reinterpret_cast<const char*>(codes + (k + 4 * kFusedPrefetchLines) * 16),
                    _MM_HINT_T0);
       dec.decode(codes + k * 16, w0, w1);
+      if constexpr (E8m0) {
+        if (k % kE8m0Group == 0) off = e8m0_pair_offsets(e8m0 + (k / kE8m0Group) * 16);
+        w0 = scale_bf16_pairs(w0, off);
+        w1 = scale_bf16_pairs(w1, off);
+      }
       _mm512_storeu_si512(tile + k * 16, w0);
       _mm512_storeu_si512(tile + k * 16 + 32, w1);
     } else {
@@ -98,12 +112,13 @@ KT_FP8_DP_TARGET void fused_tile(const uint16_t* x, int64_t ldx, const uint8_t* 
   for (int i = 0; i < MT; ++i) _mm512_storeu_ps(out + i * ldo, acc[i]);
 }
 
-template <int N, bool First>
+template <int N, bool First, bool E8m0>
 KT_FP8_DP_TARGET void fused_tile_n(int rows, const uint16_t* x, int64_t ldx, const uint8_t* codes,
-                                   uint16_t* tile, int64_t kp, float* out, int64_t ldo) {
+                                   uint16_t* tile, int64_t kp, float* out, int64_t ldo,
+                                   const uint8_t* e8m0) {
   if constexpr (N >= 1) {
-    if (rows == N) return fused_tile<N, First>(x, ldx, codes, tile, kp, out, ldo);
-    return fused_tile_n<N - 1, First>(rows, x, ldx, codes, tile, kp, out, ldo);
+    if (rows == N) return fused_tile<N, First, E8m0>(x, ldx, codes, tile, kp, out, ldo, e8m0);
+    return fused_tile_n<N - 1, First, E8m0>(rows, x, ldx, codes, tile, kp, out, ldo, e8m0);
   }
 }
 
@@ -111,13 +126,15 @@ KT_FP8_DP_TARGET void fused_tile_n(int rows, const uint16_t* x, int64_t ldx, con
 // and put in VNNI order (word q = code (q % 2) * 16 + q / 2) first.
 __attribute__((target("avx512f,avx512bw"))) void decode_bw(const uint8_t* codes, int64_t kp,
                                                            uint16_t* dst, int64_t ldb,
-                                                           const uint8_t* next) {
+                                                           const uint8_t* next,
+                                                           const uint8_t* e8m0) {
   alignas(64) int16_t order[32];
   for (int q = 0; q < 32; ++q) order[q] = static_cast<int16_t>((q % 2) * 16 + q / 2);
   alignas(64) int16_t subnormal[32] = {};
   for (int m = 0; m < 8; ++m) subnormal[m] = static_cast<int16_t>(e4m3_magnitude_bf16(m));
   const __m512i index = _mm512_load_si512(order);
   const __m512i table = _mm512_load_si512(subnormal);
+  __m512i off = _mm512_setzero_si512();
   for (int64_t k = 0; k < kp; k += 2) {
     if (next != nullptr && (k & 3) == 0)  // one 64-byte line per 4 k
       _mm_prefetch(reinterpret_cast<const char*>(next + k * 16), _MM_HINT_T1);
@@ -130,6 +147,10 @@ __attribute__((target("avx512f,avx512bw"))) void decode_bw(const uint8_t* codes,
     v = _mm512_mask_permutexvar_epi16(v, sub, b, table);
     v = _mm512_ternarylogic_epi32(v, _mm512_slli_epi16(b, 8),
                                   _mm512_set1_epi16(static_cast<int16_t>(0x8000)), 0xF8);
+    if (e8m0 != nullptr) {
+      if (k % kE8m0Group == 0) off = e8m0_pair_offsets(e8m0 + (k / kE8m0Group) * 16);
+      v = scale_bf16_pairs(v, off);
+    }
     _mm512_storeu_si512(dst + (k / 2) * ldb * 2, v);
   }
 }
@@ -137,22 +158,33 @@ __attribute__((target("avx512f,avx512bw"))) void decode_bw(const uint8_t* codes,
 }  // namespace
 
 void fp8_to_bf16_vnni(const uint8_t* codes, int64_t kp, uint16_t* dst, int64_t ldb,
-                      const uint8_t* next, bool vbmi) {
+                      const uint8_t* next, bool vbmi, const uint8_t* e8m0) {
   if (vbmi && runtime::cpu_features().avx512_vbmi)
-    decode_vbmi(codes, kp, dst, ldb, next);
+    decode_vbmi(codes, kp, dst, ldb, next, e8m0);
   else
-    decode_bw(codes, kp, dst, ldb, next);
+    decode_bw(codes, kp, dst, ldb, next, e8m0);
 }
 
 void fp8_dp_block(const uint16_t* xs, int64_t ldx, int m, const uint8_t* codes, int64_t kp,
-                  uint16_t* tile, float* out, int64_t ldo) {
-  for_each_row_tile(m, kFusedTileRows, [&](int t, int i, int rows) {
-    if (t == 0)
-      fused_tile_n<kFusedTileRows, true>(rows, xs, ldx, codes, tile, kp, out, ldo);
-    else
-      fused_tile_n<kFusedTileRows, false>(rows, xs + i * ldx, ldx, codes, tile, kp, out + i * ldo,
-                                          ldo);
-  });
+                  uint16_t* tile, float* out, int64_t ldo, const uint8_t* e8m0) {
+  auto run = [&](auto e8m0_tag) {
+    constexpr bool kE8m0 = decltype(e8m0_tag)::value;
+    for_each_row_tile(m, kFusedTileRows, [&](int t, int i, int rows) {
+      if (t == 0)
+        fused_tile_n<kFusedTileRows, true, kE8m0>(rows, xs, ldx, codes, tile, kp, out, ldo, e8m0);
+      else
+        fused_tile_n<kFusedTileRows, false, kE8m0>(rows, xs + i * ldx, ldx, codes, tile, kp,
+                                                   out + i * ldo, ldo, e8m0);
+    });
+  };
+  if (e8m0 != nullptr)
+    run(std::true_type{});
+  else
+    run(std::false_type{});
+}
+
+bool fp8_e8m0_fits_bf16(const uint8_t* e8m0, int64_t groups, int rows) {
+  return e8m0_fits_bf16(e8m0, groups, rows);
 }
 
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) void scale_rows_to_bf16(

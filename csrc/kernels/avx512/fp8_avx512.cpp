@@ -159,8 +159,12 @@ KT_E4M3_VBMI_TARGET void fp8_run(const DotArgs& a) {
 // The explicit fallback: without AVX512_VBMI, the AVX2 tier's kernels. The
 // weight-only fp32 path (a block decoded to fp32, then fp32 FMAs) is the AVX2 tier's.
 const ProjectionKernels& fp8_kernels() {
-  static const ProjectionKernels k{"avx512/fp8_vbmi", &fp8_run, avx2::fp8_kernels().dot_fp32,
-                                   avx2::fp8_kernels().fp32_name};
+  static const ProjectionKernels k{"avx512/fp8_vbmi",
+                                   &fp8_run,
+                                   avx2::fp8_kernels().dot_fp32,
+                                   avx2::fp8_kernels().fp32_name,
+                                   nullptr,
+                                   formats::Fp32Class::kVnni};
   return runtime::cpu_features().avx512_vbmi ? k : avx2::fp8_kernels();
 }
 

@@ -26,8 +26,9 @@ void qint_run_u8(const DotArgs& a, const uint8_t* x_u8) {
 }  // namespace
 
 const ProjectionKernels& qint_kernels() {
-  static const ProjectionKernels k{"avx512_vnni/qint_q8", &qint_run, avx2::qint_kernels().dot_fp32,
-                                   avx2::qint_kernels().fp32_name, &qint_run_u8};
+  static const ProjectionKernels k{
+      "avx512_vnni/qint_q8",          &qint_run,    avx2::qint_kernels().dot_fp32,
+      avx2::qint_kernels().fp32_name, &qint_run_u8, formats::Fp32Class::kVnni};
   return k;
 }
 
