@@ -472,7 +472,9 @@ class Config:
           rounded once to bf16 (``bf16(x * scale)``), by the exact E4M3 values
           (kt_ops' fused decode-and-multiply tiles on AVX512_BF16 CPUs with
           AVX512_VBMI and no AMX, else the codes decoded to a bf16 tile for
-          oneDNN's bf16 brgemm; the two are bit-identical); the int8 / q8_0
+          oneDNN's bf16 brgemm; the two are bit-identical; ``fp8_channel`` and
+          ``mxfp8`` on the same kernels, ``mxfp8`` with its power-of-two scales
+          in the decoded bf16 values, exactly); the int8 / q8_0
           brgemm (u8 x s8) gives the streaming q8 kernels' results bit for bit.
         * ``'auto'`` (default): per expert and call, ``'brgemm'`` when the expert
           has at least the format's measured break-even token count on this CPU
