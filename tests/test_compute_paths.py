@@ -1350,6 +1350,35 @@ def test_fp8_tile_decode_of_every_code(decode):
     assert torch.equal(tile.view(torch.int16), want.contiguous().view(torch.int16))
 
 
+@pytest.mark.parametrize("decode", ["vbmi", "bw"])
+def test_mxfp8_tile_decode_adds_the_exponents(decode):
+    # mxfp8 on the tiles: the decode moves each row's bf16 exponents by E - 127
+    # (one UE8M0 byte per row and 32 k): every finite code times 2^(E-127), exactly,
+    # for E over bf16's safe range [10, 246] (its ends included); +-0 stay +-0.
+    feats = kt_ops.info()["cpu_features"]
+    if not feats["avx512"] or (decode == "vbmi" and not feats.get("avx512_vbmi")):
+        pytest.skip(f"the {decode} decode needs AVX-512{' VBMI' if decode == 'vbmi' else ''}")
+    kp = 256
+    g = torch.Generator().manual_seed(6)
+    finite = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    codes = finite[torch.randint(0, finite.numel(), (kp * 16,), generator=g)].view(kp, 16)
+    codes[:2, :] = finite[:32].view(2, 16)  # +0, -0 and the subnormals among them
+    exps = torch.randint(10, 247, (kp // 32, 16), dtype=torch.uint8, generator=g)
+    exps[0, :2] = torch.tensor([10, 246], dtype=torch.uint8)
+    out = kt_ops._C._testing.fp8_block_to_bf16_vnni(
+        codes.numpy().tobytes(), decode, exps.numpy().tobytes()
+    )
+    tile = torch.frombuffer(bytearray(out), dtype=torch.bfloat16).view(kp // 2, 16, 2)
+    scale = torch.exp2(exps.double() - 127).repeat_interleave(32, dim=0)  # [kp, 16]
+    values = codes.view(torch.float8_e4m3fn).double() * scale
+    want = values.float().bfloat16()
+    assert torch.equal(want.double(), values)  # the products are bf16 values: exact
+    want = want.view(kp // 2, 2, 16).transpose(1, 2).contiguous()
+    assert torch.equal(tile.view(torch.int16), want.view(torch.int16))  # signs of zero too
+    with pytest.raises(ValueError, match="len\\(exponents\\) must be len\\(codes\\) / 32"):
+        kt_ops._C._testing.fp8_block_to_bf16_vnni(codes.numpy().tobytes(), decode, bytes(3))
+
+
 def test_fp8_tile_decode_refuses_bad_arguments():
     with pytest.raises(ValueError, match="decode must be 'vbmi' or 'bw'"):
         kt_ops._C._testing.fp8_block_to_bf16_vnni(bytes(512), "avx2")

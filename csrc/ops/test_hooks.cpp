@@ -93,26 +93,37 @@ void register_test_hooks(py::module& t) {
   });
   // One fp8 block's E4M3 codes [kp][16] (kp a multiple of 32) as the fp8
   // brgemm's bf16 VNNI tile [kp/2][16][2] (kernels/tiers.h), from the
-  // AVX512_VBMI decode ("vbmi") or the AVX512_BW one ("bw").
-  t.def("fp8_block_to_bf16_vnni", [](const py::bytes& codes, const std::string& decode) {
-    const std::string c = codes;
-    if (decode != "vbmi" && decode != "bw")
-      throw py::value_error("fp8_block_to_bf16_vnni: decode must be 'vbmi' or 'bw', got '" +
-                            decode + "'");
-    const kt::runtime::CpuFeatures& f = kt::runtime::cpu_features();
-    if (kt::kernels::avx512::fp8_to_bf16_vnni == nullptr || !f.avx512 ||
-        (decode == "vbmi" && !f.avx512_vbmi))
-      throw py::value_error("fp8_block_to_bf16_vnni: the '" + decode +
-                            "' decode does not run on this build / CPU");
-    if (c.size() % (32 * 16) != 0)
-      throw py::value_error("fp8_block_to_bf16_vnni: len(codes) must be a multiple of 512");
-    const int64_t kp = static_cast<int64_t>(c.size() / 16);
-    std::string out(c.size() * 2, '\0');
-    kt::kernels::avx512::fp8_to_bf16_vnni(reinterpret_cast<const uint8_t*>(c.data()), kp,
-                                          reinterpret_cast<uint16_t*>(out.data()), 16, nullptr,
-                                          decode == "vbmi");
-    return py::bytes(out);
-  });
+  // AVX512_VBMI decode ("vbmi") or the AVX512_BW one ("bw"); with `exponents`
+  // (mxfp8's UE8M0 bytes [kp/32][16]), each row's values times 2^(E-127).
+  t.def(
+      "fp8_block_to_bf16_vnni",
+      [](const py::bytes& codes, const std::string& decode, const py::object& exponents) {
+        const std::string c = codes;
+        if (decode != "vbmi" && decode != "bw")
+          throw py::value_error("fp8_block_to_bf16_vnni: decode must be 'vbmi' or 'bw', got '" +
+                                decode + "'");
+        const kt::runtime::CpuFeatures& f = kt::runtime::cpu_features();
+        if (kt::kernels::avx512::fp8_to_bf16_vnni == nullptr || !f.avx512 ||
+            (decode == "vbmi" && !f.avx512_vbmi))
+          throw py::value_error("fp8_block_to_bf16_vnni: the '" + decode +
+                                "' decode does not run on this build / CPU");
+        if (c.size() % (32 * 16) != 0)
+          throw py::value_error("fp8_block_to_bf16_vnni: len(codes) must be a multiple of 512");
+        const int64_t kp = static_cast<int64_t>(c.size() / 16);
+        std::string e;
+        if (!exponents.is_none()) {
+          e = exponents.cast<py::bytes>();
+          if (static_cast<int64_t>(e.size()) != kp / 32 * 16)
+            throw py::value_error("fp8_block_to_bf16_vnni: len(exponents) must be len(codes) / 32");
+        }
+        std::string out(c.size() * 2, '\0');
+        kt::kernels::avx512::fp8_to_bf16_vnni(
+            reinterpret_cast<const uint8_t*>(c.data()), kp, reinterpret_cast<uint16_t*>(out.data()),
+            16, nullptr, decode == "vbmi",
+            exponents.is_none() ? nullptr : reinterpret_cast<const uint8_t*>(e.data()));
+        return py::bytes(out);
+      },
+      py::arg("codes"), py::arg("decode"), py::arg("exponents") = py::none());
 }
 
 }  // namespace kt::ops
