@@ -1258,6 +1258,41 @@ def test_fp8_brgemm_kernels_bit_identical(isa, act_dtype, fmt):
             assert torch.equal(outs[0], outs[1]), (H, I)
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "fp8_channel", "mxfp8"])
+def test_fp8_tiles_under_quant_fp32_multiply_exactly(isa, fmt):
+    # Under quant 'fp32' kt_ops' fp8 tiles keep the scales off the activations: bf16(x)
+    # times the exact E4M3 values, fp8's 128-k block scales on each chunk's fp32 sums
+    # (avx512_bf16/fp8_dp_exact): for bf16 activations the reference of the bf16 tile
+    # path on the dequantized weights, not fp8's scaled-activation one. oneDNN's kernel
+    # (AMX, no VBMI) keeps the scales on the activations for fp8.
+    if not brgemm_runs(fmt):
+        pytest.skip("the fp8 brgemm does not run on this ISA path / CPU / torch")
+    with kt_ops.use_compute_path("brgemm"), kt_ops.use_quant_activations("fp32"):
+        name = kt_ops.compute_paths()[fmt]["brgemm_kernel"]
+    kt = BRGEMM_KERNELS["fp8"] == "avx512_bf16/fp8_dp" and brgemm_runs("fp8")
+    assert name == ("avx512_bf16/fp8_dp_exact" if kt else "onednn/brgemm_fp8_bf16")
+    with kt_ops.use_compute_path("auto"), kt_ops.use_quant_activations("auto"):
+        assert kt_ops.compute_paths()[fmt]["brgemm_kernel"] == BRGEMM_KERNELS[fmt]
+    for H, I in FP8_SHAPES:  # noqa: E741
+        experts = make_quant_experts(fmt, 4, H, I, seed=H + 2 * I)
+        ids, w = fp8_routing([0, 3, 40, 70], seed=H)
+        x = make_hidden(ids.shape[0], H, torch.bfloat16, seed=I)
+        with kt_ops.use_quant_activations("fp32"):
+            out = run("brgemm", x, ids, w, experts)
+        # fp8_channel and mxfp8 scale nothing on the activations on either kernel: their
+        # banded reference is exact (bf16(x) @ e4m3 times the row scales, or @ W).
+        exact_fp8 = kt and fmt == "fp8"
+        ref = reference_moe_forward(
+            x, ids, w, experts, bf16_activations=True, fp8_scaled_activations=not exact_fp8
+        )
+        # A SwiGLU output rounded to bf16 on either side of a boundary (the kernel's and
+        # the reference's fp32 sums differ in order) moves a down sum: TOL_FP8_SWIGLU_FLIPS.
+        assert_matches_reference(out, ref, TOL_FP8_SWIGLU_FLIPS)
+        if exact_fp8:  # and not the scaled-activation scheme's result
+            with kt_ops.use_quant_activations("auto"):
+                assert not torch.equal(run("brgemm", x, ids, w, experts), out), (H, I)
+
+
 def mxfp8_with_exponent(experts: kt_ops.ExpertWeights, e: int, value: int):
     """``experts`` with UE8M0 exponent ``value`` in group 0 of rows 0-15 of expert ``e``'s gate."""
     from kt_ops.formats import PackedProjection

@@ -774,7 +774,7 @@ BACKWARD_BF16_KERNELS = ["onednn", "kt"]
 
 
 @pytest.mark.parametrize("bf16_kernel", BACKWARD_BF16_KERNELS)
-@pytest.mark.parametrize("base", ["bf16", "int8"])
+@pytest.mark.parametrize("base", ["bf16", "int8", "fp8", "fp8_channel", "mxfp8"])
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["save", "recompute"])
 def test_lora_gradients_at_fp32_accuracy_on_a_bf16_base(
     checkpointing: bool, isa: str, base: str, bf16_kernel: str
@@ -784,7 +784,10 @@ def test_lora_gradients_at_fp32_accuracy_on_a_bf16_base(
     # so the LoRA factors' gradients stay at fp32 accuracy: within 1e-5 of an fp64
     # reference (a bf16 rounding of the activations anywhere would give ~1e-3). An int8
     # base too: its codes are exact in bf16 (forward: onednn/brgemm_int8_bf16), and the
-    # backward's go Wd splits go * scale into two bf16 rows (within 2^-17). The
+    # backward's go Wd splits go * scale into two bf16 rows (within 2^-17). fp8 bases: the
+    # E4M3 values are exact in bf16 (forward: avx512_bf16/fp8_dp_exact, fp8's block
+    # scales on each 128-k chunk's fp32 sums; fp8_channel's on the outputs; mxfp8's in
+    # the decoded values; elsewhere the streaming kernels with fp32 activations). The
     # backward's products with the base run on either bf16 kernel (kt_ops' packs its rows
     # as row tiles and prefetches the next weight panel: one expert of 3 tokens, others
     # of ~60 in 3 tiles, panels of 64 and 32 columns); x's gradient (bf16, from dg / du

@@ -139,6 +139,11 @@ bool kt_bf16_runs() { return bf16_runs() && bf16_uses_kt_kernel(); }
 
 bool kt_fp8_runs() { return fp8_runs() && fp8_uses_kt_kernel(); }
 
+bool fp8_tiles_exact(const formats::FormatRow& format) {
+  if (format.layout != formats::Layout::kFp8 || !fp8_applies(format) || !fp8_runs()) return false;
+  return format.fp8_row_scales || fp8_uses_kt_kernel();
+}
+
 bool kt_w4a8_runs() {
   return avx512::w4a8_dp_dot != nullptr && avx512::pack_w4a8_dp_rows != nullptr && kt_w8a8_runs();
 }
@@ -449,13 +454,17 @@ TileScratch::Slot& fp8_scaled_rows(const DotArgs& a, TileScratch& ts, const floa
 // The band scales the activations are multiplied by: fp8's 128x128 block scales, or
 // ones for fp8_channel (one scale per output row, applied by scale_outputs) and
 // mxfp8 (its exponents go into the decoded values).
-const float* fp8_tile_scales(const DotArgs& a, int64_t nb) {
-  if (!a.proj->fp8_row_scales) return fp8_band_scales(a, nb);
+// Band scales of ones: the activations rounded to bf16 as they are.
+const float* unit_band_scales(const DotArgs& a) {
   static const std::vector<float> ones(1 << 16, 1.0f);  // ceil(k/128) <= 65536: k < 8M
   TORCH_CHECK(
       formats::ceil_div(a.proj->k, formats::kFp8ScaleBlock) <= static_cast<int64_t>(ones.size()),
-      "fp8_channel: K too large for the brgemm path");
+      "fp8: K too large for the brgemm path");
   return ones.data();
+}
+
+const float* fp8_tile_scales(const DotArgs& a, int64_t nb) {
+  return a.proj->fp8_row_scales ? unit_band_scales(a) : fp8_band_scales(a, nb);
 }
 
 // mxfp8: block nb's exponents [groups][16] (UE8M0 bytes), else nullptr.
@@ -530,21 +539,46 @@ void fp8_dot(const DotArgs& a, const TileOperand& op) {
 #endif
 }
 
-void fp8_dp_dot(const DotArgs& a, const TileOperand& op) {
 #ifdef KT_HAVE_CPUBLAS_BRGEMM
+namespace {
+
+// kt_ops' fused tiles. exact: fp8's block scales on each 128-k chunk's fp32 sums of
+// bf16(x) times the E4M3 values, not on the activations (fp8_channel and mxfp8 put no
+// scale on the activations either way).
+void fp8_dp_blocks(const DotArgs& a, const TileOperand& op, bool exact) {
   const int64_t kp = a.proj->kp;  // multiple of 32, zero codes and zero activations past k
   TileScratch& ts = *op.scratch;  // ts.tile: one decoded block for its later token tiles
+  const bool chunked = exact && !a.proj->fp8_row_scales;
   for (int64_t nb = a.nb_begin; nb < a.nb_end; ++nb) {
     if (!decodes_to_bf16(a, nb)) {
       streaming_block(a, nb);
       continue;
     }
-    const TileScratch::Slot& s = fp8_scaled_rows(a, ts, fp8_tile_scales(a, nb));
+    const TileScratch::Slot& s =
+        fp8_scaled_rows(a, ts, chunked ? unit_band_scales(a) : fp8_tile_scales(a, nb));
     float* out = a.out + 16 * (nb - a.nb_begin);
     avx512::fp8_dp_block(s.rows.data(), tile_rows_ld(kp), a.m, a.proj->block(a.expert, nb), kp,
-                         ts.tile.data(), out, a.ldo, e8m0_of(a, nb));
+                         ts.tile.data(), out, a.ldo, e8m0_of(a, nb),
+                         chunked ? fp8_band_scales(a, nb) : nullptr);
     scale_outputs(a, nb, out);
   }
+}
+
+}  // namespace
+#endif
+
+void fp8_dp_dot(const DotArgs& a, const TileOperand& op) {
+#ifdef KT_HAVE_CPUBLAS_BRGEMM
+  fp8_dp_blocks(a, op, false);
+#else
+  (void)a;
+  (void)op;
+#endif
+}
+
+void fp8_dp_exact_dot(const DotArgs& a, const TileOperand& op) {
+#ifdef KT_HAVE_CPUBLAS_BRGEMM
+  fp8_dp_blocks(a, op, true);
 #else
   (void)a;
   (void)op;

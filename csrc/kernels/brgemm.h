@@ -224,9 +224,17 @@ void int8_bf16_dot(const DotArgs& a, const TileOperand& op);
 // group of kTileGroupBlocks blocks, the codes decoded to one bf16 tile and
 // one brgemm call per token tile (kMaxTileRows rows), the group's results
 // kept for its other block; kt_ops: each block decoded and multiplied in
-// registers. The two are bit-identical.
+// registers. The two are bit-identical. fp8_channel and mxfp8: A = bf16(x)
+// (their scales on the outputs / in the decoded values).
+// fp8_dp_exact_dot (quant 'fp32'): kt_ops' tiles with A = bf16(x) and fp8's
+// block scales on each 128-k chunk's fp32 sums instead: exact products for bf16
+// activations (the LoRA forward on an fp8 base).
 void fp8_dot(const DotArgs& a, const TileOperand& op);
 void fp8_dp_dot(const DotArgs& a, const TileOperand& op);
+void fp8_dp_exact_dot(const DotArgs& a, const TileOperand& op);
+// Whether the tile path of `format` under quant 'fp32' multiplies bf16 activations
+// exactly (kt_ops' exact fp8 tiles; fp8_channel and mxfp8 on either kernel).
+bool fp8_tiles_exact(const formats::FormatRow& format);
 
 // Releases the calling thread's brgemm hardware context (AMX tile
 // configuration): once after each thread's run of oneDNN calls.

@@ -180,6 +180,28 @@ const TileKernel kKtFp8{
     /*pack=*/nullptr,
     /*release=*/nullptr,
     /*fallback=*/&kOneDnnFp8,
+    /*pack_rows=*/nullptr,
+    /*quant_modes=*/kQuantAutoBit | kQuantQ8Bit,
+};
+// Under quant 'fp32' (exact activations), kt_ops' tiles multiply bf16(x) by the exact
+// E4M3 values and apply fp8's 128-k block scales to each chunk's fp32 sums: for bf16
+// hidden states every product is exact, as on a bf16 base (the LoRA forward on an fp8
+// base). fp8_channel and mxfp8 compute as under kKtFp8 (exact already). oneDNN's kernel
+// (AMX, AVX512_BF16 without VBMI) keeps the scales on the activations.
+const TileKernel kKtFp8Exact{
+    /*name=*/"avx512_bf16/fp8_dp_exact",
+    /*input=*/TileInput::kFp32Rows,
+    /*bf16_activations_only=*/true,
+    /*keeps=*/true,
+    /*applies=*/brgemm::fp8_applies,
+    /*runs=*/brgemm::kt_fp8_runs,
+    /*dot=*/brgemm::fp8_dp_exact_dot,
+    /*pack_bytes=*/nullptr,
+    /*pack=*/nullptr,
+    /*release=*/nullptr,
+    /*fallback=*/&kKtFp8,
+    /*pack_rows=*/nullptr,
+    /*quant_modes=*/kQuantFp32Bit,
 };
 
 // THE tier table, lowest first; a tier's rank is its index. Per tier: its
@@ -231,7 +253,7 @@ const Tier kTiers[] = {
      [](const runtime::CpuFeatures& f) { return f.avx512; },
      "AVX-512 F/BW/VL/DQ",
      {avx512::bf16_kernels, avx512::qint_kernels, avx512::fp8_kernels},
-     {&kKtBf16, &kKtW4A8, &kKtFp8},
+     {&kKtBf16, &kKtW4A8, &kKtFp8Exact},
      avx512::glu_rows,
      avx512::glu_backward_rows,
      avx512::quantize_row_q8},

@@ -103,7 +103,8 @@ __attribute__((weak)) void fp8_to_bf16_vnni(const uint8_t* codes, int64_t kp, ui
                                             const uint8_t* e8m0 = nullptr);
 __attribute__((weak)) void fp8_dp_block(const uint16_t* xs, int64_t ldx, int m,
                                         const uint8_t* codes, int64_t kp, uint16_t* tile,
-                                        float* out, int64_t ldo, const uint8_t* e8m0 = nullptr);
+                                        float* out, int64_t ldo, const uint8_t* e8m0 = nullptr,
+                                        const float* chunk_scales = nullptr);
 // True when a block's UE8M0 exponents ([groups][16]; rows [0, rows) looked at, the
 // rest are padding) make every E4M3 value times 2^(E-127) a normal bf16 (E in
 // [10, 246]; kernels/avx512/e4m3_decode.h).

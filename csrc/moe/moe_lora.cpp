@@ -368,7 +368,10 @@ void glu_values(kernels::GluRows rows, const float* g, const float* u, int64_t n
 // ('brgemm': under quant 'fp32' its kernel is onednn/brgemm_int8_bf16, codes decoded
 // to their exact bf16 values, the channel scales on the outputs): as exact, and 1.7x
 // faster than the streaming fp32 path at T = 512 (its own threshold under 'auto' is
-// the int8 row's, none on AVX-512).
+// the int8 row's, none on AVX-512). fp8, fp8_channel and mxfp8 bases likewise, on the
+// tiles that keep their products exact (kernels::brgemm::fp8_tiles_exact: bf16(x)
+// times the exact E4M3 values, the scales applied to fp32 sums or exactly in the
+// decode; kt_ops' tiles on AVX512_BF16 + VBMI without AMX).
 // Anything else runs the streaming kernels with fp32 activations (no rounding at all).
 kernels::ComputePath lora_forward_path(const at::Tensor& x, const MoeLayer& w) {
   if (x.scalar_type() != at::kBFloat16) return kernels::ComputePath::kStreaming;
@@ -376,7 +379,8 @@ kernels::ComputePath lora_forward_path(const at::Tensor& x, const MoeLayer& w) {
   for (const Projection* p : {&w.gate, &w.up, &w.down}) {
     const bool bf16 = p->format->layout == formats::Layout::kBf16;
     all_bf16 = all_bf16 && bf16;
-    exact_tiles = exact_tiles && (bf16 || kernels::brgemm::int8_per_channel_applies(*p->format));
+    exact_tiles = exact_tiles && (bf16 || kernels::brgemm::int8_per_channel_applies(*p->format) ||
+                                  kernels::brgemm::fp8_tiles_exact(*p->format));
   }
   if (all_bf16) return kernels::ComputePath::kAuto;
   return exact_tiles ? kernels::ComputePath::kBrgemm : kernels::ComputePath::kStreaming;

@@ -69,56 +69,83 @@ constexpr int kFusedPrefetchLines = 16;  // 1 KB of codes ahead
 
 #define KT_FP8_DP_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,avx512bf16")))
 
-template <int MT, bool First, bool E8m0>
+// What the decoded values are multiplied by, besides the A rows: mxfp8's
+// exponents (added in the decode), or fp8's 128-k block scales of the block's
+// band (chunk_scales: each 128-k chunk's sums, exact products of bf16(x) and
+// the E4M3 values, times its scale in fp32), or nothing (the scales are on A).
+struct FusedScales {
+  const uint8_t* e8m0 = nullptr;
+  const float* chunk_scales = nullptr;
+};
+
+enum class FusedMode { kPlain, kE8m0, kChunked };
+
+template <int MT, bool First, FusedMode Mode>
 KT_FP8_DP_TARGET void fused_tile(const uint16_t* x, int64_t ldx, const uint8_t* codes,
                                  uint16_t* tile, int64_t kp, float* out, int64_t ldo,
-                                 const uint8_t* e8m0) {
+                                 const FusedScales& sc) {
   const VbmiDecoder dec;
   [[maybe_unused]] __m512i off = _mm512_setzero_si512();
+  constexpr int64_t kChunk = formats::kFp8ScaleBlock;
+  const int64_t kc = Mode == FusedMode::kChunked ? kChunk : kp;
   __m512 acc[MT];
+  for (int64_t k0 = 0; k0 < kp; k0 += kc) {
+    const int64_t k1 = std::min(kp, k0 + kc);
 #pragma GCC unroll 32
-  for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < kp; k += 4) {
-    __m512i w0, w1;
-    if constexpr (First) {
-      _mm_prefetch(reinterpret_cast<const char*>(codes + (k + 4 * kFusedPrefetchLines) * 16),
-                   _MM_HINT_T0);
-      dec.decode(codes + k * 16, w0, w1);
-      if constexpr (E8m0) {
-        if (k % kE8m0Group == 0) off = e8m0_pair_offsets(e8m0 + (k / kE8m0Group) * 16);
-        w0 = scale_bf16_pairs(w0, off);
-        w1 = scale_bf16_pairs(w1, off);
+    for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t k = k0; k < k1; k += 4) {
+      __m512i w0, w1;
+      if constexpr (First) {
+        _mm_prefetch(reinterpret_cast<const char*>(codes + (k + 4 * kFusedPrefetchLines) * 16),
+                     _MM_HINT_T0);
+        dec.decode(codes + k * 16, w0, w1);
+        if constexpr (Mode == FusedMode::kE8m0) {
+          if (k % kE8m0Group == 0) off = e8m0_pair_offsets(sc.e8m0 + (k / kE8m0Group) * 16);
+          w0 = scale_bf16_pairs(w0, off);
+          w1 = scale_bf16_pairs(w1, off);
+        }
+        _mm512_storeu_si512(tile + k * 16, w0);
+        _mm512_storeu_si512(tile + k * 16 + 32, w1);
+      } else {
+        w0 = _mm512_loadu_si512(tile + k * 16);
+        w1 = _mm512_loadu_si512(tile + k * 16 + 32);
       }
-      _mm512_storeu_si512(tile + k * 16, w0);
-      _mm512_storeu_si512(tile + k * 16 + 32, w1);
-    } else {
-      w0 = _mm512_loadu_si512(tile + k * 16);
-      w1 = _mm512_loadu_si512(tile + k * 16 + 32);
-    }
 #pragma GCC unroll 32
-    for (int i = 0; i < MT; ++i) {
-      int32_t pair;
-      __builtin_memcpy(&pair, x + i * ldx + k, sizeof(pair));
-      acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)w0, (__m512bh)_mm512_set1_epi32(pair));
-    }
+      for (int i = 0; i < MT; ++i) {
+        int32_t pair;
+        __builtin_memcpy(&pair, x + i * ldx + k, sizeof(pair));
+        acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)w0, (__m512bh)_mm512_set1_epi32(pair));
+      }
 #pragma GCC unroll 32
-    for (int i = 0; i < MT; ++i) {
-      int32_t pair;
-      __builtin_memcpy(&pair, x + i * ldx + k + 2, sizeof(pair));
-      acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)w1, (__m512bh)_mm512_set1_epi32(pair));
+      for (int i = 0; i < MT; ++i) {
+        int32_t pair;
+        __builtin_memcpy(&pair, x + i * ldx + k + 2, sizeof(pair));
+        acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)w1, (__m512bh)_mm512_set1_epi32(pair));
+      }
+    }
+    if constexpr (Mode == FusedMode::kChunked) {
+      const __m512 s = _mm512_set1_ps(sc.chunk_scales[k0 / kChunk]);
+#pragma GCC unroll 32
+      for (int i = 0; i < MT; ++i) {
+        float* o = out + i * ldo;
+        _mm512_storeu_ps(
+            o, k0 == 0 ? _mm512_mul_ps(acc[i], s) : _mm512_fmadd_ps(acc[i], s, _mm512_loadu_ps(o)));
+      }
     }
   }
+  if constexpr (Mode != FusedMode::kChunked) {
 #pragma GCC unroll 32
-  for (int i = 0; i < MT; ++i) _mm512_storeu_ps(out + i * ldo, acc[i]);
+    for (int i = 0; i < MT; ++i) _mm512_storeu_ps(out + i * ldo, acc[i]);
+  }
 }
 
-template <int N, bool First, bool E8m0>
+template <int N, bool First, FusedMode Mode>
 KT_FP8_DP_TARGET void fused_tile_n(int rows, const uint16_t* x, int64_t ldx, const uint8_t* codes,
                                    uint16_t* tile, int64_t kp, float* out, int64_t ldo,
-                                   const uint8_t* e8m0) {
+                                   const FusedScales& sc) {
   if constexpr (N >= 1) {
-    if (rows == N) return fused_tile<N, First, E8m0>(x, ldx, codes, tile, kp, out, ldo, e8m0);
-    return fused_tile_n<N - 1, First, E8m0>(rows, x, ldx, codes, tile, kp, out, ldo, e8m0);
+    if (rows == N) return fused_tile<N, First, Mode>(x, ldx, codes, tile, kp, out, ldo, sc);
+    return fused_tile_n<N - 1, First, Mode>(rows, x, ldx, codes, tile, kp, out, ldo, sc);
   }
 }
 
@@ -166,21 +193,25 @@ void fp8_to_bf16_vnni(const uint8_t* codes, int64_t kp, uint16_t* dst, int64_t l
 }
 
 void fp8_dp_block(const uint16_t* xs, int64_t ldx, int m, const uint8_t* codes, int64_t kp,
-                  uint16_t* tile, float* out, int64_t ldo, const uint8_t* e8m0) {
-  auto run = [&](auto e8m0_tag) {
-    constexpr bool kE8m0 = decltype(e8m0_tag)::value;
+                  uint16_t* tile, float* out, int64_t ldo, const uint8_t* e8m0,
+                  const float* chunk_scales) {
+  const FusedScales sc{e8m0, chunk_scales};
+  auto run = [&](auto mode_tag) {
+    constexpr FusedMode kMode = decltype(mode_tag)::value;
     for_each_row_tile(m, kFusedTileRows, [&](int t, int i, int rows) {
       if (t == 0)
-        fused_tile_n<kFusedTileRows, true, kE8m0>(rows, xs, ldx, codes, tile, kp, out, ldo, e8m0);
+        fused_tile_n<kFusedTileRows, true, kMode>(rows, xs, ldx, codes, tile, kp, out, ldo, sc);
       else
-        fused_tile_n<kFusedTileRows, false, kE8m0>(rows, xs + i * ldx, ldx, codes, tile, kp,
-                                                   out + i * ldo, ldo, e8m0);
+        fused_tile_n<kFusedTileRows, false, kMode>(rows, xs + i * ldx, ldx, codes, tile, kp,
+                                                   out + i * ldo, ldo, sc);
     });
   };
   if (e8m0 != nullptr)
-    run(std::true_type{});
+    run(std::integral_constant<FusedMode, FusedMode::kE8m0>{});
+  else if (chunk_scales != nullptr)
+    run(std::integral_constant<FusedMode, FusedMode::kChunked>{});
   else
-    run(std::false_type{});
+    run(std::integral_constant<FusedMode, FusedMode::kPlain>{});
 }
 
 bool fp8_e8m0_fits_bf16(const uint8_t* e8m0, int64_t groups, int rows) {
