@@ -128,12 +128,14 @@ __attribute__((weak)) void lora_dtx(const float* d, int64_t ldd, int m, int r, c
 // at dst + i * k_pairs as [k_pairs][mt] 32-bit pairs. bf16_dp_panel: out [m][16] (rows
 // ldo apart) = (add ? out : 0) + those rows times w [k_pairs][16][2] (a 16-column VNNI
 // panel slice), fp32 sums in k order per output; while the first row tile runs, the
-// lines of `next` are prefetched to L2 (8 per 8 k pairs).
+// lines of `next` are prefetched to L2 (8 per 8 k pairs). chunk_scales (or nullptr):
+// one per 64 k pairs, multiplying that chunk's fp32 sums (fp8's 128x128 block scales).
 __attribute__((weak)) void pack_pair_tiles(const uint16_t* rows, int64_t ld, int m, int k_pairs,
                                            uint32_t* dst);
 __attribute__((weak)) void bf16_dp_panel(const uint32_t* a_tiles, int m, const uint16_t* w,
                                          int k_pairs, float* out, int64_t ldo, bool add,
-                                         const PrefetchChunks& next);
+                                         const PrefetchChunks& next,
+                                         const float* chunk_scales = nullptr);
 // The LoRA backward's weight panels (kernels/avx512/bf16_vnni_panel_avx512.cpp): the
 // columns 2 kp0 .. 2 kp0 + cols of one packed bf16 16-row block as brgemm's VNNI B
 // operand over the rows, its 8 row pairs at dst + j * cols * 2 (cols a multiple of 16).

@@ -450,16 +450,43 @@ at::Tensor dense_expert_weight(const Projection& p, int64_t expert, const at::Te
 
 int64_t dense_panel_ld(const Projection& p) { return dense_ld(p.n); }
 
+bool fp8_block_scaled(const Projection& p) {
+  return p.format->layout == formats::Layout::kFp8 && !p.format->fp8_row_scales;
+}
+
+namespace {
+
+bool is_fp8_blocks(const Projection& p) { return fp8_block_scaled(p); }
+// fp8_channel: one fp32 scale per output row, as int8's.
+bool is_fp8_channel(const Projection& p) {
+  return p.format->layout == formats::Layout::kFp8 && p.format->fp8_row_scales &&
+         p.format->default_group_size == 0;
+}
+
+}  // namespace
+
 bool bf16_vnni_panel_applies(const Projection& p) {
   const bool bf16 = p.format->layout == formats::Layout::kBf16;
   const bool int8 = kernels::brgemm::int8_per_channel_applies(*p.format) && !p.zeros.defined() &&
                     kernels::avx512::int8_to_bf16_vnni != nullptr;
-  return (bf16 || int8) && p.n % 16 == 0 && p.k % 16 == 0 &&
+  const bool fp8 =
+      (is_fp8_blocks(p) || is_fp8_channel(p)) && kernels::avx512::fp8_to_bf16_vnni != nullptr;
+  return (bf16 || int8 || fp8) && p.n % 16 == 0 && p.k % 16 == 0 &&
          kernels::avx512::bf16_vnni_panel_block != nullptr && runtime::cpu_features().avx512;
 }
 
-const float* int8_channel_scales(const Projection& p, int64_t expert) {
-  if (p.format->layout == formats::Layout::kBf16) return nullptr;
+const float* fp8_chunk_scales(const Projection& p, int64_t expert, int64_t k0) {
+  if (!is_fp8_blocks(p)) return nullptr;
+  thread_local std::vector<float> t_scales;
+  const int64_t bands = p.scales.size(1), kblocks = p.scales.size(2);  // [E][n/128][k/128]
+  if (t_scales.size() < static_cast<size_t>(bands)) t_scales.resize(static_cast<size_t>(bands));
+  const float* s = p.scales.data_ptr<float>() + expert * bands * kblocks + k0 / 128;
+  for (int64_t b = 0; b < bands; ++b) t_scales[b] = s[b * kblocks];
+  return t_scales.data();
+}
+
+const float* channel_scales(const Projection& p, int64_t expert) {
+  if (p.format->layout == formats::Layout::kBf16 || is_fp8_blocks(p)) return nullptr;
   thread_local std::vector<float> t_scales;
   if (t_scales.size() < static_cast<size_t>(p.n)) t_scales.resize(static_cast<size_t>(p.n));
   const int64_t blocks = formats::ceil_div(p.n, int64_t{16});
@@ -472,12 +499,15 @@ const float* int8_channel_scales(const Projection& p, int64_t expert) {
 
 namespace {
 
-// Expert `expert`'s first 16-row block of a bf16 or int8 projection and the bytes
-// from one block to the next (bf16: [k/2][16][2]; int8: [Kp/4][16][4] codes).
+// Expert `expert`'s first 16-row block of a bf16, int8 or fp8 projection and the bytes
+// from one block to the next (bf16: [k/2][16][2]; int8: [Kp/4][16][4] codes; fp8:
+// [Kp][16] codes).
 std::pair<const uint8_t*, int64_t> expert_blocks(const Projection& p, int64_t expert) {
-  const int64_t block_bytes = p.format->layout == formats::Layout::kBf16
-                                  ? formats::bf16_block_elems(p.k) * 2
-                                  : p.weight.size(-1);  // [E][NB][Kp * 16]
+  const formats::Layout layout = p.format->layout;
+  const int64_t block_bytes = layout == formats::Layout::kBf16 ? formats::bf16_block_elems(p.k) * 2
+                              : layout == formats::Layout::kFp8
+                                  ? p.weight.size(2) * 16  // [E][NB][Kp][16]
+                                  : p.weight.size(-1);     // [E][NB][Kp * 16]
   return {static_cast<const uint8_t*>(p.weight.data_ptr()) +
               expert * (p.n / formats::kBf16BlockRows) * block_bytes,
           block_bytes};
@@ -494,14 +524,19 @@ void bf16_vnni_panel(const Projection& p, int64_t expert, int64_t k0, int64_t co
   const int64_t blocks = p.n / kRows;
   const auto [base, block_bytes] = expert_blocks(p, expert);
   if (p.format->layout != formats::Layout::kBf16) {
-    // int8: the block's codes of columns [k0, k0 + cols) decoded to their exact bf16
+    // int8, fp8: the block's codes of columns [k0, k0 + cols) decoded to their exact bf16
     // values ([cols/2][16][2], a bf16 block of that width), then the same panel.
     thread_local std::vector<uint16_t> t_block;
     if (t_block.size() < static_cast<size_t>(cols * kRows))
       t_block.resize(static_cast<size_t>(cols * kRows));
+    const bool fp8 = p.format->layout == formats::Layout::kFp8;
     for (int64_t nb = 0; nb < blocks; ++nb) {
-      kernels::avx512::int8_to_bf16_vnni(base + nb * block_bytes + k0 * kRows, cols,
-                                         t_block.data());
+      const uint8_t* codes = base + nb * block_bytes + k0 * kRows;  // int8 [k/4][16][4]
+      if (fp8) {                                                    // fp8 [k][16]
+        kernels::avx512::fp8_to_bf16_vnni(codes, cols, t_block.data(), kRows, nullptr, true);
+      } else {
+        kernels::avx512::int8_to_bf16_vnni(codes, cols, t_block.data());
+      }
       kernels::avx512::bf16_vnni_panel_block(t_block.data(), 0, cols,
                                              dst + nb * (kRows / 2) * cols * 2);
     }
@@ -518,7 +553,8 @@ kernels::PrefetchChunks vnni_panel_source(const Projection& p, int64_t expert, i
   const bool bf16 = p.format->layout == formats::Layout::kBf16;
   kernels::PrefetchChunks src;
   // 16 columns of a block: bf16 8 lines from k pair k0 / 2 (a pair of 16 rows per line),
-  // int8 4 lines from k quad k0 / 4 (a quad of 16 rows per line).
+  // int8 4 lines from k quad k0 / 4 (a quad of 16 rows per line), fp8 4 lines from k0
+  // (4 k of 16 rows per line).
   src.base = base + (bf16 ? k0 / 2 * 64 : k0 * formats::kBf16BlockRows);
   src.stride = block_bytes;
   src.chunk_lines_log2 = bf16 ? 3 : 2;

@@ -46,17 +46,25 @@ int64_t dense_panel_ld(const Projection& p);
 // reduction runs over n (the backward's d @ W, d [m, n]): bf16 [n / 2][cols][2], the
 // VNNI layout (pairs of consecutive rows of W per column), exact (no rounding), by
 // AVX-512 code (kernels/avx512/bf16_vnni_panel_avx512.cpp). For int8 (per channel,
-// no zeros) the panel holds the codes' exact bf16 values, without the channel scales
-// (int8_channel_scales: the caller folds them into d). Needs bf16_vnni_panel_applies(p)
-// (bf16 or int8, n and k multiples of 16, an AVX-512 CPU and build) and k0, cols
-// multiples of 16 inside [0, k); throws c10::Error otherwise.
+// no zeros), fp8 and fp8_channel the panel holds the codes' exact bf16 values, without
+// the scales: per output channel (channel_scales: the caller folds them into d), or
+// fp8's 128x128 blocks (fp8_chunk_scales: the kernel scales each 128-row chunk's sums).
+// Needs bf16_vnni_panel_applies(p) (bf16, int8, fp8 or fp8_channel, n and k multiples
+// of 16, an AVX-512 CPU and build) and k0, cols multiples of 16 inside [0, k); throws
+// c10::Error otherwise.
 bool bf16_vnni_panel_applies(const Projection& p);
 void bf16_vnni_panel(const Projection& p, int64_t expert, int64_t k0, int64_t cols, uint16_t* dst);
 // Where bf16_vnni_panel(p, expert, k0, 16, ...) reads: its lines, to prefetch
 // to L2 while the previous panel is multiplied (kernels::avx512::bf16_dp_panel).
 kernels::PrefetchChunks vnni_panel_source(const Projection& p, int64_t expert, int64_t k0);
-// An int8 projection's n channel scales of `expert` as fp32 (the calling thread's
-// buffer, valid until its next call); nullptr for bf16.
-const float* int8_channel_scales(const Projection& p, int64_t expert);
+// An int8 or fp8_channel projection's n channel scales of `expert` as fp32 (the calling
+// thread's buffer, valid until its next call); nullptr for the others (bf16, fp8).
+const float* channel_scales(const Projection& p, int64_t expert);
+// fp8 with its 128x128 block scales (not fp8_channel / mxfp8, scaled per row).
+bool fp8_block_scaled(const Projection& p);
+// An fp8 projection's (128x128 block scales) scales of the 128-column block holding
+// column k0, one per 128 rows (ceil(n / 128); the calling thread's buffer, valid until
+// its next call); nullptr for the other formats.
+const float* fp8_chunk_scales(const Projection& p, int64_t expert, int64_t k0);
 
 }  // namespace kt::moe

@@ -237,7 +237,11 @@ uint16_t* scratch_rows16(int slot, int64_t m, int64_t n) {
 // dtype of x) carries about that rounding anyway. On int8 the panels hold the codes'
 // exact bf16 values and the channel scales move onto the A rows: for dx into dg, du
 // before their rounding; for go Wd (scales along its reduction) go * s is split into
-// two bf16 rows, hi + lo, within 2^-17 of it (two calls on one panel).
+// two bf16 rows, hi + lo, within 2^-17 of it (two calls on one panel). fp8_channel
+// likewise; fp8 (128x128 block scales) keeps them off the rows: kt_ops' kernel scales
+// each 128-row chunk's fp32 sums (fp8_chunk_scales), so go Wd stays exact as on bf16.
+bool panel_on_kt_kernel();
+
 bool backward_on_brgemm(const at::Tensor& x, const at::Tensor& grad_output, const MoeLayer& w) {
   static const kernels::Isa avx512 = [] {
     try {
@@ -246,10 +250,14 @@ bool backward_on_brgemm(const at::Tensor& x, const at::Tensor& grad_output, cons
       return std::numeric_limits<kernels::Isa>::max();
     }
   }();
+  // fp8's 128x128 block scales are applied per 128-row chunk of the sums: kt_ops'
+  // kernel only (oneDNN's brgemm would need a call per chunk).
+  bool chunked = false;
+  for (const Projection* p : {&w.gate, &w.up, &w.down}) chunked = chunked || fp8_block_scaled(*p);
   return x.scalar_type() == at::kBFloat16 && grad_output.scalar_type() == at::kBFloat16 &&
          bf16_vnni_panel_applies(w.gate) && bf16_vnni_panel_applies(w.up) &&
          bf16_vnni_panel_applies(w.down) && kernels::active_isa() >= avx512 &&
-         kernels::brgemm::bf16_runs();
+         kernels::brgemm::bf16_runs() && (!chunked || panel_on_kt_kernel());
 }
 
 // Output columns per panel of the backward: a [n/2][64][2] bf16 panel of the weights
@@ -327,7 +335,8 @@ void vnni_products(std::initializer_list<std::pair<const uint16_t*, const Projec
         kernels::PrefetchChunks pf;
         if (np != nullptr && nc0 + s < np->k) pf = vnni_panel_source(*np, e, nc0 + s);
         kernels::avx512::bf16_dp_panel(packed[j].data(), static_cast<int>(m), panel.data() + s * n,
-                                       static_cast<int>(kp), out + c0 + s, k, add, pf);
+                                       static_cast<int>(kp), out + c0 + s, k, add, pf,
+                                       fp8_chunk_scales(*p, e, c0 + s));
       }
     }
   }
@@ -609,7 +618,7 @@ MoeGrads moe_backward_lora(const at::Tensor& grad_output, const at::Tensor& x,
         const Projection* then_dx = compute_grad_x ? &w.gate : nullptr;  // the next product
         uint16_t* go_rows = scratch_rows16(0, m, H);
         const int64_t ldr = kernels::tile_rows_ld(H);
-        const float* sd = int8_channel_scales(w.down, e);
+        const float* sd = channel_scales(w.down, e);
         if (sd == nullptr) {
           for (int64_t i = 0; i < m; ++i)
             std::memcpy(go_rows + i * ldr, go16p + token[i] * H, H * sizeof(uint16_t));
@@ -701,8 +710,8 @@ MoeGrads moe_backward_lora(const at::Tensor& grad_output, const at::Tensor& x,
           uint16_t* dg16 = scratch_rows16(0, m, I);
           uint16_t* du16 = scratch_rows16(1, m, I);
           const int64_t ldr = kernels::tile_rows_ld(I);
-          to_bf16_rows(dg.data_ptr<float>(), m, I, int8_channel_scales(w.gate, e), dg16, ldr);
-          to_bf16_rows(du.data_ptr<float>(), m, I, int8_channel_scales(w.up, e), du16, ldr);
+          to_bf16_rows(dg.data_ptr<float>(), m, I, channel_scales(w.gate, e), dg16, ldr);
+          to_bf16_rows(du.data_ptr<float>(), m, I, channel_scales(w.up, e), du16, ldr);
           vnni_products({{dg16, &w.gate}, {du16, &w.up}}, m, e, dx.data_ptr<float>());
         } else {
           base_products({{&dg, &w.gate}, {&du, &w.up}}, e, dx, panel);

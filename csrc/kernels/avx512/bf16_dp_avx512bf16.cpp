@@ -109,21 +109,15 @@ KT_BF16DP_TARGET __attribute__((always_inline)) inline void dp_packed_step(__m51
     acc[i] = _mm512_dpbf16_ps(acc[i], wl, (__m512bh)_mm512_set1_epi32(static_cast<int>(ap[i])));
 }
 
-// The LoRA backward's tile: MT rows of packed pairs a [k_pairs][MT] (one pointer, the
-// rows at fixed offsets: the row pointers of dp_tile would not fit the general
-// registers next to a prefetch stream) times one 16-column panel slice w [k_pairs][16][2].
-// While it runs, 8 lines of the next panel's source are prefetched to L2 per 8 k pairs
-// for the first pf_pairs pairs: chunks of CL lines (8: bf16, 4: int8), `stride` apart.
+// Pairs [p, end) of dp_packed_tile's product into acc; while p < pf_pairs, 8 lines of
+// the next panel's source per 8 pairs are prefetched to L2 (chunks of CL lines,
+// `stride` apart; pf advances).
 template <int MT, int CL>
-KT_BF16DP_TARGET void dp_packed_tile(const uint32_t* a, const uint16_t* w, int k_pairs, float* out,
-                                     int64_t ldo, bool add, const char* pf, int64_t stride,
-                                     int pf_pairs) {
-  __m512 acc[MT];
-#pragma GCC unroll 32
-  for (int i = 0; i < MT; ++i) acc[i] = add ? _mm512_loadu_ps(out + i * ldo) : _mm512_setzero_ps();
-  int p = 0;
+KT_BF16DP_TARGET __attribute__((always_inline)) inline void dp_packed_steps(
+    __m512* acc, const uint32_t* a, const uint16_t* w, int p, int end, const char*& pf,
+    int64_t stride, int pf_pairs) {
   if constexpr (CL > 0) {
-    for (; p + 8 <= pf_pairs; p += 8) {
+    for (; p + 8 <= end && p + 8 <= pf_pairs; p += 8) {
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) {
         __builtin_prefetch(pf + (j / CL) * stride + (j % CL) * 64, 0, 2);
@@ -132,25 +126,64 @@ KT_BF16DP_TARGET void dp_packed_tile(const uint32_t* a, const uint16_t* w, int k
       pf += (8 / CL) * stride;
     }
   }
-  for (; p < k_pairs; ++p) dp_packed_step<MT>(acc, a, w, p);
+  for (; p < end; ++p) dp_packed_step<MT>(acc, a, w, p);
+}
+
+// The LoRA backward's tile: MT rows of packed pairs a [k_pairs][MT] (one pointer, the
+// rows at fixed offsets: the row pointers of dp_tile would not fit the general
+// registers next to a prefetch stream) times one 16-column panel slice w [k_pairs][16][2].
+// While it runs, 8 lines of the next panel's source are prefetched to L2 per 8 k pairs
+// for the first pf_pairs pairs: chunks of CL lines (8: bf16, 4: int8 and fp8), `stride`
+// apart. chunk_scales (fp8's 128x128 blocks): each 64 pairs' (128 rows') fp32 sums
+// times their scale, added to out in order (exact products stay exact until then).
+template <int MT, int CL>
+KT_BF16DP_TARGET void dp_packed_tile(const uint32_t* a, const uint16_t* w, int k_pairs, float* out,
+                                     int64_t ldo, bool add, const char* pf, int64_t stride,
+                                     int pf_pairs, const float* chunk_scales) {
+  __m512 acc[MT];
+  if (chunk_scales == nullptr) {
 #pragma GCC unroll 32
-  for (int i = 0; i < MT; ++i) _mm512_storeu_ps(out + i * ldo, acc[i]);
+    for (int i = 0; i < MT; ++i)
+      acc[i] = add ? _mm512_loadu_ps(out + i * ldo) : _mm512_setzero_ps();
+    dp_packed_steps<MT, CL>(acc, a, w, 0, k_pairs, pf, stride, pf_pairs);
+#pragma GCC unroll 32
+    for (int i = 0; i < MT; ++i) _mm512_storeu_ps(out + i * ldo, acc[i]);
+    return;
+  }
+  constexpr int kChunkPairs = 64;
+  for (int c0 = 0; c0 < k_pairs; c0 += kChunkPairs) {
+#pragma GCC unroll 32
+    for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
+    dp_packed_steps<MT, CL>(acc, a, w, c0, std::min(k_pairs, c0 + kChunkPairs), pf, stride,
+                            pf_pairs);
+    const __m512 s = _mm512_set1_ps(chunk_scales[c0 / kChunkPairs]);
+    const bool load = add || c0 > 0;
+#pragma GCC unroll 32
+    for (int i = 0; i < MT; ++i) {
+      float* o = out + i * ldo;
+      _mm512_storeu_ps(
+          o, load ? _mm512_fmadd_ps(acc[i], s, _mm512_loadu_ps(o)) : _mm512_mul_ps(acc[i], s));
+    }
+  }
 }
 
 // dp_packed_tile<rows, CL> for rows in [1, N], picked at run time.
 template <int N, int CL>
 KT_BF16DP_TARGET void dp_packed_tile_n(int rows, const uint32_t* a, const uint16_t* w, int k_pairs,
                                        float* out, int64_t ldo, bool add, const char* pf,
-                                       int64_t stride, int pf_pairs) {
+                                       int64_t stride, int pf_pairs, const float* chunk_scales) {
   if constexpr (N >= 1) {
-    if (rows == N) return dp_packed_tile<N, CL>(a, w, k_pairs, out, ldo, add, pf, stride, pf_pairs);
-    return dp_packed_tile_n<N - 1, CL>(rows, a, w, k_pairs, out, ldo, add, pf, stride, pf_pairs);
+    if (rows == N)
+      return dp_packed_tile<N, CL>(a, w, k_pairs, out, ldo, add, pf, stride, pf_pairs,
+                                   chunk_scales);
+    return dp_packed_tile_n<N - 1, CL>(rows, a, w, k_pairs, out, ldo, add, pf, stride, pf_pairs,
+                                       chunk_scales);
   }
 }
 
 KT_BF16DP_TARGET void bf16_dp_panel_impl(const uint32_t* a_tiles, int m, const uint16_t* w,
                                          int k_pairs, float* out, int64_t ldo, bool add,
-                                         const PrefetchChunks& next) {
+                                         const PrefetchChunks& next, const float* chunk_scales) {
   const auto* pf = static_cast<const char*>(next.base);
   const int log2 = next.chunk_lines_log2;
   // Whole groups of 8 lines (8 k pairs) only: a tail of < 8 lines goes unprefetched.
@@ -160,13 +193,14 @@ KT_BF16DP_TARGET void bf16_dp_panel_impl(const uint32_t* a_tiles, int m, const u
     const uint32_t* a = a_tiles + static_cast<int64_t>(i) * k_pairs;
     float* o = out + i * ldo;
     if (t == 0 && pf_pairs > 0 && log2 == 3) {
-      dp_packed_tile_n<kMaxTileRows, 8>(rows, a, w, k_pairs, o, ldo, add, pf, next.stride,
-                                        pf_pairs);
+      dp_packed_tile_n<kMaxTileRows, 8>(rows, a, w, k_pairs, o, ldo, add, pf, next.stride, pf_pairs,
+                                        chunk_scales);
     } else if (t == 0 && pf_pairs > 0 && log2 == 2) {
-      dp_packed_tile_n<kMaxTileRows, 4>(rows, a, w, k_pairs, o, ldo, add, pf, next.stride,
-                                        pf_pairs);
+      dp_packed_tile_n<kMaxTileRows, 4>(rows, a, w, k_pairs, o, ldo, add, pf, next.stride, pf_pairs,
+                                        chunk_scales);
     } else {
-      dp_packed_tile_n<kMaxTileRows, 0>(rows, a, w, k_pairs, o, ldo, add, nullptr, 0, 0);
+      dp_packed_tile_n<kMaxTileRows, 0>(rows, a, w, k_pairs, o, ldo, add, nullptr, 0, 0,
+                                        chunk_scales);
     }
   });
 }
@@ -180,8 +214,8 @@ void bf16_dp_dot(const DotArgs& a, const TileOperand& op) {
 }
 
 void bf16_dp_panel(const uint32_t* a_tiles, int m, const uint16_t* w, int k_pairs, float* out,
-                   int64_t ldo, bool add, const PrefetchChunks& next) {
-  bf16_dp_panel_impl(a_tiles, m, w, k_pairs, out, ldo, add, next);
+                   int64_t ldo, bool add, const PrefetchChunks& next, const float* chunk_scales) {
+  bf16_dp_panel_impl(a_tiles, m, w, k_pairs, out, ldo, add, next, chunk_scales);
 }
 
 void pack_pair_tiles(const uint16_t* rows, int64_t ld, int m, int k_pairs, uint32_t* dst) {
