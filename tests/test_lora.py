@@ -774,7 +774,7 @@ BACKWARD_BF16_KERNELS = ["onednn", "kt"]
 
 
 @pytest.mark.parametrize("bf16_kernel", BACKWARD_BF16_KERNELS)
-@pytest.mark.parametrize("base", ["bf16", "int8", "fp8", "fp8_channel", "mxfp8"])
+@pytest.mark.parametrize("base", ["bf16", "int8", "fp8", "fp8_channel", "mxfp8", "mxfp8_e0"])
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["save", "recompute"])
 def test_lora_gradients_at_fp32_accuracy_on_a_bf16_base(
     checkpointing: bool, isa: str, base: str, bf16_kernel: str
@@ -787,7 +787,10 @@ def test_lora_gradients_at_fp32_accuracy_on_a_bf16_base(
     # backward's go Wd splits go * scale into two bf16 rows (within 2^-17). fp8 bases: the
     # E4M3 values are exact in bf16 (forward: avx512_bf16/fp8_dp_exact, fp8's block
     # scales on each 128-k chunk's fp32 sums; fp8_channel's on the outputs; mxfp8's in
-    # the decoded values; elsewhere the streaming kernels with fp32 activations). The
+    # the decoded values; elsewhere the streaming kernels with fp32 activations); mxfp8_e0:
+    # one exponent group of one expert's gate set to E = 0, outside bf16's range once
+    # added to the decoded values: that block streams in the forward and that expert's
+    # backward products run on fp32 BLAS (moe_lora.cpp, panel_values_exact). The
     # backward's products with the base run on either bf16 kernel (kt_ops' packs its rows
     # as row tiles and prefetches the next weight panel: one expert of 3 tokens, others
     # of ~60 in 3 tiles, panels of 64 and 32 columns); x's gradient (bf16, from dg / du
@@ -803,7 +806,15 @@ def test_lora_gradients_at_fp32_accuracy_on_a_bf16_base(
     g = torch.Generator().manual_seed(7)
     dense = [(torch.randn(E, n, k, generator=g) / k**0.5).bfloat16() for n, k in ((I, H),) * 2]
     dense.append((torch.randn(E, H, I, generator=g) / I**0.5).bfloat16())
-    weights = kt_ops.ExpertWeights.from_dense(*dense, base)
+    weights = kt_ops.ExpertWeights.from_dense(*dense, base.removesuffix("_e0"))
+    if base == "mxfp8_e0":
+        from kt_ops.formats import PackedProjection
+
+        gp = weights.projections[0]
+        scales = gp.scales.clone()
+        scales[1, 2, 3, :] = 0  # expert 1, rows 32-47, k 96-127: 2^-127
+        gate = PackedProjection(gp.weight, scales, None, "mxfp8", gp.group_size, gp.n, gp.k)
+        weights = kt_ops.ExpertWeights(gate, *weights.projections[1:])
     if base != "bf16":  # the reference multiplies the dequantized weights
         dense = list(dense_weights(weights))
     x = torch.randn(T, H, generator=g).bfloat16()

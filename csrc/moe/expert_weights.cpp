@@ -462,6 +462,11 @@ bool is_fp8_channel(const Projection& p) {
   return p.format->layout == formats::Layout::kFp8 && p.format->fp8_row_scales &&
          p.format->default_group_size == 0;
 }
+// mxfp8: a UE8M0 exponent per row and 32 k, moved into the decoded bf16 values.
+bool is_mxfp8(const Projection& p) {
+  return p.format->layout == formats::Layout::kFp8 &&
+         p.format->packed_scale_type == formats::ScaleType::kE8M0;
+}
 
 }  // namespace
 
@@ -469,8 +474,9 @@ bool bf16_vnni_panel_applies(const Projection& p) {
   const bool bf16 = p.format->layout == formats::Layout::kBf16;
   const bool int8 = kernels::brgemm::int8_per_channel_applies(*p.format) && !p.zeros.defined() &&
                     kernels::avx512::int8_to_bf16_vnni != nullptr;
-  const bool fp8 =
-      (is_fp8_blocks(p) || is_fp8_channel(p)) && kernels::avx512::fp8_to_bf16_vnni != nullptr;
+  const bool fp8 = (is_fp8_blocks(p) || is_fp8_channel(p) || is_mxfp8(p)) &&
+                   kernels::avx512::fp8_to_bf16_vnni != nullptr &&
+                   kernels::avx512::fp8_e8m0_fits_bf16 != nullptr;
   return (bf16 || int8 || fp8) && p.n % 16 == 0 && p.k % 16 == 0 &&
          kernels::avx512::bf16_vnni_panel_block != nullptr && runtime::cpu_features().avx512;
 }
@@ -485,8 +491,20 @@ const float* fp8_chunk_scales(const Projection& p, int64_t expert, int64_t k0) {
   return t_scales.data();
 }
 
+bool panel_values_exact(const Projection& p, int64_t expert) {
+  if (!is_mxfp8(p)) return true;
+  const int64_t blocks = formats::ceil_div(p.n, int64_t{16}), groups = p.scales.size(2);
+  const auto* e = static_cast<const uint8_t*>(p.scales.data_ptr()) +
+                  expert * blocks * groups * 16;  // [E][NB][G][16]
+  for (int64_t nb = 0; nb < blocks; ++nb) {
+    const int rows = static_cast<int>(std::min<int64_t>(16, p.n - 16 * nb));
+    if (!kernels::avx512::fp8_e8m0_fits_bf16(e + nb * groups * 16, groups, rows)) return false;
+  }
+  return true;
+}
+
 const float* channel_scales(const Projection& p, int64_t expert) {
-  if (p.format->layout == formats::Layout::kBf16 || is_fp8_blocks(p)) return nullptr;
+  if (p.format->layout == formats::Layout::kBf16 || is_fp8_blocks(p) || is_mxfp8(p)) return nullptr;
   thread_local std::vector<float> t_scales;
   if (t_scales.size() < static_cast<size_t>(p.n)) t_scales.resize(static_cast<size_t>(p.n));
   const int64_t blocks = formats::ceil_div(p.n, int64_t{16});
@@ -530,14 +548,24 @@ void bf16_vnni_panel(const Projection& p, int64_t expert, int64_t k0, int64_t co
     if (t_block.size() < static_cast<size_t>(cols * kRows))
       t_block.resize(static_cast<size_t>(cols * kRows));
     const bool fp8 = p.format->layout == formats::Layout::kFp8;
+    // mxfp8: decoded from the start of the exponents' 32-k group holding k0.
+    const int64_t lead = is_mxfp8(p) ? k0 % formats::kMxfp8GroupK : 0;
+    const int64_t groups = is_mxfp8(p) ? p.scales.size(2) : 0;
+    if (t_block.size() < static_cast<size_t>((cols + lead) * kRows))
+      t_block.resize(static_cast<size_t>((cols + lead) * kRows));
     for (int64_t nb = 0; nb < blocks; ++nb) {
-      const uint8_t* codes = base + nb * block_bytes + k0 * kRows;  // int8 [k/4][16][4]
-      if (fp8) {                                                    // fp8 [k][16]
-        kernels::avx512::fp8_to_bf16_vnni(codes, cols, t_block.data(), kRows, nullptr, true);
+      const uint8_t* codes = base + nb * block_bytes + (k0 - lead) * kRows;  // int8 [k/4][16][4]
+      if (fp8) {                                                             // fp8 [k][16]
+        const uint8_t* e8m0 =
+            groups == 0 ? nullptr
+                        : static_cast<const uint8_t*>(p.scales.data_ptr()) +
+                              ((expert * blocks + nb) * groups + k0 / formats::kMxfp8GroupK) * 16;
+        kernels::avx512::fp8_to_bf16_vnni(codes, cols + lead, t_block.data(), kRows, nullptr, true,
+                                          e8m0);
       } else {
         kernels::avx512::int8_to_bf16_vnni(codes, cols, t_block.data());
       }
-      kernels::avx512::bf16_vnni_panel_block(t_block.data(), 0, cols,
+      kernels::avx512::bf16_vnni_panel_block(t_block.data(), lead / 2, cols,
                                              dst + nb * (kRows / 2) * cols * 2);
     }
     return;

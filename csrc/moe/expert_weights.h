@@ -48,9 +48,10 @@ int64_t dense_panel_ld(const Projection& p);
 // AVX-512 code (kernels/avx512/bf16_vnni_panel_avx512.cpp). For int8 (per channel,
 // no zeros), fp8 and fp8_channel the panel holds the codes' exact bf16 values, without
 // the scales: per output channel (channel_scales: the caller folds them into d), or
-// fp8's 128x128 blocks (fp8_chunk_scales: the kernel scales each 128-row chunk's sums).
-// Needs bf16_vnni_panel_applies(p) (bf16, int8, fp8 or fp8_channel, n and k multiples
-// of 16, an AVX-512 CPU and build) and k0, cols multiples of 16 inside [0, k); throws
+// fp8's 128x128 blocks (fp8_chunk_scales: the kernel scales each 128-row chunk's sums);
+// for mxfp8 the values times their power-of-two scales (exact: panel_values_exact).
+// Needs bf16_vnni_panel_applies(p) (bf16, int8 or an fp8 format, n and k multiples of
+// 16, an AVX-512 CPU and build) and k0, cols multiples of 16 inside [0, k); throws
 // c10::Error otherwise.
 bool bf16_vnni_panel_applies(const Projection& p);
 void bf16_vnni_panel(const Projection& p, int64_t expert, int64_t k0, int64_t cols, uint16_t* dst);
@@ -60,6 +61,10 @@ kernels::PrefetchChunks vnni_panel_source(const Projection& p, int64_t expert, i
 // An int8 or fp8_channel projection's n channel scales of `expert` as fp32 (the calling
 // thread's buffer, valid until its next call); nullptr for the others (bf16, fp8).
 const float* channel_scales(const Projection& p, int64_t expert);
+// Whether bf16_vnni_panel gives expert's exact values: always, but for mxfp8 blocks
+// with exponents outside [10, 246] (e4m3 * 2^(E-127) then leaves bf16's normal range;
+// no real checkpoint has them), which the caller computes otherwise.
+bool panel_values_exact(const Projection& p, int64_t expert);
 // fp8 with its 128x128 block scales (not fp8_channel / mxfp8, scaled per row).
 bool fp8_block_scaled(const Projection& p);
 // An fp8 projection's (128x128 block scales) scales of the 128-column block holding

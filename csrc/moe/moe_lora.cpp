@@ -588,6 +588,9 @@ MoeGrads moe_backward_lora(const at::Tensor& grad_output, const at::Tensor& x,
       const int64_t* token = plan.row_token.data() + r0;
       const float* rw = plan.row_weight.data() + r0;
       std::vector<float>& panel = task_scratch().panel;
+      // The panels' values exact for this expert (mxfp8's exponents in bf16's range).
+      const bool panels = on_brgemm && panel_values_exact(w.gate, e) &&
+                          panel_values_exact(w.up, e) && panel_values_exact(w.down, e);
 
       at::Tensor xe = scratch_mat(0, m, H);
       gather_rows(xp, m, H, token, xe.data_ptr<float>());
@@ -614,7 +617,7 @@ MoeGrads moe_backward_lora(const at::Tensor& grad_output, const at::Tensor& x,
       at::Tensor go = scratch_mat(4, m, H);
       gather_rows(gop, m, H, token, go.data_ptr<float>());
       at::Tensor dh = scratch_mat(5, m, I);
-      if (on_brgemm) {
+      if (panels) {
         const Projection* then_dx = compute_grad_x ? &w.gate : nullptr;  // the next product
         uint16_t* go_rows = scratch_rows16(0, m, H);
         const int64_t ldr = kernels::tile_rows_ld(H);
@@ -706,7 +709,7 @@ MoeGrads moe_backward_lora(const at::Tensor& grad_output, const at::Tensor& x,
       if (compute_grad_x) {
         // dx = dg Wg + du Wu + s (dg Bg) Ag + s (du Bu) Au.
         at::Tensor dx = scratch_mat(6, m, H);
-        if (on_brgemm) {
+        if (panels) {
           uint16_t* dg16 = scratch_rows16(0, m, I);
           uint16_t* du16 = scratch_rows16(1, m, I);
           const int64_t ldr = kernels::tile_rows_ld(I);
