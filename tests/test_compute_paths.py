@@ -1363,15 +1363,19 @@ def test_fp8_every_code_decodes_exactly(isa):
             assert_matches_reference(out, ref, TOL_BF16_BRGEMM)
 
 
+def skip_unless_fp8_tile_decode_runs(decode: str) -> None:
+    feats = kt_ops.info()["cpu_features"]
+    if not feats["avx512"] or (decode == "vbmi" and not feats.get("avx512_vbmi")):
+        pytest.skip(f"the {decode} decode needs AVX-512{' VBMI' if decode == 'vbmi' else ''}")
+
+
 @pytest.mark.parametrize("decode", ["vbmi", "bw"])
 def test_fp8_tile_decode_of_every_code(decode):
     # The decode to brgemm's VNNI tile, both implementations, on all 256
     # codes: word (k // 2) * 32 + 2 * r + k % 2 holds bf16(E4M3 value of
     # codes[k][r]) exactly (E4M3's NaN codes 0x7F / 0xFF, which the packer
     # refuses, decode to +-480 as in the streaming kernels).
-    feats = kt_ops.info()["cpu_features"]
-    if not feats["avx512"] or (decode == "vbmi" and not feats.get("avx512_vbmi")):
-        pytest.skip(f"the {decode} decode needs AVX-512{' VBMI' if decode == 'vbmi' else ''}")
+    skip_unless_fp8_tile_decode_runs(decode)
     kp = 64
     g = torch.Generator().manual_seed(5)
     codes = torch.cat([torch.arange(256), torch.randint(0, 256, (kp * 16 - 256,), generator=g)])
@@ -1390,9 +1394,7 @@ def test_mxfp8_tile_decode_adds_the_exponents(decode):
     # mxfp8 on the tiles: the decode moves each row's bf16 exponents by E - 127
     # (one UE8M0 byte per row and 32 k): every finite code times 2^(E-127), exactly,
     # for E over bf16's safe range [10, 246] (its ends included); +-0 stay +-0.
-    feats = kt_ops.info()["cpu_features"]
-    if not feats["avx512"] or (decode == "vbmi" and not feats.get("avx512_vbmi")):
-        pytest.skip(f"the {decode} decode needs AVX-512{' VBMI' if decode == 'vbmi' else ''}")
+    skip_unless_fp8_tile_decode_runs(decode)
     kp = 256
     g = torch.Generator().manual_seed(6)
     finite = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)

@@ -456,7 +456,6 @@ bool fp8_block_scaled(const Projection& p) {
 
 namespace {
 
-bool is_fp8_blocks(const Projection& p) { return fp8_block_scaled(p); }
 // fp8_channel: one fp32 scale per output row, as int8's.
 bool is_fp8_channel(const Projection& p) {
   return p.format->layout == formats::Layout::kFp8 && p.format->fp8_row_scales &&
@@ -474,7 +473,7 @@ bool bf16_vnni_panel_applies(const Projection& p) {
   const bool bf16 = p.format->layout == formats::Layout::kBf16;
   const bool int8 = kernels::brgemm::int8_per_channel_applies(*p.format) && !p.zeros.defined() &&
                     kernels::avx512::int8_to_bf16_vnni != nullptr;
-  const bool fp8 = (is_fp8_blocks(p) || is_fp8_channel(p) || is_mxfp8(p)) &&
+  const bool fp8 = (fp8_block_scaled(p) || is_fp8_channel(p) || is_mxfp8(p)) &&
                    kernels::avx512::fp8_to_bf16_vnni != nullptr &&
                    kernels::avx512::fp8_e8m0_fits_bf16 != nullptr;
   return (bf16 || int8 || fp8) && p.n % 16 == 0 && p.k % 16 == 0 &&
@@ -482,7 +481,7 @@ bool bf16_vnni_panel_applies(const Projection& p) {
 }
 
 const float* fp8_chunk_scales(const Projection& p, int64_t expert, int64_t k0) {
-  if (!is_fp8_blocks(p)) return nullptr;
+  if (!fp8_block_scaled(p)) return nullptr;
   thread_local std::vector<float> t_scales;
   const int64_t bands = p.scales.size(1), kblocks = p.scales.size(2);  // [E][n/128][k/128]
   if (t_scales.size() < static_cast<size_t>(bands)) t_scales.resize(static_cast<size_t>(bands));
@@ -504,7 +503,8 @@ bool panel_values_exact(const Projection& p, int64_t expert) {
 }
 
 const float* channel_scales(const Projection& p, int64_t expert) {
-  if (p.format->layout == formats::Layout::kBf16 || is_fp8_blocks(p) || is_mxfp8(p)) return nullptr;
+  if (p.format->layout == formats::Layout::kBf16 || fp8_block_scaled(p) || is_mxfp8(p))
+    return nullptr;
   thread_local std::vector<float> t_scales;
   if (t_scales.size() < static_cast<size_t>(p.n)) t_scales.resize(static_cast<size_t>(p.n));
   const int64_t blocks = formats::ceil_div(p.n, int64_t{16});

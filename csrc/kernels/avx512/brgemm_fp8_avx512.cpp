@@ -31,8 +31,6 @@
 
 namespace kt::kernels::avx512 {
 
-#define KT_ALWAYS_INLINE_FP8 inline __attribute__((always_inline))
-
 namespace {
 
 using VbmiDecoder = E4m3VbmiDecoder<0>;
@@ -46,7 +44,7 @@ KT_E4M3_VBMI_TARGET void decode_vbmi(const uint8_t* codes, int64_t kp, uint16_t*
     __m512i p0, p1;
     dec.decode(codes + k * 16, p0, p1);
     if (e8m0 != nullptr) {
-      if (k % kE8m0Group == 0) off = e8m0_pair_offsets(e8m0 + (k / kE8m0Group) * 16);
+      e8m0_track_group(e8m0, k, off);
       p0 = scale_bf16_pairs(p0, off);
       p1 = scale_bf16_pairs(p1, off);
     }
@@ -100,7 +98,7 @@ KT_FP8_DP_TARGET void fused_tile(const uint16_t* x, int64_t ldx, const uint8_t* 
                      _MM_HINT_T0);
         dec.decode(codes + k * 16, w0, w1);
         if constexpr (Mode == FusedMode::kE8m0) {
-          if (k % kE8m0Group == 0) off = e8m0_pair_offsets(sc.e8m0 + (k / kE8m0Group) * 16);
+          e8m0_track_group(sc.e8m0, k, off);
           w0 = scale_bf16_pairs(w0, off);
           w1 = scale_bf16_pairs(w1, off);
         }
@@ -175,7 +173,7 @@ __attribute__((target("avx512f,avx512bw"))) void decode_bw(const uint8_t* codes,
     v = _mm512_ternarylogic_epi32(v, _mm512_slli_epi16(b, 8),
                                   _mm512_set1_epi16(static_cast<int16_t>(0x8000)), 0xF8);
     if (e8m0 != nullptr) {
-      if (k % kE8m0Group == 0) off = e8m0_pair_offsets(e8m0 + (k / kE8m0Group) * 16);
+      e8m0_track_group(e8m0, k, off);
       v = scale_bf16_pairs(v, off);
     }
     _mm512_storeu_si512(dst + (k / 2) * ldb * 2, v);
@@ -214,8 +212,22 @@ void fp8_dp_block(const uint16_t* xs, int64_t ldx, int m, const uint8_t* codes, 
     run(std::integral_constant<FusedMode, FusedMode::kPlain>{});
 }
 
+// Rows past a projection's N (zero codes, which stay zero whatever their exponent)
+// are not looked at.
 bool fp8_e8m0_fits_bf16(const uint8_t* e8m0, int64_t groups, int rows) {
-  return e8m0_fits_bf16(e8m0, groups, rows);
+  const uint64_t r16 = rows >= 16 ? 0xFFFF : (uint64_t{1} << rows) - 1;
+  const __mmask64 row_mask = r16 | r16 << 16 | r16 << 32 | r16 << 48;
+  const __m512i mid = _mm512_set1_epi8(127);
+  __m512i lo = mid, hi = mid;
+  const int64_t n = groups * 16;
+  for (int64_t i = 0; i < n; i += 64) {
+    const __mmask64 tail = n - i >= 64 ? ~__mmask64{0} : (__mmask64{1} << (n - i)) - 1;
+    const __m512i v = _mm512_mask_loadu_epi8(mid, row_mask & tail, e8m0 + i);
+    lo = _mm512_min_epu8(lo, v);
+    hi = _mm512_max_epu8(hi, v);
+  }
+  return _mm512_cmplt_epu8_mask(lo, _mm512_set1_epi8(kE8m0BfMin)) == 0 &&
+         _mm512_cmpgt_epu8_mask(hi, _mm512_set1_epi8(static_cast<char>(kE8m0BfMax))) == 0;
 }
 
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) void scale_rows_to_bf16(

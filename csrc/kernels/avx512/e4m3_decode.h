@@ -102,7 +102,7 @@ struct E4m3VbmiDecoder {
 // again a bf16 value, its exponent field moved by E - 127, as long as it stays
 // a normal one: the decoded exponents (Shift 0) lie in 118..135, so every E in
 // [kE8m0BfMin, kE8m0BfMax] keeps them in 1..254; the callers check a block's
-// exponents first (e8m0_fits_bf16) and take another kernel where one is outside.
+// exponents first (fp8_e8m0_fits_bf16) and take another kernel where one is outside.
 constexpr int kE8m0Group = 32;  // k per exponent (formats::kMxfp8GroupK)
 constexpr int kE8m0BfMin = 10;
 constexpr int kE8m0BfMax = 246;
@@ -124,23 +124,10 @@ KT_E4M3_INLINE __m512i scale_bf16_pairs(__m512i pairs, __m512i offsets) {
   return _mm512_mask_add_epi16(pairs, nonzero, pairs, offsets);
 }
 
-// True when the exponents of rows [0, rows) of every group of e ([groups][16]
-// bytes) lie in [kE8m0BfMin, kE8m0BfMax]. Rows past a projection's N (zero
-// codes, which stay zero whatever their exponent) are not looked at.
-inline bool e8m0_fits_bf16(const uint8_t* e, int64_t groups, int rows) {
-  const uint64_t r16 = rows >= 16 ? 0xFFFF : (uint64_t{1} << rows) - 1;
-  const __mmask64 row_mask = r16 | r16 << 16 | r16 << 32 | r16 << 48;
-  const __m512i mid = _mm512_set1_epi8(127);
-  __m512i lo = mid, hi = mid;
-  const int64_t n = groups * 16;
-  for (int64_t i = 0; i < n; i += 64) {
-    const __mmask64 tail = n - i >= 64 ? ~__mmask64{0} : (__mmask64{1} << (n - i)) - 1;
-    const __m512i v = _mm512_mask_loadu_epi8(mid, row_mask & tail, e + i);
-    lo = _mm512_min_epu8(lo, v);
-    hi = _mm512_max_epu8(hi, v);
-  }
-  return _mm512_cmplt_epu8_mask(lo, _mm512_set1_epi8(kE8m0BfMin)) == 0 &&
-         _mm512_cmpgt_epu8_mask(hi, _mm512_set1_epi8(static_cast<char>(kE8m0BfMax))) == 0;
+// In a decode loop over k from 0: `off` made anew from e8m0 ([groups][16]) at each
+// 32-k group's first k.
+KT_E4M3_INLINE void e8m0_track_group(const uint8_t* e8m0, int64_t k, __m512i& off) {
+  if (k % kE8m0Group == 0) off = e8m0_pair_offsets(e8m0 + (k / kE8m0Group) * 16);
 }
 
 }  // namespace kt::kernels::avx512
