@@ -774,7 +774,12 @@ BACKWARD_BF16_KERNELS = ["onednn", "kt"]
 
 
 @pytest.mark.parametrize("bf16_kernel", BACKWARD_BF16_KERNELS)
-@pytest.mark.parametrize("base", ["bf16", "int8", "fp8", "fp8_channel", "mxfp8", "mxfp8_e0"])
+@pytest.mark.parametrize(
+    "base",
+    ["bf16", "int8", "fp8", "fp8_channel", "mxfp8", "mxfp8_e0"]
+    + ["int4", "int4_zeros", "q4_k", "q5_k", "q6_k", "q8_0", "q4_0", "mxfp4", "nvfp4"]
+    + ["int8,int8,q6_k"],
+)
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["save", "recompute"])
 def test_lora_gradients_at_fp32_accuracy_on_a_bf16_base(
     checkpointing: bool, isa: str, base: str, bf16_kernel: str
@@ -798,15 +803,27 @@ def test_lora_gradients_at_fp32_accuracy_on_a_bf16_base(
     # gradient is bit-identical at 1 and 2 threads. H = 512: the LoRA factors' rows along
     # H are 2 KiB apart, so the rank-r products read padded copies of them (LoraF32::a_rows,
     # bt_rows) for experts of 16+ rows and the factors themselves for the expert of 3.
+    # Bases whose values are not bf16 values (int4 with or without zeros, the k-quants,
+    # q8_0, q4_0, mxfp4, nvfp4; a q6_k down projection beside int8 gate / up): their
+    # forward streams with fp32 activations, their backward splits the decoded weights
+    # into bf16 hi + lo panels (split_vnni_panel): go Wd on both (the LoRA gradients
+    # within 1e-5; a hi-only go Wd gives ~1.4e-3), dx on hi (x's gradient ~2.7e-3 against
+    # bf16's 2.2e-3).
     if bf16_kernel == "kt" and not kt_ops.info()["cpu_features"]["avx512_bf16"]:
         pytest.skip("kt_ops' bf16 kernels need AVX512_BF16")
     from reference import dense_weights
 
     E, H, I, K, T, r = 5, 512, 96, 2, 160, 4  # noqa: E741
+    if "_k" in base:
+        I = 256  # noqa: E741  (the k-quants' super-blocks of 256 k)
     g = torch.Generator().manual_seed(7)
     dense = [(torch.randn(E, n, k, generator=g) / k**0.5).bfloat16() for n, k in ((I, H),) * 2]
     dense.append((torch.randn(E, H, I, generator=g) / I**0.5).bfloat16())
-    weights = kt_ops.ExpertWeights.from_dense(*dense, base.removesuffix("_e0"))
+    fmt = base.removesuffix("_e0").removesuffix("_zeros")
+    group = 32 if fmt == "int4" else None  # I = 96
+    weights = kt_ops.ExpertWeights.from_dense(
+        *dense, fmt, group_size=group, symmetric=not base.endswith("_zeros")
+    )
     if base == "mxfp8_e0":
         from kt_ops.formats import PackedProjection
 

@@ -38,6 +38,7 @@ from reference import (
 from test_lora import (
     ALL3,
     LORA_NAMES,
+    TOL_BF16_ON_KERNELS,
     Case,
     _requires_grad,
     assert_grads_match,
@@ -312,7 +313,11 @@ def test_low_precision_activations_and_adapters():
     assert out.dtype == torch.bfloat16 and grads["down_lora_b"].dtype == torch.bfloat16
     ref_out, ref_grads = reference_grads(p)
     assert_matches_reference(out, ref_out)
-    assert_grads_match(grads, ref_grads)
+    # bf16 hidden states and output gradient: where the CPU has the bf16 products, x's
+    # gradient runs on them (dg, du and the split weights' hi part rounded to bf16,
+    # moe_lora.cpp): about two bf16 roundings of each product, ~1e-3 of max|dx|, as a bf16
+    # base's (test_lora_gradients_at_fp32_accuracy_on_a_bf16_base).
+    assert_grads_match(grads, ref_grads, {"hidden_states": TOL_BF16_ON_KERNELS})
 
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["save", "recompute"])

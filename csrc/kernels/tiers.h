@@ -141,6 +141,25 @@ __attribute__((weak)) void bf16_dp_panel(const uint32_t* a_tiles, int m, const u
 // operand over the rows, its 8 row pairs at dst + j * cols * 2 (cols a multiple of 16).
 __attribute__((weak)) void bf16_vnni_panel_block(const uint16_t* block, int64_t kp0, int64_t cols,
                                                  uint16_t* dst);
+// How a qint code q becomes a weight (docs/formats.md, qint): kSigned 8-bit s * q;
+// kOffset s * (q - offset) (an implicit zero); kZeros s * q - z; kE2m1 (mxfp4, nvfp4)
+// s * 2 e2m1(q).
+enum class QintValue { kSigned, kOffset, kZeros, kE2m1 };
+// Columns [k0, k0 + 16) (k0 a multiple of 16, inside one group) of one 16-row block of
+// qint codes (low plane `low`, 5/6-bit high plane `high`) with that group's per-row
+// scales s[16] (and zeros z[16] for kZeros), as fp32 dst[c * 16 + r] (the value of row
+// r, column k0 + c): the scalar dense decoder's values (a product, then a difference).
+// False (nothing written) for a code width / value form it does not decode
+// (kernels/avx512/qint_columns_avx512.cpp).
+__attribute__((weak)) bool qint_columns_f32(const uint8_t* low, const uint8_t* high, int bits,
+                                            QintValue value, int32_t offset, int64_t k0,
+                                            const float* s, const float* z, float* dst);
+// Weights that are not bf16 values as two bf16 blocks (the packed layout that
+// bf16_vnni_panel_block reads, [cols/2][16][2]): of 16 rows x cols (even) finite fp32
+// values src[c * ld + r], hi = bf16(v) and lo = bf16(v - hi) (round to nearest even;
+// hi + lo within 2^-17 |v| of v). lo may be nullptr (hi only).
+__attribute__((weak)) void f32_to_bf16_split_block(const float* src, int64_t ld, int64_t cols,
+                                                   uint16_t* hi, uint16_t* lo);
 }  // namespace avx512
 
 }  // namespace kt::kernels

@@ -179,6 +179,22 @@ struct QintExpert {
   int32_t offset;
 };
 
+// Group g's scales s[16] (and zeros z[16] where `zeros`) of row block nb.
+void group_params(const QintExpert& x, int64_t nb, int64_t g, bool zeros, float* s, float* z) {
+  if (formats::is_kquant(x.scale_type)) {
+    // GGUF super-block records: d*sc and dmin*m, exact in fp32.
+    const uint8_t* recs = static_cast<const uint8_t*>(x.scales) + nb * x.block_param_bytes;
+    for (int r = 0; r < kRows; ++r) {
+      s[r] = formats::kquant_param(recs, x.scale_type, g, r, false);
+      if (zeros) z[r] = formats::kquant_param(recs, x.scale_type, g, r, true);
+    }
+    return;
+  }
+  const int64_t pidx = (nb * x.groups + g) * kRows;
+  load_params(x.scales, x.scale_type, pidx, s);
+  if (zeros) load_params(x.zeros, x.zero_type, pidx, z);
+}
+
 template <int Bits, Affine A>
 void decode_qint_transposed(const QintExpert& x, float* wt) {
   const int64_t n = x.n, k = x.kb;
@@ -193,18 +209,7 @@ void decode_qint_transposed(const QintExpert& x, float* wt) {
       if (k0 >= k) break;                    // padding groups, or past kb
       if (k0 + x.group_k <= x.ka) continue;  // before ka
       float s[kRows], z[kRows] = {};
-      if (formats::is_kquant(x.scale_type)) {
-        // GGUF super-block records: d*sc and dmin*m, exact in fp32.
-        const uint8_t* recs = static_cast<const uint8_t*>(x.scales) + nb * x.block_param_bytes;
-        for (int r = 0; r < kRows; ++r) {
-          s[r] = formats::kquant_param(recs, x.scale_type, g, r, false);
-          if (A == Affine::kZeros) z[r] = formats::kquant_param(recs, x.scale_type, g, r, true);
-        }
-      } else {
-        const int64_t pidx = (nb * x.groups + g) * kRows;
-        load_params(x.scales, x.scale_type, pidx, s);
-        if (A == Affine::kZeros) load_params(x.zeros, x.zero_type, pidx, z);
-      }
+      group_params(x, nb, g, A == Affine::kZeros, s, z);
       const int64_t kend = std::min(k, k0 + x.group_k);
       for (int64_t kw = std::max(k0, x.ka); kw < kend; kw += kWordK) {
         uint32_t lo[kRows];  // one row's 4 bytes per 32-bit lane
@@ -270,8 +275,9 @@ formats::ScaleType param_type(const at::Tensor& t, bool e8m0) {
   return formats::scale_type_of(t.scalar_type(), e8m0);
 }
 
-void dequantize_qint_transposed(const Projection& p, int64_t expert, float* wt, int64_t ld,
-                                int64_t ka, int64_t kb) {
+// Expert `expert`'s codes and parameters of a qint projection, checked against its
+// layout, for columns [ka, kb) written to W^T rows ld apart.
+QintExpert qint_expert(const Projection& p, int64_t expert, int64_t ld, int64_t ka, int64_t kb) {
   const formats::QintFormat& f = p.format->qint;
   QintExpert x;
   x.ld = ld;
@@ -325,6 +331,22 @@ void dequantize_qint_transposed(const Projection& p, int64_t expert, float* wt, 
                 p.zeros.scalar_type(), " is not fp32/fp16/bf16");
     x.zeros = static_cast<const char*>(p.zeros.data_ptr()) + pexp * p.zeros.element_size();
   }
+  return x;
+}
+
+// How expert x's codes become weights, and whether zeros are read (an explicit zeros
+// tensor, or q4_K / q5_K mins in the scale records).
+std::pair<Affine, bool> qint_affine(const formats::QintFormat& f, const QintExpert& x) {
+  const bool zeros = x.zeros != nullptr || x.scale_type == formats::ScaleType::kKq45;
+  if (f.bits == 8) return {Affine::kSigned, zeros};
+  if (f.bits == 4 && f.lut_e2m1) return {Affine::kE2m1, zeros};
+  return {zeros ? Affine::kZeros : Affine::kOffset, zeros};
+}
+
+void dequantize_qint_transposed(const Projection& p, int64_t expert, float* wt, int64_t ld,
+                                int64_t ka, int64_t kb) {
+  const formats::QintFormat& f = p.format->qint;
+  const QintExpert x = qint_expert(p, expert, ld, ka, kb);
   // q4_K/q5_K: the mins are in the scale records.
   const bool zeros = x.zeros != nullptr || x.scale_type == formats::ScaleType::kKq45;
   switch (f.bits) {
@@ -579,15 +601,97 @@ void bf16_vnni_panel(const Projection& p, int64_t expert, int64_t k0, int64_t co
 kernels::PrefetchChunks vnni_panel_source(const Projection& p, int64_t expert, int64_t k0) {
   const auto [base, block_bytes] = expert_blocks(p, expert);
   const bool bf16 = p.format->layout == formats::Layout::kBf16;
+  // Codes of under 8 bits: their low plane, 8 k of 16 rows per line (a 5- or 6-bit
+  // format's high plane and the scales are not prefetched: a fraction of the bytes).
+  const bool nibbles = p.format->layout == formats::Layout::kQint && p.format->qint.bits < 8;
   kernels::PrefetchChunks src;
   // 16 columns of a block: bf16 8 lines from k pair k0 / 2 (a pair of 16 rows per line),
   // int8 4 lines from k quad k0 / 4 (a quad of 16 rows per line), fp8 4 lines from k0
-  // (4 k of 16 rows per line).
-  src.base = base + (bf16 ? k0 / 2 * 64 : k0 * formats::kBf16BlockRows);
+  // (4 k of 16 rows per line), 4-bit codes 2 lines from k0 / 8.
+  src.base = base + (bf16 ? k0 / 2 * 64 : nibbles ? k0 / 8 * 64 : k0 * formats::kBf16BlockRows);
   src.stride = block_bytes;
-  src.chunk_lines_log2 = bf16 ? 3 : 2;
+  src.chunk_lines_log2 = bf16 ? 3 : nibbles ? 1 : 2;
   src.lines = (p.n / formats::kBf16BlockRows) << src.chunk_lines_log2;
   return src;
+}
+
+bool split_vnni_panel_applies(const Projection& p) {
+  return p.n % 16 == 0 && p.k % 16 == 0 && kernels::avx512::f32_to_bf16_split_block != nullptr &&
+         kernels::avx512::bf16_vnni_panel_block != nullptr && runtime::cpu_features().avx512;
+}
+
+namespace {
+
+// split_vnni_panel of a qint projection by the AVX-512 column decoder
+// (kernels::avx512::qint_columns_f32: the dense decoder's values, 16 rows per register):
+// false where that decoder does not apply (groups not a multiple of 16 k, a code form
+// it lacks), the caller then decodes with the dense decoder.
+bool split_qint_panel(const Projection& p, int64_t expert, int64_t k0, int64_t cols, uint16_t* hi,
+                      uint16_t* lo) {
+  if (p.format->layout != formats::Layout::kQint || kernels::avx512::qint_columns_f32 == nullptr)
+    return false;
+  const QintExpert x = qint_expert(p, expert, 0, k0, k0 + cols);
+  if (x.group_k % 16 != 0) return false;
+  const auto [affine, zeros] = qint_affine(p.format->qint, x);
+  using kernels::avx512::QintValue;
+  const QintValue value = affine == Affine::kSigned   ? QintValue::kSigned
+                          : affine == Affine::kOffset ? QintValue::kOffset
+                          : affine == Affine::kZeros  ? QintValue::kZeros
+                                                      : QintValue::kE2m1;
+  thread_local std::vector<float> t_values;    // [cols][16] of one row block
+  thread_local std::vector<uint16_t> t_block;  // its hi and lo bf16 blocks
+  if (t_values.size() < static_cast<size_t>(cols * kRows))
+    t_values.resize(static_cast<size_t>(cols * kRows));
+  if (t_block.size() < static_cast<size_t>(2 * cols * kRows))
+    t_block.resize(static_cast<size_t>(2 * cols * kRows));
+  uint16_t* bh = t_block.data();
+  uint16_t* bl = lo == nullptr ? nullptr : bh + cols * kRows;
+  float s[kRows], z[kRows] = {};
+  for (int64_t nb = 0; nb < p.n / kRows; ++nb) {
+    const uint8_t* block = x.weight + nb * x.block_bytes;
+    int64_t group = -1;
+    for (int64_t c = 0; c < cols; c += 16) {
+      const int64_t g = (k0 + c) / x.group_k;
+      if (g != group) group_params(x, nb, g, zeros, s, z);
+      group = g;
+      if (!kernels::avx512::qint_columns_f32(block, block + x.low_bytes, p.format->qint.bits, value,
+                                             x.offset, k0 + c, s, z, t_values.data() + c * kRows))
+        return false;
+    }
+    kernels::avx512::f32_to_bf16_split_block(t_values.data(), kRows, cols, bh, bl);
+    const int64_t at = nb * (kRows / 2) * cols * 2;  // row pairs 8 nb .. 8 nb + 7
+    kernels::avx512::bf16_vnni_panel_block(bh, 0, cols, hi + at);
+    if (bl != nullptr) kernels::avx512::bf16_vnni_panel_block(bl, 0, cols, lo + at);
+  }
+  return true;
+}
+
+}  // namespace
+
+void split_vnni_panel(const Projection& p, int64_t expert, int64_t k0, int64_t cols, uint16_t* hi,
+                      uint16_t* lo) {
+  TORCH_CHECK(split_vnni_panel_applies(p) && expert >= 0 && expert < p.num_experts() &&
+                  k0 % 16 == 0 && cols % 16 == 0 && k0 >= 0 && k0 + cols <= p.k,
+              "split_vnni_panel: columns [", k0, ", ", k0 + cols, ") of a ", p.n, " x ", p.k, " ",
+              p.format->name, " projection (or no AVX-512 here)");
+  if (split_qint_panel(p, expert, k0, cols, hi, lo)) return;
+  constexpr int kRows = formats::kBf16BlockRows;
+  const int64_t ld = dense_ld(p.n);
+  thread_local std::vector<float> t_values;    // W^T rows k0 .. k0 + cols
+  thread_local std::vector<uint16_t> t_block;  // hi and lo of one 16-row block
+  if (t_values.size() < static_cast<size_t>(cols * ld))
+    t_values.resize(static_cast<size_t>(cols * ld));
+  if (t_block.size() < static_cast<size_t>(2 * cols * kRows))
+    t_block.resize(static_cast<size_t>(2 * cols * kRows));
+  decode_columns(p, expert, k0, k0 + cols, t_values.data(), ld);
+  uint16_t* bh = t_block.data();
+  uint16_t* bl = lo == nullptr ? nullptr : bh + cols * kRows;
+  for (int64_t nb = 0; nb < p.n / kRows; ++nb) {
+    kernels::avx512::f32_to_bf16_split_block(t_values.data() + nb * kRows, ld, cols, bh, bl);
+    const int64_t at = nb * (kRows / 2) * cols * 2;  // row pairs 8 nb .. 8 nb + 7
+    kernels::avx512::bf16_vnni_panel_block(bh, 0, cols, hi + at);
+    if (bl != nullptr) kernels::avx512::bf16_vnni_panel_block(bl, 0, cols, lo + at);
+  }
 }
 
 at::Tensor dense_expert_panel(const Projection& p, int64_t expert, int64_t k0, int64_t k1,

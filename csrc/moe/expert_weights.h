@@ -55,7 +55,18 @@ int64_t dense_panel_ld(const Projection& p);
 // c10::Error otherwise.
 bool bf16_vnni_panel_applies(const Projection& p);
 void bf16_vnni_panel(const Projection& p, int64_t expert, int64_t k0, int64_t cols, uint16_t* dst);
-// Where bf16_vnni_panel(p, expert, k0, 16, ...) reads: its lines, to prefetch
+// Any format's panel as two bf16 panels of the same layout whose sum is within 2^-17
+// of each weight: its fp32 values (as dense_expert_panel decodes them) v as hi = bf16(v)
+// and lo = bf16(v - hi) (lo may be nullptr: hi alone, W rounded to bf16). For the
+// formats whose values are not bf16 values (int4, k-quants, mxfp4, nvfp4, q8_0 / q4_0):
+// a product d @ W with bf16 d is then two exact bf16 products (kernels/avx512/
+// bf16_vnni_panel_avx512.cpp). Needs split_vnni_panel_applies(p) (n and k multiples of
+// 16, an AVX-512 CPU and build) and k0, cols multiples of 16 inside [0, k); throws
+// c10::Error otherwise.
+bool split_vnni_panel_applies(const Projection& p);
+void split_vnni_panel(const Projection& p, int64_t expert, int64_t k0, int64_t cols, uint16_t* hi,
+                      uint16_t* lo);
+// Where bf16_vnni_panel(p, expert, k0, 16, ...) (or split_vnni_panel) reads: its lines, to prefetch
 // to L2 while the previous panel is multiplied (kernels::avx512::bf16_dp_panel).
 kernels::PrefetchChunks vnni_panel_source(const Projection& p, int64_t expert, int64_t k0);
 // An int8 or fp8_channel projection's n channel scales of `expert` as fp32 (the calling

@@ -191,9 +191,9 @@ at::Tensor zeros_on_pool(at::IntArrayRef sizes) {
 struct TaskScratch {
   std::vector<float> mats[10];
   std::vector<float> panel;
-  std::vector<uint16_t> rows16[2];  // bf16 rows of the backward's products on brgemm
-  std::vector<uint16_t> panel16;    // a bf16 VNNI panel of the weights
-  std::vector<uint32_t> pairs[2];   // bf16 rows packed as kt_ops' tiles (pack_pair_tiles)
+  std::vector<uint16_t> rows16[2];   // bf16 rows of the backward's products on brgemm
+  std::vector<uint16_t> panel16[2];  // bf16 VNNI panels of the weights (a split one's hi, lo)
+  std::vector<uint32_t> pairs[2];    // bf16 rows packed as kt_ops' tiles (pack_pair_tiles)
 };
 TaskScratch& task_scratch() {
   thread_local TaskScratch s;
@@ -228,19 +228,33 @@ uint16_t* scratch_rows16(int slot, int64_t m, int64_t n) {
   return v.data();
 }
 
-// Whether the backward's products with the base (go Wd, dg Wg + du Wu) run on oneDNN's
-// bf16 brgemm (kernels::brgemm::bf16_gemm) instead of fp32 BLAS: bf16 hidden states and
-// output gradient on a bf16 or int8 (per channel) base (n and k multiples of 16), on a
-// tier that runs the bf16 tile kernels. go Wd then stays exact on a bf16 base (bf16 go
-// times bf16 weights: products exact in fp32, fp32 sums), so the gate/up LoRA gradients
-// keep fp32 accuracy; dg and du are rounded to bf16 for dx, whose bf16 result (the
-// dtype of x) carries about that rounding anyway. On int8 the panels hold the codes'
-// exact bf16 values and the channel scales move onto the A rows: for dx into dg, du
-// before their rounding; for go Wd (scales along its reduction) go * s is split into
-// two bf16 rows, hi + lo, within 2^-17 of it (two calls on one panel). fp8_channel
-// likewise; fp8 (128x128 block scales) keeps them off the rows: kt_ops' kernel scales
-// each 128-row chunk's fp32 sums (fp8_chunk_scales), so go Wd stays exact as on bf16.
+// Whether the backward's products with the base (go Wd, dg Wg + du Wu) run on bf16
+// products (kt_ops' vdpbf16ps kernel or oneDNN's brgemm, kernels::brgemm::bf16_gemm)
+// instead of fp32 BLAS: bf16 hidden states and output gradient, n and k of every
+// projection multiples of 16, on a tier that runs the bf16 tile kernels. go Wd then stays
+// exact on a bf16 base (bf16 go times bf16 weights: products exact in fp32, fp32 sums),
+// so the gate/up LoRA gradients keep fp32 accuracy; dg and du are rounded to bf16 for dx,
+// whose bf16 result (the dtype of x) carries about that rounding anyway. On int8 the
+// panels hold the codes' exact bf16 values and the channel scales move onto the A rows:
+// for dx into dg, du before their rounding; for go Wd (scales along its reduction)
+// go * s is split into two bf16 rows, hi + lo, within 2^-17 of it (two calls on one
+// panel). fp8_channel likewise; fp8 (128x128 block scales) keeps them off the rows: kt_ops'
+// kernel scales each 128-row chunk's fp32 sums (fp8_chunk_scales), so go Wd stays exact
+// as on bf16. Every other format (int4, k-quants, mxfp4, nvfp4, q8_0, q4_0: values
+// s * q - z that are not bf16 values) splits the weights instead (split_vnni_panel): go Wd
+// on W_hi + W_lo (within 2^-17 of W: the LoRA gradients keep about fp32 accuracy), dx on
+// W_hi (W rounded to bf16 as dg and du are: x's bf16 gradient moves by about one more
+// rounding).
 bool panel_on_kt_kernel();
+
+// How a projection's panels are made: its exact values (bf16_vnni_panel) or the split
+// hi + lo of its fp32 values (split_vnni_panel).
+bool exact_panels(const Projection& p) { return bf16_vnni_panel_applies(p); }
+// The per-channel scales the caller folds into the rows of a product with p's exact
+// panels (int8, fp8_channel), else nullptr (a split panel holds the scaled values).
+const float* panel_scales(const Projection& p, int64_t e) {
+  return exact_panels(p) ? channel_scales(p, e) : nullptr;
+}
 
 bool backward_on_brgemm(const at::Tensor& x, const at::Tensor& grad_output, const MoeLayer& w) {
   static const kernels::Isa avx512 = [] {
@@ -252,12 +266,14 @@ bool backward_on_brgemm(const at::Tensor& x, const at::Tensor& grad_output, cons
   }();
   // fp8's 128x128 block scales are applied per 128-row chunk of the sums: kt_ops'
   // kernel only (oneDNN's brgemm would need a call per chunk).
-  bool chunked = false;
-  for (const Projection* p : {&w.gate, &w.up, &w.down}) chunked = chunked || fp8_block_scaled(*p);
-  return x.scalar_type() == at::kBFloat16 && grad_output.scalar_type() == at::kBFloat16 &&
-         bf16_vnni_panel_applies(w.gate) && bf16_vnni_panel_applies(w.up) &&
-         bf16_vnni_panel_applies(w.down) && kernels::active_isa() >= avx512 &&
-         kernels::brgemm::bf16_runs() && (!chunked || panel_on_kt_kernel());
+  bool chunked = false, panels = true;
+  for (const Projection* p : {&w.gate, &w.up, &w.down}) {
+    chunked = chunked || fp8_block_scaled(*p);
+    panels = panels && (exact_panels(*p) || split_vnni_panel_applies(*p));
+  }
+  return x.scalar_type() == at::kBFloat16 && grad_output.scalar_type() == at::kBFloat16 && panels &&
+         kernels::active_isa() >= avx512 && kernels::brgemm::bf16_runs() &&
+         (!chunked || panel_on_kt_kernel());
 }
 
 // Output columns per panel of the backward: a [n/2][64][2] bf16 panel of the weights
@@ -277,66 +293,108 @@ bool panel_on_kt_kernel() {
          kernels::avx512::pack_pair_tiles != nullptr;
 }
 
-// out [m, k] fp32 (row stride k) = sum_j a_j [m, n] (bf16 rows kernels::tile_rows_ld(n)
-// apart: scratch_rows16) @ W_j [n, k] for expert e's projections W_j (one n and k), per
-// 64-column VNNI panel. On kt_ops' kernel each a_j is packed as its row tiles, the panel
-// is four 16-column slices [n/2][16][2], and the source of the next panel (or of `then`'s
-// first one: the caller's next product) is prefetched during each; the terms add in
-// order through out. On oneDNN's brgemm, one [n/2][64][2] panel per call.
-void vnni_products(std::initializer_list<std::pair<const uint16_t*, const Projection*>> terms,
-                   int64_t m, int64_t e, float* out, const Projection* then = nullptr) {
-  const Projection& p0 = *terms.begin()->second;
+// Which panel of a projection a product reads: its exact values, or the hi / lo part
+// of split ones (split_vnni_panel).
+enum class Part { kValues, kHi, kLo };
+
+// One term a [m, n] @ W of vnni_products: bf16 rows kernels::tile_rows_ld(n) apart
+// (scratch_rows16), times `part` of projection p.
+struct PanelTerm {
+  const uint16_t* rows;
+  const Projection* p;
+  Part part;
+};
+
+// out [m, k] fp32 (row stride k) = sum_j a_j @ W_j for expert e's projections W_j (one n
+// and k), per 64-column VNNI panel; a projection's panel (or both parts of a split one)
+// is made once per column range for all its terms. On kt_ops' kernel each distinct a_j
+// is packed once as its row tiles, the panel is four 16-column slices [n/2][16][2], and
+// the source of the next panel (or of `then`'s first one: the caller's next product) is
+// prefetched during each; the terms add in order through out. On oneDNN's brgemm, one
+// [n/2][64][2] panel per call.
+void vnni_products(std::initializer_list<PanelTerm> terms, int64_t m, int64_t e, float* out,
+                   const Projection* then = nullptr) {
+  const Projection& p0 = *terms.begin()->p;
   const int64_t n = p0.n, k = p0.k, kp = n / 2, lda = kernels::tile_rows_ld(n);
   const bool kt = panel_on_kt_kernel();
-  std::vector<uint16_t>& panel = task_scratch().panel16;
-  if (panel.size() < static_cast<size_t>(n * kVnniCols)) panel.resize(n * kVnniCols);
-  // kt_ops' kernel: each term's rows packed once as its row tiles of k pairs.
-  std::vector<uint32_t>* packed = task_scratch().pairs;
+  TaskScratch& scratch = task_scratch();
+  for (std::vector<uint16_t>& v : scratch.panel16)
+    if (v.size() < static_cast<size_t>(n * kVnniCols)) v.resize(n * kVnniCols);
+  const PanelTerm* first = terms.begin();
+  const int64_t count = static_cast<int64_t>(terms.size());
+  // kt_ops' kernel: each distinct a_j packed once as its row tiles of k pairs.
+  int64_t slot_of[4] = {0, 0, 0, 0};
+  TORCH_INTERNAL_ASSERT(count <= 4);
   if (kt) {
     int slot = 0;
-    for (const auto& term : terms) {
-      std::vector<uint32_t>& v = packed[slot++];
+    for (int64_t j = 0; j < count; ++j) {
+      int64_t same = j;
+      for (int64_t i = 0; i < j; ++i)
+        if (first[i].rows == first[j].rows) same = i;
+      if (same != j) {
+        slot_of[j] = slot_of[same];
+        continue;
+      }
+      TORCH_INTERNAL_ASSERT(slot < 2, "vnni_products: at most two distinct row sets");
+      slot_of[j] = slot;
+      std::vector<uint32_t>& v = scratch.pairs[slot++];
       if (v.size() < static_cast<size_t>(m * kp)) v.resize(static_cast<size_t>(m * kp));
-      kernels::avx512::pack_pair_tiles(term.first, lda, static_cast<int>(m), static_cast<int>(kp),
-                                       v.data());
+      kernels::avx512::pack_pair_tiles(first[j].rows, lda, static_cast<int>(m),
+                                       static_cast<int>(kp), v.data());
     }
   }
-  const std::pair<const uint16_t*, const Projection*>* first = terms.begin();
-  const int64_t count = static_cast<int64_t>(terms.size());
+  // Whether a split projection's lo part is read by any term (else hi alone is made).
+  auto wants_lo = [&](const Projection* p) {
+    for (int64_t i = 0; i < count; ++i)
+      if (first[i].p == p && first[i].part == Part::kLo) return true;
+    return false;
+  };
   // The panel built after term j's at column c0 (a later term's projection, else the
   // first term's next columns, else `then`'s first), whose weights kt_ops' kernel
   // prefetches while it multiplies; {nullptr, 0}: none.
   auto next_panel = [&](int64_t j, int64_t c0) -> std::pair<const Projection*, int64_t> {
     for (int64_t i = j + 1; i < count; ++i)
-      if (first[i].second != first[j].second) return {first[i].second, c0};
-    if (c0 + kVnniCols < k) return {first[0].second, c0 + kVnniCols};
+      if (first[i].p != first[j].p) return {first[i].p, c0};
+    if (c0 + kVnniCols < k) return {first[0].p, c0 + kVnniCols};
     return {then, 0};
+  };
+  // Columns [c0, c0 + cols) of p into the panels: the values or hi into panel16[0], lo
+  // into panel16[1]; slices of 16 columns [n/2][16][2] (kt_ops) or one [n/2][cols][2].
+  auto make_panel = [&](const Projection& p, int64_t c0, int64_t cols) {
+    const int64_t step = kt ? 16 : cols;
+    const bool split = !exact_panels(p), lo = split && wants_lo(&p);
+    for (int64_t s = 0; s < cols; s += step) {
+      uint16_t* hi_dst = scratch.panel16[0].data() + s * n;
+      if (!split) {
+        bf16_vnni_panel(p, e, c0 + s, step, hi_dst);
+      } else {
+        split_vnni_panel(p, e, c0 + s, step, hi_dst,
+                         lo ? scratch.panel16[1].data() + s * n : nullptr);
+      }
+    }
   };
   for (int64_t c0 = 0; c0 < k; c0 += kVnniCols) {
     const int64_t cols = std::min(kVnniCols, k - c0);
-    const Projection* made = nullptr;  // the projection whose panel is in `panel`
+    const Projection* made = nullptr;  // the projection whose panel is in panel16
     for (int64_t j = 0; j < count; ++j) {
-      const auto& [a, p] = first[j];
+      const PanelTerm& t = first[j];
       const bool add = j > 0;
+      if (t.p != made) make_panel(*t.p, c0, cols);
+      made = t.p;
+      const uint16_t* panel = scratch.panel16[t.part == Part::kLo ? 1 : 0].data();
       if (!kt) {  // oneDNN: one [n/2][cols][2] panel per call
-        if (p != made) bf16_vnni_panel(*p, e, c0, cols, panel.data());
-        made = p;
-        kernels::brgemm::bf16_gemm(static_cast<int>(m), cols, n, a, lda, panel.data(), out + c0, k,
+        kernels::brgemm::bf16_gemm(static_cast<int>(m), cols, n, t.rows, lda, panel, out + c0, k,
                                    add);
         continue;
       }
       // kt_ops: 16-column slices [n/2][16][2], the next panel's weights prefetched.
-      if (p != made)
-        for (int64_t s = 0; s < cols; s += 16)
-          bf16_vnni_panel(*p, e, c0 + s, 16, panel.data() + s * n);
-      made = p;
       const auto [np, nc0] = next_panel(j, c0);
       for (int64_t s = 0; s < cols; s += 16) {
         kernels::PrefetchChunks pf;
         if (np != nullptr && nc0 + s < np->k) pf = vnni_panel_source(*np, e, nc0 + s);
-        kernels::avx512::bf16_dp_panel(packed[j].data(), static_cast<int>(m), panel.data() + s * n,
-                                       static_cast<int>(kp), out + c0 + s, k, add, pf,
-                                       fp8_chunk_scales(*p, e, c0 + s));
+        kernels::avx512::bf16_dp_panel(scratch.pairs[slot_of[j]].data(), static_cast<int>(m),
+                                       panel + s * n, static_cast<int>(kp), out + c0 + s, k, add,
+                                       pf, fp8_chunk_scales(*t.p, e, c0 + s));
       }
     }
   }
@@ -621,11 +679,17 @@ MoeGrads moe_backward_lora(const at::Tensor& grad_output, const at::Tensor& x,
         const Projection* then_dx = compute_grad_x ? &w.gate : nullptr;  // the next product
         uint16_t* go_rows = scratch_rows16(0, m, H);
         const int64_t ldr = kernels::tile_rows_ld(H);
-        const float* sd = channel_scales(w.down, e);
+        const float* sd = panel_scales(w.down, e);
         if (sd == nullptr) {
           for (int64_t i = 0; i < m; ++i)
             std::memcpy(go_rows + i * ldr, go16p + token[i] * H, H * sizeof(uint16_t));
-          vnni_products({{go_rows, &w.down}}, m, e, dh.data_ptr<float>(), then_dx);
+          // A split down projection: go (W_hi + W_lo), go's rows packed once.
+          if (exact_panels(w.down)) {
+            vnni_products({{go_rows, &w.down, Part::kValues}}, m, e, dh.data_ptr<float>(), then_dx);
+          } else {
+            vnni_products({{go_rows, &w.down, Part::kHi}, {go_rows, &w.down, Part::kLo}}, m, e,
+                          dh.data_ptr<float>(), then_dx);
+          }
         } else {  // int8: go * s = hi + lo, both bf16 (the scales run along the reduction)
           uint16_t* lo_rows = scratch_rows16(1, m, H);
           const float* gor = go.data_ptr<float>();
@@ -637,8 +701,8 @@ MoeGrads moe_backward_lora(const at::Tensor& grad_output, const at::Tensor& x,
               lo_rows[i * ldr + j] = c10::BFloat16(v - static_cast<float>(hi)).x;
             }
           }
-          vnni_products({{go_rows, &w.down}, {lo_rows, &w.down}}, m, e, dh.data_ptr<float>(),
-                        then_dx);
+          vnni_products({{go_rows, &w.down, Part::kValues}, {lo_rows, &w.down, Part::kValues}}, m,
+                        e, dh.data_ptr<float>(), then_dx);
         }
       } else {
         base_products({{&go, &w.down}}, e, dh, panel);
@@ -713,9 +777,11 @@ MoeGrads moe_backward_lora(const at::Tensor& grad_output, const at::Tensor& x,
           uint16_t* dg16 = scratch_rows16(0, m, I);
           uint16_t* du16 = scratch_rows16(1, m, I);
           const int64_t ldr = kernels::tile_rows_ld(I);
-          to_bf16_rows(dg.data_ptr<float>(), m, I, channel_scales(w.gate, e), dg16, ldr);
-          to_bf16_rows(du.data_ptr<float>(), m, I, channel_scales(w.up, e), du16, ldr);
-          vnni_products({{dg16, &w.gate}, {du16, &w.up}}, m, e, dx.data_ptr<float>());
+          to_bf16_rows(dg.data_ptr<float>(), m, I, panel_scales(w.gate, e), dg16, ldr);
+          to_bf16_rows(du.data_ptr<float>(), m, I, panel_scales(w.up, e), du16, ldr);
+          const Part gate = exact_panels(w.gate) ? Part::kValues : Part::kHi;
+          const Part up = exact_panels(w.up) ? Part::kValues : Part::kHi;
+          vnni_products({{dg16, &w.gate, gate}, {du16, &w.up, up}}, m, e, dx.data_ptr<float>());
         } else {
           base_products({{&dg, &w.gate}, {&du, &w.up}}, e, dx, panel);
         }

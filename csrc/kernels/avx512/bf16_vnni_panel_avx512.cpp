@@ -10,6 +10,10 @@
 // shuffle, (W[2j][c], W[2j+1][c], W[2j][c+1], W[2j+1][c+1]): the panel's two words
 // for columns c and c+1 of row pair j. Eight lines (16 columns), transposed 8 x 8 in
 // 64-bit units, give each of the block's 8 row pairs 64 contiguous bytes. No rounding.
+//
+// Weights that are not bf16 values (int4, k-quants, mxfp4: s * q - z) reach the same
+// panel split: their fp32 values v as hi = bf16(v) and lo = bf16(v - hi), two bf16
+// blocks whose sum is within 2^-17 |v| of v (f32_to_bf16_split_block).
 #include <immintrin.h>
 
 #include <cstdint>
@@ -52,7 +56,37 @@ inline void transpose_8x8_epi64(__m512i r[8]) {
   r[7] = _mm512_permutex2var_epi64(u[3], hi4, u[7]);
 }
 
+// bf16 bits (round to nearest even) of 16 finite fp32 values u, in the high half of
+// each 32-bit lane (the low half zero): the rounded value as fp32 bits.
+inline __m512i round_to_bf16_high(__m512i u) {
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  return _mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
+}
+
 }  // namespace
+
+void f32_to_bf16_split_block(const float* src, int64_t ld, int64_t cols, uint16_t* hi,
+                             uint16_t* lo) {
+  // Words 2r, 2r + 1 of a line: the high halves of lane r of columns 2q and 2q + 1.
+  const __m512i pick =
+      _mm512_set_epi16(63, 31, 61, 29, 59, 27, 57, 25, 55, 23, 53, 21, 51, 19, 49, 17, 47, 15, 45,
+                       13, 43, 11, 41, 9, 39, 7, 37, 5, 35, 3, 33, 1);
+  for (int64_t q = 0; q < cols / 2; ++q) {
+    const __m512 v0 = _mm512_loadu_ps(src + 2 * q * ld),
+                 v1 = _mm512_loadu_ps(src + (2 * q + 1) * ld);
+    const __m512i h0 = round_to_bf16_high(_mm512_castps_si512(v0));
+    const __m512i h1 = round_to_bf16_high(_mm512_castps_si512(v1));
+    _mm512_storeu_si512(hi + 32 * q, _mm512_permutex2var_epi16(h0, pick, h1));
+    if (lo == nullptr) continue;
+    // v - hi is exact in fp32 (hi is v rounded to 8 significant bits).
+    const __m512 r0 = _mm512_sub_ps(v0, _mm512_castsi512_ps(h0));
+    const __m512 r1 = _mm512_sub_ps(v1, _mm512_castsi512_ps(h1));
+    const __m512i l0 = round_to_bf16_high(_mm512_castps_si512(r0));
+    const __m512i l1 = round_to_bf16_high(_mm512_castps_si512(r1));
+    _mm512_storeu_si512(lo + 32 * q, _mm512_permutex2var_epi16(l0, pick, l1));
+  }
+}
 
 void bf16_vnni_panel_block(const uint16_t* block, int64_t kp0, int64_t cols, uint16_t* dst) {
   // Word order inside each 64-bit lane: (0 1 2 3) -> (0 2 1 3).
