@@ -145,21 +145,22 @@ __attribute__((weak)) void bf16_vnni_panel_block(const uint16_t* block, int64_t 
 // kOffset s * (q - offset) (an implicit zero); kZeros s * q - z; kE2m1 (mxfp4, nvfp4)
 // s * 2 e2m1(q).
 enum class QintValue { kSigned, kOffset, kZeros, kE2m1 };
-// Columns [k0, k0 + 16) (k0 a multiple of 16, inside one group) of one 16-row block of
-// qint codes (low plane `low`, 5/6-bit high plane `high`) with that group's per-row
-// scales s[16] (and zeros z[16] for kZeros), as fp32 dst[c * 16 + r] (the value of row
-// r, column k0 + c): the scalar dense decoder's values (a product, then a difference).
-// False (nothing written) for a code width / value form it does not decode
-// (kernels/avx512/qint_columns_avx512.cpp).
-__attribute__((weak)) bool qint_columns_f32(const uint8_t* low, const uint8_t* high, int bits,
-                                            QintValue value, int32_t offset, int64_t k0,
-                                            const float* s, const float* z, float* dst);
-// Weights that are not bf16 values as two bf16 blocks (the packed layout that
-// bf16_vnni_panel_block reads, [cols/2][16][2]): of 16 rows x cols (even) finite fp32
-// values src[c * ld + r], hi = bf16(v) and lo = bf16(v - hi) (round to nearest even;
-// hi + lo within 2^-17 |v| of v). lo may be nullptr (hi only).
-__attribute__((weak)) void f32_to_bf16_split_block(const float* src, int64_t ld, int64_t cols,
-                                                   uint16_t* hi, uint16_t* lo);
+// The split panel (moe/expert_weights.h, split_vnni_panel) of one 16-row block of qint
+// codes (low plane `low`, 5/6-bit high plane `high`), columns [k0, k0 + cols) (k0, cols
+// multiples of 16): its 8 row pairs at hi + j * cols * 2 (and lo likewise, unless
+// nullptr), [cols][2] bf16 each, of the values v (the scalar dense decoder's: a product,
+// then a difference) as hi = bf16(v), lo = bf16(v - hi). s and z: the per-row scales
+// (and zeros for kZeros) of each 16 columns, [cols / 16][16]. False (nothing written)
+// for a code width / value form it does not decode (kernels/avx512/qint_columns_avx512.cpp).
+__attribute__((weak)) bool qint_block_vnni_split(const uint8_t* low, const uint8_t* high, int bits,
+                                                 QintValue value, int32_t offset, int64_t k0,
+                                                 int64_t cols, const float* s, const float* z,
+                                                 uint16_t* hi, uint16_t* lo);
+// One k-quant super-block record of 16 rows (formats/qint.h) as fp32 s[j * 16 + r] =
+// d[r] * sc_j[r] and (q4_K / q5_K) z[j * 16 + r] = dmin[r] * m_j[r], j < 8 (q6_K: 16,
+// no z): formats::kquant_param's values, 16 rows at once.
+__attribute__((weak)) void kquant_record_params(const uint8_t* rec, formats::ScaleType t, float* s,
+                                                float* z);
 }  // namespace avx512
 
 }  // namespace kt::kernels

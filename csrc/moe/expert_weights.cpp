@@ -334,15 +334,6 @@ QintExpert qint_expert(const Projection& p, int64_t expert, int64_t ld, int64_t 
   return x;
 }
 
-// How expert x's codes become weights, and whether zeros are read (an explicit zeros
-// tensor, or q4_K / q5_K mins in the scale records).
-std::pair<Affine, bool> qint_affine(const formats::QintFormat& f, const QintExpert& x) {
-  const bool zeros = x.zeros != nullptr || x.scale_type == formats::ScaleType::kKq45;
-  if (f.bits == 8) return {Affine::kSigned, zeros};
-  if (f.bits == 4 && f.lut_e2m1) return {Affine::kE2m1, zeros};
-  return {zeros ? Affine::kZeros : Affine::kOffset, zeros};
-}
-
 void dequantize_qint_transposed(const Projection& p, int64_t expert, float* wt, int64_t ld,
                                 int64_t ka, int64_t kb) {
   const formats::QintFormat& f = p.format->qint;
@@ -615,82 +606,104 @@ kernels::PrefetchChunks vnni_panel_source(const Projection& p, int64_t expert, i
   return src;
 }
 
-bool split_vnni_panel_applies(const Projection& p) {
-  return p.n % 16 == 0 && p.k % 16 == 0 && kernels::avx512::f32_to_bf16_split_block != nullptr &&
-         kernels::avx512::bf16_vnni_panel_block != nullptr && runtime::cpu_features().avx512;
-}
-
 namespace {
 
-// split_vnni_panel of a qint projection by the AVX-512 column decoder
-// (kernels::avx512::qint_columns_f32: the dense decoder's values, 16 rows per register):
-// false where that decoder does not apply (groups not a multiple of 16 k, a code form
-// it lacks), the caller then decodes with the dense decoder.
-bool split_qint_panel(const Projection& p, int64_t expert, int64_t k0, int64_t cols, uint16_t* hi,
-                      uint16_t* lo) {
-  if (p.format->layout != formats::Layout::kQint || kernels::avx512::qint_columns_f32 == nullptr)
-    return false;
-  const QintExpert x = qint_expert(p, expert, 0, k0, k0 + cols);
-  if (x.group_k % 16 != 0) return false;
-  const auto [affine, zeros] = qint_affine(p.format->qint, x);
+// How a qint projection's codes reach kernels::avx512::qint_block_vnni_split.
+kernels::avx512::QintValue qint_value_form(const Projection& p) {
   using kernels::avx512::QintValue;
-  const QintValue value = affine == Affine::kSigned   ? QintValue::kSigned
-                          : affine == Affine::kOffset ? QintValue::kOffset
-                          : affine == Affine::kZeros  ? QintValue::kZeros
-                                                      : QintValue::kE2m1;
-  thread_local std::vector<float> t_values;    // [cols][16] of one row block
-  thread_local std::vector<uint16_t> t_block;  // its hi and lo bf16 blocks
-  if (t_values.size() < static_cast<size_t>(cols * kRows))
-    t_values.resize(static_cast<size_t>(cols * kRows));
-  if (t_block.size() < static_cast<size_t>(2 * cols * kRows))
-    t_block.resize(static_cast<size_t>(2 * cols * kRows));
-  uint16_t* bh = t_block.data();
-  uint16_t* bl = lo == nullptr ? nullptr : bh + cols * kRows;
-  float s[kRows], z[kRows] = {};
-  for (int64_t nb = 0; nb < p.n / kRows; ++nb) {
-    const uint8_t* block = x.weight + nb * x.block_bytes;
-    int64_t group = -1;
-    for (int64_t c = 0; c < cols; c += 16) {
-      const int64_t g = (k0 + c) / x.group_k;
-      if (g != group) group_params(x, nb, g, zeros, s, z);
-      group = g;
-      if (!kernels::avx512::qint_columns_f32(block, block + x.low_bytes, p.format->qint.bits, value,
-                                             x.offset, k0 + c, s, z, t_values.data() + c * kRows))
-        return false;
-    }
-    kernels::avx512::f32_to_bf16_split_block(t_values.data(), kRows, cols, bh, bl);
-    const int64_t at = nb * (kRows / 2) * cols * 2;  // row pairs 8 nb .. 8 nb + 7
-    kernels::avx512::bf16_vnni_panel_block(bh, 0, cols, hi + at);
-    if (bl != nullptr) kernels::avx512::bf16_vnni_panel_block(bl, 0, cols, lo + at);
-  }
-  return true;
+  const formats::QintFormat& f = p.format->qint;
+  const bool zeros = p.zeros.defined() || p.format->packed_scale_type == formats::ScaleType::kKq45;
+  if (f.bits == 8) return QintValue::kSigned;
+  if (f.lut_e2m1) return QintValue::kE2m1;
+  return zeros ? QintValue::kZeros : QintValue::kOffset;
 }
 
 }  // namespace
 
+bool split_vnni_panel_applies(const Projection& p) {
+  // Every qint format (8-bit codes are signed, never with zeros; int8 per channel takes
+  // the exact panels first), groups of a multiple of 16 k (per channel: Kp) so that 16
+  // columns share one.
+  const int64_t group_k = p.group_size == 0 ? formats::qint_k_padded(p.k) : p.group_size;
+  const bool zeros = p.zeros.defined() || p.format->packed_scale_type == formats::ScaleType::kKq45;
+  return p.format->layout == formats::Layout::kQint && p.n % 16 == 0 && p.k % 16 == 0 &&
+         group_k % 16 == 0 && !(p.format->qint.bits == 8 && zeros) &&
+         kernels::avx512::qint_block_vnni_split != nullptr &&
+         kernels::avx512::kquant_record_params != nullptr &&
+         kernels::avx512::bf16_vnni_panel_block != nullptr && runtime::cpu_features().avx512;
+}
+
+// The AVX-512 decoder writes the panel's row pairs straight from the codes
+// (kernels::avx512::qint_block_vnni_split: the dense decoder's values, 16 rows per
+// register), k-quant records decoded 16 rows at once (kquant_record_params).
 void split_vnni_panel(const Projection& p, int64_t expert, int64_t k0, int64_t cols, uint16_t* hi,
                       uint16_t* lo) {
   TORCH_CHECK(split_vnni_panel_applies(p) && expert >= 0 && expert < p.num_experts() &&
                   k0 % 16 == 0 && cols % 16 == 0 && k0 >= 0 && k0 + cols <= p.k,
               "split_vnni_panel: columns [", k0, ", ", k0 + cols, ") of a ", p.n, " x ", p.k, " ",
               p.format->name, " projection (or no AVX-512 here)");
-  if (split_qint_panel(p, expert, k0, cols, hi, lo)) return;
-  constexpr int kRows = formats::kBf16BlockRows;
-  const int64_t ld = dense_ld(p.n);
-  thread_local std::vector<float> t_values;    // W^T rows k0 .. k0 + cols
-  thread_local std::vector<uint16_t> t_block;  // hi and lo of one 16-row block
-  if (t_values.size() < static_cast<size_t>(cols * ld))
-    t_values.resize(static_cast<size_t>(cols * ld));
-  if (t_block.size() < static_cast<size_t>(2 * cols * kRows))
-    t_block.resize(static_cast<size_t>(2 * cols * kRows));
-  decode_columns(p, expert, k0, k0 + cols, t_values.data(), ld);
-  uint16_t* bh = t_block.data();
-  uint16_t* bl = lo == nullptr ? nullptr : bh + cols * kRows;
+  const QintExpert x = qint_expert(p, expert, 0, k0, k0 + cols);
+  const bool zeros = qint_value_form(p) == kernels::avx512::QintValue::kZeros;
+  const bool kquant = formats::is_kquant(x.scale_type);
+  const int64_t slices = cols / 16;
+  // Per 16 columns, the 16 rows' scales (and zeros); a k-quant super-block's records.
+  thread_local std::vector<float> t_params;
+  if (t_params.size() < static_cast<size_t>(2 * slices * kRows + 2 * 16 * kRows))
+    t_params.resize(static_cast<size_t>(2 * slices * kRows + 2 * 16 * kRows));
+  float* s = t_params.data();
+  float* z = s + slices * kRows;
+  float* rs = z + slices * kRows;  // [16][16] of one record
+  float* rz = rs + 16 * kRows;
+  const int64_t record_bytes = kquant ? formats::kquant_record_bytes(x.scale_type) : 0;
+  const int64_t super_k = kquant ? x.group_k * formats::kquant_sub_blocks(x.scale_type) : 0;
+  // The codes' lines of the columns (low plane, and the high plane's, one per 32 / 16 k,
+  // of 5/6-bit codes), fetched kPrefetchBlocks row blocks ahead: the product's prefetch
+  // of the next panel (vnni_panel_source) covers the low plane only, and for 5/6-bit
+  // codes the decode still waited on memory (a q6_k backward at T = 512: 446 -> 298 ms;
+  // int4, q4_k unchanged).
+  constexpr int64_t kPrefetchBlocks = 4;
+  const int bits = p.format->qint.bits;
+  const int64_t high_k = bits == 5 ? 32 : bits == 6 ? 16 : 0;
+  const int64_t kWordK = bits == 8 ? 4 : 8;  // k per line of the low plane
   for (int64_t nb = 0; nb < p.n / kRows; ++nb) {
-    kernels::avx512::f32_to_bf16_split_block(t_values.data() + nb * kRows, ld, cols, bh, bl);
+    const uint8_t* block = x.weight + nb * x.block_bytes;
+    if (nb + kPrefetchBlocks < p.n / kRows) {
+      const uint8_t* ahead = block + kPrefetchBlocks * x.block_bytes;
+      for (int64_t kk = k0 - (high_k > 0 ? k0 % high_k : 0); high_k > 0 && kk < k0 + cols;
+           kk += high_k)
+        __builtin_prefetch(ahead + x.low_bytes + kk / high_k * 64);
+      for (int64_t kk = k0; kk < k0 + cols; kk += kWordK)
+        __builtin_prefetch(ahead + kk / kWordK * 64);
+    }
+    int64_t group = -1, record = -1;
+    for (int64_t c = 0; c < slices; ++c) {
+      const int64_t kc = k0 + 16 * c, g = kc / x.group_k;
+      if (kquant) {
+        if (kc / super_k != record) {
+          record = kc / super_k;
+          kernels::avx512::kquant_record_params(static_cast<const uint8_t*>(x.scales) +
+                                                    nb * x.block_param_bytes +
+                                                    record * record_bytes,
+                                                x.scale_type, rs, rz);
+        }
+        const int64_t j = (kc % super_k) / x.group_k;
+        std::memcpy(s + c * kRows, rs + j * kRows, kRows * sizeof(float));
+        std::memcpy(z + c * kRows, rz + j * kRows, kRows * sizeof(float));
+        continue;
+      }
+      if (g != group) {
+        group_params(x, nb, g, zeros, s + c * kRows, z + c * kRows);
+      } else {  // the previous 16 columns' group
+        std::memcpy(s + c * kRows, s + (c - 1) * kRows, kRows * sizeof(float));
+        std::memcpy(z + c * kRows, z + (c - 1) * kRows, kRows * sizeof(float));
+      }
+      group = g;
+    }
     const int64_t at = nb * (kRows / 2) * cols * 2;  // row pairs 8 nb .. 8 nb + 7
-    kernels::avx512::bf16_vnni_panel_block(bh, 0, cols, hi + at);
-    if (bl != nullptr) kernels::avx512::bf16_vnni_panel_block(bl, 0, cols, lo + at);
+    const bool done = kernels::avx512::qint_block_vnni_split(
+        block, block + x.low_bytes, bits, qint_value_form(p), x.offset, k0, cols, s, z, hi + at,
+        lo == nullptr ? nullptr : lo + at);
+    TORCH_INTERNAL_ASSERT(done, "split_vnni_panel: no decoder for ", p.format->name);
   }
 }
 

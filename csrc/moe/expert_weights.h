@@ -55,14 +55,15 @@ int64_t dense_panel_ld(const Projection& p);
 // c10::Error otherwise.
 bool bf16_vnni_panel_applies(const Projection& p);
 void bf16_vnni_panel(const Projection& p, int64_t expert, int64_t k0, int64_t cols, uint16_t* dst);
-// Any format's panel as two bf16 panels of the same layout whose sum is within 2^-17
-// of each weight: its fp32 values (as dense_expert_panel decodes them) v as hi = bf16(v)
-// and lo = bf16(v - hi) (lo may be nullptr: hi alone, W rounded to bf16). For the
-// formats whose values are not bf16 values (int4, k-quants, mxfp4, nvfp4, q8_0 / q4_0):
-// a product d @ W with bf16 d is then two exact bf16 products (kernels/avx512/
-// bf16_vnni_panel_avx512.cpp). Needs split_vnni_panel_applies(p) (n and k multiples of
-// 16, an AVX-512 CPU and build) and k0, cols multiples of 16 inside [0, k); throws
-// c10::Error otherwise.
+// A qint projection's panel (int4 with or without zeros, the k-quants, q8_0, q4_0,
+// mxfp4, nvfp4: values s * q - z that are not bf16 values) as two bf16 panels of the same
+// layout whose sum is within 2^-17 of each weight: its values v (as dense_expert_panel
+// decodes them) as hi = bf16(v) and lo = bf16(v - hi) (lo may be nullptr: hi alone, W
+// rounded to bf16). A product d @ W with bf16 d is then two exact bf16 products. AVX-512
+// code (kernels/avx512/qint_columns_avx512.cpp). Needs split_vnni_panel_applies(p) (a
+// qint format other than int8, n and k multiples of 16, groups of a multiple of 16 k, an
+// AVX-512 CPU and build) and k0, cols multiples of 16 inside [0, k); throws c10::Error
+// otherwise.
 bool split_vnni_panel_applies(const Projection& p);
 void split_vnni_panel(const Projection& p, int64_t expert, int64_t k0, int64_t cols, uint16_t* hi,
                       uint16_t* lo);

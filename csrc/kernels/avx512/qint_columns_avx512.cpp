@@ -1,7 +1,9 @@
 // The LoRA backward's split panels of the qint formats (moe/expert_weights.cpp,
 // split_vnni_panel): 16 columns of one 16-row block of codes decoded to fp32, one
 // register per column (16 rows), the same values as the scalar dense decoder
-// (dequantize_qint_transposed: a product, then a difference, no FMA) at 16 lanes.
+// (dequantize_qint_transposed: a product, then a difference, no FMA) at 16 lanes; then,
+// in registers, rounded to bf16 hi (and lo = bf16(v - hi)), paired by rows and
+// transposed into the panel's 8 row pairs (kernels/avx512/vnni_pairs.h).
 //
 // Code layout (formats/qint.h, kernels/qint_tiles.h): 8-bit codes [Kp/4][16][4] (row r's
 // 4 consecutive k in lane r of a line); 4/5/6-bit codes [Kp/8][16][4] in the low plane
@@ -12,6 +14,8 @@
 
 #include <cstdint>
 
+#include "kernels/avx512/vec.h"
+#include "kernels/avx512/vnni_pairs.h"
 #include "kernels/tiers.h"
 
 namespace kt::kernels::avx512 {
@@ -40,9 +44,10 @@ inline __m512i nibble_codes(const uint8_t* low, const uint8_t* high, int64_t k) 
   return q;
 }
 
+// The 16 columns [k0, k0 + 16) of the block as fp32 registers v[c] (row r in lane r).
 template <int Bits, QintValue A>
-void columns(const uint8_t* low, const uint8_t* high, int32_t offset, int64_t k0, const float* s,
-             const float* z, float* dst) {
+inline void columns(const uint8_t* low, const uint8_t* high, int32_t offset, int64_t k0,
+                    const float* s, const float* z, __m512 v[16]) {
   const __m512 sv = _mm512_loadu_ps(s);
   const __m512 zv = A == QintValue::kZeros ? _mm512_loadu_ps(z) : _mm512_setzero_ps();
   // mxfp4: E2M1 code c -> 2 e2m1(c) (magnitudes 0, 1, 2, 3, 4, 6, 8, 12, bit 3 the sign;
@@ -58,61 +63,84 @@ void columns(const uint8_t* low, const uint8_t* high, int32_t offset, int64_t k0
     } else {
       q = nibble_codes<Bits>(low, high, k);
     }
-    __m512 v;
     if (A == QintValue::kSigned) {
-      v = _mm512_mul_ps(sv, _mm512_cvtepi32_ps(q));
+      v[c] = _mm512_mul_ps(sv, _mm512_cvtepi32_ps(q));
     } else if (A == QintValue::kOffset) {
-      v = _mm512_mul_ps(sv, _mm512_cvtepi32_ps(_mm512_sub_epi32(q, off)));
+      v[c] = _mm512_mul_ps(sv, _mm512_cvtepi32_ps(_mm512_sub_epi32(q, off)));
     } else if (A == QintValue::kZeros) {
-      v = _mm512_sub_ps(_mm512_mul_ps(sv, _mm512_cvtepi32_ps(q)), zv);
+      v[c] = _mm512_sub_ps(_mm512_mul_ps(sv, _mm512_cvtepi32_ps(q)), zv);
     } else {
-      v = _mm512_mul_ps(sv, _mm512_permutexvar_ps(q, e2m1));
+      v[c] = _mm512_mul_ps(sv, _mm512_permutexvar_ps(q, e2m1));
     }
-    _mm512_storeu_ps(dst + c * 16, v);
+  }
+}
+
+// bf16 bits b[c] (high halves) of 16 columns into the panel's 8 row pairs: dst + j * ld
+// (16-bit words) holds pair j's (row 2j, row 2j + 1) of columns 0 .. 15.
+inline void store_pairs(const __m512i b[16], uint16_t* dst, int64_t ld) {
+  // Qword j of p[i]: words (row 2j, 2j + 1) of column 2i, then of column 2i + 1.
+  const __m512i pick =
+      _mm512_set_epi16(63, 61, 31, 29, 59, 57, 27, 25, 55, 53, 23, 21, 51, 49, 19, 17, 47, 45, 15,
+                       13, 43, 41, 11, 9, 39, 37, 7, 5, 35, 33, 3, 1);
+  __m512i p[8];
+  for (int i = 0; i < 8; ++i) p[i] = _mm512_permutex2var_epi16(b[2 * i], pick, b[2 * i + 1]);
+  transpose_8x8_epi64(p);  // p[j]: qword i = columns 2i, 2i + 1 of pair j
+  for (int j = 0; j < 8; ++j) _mm512_storeu_si512(dst + j * ld, p[j]);
+}
+
+template <int Bits, QintValue A>
+void block_panel(const uint8_t* low, const uint8_t* high, int32_t offset, int64_t k0, int64_t cols,
+                 const float* s, const float* z, uint16_t* hi, uint16_t* lo) {
+  for (int64_t c0 = 0; c0 < cols; c0 += 16) {
+    __m512 v[16];
+    columns<Bits, A>(low, high, offset, k0 + c0, s + c0, z + c0, v);
+    __m512i h[16];
+    for (int c = 0; c < 16; ++c) h[c] = round_to_bf16_high(_mm512_castps_si512(v[c]));
+    store_pairs(h, hi + c0 * 2, cols * 2);
+    if (lo == nullptr) continue;
+    // v - hi is exact in fp32 (hi is v rounded to 8 significant bits).
+    for (int c = 0; c < 16; ++c)
+      h[c] =
+          round_to_bf16_high(_mm512_castps_si512(_mm512_sub_ps(v[c], _mm512_castsi512_ps(h[c]))));
+    store_pairs(h, lo + c0 * 2, cols * 2);
   }
 }
 
 }  // namespace
 
-bool qint_columns_f32(const uint8_t* low, const uint8_t* high, int bits, QintValue value,
-                      int32_t offset, int64_t k0, const float* s, const float* z, float* dst) {
+bool qint_block_vnni_split(const uint8_t* low, const uint8_t* high, int bits, QintValue value,
+                           int32_t offset, int64_t k0, int64_t cols, const float* s, const float* z,
+                           uint16_t* hi, uint16_t* lo) {
+  using Fn = void (*)(const uint8_t*, const uint8_t*, int32_t, int64_t, int64_t, const float*,
+                      const float*, uint16_t*, uint16_t*);
+  Fn fn = nullptr;
   switch (bits) {
     case 8:
-      if (value != QintValue::kSigned) return false;
-      columns<8, QintValue::kSigned>(low, high, offset, k0, s, z, dst);
-      return true;
+      if (value == QintValue::kSigned) fn = block_panel<8, QintValue::kSigned>;
+      break;
     case 4:
-      switch (value) {
-        case QintValue::kOffset:
-          columns<4, QintValue::kOffset>(low, high, offset, k0, s, z, dst);
-          return true;
-        case QintValue::kZeros:
-          columns<4, QintValue::kZeros>(low, high, offset, k0, s, z, dst);
-          return true;
-        case QintValue::kE2m1:
-          columns<4, QintValue::kE2m1>(low, high, offset, k0, s, z, dst);
-          return true;
-        default:
-          return false;
-      }
+      if (value == QintValue::kOffset) fn = block_panel<4, QintValue::kOffset>;
+      if (value == QintValue::kZeros) fn = block_panel<4, QintValue::kZeros>;
+      if (value == QintValue::kE2m1) fn = block_panel<4, QintValue::kE2m1>;
+      break;
     case 5:
-    case 6: {
-      const bool five = bits == 5;
-      if (value == QintValue::kOffset) {
-        (five ? columns<5, QintValue::kOffset> : columns<6, QintValue::kOffset>)(low, high, offset,
-                                                                                 k0, s, z, dst);
-        return true;
-      }
-      if (value == QintValue::kZeros) {
-        (five ? columns<5, QintValue::kZeros> : columns<6, QintValue::kZeros>)(low, high, offset,
-                                                                               k0, s, z, dst);
-        return true;
-      }
-      return false;
-    }
+      if (value == QintValue::kOffset) fn = block_panel<5, QintValue::kOffset>;
+      if (value == QintValue::kZeros) fn = block_panel<5, QintValue::kZeros>;
+      break;
+    case 6:
+      if (value == QintValue::kOffset) fn = block_panel<6, QintValue::kOffset>;
+      if (value == QintValue::kZeros) fn = block_panel<6, QintValue::kZeros>;
+      break;
     default:
-      return false;
+      break;
   }
+  if (fn == nullptr) return false;
+  fn(low, high, offset, k0, cols, s, z, hi, lo);
+  return true;
+}
+
+void kquant_record_params(const uint8_t* rec, formats::ScaleType t, float* s, float* z) {
+  QintVec512<false>::kquant_decode(rec, t, s, z);
 }
 
 }  // namespace kt::kernels::avx512
