@@ -334,12 +334,17 @@ QintExpert qint_expert(const Projection& p, int64_t expert, int64_t ld, int64_t 
   return x;
 }
 
+// Whether a qint projection's weights subtract zeros: a zeros tensor, or q4_K / q5_K
+// mins in the scale records.
+bool qint_has_zeros(const Projection& p) {
+  return p.zeros.defined() || p.format->packed_scale_type == formats::ScaleType::kKq45;
+}
+
 void dequantize_qint_transposed(const Projection& p, int64_t expert, float* wt, int64_t ld,
                                 int64_t ka, int64_t kb) {
   const formats::QintFormat& f = p.format->qint;
   const QintExpert x = qint_expert(p, expert, ld, ka, kb);
-  // q4_K/q5_K: the mins are in the scale records.
-  const bool zeros = x.zeros != nullptr || x.scale_type == formats::ScaleType::kKq45;
+  const bool zeros = qint_has_zeros(p);
   switch (f.bits) {
     case 8:
       TORCH_CHECK(f.is_signed && !zeros, "dense_expert_weight: 8-bit codes are signed, no zeros");
@@ -612,7 +617,7 @@ namespace {
 kernels::avx512::QintValue qint_value_form(const Projection& p) {
   using kernels::avx512::QintValue;
   const formats::QintFormat& f = p.format->qint;
-  const bool zeros = p.zeros.defined() || p.format->packed_scale_type == formats::ScaleType::kKq45;
+  const bool zeros = qint_has_zeros(p);
   if (f.bits == 8) return QintValue::kSigned;
   if (f.lut_e2m1) return QintValue::kE2m1;
   return zeros ? QintValue::kZeros : QintValue::kOffset;
@@ -625,7 +630,7 @@ bool split_vnni_panel_applies(const Projection& p) {
   // the exact panels first), groups of a multiple of 16 k (per channel: Kp) so that 16
   // columns share one.
   const int64_t group_k = p.group_size == 0 ? formats::qint_k_padded(p.k) : p.group_size;
-  const bool zeros = p.zeros.defined() || p.format->packed_scale_type == formats::ScaleType::kKq45;
+  const bool zeros = qint_has_zeros(p);
   return p.format->layout == formats::Layout::kQint && p.n % 16 == 0 && p.k % 16 == 0 &&
          group_k % 16 == 0 && !(p.format->qint.bits == 8 && zeros) &&
          kernels::avx512::qint_block_vnni_split != nullptr &&
@@ -643,7 +648,8 @@ void split_vnni_panel(const Projection& p, int64_t expert, int64_t k0, int64_t c
               "split_vnni_panel: columns [", k0, ", ", k0 + cols, ") of a ", p.n, " x ", p.k, " ",
               p.format->name, " projection (or no AVX-512 here)");
   const QintExpert x = qint_expert(p, expert, 0, k0, k0 + cols);
-  const bool zeros = qint_value_form(p) == kernels::avx512::QintValue::kZeros;
+  const kernels::avx512::QintValue value = qint_value_form(p);
+  const bool zeros = value == kernels::avx512::QintValue::kZeros;
   const bool kquant = formats::is_kquant(x.scale_type);
   const int64_t slices = cols / 16;
   // Per 16 columns, the 16 rows' scales (and zeros); a k-quant super-block's records.
@@ -701,7 +707,7 @@ void split_vnni_panel(const Projection& p, int64_t expert, int64_t k0, int64_t c
     }
     const int64_t at = nb * (kRows / 2) * cols * 2;  // row pairs 8 nb .. 8 nb + 7
     const bool done = kernels::avx512::qint_block_vnni_split(
-        block, block + x.low_bytes, bits, qint_value_form(p), x.offset, k0, cols, s, z, hi + at,
+        block, block + x.low_bytes, bits, value, x.offset, k0, cols, s, z, hi + at,
         lo == nullptr ? nullptr : lo + at);
     TORCH_INTERNAL_ASSERT(done, "split_vnni_panel: no decoder for ", p.format->name);
   }
