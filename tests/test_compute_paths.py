@@ -41,6 +41,7 @@ from reference import (
     reference_for,
     reference_moe_forward,
 )
+from test_quant_forward import VARIANTS as QUANT_VARIANTS
 
 import kt_ops
 from kt_ops.info import format_info
@@ -729,7 +730,8 @@ def test_q8_formats_repeated_and_interleaved_calls_bit_identical(isa):
 
 def test_q8_brgemm_needs_q8_activations():
     # set_quant_activations('fp32') turns q8 activations off: no 8-bit brgemm runs
-    # even when forced. q8_0 streams (the weight-only fp32 path); int8 (per channel)
+    # even when forced. q8_0 takes the exact qint tiles where they run (the qint exact
+    # section below), else streams (the weight-only fp32 path); int8 (per channel)
     # takes its exact bf16 kernel where it runs (the int8_bf16 section below).
     experts = make_quant_experts("q8_0", 4, 64, 96, seed=3)
     ids, w = make_routing(30, 4, 2, seed=3)
@@ -737,10 +739,11 @@ def test_q8_brgemm_needs_q8_activations():
     with kt_ops.use_quant_activations("fp32"):
         with kt_ops.use_compute_path("brgemm"):
             paths = kt_ops.compute_paths()
-            assert paths["q8_0"]["brgemm_kernel"] is None
+            assert paths["q8_0"]["brgemm_kernel"] in (None, "avx512_bf16/qint_dp_exact")
             assert paths["int8"]["brgemm_kernel"] in (None, "onednn/brgemm_int8_bf16")
-        want = run("streaming", x, ids, w, experts)
-        assert torch.equal(run("brgemm", x, ids, w, experts), want)
+        if paths["q8_0"]["brgemm_kernel"] is None:
+            want = run("streaming", x, ids, w, experts)
+            assert torch.equal(run("brgemm", x, ids, w, experts), want)
 
 
 def test_q8_formats_mkldnn_disabled_falls_back_to_streaming():
@@ -1025,8 +1028,11 @@ def test_w4a8_only_under_quant_auto(isa):
         pytest.skip("kt_ops' w4a8 tiles do not run on this ISA path / CPU")
     with kt_ops.use_compute_path("brgemm"):
         for quant in ("q8", "fp32"):
+            # Under 'fp32', the exact qint tiles (bf16 activations) where they run.
+            exact = quant == "fp32" and qint_exact_runs("int4")
             with kt_ops.use_quant_activations(quant):
-                assert kt_ops.compute_paths()["int4"]["brgemm_kernel"] is None, quant
+                name = kt_ops.compute_paths()["int4"]["brgemm_kernel"]
+                assert name == ("avx512_bf16/qint_dp_exact" if exact else None), quant
     with kt_ops.use_compute_path("brgemm"), kt_ops.use_brgemm_bf16_kernel("onednn"):
         assert kt_ops.compute_paths()["int4"]["brgemm_kernel"] is None  # no oneDNN w4a8
 
@@ -1080,6 +1086,84 @@ def test_int8_bf16_thread_counts_bit_identical(isa):
         experts = make_quant_experts("int8", 4, 96, 64, seed=4)
         ids, w = make_routing(120, 4, 2, seed=4)
         x = make_hidden(120, 96, torch.bfloat16, seed=4)
+        assert_thread_counts_bit_identical("brgemm", x, ids, w, experts)
+
+
+# --------------------------------------------------------------------------
+# The other qint formats, exact: quant 'fp32' (the LoRA forward on a qint base)
+# --------------------------------------------------------------------------
+# Every code's value (q - offset, q beside explicit zeros, 2 e2m1(q), a signed byte) is
+# a bf16 value, so bf16 rows times the decoded codes are exact products; each group's
+# fp32 sums take the group's scales, minus its zeros times the group's sum of the rows
+# (avx512_bf16/qint_dp_exact, kernels/avx512/qint_dp_avx512bf16.cpp). Against the fp64
+# reference of the dequantized weights with the GLU output rounded to bf16, as the int8
+# kernel above. Shapes from test_quant_forward.VARIANTS (every group size, zeros or
+# not, N not a multiple of 16, several k-quant super-blocks per block); tokens per expert
+# 0, 1 and around the kernel's 28-row tiles (27, 28, 29, 57).
+
+#: The qint variants this kernel computes (int8 per channel has its own exact kernel).
+QINT_EXACT_VARIANTS = [
+    v for v in QUANT_VARIANTS if v.fmt not in ("int8",) and not v.fmt.startswith(("fp8", "mxfp8"))
+]
+QINT_EXACT_COUNTS = [0, 1, 27, 28, 29, 57]
+
+
+def qint_exact_runs(fmt: str) -> bool:
+    with kt_ops.use_compute_path("brgemm"), kt_ops.use_quant_activations("fp32"):
+        return kt_ops.compute_paths()[fmt]["brgemm_kernel"] == "avx512_bf16/qint_dp_exact"
+
+
+def test_qint_exact_kernel_reported(isa):
+    # Where the CPU has AVX512_BF16, on the AVX-512 paths: forced 'brgemm' under quant
+    # 'fp32' only (never under 'auto', whose tile kernels quantize the activations).
+    bf16 = kt_ops.info()["cpu_features"]["avx512_bf16"] and isa != "avx2" and isa != "ref"
+    for fmt in sorted({v.fmt for v in QINT_EXACT_VARIANTS}):
+        assert qint_exact_runs(fmt) == bf16, fmt
+        with kt_ops.use_compute_path("auto"), kt_ops.use_quant_activations("fp32"):
+            assert kt_ops.compute_paths()[fmt]["brgemm_kernel"] is None, fmt
+        with kt_ops.use_compute_path("brgemm"), kt_ops.use_quant_activations("auto"):
+            assert kt_ops.compute_paths()[fmt]["brgemm_kernel"] != "avx512_bf16/qint_dp_exact"
+
+
+@pytest.mark.parametrize("v", QINT_EXACT_VARIANTS, ids=lambda v: v.id)
+def test_qint_exact_against_fp64(isa, v):
+    if not qint_exact_runs(v.fmt):
+        pytest.skip("the exact qint tiles need AVX512_BF16 and an AVX-512 path")
+    experts = make_quant_experts(
+        v.fmt,
+        len(QINT_EXACT_COUNTS),
+        v.H,
+        v.I,
+        group_size=v.group_size,
+        symmetric=v.symmetric,
+        seed=v.H + 3 * v.I,
+    )
+    ids, w = fp8_routing(QINT_EXACT_COUNTS, seed=v.H)
+    x = make_hidden(ids.shape[0], v.H, torch.bfloat16, seed=v.I).float()  # bf16 values
+    with kt_ops.use_compute_path("brgemm"), kt_ops.use_quant_activations("fp32"):
+        out = kt_ops.moe_forward(x, ids, w, experts)
+    ref = bf16_h_reference(x, ids, w, experts)
+    # fp32 sums of exact products, and h's bf16 roundings on either side of a boundary.
+    assert_matches_reference(out, ref.float(), TOL_BF16_BRGEMM)
+    # Not the weight-only streaming path's result (fp32 h into the down projection).
+    with kt_ops.use_compute_path("streaming"), kt_ops.use_quant_activations("fp32"):
+        assert not torch.equal(kt_ops.moe_forward(x, ids, w, experts), out)
+
+
+@pytest.mark.parametrize("fmt", ["int4", "q4_k", "q6_k"])
+def test_qint_exact_thread_counts_bit_identical(isa, fmt):
+    with kt_ops.use_quant_activations("fp32"):
+        experts = make_quant_experts(
+            fmt,
+            4,
+            256,
+            256,
+            group_size=32 if fmt == "int4" else None,
+            symmetric=fmt == "q6_k",
+            seed=5,
+        )
+        ids, w = make_routing(120, 4, 2, seed=5)
+        x = make_hidden(120, 256, torch.bfloat16, seed=5)
         assert_thread_counts_bit_identical("brgemm", x, ids, w, experts)
 
 

@@ -805,7 +805,9 @@ def test_lora_gradients_at_fp32_accuracy_on_a_bf16_base(
     # bt_rows) for experts of 16+ rows and the factors themselves for the expert of 3.
     # Bases whose values are not bf16 values (int4 with or without zeros, the k-quants,
     # q8_0, q4_0, mxfp4, nvfp4; a q6_k down projection beside int8 gate / up): their
-    # forward streams with fp32 activations, their backward splits the decoded weights
+    # forward runs the exact qint tiles (avx512_bf16/qint_dp_exact: bf16(x) times the
+    # codes' bf16 values, the scales and zeros on each group's fp32 sums; elsewhere the
+    # streaming kernels with fp32 activations), their backward splits the decoded weights
     # into bf16 hi + lo panels (split_vnni_panel): go Wd on both (the LoRA gradients
     # within 1e-5; a hi-only go Wd gives ~1.4e-3), dx on hi (x's gradient ~2.7e-3 against
     # bf16's 2.2e-3).

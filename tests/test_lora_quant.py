@@ -312,7 +312,10 @@ def test_low_precision_activations_and_adapters():
     out, grads = op_grads(p, checkpointing=False)
     assert out.dtype == torch.bfloat16 and grads["down_lora_b"].dtype == torch.bfloat16
     ref_out, ref_grads = reference_grads(p)
-    assert_matches_reference(out, ref_out)
+    # bf16 hidden states: where the CPU has AVX512_BF16 the forward runs the exact qint
+    # tiles (avx512_bf16/qint_dp_exact), whose down projection reads the GLU output
+    # rounded to bf16, as a bf16 base's tile path does: that base's output bound.
+    assert_matches_reference(out, ref_out, TOL_BF16_ON_KERNELS)
     # bf16 hidden states and output gradient: where the CPU has the bf16 products, x's
     # gradient runs on them (dg, du and the split weights' hi part rounded to bf16,
     # moe_lora.cpp): about two bf16 roundings of each product, ~1e-3 of max|dx|, as a bf16

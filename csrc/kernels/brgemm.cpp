@@ -1,5 +1,7 @@
 #include "kernels/brgemm.h"
 
+#include <c10/util/Exception.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
@@ -583,6 +585,66 @@ void fp8_dp_exact_dot(const DotArgs& a, const TileOperand& op) {
   (void)a;
   (void)op;
 #endif
+}
+
+bool qint_dp_exact_runs() {
+  return avx512::qint_dp_block != nullptr && avx512::qint_dp_rows != nullptr &&
+         avx512::qint_dp_group_sums != nullptr && runtime::cpu_features().avx512 &&
+         runtime::cpu_features().avx512_bf16;
+}
+
+bool qint_dp_exact_applies(const formats::FormatRow& format) {
+  const formats::QintFormat& q = format.qint;
+  if (format.layout != formats::Layout::kQint) return false;
+  if (q.bits == 8) return q.is_signed && !q.lut_e2m1;
+  return q.bits == 4 || q.bits == 5 || q.bits == 6;
+}
+
+bool qint_dp_exact_applies_to(const ProjectionView& view) {
+  // 8-bit codes never carry zeros (the kernel decodes them without a table).
+  if (view.qint.bits == 8 && view.zeros != nullptr) return false;
+  return view.qint.group_size % 16 == 0;  // 0: per channel
+}
+
+bool qint_tiles_exact(const formats::FormatRow& format) {
+  return qint_dp_exact_applies(format) && qint_dp_exact_runs();
+}
+
+void qint_dp_exact_dot(const DotArgs& a, const TileOperand& op) {
+  const ProjectionView& p = *a.proj;
+  TileScratch& ts = *op.scratch;
+  // The slot of a's rows in bf16 with their 16-k sums (tagged apart from fp8's rows).
+  static const float kTag = 0.0f;
+  bool hit = false;
+  TileScratch::Slot& s = ts.find(
+      [&](const TileScratch::Slot& c) {
+        return c.x != nullptr && c.x == a.x && c.m == a.m && c.scales == &kTag;
+      },
+      &hit);
+  const int64_t ld = tile_rows_ld(p.kp);
+  if (!hit) {
+    avx512::qint_dp_rows(a.x, a.m, p.kp, s.rows.data(), ld);
+    s.x = a.x;
+    s.m = a.m;
+    s.scales = &kTag;
+    s.group = nullptr;
+    s.sums_k = 0;
+  }
+  // The rows' sums per group, where the format subtracts zeros (gate and up share them).
+  const bool zeros = p.zeros != nullptr || p.qint.scale_type == formats::ScaleType::kKq45;
+  const int64_t group_k = p.qint.group_size == 0 ? p.kp : p.qint.group_size;
+  if (zeros && s.sums_k != group_k) {
+    avx512::qint_dp_group_sums(s.rows.data(), ld, a.m, p.kp, group_k, s.sums.data());
+    s.sums_k = group_k;
+  }
+  for (int64_t nb = a.nb_begin; nb < a.nb_end; ++nb) {
+    QintBlock blk = qint_block(a, nb);
+    blk.m = a.m;
+    const bool done = avx512::qint_dp_block(blk, s.rows.data(), ld, s.sums.data(), ts.tile.data(),
+                                            ts.params.data());
+    TORCH_CHECK(done, "qint_dp_exact_dot: a ", p.qint.bits, "-bit projection with groups of ",
+                group_k, " k, which the kernel does not take");
+  }
 }
 
 void release() {

@@ -63,6 +63,28 @@ const TileKernel kKtBf16{
     /*release=*/nullptr,
     /*fallback=*/&kOneDnnBf16,
 };
+// The other qint formats (int4 grouped or per channel, the k-quants, q8_0, q4_0, mxfp4,
+// nvfp4) times bf16 hidden states, exactly: kt_ops' vdpbf16ps tiles on the codes' bf16
+// values, each group's fp32 sums times its scales (minus zeros times the group's x
+// sum). Under quant 'fp32', only where 'brgemm' is forced (the LoRA forward).
+const TileKernel kKtQintExact{
+    /*name=*/"avx512_bf16/qint_dp_exact",
+    /*input=*/TileInput::kFp32Rows,
+    /*bf16_activations_only=*/true,
+    /*keeps=*/true,
+    /*applies=*/brgemm::qint_dp_exact_applies,
+    /*runs=*/brgemm::qint_dp_exact_runs,
+    /*dot=*/brgemm::qint_dp_exact_dot,
+    /*pack_bytes=*/nullptr,
+    /*pack=*/nullptr,
+    /*release=*/nullptr,
+    /*fallback=*/nullptr,
+    /*pack_rows=*/nullptr,
+    /*quant_modes=*/kQuantFp32Bit,
+    /*keeps_if=*/nullptr,
+    /*forced_only=*/true,
+    /*applies_to=*/brgemm::qint_dp_exact_applies_to,
+};
 // int8 (per channel) times bf16 hidden states, exactly: each block's codes decoded to
 // their bf16 values (|q| <= 127: exact), bf16 x bf16 products (exact in fp32), fp32
 // sums, the channel scales applied to the outputs. Under quant 'fp32' (exact
@@ -80,7 +102,7 @@ const TileKernel kOneDnnInt8Bf16{
     /*pack_bytes=*/nullptr,
     /*pack=*/nullptr,
     /*release=*/brgemm::release,
-    /*fallback=*/nullptr,
+    /*fallback=*/&kKtQintExact,
     /*pack_rows=*/nullptr,
     /*quant_modes=*/kQuantFp32Bit,
     /*keeps_if=*/nullptr,

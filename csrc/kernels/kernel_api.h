@@ -147,21 +147,27 @@ struct TileScratch {
     uint64_t last_use = 0;
     std::vector<uint16_t> rows;  // >= m * tile_rows_ld(kp)
     std::vector<float> out;      // >= m * 16 * kTileGroupBlocks
+    std::vector<float> sums;     // >= m * kp / 16: sums of `rows` per sums_k k (qint)
+    int64_t sums_k = 0;          // 0: `sums` not made for these rows
   };
   Slot slots[2];  // gate and up alternate within a task: one slot each
   uint64_t uses = 0;
   std::vector<uint16_t> tile;  // >= kp * 16 * kTileGroupBlocks: decoded weight blocks
+  std::vector<float> params;   // >= 2 * kp: one block's scales and zeros per group (qint)
 
   // For m rows of kp: grows the buffers (the plan, before the kernel runs).
   void reserve(int m, int64_t kp) {
     const size_t rows = static_cast<size_t>(m) * tile_rows_ld(kp);
     const size_t out = static_cast<size_t>(m) * 16 * kTileGroupBlocks;
+    const size_t sums = static_cast<size_t>(m) * (kp / 16);
     for (Slot& s : slots) {
       if (s.rows.size() < rows) s.rows.resize(rows);
       if (s.out.size() < out) s.out.resize(out);
+      if (s.sums.size() < sums) s.sums.resize(sums);
     }
     const size_t t = static_cast<size_t>(kp) * 16 * kTileGroupBlocks;
     if (tile.size() < t) tile.resize(t);
+    if (params.size() < static_cast<size_t>(2 * kp)) params.resize(static_cast<size_t>(2 * kp));
   }
   // The slot that `match` accepts (*hit = true), else the least recently used one (for
   // the caller to refill); either way marked as used now.
@@ -190,9 +196,10 @@ struct TileScratch {
     uses = 0;
   }
   size_t bytes() const {
-    size_t n = tile.capacity() * sizeof(uint16_t);
+    size_t n = tile.capacity() * sizeof(uint16_t) + params.capacity() * sizeof(float);
     for (const Slot& s : slots)
-      n += s.rows.capacity() * sizeof(uint16_t) + s.out.capacity() * sizeof(float);
+      n += s.rows.capacity() * sizeof(uint16_t) +
+           (s.out.capacity() + s.sums.capacity()) * sizeof(float);
     return n;
   }
 };
