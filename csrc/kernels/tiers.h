@@ -176,6 +176,10 @@ __attribute__((weak)) bool qint_block_vnni_split(const uint8_t* low, const uint8
 // no z): formats::kquant_param's values, 16 rows at once.
 __attribute__((weak)) void kquant_record_params(const uint8_t* rec, formats::ScaleType t, float* s,
                                                 float* z);
+// The 16 stored scales (or zeros) at base[index ..] in fp32, fp16 or bf16 as fp32 out[16]
+// (exact conversions: vcvtph2ps, a shift), for the split panels' groups.
+__attribute__((weak)) void qint_params16(const void* base, formats::ScaleType t, int64_t index,
+                                         float* out);
 }  // namespace avx512
 
 }  // namespace kt::kernels

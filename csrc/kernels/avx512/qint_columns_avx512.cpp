@@ -22,29 +22,10 @@ namespace kt::kernels::avx512 {
 
 namespace {
 
-// The 16 rows' codes of column k of a 4/5/6-bit block as int32 lanes.
-template <int Bits>
-inline __m512i nibble_codes(const uint8_t* low, const uint8_t* high, int64_t k) {
-  const __m512i line = _mm512_loadu_si512(low + (k / 8) * 64);
-  const int j = static_cast<int>(k % 4), half = static_cast<int>((k % 8) / 4);
-  __m512i q = _mm512_and_si512(_mm512_srl_epi32(line, _mm_cvtsi32_si128(8 * j + 4 * half)),
-                               _mm512_set1_epi32(15));
-  if (Bits == 5 || Bits == 6) {
-    const int64_t per_line = Bits == 5 ? 32 : 16;
-    const __m512i hl = _mm512_loadu_si512(high + (k / per_line) * 64);
-    // Bit position as the scalar decoder's: 8 j + shift of the 8-k word kw holding k
-    // (5-bit (kw % 32) / 4, + half; 6-bit 2 ((kw % 16) / 4), + 2 half).
-    const int64_t kw = k - k % 8;
-    const int hs = Bits == 5 ? static_cast<int>((kw % 32) / 4) + half
-                             : static_cast<int>(2 * ((kw % 16) / 4)) + 2 * half;
-    const __m512i hb = _mm512_and_si512(_mm512_srl_epi32(hl, _mm_cvtsi32_si128(8 * j + hs)),
-                                        _mm512_set1_epi32(Bits == 5 ? 1 : 3));
-    q = _mm512_or_si512(q, _mm512_slli_epi32(hb, 4));
-  }
-  return q;
-}
-
 // The 16 columns [k0, k0 + 16) of the block as fp32 registers v[c] (row r in lane r).
+// k0 is a multiple of 16: the columns are 2 lines of the low plane (8-bit codes: 4), each
+// code at a fixed bit of its line, so the loops below unroll to immediate shifts (per-
+// column address and shift arithmetic had been most of the decode's scalar work).
 template <int Bits, QintValue A>
 inline void columns(const uint8_t* low, const uint8_t* high, int32_t offset, int64_t k0,
                     const float* s, const float* z, __m512 v[16]) {
@@ -54,23 +35,56 @@ inline void columns(const uint8_t* low, const uint8_t* high, int32_t offset, int
   // -0 as +0, as the scalar decoder's integer form).
   const __m512 e2m1 = _mm512_setr_ps(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
   const __m512i off = _mm512_set1_epi32(offset);
-  for (int c = 0; c < 16; ++c) {
-    const int64_t k = k0 + c;
-    __m512i q;
-    if (Bits == 8) {
-      const __m512i line = _mm512_loadu_si512(low + (k / 4) * 64);
-      q = _mm512_srai_epi32(_mm512_sll_epi32(line, _mm_cvtsi32_si128(24 - 8 * (k % 4))), 24);
-    } else {
-      q = nibble_codes<Bits>(low, high, k);
+  auto value = [&](__m512i q) {
+    if (A == QintValue::kSigned || A == QintValue::kZeros) {
+      const __m512 p = _mm512_mul_ps(sv, _mm512_cvtepi32_ps(q));
+      return A == QintValue::kZeros ? _mm512_sub_ps(p, zv) : p;
     }
-    if (A == QintValue::kSigned) {
-      v[c] = _mm512_mul_ps(sv, _mm512_cvtepi32_ps(q));
-    } else if (A == QintValue::kOffset) {
-      v[c] = _mm512_mul_ps(sv, _mm512_cvtepi32_ps(_mm512_sub_epi32(q, off)));
-    } else if (A == QintValue::kZeros) {
-      v[c] = _mm512_sub_ps(_mm512_mul_ps(sv, _mm512_cvtepi32_ps(q)), zv);
-    } else {
-      v[c] = _mm512_mul_ps(sv, _mm512_permutexvar_ps(q, e2m1));
+    if (A == QintValue::kOffset)
+      return _mm512_mul_ps(sv, _mm512_cvtepi32_ps(_mm512_sub_epi32(q, off)));
+    return _mm512_mul_ps(sv, _mm512_permutexvar_ps(q, e2m1));
+  };
+  if constexpr (Bits == 8) {
+#pragma GCC unroll 4
+    for (int l = 0; l < 4; ++l) {  // 4 k per line, byte j of a row's lane
+      const __m512i line = _mm512_loadu_si512(low + (k0 / 4 + l) * 64);
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j)
+        v[4 * l + j] = value(_mm512_srai_epi32(_mm512_slli_epi32(line, 24 - 8 * j), 24));
+    }
+    return;
+  }
+  // 5/6-bit high planes: one line per 32 / 16 k (formats/qint.h, qint_code): the high
+  // bit(s) of code k = kw + 4 half + j (kw = k0 + 8 l) at 8 j + hs, hs = (kw % 32) / 4 +
+  // half for 5 bits, 2 ((kw % 16) / 4) + 2 half for 6.
+  [[maybe_unused]] __m512i hl;
+  if constexpr (Bits == 5 || Bits == 6)
+    hl = _mm512_loadu_si512(high + (k0 / (Bits == 5 ? 32 : 16)) * 64);
+  const int h5 = static_cast<int>((k0 % 32) / 4);  // 5-bit: the first line's bit base
+#pragma GCC unroll 2
+  for (int l = 0; l < 2; ++l) {
+    const __m512i line = _mm512_loadu_si512(low + (k0 / 8 + l) * 64);
+#pragma GCC unroll 2
+    for (int half = 0; half < 2; ++half) {
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        __m512i q =
+            _mm512_and_si512(_mm512_srli_epi32(line, 8 * j + 4 * half), _mm512_set1_epi32(15));
+        if constexpr (Bits == 5) {
+          const int hs = h5 + 2 * l + half;
+          q = _mm512_or_si512(
+              q, _mm512_slli_epi32(
+                     _mm512_and_si512(_mm512_srl_epi32(hl, _mm_cvtsi32_si128(8 * j + hs)),
+                                      _mm512_set1_epi32(1)),
+                     4));
+        } else if constexpr (Bits == 6) {
+          const int hs = 4 * l + 2 * half;
+          q = _mm512_or_si512(
+              q, _mm512_slli_epi32(
+                     _mm512_and_si512(_mm512_srli_epi32(hl, 8 * j + hs), _mm512_set1_epi32(3)), 4));
+        }
+        v[8 * l + 4 * half + j] = value(q);
+      }
     }
   }
 }
@@ -141,6 +155,10 @@ bool qint_block_vnni_split(const uint8_t* low, const uint8_t* high, int bits, Qi
 
 void kquant_record_params(const uint8_t* rec, formats::ScaleType t, float* s, float* z) {
   QintVec512<false>::kquant_decode(rec, t, s, z);
+}
+
+void qint_params16(const void* base, formats::ScaleType t, int64_t index, float* out) {
+  _mm512_storeu_ps(out, QintVec512<false>::load_scales(base, t, index));
 }
 
 }  // namespace kt::kernels::avx512
