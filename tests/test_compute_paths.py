@@ -1150,6 +1150,22 @@ def test_qint_exact_against_fp64(isa, v):
         assert not torch.equal(kt_ops.moe_forward(x, ids, w, experts), out)
 
 
+def test_int8_without_onednn_takes_the_exact_qint_tiles(isa):
+    # int8 (per channel) has oneDNN's exact kernel first; with oneDNN off (mkldnn
+    # disabled) the exact qint tiles take it (8-bit codes decoded by conversion, one
+    # group over all of K), still exact against the fp64 reference.
+    if not qint_exact_runs("int4"):
+        pytest.skip("the exact qint tiles need AVX512_BF16 and an AVX-512 path")
+    experts = make_quant_experts("int8", len(QINT_EXACT_COUNTS), 50, 40, seed=3)
+    ids, w = fp8_routing(QINT_EXACT_COUNTS, seed=3)
+    x = make_hidden(ids.shape[0], 50, torch.bfloat16, seed=4).float()
+    with torch.backends.mkldnn.flags(enabled=False):
+        assert qint_exact_runs("int8")
+        with kt_ops.use_compute_path("brgemm"), kt_ops.use_quant_activations("fp32"):
+            out = kt_ops.moe_forward(x, ids, w, experts)
+    assert_matches_reference(out, bf16_h_reference(x, ids, w, experts).float(), TOL_BF16_BRGEMM)
+
+
 @pytest.mark.parametrize("fmt", ["int4", "q4_k", "q6_k"])
 def test_qint_exact_thread_counts_bit_identical(isa, fmt):
     with kt_ops.use_quant_activations("fp32"):
