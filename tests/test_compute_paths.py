@@ -740,7 +740,12 @@ def test_q8_brgemm_needs_q8_activations():
         with kt_ops.use_compute_path("brgemm"):
             paths = kt_ops.compute_paths()
             assert paths["q8_0"]["brgemm_kernel"] in (None, "avx512_bf16/qint_dp_exact")
-            assert paths["int8"]["brgemm_kernel"] in (None, "onednn/brgemm_int8_bf16")
+            # oneDNN's exact kernel, else the exact qint tiles (oneDNN capped below bf16)
+            assert paths["int8"]["brgemm_kernel"] in (
+                None,
+                "onednn/brgemm_int8_bf16",
+                "avx512_bf16/qint_dp_exact",
+            )
         if paths["q8_0"]["brgemm_kernel"] is None:
             want = run("streaming", x, ids, w, experts)
             assert torch.equal(run("brgemm", x, ids, w, experts), want)
@@ -867,8 +872,11 @@ def test_w8a8_only_under_quant_auto(isa):
         "auto": BRGEMM_KERNELS["int8"],
         # the u8s8 kernel where oneDNN runs it (q8_0 has the same one)
         "q8": "onednn/brgemm_u8s8" if brgemm_runs("q8_0") else None,
-        # exact activations: the codes as bf16 values, where the bf16 brgemm runs
-        "fp32": "onednn/brgemm_int8_bf16" if brgemm_runs("bf16") else None,
+        # exact activations: the codes as bf16 values, on oneDNN's bf16 brgemm where it
+        # runs, else on the exact qint tiles (which need AVX512_BF16, not oneDNN)
+        "fp32": "onednn/brgemm_int8_bf16"
+        if brgemm_runs("bf16")
+        else ("avx512_bf16/qint_dp_exact" if qint_exact_runs("int8") else None),
     }
 
 
