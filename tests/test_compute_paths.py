@@ -1111,7 +1111,7 @@ def test_int8_bf16_thread_counts_bit_identical(isa):
 
 #: The qint variants this kernel computes (int8 per channel has its own exact kernel).
 QINT_EXACT_VARIANTS = [
-    v for v in QUANT_VARIANTS if v.fmt not in ("int8",) and not v.fmt.startswith(("fp8", "mxfp8"))
+    v for v in QUANT_VARIANTS if v.fmt != "int8" and not v.fmt.startswith(("fp8", "mxfp8"))
 ]
 QINT_EXACT_COUNTS = [0, 1, 27, 28, 29, 57]
 

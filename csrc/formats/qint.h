@@ -48,6 +48,12 @@ inline int kquant_sub_q45(const uint8_t* q, int j, bool min) {
              : ((q[(j + 4) * r] & 15) | ((q[(j - 4) * r] >> 6) << 4));
 }
 
+// Whether a qint projection's weights subtract zeros (W = s * q - z): stored zeros, or
+// the q4_K / q5_K mins inside the scale records.
+inline bool qint_subtracts_zeros(ScaleType scale_type, bool stored_zeros) {
+  return stored_zeros || scale_type == ScaleType::kKq45;
+}
+
 // Activations a format multiplies with.
 enum class ActType : uint8_t { kF32, kQ8 };
 

@@ -28,6 +28,16 @@ namespace {
 // u8s8: K chunks per epilogue pass (their int32 sums stay in L1 in between).
 constexpr int kFoldChunks = 4;
 
+// Band scales of ones for avx512::scale_rows_to_bf16: the activations rounded to bf16 as
+// they are (fp8_channel, mxfp8, fp8's exact tiles and the exact qint tiles).
+const float* unit_band_scales(const DotArgs& a) {
+  static const std::vector<float> ones(1 << 16, 1.0f);  // ceil(k/128) <= 65536: k < 8M
+  TORCH_CHECK(
+      formats::ceil_div(a.proj->k, formats::kFp8ScaleBlock) <= static_cast<int64_t>(ones.size()),
+      "kt_ops: K too large for the tile kernels' bf16 rows");
+  return ones.data();
+}
+
 #ifdef KT_HAVE_CPUBLAS_BRGEMM
 // One bf16 brgemm call on the calling thread: a 1 x 16 x 2 product with known
 // bits. oneDNN throws (c10::Error or dnnl::error) where it does not run the
@@ -454,17 +464,8 @@ TileScratch::Slot& fp8_scaled_rows(const DotArgs& a, TileScratch& ts, const floa
 }
 
 // The band scales the activations are multiplied by: fp8's 128x128 block scales, or
-// ones for fp8_channel (one scale per output row, applied by scale_outputs) and
-// mxfp8 (its exponents go into the decoded values).
-// Band scales of ones: the activations rounded to bf16 as they are.
-const float* unit_band_scales(const DotArgs& a) {
-  static const std::vector<float> ones(1 << 16, 1.0f);  // ceil(k/128) <= 65536: k < 8M
-  TORCH_CHECK(
-      formats::ceil_div(a.proj->k, formats::kFp8ScaleBlock) <= static_cast<int64_t>(ones.size()),
-      "fp8: K too large for the brgemm path");
-  return ones.data();
-}
-
+// ones (unit_band_scales) for fp8_channel (one scale per output row, applied by
+// scale_outputs) and mxfp8 (its exponents go into the decoded values).
 const float* fp8_tile_scales(const DotArgs& a, int64_t nb) {
   return a.proj->fp8_row_scales ? unit_band_scales(a) : fp8_band_scales(a, nb);
 }
@@ -588,7 +589,7 @@ void fp8_dp_exact_dot(const DotArgs& a, const TileOperand& op) {
 }
 
 bool qint_dp_exact_runs() {
-  return avx512::qint_dp_block != nullptr && avx512::qint_dp_rows != nullptr &&
+  return avx512::qint_dp_block != nullptr && avx512::scale_rows_to_bf16 != nullptr &&
          avx512::qint_dp_group_sums != nullptr && runtime::cpu_features().avx512 &&
          runtime::cpu_features().avx512_bf16;
 }
@@ -613,7 +614,7 @@ bool qint_tiles_exact(const formats::FormatRow& format) {
 void qint_dp_exact_dot(const DotArgs& a, const TileOperand& op) {
   const ProjectionView& p = *a.proj;
   TileScratch& ts = *op.scratch;
-  // The slot of a's rows in bf16 with their 16-k sums (tagged apart from fp8's rows).
+  // The slot of a's rows in bf16 and their group sums (tagged apart from fp8's rows).
   static const float kTag = 0.0f;
   bool hit = false;
   TileScratch::Slot& s = ts.find(
@@ -623,7 +624,7 @@ void qint_dp_exact_dot(const DotArgs& a, const TileOperand& op) {
       &hit);
   const int64_t ld = tile_rows_ld(p.kp);
   if (!hit) {
-    avx512::qint_dp_rows(a.x, a.m, p.kp, s.rows.data(), ld);
+    avx512::scale_rows_to_bf16(a.x, a.m, p.kp, unit_band_scales(a), s.rows.data(), ld);
     s.x = a.x;
     s.m = a.m;
     s.scales = &kTag;
@@ -631,7 +632,7 @@ void qint_dp_exact_dot(const DotArgs& a, const TileOperand& op) {
     s.sums_k = 0;
   }
   // The rows' sums per group, where the format subtracts zeros (gate and up share them).
-  const bool zeros = p.zeros != nullptr || p.qint.scale_type == formats::ScaleType::kKq45;
+  const bool zeros = formats::qint_subtracts_zeros(p.qint.scale_type, p.zeros != nullptr);
   const int64_t group_k = p.qint.group_size == 0 ? p.kp : p.qint.group_size;
   if (zeros && s.sums_k != group_k) {
     avx512::qint_dp_group_sums(s.rows.data(), ld, a.m, p.kp, group_k, s.sums.data());

@@ -240,8 +240,9 @@ bool fp8_tiles_exact(const formats::FormatRow& format);
 // qint base with bf16 hidden states): kt_ops' vdpbf16ps tiles with A = bf16(x) and B the
 // codes' exact bf16 values, each group's fp32 sums times its scales, minus its zeros
 // times the group's sum of bf16(x) (kernels/avx512/qint_dp_avx512bf16.cpp): every
-// product exact, as on a bf16 base. Needs AVX512_BF16, not oneDNN. The rows and their
-// 16-k sums are made once per expert and rows source, in a slot of op.scratch.
+// product exact, as on a bf16 base. Needs AVX512_BF16, not oneDNN. The bf16 rows (and
+// their group sums, for formats with zeros) are made once per expert and rows source, in
+// a slot of op.scratch.
 // qint_dp_exact_applies: the qint formats of 4/5/6-bit codes and 8-bit signed ones;
 // qint_dp_exact_applies_to: their projections with groups of a multiple of 16 k (or
 // per channel). qint_tiles_exact: whether that kernel computes `format` here.

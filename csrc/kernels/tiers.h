@@ -112,16 +112,14 @@ __attribute__((weak)) bool fp8_e8m0_fits_bf16(const uint8_t* e8m0, int64_t group
 __attribute__((weak)) void scale_rows_to_bf16(const float* const* x, int m, int64_t kp,
                                               const float* scales, uint16_t* dst, int64_t ld);
 // The exact qint tiles (kernels/avx512/qint_dp_avx512bf16.cpp, AVX512_BF16; kernels/
-// brgemm.h, qint_dp_exact_dot). qint_dp_rows: the m fp32 rows x (kp long) rounded to
-// bf16 at dst + i * ld. qint_dp_group_sums: the fp32 sums of those bf16 rows (ld apart)
-// per group of group_k k, [m][kp / group_k]. qint_dp_block: b.out [b.m][16] = the rows
+// brgemm.h, qint_dp_exact_dot; its rows rounded to bf16 by scale_rows_to_bf16 with unit
+// scales). qint_dp_group_sums: the fp32 sums of those bf16 rows (ld apart) per group of
+// group_k k, [m][kp / group_k]. qint_dp_block: b.out [b.m][16] = the rows
 // (xs, ldx apart) times the block's values: each group's fp32 sums of the exact products
 // bf16(x) * code times the group's scales, minus its zeros times the rows' group sums xg
 // (formats with zeros; else unused); `tile` (>= kp * 16 words) holds the decoded codes
 // for the later token tiles, `params` (>= 2 * kp floats) the scales and zeros. False
 // (nothing written) for a code width or group size it does not take.
-__attribute__((weak)) void qint_dp_rows(const float* const* x, int m, int64_t kp, uint16_t* dst,
-                                        int64_t ld);
 __attribute__((weak)) void qint_dp_group_sums(const uint16_t* rows, int64_t ld, int m, int64_t kp,
                                               int64_t group_k, float* sums);
 __attribute__((weak)) bool qint_dp_block(const QintBlock& b, const uint16_t* xs, int64_t ldx,

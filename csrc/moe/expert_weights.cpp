@@ -337,7 +337,7 @@ QintExpert qint_expert(const Projection& p, int64_t expert, int64_t ld, int64_t 
 // Whether a qint projection's weights subtract zeros: a zeros tensor, or q4_K / q5_K
 // mins in the scale records.
 bool qint_has_zeros(const Projection& p) {
-  return p.zeros.defined() || p.format->packed_scale_type == formats::ScaleType::kKq45;
+  return formats::qint_subtracts_zeros(p.format->packed_scale_type, p.zeros.defined());
 }
 
 void dequantize_qint_transposed(const Projection& p, int64_t expert, float* wt, int64_t ld,

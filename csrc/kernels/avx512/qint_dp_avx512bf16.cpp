@@ -197,17 +197,6 @@ inline uint16_t bf16_bits_exact(float v) {
   return static_cast<uint16_t>(b >> 16);
 }
 
-// qint_dp_rows (tiers.h).
-KT_QDP_TARGET void rows_impl(const float* const* x, int m, int64_t kp, uint16_t* dst, int64_t ld) {
-  for (int i = 0; i < m; ++i) {
-    for (int64_t k = 0; k < kp; k += 32) {  // kp is a multiple of 32
-      const __m512bh b =
-          _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x[i] + k + 16), _mm512_loadu_ps(x[i] + k));
-      _mm512_storeu_si512(dst + i * ld + k, reinterpret_cast<__m512i>(b));
-    }
-  }
-}
-
 // qint_dp_group_sums (tiers.h): per 16 k, the bf16 values widened (dword j: k + 2j in its
 // low word, k + 2j + 1 in its high one) and added as fp32, then each group's.
 KT_QDP_TARGET void group_sums_impl(const uint16_t* rows, int64_t ld, int m, int64_t kp,
@@ -230,10 +219,6 @@ KT_QDP_TARGET void group_sums_impl(const uint16_t* rows, int64_t ld, int m, int6
 
 }  // namespace
 
-void qint_dp_rows(const float* const* x, int m, int64_t kp, uint16_t* dst, int64_t ld) {
-  rows_impl(x, m, kp, dst, ld);
-}
-
 void qint_dp_group_sums(const uint16_t* rows, int64_t ld, int m, int64_t kp, int64_t group_k,
                         float* sums) {
   group_sums_impl(rows, ld, m, kp, group_k, sums);
@@ -243,7 +228,7 @@ bool qint_dp_block(const QintBlock& b, const uint16_t* xs, int64_t ldx, const fl
                    uint16_t* tile, float* params) {
   const formats::QintFormat& f = *b.format;
   const bool kquant = formats::is_kquant(f.scale_type);
-  const bool zeros = b.zeros != nullptr || f.scale_type == formats::ScaleType::kKq45;
+  const bool zeros = formats::qint_subtracts_zeros(f.scale_type, b.zeros != nullptr);
   if (f.bits != 4 && f.bits != 5 && f.bits != 6 && f.bits != 8) return false;
   if (f.bits == 8 && (!f.is_signed || zeros || f.lut_e2m1)) return false;
   const int64_t kp = b.kp;
