@@ -52,16 +52,22 @@ const TileKernel kOneDnnBf16{
 };
 const TileKernel kKtBf16{
     /*name=*/"avx512_bf16/bf16_dp",
-    /*input=*/TileInput::kBf16Rows,
+    /*input=*/TileInput::kBf16Packed,
     /*bf16_activations_only=*/true,
     /*keeps=*/false,
     /*applies=*/nullptr,
     /*runs=*/brgemm::kt_bf16_runs,
     /*dot=*/avx512::bf16_dp_dot,
-    /*pack_bytes=*/nullptr,
+    /*pack_bytes=*/avx512::bf16_dp_pack_bytes,
     /*pack=*/nullptr,
     /*release=*/nullptr,
     /*fallback=*/&kOneDnnBf16,
+    /*pack_rows=*/nullptr,
+    /*quant_modes=*/kAnyQuantMode,
+    /*keeps_if=*/nullptr,
+    /*forced_only=*/false,
+    /*applies_to=*/nullptr,
+    /*pack_bf16=*/avx512::bf16_dp_pack,
 };
 // The other qint formats (int4 grouped or per channel, the k-quants, q8_0, q4_0, mxfp4,
 // nvfp4) times bf16 hidden states, exactly: kt_ops' vdpbf16ps tiles on the codes' bf16

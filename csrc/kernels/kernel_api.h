@@ -214,6 +214,8 @@ enum class TileInput : uint8_t {
   kFp32Rows,     // none: the kernel reads DotArgs::x (and makes its own A in TileScratch)
   kI8TokenRows,  // TileOperand::rows: TileKernel::pack_rows of the m fp32 rows DotArgs::x
                  // (the w8a8 kernel's per-token int8 codes + 128 and their scales)
+  kBf16Packed,   // TileOperand::rows: TileKernel::pack_bf16 of the kBf16Rows rows (kt_ops'
+                 // vdpbf16ps tiles: each row tile's k pairs side by side, one pointer)
 };
 
 // What a tile kernel gets besides DotArgs.
@@ -276,6 +278,10 @@ struct TileKernel {
   // Of the formats it applies to, the projections it computes (e.g. int4 per channel
   // only, not its groups); nullptr: all. The others stream.
   bool (*applies_to)(const ProjectionView& view) = nullptr;
+  // kBf16Packed: the A operand of m bf16 rows of kp (ld apart, zero past k),
+  // pack_bytes(m, kp) bytes written by pack_bf16 (once per expert, rows source and op
+  // call, by the pool thread that computes the expert); nullptr otherwise.
+  void (*pack_bf16)(const uint16_t* rows, int64_t ld, int m, int64_t kp, uint8_t* dst) = nullptr;
 };
 
 // The q8 activation record of one fp32 row x[kp] (formats/q8_activations.h),

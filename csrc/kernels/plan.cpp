@@ -176,6 +176,15 @@ void ProjectionPlan::dot_tile(const DotArgs& a, const ExpertRows& rows, ThreadSc
     case TileInput::kBf16Rows:
       op.rows = bf16_rows(rows, kp, ts, &op.ld);
       break;
+    case TileInput::kBf16Packed: {
+      const size_t n = static_cast<size_t>(tile_->pack_bytes(rows.m, kp));
+      op.rows = cached(ts.q8_packed, rows, tile_, n, [&](uint8_t* dst) {
+        int64_t ld = 0;
+        const uint16_t* r = bf16_rows(rows, kp, ts, &ld);
+        tile_->pack_bf16(r, ld, rows.m, kp, dst);
+      });
+      break;
+    }
     case TileInput::kQ8Packed: {
       const size_t n = static_cast<size_t>(tile_->pack_bytes(rows.m, kp));
       op.rows = cached(ts.q8_packed, rows, tile_, n,

@@ -133,7 +133,7 @@ struct OperandCache {
 struct alignas(64) ThreadScratch {
   OperandCache bf16_rows;    // TileInput::kBf16Rows gathered at tile_rows_ld(kp)
   OperandCache u8_tiles;     // Family::kStreamingU8's tiles (pack_u8_tiles)
-  OperandCache q8_packed;    // TileInput::kQ8Packed / kI8TokenRows (pack / pack_rows)
+  OperandCache q8_packed;    // TileInput::kQ8Packed / kI8TokenRows / kBf16Packed (the packs)
   std::vector<float> block;  // Family::kWeightOnlyFp32: one block decoded, [kp][16]
   TileScratch tile;          // TileKernel::keeps
   // The TileKernel::release owed after this thread's run of calls, or nullptr.
@@ -186,7 +186,9 @@ class ProjectionPlan {
   bool reads_q8() const { return q8_; }
   // Whether an expert of m tokens reads bf16 rows (ExpertRows::bf16).
   bool reads_bf16(int m) const {
-    return tile_ != nullptr && tile_->input == TileInput::kBf16Rows && m >= tile_min_;
+    return tile_ != nullptr &&
+           (tile_->input == TileInput::kBf16Rows || tile_->input == TileInput::kBf16Packed) &&
+           m >= tile_min_;
   }
 
   // out[i * 16 + r] (i < rows.m, r < 16) = the dot products of block nb of

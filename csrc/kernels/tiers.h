@@ -83,7 +83,12 @@ __attribute__((weak)) void scale_columns16(float* out, int m, int64_t ldo, const
 // AMX (kernels/avx512/bf16_dp_avx512bf16.cpp, vdpbf16ps under a function-level
 // target; a TileKernel of the tier table); null when the avx512 tier or the
 // compiler's avx512bf16 target is missing.
+// Its A operand (TileInput::kBf16Packed): bf16_dp_pack writes m bf16 rows (kp values,
+// ld apart) as pack_pair_tiles' row tiles of kp / 2 pairs, bf16_dp_pack_bytes(m, kp) bytes.
 __attribute__((weak)) void bf16_dp_dot(const DotArgs& a, const TileOperand& op);
+__attribute__((weak)) int64_t bf16_dp_pack_bytes(int m, int64_t kp);
+__attribute__((weak)) void bf16_dp_pack(const uint16_t* rows, int64_t ld, int m, int64_t kp,
+                                        uint8_t* dst);
 
 // The fp8 brgemm path (kernels/brgemm.h), AVX-512 code
 // (kernels/avx512/brgemm_fp8_avx512.cpp). fp8_to_bf16_vnni: a block's E4M3

@@ -16,6 +16,13 @@
 //   block from DRAM, the others find it in L2. Each row's sum runs over k
 //   pairs in order in one accumulator, whatever the tiling: results do not
 //   depend on m's split or the thread count.
+// PACKED ROWS  the tile's rows are read from one pointer: the expert's bf16 rows
+//   are packed once per expert (bf16_dp_pack, pack_pair_tiles: per tile
+//   [k_pairs][MT] pairs), and every block of gate, up (or down) reuses them. With a
+//   pointer per row (MT of them next to the accumulators) the compiler spilled the
+//   pointers and reloaded them every k pair: packed, the Qwen3-30B-A3B layer's
+//   prefill at T = 512 (Zen 4, 2 threads, same process, alternating) fell from
+//   113.7 to 103.1 ms, bit for bit the same.
 //
 // Compiled in the avx512 tier with a function-level target (avx512bf16): a
 // tile kernel of the tier table (kernels/dispatch.cpp), which the plan runs
@@ -49,53 +56,6 @@ constexpr int kMaxTileRows = 28;
 // across the page and block boundaries the hardware prefetchers stop at.
 constexpr int kPrefetchLines = 32;
 
-template <int MT, bool Prefetch>
-KT_BF16DP_TARGET void dp_tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int k_pairs,
-                              float* out, int64_t ldo) {
-  __m512 acc[MT];
-#pragma GCC unroll 32
-  for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
-  for (int p = 0; p < k_pairs; ++p) {
-    if constexpr (Prefetch) __builtin_prefetch(w + 32 * static_cast<int64_t>(p + kPrefetchLines));
-    const __m512bh wl = (__m512bh)_mm512_loadu_si512(w + 32 * static_cast<int64_t>(p));
-#pragma GCC unroll 32
-    for (int i = 0; i < MT; ++i) {
-      int32_t pair;
-      __builtin_memcpy(&pair, x + i * ldx + 2 * p, sizeof(pair));
-      acc[i] = _mm512_dpbf16_ps(acc[i], wl, (__m512bh)_mm512_set1_epi32(pair));
-    }
-  }
-#pragma GCC unroll 32
-  for (int i = 0; i < MT; ++i) _mm512_storeu_ps(out + i * ldo, acc[i]);
-}
-
-// dp_tile<rows, Prefetch> for rows in [1, N], picked at run time.
-template <int N, bool Prefetch>
-KT_BF16DP_TARGET void dp_tile_n(int rows, const uint16_t* x, int64_t ldx, const uint16_t* w,
-                                int k_pairs, float* out, int64_t ldo) {
-  if constexpr (N >= 1) {
-    if (rows == N) return dp_tile<N, Prefetch>(x, ldx, w, k_pairs, out, ldo);
-    return dp_tile_n<N - 1, Prefetch>(rows, x, ldx, w, k_pairs, out, ldo);
-  }
-}
-
-KT_BF16DP_TARGET void bf16_dp_dot_impl(const DotArgs& a, const uint16_t* xb, int64_t ldx) {
-  const int k_pairs = static_cast<int>(formats::bf16_k_pairs(a.proj->k));
-  for (int64_t nb = a.nb_begin; nb < a.nb_end; ++nb) {
-    const auto* w = reinterpret_cast<const uint16_t*>(a.proj->block(a.expert, nb));
-    float* out = a.out + 16 * (nb - a.nb_begin);
-    for_each_row_tile(a.m, kMaxTileRows, [&](int t, int i, int rows) {
-      const uint16_t* x = xb + i * ldx;
-      float* o = out + i * a.ldo;
-      if (t == 0) {
-        dp_tile_n<kMaxTileRows, true>(rows, x, ldx, w, k_pairs, o, a.ldo);
-      } else {
-        dp_tile_n<kMaxTileRows, false>(rows, x, ldx, w, k_pairs, o, a.ldo);
-      }
-    });
-  }
-}
-
 // One k pair p of dp_packed_tile: acc[i] += a[p][i] . w[p] for its MT rows.
 template <int MT>
 KT_BF16DP_TARGET __attribute__((always_inline)) inline void dp_packed_step(__m512* acc,
@@ -110,9 +70,9 @@ KT_BF16DP_TARGET __attribute__((always_inline)) inline void dp_packed_step(__m51
 }
 
 // Pairs [p, end) of dp_packed_tile's product into acc; while p < pf_pairs, 8 lines of
-// the next panel's source per 8 pairs are prefetched to L2 (chunks of CL lines,
-// `stride` apart; pf advances).
-template <int MT, int CL>
+// the next panel's source per 8 pairs are prefetched (chunks of CL lines, `stride`
+// apart; pf advances), to L2 (Locality 2) or L1 (3).
+template <int MT, int CL, int Locality>
 KT_BF16DP_TARGET __attribute__((always_inline)) inline void dp_packed_steps(
     __m512* acc, const uint32_t* a, const uint16_t* w, int p, int end, const char*& pf,
     int64_t stride, int pf_pairs) {
@@ -120,7 +80,7 @@ KT_BF16DP_TARGET __attribute__((always_inline)) inline void dp_packed_steps(
     for (; p + 8 <= end && p + 8 <= pf_pairs; p += 8) {
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) {
-        __builtin_prefetch(pf + (j / CL) * stride + (j % CL) * 64, 0, 2);
+        __builtin_prefetch(pf + (j / CL) * stride + (j % CL) * 64, 0, Locality);
         dp_packed_step<MT>(acc, a, w, p + j);
       }
       pf += (8 / CL) * stride;
@@ -129,14 +89,16 @@ KT_BF16DP_TARGET __attribute__((always_inline)) inline void dp_packed_steps(
   for (; p < end; ++p) dp_packed_step<MT>(acc, a, w, p);
 }
 
-// The LoRA backward's tile: MT rows of packed pairs a [k_pairs][MT] (one pointer, the
-// rows at fixed offsets: the row pointers of dp_tile would not fit the general
-// registers next to a prefetch stream) times one 16-column panel slice w [k_pairs][16][2].
-// While it runs, 8 lines of the next panel's source are prefetched to L2 per 8 k pairs
-// for the first pf_pairs pairs: chunks of CL lines (8: bf16, 4: int8 and fp8), `stride`
-// apart. chunk_scales (fp8's 128x128 blocks): each 64 pairs' (128 rows') fp32 sums
-// times their scale, added to out in order (exact products stay exact until then).
-template <int MT, int CL>
+// The tile of the forward's blocks and of the LoRA backward's panels: MT rows of packed
+// pairs a [k_pairs][MT] (one pointer, the rows at fixed offsets: MT row pointers would
+// not fit the general registers) times one 16-column slice w [k_pairs][16][2] (a weight
+// block, or a slice of a backward panel). While it runs, 8 lines per 8 k pairs are
+// prefetched for the first pf_pairs pairs: chunks of CL lines (8: bf16, 4: int8 and
+// fp8), `stride` apart; the backward's next panel source to L2, the forward's own block
+// a short way ahead to L1 (Locality 3). chunk_scales (fp8's 128x128 blocks): each 64
+// pairs' (128 rows') fp32 sums times their scale, added to out in order (exact products
+// stay exact until then).
+template <int MT, int CL, int Locality = 2>
 KT_BF16DP_TARGET void dp_packed_tile(const uint32_t* a, const uint16_t* w, int k_pairs, float* out,
                                      int64_t ldo, bool add, const char* pf, int64_t stride,
                                      int pf_pairs, const float* chunk_scales) {
@@ -145,7 +107,7 @@ KT_BF16DP_TARGET void dp_packed_tile(const uint32_t* a, const uint16_t* w, int k
 #pragma GCC unroll 32
     for (int i = 0; i < MT; ++i)
       acc[i] = add ? _mm512_loadu_ps(out + i * ldo) : _mm512_setzero_ps();
-    dp_packed_steps<MT, CL>(acc, a, w, 0, k_pairs, pf, stride, pf_pairs);
+    dp_packed_steps<MT, CL, Locality>(acc, a, w, 0, k_pairs, pf, stride, pf_pairs);
 #pragma GCC unroll 32
     for (int i = 0; i < MT; ++i) _mm512_storeu_ps(out + i * ldo, acc[i]);
     return;
@@ -154,8 +116,8 @@ KT_BF16DP_TARGET void dp_packed_tile(const uint32_t* a, const uint16_t* w, int k
   for (int c0 = 0; c0 < k_pairs; c0 += kChunkPairs) {
 #pragma GCC unroll 32
     for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
-    dp_packed_steps<MT, CL>(acc, a, w, c0, std::min(k_pairs, c0 + kChunkPairs), pf, stride,
-                            pf_pairs);
+    dp_packed_steps<MT, CL, Locality>(acc, a, w, c0, std::min(k_pairs, c0 + kChunkPairs), pf,
+                                      stride, pf_pairs);
     const __m512 s = _mm512_set1_ps(chunk_scales[c0 / kChunkPairs]);
     const bool load = add || c0 > 0;
 #pragma GCC unroll 32
@@ -167,17 +129,17 @@ KT_BF16DP_TARGET void dp_packed_tile(const uint32_t* a, const uint16_t* w, int k
   }
 }
 
-// dp_packed_tile<rows, CL> for rows in [1, N], picked at run time.
-template <int N, int CL>
+// dp_packed_tile<rows, CL, Locality> for rows in [1, N], picked at run time.
+template <int N, int CL, int Locality = 2>
 KT_BF16DP_TARGET void dp_packed_tile_n(int rows, const uint32_t* a, const uint16_t* w, int k_pairs,
                                        float* out, int64_t ldo, bool add, const char* pf,
                                        int64_t stride, int pf_pairs, const float* chunk_scales) {
   if constexpr (N >= 1) {
     if (rows == N)
-      return dp_packed_tile<N, CL>(a, w, k_pairs, out, ldo, add, pf, stride, pf_pairs,
-                                   chunk_scales);
-    return dp_packed_tile_n<N - 1, CL>(rows, a, w, k_pairs, out, ldo, add, pf, stride, pf_pairs,
-                                       chunk_scales);
+      return dp_packed_tile<N, CL, Locality>(a, w, k_pairs, out, ldo, add, pf, stride, pf_pairs,
+                                             chunk_scales);
+    return dp_packed_tile_n<N - 1, CL, Locality>(rows, a, w, k_pairs, out, ldo, add, pf, stride,
+                                                 pf_pairs, chunk_scales);
   }
 }
 
@@ -205,12 +167,46 @@ KT_BF16DP_TARGET void bf16_dp_panel_impl(const uint32_t* a_tiles, int m, const u
   });
 }
 
+// The forward's blocks: the expert's packed rows (bf16_dp_pack: tile i at
+// a_tiles + i * kp / 2) times each 16-row block, the first tile prefetching the block
+// kPrefetchLines ahead (into the next block's first lines at its end).
+KT_BF16DP_TARGET void bf16_dp_dot_impl(const DotArgs& a, const uint32_t* a_tiles) {
+  const int k_pairs = static_cast<int>(formats::bf16_k_pairs(a.proj->k));
+  const int64_t tile_pairs = a.proj->kp / 2;
+  const int pf_pairs = k_pairs / 8 * 8;
+  for (int64_t nb = a.nb_begin; nb < a.nb_end; ++nb) {
+    const auto* w = reinterpret_cast<const uint16_t*>(a.proj->block(a.expert, nb));
+    const char* pf = reinterpret_cast<const char*>(w) + kPrefetchLines * 64;
+    float* out = a.out + 16 * (nb - a.nb_begin);
+    for_each_row_tile(a.m, kMaxTileRows, [&](int t, int i, int rows) {
+      const uint32_t* at = a_tiles + i * tile_pairs;
+      float* o = out + i * a.ldo;
+      if (t == 0) {
+        dp_packed_tile_n<kMaxTileRows, 8, 3>(rows, at, w, k_pairs, o, a.ldo, false, pf, 8 * 64,
+                                             pf_pairs, nullptr);
+      } else {
+        dp_packed_tile_n<kMaxTileRows, 0>(rows, at, w, k_pairs, o, a.ldo, false, nullptr, 0, 0,
+                                          nullptr);
+      }
+    });
+  }
+}
+
 }  // namespace
 
 // Plain entry point (a target-attributed declaration would be a GCC function
-// version): tiers.h declares it weak. op.rows: the m bf16 rows (TileInput::kBf16Rows).
+// version): tiers.h declares it weak. op.rows: the m rows packed by bf16_dp_pack
+// (TileInput::kBf16Packed).
 void bf16_dp_dot(const DotArgs& a, const TileOperand& op) {
-  bf16_dp_dot_impl(a, static_cast<const uint16_t*>(op.rows), op.ld);
+  bf16_dp_dot_impl(a, static_cast<const uint32_t*>(op.rows));
+}
+
+int64_t bf16_dp_pack_bytes(int m, int64_t kp) {
+  return static_cast<int64_t>(m) * (kp / 2) * static_cast<int64_t>(sizeof(uint32_t));
+}
+
+void bf16_dp_pack(const uint16_t* rows, int64_t ld, int m, int64_t kp, uint8_t* dst) {
+  pack_pair_tiles(rows, ld, m, static_cast<int>(kp / 2), reinterpret_cast<uint32_t*>(dst));
 }
 
 void bf16_dp_panel(const uint32_t* a_tiles, int m, const uint16_t* w, int k_pairs, float* out,
