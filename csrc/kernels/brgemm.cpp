@@ -38,6 +38,13 @@ const float* unit_band_scales(const DotArgs& a) {
   return ones.data();
 }
 
+// a's m rows times a band's scales, rounded to bf16 and packed as kt_ops' tiles read
+// them (avx512::scale_rows_to_bf16_packed) into dst (>= m * kp words): the A operand of
+// the fused fp8 and the exact qint tiles.
+void packed_bf16_rows(const DotArgs& a, const float* scales, uint16_t* dst) {
+  avx512::scale_rows_to_bf16_packed(a.x, a.m, a.proj->kp, scales, reinterpret_cast<uint32_t*>(dst));
+}
+
 #ifdef KT_HAVE_CPUBLAS_BRGEMM
 // One bf16 brgemm call on the calling thread: a 1 x 16 x 2 product with known
 // bits. oneDNN throws (c10::Error or dnnl::error) where it does not run the
@@ -443,21 +450,29 @@ namespace {
 
 // The slot of op.scratch holding a's rows scaled by `scales` (one projection's
 // band on this pool thread: made on a miss, in the least recently used slot,
-// whose group results are then dropped). The slots are emptied when an op call
-// starts (TileScratch::reset), so (x, m, scales) names rows of this call.
-TileScratch::Slot& fp8_scaled_rows(const DotArgs& a, TileScratch& ts, const float* scales) {
+// whose group results are then dropped): rows tile_rows_ld(kp) apart for oneDNN's
+// brgemm, or packed for kt_ops' tiles (packed_bf16_rows). The slots are emptied when
+// an op call starts (TileScratch::reset), so (x, m, scales, packed) names rows of this
+// call.
+TileScratch::Slot& fp8_scaled_rows(const DotArgs& a, TileScratch& ts, const float* scales,
+                                   bool packed) {
   bool hit = false;
   TileScratch::Slot& s = ts.find(
       [&](const TileScratch::Slot& c) {
-        return c.x != nullptr && c.x == a.x && c.m == a.m && c.scales == scales;
+        return c.x != nullptr && c.x == a.x && c.m == a.m && c.scales == scales &&
+               c.packed == packed;
       },
       &hit);
   if (!hit) {
     const int64_t kp = a.proj->kp;
-    avx512::scale_rows_to_bf16(a.x, a.m, kp, scales, s.rows.data(), tile_rows_ld(kp));
+    if (packed)
+      packed_bf16_rows(a, scales, s.rows.data());
+    else
+      avx512::scale_rows_to_bf16(a.x, a.m, kp, scales, s.rows.data(), tile_rows_ld(kp));
     s.x = a.x;
     s.m = a.m;
     s.scales = scales;
+    s.packed = packed;
     s.group = nullptr;
   }
   return s;
@@ -512,7 +527,7 @@ void fp8_onednn_block(const DotArgs& a, TileScratch& ts, int64_t nb) {
   const int ncol = static_cast<int>(16 * (g1 - g0));
   for (int64_t b = g0; b < g1; ++b)
     if (!decodes_to_bf16(a, b)) return streaming_block(a, nb);
-  TileScratch::Slot& s = fp8_scaled_rows(a, ts, fp8_tile_scales(a, g0));
+  TileScratch::Slot& s = fp8_scaled_rows(a, ts, fp8_tile_scales(a, g0), false);
   const uint8_t* group = p.block(a.expert, g0);
   if (s.group != group) {
     for (int64_t b = g0; b < g1; ++b) {
@@ -558,11 +573,11 @@ void fp8_dp_blocks(const DotArgs& a, const TileOperand& op, bool exact) {
       continue;
     }
     const TileScratch::Slot& s =
-        fp8_scaled_rows(a, ts, chunked ? unit_band_scales(a) : fp8_tile_scales(a, nb));
+        fp8_scaled_rows(a, ts, chunked ? unit_band_scales(a) : fp8_tile_scales(a, nb), true);
     float* out = a.out + 16 * (nb - a.nb_begin);
-    avx512::fp8_dp_block(s.rows.data(), tile_rows_ld(kp), a.m, a.proj->block(a.expert, nb), kp,
-                         ts.tile.data(), out, a.ldo, e8m0_of(a, nb),
-                         chunked ? fp8_band_scales(a, nb) : nullptr);
+    avx512::fp8_dp_block(reinterpret_cast<const uint32_t*>(s.rows.data()), a.m,
+                         a.proj->block(a.expert, nb), kp, ts.tile.data(), out, a.ldo,
+                         e8m0_of(a, nb), chunked ? fp8_band_scales(a, nb) : nullptr);
     scale_outputs(a, nb, out);
   }
 }
@@ -589,7 +604,7 @@ void fp8_dp_exact_dot(const DotArgs& a, const TileOperand& op) {
 }
 
 bool qint_dp_exact_runs() {
-  return avx512::qint_dp_block != nullptr && avx512::scale_rows_to_bf16 != nullptr &&
+  return avx512::qint_dp_block != nullptr && avx512::scale_rows_to_bf16_packed != nullptr &&
          avx512::qint_dp_group_sums != nullptr && runtime::cpu_features().avx512 &&
          runtime::cpu_features().avx512_bf16;
 }
@@ -622,9 +637,9 @@ void qint_dp_exact_dot(const DotArgs& a, const TileOperand& op) {
         return c.x != nullptr && c.x == a.x && c.m == a.m && c.scales == &kTag;
       },
       &hit);
-  const int64_t ld = tile_rows_ld(p.kp);
   if (!hit) {
-    avx512::scale_rows_to_bf16(a.x, a.m, p.kp, unit_band_scales(a), s.rows.data(), ld);
+    packed_bf16_rows(a, unit_band_scales(a), s.rows.data());
+    s.packed = true;
     s.x = a.x;
     s.m = a.m;
     s.scales = &kTag;
@@ -635,14 +650,15 @@ void qint_dp_exact_dot(const DotArgs& a, const TileOperand& op) {
   const bool zeros = formats::qint_subtracts_zeros(p.qint.scale_type, p.zeros != nullptr);
   const int64_t group_k = p.qint.group_size == 0 ? p.kp : p.qint.group_size;
   if (zeros && s.sums_k != group_k) {
-    avx512::qint_dp_group_sums(s.rows.data(), ld, a.m, p.kp, group_k, s.sums.data());
+    avx512::qint_dp_group_sums(reinterpret_cast<const uint32_t*>(s.rows.data()), a.m, p.kp, group_k,
+                               s.sums.data());
     s.sums_k = group_k;
   }
   for (int64_t nb = a.nb_begin; nb < a.nb_end; ++nb) {
     QintBlock blk = qint_block(a, nb);
     blk.m = a.m;
-    const bool done = avx512::qint_dp_block(blk, s.rows.data(), ld, s.sums.data(), ts.tile.data(),
-                                            ts.params.data());
+    const bool done = avx512::qint_dp_block(blk, reinterpret_cast<const uint32_t*>(s.rows.data()),
+                                            s.sums.data(), ts.tile.data(), ts.params.data());
     TORCH_CHECK(done, "qint_dp_exact_dot: a ", p.qint.bits, "-bit projection with groups of ",
                 group_k, " k, which the kernel does not take");
   }

@@ -143,6 +143,7 @@ struct TileScratch {
     const float* const* x = nullptr;
     int m = 0;
     const float* scales = nullptr;
+    bool packed = false;  // `rows` packed as kt_ops' tiles read them (pack_pair_tiles)
     const uint8_t* group = nullptr;
     uint64_t last_use = 0;
     std::vector<uint16_t> rows;  // >= m * tile_rows_ld(kp)

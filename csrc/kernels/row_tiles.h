@@ -3,6 +3,11 @@
 
 namespace kt::kernels {
 
+// Token rows per tile of kt_ops' bf16 tile kernels (the bf16, fused fp8 and exact qint
+// tiles: 28 zmm accumulators, the weight line and spare registers of 32). Their A
+// operand, the rows packed per tile (pack_pair_tiles), is cut the same way.
+constexpr int kBf16TileRows = 28;
+
 // fn(t, i, rows) for each of the ceil(m / max_rows) tiles of near-equal size,
 // tile t covering rows [i, i + rows): 30 rows with max_rows = 28 are 15 + 15,
 // not 28 + 2. A tile of few rows has too few independent accumulator chains

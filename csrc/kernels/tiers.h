@@ -98,17 +98,17 @@ __attribute__((weak)) void bf16_dp_pack(const uint16_t* rows, int64_t ld, int m,
 // AVX512_BW decode on CPUs with AVX512_VBMI (tests); e8m0 (or nullptr): mxfp8's
 // exponents of the block [kp/32][16], each row's values times 2^(E-127) (exact
 // when fp8_e8m0_fits_bf16 holds for them). fp8_dp_block: out [m][16] (rows ldo
-// apart) = the m bf16 rows xs (ldx apart) times the block's values (fused
-// decode-and-multiply tiles, AVX512_BF16 + VBMI; the block decoded once into
-// `tile` for its later token tiles). scale_rows_to_bf16: the
+// apart) = the m bf16 rows (packed by pack_pair_tiles with kp / 2 pairs) times the
+// block's values (fused decode-and-multiply tiles, AVX512_BF16 + VBMI; the block
+// decoded once into `tile` for its later token tiles). scale_rows_to_bf16: the
 // m fp32 rows x times the 128-k scales of one band, rounded to bf16, row i at
 // dst + i * ld (AVX512_BF16).
 __attribute__((weak)) void fp8_to_bf16_vnni(const uint8_t* codes, int64_t kp, uint16_t* dst,
                                             int64_t ldb, const uint8_t* next, bool vbmi,
                                             const uint8_t* e8m0 = nullptr);
-__attribute__((weak)) void fp8_dp_block(const uint16_t* xs, int64_t ldx, int m,
-                                        const uint8_t* codes, int64_t kp, uint16_t* tile,
-                                        float* out, int64_t ldo, const uint8_t* e8m0 = nullptr,
+__attribute__((weak)) void fp8_dp_block(const uint32_t* packed, int m, const uint8_t* codes,
+                                        int64_t kp, uint16_t* tile, float* out, int64_t ldo,
+                                        const uint8_t* e8m0 = nullptr,
                                         const float* chunk_scales = nullptr);
 // True when a block's UE8M0 exponents ([groups][16]; rows [0, rows) looked at, the
 // rest are padding) make every E4M3 value times 2^(E-127) a normal bf16 (E in
@@ -116,18 +116,23 @@ __attribute__((weak)) void fp8_dp_block(const uint16_t* xs, int64_t ldx, int m,
 __attribute__((weak)) bool fp8_e8m0_fits_bf16(const uint8_t* e8m0, int64_t groups, int rows);
 __attribute__((weak)) void scale_rows_to_bf16(const float* const* x, int m, int64_t kp,
                                               const float* scales, uint16_t* dst, int64_t ld);
+// scale_rows_to_bf16_packed: the same bf16 values (kp a multiple of 32), packed as
+// pack_pair_tiles packs bf16 rows (kp / 2 pairs per row).
+__attribute__((weak)) void scale_rows_to_bf16_packed(const float* const* x, int m, int64_t kp,
+                                                     const float* scales, uint32_t* dst);
 // The exact qint tiles (kernels/avx512/qint_dp_avx512bf16.cpp, AVX512_BF16; kernels/
 // brgemm.h, qint_dp_exact_dot; its rows rounded to bf16 by scale_rows_to_bf16 with unit
-// scales). qint_dp_group_sums: the fp32 sums of those bf16 rows (ld apart) per group of
-// group_k k, [m][kp / group_k]. qint_dp_block: b.out [b.m][16] = the rows
-// (xs, ldx apart) times the block's values: each group's fp32 sums of the exact products
+// scales, then packed by pack_pair_tiles with kp / 2 pairs). qint_dp_group_sums: the
+// fp32 sums of those packed bf16 rows per group of group_k k, [m][kp / group_k].
+// qint_dp_block: b.out [b.m][16] = the packed rows times the block's values: each
+// group's fp32 sums of the exact products
 // bf16(x) * code times the group's scales, minus its zeros times the rows' group sums xg
 // (formats with zeros; else unused); `tile` (>= kp * 16 words) holds the decoded codes
 // for the later token tiles, `params` (>= 2 * kp floats) the scales and zeros. False
 // (nothing written) for a code width or group size it does not take.
-__attribute__((weak)) void qint_dp_group_sums(const uint16_t* rows, int64_t ld, int m, int64_t kp,
+__attribute__((weak)) void qint_dp_group_sums(const uint32_t* packed, int m, int64_t kp,
                                               int64_t group_k, float* sums);
-__attribute__((weak)) bool qint_dp_block(const QintBlock& b, const uint16_t* xs, int64_t ldx,
+__attribute__((weak)) bool qint_dp_block(const QintBlock& b, const uint32_t* packed,
                                          const float* xg, uint16_t* tile, float* params);
 // The LoRA products of rank r, fp32 (kernels/avx512/lora_avx512.cpp; moe/lora_products.h):
 // lora_xat: y [m, r] = x a^T (x [m, k] rows ldx apart, a [r, k] rows lda apart);

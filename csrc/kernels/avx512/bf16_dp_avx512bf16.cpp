@@ -35,6 +35,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "kernels/avx512/vnni_pairs.h"
 #include "kernels/kernel_api.h"
 #include "kernels/row_tiles.h"
 #include "kernels/tiers.h"
@@ -50,8 +51,7 @@ namespace {
 
 #define KT_BF16DP_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 
-// Rows per tile: 28 accumulators + the weight line + spare registers of 32.
-constexpr int kMaxTileRows = 28;
+constexpr int kMaxTileRows = kBf16TileRows;
 // Weight lines (64 bytes, one k pair) ahead of the first tile's loads: 2 KB,
 // across the page and block boundaries the hardware prefetchers stop at.
 constexpr int kPrefetchLines = 32;
@@ -215,16 +215,8 @@ void bf16_dp_panel(const uint32_t* a_tiles, int m, const uint16_t* w, int k_pair
 }
 
 void pack_pair_tiles(const uint16_t* rows, int64_t ld, int m, int k_pairs, uint32_t* dst) {
-  for_each_row_tile(m, kMaxTileRows, [&](int, int i, int mt) {
-    uint32_t* d = dst + static_cast<int64_t>(i) * k_pairs;
-    for (int r = 0; r < mt; ++r) {
-      const uint16_t* src = rows + (i + r) * ld;
-      for (int p = 0; p < k_pairs; ++p) {
-        uint32_t pair;
-        std::memcpy(&pair, src + 2 * p, sizeof(pair));
-        d[static_cast<int64_t>(p) * mt + r] = pair;
-      }
-    }
+  pack_row_tiles(m, kMaxTileRows, k_pairs, dst, [&](int i, int64_t p0, __mmask16 mask) {
+    return _mm512_maskz_loadu_epi32(mask, rows + i * ld + 2 * p0);
   });
 }
 #endif

@@ -25,6 +25,7 @@
 
 #include "formats/fp8.h"
 #include "kernels/avx512/e4m3_decode.h"
+#include "kernels/avx512/vnni_pairs.h"
 #include "kernels/row_tiles.h"
 #include "kernels/tiers.h"
 #include "runtime/cpu_features.h"
@@ -55,14 +56,15 @@ KT_E4M3_VBMI_TARGET void decode_vbmi(const uint8_t* codes, int64_t kp, uint16_t*
 }
 
 // The fused kernel for CPUs with AVX512_BF16 and VBMI (no AMX): one 16-row
-// block times MT <= 28 scaled rows xs (bf16 pairs broadcast into vdpbf16ps),
+// block times MT <= 28 scaled rows (bf16 pairs broadcast into vdpbf16ps from the
+// rows packed per tile, pack_pair_tiles: one pointer, not MT of them),
 // decoding the codes line by line as it goes; with First, it also stores the
 // decoded lines to `tile` (for the block's later token tiles, which read it
 // from L2 like bf16 weights) and prefetches the codes kPrefetchLines lines
 // ahead: the prefetches spread through the multiply-adds, which hide DRAM
 // latency where a burst of prefetches per block (or oneDNN's calls between
 // them) did not.
-constexpr int kFusedTileRows = 28;
+constexpr int kFusedTileRows = kBf16TileRows;
 constexpr int kFusedPrefetchLines = 16;  // 1 KB of codes ahead
 
 #define KT_FP8_DP_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,avx512bf16")))
@@ -79,9 +81,8 @@ struct FusedScales {
 enum class FusedMode { kPlain, kE8m0, kChunked };
 
 template <int MT, bool First, FusedMode Mode>
-KT_FP8_DP_TARGET void fused_tile(const uint16_t* x, int64_t ldx, const uint8_t* codes,
-                                 uint16_t* tile, int64_t kp, float* out, int64_t ldo,
-                                 const FusedScales& sc) {
+KT_FP8_DP_TARGET void fused_tile(const uint32_t* a, const uint8_t* codes, uint16_t* tile,
+                                 int64_t kp, float* out, int64_t ldo, const FusedScales& sc) {
   const VbmiDecoder dec;
   [[maybe_unused]] __m512i off = _mm512_setzero_si512();
   constexpr int64_t kChunk = formats::kFp8ScaleBlock;
@@ -108,18 +109,15 @@ KT_FP8_DP_TARGET void fused_tile(const uint16_t* x, int64_t ldx, const uint8_t* 
         w0 = _mm512_loadu_si512(tile + k * 16);
         w1 = _mm512_loadu_si512(tile + k * 16 + 32);
       }
+      const uint32_t* a0 = a + (k / 2) * MT;  // pairs k / 2 and k / 2 + 1 of the MT rows
 #pragma GCC unroll 32
-      for (int i = 0; i < MT; ++i) {
-        int32_t pair;
-        __builtin_memcpy(&pair, x + i * ldx + k, sizeof(pair));
-        acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)w0, (__m512bh)_mm512_set1_epi32(pair));
-      }
+      for (int i = 0; i < MT; ++i)
+        acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)w0,
+                                  (__m512bh)_mm512_set1_epi32(static_cast<int>(a0[i])));
 #pragma GCC unroll 32
-      for (int i = 0; i < MT; ++i) {
-        int32_t pair;
-        __builtin_memcpy(&pair, x + i * ldx + k + 2, sizeof(pair));
-        acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)w1, (__m512bh)_mm512_set1_epi32(pair));
-      }
+      for (int i = 0; i < MT; ++i)
+        acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)w1,
+                                  (__m512bh)_mm512_set1_epi32(static_cast<int>(a0[MT + i])));
     }
     if constexpr (Mode == FusedMode::kChunked) {
       const __m512 s = _mm512_set1_ps(sc.chunk_scales[k0 / kChunk]);
@@ -138,12 +136,12 @@ KT_FP8_DP_TARGET void fused_tile(const uint16_t* x, int64_t ldx, const uint8_t* 
 }
 
 template <int N, bool First, FusedMode Mode>
-KT_FP8_DP_TARGET void fused_tile_n(int rows, const uint16_t* x, int64_t ldx, const uint8_t* codes,
+KT_FP8_DP_TARGET void fused_tile_n(int rows, const uint32_t* a, const uint8_t* codes,
                                    uint16_t* tile, int64_t kp, float* out, int64_t ldo,
                                    const FusedScales& sc) {
   if constexpr (N >= 1) {
-    if (rows == N) return fused_tile<N, First, Mode>(x, ldx, codes, tile, kp, out, ldo, sc);
-    return fused_tile_n<N - 1, First, Mode>(rows, x, ldx, codes, tile, kp, out, ldo, sc);
+    if (rows == N) return fused_tile<N, First, Mode>(a, codes, tile, kp, out, ldo, sc);
+    return fused_tile_n<N - 1, First, Mode>(rows, a, codes, tile, kp, out, ldo, sc);
   }
 }
 
@@ -190,18 +188,18 @@ void fp8_to_bf16_vnni(const uint8_t* codes, int64_t kp, uint16_t* dst, int64_t l
     decode_bw(codes, kp, dst, ldb, next, e8m0);
 }
 
-void fp8_dp_block(const uint16_t* xs, int64_t ldx, int m, const uint8_t* codes, int64_t kp,
-                  uint16_t* tile, float* out, int64_t ldo, const uint8_t* e8m0,
-                  const float* chunk_scales) {
+void fp8_dp_block(const uint32_t* packed, int m, const uint8_t* codes, int64_t kp, uint16_t* tile,
+                  float* out, int64_t ldo, const uint8_t* e8m0, const float* chunk_scales) {
   const FusedScales sc{e8m0, chunk_scales};
   auto run = [&](auto mode_tag) {
     constexpr FusedMode kMode = decltype(mode_tag)::value;
     for_each_row_tile(m, kFusedTileRows, [&](int t, int i, int rows) {
+      const uint32_t* a = packed + i * (kp / 2);
       if (t == 0)
-        fused_tile_n<kFusedTileRows, true, kMode>(rows, xs, ldx, codes, tile, kp, out, ldo, sc);
+        fused_tile_n<kFusedTileRows, true, kMode>(rows, a, codes, tile, kp, out, ldo, sc);
       else
-        fused_tile_n<kFusedTileRows, false, kMode>(rows, xs + i * ldx, ldx, codes, tile, kp,
-                                                   out + i * ldo, ldo, sc);
+        fused_tile_n<kFusedTileRows, false, kMode>(rows, a, codes, tile, kp, out + i * ldo, ldo,
+                                                   sc);
     });
   };
   if (e8m0 != nullptr)
@@ -228,6 +226,18 @@ bool fp8_e8m0_fits_bf16(const uint8_t* e8m0, int64_t groups, int rows) {
   }
   return _mm512_cmplt_epu8_mask(lo, _mm512_set1_epi8(kE8m0BfMin)) == 0 &&
          _mm512_cmpgt_epu8_mask(hi, _mm512_set1_epi8(static_cast<char>(kE8m0BfMax))) == 0;
+}
+
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void scale_rows_to_bf16_packed(
+    const float* const* x, int m, int64_t kp, const float* scales, uint32_t* dst) {
+  // kp is a multiple of 32: every 16 pairs are 32 k of one 128-k scale block.
+  auto load = [&](int i, int64_t p0, __mmask16) __attribute__((target("avx512bf16"))) {
+    const __m512 s = _mm512_set1_ps(scales[2 * p0 / formats::kFp8ScaleBlock]);
+    const __m512 a = _mm512_mul_ps(_mm512_loadu_ps(x[i] + 2 * p0), s);
+    const __m512 b = _mm512_mul_ps(_mm512_loadu_ps(x[i] + 2 * p0 + 16), s);
+    return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(b, a));
+  };
+  pack_row_tiles(m, kBf16TileRows, kp / 2, dst, load);
 }
 
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) void scale_rows_to_bf16(

@@ -12,12 +12,13 @@
 // pre-activations keep fp32 accuracy (the LoRA gradients' 1e-5 bound). Measured (LoRA
 // forward of a Qwen3-30B-A3B layer, T = 512, 2 threads, Zen 4): int4 g128 238 -> 128 ms,
 // q4_k 237 -> 144, q6_k 245 -> 163 against the streaming fp32 path. X[g] comes from the
-// group sums of the bf16 rows, made once per expert, rows and group size
+// group sums of the packed bf16 rows, made once per expert, rows and group size
 // (qint_dp_group_sums), only for formats with zeros.
 //
 // REGISTER PLAN  a tile is MT <= 28 token rows x 16 weight rows, as the bf16 tile kernel
 //   (bf16_dp_avx512bf16.cpp): MT zmm accumulators of one group, one weight line (a k
-//   pair of the 16 rows) per step, each row's bf16 pair broadcast into vdpbf16ps. At a
+//   pair of the 16 rows) per step, each row's bf16 pair broadcast into vdpbf16ps from
+//   the rows packed per tile (pack_pair_tiles: [k_pairs][MT], one pointer). At a
 //   group's end each row's sums are scaled into `out` (fmadd with the group's 16 scales
 //   on out as loaded; minus z X where the format has zeros): the running sums live in
 //   memory (L1), so the tile keeps the bf16 kernel's 28 rows.
@@ -47,7 +48,7 @@ namespace {
 // Rows per tile: 28 accumulators + the weight line + spare registers of 32. Measured
 // against running sums in registers (tiles of 12, 2 x 12 accumulators): the same time
 // (int4 g128, q4_k, q6_k LoRA forwards at T = 512), so the bf16 kernel's tiles are kept.
-constexpr int kTileRows = 28;
+constexpr int kTileRows = kBf16TileRows;
 // K per decode call: a group, or this much of a longer one (per channel: all of kp).
 constexpr int64_t kDecodeChunk = 128;
 // How far ahead of its decode the low plane's lines are prefetched: 16 lines (128 k of
@@ -133,27 +134,25 @@ KT_QDP_TARGET void decode_chunk(const BlockCtx& c, int64_t ka, int64_t kb) {
   }
 }
 
-// Pairs [pa, pb) of the tile into acc: MT rows x (bf16 pairs ldx apart).
+// Pairs [pa, pb) of the tile into acc: MT rows of packed pairs a [k_pairs][MT].
 template <int MT>
-KT_QDP_TARGET __attribute__((always_inline)) inline void dp_pairs(__m512* acc, const uint16_t* x,
-                                                                  int64_t ldx, const uint16_t* w,
-                                                                  int64_t pa, int64_t pb) {
+KT_QDP_TARGET __attribute__((always_inline)) inline void dp_pairs(__m512* acc, const uint32_t* a,
+                                                                  const uint16_t* w, int64_t pa,
+                                                                  int64_t pb) {
   for (int64_t p = pa; p < pb; ++p) {
     const __m512bh wl = (__m512bh)_mm512_loadu_si512(w + 32 * p);
+    const uint32_t* ap = a + p * MT;
 #pragma GCC unroll 32
-    for (int i = 0; i < MT; ++i) {
-      int32_t pr;
-      __builtin_memcpy(&pr, x + i * ldx + 2 * p, sizeof(pr));
-      acc[i] = _mm512_dpbf16_ps(acc[i], wl, (__m512bh)_mm512_set1_epi32(pr));
-    }
+    for (int i = 0; i < MT; ++i)
+      acc[i] = _mm512_dpbf16_ps(acc[i], wl, (__m512bh)_mm512_set1_epi32(static_cast<int>(ap[i])));
   }
 }
 
 // One token tile of MT rows: out[i][r] = sum_g s[g][r] D_i[g][r] - z[g][r] X_i[g]
 // (xg: X_i[g] at xg[i * groups + g]). The running sums in `out` (L1): tiles of up to 28.
 template <int MT, bool Zeros>
-KT_QDP_TARGET void dp_tile(const BlockCtx& c, bool first, const uint16_t* x, int64_t ldx,
-                           const float* xg, float* out, int64_t ldo) {
+KT_QDP_TARGET void dp_tile(const BlockCtx& c, bool first, const uint32_t* a, const float* xg,
+                           float* out, int64_t ldo) {
   __m512 acc[MT];
   for (int64_t g = 0; g < c.groups; ++g) {
     const int64_t k0 = g * c.group_k, k1 = k0 + c.group_k;
@@ -162,11 +161,11 @@ KT_QDP_TARGET void dp_tile(const BlockCtx& c, bool first, const uint16_t* x, int
     if (first) decode_chunk(c, k0, kb0);
 #pragma GCC unroll 32
     for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
-    dp_pairs<MT>(acc, x, ldx, c.tile, k0 / 2, kb0 / 2);
+    dp_pairs<MT>(acc, a, c.tile, k0 / 2, kb0 / 2);
     for (int64_t ka = kb0; ka < k1; ka += kDecodeChunk) {  // groups past kDecodeChunk
       const int64_t kb = std::min(k1, ka + kDecodeChunk);
       if (first) decode_chunk(c, ka, kb);
-      dp_pairs<MT>(acc, x, ldx, c.tile, ka / 2, kb / 2);
+      dp_pairs<MT>(acc, a, c.tile, ka / 2, kb / 2);
     }
     const __m512 s = _mm512_loadu_ps(c.s + g * 16);
     [[maybe_unused]] __m512 z;
@@ -182,11 +181,11 @@ KT_QDP_TARGET void dp_tile(const BlockCtx& c, bool first, const uint16_t* x, int
 }
 
 template <int N, bool Zeros>
-KT_QDP_TARGET void dp_tile_n(int rows, const BlockCtx& c, bool first, const uint16_t* x,
-                             int64_t ldx, const float* xg, float* out, int64_t ldo) {
+KT_QDP_TARGET void dp_tile_n(int rows, const BlockCtx& c, bool first, const uint32_t* a,
+                             const float* xg, float* out, int64_t ldo) {
   if constexpr (N >= 1) {
-    if (rows == N) return dp_tile<N, Zeros>(c, first, x, ldx, xg, out, ldo);
-    return dp_tile_n<N - 1, Zeros>(rows, c, first, x, ldx, xg, out, ldo);
+    if (rows == N) return dp_tile<N, Zeros>(c, first, a, xg, out, ldo);
+    return dp_tile_n<N - 1, Zeros>(rows, c, first, a, xg, out, ldo);
   }
 }
 
@@ -197,35 +196,40 @@ inline uint16_t bf16_bits_exact(float v) {
   return static_cast<uint16_t>(b >> 16);
 }
 
-// qint_dp_group_sums (tiers.h): per 16 k, the bf16 values widened (dword j: k + 2j in its
-// low word, k + 2j + 1 in its high one) and added as fp32, then each group's.
-KT_QDP_TARGET void group_sums_impl(const uint16_t* rows, int64_t ld, int m, int64_t kp,
-                                   int64_t group_k, float* sums) {
-  const int64_t groups = kp / group_k;
-  for (int i = 0; i < m; ++i) {
-    const uint16_t* r = rows + i * ld;
-    for (int64_t g = 0; g < groups; ++g) {
-      __m512 acc = _mm512_setzero_ps();
-      for (int64_t k = g * group_k; k < (g + 1) * group_k; k += 32) {
-        const __m512i b = _mm512_loadu_si512(r + k);
-        acc = _mm512_add_ps(acc, _mm512_castsi512_ps(_mm512_slli_epi32(b, 16)));
-        acc = _mm512_add_ps(acc, _mm512_castsi512_ps(_mm512_and_si512(
-                                     b, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)))));
+// qint_dp_group_sums (tiers.h): per row tile, the tile's k pairs of 16 rows at a time
+// (one dword per row: k in its low word, k + 1 in its high one), each row's bf16 values
+// added as fp32 in k order.
+KT_QDP_TARGET void group_sums_impl(const uint32_t* packed, int m, int64_t kp, int64_t group_k,
+                                   float* sums) {
+  const int64_t groups = kp / group_k, k_pairs = kp / 2;
+  const __m512i hi_mask = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for_each_row_tile(m, kTileRows, [&](int, int i0, int mt) {
+    const uint32_t* a = packed + i0 * k_pairs;
+    for (int r0 = 0; r0 < mt; r0 += 16) {
+      const __mmask16 rows = static_cast<__mmask16>(mt - r0 >= 16 ? 0xFFFF : (1u << (mt - r0)) - 1);
+      for (int64_t g = 0; g < groups; ++g) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t p = g * group_k / 2; p < (g + 1) * group_k / 2; ++p) {
+          const __m512i v = _mm512_maskz_loadu_epi32(rows, a + p * mt + r0);
+          acc = _mm512_add_ps(acc, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
+          acc = _mm512_add_ps(acc, _mm512_castsi512_ps(_mm512_and_si512(v, hi_mask)));
+        }
+        alignas(64) float out[16];
+        _mm512_store_ps(out, acc);
+        for (int r = 0; r < 16 && r0 + r < mt; ++r) sums[(i0 + r0 + r) * groups + g] = out[r];
       }
-      sums[i * groups + g] = _mm512_reduce_add_ps(acc);
     }
-  }
+  });
 }
 
 }  // namespace
 
-void qint_dp_group_sums(const uint16_t* rows, int64_t ld, int m, int64_t kp, int64_t group_k,
-                        float* sums) {
-  group_sums_impl(rows, ld, m, kp, group_k, sums);
+void qint_dp_group_sums(const uint32_t* packed, int m, int64_t kp, int64_t group_k, float* sums) {
+  group_sums_impl(packed, m, kp, group_k, sums);
 }
 
-bool qint_dp_block(const QintBlock& b, const uint16_t* xs, int64_t ldx, const float* xg,
-                   uint16_t* tile, float* params) {
+bool qint_dp_block(const QintBlock& b, const uint32_t* packed, const float* xg, uint16_t* tile,
+                   float* params) {
   const formats::QintFormat& f = *b.format;
   const bool kquant = formats::is_kquant(f.scale_type);
   const bool zeros = formats::qint_subtracts_zeros(f.scale_type, b.zeros != nullptr);
@@ -276,12 +280,12 @@ bool qint_dp_block(const QintBlock& b, const uint16_t* xs, int64_t ldx, const fl
       z,
       tile};
   for_each_row_tile(b.m, kTileRows, [&](int t, int i, int rows) {
-    const uint16_t* x = xs + i * ldx;
+    const uint32_t* a = packed + i * (kp / 2);
     float* o = b.out + i * b.ldo;
     if (z != nullptr)
-      dp_tile_n<kTileRows, true>(rows, c, t == 0, x, ldx, xg + i * groups, o, b.ldo);
+      dp_tile_n<kTileRows, true>(rows, c, t == 0, a, xg + i * groups, o, b.ldo);
     else
-      dp_tile_n<kTileRows, false>(rows, c, t == 0, x, ldx, nullptr, o, b.ldo);
+      dp_tile_n<kTileRows, false>(rows, c, t == 0, a, nullptr, o, b.ldo);
   });
   return true;
 }
