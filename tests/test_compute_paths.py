@@ -872,9 +872,13 @@ def test_w8a8_only_under_quant_auto(isa):
         "auto": BRGEMM_KERNELS["int8"],
         # the u8s8 kernel where oneDNN runs it (q8_0 has the same one)
         "q8": "onednn/brgemm_u8s8" if brgemm_runs("q8_0") else None,
-        # exact activations: the codes as bf16 values, on oneDNN's bf16 brgemm where it
-        # runs, else on the exact qint tiles (which need AVX512_BF16, not oneDNN)
-        "fp32": "onednn/brgemm_int8_bf16"
+        # exact activations: the codes as bf16 values, on the exact qint tiles where kt_ops'
+        # bf16 tiles run (the same chain as oneDNN's AVX512_BF16 kernel, rows packed),
+        # else on oneDNN's bf16 brgemm where it runs, else on the exact qint tiles (which
+        # need AVX512_BF16, not oneDNN)
+        "fp32": "avx512_bf16/qint_dp_exact"
+        if qint_exact_runs("int8") and BRGEMM_KERNELS["bf16"] == "avx512_bf16/bf16_dp"
+        else "onednn/brgemm_int8_bf16"
         if brgemm_runs("bf16")
         else ("avx512_bf16/qint_dp_exact" if qint_exact_runs("int8") else None),
     }
@@ -1055,8 +1059,13 @@ def test_w4a8_only_under_quant_auto(isa):
 
 
 def int8_bf16_runs() -> bool:
+    """Whether int8 runs exactly on bf16 tiles under forced brgemm and quant 'fp32':
+    oneDNN's bf16 brgemm on the decoded codes, or the exact qint tiles."""
     with kt_ops.use_compute_path("brgemm"), kt_ops.use_quant_activations("fp32"):
-        return kt_ops.compute_paths()["int8"]["brgemm_kernel"] == "onednn/brgemm_int8_bf16"
+        return kt_ops.compute_paths()["int8"]["brgemm_kernel"] in (
+            "onednn/brgemm_int8_bf16",
+            "avx512_bf16/qint_dp_exact",
+        )
 
 
 def bf16_h_reference(x, ids, w, experts):
@@ -1087,6 +1096,34 @@ def test_int8_bf16_exact_against_fp64(isa, H, I, T):  # noqa: E741
     ref = bf16_h_reference(x, ids, w, experts)
     # fp32 sums of exact products, and h's bf16 roundings on either side of a boundary.
     assert_matches_reference(out, ref.float(), TOL_BF16_BRGEMM)
+
+
+@pytest.mark.parametrize("T", [1, 27, 29, 150])
+def test_int8_exact_kernels_bit_identical(isa, T):
+    # int8 under quant 'fp32' takes the exact qint tiles where kt_ops' bf16 tiles run and
+    # oneDNN's bf16 brgemm under brgemm_bf16_kernel = 'onednn': bf16(x) times the same
+    # exact code values in one fp32 chain over k, then the channel scale, so the two give
+    # the same bits where oneDNN sums in kt_ops' order (AVX512_BF16 without AMX); each is
+    # held to the fp64 reference elsewhere.
+    with kt_ops.use_compute_path("brgemm"), kt_ops.use_quant_activations("fp32"):
+        with kt_ops.use_brgemm_bf16_kernel("onednn"):
+            onednn = kt_ops.compute_paths()["int8"]["brgemm_kernel"]
+        with kt_ops.use_brgemm_bf16_kernel("kt"):
+            kt = kt_ops.compute_paths()["int8"]["brgemm_kernel"]
+    if onednn != "onednn/brgemm_int8_bf16" or kt != "avx512_bf16/qint_dp_exact":
+        pytest.skip("needs oneDNN's bf16 brgemm and the exact qint tiles (AVX512_BF16)")
+    experts = make_quant_experts("int8", 4, 130, 70, seed=T)
+    ids, w = make_routing(T, 4, 2, seed=T + 5)
+    x = make_hidden(T, 130, torch.bfloat16, seed=T).float()
+    ref = bf16_h_reference(x, ids, w, experts).float()
+    outs = {}
+    for name in ("onednn", "kt"):
+        with kt_ops.use_brgemm_bf16_kernel(name), kt_ops.use_compute_path("brgemm"):
+            with kt_ops.use_quant_activations("fp32"):
+                outs[name] = kt_ops.moe_forward(x, ids, w, experts)
+        assert_matches_reference(outs[name], ref, TOL_BF16_BRGEMM)
+    if onednn_sums_in_kt_order():
+        assert torch.equal(outs["kt"], outs["onednn"])
 
 
 def test_int8_bf16_thread_counts_bit_identical(isa):

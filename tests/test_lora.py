@@ -788,7 +788,8 @@ def test_lora_gradients_at_fp32_accuracy_on_a_bf16_base(
     # kernels (the tile path at 64+ tokens per expert): their products are exact in fp32,
     # so the LoRA factors' gradients stay at fp32 accuracy: within 1e-5 of an fp64
     # reference (a bf16 rounding of the activations anywhere would give ~1e-3). An int8
-    # base too: its codes are exact in bf16 (forward: onednn/brgemm_int8_bf16), and the
+    # base too: its codes are exact in bf16 (forward: avx512_bf16/qint_dp_exact or
+    # onednn/brgemm_int8_bf16), and the
     # backward's go Wd splits go * scale into two bf16 rows (within 2^-17). fp8 bases: the
     # E4M3 values are exact in bf16 (forward: avx512_bf16/fp8_dp_exact, fp8's block
     # scales on each 128-k chunk's fp32 sums; fp8_channel's on the outputs; mxfp8's in

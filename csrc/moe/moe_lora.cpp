@@ -432,8 +432,9 @@ void glu_values(kernels::GluRows rows, const float* g, const float* u, int64_t n
 // projection's tile kernel reads h rounded to bf16, as inference does: the output (bf16,
 // as x is) moves by about its own rounding, and the down LoRA term reads the fp32 h.
 // An int8 (per channel) base with bf16 hidden states takes the same tile path forced
-// ('brgemm': under quant 'fp32' its kernel is onednn/brgemm_int8_bf16, codes decoded
-// to their exact bf16 values, the channel scales on the outputs): as exact, and 1.7x
+// ('brgemm': under quant 'fp32' its kernel is avx512_bf16/qint_dp_exact where kt_ops'
+// bf16 tiles run, else onednn/brgemm_int8_bf16: codes decoded to their exact bf16
+// values, the channel scales on the outputs): as exact, and 1.7x
 // faster than the streaming fp32 path at T = 512 (its own threshold under 'auto' is
 // the int8 row's, none on AVX-512). fp8, fp8_channel and mxfp8 bases likewise, on the
 // tiles that keep their products exact (kernels::brgemm::fp8_tiles_exact: bf16(x)
