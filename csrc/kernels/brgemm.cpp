@@ -38,11 +38,37 @@ const float* unit_band_scales(const DotArgs& a) {
   return ones.data();
 }
 
-// a's m rows times a band's scales, rounded to bf16 and packed as kt_ops' tiles read
-// them (avx512::scale_rows_to_bf16_packed) into dst (>= m * kp words): the A operand of
-// the fused fp8 and the exact qint tiles.
-void packed_bf16_rows(const DotArgs& a, const float* scales, uint16_t* dst) {
-  avx512::scale_rows_to_bf16_packed(a.x, a.m, a.proj->kp, scales, reinterpret_cast<uint32_t*>(dst));
+// The slot of op.scratch holding a's rows times a band's scales, rounded to bf16 (one
+// projection's band on this pool thread: made on a miss, in the least recently used
+// slot, whose group results and group sums are then dropped): rows tile_rows_ld(kp)
+// apart for oneDNN's brgemm, or packed as kt_ops' tiles read them (the fused fp8 and
+// the exact qint tiles; avx512::scale_rows_to_bf16_packed). The slots are emptied when
+// an op call starts (TileScratch::reset), so (x, m, scales, packed) names rows of this
+// call; rows with unit scales serve fp8's exact tiles and the qint tiles alike.
+TileScratch::Slot& scaled_rows(const DotArgs& a, TileScratch& ts, const float* scales,
+                               bool packed) {
+  bool hit = false;
+  TileScratch::Slot& s = ts.find(
+      [&](const TileScratch::Slot& c) {
+        return c.x != nullptr && c.x == a.x && c.m == a.m && c.scales == scales &&
+               c.packed == packed;
+      },
+      &hit);
+  if (!hit) {
+    const int64_t kp = a.proj->kp;
+    if (packed)
+      avx512::scale_rows_to_bf16_packed(a.x, a.m, kp, scales,
+                                        reinterpret_cast<uint32_t*>(s.rows.data()));
+    else
+      avx512::scale_rows_to_bf16(a.x, a.m, kp, scales, s.rows.data(), tile_rows_ld(kp));
+    s.x = a.x;
+    s.m = a.m;
+    s.scales = scales;
+    s.packed = packed;
+    s.group = nullptr;
+    s.sums_k = 0;
+  }
+  return s;
 }
 
 #ifdef KT_HAVE_CPUBLAS_BRGEMM
@@ -454,36 +480,6 @@ void w8a8_dot(const DotArgs& a, const TileOperand& op) {
 #ifdef KT_HAVE_CPUBLAS_BRGEMM
 namespace {
 
-// The slot of op.scratch holding a's rows scaled by `scales` (one projection's
-// band on this pool thread: made on a miss, in the least recently used slot,
-// whose group results are then dropped): rows tile_rows_ld(kp) apart for oneDNN's
-// brgemm, or packed for kt_ops' tiles (packed_bf16_rows). The slots are emptied when
-// an op call starts (TileScratch::reset), so (x, m, scales, packed) names rows of this
-// call.
-TileScratch::Slot& fp8_scaled_rows(const DotArgs& a, TileScratch& ts, const float* scales,
-                                   bool packed) {
-  bool hit = false;
-  TileScratch::Slot& s = ts.find(
-      [&](const TileScratch::Slot& c) {
-        return c.x != nullptr && c.x == a.x && c.m == a.m && c.scales == scales &&
-               c.packed == packed;
-      },
-      &hit);
-  if (!hit) {
-    const int64_t kp = a.proj->kp;
-    if (packed)
-      packed_bf16_rows(a, scales, s.rows.data());
-    else
-      avx512::scale_rows_to_bf16(a.x, a.m, kp, scales, s.rows.data(), tile_rows_ld(kp));
-    s.x = a.x;
-    s.m = a.m;
-    s.scales = scales;
-    s.packed = packed;
-    s.group = nullptr;
-  }
-  return s;
-}
-
 // The band scales the activations are multiplied by: fp8's 128x128 block scales, or
 // ones (unit_band_scales) for fp8_channel (one scale per output row, applied by
 // scale_outputs) and mxfp8 (its exponents go into the decoded values).
@@ -533,7 +529,7 @@ void fp8_onednn_block(const DotArgs& a, TileScratch& ts, int64_t nb) {
   const int ncol = static_cast<int>(16 * (g1 - g0));
   for (int64_t b = g0; b < g1; ++b)
     if (!decodes_to_bf16(a, b)) return streaming_block(a, nb);
-  TileScratch::Slot& s = fp8_scaled_rows(a, ts, fp8_tile_scales(a, g0), false);
+  TileScratch::Slot& s = scaled_rows(a, ts, fp8_tile_scales(a, g0), false);
   const uint8_t* group = p.block(a.expert, g0);
   if (s.group != group) {
     for (int64_t b = g0; b < g1; ++b) {
@@ -579,7 +575,7 @@ void fp8_dp_blocks(const DotArgs& a, const TileOperand& op, bool exact) {
       continue;
     }
     const TileScratch::Slot& s =
-        fp8_scaled_rows(a, ts, chunked ? unit_band_scales(a) : fp8_tile_scales(a, nb), true);
+        scaled_rows(a, ts, chunked ? unit_band_scales(a) : fp8_tile_scales(a, nb), true);
     float* out = a.out + 16 * (nb - a.nb_begin);
     avx512::fp8_dp_block(reinterpret_cast<const uint32_t*>(s.rows.data()), a.m,
                          a.proj->block(a.expert, nb), kp, ts.tile.data(), out, a.ldo,
@@ -635,23 +631,8 @@ bool qint_tiles_exact(const formats::FormatRow& format) {
 void qint_dp_exact_dot(const DotArgs& a, const TileOperand& op) {
   const ProjectionView& p = *a.proj;
   TileScratch& ts = *op.scratch;
-  // The slot of a's rows in bf16 and their group sums (tagged apart from fp8's rows).
-  static const float kTag = 0.0f;
-  bool hit = false;
-  TileScratch::Slot& s = ts.find(
-      [&](const TileScratch::Slot& c) {
-        return c.x != nullptr && c.x == a.x && c.m == a.m && c.scales == &kTag;
-      },
-      &hit);
-  if (!hit) {
-    packed_bf16_rows(a, unit_band_scales(a), s.rows.data());
-    s.packed = true;
-    s.x = a.x;
-    s.m = a.m;
-    s.scales = &kTag;
-    s.group = nullptr;
-    s.sums_k = 0;
-  }
+  // The slot of a's rows in bf16, packed, and their group sums.
+  TileScratch::Slot& s = scaled_rows(a, ts, unit_band_scales(a), true);
   // The rows' sums per group, where the format subtracts zeros (gate and up share them).
   const bool zeros = formats::qint_subtracts_zeros(p.qint.scale_type, p.zeros != nullptr);
   const int64_t group_k = p.qint.group_size == 0 ? p.kp : p.qint.group_size;
