@@ -2,6 +2,8 @@
 
 #include <ATen/ATen.h>
 
+#include <vector>
+
 #include "kernels/dispatch.h"
 #include "kernels/tiers.h"
 
@@ -35,12 +37,27 @@ void tw(const float* t, int64_t m, int64_t r, const float* w, int64_t ldw, int64
         bool accumulate, float* out, int64_t ldo) {
   if (m == 0 || n == 0) return;
   if (on_avx512()) {
-    kernels::avx512::lora_tw(t, static_cast<int>(m), static_cast<int>(r), w, ldw, n, s, accumulate,
-                             out, ldo);
+    std::vector<float*> rows(static_cast<size_t>(m));
+    for (int64_t i = 0; i < m; ++i) rows[i] = out + i * ldo;
+    tw_rows(t, m, r, w, ldw, n, s, accumulate, rows.data());
     return;
   }
   at::Tensor o = mat(out, m, n, ldo);
   o.addmm_(mat(t, m, r, r), mat(w, r, n, ldw), accumulate ? 1.0 : 0.0, s);
+}
+
+void tw_rows(const float* t, int64_t m, int64_t r, const float* w, int64_t ldw, int64_t n, float s,
+             bool accumulate, float* const* out) {
+  if (m == 0 || n == 0) return;
+  if (on_avx512()) {
+    kernels::avx512::lora_tw(t, static_cast<int>(m), static_cast<int>(r), w, ldw, n, s, accumulate,
+                             out);
+    return;
+  }
+  for (int64_t i = 0; i < m; ++i) {
+    at::Tensor o = mat(out[i], 1, n, n);
+    o.addmm_(mat(t + i * r, 1, r, r), mat(w, r, n, ldw), accumulate ? 1.0 : 0.0, s);
+  }
 }
 
 void dtx(const float* d, int64_t ldd, int64_t m, int64_t r, const float* x, int64_t ldx, int64_t k,

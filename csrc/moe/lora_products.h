@@ -17,6 +17,10 @@ void xat(const float* x, int64_t ldx, int64_t m, int64_t k, const float* a, int6
 void tw(const float* t, int64_t m, int64_t r, const float* w, int64_t ldw, int64_t n, float s,
         bool accumulate, float* out, int64_t ldo);
 
+// tw with out's row i at out[i] (rows anywhere: the forward's rows by slot).
+void tw_rows(const float* t, int64_t m, int64_t r, const float* w, int64_t ldw, int64_t n, float s,
+             bool accumulate, float* const* out);
+
 // g [r, k] = s * d^T x: d [m, r], x [m, k].
 void dtx(const float* d, int64_t ldd, int64_t m, int64_t r, const float* x, int64_t ldx, int64_t k,
          float s, float* g, int64_t ldg);

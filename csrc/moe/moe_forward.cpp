@@ -314,9 +314,10 @@ void lora_term_by_slot(const Call& c, const at::Tensor& in, const LoraF32& f, in
   lora_products::xat(in.data_ptr<float>(), in.stride(0), m, f.k, a.p, a.ld, f.r, t_xa.data());
   const LoraRows bt = f.bt_rows(e);  // [r, n]
   const float s = static_cast<float>(c.layer.lora.scaling);
-  for (int64_t i = 0; i < m; ++i)
-    lora_products::tw(t_xa.data() + i * f.r, 1, f.r, bt.p, bt.ld, n, s, false,
-                      dst + c.routing.row_slot[r0 + i] * n, n);
+  thread_local std::vector<float*> t_rows;  // dst's row of each of the m rows (its slot)
+  t_rows.resize(static_cast<size_t>(m));
+  for (int64_t i = 0; i < m; ++i) t_rows[i] = dst + c.routing.row_slot[r0 + i] * n;
+  lora_products::tw_rows(t_xa.data(), m, f.r, bt.p, bt.ld, n, s, false, t_rows.data());
 }
 
 // Before gate/up: the gate and up LoRA terms of every row, into gate_pre / up_pre.
