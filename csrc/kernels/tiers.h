@@ -135,11 +135,11 @@ __attribute__((weak)) void qint_dp_group_sums(const uint32_t* packed, int m, int
 __attribute__((weak)) bool qint_dp_block(const QintBlock& b, const uint32_t* packed,
                                          const float* xg, uint16_t* tile, float* params);
 // The LoRA products of rank r, fp32 (kernels/avx512/lora_avx512.cpp; moe/lora_products.h):
-// lora_xat: y [m, r] = x a^T (x [m, k] rows ldx apart, a [r, k] rows lda apart);
+// lora_xat: y [m, r] = x a^T (x [m, k], its row i at x[i]; a [r, k] rows lda apart);
 // lora_tw: out [m, n] = (accumulate ? out : 0) + s t w (t [m, r], w [r, n] rows ldw apart,
 // out's row i at out[i]);
 // lora_dtx: g [r, k] = s d^T x (d [m, r] rows ldd apart, x [m, k] rows ldx apart).
-__attribute__((weak)) void lora_xat(const float* x, int64_t ldx, int m, int64_t k, const float* a,
+__attribute__((weak)) void lora_xat(const float* const* x, int m, int64_t k, const float* a,
                                     int64_t lda, int r, float* y);
 __attribute__((weak)) void lora_tw(const float* t, int m, int r, const float* w, int64_t ldw,
                                    int64_t n, float s, bool accumulate, float* const* out);

@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "kernels/dispatch.h"
@@ -26,11 +27,28 @@ void xat(const float* x, int64_t ldx, int64_t m, int64_t k, const float* a, int6
          float* y) {
   if (m == 0 || r == 0) return;
   if (on_avx512()) {
-    kernels::avx512::lora_xat(x, ldx, static_cast<int>(m), k, a, lda, static_cast<int>(r), y);
+    std::vector<const float*> rows(static_cast<size_t>(m));
+    for (int64_t i = 0; i < m; ++i) rows[i] = x + i * ldx;
+    xat_rows(rows.data(), m, k, a, lda, r, y);
     return;
   }
   at::Tensor out = mat(y, m, r, r);
   at::mm_out(out, mat(x, m, k, ldx), mat(a, r, k, lda).t());
+}
+
+void xat_rows(const float* const* x, int64_t m, int64_t k, const float* a, int64_t lda, int64_t r,
+              float* y) {
+  if (m == 0 || r == 0) return;
+  if (on_avx512()) {
+    kernels::avx512::lora_xat(x, static_cast<int>(m), k, a, lda, static_cast<int>(r), y);
+    return;
+  }
+  // at::mm on the rows gathered (one GEMM, not m of them).
+  at::Tensor xg = at::empty({m, k}, at::kFloat);
+  float* xp = xg.data_ptr<float>();
+  for (int64_t i = 0; i < m; ++i) std::copy_n(x[i], k, xp + i * k);
+  at::Tensor out = mat(y, m, r, r);
+  at::mm_out(out, xg, mat(a, r, k, lda).t());
 }
 
 void tw(const float* t, int64_t m, int64_t r, const float* w, int64_t ldw, int64_t n, float s,

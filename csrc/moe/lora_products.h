@@ -13,6 +13,10 @@ namespace kt::moe::lora_products {
 void xat(const float* x, int64_t ldx, int64_t m, int64_t k, const float* a, int64_t lda, int64_t r,
          float* y);
 
+// xat with x's row i at x[i] (rows anywhere: the forward's token rows).
+void xat_rows(const float* const* x, int64_t m, int64_t k, const float* a, int64_t lda, int64_t r,
+              float* y);
+
 // out [m, n] = (accumulate ? out : 0) + s * t [m, r] (contiguous) w [r, n].
 void tw(const float* t, int64_t m, int64_t r, const float* w, int64_t ldw, int64_t n, float s,
         bool accumulate, float* out, int64_t ldo);

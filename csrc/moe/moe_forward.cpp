@@ -303,15 +303,14 @@ void down_block(const Call& c, int64_t e, int64_t nb, int64_t r0, int m,
   }
 }
 
-// dst[slot(row) * n ...] = s * (in A[e]^T) B[e]^T for expert e's m rows of `in`
-// ([m, k], any row stride): the LoRA term of one projection, by slot.
-void lora_term_by_slot(const Call& c, const at::Tensor& in, const LoraF32& f, int64_t e, int64_t r0,
-                       float* dst, int64_t n) {
-  const int64_t m = in.size(0);
+// dst[slot(row) * n ...] = s * (in A[e]^T) B[e]^T for expert e's m rows of `in` (its
+// row i at in[i], k = f.k values): the LoRA term of one projection, by slot.
+void lora_term_by_slot(const Call& c, const float* const* in, int64_t m, const LoraF32& f,
+                       int64_t e, int64_t r0, float* dst, int64_t n) {
   thread_local std::vector<float> t_xa;  // in A^T [m, r]
   grow(t_xa, static_cast<size_t>(m * f.r));
   const LoraRows a = f.a_rows(e, m);
-  lora_products::xat(in.data_ptr<float>(), in.stride(0), m, f.k, a.p, a.ld, f.r, t_xa.data());
+  lora_products::xat_rows(in, m, f.k, a.p, a.ld, f.r, t_xa.data());
   const LoraRows bt = f.bt_rows(e);  // [r, n]
   const float s = static_cast<float>(c.layer.lora.scaling);
   thread_local std::vector<float*> t_rows;  // dst's row of each of the m rows (its slot)
@@ -320,7 +319,8 @@ void lora_term_by_slot(const Call& c, const at::Tensor& in, const LoraF32& f, in
   lora_products::tw_rows(t_xa.data(), m, f.r, bt.p, bt.ld, n, s, false, t_rows.data());
 }
 
-// Before gate/up: the gate and up LoRA terms of every row, into gate_pre / up_pre.
+// Before gate/up: the gate and up LoRA terms of every row, into gate_pre / up_pre, x A^T
+// reading the rows where they are (no gathered copy).
 void lora_input_terms(const Call& c) {
   const LoraF32 gate = lora_f32(c.layer.lora.gate, 0), up = lora_f32(c.layer.lora.up, 1);
   if (!gate.present() && !up.present()) return;
@@ -328,13 +328,9 @@ void lora_input_terms(const Call& c) {
   run_blas_tasks(static_cast<int64_t>(plan.active_experts.size()), [&](int64_t a, int) {
     const int64_t e = plan.active_experts[a], r0 = plan.expert_offsets[e];
     const int64_t m = plan.expert_offsets[e + 1] - r0;
-    thread_local std::vector<float> t_xe;  // kept: a fresh tensor is a fresh mmap
-    grow(t_xe, static_cast<size_t>(m * c.H));
-    at::Tensor xe = at::from_blob(t_xe.data(), {m, c.H}, at::kFloat);
-    float* xp = xe.data_ptr<float>();
-    for (int64_t i = 0; i < m; ++i) std::copy_n(c.s.x_rows[r0 + i], c.H, xp + i * c.H);
-    if (gate.present()) lora_term_by_slot(c, xe, gate, e, r0, c.gate_pre, c.I);
-    if (up.present()) lora_term_by_slot(c, xe, up, e, r0, c.up_pre, c.I);
+    const float* const* rows = c.s.x_rows.data() + r0;
+    if (gate.present()) lora_term_by_slot(c, rows, m, gate, e, r0, c.gate_pre, c.I);
+    if (up.present()) lora_term_by_slot(c, rows, m, up, e, r0, c.up_pre, c.I);
   });
 }
 
@@ -345,8 +341,7 @@ void lora_down_terms(const Call& c) {
   run_blas_tasks(static_cast<int64_t>(plan.active_experts.size()), [&](int64_t a, int) {
     const int64_t e = plan.active_experts[a], r0 = plan.expert_offsets[e];
     const int64_t m = plan.expert_offsets[e + 1] - r0;
-    const at::Tensor he = at::from_blob(c.s.h.data() + r0 * c.Ip, {m, c.I}, {c.Ip, 1}, at::kFloat);
-    lora_term_by_slot(c, he, down, e, r0, c.s.y.data(), c.H);
+    lora_term_by_slot(c, c.s.h_rows.data() + r0, m, down, e, r0, c.s.y.data(), c.H);
   });
 }
 

@@ -56,6 +56,20 @@ void scatter_rows(const float* src, int64_t rows, int64_t n, const int64_t* inde
     std::memcpy(dst + index[i] * n, src + i * n, n * sizeof(float));
 }
 
+// sum_j a[j] b[j] in a fixed order: 16 interleaved fp32 partial sums (lane j % 16), then
+// those added in a fixed tree. One serial chain of n adds (latency-bound, 4 cycles each)
+// took 1.5 ms of the T = 512 backward on a Qwen3-30B-A3B layer; this vectorizes.
+float dot_lanes(const float* a, const float* b, int64_t n) {
+  float lane[16] = {};
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16)
+    for (int l = 0; l < 16; ++l) lane[l] += a[j + l] * b[j + l];
+  for (int l = 0; j < n; ++j, ++l) lane[l] += a[j] * b[j];
+  for (int w = 8; w >= 1; w /= 2)
+    for (int l = 0; l < w; ++l) lane[l] += lane[l + w];
+  return lane[0];
+}
+
 // dst [cols, rows] = src [rows, cols]^T (small: a LoRA factor or its gradient).
 void transpose_into(const float* src, int64_t rows, int64_t cols, float* dst) {
   for (int64_t i = 0; i < rows; ++i)
@@ -725,10 +739,8 @@ MoeGrads moe_backward_lora(const at::Tensor& grad_output, const at::Tensor& x,
       const float* bd = w.down.bias_row(e);
       const float* gorow = go.data_ptr<float>();
       for (int64_t i = 0; i < m; ++i) {
-        float dot = 0.0f;
-        for (int64_t j = 0; j < I; ++j) dot += dhp[i * I + j] * hp[i * I + j];
-        if (bd != nullptr)
-          for (int64_t j = 0; j < H; ++j) dot += gorow[i * H + j] * bd[j];
+        float dot = dot_lanes(dhp + i * I, hp + i * I, I);
+        if (bd != nullptr) dot += dot_lanes(gorow + i * H, bd, H);
         gwp[slot[i]] = dot;
       }
       for (int64_t i = 0; i < m; ++i) {

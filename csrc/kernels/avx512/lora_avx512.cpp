@@ -32,7 +32,7 @@ inline __mmask16 tail_mask(int64_t k) {
 // FMAs, not per FMA (3 rows x 8 ranks: 24 accumulators; m = 128, k = 2048, r = 8:
 // 47 us, against 132 with one row at a time on a Zen 4 core).
 template <int R, int RC>
-void xat_tile(const float* x, int64_t ldx, int64_t k, const float* a, int64_t lda, int rc, float* y,
+void xat_tile(const float* const* x, int64_t k, const float* a, int64_t lda, int rc, float* y,
               int64_t ldy) {
   const float* ar[RC];
 #pragma GCC unroll 16
@@ -46,7 +46,7 @@ void xat_tile(const float* x, int64_t ldx, int64_t k, const float* a, int64_t ld
     const __mmask16 mk = c + 16 <= k ? static_cast<__mmask16>(0xFFFF) : tail;
     __m512 xv[R];
 #pragma GCC unroll 4
-    for (int i = 0; i < R; ++i) xv[i] = _mm512_maskz_loadu_ps(mk, x + i * ldx + c);
+    for (int i = 0; i < R; ++i) xv[i] = _mm512_maskz_loadu_ps(mk, x[i] + c);
 #pragma GCC unroll 16
     for (int j = 0; j < RC; ++j) {
       const __m512 av = _mm512_maskz_loadu_ps(mk, ar[j] + c);
@@ -62,12 +62,12 @@ void xat_tile(const float* x, int64_t ldx, int64_t k, const float* a, int64_t ld
 }
 
 template <int RC>
-void xat_rows(const float* x, int64_t ldx, int m, int64_t k, const float* a, int64_t lda, int rc,
+void xat_rows(const float* const* x, int m, int64_t k, const float* a, int64_t lda, int rc,
               float* y, int64_t ldy) {
   int i = 0;
-  for (; i + 3 <= m; i += 3) xat_tile<3, RC>(x + i * ldx, ldx, k, a, lda, rc, y + i * ldy, ldy);
-  if (m - i == 2) xat_tile<2, RC>(x + i * ldx, ldx, k, a, lda, rc, y + i * ldy, ldy);
-  if (m - i == 1) xat_tile<1, RC>(x + i * ldx, ldx, k, a, lda, rc, y + i * ldy, ldy);
+  for (; i + 3 <= m; i += 3) xat_tile<3, RC>(x + i, k, a, lda, rc, y + i * ldy, ldy);
+  if (m - i == 2) xat_tile<2, RC>(x + i, k, a, lda, rc, y + i * ldy, ldy);
+  if (m - i == 1) xat_tile<1, RC>(x + i, k, a, lda, rc, y + i * ldy, ldy);
 }
 
 // out (+)= s t w for R rows of t with its r = RC values held in registers, columns
@@ -180,16 +180,16 @@ void dtx_ranks(std::integer_sequence<int, Rm1...>, int rc, const float* d, int64
 
 }  // namespace
 
-// y[i * r + j] = sum_k x[i * ldx + k] * a[j * lda + k]  (y = x a^T: [m, r]), ranks
+// y[i * r + j] = sum_k x[i][k] * a[j * lda + k]  (y = x a^T: [m, r]), ranks
 // in chunks of 8 (4 for a last chunk of at most 4).
-void lora_xat(const float* x, int64_t ldx, int m, int64_t k, const float* a, int64_t lda, int r,
+void lora_xat(const float* const* x, int m, int64_t k, const float* a, int64_t lda, int r,
               float* y) {
   for (int j0 = 0; j0 < r; j0 += 8) {
     const int rc = std::min(8, r - j0);
     if (rc > 4)
-      xat_rows<8>(x, ldx, m, k, a + j0 * lda, lda, rc, y + j0, r);
+      xat_rows<8>(x, m, k, a + j0 * lda, lda, rc, y + j0, r);
     else
-      xat_rows<4>(x, ldx, m, k, a + j0 * lda, lda, rc, y + j0, r);
+      xat_rows<4>(x, m, k, a + j0 * lda, lda, rc, y + j0, r);
   }
 }
 
