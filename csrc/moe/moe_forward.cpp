@@ -245,6 +245,16 @@ void glu_epilogue(const Call& c, int64_t e, float* g, float* u, int64_t nb, int6
   }
 }
 
+// Prefetch (for writing) the line at column `col` of each of the m rows' slots of `base`
+// (rows n floats apart): the lines the block's epilogue reads or writes after its
+// products, one per row of a [T * K, n] buffer far larger than the caches (y: 32 MB at
+// T = 512 on a Qwen3-30B-A3B layer), so they arrive while the products run (perf:
+// the epilogue's loads of those lines were 4% of the LoRA forward; 1-2% faster on Zen 4).
+void prefetch_slot_lines(const Call& c, float* base, int64_t n, int64_t col, int64_t r0, int m) {
+  const int64_t* slot = c.routing.row_slot.data() + r0;
+  for (int i = 0; i < m; ++i) __builtin_prefetch(base + slot[i] * n + col, 1, 3);
+}
+
 // Gate/up: block nb of I of expert e (rows [r0, r0 + m)), then its epilogue.
 void gate_up_block(const Call& c, int64_t e, int64_t nb, int64_t r0, int m,
                    kernels::ThreadScratch& ts) {
@@ -259,6 +269,10 @@ void gate_up_block(const Call& c, int64_t e, int64_t nb, int64_t r0, int m,
                                  c.routing.row_token.data() + r0};
   grow(t_gate_out, static_cast<size_t>(m) * kRows);
   grow(t_up_out, static_cast<size_t>(m) * kRows);
+  if (c.gate_pre != nullptr) {
+    prefetch_slot_lines(c, c.gate_pre, c.I, nb * kRows, r0, m);
+    prefetch_slot_lines(c, c.up_pre, c.I, nb * kRows, r0, m);
+  }
   c.gate.dot(rows, nb, t_gate_out.data(), ts);
   c.up.dot(rows, nb, t_up_out.data(), ts);
   glu_epilogue(c, e, t_gate_out.data(), t_up_out.data(), nb, r0, m);
@@ -287,6 +301,7 @@ void down_block(const Call& c, int64_t e, int64_t nb, int64_t r0, int m,
                                  c.ld_hb,
                                  nullptr};
   grow(t_gate_out, static_cast<size_t>(m) * kRows);
+  prefetch_slot_lines(c, s.y.data(), c.H, nb * kRows, r0, m);
   c.down.dot(rows, nb, t_gate_out.data(), ts);
   const int n_valid = static_cast<int>(std::min<int64_t>(kRows, c.H - nb * kRows));
   if (const float* b = c.layer.down.bias_row(e))
