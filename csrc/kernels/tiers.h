@@ -139,12 +139,19 @@ __attribute__((weak)) bool qint_dp_block(const QintBlock& b, const uint32_t* pac
 // lora_tw: out [m, n] = (accumulate ? out : 0) + s t w (t [m, r], w [r, n] rows ldw apart,
 // out's row i at out[i]);
 // lora_dtx: g [r, k] = s d^T x (d [m, r] rows ldd apart, x [m, k] rows ldx apart).
+// The _bf16 forms read x as bf16 values, widened exactly: the same results as on their
+// fp32 copies.
 __attribute__((weak)) void lora_xat(const float* const* x, int m, int64_t k, const float* a,
                                     int64_t lda, int r, float* y);
+__attribute__((weak)) void lora_xat_bf16(const uint16_t* const* x, int m, int64_t k, const float* a,
+                                         int64_t lda, int r, float* y);
 __attribute__((weak)) void lora_tw(const float* t, int m, int r, const float* w, int64_t ldw,
                                    int64_t n, float s, bool accumulate, float* const* out);
 __attribute__((weak)) void lora_dtx(const float* d, int64_t ldd, int m, int r, const float* x,
                                     int64_t ldx, int64_t k, float s, float* g, int64_t ldg);
+__attribute__((weak)) void lora_dtx_bf16(const float* d, int64_t ldd, int m, int r,
+                                         const uint16_t* x, int64_t ldx, int64_t k, float s,
+                                         float* g, int64_t ldg);
 // The LoRA backward's products with the base on AVX512_BF16 without AMX (in
 // kernels/avx512/bf16_dp_avx512bf16.cpp, beside the forward's tile kernel).
 // pack_pair_tiles: m bf16 rows (2 k_pairs values, ld apart) as the row tiles of up to 28

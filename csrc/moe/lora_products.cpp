@@ -16,6 +16,11 @@ at::Tensor mat(const float* p, int64_t rows, int64_t cols, int64_t ld) {
   return at::from_blob(const_cast<float*>(p), {rows, cols}, {ld, 1}, at::kFloat);
 }
 
+// A bf16 row of k values (a view).
+at::Tensor bf16_row(const uint16_t* p, int64_t k) {
+  return at::from_blob(const_cast<uint16_t*>(p), {k}, at::kBFloat16);
+}
+
 }  // namespace
 
 bool on_avx512() {
@@ -47,6 +52,19 @@ void xat_rows(const float* const* x, int64_t m, int64_t k, const float* a, int64
   at::Tensor xg = at::empty({m, k}, at::kFloat);
   float* xp = xg.data_ptr<float>();
   for (int64_t i = 0; i < m; ++i) std::copy_n(x[i], k, xp + i * k);
+  at::Tensor out = mat(y, m, r, r);
+  at::mm_out(out, xg, mat(a, r, k, lda).t());
+}
+
+void xat_rows_bf16(const uint16_t* const* x, int64_t m, int64_t k, const float* a, int64_t lda,
+                   int64_t r, float* y) {
+  if (m == 0 || r == 0) return;
+  if (on_avx512()) {
+    kernels::avx512::lora_xat_bf16(x, static_cast<int>(m), k, a, lda, static_cast<int>(r), y);
+    return;
+  }
+  at::Tensor xg = at::empty({m, k}, at::kFloat);
+  for (int64_t i = 0; i < m; ++i) xg[i].copy_(bf16_row(x[i], k));
   at::Tensor out = mat(y, m, r, r);
   at::mm_out(out, xg, mat(a, r, k, lda).t());
 }
@@ -88,6 +106,19 @@ void dtx(const float* d, int64_t ldd, int64_t m, int64_t r, const float* x, int6
   }
   at::Tensor out = mat(g, r, k, ldg);
   out.addmm_(mat(d, m, r, ldd).t(), mat(x, m, k, ldx), 0.0, s);
+}
+
+void dtx_bf16(const float* d, int64_t ldd, int64_t m, int64_t r, const uint16_t* x, int64_t ldx,
+              int64_t k, float s, float* g, int64_t ldg) {
+  if (r == 0 || k == 0) return;
+  if (on_avx512()) {
+    kernels::avx512::lora_dtx_bf16(d, ldd, static_cast<int>(m), static_cast<int>(r), x, ldx, k, s,
+                                   g, ldg);
+    return;
+  }
+  const at::Tensor xf =
+      at::from_blob(const_cast<uint16_t*>(x), {m, k}, {ldx, 1}, at::kBFloat16).to(at::kFloat);
+  dtx(d, ldd, m, r, xf.data_ptr<float>(), k, k, s, g, ldg);
 }
 
 }  // namespace kt::moe::lora_products

@@ -17,6 +17,11 @@ void xat(const float* x, int64_t ldx, int64_t m, int64_t k, const float* a, int6
 void xat_rows(const float* const* x, int64_t m, int64_t k, const float* a, int64_t lda, int64_t r,
               float* y);
 
+// xat_rows on bf16 rows (x's values widened exactly: the results of xat_rows on their
+// fp32 copies, without making them).
+void xat_rows_bf16(const uint16_t* const* x, int64_t m, int64_t k, const float* a, int64_t lda,
+                   int64_t r, float* y);
+
 // out [m, n] = (accumulate ? out : 0) + s * t [m, r] (contiguous) w [r, n].
 void tw(const float* t, int64_t m, int64_t r, const float* w, int64_t ldw, int64_t n, float s,
         bool accumulate, float* out, int64_t ldo);
@@ -28,6 +33,10 @@ void tw_rows(const float* t, int64_t m, int64_t r, const float* w, int64_t ldw, 
 // g [r, k] = s * d^T x: d [m, r], x [m, k].
 void dtx(const float* d, int64_t ldd, int64_t m, int64_t r, const float* x, int64_t ldx, int64_t k,
          float s, float* g, int64_t ldg);
+
+// dtx on bf16 x (widened exactly, as xat_rows_bf16).
+void dtx_bf16(const float* d, int64_t ldd, int64_t m, int64_t r, const uint16_t* x, int64_t ldx,
+              int64_t k, float s, float* g, int64_t ldg);
 
 // Whether the AVX-512 kernels compute them now (tests, docs).
 bool on_avx512();

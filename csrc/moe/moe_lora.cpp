@@ -205,7 +205,7 @@ at::Tensor zeros_on_pool(at::IntArrayRef sizes) {
 struct TaskScratch {
   std::vector<float> mats[10];
   std::vector<float> panel;
-  std::vector<uint16_t> rows16[2];   // bf16 rows of the backward's products on brgemm
+  std::vector<uint16_t> rows16[3];   // bf16 rows: of the products with the base; x's
   std::vector<uint16_t> panel16[2];  // bf16 VNNI panels of the weights (a split one's hi, lo)
   std::vector<uint32_t> pairs[2];    // bf16 rows packed as kt_ops' tiles (pack_pair_tiles)
 };
@@ -637,13 +637,20 @@ MoeGrads moe_backward_lora(const at::Tensor& grad_output, const at::Tensor& x,
   if (T > 0 && H > 0) {
     RoutingPlan plan;
     build_routing_plan(w.op, topk_ids, topk_weights, E, w.skip_mask(), plan);
-    const at::Tensor xf = f32_on_pool(x);
-    const at::Tensor gof = f32_on_pool(grad_output);
+    // bf16 x and output gradient: the LoRA products read their bf16 rows (widened exactly
+    // on load: the same results), not fp32 copies (8 KiB a row at H = 2048, made and
+    // gathered; their copies were 4% of the step on Zen 4).
+    const bool rows16 = x.scalar_type() == at::kBFloat16 &&
+                        grad_output.scalar_type() == at::kBFloat16 && lora_products::on_avx512();
+    const at::Tensor xf = rows16 ? at::Tensor() : f32_on_pool(x);
+    const at::Tensor gof = rows16 ? at::Tensor() : f32_on_pool(grad_output);
+    const at::Tensor x16 = rows16 ? x.contiguous() : at::Tensor();
     const bool on_brgemm = backward_on_brgemm(x, grad_output, w);
-    const at::Tensor go16 = on_brgemm ? grad_output.contiguous() : at::Tensor();
-    const auto* go16p = on_brgemm ? static_cast<const uint16_t*>(go16.data_ptr()) : nullptr;
-    const float* xp = xf.data_ptr<float>();
-    const float* gop = gof.data_ptr<float>();
+    const at::Tensor go16 = on_brgemm || rows16 ? grad_output.contiguous() : at::Tensor();
+    const auto* go16p = go16.defined() ? static_cast<const uint16_t*>(go16.data_ptr()) : nullptr;
+    const auto* x16p = rows16 ? static_cast<const uint16_t*>(x16.data_ptr()) : nullptr;
+    const float* xp = rows16 ? nullptr : xf.data_ptr<float>();
+    const float* gop = rows16 ? nullptr : gof.data_ptr<float>();
     const float* gpre = gate_pre.data_ptr<float>();
     const float* upre = up_pre.data_ptr<float>();
     // x's gradient per slot [T*K, H] (134 MB at T = 2048 on a Qwen3-30B-A3B layer): in a
@@ -670,21 +677,41 @@ MoeGrads moe_backward_lora(const at::Tensor& grad_output, const at::Tensor& x,
       const bool panels = on_brgemm && panel_values_exact(w.gate, e) &&
                           panel_values_exact(w.up, e) && panel_values_exact(w.down, e);
 
-      at::Tensor xe = scratch_mat(0, m, H);
-      gather_rows(xp, m, H, token, xe.data_ptr<float>());
+      // The expert's rows of x: fp32 (xep) or bf16 (xe16, rows H apart).
+      const float* xep = nullptr;
+      uint16_t* xe16 = nullptr;
+      if (rows16) {
+        xe16 = scratch_rows16(2, m, H);
+        for (int64_t i = 0; i < m; ++i)
+          std::memcpy(xe16 + i * H, x16p + token[i] * H, H * sizeof(uint16_t));
+      } else {
+        at::Tensor xe = scratch_mat(0, m, H);
+        gather_rows(xp, m, H, token, xe.data_ptr<float>());
+        xep = xe.data_ptr<float>();
+      }
       at::Tensor g = scratch_mat(1, m, I), u = scratch_mat(2, m, I);
       at::Tensor xa_g, xa_u;  // x A^T of gate / up, for the B gradients
       gather_rows(gpre, m, I, slot, g.data_ptr<float>());
       gather_rows(upre, m, I, slot, u.data_ptr<float>());
-      const float* xep = xe.data_ptr<float>();
       // src [m, k] (rows k apart) a^T, for a factor's rows a: [m, r].
       auto xat = [&](const float* src, int64_t k, LoraRows a, int64_t r) {
         at::Tensor y = at::empty({m, r}, kF32);
         lora_products::xat(src, k, m, k, a.p, a.ld, r, y.data_ptr<float>());
         return y;
       };
-      if (lg.present()) xa_g = xat(xep, H, lg.a_rows(e, m), lg.r);
-      if (lu.present()) xa_u = xat(xep, H, lu.a_rows(e, m), lu.r);
+      // The same on bf16 rows ld apart.
+      std::vector<const uint16_t*> row_ptrs(static_cast<size_t>(m));
+      auto xat16 = [&](const uint16_t* src, int64_t ld, int64_t k, LoraRows a, int64_t r) {
+        at::Tensor y = at::empty({m, r}, kF32);
+        for (int64_t i = 0; i < m; ++i) row_ptrs[i] = src + i * ld;
+        lora_products::xat_rows_bf16(row_ptrs.data(), m, k, a.p, a.ld, r, y.data_ptr<float>());
+        return y;
+      };
+      auto x_at = [&](LoraRows a, int64_t r) {
+        return rows16 ? xat16(xe16, H, H, a, r) : xat(xep, H, a, r);
+      };
+      if (lg.present()) xa_g = x_at(lg.a_rows(e, m), lg.r);
+      if (lu.present()) xa_u = x_at(lu.a_rows(e, m), lu.r);
       float* gp = g.data_ptr<float>();
       float* up = u.data_ptr<float>();
       at::Tensor h = scratch_mat(3, m, I);
@@ -692,14 +719,28 @@ MoeGrads moe_backward_lora(const at::Tensor& grad_output, const at::Tensor& x,
       glu_values(glu, gp, up, m * I, w.glu, hp);
 
       // dh_u = dL/dh before the routing weight: go Wd + s (go Bd) Ad.
-      at::Tensor go = scratch_mat(4, m, H);
-      gather_rows(gop, m, H, token, go.data_ptr<float>());
+      const float* sd = panel_scales(w.down, e);
+      const float* bd = w.down.bias_row(e);
+      // go's rows as bf16 (go_rows, rows ldr apart) where the product with the base reads
+      // them so and x is bf16 too; fp32 (go) where anything else reads them.
+      uint16_t* go_rows = panels ? scratch_rows16(0, m, H) : nullptr;
+      const int64_t ldr = kernels::tile_rows_ld(H);
+      const bool go_rows16 = rows16 && panels && sd == nullptr;
+      at::Tensor go;
+      if (!go_rows16 || bd != nullptr) {
+        go = scratch_mat(4, m, H);
+        float* gor = go.data_ptr<float>();
+        if (rows16) {
+          for (int64_t i = 0; i < m; ++i)
+            for (int64_t j = 0; j < H; ++j)
+              gor[i * H + j] = c10::detail::f32_from_bits(go16p[token[i] * H + j]);
+        } else {
+          gather_rows(gop, m, H, token, gor);
+        }
+      }
       at::Tensor dh = scratch_mat(5, m, I);
       if (panels) {
         const Projection* then_dx = compute_grad_x ? &w.gate : nullptr;  // the next product
-        uint16_t* go_rows = scratch_rows16(0, m, H);
-        const int64_t ldr = kernels::tile_rows_ld(H);
-        const float* sd = panel_scales(w.down, e);
         if (sd == nullptr) {
           for (int64_t i = 0; i < m; ++i)
             std::memcpy(go_rows + i * ldr, go16p + token[i] * H, H * sizeof(uint16_t));
@@ -729,15 +770,15 @@ MoeGrads moe_backward_lora(const at::Tensor& grad_output, const at::Tensor& x,
       }
       at::Tensor go_b;  // go Bd [m, rd]
       if (ld.present()) {
-        go_b = xat(go.data_ptr<float>(), H, ld.bt_rows(e), ld.r);
+        go_b = go_rows16 ? xat16(go_rows, ldr, H, ld.bt_rows(e), ld.r)
+                         : xat(go.data_ptr<float>(), H, ld.bt_rows(e), ld.r);
         const LoraRows ad = ld.a_rows(e, m);
         lora_products::tw(go_b.data_ptr<float>(), m, ld.r, ad.p, ad.ld, I, s, true,
                           dh.data_ptr<float>(), I);
       }
       // d out[t] / d w[t, k] = <go, y> = <dh_u, h> (+ <go, bd> with a down bias).
       float* dhp = dh.data_ptr<float>();
-      const float* bd = w.down.bias_row(e);
-      const float* gorow = go.data_ptr<float>();
+      const float* gorow = go.defined() ? go.data_ptr<float>() : nullptr;
       for (int64_t i = 0; i < m; ++i) {
         float dot = dot_lanes(dhp + i * I, hp + i * I, I);
         if (bd != nullptr) dot += dot_lanes(gorow + i * H, bd, H);
@@ -759,7 +800,10 @@ MoeGrads moe_backward_lora(const at::Tensor& grad_output, const at::Tensor& x,
         }
         // dBd [H, rd] = s go^T ha, made as s ha^T go [rd, H] and transposed.
         float* gbt = scratch_mat(7, ld.r, H).data_ptr<float>();
-        lora_products::dtx(hap, ld.r, m, ld.r, go.data_ptr<float>(), H, H, s, gbt, H);
+        if (go_rows16)
+          lora_products::dtx_bf16(hap, ld.r, m, ld.r, go_rows, ldr, H, s, gbt, H);
+        else
+          lora_products::dtx(hap, ld.r, m, ld.r, go.data_ptr<float>(), H, H, s, gbt, H);
         transpose_into(gbt, ld.r, H, gb_d.data_ptr<float>() + e * H * ld.r);
         lora_products::dtx(gbp, ld.r, m, ld.r, hp, I, I, s, ga_d.data_ptr<float>() + e * ld.r * I,
                            I);
@@ -782,8 +826,11 @@ MoeGrads moe_backward_lora(const at::Tensor& grad_output, const at::Tensor& x,
         float* gbt = scratch_mat(7, l.r, I).data_ptr<float>();
         lora_products::dtx(xa.data_ptr<float>(), l.r, m, l.r, dp, I, I, s, gbt, I);
         transpose_into(gbt, l.r, I, grad_b.data_ptr<float>() + e * I * l.r);
-        lora_products::dtx(d_b.data_ptr<float>(), l.r, m, l.r, xep, H, H, s,
-                           grad_a.data_ptr<float>() + e * l.r * H, H);
+        float* ga = grad_a.data_ptr<float>() + e * l.r * H;
+        if (rows16)
+          lora_products::dtx_bf16(d_b.data_ptr<float>(), l.r, m, l.r, xe16, H, H, s, ga, H);
+        else
+          lora_products::dtx(d_b.data_ptr<float>(), l.r, m, l.r, xep, H, H, s, ga, H);
         return d_b;
       };
       const at::Tensor dg_b = input_lora_grads(lg, dg, xa_g, ga_g, gb_g);

@@ -27,12 +27,19 @@ inline __mmask16 tail_mask(int64_t k) {
   return rem == 0 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << rem) - 1u);
 }
 
+// 16 values of a row (masked lanes 0) as fp32: fp32 loaded, bf16 widened (exact).
+inline __m512 load_row(const float* p, __mmask16 mk) { return _mm512_maskz_loadu_ps(mk, p); }
+inline __m512 load_row(const uint16_t* p, __mmask16 mk) {
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+
 // x a^T for R rows of x and RC rows of a (rc <= RC of them real: the rest repeat
 // a's last row, their sums dropped). Each a vector serves R rows: one load per R
 // FMAs, not per FMA (3 rows x 8 ranks: 24 accumulators; m = 128, k = 2048, r = 8:
 // 47 us, against 132 with one row at a time on a Zen 4 core).
-template <int R, int RC>
-void xat_tile(const float* const* x, int64_t k, const float* a, int64_t lda, int rc, float* y,
+template <int R, int RC, class T>
+void xat_tile(const T* const* x, int64_t k, const float* a, int64_t lda, int rc, float* y,
               int64_t ldy) {
   const float* ar[RC];
 #pragma GCC unroll 16
@@ -46,7 +53,7 @@ void xat_tile(const float* const* x, int64_t k, const float* a, int64_t lda, int
     const __mmask16 mk = c + 16 <= k ? static_cast<__mmask16>(0xFFFF) : tail;
     __m512 xv[R];
 #pragma GCC unroll 4
-    for (int i = 0; i < R; ++i) xv[i] = _mm512_maskz_loadu_ps(mk, x[i] + c);
+    for (int i = 0; i < R; ++i) xv[i] = load_row(x[i] + c, mk);
 #pragma GCC unroll 16
     for (int j = 0; j < RC; ++j) {
       const __m512 av = _mm512_maskz_loadu_ps(mk, ar[j] + c);
@@ -61,13 +68,13 @@ void xat_tile(const float* const* x, int64_t k, const float* a, int64_t lda, int
       if (j < rc) y[i * ldy + j] = _mm512_reduce_add_ps(acc[i * RC + j]);
 }
 
-template <int RC>
-void xat_rows(const float* const* x, int m, int64_t k, const float* a, int64_t lda, int rc,
-              float* y, int64_t ldy) {
+template <int RC, class T>
+void xat_rows(const T* const* x, int m, int64_t k, const float* a, int64_t lda, int rc, float* y,
+              int64_t ldy) {
   int i = 0;
-  for (; i + 3 <= m; i += 3) xat_tile<3, RC>(x + i, k, a, lda, rc, y + i * ldy, ldy);
-  if (m - i == 2) xat_tile<2, RC>(x + i, k, a, lda, rc, y + i * ldy, ldy);
-  if (m - i == 1) xat_tile<1, RC>(x + i, k, a, lda, rc, y + i * ldy, ldy);
+  for (; i + 3 <= m; i += 3) xat_tile<3, RC, T>(x + i, k, a, lda, rc, y + i * ldy, ldy);
+  if (m - i == 2) xat_tile<2, RC, T>(x + i, k, a, lda, rc, y + i * ldy, ldy);
+  if (m - i == 1) xat_tile<1, RC, T>(x + i, k, a, lda, rc, y + i * ldy, ldy);
 }
 
 // out (+)= s t w for R rows of t with its r = RC values held in registers, columns
@@ -135,8 +142,8 @@ bool tw_in_registers(std::integer_sequence<int, Rm1...>, const float* t, int m, 
 // memory: 2x slower on Zen 4).
 constexpr int kDtxVecs = 3;
 
-template <int RC>
-void dtx_chunk(const float* d, int64_t ldd, int m, const float* x, int64_t ldx, int64_t k, float s,
+template <int RC, class T>
+void dtx_chunk(const float* d, int64_t ldd, int m, const T* x, int64_t ldx, int64_t k, float s,
                float* g, int64_t ldg) {
   constexpr int V = kDtxVecs;
   const __m512 sv = _mm512_set1_ps(s);
@@ -155,7 +162,7 @@ void dtx_chunk(const float* d, int64_t ldd, int m, const float* x, int64_t ldx, 
     for (int i = 0; i < m; ++i) {
       __m512 xv[V];
 #pragma GCC unroll 4
-      for (int v = 0; v < V; ++v) xv[v] = _mm512_maskz_loadu_ps(mk[v], x + i * ldx + c + 16 * v);
+      for (int v = 0; v < V; ++v) xv[v] = load_row(x + i * ldx + c + 16 * v, mk[v]);
       const float* di = d + i * ldd;
 #pragma GCC unroll 8
       for (int j = 0; j < RC; ++j) {
@@ -172,25 +179,45 @@ void dtx_chunk(const float* d, int64_t ldd, int m, const float* x, int64_t ldx, 
   }
 }
 
-template <int... Rm1>
+template <class T, int... Rm1>
 void dtx_ranks(std::integer_sequence<int, Rm1...>, int rc, const float* d, int64_t ldd, int m,
-               const float* x, int64_t ldx, int64_t k, float s, float* g, int64_t ldg) {
-  ((rc == Rm1 + 1 && (dtx_chunk<Rm1 + 1>(d, ldd, m, x, ldx, k, s, g, ldg), true)) || ...);
+               const T* x, int64_t ldx, int64_t k, float s, float* g, int64_t ldg) {
+  ((rc == Rm1 + 1 && (dtx_chunk<Rm1 + 1, T>(d, ldd, m, x, ldx, k, s, g, ldg), true)) || ...);
+}
+
+// lora_xat / lora_dtx over fp32 or bf16 rows.
+template <class T>
+void xat_any(const T* const* x, int m, int64_t k, const float* a, int64_t lda, int r, float* y) {
+  for (int j0 = 0; j0 < r; j0 += 8) {
+    const int rc = std::min(8, r - j0);
+    if (rc > 4)
+      xat_rows<8, T>(x, m, k, a + j0 * lda, lda, rc, y + j0, r);
+    else
+      xat_rows<4, T>(x, m, k, a + j0 * lda, lda, rc, y + j0, r);
+  }
+}
+
+template <class T>
+void dtx_any(const float* d, int64_t ldd, int m, int r, const T* x, int64_t ldx, int64_t k, float s,
+             float* g, int64_t ldg) {
+  for (int j0 = 0; j0 < r; j0 += 8) {
+    const int rc = std::min(8, r - j0);
+    dtx_ranks<T>(std::make_integer_sequence<int, 8>{}, rc, d + j0, ldd, m, x, ldx, k, s,
+                 g + j0 * ldg, ldg);
+  }
 }
 
 }  // namespace
 
 // y[i * r + j] = sum_k x[i][k] * a[j * lda + k]  (y = x a^T: [m, r]), ranks
-// in chunks of 8 (4 for a last chunk of at most 4).
+// in chunks of 8 (4 for a last chunk of at most 4); x's rows fp32 or bf16.
 void lora_xat(const float* const* x, int m, int64_t k, const float* a, int64_t lda, int r,
               float* y) {
-  for (int j0 = 0; j0 < r; j0 += 8) {
-    const int rc = std::min(8, r - j0);
-    if (rc > 4)
-      xat_rows<8>(x, m, k, a + j0 * lda, lda, rc, y + j0, r);
-    else
-      xat_rows<4>(x, m, k, a + j0 * lda, lda, rc, y + j0, r);
-  }
+  xat_any(x, m, k, a, lda, r, y);
+}
+void lora_xat_bf16(const uint16_t* const* x, int m, int64_t k, const float* a, int64_t lda, int r,
+                   float* y) {
+  xat_any(x, m, k, a, lda, r, y);
 }
 
 // out[i][c] = (accumulate ? out : 0) + s * sum_j t[i * r + j] * w[j * ldw + c]
@@ -217,16 +244,16 @@ void lora_tw(const float* t, int m, int r, const float* w, int64_t ldw, int64_t 
   }
 }
 
-// g[j * ldg + c] = s * sum_i d[i * ldd + j] * x[i * ldx + c]  (g = s d^T x: [r, k]).
-// Column blocks of kDtxVecs vectors by ranks of 8: RC * kDtxVecs accumulators while
-// the m rows stream past, each output one fp32 chain over i ascending.
+// g[j * ldg + c] = s * sum_i d[i * ldd + j] * x[i * ldx + c]  (g = s d^T x: [r, k]), x
+// fp32 or bf16. Column blocks of kDtxVecs vectors by ranks of 8: RC * kDtxVecs
+// accumulators while the m rows stream past, each output one fp32 chain over i ascending.
 void lora_dtx(const float* d, int64_t ldd, int m, int r, const float* x, int64_t ldx, int64_t k,
               float s, float* g, int64_t ldg) {
-  for (int j0 = 0; j0 < r; j0 += 8) {
-    const int rc = std::min(8, r - j0);
-    dtx_ranks(std::make_integer_sequence<int, 8>{}, rc, d + j0, ldd, m, x, ldx, k, s, g + j0 * ldg,
-              ldg);
-  }
+  dtx_any(d, ldd, m, r, x, ldx, k, s, g, ldg);
+}
+void lora_dtx_bf16(const float* d, int64_t ldd, int m, int r, const uint16_t* x, int64_t ldx,
+                   int64_t k, float s, float* g, int64_t ldg) {
+  dtx_any(d, ldd, m, r, x, ldx, k, s, g, ldg);
 }
 
 }  // namespace kt::kernels::avx512
