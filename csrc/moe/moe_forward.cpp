@@ -217,12 +217,16 @@ void add_bias(float* rows, const float* bias, int m, int n_valid) {
 
 // The exact forward's pre-activations: rows of 16 += the slot's LoRA term in
 // pre (zero without LoRA), then the sum back into pre (what backward reads).
-void add_and_save_pre(const Call& c, float* rows, float* pre, int64_t nb, int64_t r0, int m,
-                      int n_valid) {
+void add_and_save_pre(const Call& c, float* rows, float* pre, bool add, int64_t nb, int64_t r0,
+                      int m, int n_valid) {
   for (int i = 0; i < m; ++i) {
     float* dst = pre + c.routing.row_slot[r0 + i] * c.I + nb * kRows;
     float* row = rows + i * kRows;
-    for (int r = 0; r < n_valid; ++r) dst[r] = row[r] += dst[r];
+    if (add) {
+      for (int r = 0; r < n_valid; ++r) dst[r] = row[r] += dst[r];
+    } else {
+      std::copy(row, row + n_valid, dst);
+    }
   }
 }
 
@@ -233,8 +237,8 @@ void glu_epilogue(const Call& c, int64_t e, float* g, float* u, int64_t nb, int6
   if (const float* b = c.layer.gate.bias_row(e)) add_bias(g, b + nb * kRows, m, n_valid);
   if (const float* b = c.layer.up.bias_row(e)) add_bias(u, b + nb * kRows, m, n_valid);
   if (c.gate_pre != nullptr) {
-    add_and_save_pre(c, g, c.gate_pre, nb, r0, m, n_valid);
-    add_and_save_pre(c, u, c.up_pre, nb, r0, m, n_valid);
+    add_and_save_pre(c, g, c.gate_pre, c.layer.lora.gate.present(), nb, r0, m, n_valid);
+    add_and_save_pre(c, u, c.up_pre, c.layer.lora.up.present(), nb, r0, m, n_valid);
   }
   c.glu(g, u, m, c.layer.glu);
   const bool hb = c.down.reads_bf16(m);
@@ -439,6 +443,14 @@ void moe_forward_experts_exact(const at::Tensor& hidden_states, const at::Tensor
   Call call = plan_call(hidden_states, layer, isa, routing, s, exact);
   call.gate_pre = gate_pre.data_ptr<float>();
   call.up_pre = up_pre.data_ptr<float>();
+  // The rows no expert writes: the slots without one. (The LoRA terms write every
+  // other row whole before gate/up adds to it, or gate/up writes it: no zeroing pass
+  // over the [T*K, I] buffers, 100 MB at T = 2048.)
+  for (int64_t q = 0; q < static_cast<int64_t>(routing.slot_valid.size()); ++q) {
+    if (routing.slot_valid[q]) continue;
+    std::fill_n(call.gate_pre + q * call.I, call.I, 0.0f);
+    std::fill_n(call.up_pre + q * call.I, call.I, 0.0f);
+  }
   call.down_delta = layer.lora.down.present();
   call.pre_only = out == nullptr;
   prepare_activations(hidden_states, call);

@@ -51,9 +51,10 @@ void moe_forward_experts(const at::Tensor& hidden_states, const at::Tensor& topk
 // driver with the layer's LoRA terms, fp32 activations times the exact weights
 // (the streaming kernels under QuantActivations::kFp32: no q8 rounding, no bf16
 // tile kernel), and the gate and up pre-activations (bias and LoRA included)
-// written to gate_pre / up_pre (fp32 [T*K, I], contiguous, zero on entry: the
-// rows of id -1 slots stay zero). The LoRA terms are ATen GEMMs per expert
-// (x A^T B^T before gate/up, h Ad^T Bd^T between the phases). `out` nullptr:
+// written to gate_pre / up_pre (fp32 [T*K, I], contiguous, any values on entry: every
+// row is written, zero for the slots without an expert). The LoRA terms are kt_ops'
+// rank-r products per expert (moe/lora_products.h: x A^T B^T before gate/up, h Ad^T Bd^T
+// between the phases). `out` nullptr:
 // the pre-activations alone (no down phase; the backward's recompute).
 // `path`: kStreaming (the above), or kAuto for bf16 activations on bf16 weights: the
 // tile kernel's gate/up products are exact too (they fit fp32, the sums are fp32), and

@@ -547,8 +547,8 @@ LoraForwardResult moe_forward_lora(const at::Tensor& x, const at::Tensor& topk_i
   const int64_t T = x.size(0), K = topk_ids.size(1), I = w.intermediate_size;
   LoraForwardResult res;
   res.out = at::empty(x.sizes(), x.options());
-  // Zero rows for the slots without an expert; the driver adds into them.
-  at::Tensor gate_pre = zeros_on_pool({T * K, I}), up_pre = zeros_on_pool({T * K, I});
+  // The driver writes every row (zero for the slots without an expert).
+  at::Tensor gate_pre = at::empty({T * K, I}, kF32), up_pre = at::empty({T * K, I}, kF32);
   moe_forward_experts_exact(x, topk_ids, topk_weights, w, kernels::active_isa(), &res.out, gate_pre,
                             up_pre, lora_forward_path(x, w));
   if (save_pre) {
@@ -606,8 +606,8 @@ MoeGrads moe_backward_lora(const at::Tensor& grad_output, const at::Tensor& x,
   at::Tensor gate_pre = saved_gate_pre, up_pre = saved_up_pre;
   if (!gate_pre.defined() && x.size(0) > 0) {
     const int64_t rows = x.size(0) * topk_ids.size(1);
-    gate_pre = zeros_on_pool({rows, w.intermediate_size});
-    up_pre = zeros_on_pool({rows, w.intermediate_size});
+    gate_pre = at::empty({rows, w.intermediate_size}, kF32);
+    up_pre = at::empty({rows, w.intermediate_size}, kF32);
     moe_forward_experts_exact(x.contiguous(), topk_ids, topk_weights, w, kernels::active_isa(),
                               nullptr, gate_pre, up_pre, lora_forward_path(x, w));
   }
