@@ -29,13 +29,14 @@ constexpr int kRows = formats::kQintBlockRows;  // output rows per block, every 
 // decode step allocates nothing, and prefill does not fault in fresh pages.
 struct Scratch {
   RoutingPlan routing;
-  std::vector<float> x;      // [T][Hp] fp32 activations, zero padded
-  std::vector<uint8_t> xq;   // [T] q8 records of x (where gate or up reads them)
-  std::vector<uint16_t> xb;  // [T][Hp] bf16 activations (where gate or up reads them)
-  std::vector<float> h;      // [R][Ip] GLU outputs, zero padded
-  std::vector<uint8_t> hq;   // [R] q8 records of h (where down reads them)
-  std::vector<uint16_t> hb;  // [R][tile_rows_ld(Ip)] bf16 GLU outputs (where down reads them)
-  std::vector<float> y;      // [T*K][H] weighted expert outputs per slot
+  std::vector<float> x;          // [T][Hp] fp32 activations, zero padded
+  std::vector<uint8_t> xq;       // [T] q8 records of x (where gate or up reads them)
+  std::vector<uint16_t> xb;      // [T][Hp] bf16 activations (where gate or up reads them)
+  std::vector<float> h;          // [R][Ip] GLU outputs, zero padded
+  std::vector<uint8_t> hq;       // [R] q8 records of h (where down reads them)
+  std::vector<uint16_t> hb;      // [R][tile_rows_ld(Ip)] bf16 GLU outputs (where down reads them)
+  std::vector<float> y;          // [T*K][H] weighted expert outputs per slot
+  std::vector<float> lora_t[3];  // [R][r] per plan row: x A^T of gate, of up; h Ad^T (LoRA)
   std::vector<const float*> x_rows;
   std::vector<const uint8_t*> xq_rows;
   std::vector<const float*> h_rows;
@@ -54,7 +55,8 @@ size_t scratch_bytes(const Scratch& s) {
   return capacity_bytes(s.x) + capacity_bytes(s.xq) + capacity_bytes(s.xb) + capacity_bytes(s.h) +
          capacity_bytes(s.hq) + capacity_bytes(s.hb) + capacity_bytes(s.y) +
          capacity_bytes(s.x_rows) + capacity_bytes(s.xq_rows) + capacity_bytes(s.h_rows) +
-         capacity_bytes(s.hq_rows) + s.kernels.bytes();
+         capacity_bytes(s.hq_rows) + capacity_bytes(s.lora_t[0]) + capacity_bytes(s.lora_t[1]) +
+         capacity_bytes(s.lora_t[2]) + s.kernels.bytes();
 }
 
 // Releases the calling thread's buffers when they hold more than scratch_keep_bytes().
@@ -107,13 +109,14 @@ struct Call {
   kernels::QuantizeRowQ8 quantize;
   bool x_q8 = false, h_q8 = false;      // some expert's kernel reads q8 records of x / of h
   bool x_bf16 = false, h_bf16 = false;  // some expert's tile kernel reads bf16 rows of x / of h
-  // The exact forward (moe_forward_experts_exact): [T*K, I] by slot, holding each
-  // row's LoRA term on entry and its gate / up pre-activation on return; nullptr
-  // for inference.
+  // The exact forward (moe_forward_experts_exact): [T*K, I] by slot, its gate / up
+  // pre-activations on return; nullptr for inference.
   float* gate_pre = nullptr;
   float* up_pre = nullptr;
-  bool down_delta = false;  // y's slots hold the down projection's LoRA term on entry
-  bool pre_only = false;    // the pre-activations alone: no down phase (backward's recompute)
+  // The exact forward's LoRA factors of gate, up, down (nullptr: none) and their first
+  // products per plan row (s.lora_t, [R, r]): the block epilogues add s t B^T[:, block].
+  const LoraF32* lora[3] = {nullptr, nullptr, nullptr};
+  bool pre_only = false;  // the pre-activations alone: no down phase (backward's recompute)
 };
 
 // Route: the (token, slot) pairs of the batch, grouped per expert.
@@ -215,19 +218,31 @@ void add_bias(float* rows, const float* bias, int m, int n_valid) {
     for (int r = 0; r < n_valid; ++r) rows[i * kRows + r] += bias[r];
 }
 
-// The exact forward's pre-activations: rows of 16 += the slot's LoRA term in
-// pre (zero without LoRA), then the sum back into pre (what backward reads).
-void add_and_save_pre(const Call& c, float* rows, float* pre, bool add, int64_t nb, int64_t r0,
-                      int m, int n_valid) {
+// The exact forward's pre-activations (LoRA term and bias included): the block's rows
+// of 16 into their slots' rows of pre (what backward reads).
+void save_pre(const Call& c, const float* rows, float* pre, int64_t nb, int64_t r0, int m,
+              int n_valid) {
   for (int i = 0; i < m; ++i) {
-    float* dst = pre + c.routing.row_slot[r0 + i] * c.I + nb * kRows;
-    float* row = rows + i * kRows;
-    if (add) {
-      for (int r = 0; r < n_valid; ++r) dst[r] = row[r] += dst[r];
-    } else {
-      std::copy(row, row + n_valid, dst);
-    }
+    const float* row = rows + i * kRows;
+    std::copy(row, row + n_valid, pre + c.routing.row_slot[r0 + i] * c.I + nb * kRows);
   }
+}
+
+// The LoRA term of projection p (0 gate, 1 up, 2 down) for block nb of expert e's m rows:
+// d[i][0, n_valid) += s (t_i B^T)[nb * 16 + j], t_i the row's first product (s.lora_t)
+// and B^T the expert's [r, n] copy, in one fma per term (lora_products::tw_rows). Added
+// here, to the block's own rows, not to a whole-row pass over the [T*K, n] outputs first
+// (which the epilogue then read back from memory: 4% of the LoRA forward on Zen 4).
+void add_lora_block(const Call& c, int p, int64_t e, int64_t nb, int64_t r0, int m, int n_valid,
+                    float* d) {
+  const LoraF32* f = c.lora[p];
+  if (f == nullptr) return;
+  const LoraRows bt = f->bt_rows(e);
+  thread_local std::vector<float*> t_rows;
+  t_rows.resize(static_cast<size_t>(m));
+  for (int i = 0; i < m; ++i) t_rows[i] = d + i * kRows;
+  lora_products::tw_rows(c.s.lora_t[p].data() + r0 * f->r, m, f->r, bt.p + nb * kRows, bt.ld,
+                         n_valid, static_cast<float>(c.layer.lora.scaling), true, t_rows.data());
 }
 
 // Epilogue of gate/up: h = act(g + bg) * (u + bu) for the block's valid
@@ -237,8 +252,10 @@ void glu_epilogue(const Call& c, int64_t e, float* g, float* u, int64_t nb, int6
   if (const float* b = c.layer.gate.bias_row(e)) add_bias(g, b + nb * kRows, m, n_valid);
   if (const float* b = c.layer.up.bias_row(e)) add_bias(u, b + nb * kRows, m, n_valid);
   if (c.gate_pre != nullptr) {
-    add_and_save_pre(c, g, c.gate_pre, c.layer.lora.gate.present(), nb, r0, m, n_valid);
-    add_and_save_pre(c, u, c.up_pre, c.layer.lora.up.present(), nb, r0, m, n_valid);
+    add_lora_block(c, 0, e, nb, r0, m, n_valid, g);
+    add_lora_block(c, 1, e, nb, r0, m, n_valid, u);
+    save_pre(c, g, c.gate_pre, nb, r0, m, n_valid);
+    save_pre(c, u, c.up_pre, nb, r0, m, n_valid);
   }
   c.glu(g, u, m, c.layer.glu);
   const bool hb = c.down.reads_bf16(m);
@@ -308,59 +325,47 @@ void down_block(const Call& c, int64_t e, int64_t nb, int64_t r0, int m,
   prefetch_slot_lines(c, s.y.data(), c.H, nb * kRows, r0, m);
   c.down.dot(rows, nb, t_gate_out.data(), ts);
   const int n_valid = static_cast<int>(std::min<int64_t>(kRows, c.H - nb * kRows));
+  if (c.gate_pre != nullptr) add_lora_block(c, 2, e, nb, r0, m, n_valid, t_gate_out.data());
   if (const float* b = c.layer.down.bias_row(e))
     add_bias(t_gate_out.data(), b + nb * kRows, m, n_valid);
   for (int i = 0; i < m; ++i) {
     float* dst = s.y.data() + c.routing.row_slot[r0 + i] * c.H + nb * kRows;
     const float w = c.routing.row_weight[r0 + i];
     const float* d = t_gate_out.data() + i * kRows;
-    if (c.down_delta) {
-      for (int r = 0; r < n_valid; ++r) dst[r] = w * (d[r] + dst[r]);
-    } else {
-      for (int r = 0; r < n_valid; ++r) dst[r] = w * d[r];
-    }
+    for (int r = 0; r < n_valid; ++r) dst[r] = w * d[r];
   }
 }
 
-// dst[slot(row) * n ...] = s * (in A[e]^T) B[e]^T for expert e's m rows of `in` (its
-// row i at in[i], k = f.k values): the LoRA term of one projection, by slot.
-void lora_term_by_slot(const Call& c, const float* const* in, int64_t m, const LoraF32& f,
-                       int64_t e, int64_t r0, float* dst, int64_t n) {
-  thread_local std::vector<float> t_xa;  // in A^T [m, r]
-  grow(t_xa, static_cast<size_t>(m * f.r));
+// t [m, r] (rows r apart) = in A^T for expert e's m rows of `in` (row i at in[i]): the
+// first product of projection p's LoRA term, per plan row into s.lora_t[p].
+void lora_first_products(const Call& c, int p, const float* const* in, int64_t e, int64_t r0,
+                         int64_t m) {
+  const LoraF32& f = *c.lora[p];
   const LoraRows a = f.a_rows(e, m);
-  lora_products::xat_rows(in, m, f.k, a.p, a.ld, f.r, t_xa.data());
-  const LoraRows bt = f.bt_rows(e);  // [r, n]
-  const float s = static_cast<float>(c.layer.lora.scaling);
-  thread_local std::vector<float*> t_rows;  // dst's row of each of the m rows (its slot)
-  t_rows.resize(static_cast<size_t>(m));
-  for (int64_t i = 0; i < m; ++i) t_rows[i] = dst + c.routing.row_slot[r0 + i] * n;
-  lora_products::tw_rows(t_xa.data(), m, f.r, bt.p, bt.ld, n, s, false, t_rows.data());
+  lora_products::xat_rows(in, m, f.k, a.p, a.ld, f.r, c.s.lora_t[p].data() + r0 * f.r);
 }
 
-// Before gate/up: the gate and up LoRA terms of every row, into gate_pre / up_pre, x A^T
-// reading the rows where they are (no gathered copy).
+// Before gate/up: x A^T of gate and up for every row, x read where it is.
 void lora_input_terms(const Call& c) {
-  const LoraF32 gate = lora_f32(c.layer.lora.gate, 0), up = lora_f32(c.layer.lora.up, 1);
-  if (!gate.present() && !up.present()) return;
+  if (c.lora[0] == nullptr && c.lora[1] == nullptr) return;
   const RoutingPlan& plan = c.routing;
   run_blas_tasks(static_cast<int64_t>(plan.active_experts.size()), [&](int64_t a, int) {
     const int64_t e = plan.active_experts[a], r0 = plan.expert_offsets[e];
     const int64_t m = plan.expert_offsets[e + 1] - r0;
     const float* const* rows = c.s.x_rows.data() + r0;
-    if (gate.present()) lora_term_by_slot(c, rows, m, gate, e, r0, c.gate_pre, c.I);
-    if (up.present()) lora_term_by_slot(c, rows, m, up, e, r0, c.up_pre, c.I);
+    for (int p = 0; p < 2; ++p)
+      if (c.lora[p] != nullptr) lora_first_products(c, p, rows, e, r0, m);
   });
 }
 
-// Between gate/up and down: the down LoRA term of every row, into its slot of y.
+// Between gate/up and down: h Ad^T for every row (an expert's whole h).
 void lora_down_terms(const Call& c) {
-  const LoraF32 down = lora_f32(c.layer.lora.down, 2);
+  if (c.lora[2] == nullptr) return;
   const RoutingPlan& plan = c.routing;
   run_blas_tasks(static_cast<int64_t>(plan.active_experts.size()), [&](int64_t a, int) {
     const int64_t e = plan.active_experts[a], r0 = plan.expert_offsets[e];
     const int64_t m = plan.expert_offsets[e + 1] - r0;
-    lora_term_by_slot(c, c.s.h_rows.data() + r0, m, down, e, r0, c.s.y.data(), c.H);
+    lora_first_products(c, 2, c.s.h_rows.data() + r0, e, r0, m);
   });
 }
 
@@ -378,10 +383,10 @@ void run_experts(const Call& c) {
   const NumaSplit numa = numa_split(c.layer);
   if (c.gate_pre != nullptr) {
     // The exact forward: the down projection's LoRA term needs an expert's whole
-    // h (ATen GEMMs per expert, between the phases).
+    // h (h Ad^T per expert, between the phases).
     for_each_expert_block(c.routing, numa.gate_up, gate_up, end_run);
     if (c.pre_only) return;
-    if (c.down_delta) lora_down_terms(c);
+    lora_down_terms(c);
     for_each_expert_block(c.routing, numa.down, down, end_run);
     return;
   }
@@ -443,16 +448,22 @@ void moe_forward_experts_exact(const at::Tensor& hidden_states, const at::Tensor
   Call call = plan_call(hidden_states, layer, isa, routing, s, exact);
   call.gate_pre = gate_pre.data_ptr<float>();
   call.up_pre = up_pre.data_ptr<float>();
-  // The rows no expert writes: the slots without one. (The LoRA terms write every
-  // other row whole before gate/up adds to it, or gate/up writes it: no zeroing pass
-  // over the [T*K, I] buffers, 100 MB at T = 2048.)
+  // The rows no expert writes: the slots without one (gate/up's epilogue writes every
+  // other row: no zeroing pass over the [T*K, I] buffers, 100 MB at T = 2048).
   for (int64_t q = 0; q < static_cast<int64_t>(routing.slot_valid.size()); ++q) {
     if (routing.slot_valid[q]) continue;
     std::fill_n(call.gate_pre + q * call.I, call.I, 0.0f);
     std::fill_n(call.up_pre + q * call.I, call.I, 0.0f);
   }
-  call.down_delta = layer.lora.down.present();
   call.pre_only = out == nullptr;
+  // The LoRA factors as fp32 for this call, and room for their first products.
+  const LoraF32 lora[3] = {lora_f32(layer.lora.gate, 0), lora_f32(layer.lora.up, 1),
+                           lora_f32(layer.lora.down, 2)};
+  for (int p = 0; p < 3; ++p) {
+    if (!lora[p].present()) continue;
+    call.lora[p] = &lora[p];
+    grow(s.lora_t[p], static_cast<size_t>(call.R * lora[p].r));
+  }
   prepare_activations(hidden_states, call);
   prepare_rows(call);
   lora_input_terms(call);

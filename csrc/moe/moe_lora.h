@@ -11,8 +11,9 @@
 //     out[t] = sum_k w[t, k] * y_{e = ids[t, k]}(x[t]).
 //
 // Forward: the inference driver's exact mode (moe_forward_experts_exact in
-// moe/moe_forward.h), with the LoRA terms as ATen GEMMs per expert and the saved
-// gate/up pre-activations written in the epilogues. bf16 hidden states on a bf16 base
+// moe/moe_forward.h), with the LoRA terms added in the block epilogues (each
+// expert's first products x A^T, h Ad^T made per expert before its blocks) and the saved
+// gate/up pre-activations written there. bf16 hidden states on a bf16 base
 // run its tile path: bf16 products fit fp32 and the sums are fp32, so the
 // pre-activations (and the LoRA gradients) keep fp32 accuracy, while down reads h
 // rounded to bf16 as inference does (the bf16 output moves by about its own
