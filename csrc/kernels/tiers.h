@@ -137,7 +137,7 @@ __attribute__((weak)) bool qint_dp_block(const QintBlock& b, const uint32_t* pac
 // The LoRA products of rank r, fp32 (kernels/avx512/lora_avx512.cpp; moe/lora_products.h):
 // lora_xat: y [m, r] = x a^T (x [m, k], its row i at x[i]; a [r, k] rows lda apart);
 // lora_tw: out [m, n] = (accumulate ? out : 0) + s t w (t [m, r], w [r, n] rows ldw apart,
-// out's row i at out[i]);
+// out's row i at out[i]), for each of nterms terms in order (the later ones accumulate);
 // lora_dtx: g [r, k] = s d^T x (d [m, r] rows ldd apart, x [m, k] rows ldx apart).
 // The _bf16 forms read x as bf16 values, widened exactly: the same results as on their
 // fp32 copies.
@@ -145,8 +145,14 @@ __attribute__((weak)) void lora_xat(const float* const* x, int m, int64_t k, con
                                     int64_t lda, int r, float* y);
 __attribute__((weak)) void lora_xat_bf16(const uint16_t* const* x, int m, int64_t k, const float* a,
                                          int64_t lda, int r, float* y);
-__attribute__((weak)) void lora_tw(const float* t, int m, int r, const float* w, int64_t ldw,
-                                   int64_t n, float s, bool accumulate, float* const* out);
+struct LoraTwTerm {
+  const float* t;  // [m, r], rows r apart
+  int r;
+  const float* w;  // [r, n], rows ldw apart
+  int64_t ldw;
+};
+__attribute__((weak)) void lora_tw(const LoraTwTerm* terms, int nterms, int m, int64_t n, float s,
+                                   bool accumulate, float* const* out);
 __attribute__((weak)) void lora_dtx(const float* d, int64_t ldd, int m, int r, const float* x,
                                     int64_t ldx, int64_t k, float s, float* g, int64_t ldg);
 __attribute__((weak)) void lora_dtx_bf16(const float* d, int64_t ldd, int m, int r,

@@ -1,8 +1,10 @@
 #include "moe/lora_products.h"
 
 #include <ATen/ATen.h>
+#include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <initializer_list>
 #include <vector>
 
 #include "kernels/dispatch.h"
@@ -72,27 +74,56 @@ void xat_rows_bf16(const uint16_t* const* x, int64_t m, int64_t k, const float* 
 void tw(const float* t, int64_t m, int64_t r, const float* w, int64_t ldw, int64_t n, float s,
         bool accumulate, float* out, int64_t ldo) {
   if (m == 0 || n == 0) return;
-  if (on_avx512()) {
-    std::vector<float*> rows(static_cast<size_t>(m));
-    for (int64_t i = 0; i < m; ++i) rows[i] = out + i * ldo;
-    tw_rows(t, m, r, w, ldw, n, s, accumulate, rows.data());
-    return;
-  }
-  at::Tensor o = mat(out, m, n, ldo);
-  o.addmm_(mat(t, m, r, r), mat(w, r, n, ldw), accumulate ? 1.0 : 0.0, s);
+  std::vector<float*> rows(static_cast<size_t>(m));
+  for (int64_t i = 0; i < m; ++i) rows[i] = out + i * ldo;
+  tw_terms({{t, r, w, ldw}}, m, n, s, accumulate, rows.data());
 }
 
 void tw_rows(const float* t, int64_t m, int64_t r, const float* w, int64_t ldw, int64_t n, float s,
              bool accumulate, float* const* out) {
+  tw_terms({{t, r, w, ldw}}, m, n, s, accumulate, out);
+}
+
+void tw_terms(std::initializer_list<TwTerm> terms, int64_t m, int64_t n, float s, bool accumulate,
+              float* const* out) {
   if (m == 0 || n == 0) return;
   if (on_avx512()) {
-    kernels::avx512::lora_tw(t, static_cast<int>(m), static_cast<int>(r), w, ldw, n, s, accumulate,
-                             out);
+    kernels::avx512::LoraTwTerm q[4];
+    TORCH_CHECK(terms.size() <= 4, "lora_products::tw_terms: at most 4 terms");
+    int nq = 0;
+    for (const TwTerm& x : terms) q[nq++] = {x.t, static_cast<int>(x.r), x.w, x.ldw};
+    kernels::avx512::lora_tw(q, nq, static_cast<int>(m), n, s, accumulate, out);
     return;
   }
-  for (int64_t i = 0; i < m; ++i) {
-    at::Tensor o = mat(out[i], 1, n, n);
-    o.addmm_(mat(t + i * r, 1, r, r), mat(w, r, n, ldw), accumulate ? 1.0 : 0.0, s);
+  // Rows ld apart (a matrix) and wide enough for an ATen call: one addmm per term.
+  const int64_t ld = m > 1 ? out[1] - out[0] : n;
+  bool strided = ld >= n && n >= 64;
+  for (int64_t i = 2; i < m && strided; ++i) strided = out[i] - out[i - 1] == ld;
+  if (strided) {
+    at::Tensor o = mat(out[0], m, n, ld);
+    bool add_m = accumulate;
+    for (const TwTerm& q : terms) {
+      o.addmm_(mat(q.t, m, q.r, q.r), mat(q.w, q.r, n, q.ldw), add_m ? 1.0 : 0.0, s);
+      add_m = true;
+    }
+    return;
+  }
+  // Plain loops (rows anywhere, few columns per call in the forward's epilogues: one ATen
+  // call per row would cost more than the arithmetic).
+  std::vector<float> acc(static_cast<size_t>(n));
+  bool add = accumulate;
+  for (const TwTerm& q : terms) {
+    for (int64_t i = 0; i < m; ++i) {
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t j = 0; j < q.r; ++j) {
+        const float tij = q.t[i * q.r + j];
+        const float* wj = q.w + j * q.ldw;
+        for (int64_t c = 0; c < n; ++c) acc[c] += tij * wj[c];
+      }
+      float* o = out[i];
+      for (int64_t c = 0; c < n; ++c) o[c] = add ? o[c] + s * acc[c] : s * acc[c];
+    }
+    add = true;
   }
 }
 

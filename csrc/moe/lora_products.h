@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 
 namespace kt::moe::lora_products {
 
@@ -29,6 +30,19 @@ void tw(const float* t, int64_t m, int64_t r, const float* w, int64_t ldw, int64
 // tw with out's row i at out[i] (rows anywhere: the forward's rows by slot).
 void tw_rows(const float* t, int64_t m, int64_t r, const float* w, int64_t ldw, int64_t n, float s,
              bool accumulate, float* const* out);
+
+// One term s t w of tw_terms: t [m, r] (rows r apart), w [r, n] (rows ldw apart).
+struct TwTerm {
+  const float* t;
+  int64_t r;
+  const float* w;
+  int64_t ldw;
+};
+// out (+)= s t_q w_q for each of (at most 4) terms in order, the later ones accumulating:
+// the bits of one tw_rows call per term, with out's rows read and written once per
+// column block instead of once per term.
+void tw_terms(std::initializer_list<TwTerm> terms, int64_t m, int64_t n, float s, bool accumulate,
+              float* const* out);
 
 // g [r, k] = s * d^T x: d [m, r], x [m, k].
 void dtx(const float* d, int64_t ldd, int64_t m, int64_t r, const float* x, int64_t ldx, int64_t k,

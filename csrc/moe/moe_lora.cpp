@@ -892,14 +892,23 @@ MoeGrads moe_backward_lora(const at::Tensor& grad_output, const at::Tensor& x,
         } else {
           base_products({{&dg, &w.gate}, {&du, &w.up}}, e, dx, panel);
         }
+        // + s (dg Bg) Ag + s (du Bu) Au, in one pass over dx's rows.
         float* dxe = dx.data_ptr<float>();
-        auto add_tw = [&](const LoraF32& l, const at::Tensor& t) {
-          if (!l.present()) return;
-          const LoraRows a = l.a_rows(e, m);
-          lora_products::tw(t.data_ptr<float>(), m, l.r, a.p, a.ld, H, s, true, dxe, H);
-        };
-        add_tw(lg, dg_b);
-        add_tw(lu, du_b);
+        std::vector<float*> dx_rows(static_cast<size_t>(m));
+        for (int64_t i = 0; i < m; ++i) dx_rows[i] = dxe + i * H;
+        const LoraRows ag = lg.present() ? lg.a_rows(e, m) : LoraRows{nullptr, 0};
+        const LoraRows au = lu.present() ? lu.a_rows(e, m) : LoraRows{nullptr, 0};
+        if (lg.present() && lu.present()) {
+          lora_products::tw_terms({{dg_b.data_ptr<float>(), lg.r, ag.p, ag.ld},
+                                   {du_b.data_ptr<float>(), lu.r, au.p, au.ld}},
+                                  m, H, s, true, dx_rows.data());
+        } else if (lg.present()) {
+          lora_products::tw_rows(dg_b.data_ptr<float>(), m, lg.r, ag.p, ag.ld, H, s, true,
+                                 dx_rows.data());
+        } else if (lu.present()) {
+          lora_products::tw_rows(du_b.data_ptr<float>(), m, lu.r, au.p, au.ld, H, s, true,
+                                 dx_rows.data());
+        }
         scatter_rows(dx.data_ptr<float>(), m, H, slot, dxp);
       }
       if (on_brgemm) kernels::brgemm::release();  // AMX: the tile configuration

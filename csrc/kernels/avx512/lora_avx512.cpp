@@ -110,31 +110,50 @@ void tw_tile(const float* t, int r, const float* w, int64_t ldw, int64_t c0, int
   }
 }
 
-// Columns per block of tw_rows: w's rows for them (RC x 2 KiB at r = 8) stay in L1 while
+// Columns per block of lora_tw: w's rows for them (RC x 2 KiB at r = 8) stay in L1 while
 // all m rows pass, instead of streaming w from L2 for every row tile (m = 32, n = 2048,
-// r = 8 on a Zen 4 core: 26 -> 20 us).
+// r = 8 on a Zen 4 core: 26 -> 20 us); out's rows for them stay in L1 from one term to
+// the next.
 constexpr int64_t kTwCols = 512;
 
-// Ranks 1..16 in registers: 2 rows per tile up to 8 (16 values), 1 above.
+// Columns [c0, c1) of one term for all m rows: ranks 1..16 in registers (2 rows per tile
+// up to 8, 1 above).
 template <int RC>
-void tw_rows(const float* t, int m, int r, const float* w, int64_t ldw, int64_t n, float s,
-             bool accumulate, float* const* out) {
+void tw_block(const float* t, int m, int r, const float* w, int64_t ldw, int64_t c0, int64_t c1,
+              int64_t n, float s, bool accumulate, float* const* out) {
   constexpr int R = RC <= 8 ? 2 : 1;
-  for (int64_t c0 = 0; c0 < n; c0 += kTwCols) {
-    const int64_t c1 = std::min(n, c0 + kTwCols);
-    int i = 0;
-    for (; i + R <= m; i += R)
-      tw_tile<R, RC>(t + i * r, r, w, ldw, c0, c1, n, s, accumulate, out + i);
-    for (; i < m; ++i) tw_tile<1, RC>(t + i * r, r, w, ldw, c0, c1, n, s, accumulate, out + i);
+  int i = 0;
+  for (; i + R <= m; i += R)
+    tw_tile<R, RC>(t + i * r, r, w, ldw, c0, c1, n, s, accumulate, out + i);
+  for (; i < m; ++i) tw_tile<1, RC>(t + i * r, r, w, ldw, c0, c1, n, s, accumulate, out + i);
+}
+
+// Ranks past 16: the t values re-read per column step.
+void tw_block_wide(const float* t, int m, int r, const float* w, int64_t ldw, int64_t c0,
+                   int64_t c1, int64_t n, float s, bool accumulate, float* const* out) {
+  const __mmask16 tail = tail_mask(n);
+  for (int i = 0; i < m; ++i) {
+    const float* ti = t + i * r;
+    float* oi = out[i];
+    for (int64_t c = c0; c < c1; c += 16) {
+      const __mmask16 mk = c + 16 <= n ? static_cast<__mmask16>(0xFFFF) : tail;
+      __m512 acc = _mm512_setzero_ps();
+      for (int j = 0; j < r; ++j)
+        acc =
+            _mm512_fmadd_ps(_mm512_set1_ps(ti[j]), _mm512_maskz_loadu_ps(mk, w + j * ldw + c), acc);
+      const __m512 base = accumulate ? _mm512_maskz_loadu_ps(mk, oi + c) : _mm512_setzero_ps();
+      _mm512_mask_storeu_ps(oi + c, mk, _mm512_fmadd_ps(_mm512_set1_ps(s), acc, base));
+    }
   }
 }
 
 template <int... Rm1>
-bool tw_in_registers(std::integer_sequence<int, Rm1...>, const float* t, int m, int r,
-                     const float* w, int64_t ldw, int64_t n, float s, bool accumulate,
-                     float* const* out) {
-  return ((r == Rm1 + 1 && (tw_rows<Rm1 + 1>(t, m, r, w, ldw, n, s, accumulate, out), true)) ||
-          ...);
+void tw_term_block(std::integer_sequence<int, Rm1...>, const LoraTwTerm& q, int m, int64_t c0,
+                   int64_t c1, int64_t n, float s, bool accumulate, float* const* out) {
+  if (!((q.r == Rm1 + 1 &&
+         (tw_block<Rm1 + 1>(q.t, m, q.r, q.w, q.ldw, c0, c1, n, s, accumulate, out), true)) ||
+        ...))
+    tw_block_wide(q.t, m, q.r, q.w, q.ldw, c0, c1, n, s, accumulate, out);
 }
 
 // Rank chunk of RC (<= 8) of lora_dtx, its column blocks of kDtxVecs vectors: every loop
@@ -220,27 +239,16 @@ void lora_xat_bf16(const uint16_t* const* x, int m, int64_t k, const float* a, i
   xat_any(x, m, k, a, lda, r, y);
 }
 
-// out[i][c] = (accumulate ? out : 0) + s * sum_j t[i * r + j] * w[j * ldw + c]
-// (out (+)= s t w: [m, r] x [r, n], out's rows anywhere)
-void lora_tw(const float* t, int m, int r, const float* w, int64_t ldw, int64_t n, float s,
-             bool accumulate, float* const* out) {
-  if (tw_in_registers(std::make_integer_sequence<int, 16>{}, t, m, r, w, ldw, n, s, accumulate,
-                      out))
-    return;
-  // Ranks past 16: the t values re-read per column step.
-  const __mmask16 tail = tail_mask(n);
-  for (int i = 0; i < m; ++i) {
-    const float* ti = t + i * r;
-    float* oi = out[i];
-    for (int64_t c = 0; c < n; c += 16) {
-      const __mmask16 mk = c + 16 <= n ? static_cast<__mmask16>(0xFFFF) : tail;
-      __m512 acc = _mm512_setzero_ps();
-      for (int j = 0; j < r; ++j)
-        acc =
-            _mm512_fmadd_ps(_mm512_set1_ps(ti[j]), _mm512_maskz_loadu_ps(mk, w + j * ldw + c), acc);
-      const __m512 base = accumulate ? _mm512_maskz_loadu_ps(mk, oi + c) : _mm512_setzero_ps();
-      _mm512_mask_storeu_ps(oi + c, mk, _mm512_fmadd_ps(_mm512_set1_ps(s), acc, base));
-    }
+// out[i][c] = (accumulate ? out : 0) + s * sum_j t[i * r + j] * w[j * ldw + c] for each
+// term in order (out (+)= s t w: [m, r] x [r, n], out's rows anywhere), per column block:
+// the terms' sums added to out one after the other, as separate calls would.
+void lora_tw(const LoraTwTerm* terms, int nterms, int m, int64_t n, float s, bool accumulate,
+             float* const* out) {
+  for (int64_t c0 = 0; c0 < n; c0 += kTwCols) {
+    const int64_t c1 = std::min(n, c0 + kTwCols);
+    for (int q = 0; q < nterms; ++q)
+      tw_term_block(std::make_integer_sequence<int, 16>{}, terms[q], m, c0, c1, n, s,
+                    accumulate || q > 0, out);
   }
 }
 
