@@ -4,9 +4,9 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
-#include <initializer_list>
 #include <vector>
 
+#include "formats/bf16.h"
 #include "kernels/dispatch.h"
 #include "kernels/tiers.h"
 
@@ -16,11 +16,6 @@ namespace {
 
 at::Tensor mat(const float* p, int64_t rows, int64_t cols, int64_t ld) {
   return at::from_blob(const_cast<float*>(p), {rows, cols}, {ld, 1}, at::kFloat);
-}
-
-// A bf16 row of k values (a view).
-at::Tensor bf16_row(const uint16_t* p, int64_t k) {
-  return at::from_blob(const_cast<uint16_t*>(p), {k}, at::kBFloat16);
 }
 
 }  // namespace
@@ -66,7 +61,9 @@ void xat_rows_bf16(const uint16_t* const* x, int64_t m, int64_t k, const float* 
     return;
   }
   at::Tensor xg = at::empty({m, k}, at::kFloat);
-  for (int64_t i = 0; i < m; ++i) xg[i].copy_(bf16_row(x[i], k));
+  float* xp = xg.data_ptr<float>();
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < k; ++j) xp[i * k + j] = formats::bf16_bits_to_float(x[i][j]);
   at::Tensor out = mat(y, m, r, r);
   at::mm_out(out, xg, mat(a, r, k, lda).t());
 }
@@ -76,23 +73,25 @@ void tw(const float* t, int64_t m, int64_t r, const float* w, int64_t ldw, int64
   if (m == 0 || n == 0) return;
   std::vector<float*> rows(static_cast<size_t>(m));
   for (int64_t i = 0; i < m; ++i) rows[i] = out + i * ldo;
-  tw_terms({{t, r, w, ldw}}, m, n, s, accumulate, rows.data());
+  const TwTerm term{t, r, w, ldw};
+  tw_terms(&term, 1, m, n, s, accumulate, rows.data());
 }
 
 void tw_rows(const float* t, int64_t m, int64_t r, const float* w, int64_t ldw, int64_t n, float s,
              bool accumulate, float* const* out) {
-  tw_terms({{t, r, w, ldw}}, m, n, s, accumulate, out);
+  const TwTerm term{t, r, w, ldw};
+  tw_terms(&term, 1, m, n, s, accumulate, out);
 }
 
-void tw_terms(std::initializer_list<TwTerm> terms, int64_t m, int64_t n, float s, bool accumulate,
+void tw_terms(const TwTerm* terms, int nterms, int64_t m, int64_t n, float s, bool accumulate,
               float* const* out) {
-  if (m == 0 || n == 0) return;
+  if (m == 0 || n == 0 || nterms == 0) return;
+  TORCH_CHECK(nterms <= 4, "lora_products::tw_terms: at most 4 terms, got ", nterms);
   if (on_avx512()) {
     kernels::avx512::LoraTwTerm q[4];
-    TORCH_CHECK(terms.size() <= 4, "lora_products::tw_terms: at most 4 terms");
-    int nq = 0;
-    for (const TwTerm& x : terms) q[nq++] = {x.t, static_cast<int>(x.r), x.w, x.ldw};
-    kernels::avx512::lora_tw(q, nq, static_cast<int>(m), n, s, accumulate, out);
+    for (int i = 0; i < nterms; ++i)
+      q[i] = {terms[i].t, static_cast<int>(terms[i].r), terms[i].w, terms[i].ldw};
+    kernels::avx512::lora_tw(q, nterms, static_cast<int>(m), n, s, accumulate, out);
     return;
   }
   // Rows ld apart (a matrix) and wide enough for an ATen call: one addmm per term.
@@ -102,7 +101,8 @@ void tw_terms(std::initializer_list<TwTerm> terms, int64_t m, int64_t n, float s
   if (strided) {
     at::Tensor o = mat(out[0], m, n, ld);
     bool add_m = accumulate;
-    for (const TwTerm& q : terms) {
+    for (int qi = 0; qi < nterms; ++qi) {
+      const TwTerm& q = terms[qi];
       o.addmm_(mat(q.t, m, q.r, q.r), mat(q.w, q.r, n, q.ldw), add_m ? 1.0 : 0.0, s);
       add_m = true;
     }
@@ -112,7 +112,8 @@ void tw_terms(std::initializer_list<TwTerm> terms, int64_t m, int64_t n, float s
   // call per row would cost more than the arithmetic).
   std::vector<float> acc(static_cast<size_t>(n));
   bool add = accumulate;
-  for (const TwTerm& q : terms) {
+  for (int qi = 0; qi < nterms; ++qi) {
+    const TwTerm& q = terms[qi];
     for (int64_t i = 0; i < m; ++i) {
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t j = 0; j < q.r; ++j) {

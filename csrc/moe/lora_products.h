@@ -6,7 +6,6 @@
 #pragma once
 
 #include <cstdint>
-#include <initializer_list>
 
 namespace kt::moe::lora_products {
 
@@ -38,10 +37,10 @@ struct TwTerm {
   const float* w;
   int64_t ldw;
 };
-// out (+)= s t_q w_q for each of (at most 4) terms in order, the later ones accumulating:
-// the bits of one tw_rows call per term, with out's rows read and written once per
-// column block instead of once per term.
-void tw_terms(std::initializer_list<TwTerm> terms, int64_t m, int64_t n, float s, bool accumulate,
+// out (+)= s t_q w_q for each of the nterms (at most 4) terms in order, the later ones
+// accumulating: the bits of one tw_rows call per term, with out's rows read and written
+// once per column block instead of once per term.
+void tw_terms(const TwTerm* terms, int nterms, int64_t m, int64_t n, float s, bool accumulate,
               float* const* out);
 
 // g [r, k] = s * d^T x: d [m, r], x [m, k].

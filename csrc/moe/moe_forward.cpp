@@ -325,7 +325,7 @@ void down_block(const Call& c, int64_t e, int64_t nb, int64_t r0, int m,
   prefetch_slot_lines(c, s.y.data(), c.H, nb * kRows, r0, m);
   c.down.dot(rows, nb, t_gate_out.data(), ts);
   const int n_valid = static_cast<int>(std::min<int64_t>(kRows, c.H - nb * kRows));
-  if (c.gate_pre != nullptr) add_lora_block(c, 2, e, nb, r0, m, n_valid, t_gate_out.data());
+  add_lora_block(c, 2, e, nb, r0, m, n_valid, t_gate_out.data());  // nothing for inference
   if (const float* b = c.layer.down.bias_row(e))
     add_bias(t_gate_out.data(), b + nb * kRows, m, n_valid);
   for (int i = 0; i < m; ++i) {

@@ -773,9 +773,8 @@ MoeGrads moe_backward_lora(const at::Tensor& grad_output, const at::Tensor& x,
         go = scratch_mat(4, m, H);
         float* gor = go.data_ptr<float>();
         if (rows16) {
-          for (int64_t i = 0; i < m; ++i)
-            for (int64_t j = 0; j < H; ++j)
-              gor[i * H + j] = c10::detail::f32_from_bits(go16p[token[i] * H + j]);
+          const auto* go_bf16 = reinterpret_cast<const c10::BFloat16*>(go16p);
+          for (int64_t i = 0; i < m; ++i) to_f32_range(go_bf16 + token[i] * H, gor + i * H, H);
         } else {
           gather_rows(gop, m, H, token, gor);
         }
@@ -896,19 +895,14 @@ MoeGrads moe_backward_lora(const at::Tensor& grad_output, const at::Tensor& x,
         float* dxe = dx.data_ptr<float>();
         std::vector<float*> dx_rows(static_cast<size_t>(m));
         for (int64_t i = 0; i < m; ++i) dx_rows[i] = dxe + i * H;
-        const LoraRows ag = lg.present() ? lg.a_rows(e, m) : LoraRows{nullptr, 0};
-        const LoraRows au = lu.present() ? lu.a_rows(e, m) : LoraRows{nullptr, 0};
-        if (lg.present() && lu.present()) {
-          lora_products::tw_terms({{dg_b.data_ptr<float>(), lg.r, ag.p, ag.ld},
-                                   {du_b.data_ptr<float>(), lu.r, au.p, au.ld}},
-                                  m, H, s, true, dx_rows.data());
-        } else if (lg.present()) {
-          lora_products::tw_rows(dg_b.data_ptr<float>(), m, lg.r, ag.p, ag.ld, H, s, true,
-                                 dx_rows.data());
-        } else if (lu.present()) {
-          lora_products::tw_rows(du_b.data_ptr<float>(), m, lu.r, au.p, au.ld, H, s, true,
-                                 dx_rows.data());
+        lora_products::TwTerm terms[2];
+        int nterms = 0;
+        for (const auto& [l, t] : {std::pair(&lg, &dg_b), std::pair(&lu, &du_b)}) {
+          if (!l->present()) continue;
+          const LoraRows a = l->a_rows(e, m);
+          terms[nterms++] = {t->data_ptr<float>(), l->r, a.p, a.ld};
         }
+        lora_products::tw_terms(terms, nterms, m, H, s, true, dx_rows.data());
         scatter_rows(dx.data_ptr<float>(), m, H, slot, dxp);
       }
       if (on_brgemm) kernels::brgemm::release();  // AMX: the tile configuration
