@@ -83,6 +83,17 @@ void to_bf16_row(const float* src, int64_t n, uint16_t* dst) {
   for (int64_t j = 0; j < n; ++j) dst[j] = to_bf16(src[j]);
 }
 
+// A block row's n (<= 16) floats into dst: a whole strip as fixed-size moves, not a
+// libc memmove call per 64 bytes (the epilogues copy a strip per row and block: the
+// calls were 1.3% of the LoRA forward on Zen 4).
+inline void copy_strip(const float* src, int n, float* dst) {
+  if (n == kRows) {
+    for (int j = 0; j < kRows; ++j) dst[j] = src[j];
+  } else {
+    for (int j = 0; j < n; ++j) dst[j] = src[j];
+  }
+}
+
 // q8 records of rows [0, rows) of src into dst (the tier's quantizer).
 void quantize_rows(kernels::Isa isa, const float* src, int64_t stride, int64_t rows, int64_t kp,
                    uint8_t* dst) {
@@ -223,8 +234,7 @@ void add_bias(float* rows, const float* bias, int m, int n_valid) {
 void save_pre(const Call& c, const float* rows, float* pre, int64_t nb, int64_t r0, int m,
               int n_valid) {
   for (int i = 0; i < m; ++i) {
-    const float* row = rows + i * kRows;
-    std::copy(row, row + n_valid, pre + c.routing.row_slot[r0 + i] * c.I + nb * kRows);
+    copy_strip(rows + i * kRows, n_valid, pre + c.routing.row_slot[r0 + i] * c.I + nb * kRows);
   }
 }
 
@@ -261,7 +271,7 @@ void glu_epilogue(const Call& c, int64_t e, float* g, float* u, int64_t nb, int6
   const bool hb = c.down.reads_bf16(m);
   for (int i = 0; i < m; ++i) {
     const float* gi = g + i * kRows;
-    std::copy(gi, gi + n_valid, c.s.h.data() + (r0 + i) * c.Ip + nb * kRows);
+    copy_strip(gi, n_valid, c.s.h.data() + (r0 + i) * c.Ip + nb * kRows);
     if (hb) to_bf16_row(gi, n_valid, c.s.hb.data() + (r0 + i) * c.ld_hb + nb * kRows);
   }
 }
