@@ -18,6 +18,21 @@ at::Tensor mat(const float* p, int64_t rows, int64_t cols, int64_t ld) {
   return at::from_blob(const_cast<float*>(p), {rows, cols}, {ld, 1}, at::kFloat);
 }
 
+inline float widen(float v) { return v; }
+inline float widen(uint16_t v) { return formats::bf16_bits_to_float(v); }
+
+// xat_rows without AVX-512: at::mm on the rows gathered as fp32 (one GEMM, not m of them).
+template <class T>
+void xat_rows_aten(const T* const* x, int64_t m, int64_t k, const float* a, int64_t lda, int64_t r,
+                   float* y) {
+  at::Tensor xg = at::empty({m, k}, at::kFloat);
+  float* xp = xg.data_ptr<float>();
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < k; ++j) xp[i * k + j] = widen(x[i][j]);
+  at::Tensor out = mat(y, m, r, r);
+  at::mm_out(out, xg, mat(a, r, k, lda).t());
+}
+
 }  // namespace
 
 bool on_avx512() {
@@ -45,12 +60,7 @@ void xat_rows(const float* const* x, int64_t m, int64_t k, const float* a, int64
     kernels::avx512::lora_xat(x, static_cast<int>(m), k, a, lda, static_cast<int>(r), y);
     return;
   }
-  // at::mm on the rows gathered (one GEMM, not m of them).
-  at::Tensor xg = at::empty({m, k}, at::kFloat);
-  float* xp = xg.data_ptr<float>();
-  for (int64_t i = 0; i < m; ++i) std::copy_n(x[i], k, xp + i * k);
-  at::Tensor out = mat(y, m, r, r);
-  at::mm_out(out, xg, mat(a, r, k, lda).t());
+  xat_rows_aten(x, m, k, a, lda, r, y);
 }
 
 void xat_rows_bf16(const uint16_t* const* x, int64_t m, int64_t k, const float* a, int64_t lda,
@@ -60,12 +70,7 @@ void xat_rows_bf16(const uint16_t* const* x, int64_t m, int64_t k, const float* 
     kernels::avx512::lora_xat_bf16(x, static_cast<int>(m), k, a, lda, static_cast<int>(r), y);
     return;
   }
-  at::Tensor xg = at::empty({m, k}, at::kFloat);
-  float* xp = xg.data_ptr<float>();
-  for (int64_t i = 0; i < m; ++i)
-    for (int64_t j = 0; j < k; ++j) xp[i * k + j] = formats::bf16_bits_to_float(x[i][j]);
-  at::Tensor out = mat(y, m, r, r);
-  at::mm_out(out, xg, mat(a, r, k, lda).t());
+  xat_rows_aten(x, m, k, a, lda, r, y);
 }
 
 void tw(const float* t, int64_t m, int64_t r, const float* w, int64_t ldw, int64_t n, float s,

@@ -120,10 +120,12 @@ void transpose_into(const float* src, int64_t rows, int64_t cols, float* dst) {
     for (int64_t j = 0; j < cols; ++j) dst[j * rows + i] = src[i * cols + j];
 }
 
-// dst row i <- src[index[i] * n ...]
-void gather_rows(const float* src, int64_t rows, int64_t n, const int64_t* index, float* dst) {
-  for (int64_t i = 0; i < rows; ++i)
-    std::memcpy(dst + i * n, src + index[i] * n, n * sizeof(float));
+// dst row i (rows ldd apart; default n) <- src[index[i] * n ...]: fp32 or bf16 rows.
+template <class T>
+void gather_rows(const T* src, int64_t rows, int64_t n, const int64_t* index, T* dst,
+                 int64_t ldd = -1) {
+  if (ldd < 0) ldd = n;
+  for (int64_t i = 0; i < rows; ++i) std::memcpy(dst + i * ldd, src + index[i] * n, n * sizeof(T));
 }
 
 // Rows of the slot sums computed per pool task.
@@ -724,8 +726,7 @@ MoeGrads moe_backward_lora(const at::Tensor& grad_output, const at::Tensor& x,
       uint16_t* xe16 = nullptr;
       if (rows16) {
         xe16 = scratch_rows16(2, m, H);
-        for (int64_t i = 0; i < m; ++i)
-          std::memcpy(xe16 + i * H, x16p + token[i] * H, H * sizeof(uint16_t));
+        gather_rows(x16p, m, H, token, xe16);
       } else {
         at::Tensor xe = scratch_mat(0, m, H);
         gather_rows(xp, m, H, token, xe.data_ptr<float>());
@@ -783,8 +784,7 @@ MoeGrads moe_backward_lora(const at::Tensor& grad_output, const at::Tensor& x,
       if (panels) {
         const Projection* then_dx = compute_grad_x ? &w.gate : nullptr;  // the next product
         if (sd == nullptr) {
-          for (int64_t i = 0; i < m; ++i)
-            std::memcpy(go_rows + i * ldr, go16p + token[i] * H, H * sizeof(uint16_t));
+          gather_rows(go16p, m, H, token, go_rows, ldr);
           // A split down projection: go (W_hi + W_lo), go's rows packed once.
           if (exact_panels(w.down)) {
             vnni_products({{go_rows, &w.down, Part::kValues}}, m, e, dh.data_ptr<float>(), then_dx);
