@@ -12,7 +12,10 @@ to the hidden states, the routing weights and the six LoRA factors -- of
   saving the gate/up pre-activations (activation checkpointing off), then
   ``out.backward(gy)``; on the base in each ``--formats`` entry (``bf16``,
   ``int8``, ...: ``kt_ops.ExpertWeights.from_dense``);
-* ``kt_recompute`` -- the same with ``activation_checkpointing=True``
+* ``kt_panels``    -- ``kt`` on the weights with the backward's transposed copy kept
+  (``ExpertWeights.with_backward_panels``: 2 bytes more host memory per weight;
+  the row is left out where this CPU or base has none);
+* ``kt_recompute`` -- the same as ``kt`` with ``activation_checkpointing=True``
   (backward recomputes the pre-activations);
 * ``kt_forward``   -- the kt forward alone under ``torch.no_grad`` (no backward);
 * ``torch``        -- an eager PyTorch loop over the experts hit
@@ -89,7 +92,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VENV_ENV = "KT_OPS_PEERS_VENV"
 DEFAULT_VENV = os.path.join(os.path.expanduser("~"), ".cache", "kt_ops", "peers-venv")
 KT_KERNEL_METHODS = {"bf16": "AMXBF16_SFT", "int8": "AMXINT8_SFT"}
-SYSTEMS = ("kt", "kt_recompute", "kt_forward", "torch", "torch_bf16", "kt_kernel")
+SYSTEMS = ("kt", "kt_panels", "kt_recompute", "kt_forward", "torch", "torch_bf16", "kt_kernel")
 PROJ = {"gate": 0, "up": 1, "down": 2}
 FACTORS = [f"{p}_lora_{ab}" for p in PROJ for ab in "ab"]
 MARK = "@@KT_KERNEL_SFT "
@@ -472,6 +475,15 @@ def main() -> int:
                 )
 
     packed = {fmt: kt_ops.ExpertWeights.from_dense(*dense, fmt) for fmt in args.formats}
+    with_panels = {}  # kt_panels: the weights with the backward's transposed copy kept
+    if "kt_panels" in systems:
+        for fmt in args.formats:
+            t0 = time.perf_counter()
+            w = packed[fmt].with_backward_panels()
+            ms = (time.perf_counter() - t0) * 1e3
+            mb = sum(t.numel() * t.element_size() for t in w.backward_panels or () if t is not None)
+            print(f"# backward panels of {fmt}: {mb / 1e6:,.0f} MB, made in {ms:,.0f} ms")
+            with_panels[fmt] = w
     kt_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.kt_dtype]
     bpe = {fmt: expert_bytes(p) / E for fmt, p in packed.items()}
     dense_bf16 = [d.to(bf) for d in dense] if "torch_bf16" in systems else None
@@ -508,6 +520,15 @@ def main() -> int:
 
                     step = make_step(fwd, T, E, K, x0, gy0, lk, kt_dtype, torch.float32)
                     run(f"kt_ops ({nt}t)", fmt, step, f"kt:{fmt}:{nt}")
+                if "kt_panels" in systems and with_panels[fmt].backward_panels is not None:
+                    lk = leaf_lora(lora)
+
+                    def fwd(x, ids, rw, lk=lk, fmt=fmt):
+                        lw = lora_weights(lk, s)
+                        return kt_ops.moe_forward(x, ids, rw, with_panels[fmt], lw)
+
+                    step = make_step(fwd, T, E, K, x0, gy0, lk, kt_dtype, torch.float32)
+                    run(f"kt_ops backward panels ({nt}t)", fmt, step, f"ktp:{fmt}:{nt}")
                 if "kt_recompute" in systems:
                     lk = leaf_lora(lora)
 

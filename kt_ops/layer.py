@@ -10,7 +10,9 @@ Python that knows that argument list; the C++ twin is ``csrc/moe/moe_layer.h``.
 The op's layer arguments (``csrc/ops/registration.cpp``)::
 
     weights       [gate_weight, gate_scales, gate_zeros, up_..., down_...]  (None where absent),
-                  then [gate_bias, up_bias, down_bias] when some projection has a bias
+                  then [gate_bias, up_bias, down_bias] when some projection has a bias,
+                  then [gate_backward_panels, up_..., down_...] when the weights carry
+                  them (ExpertWeights.with_backward_panels; the biases None where absent)
     weight_format 'int4' or 'gate,up,down' names ('q4_k,q4_k,q6_k')
     sizes         [hidden_size, intermediate_size]
     group_sizes   [gate, up, down] group sizes along K (0: per output channel)
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -226,6 +228,11 @@ class ExpertWeights:
     gate: PackedProjection
     up: PackedProjection
     down: PackedProjection
+    #: The LoRA backward's transposed weights, ``(gate, up, down)`` bf16
+    #: ``[E, k/16, 16 n]`` or None each: made by :meth:`with_backward_panels`.
+    backward_panels: Optional[tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]] = field(
+        default=None, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         g, u, d = self.gate, self.up, self.down
@@ -244,6 +251,10 @@ class ExpertWeights:
         # kt_ops.ops keeps a prepared layer here (cannot be pickled; rebuilt on use).
         state = self.__dict__.copy()
         state.pop("_prepared_layers", None)
+        # The backward panels are derived (as much memory again as a bf16 base): not
+        # pickled; with_backward_panels makes them again.
+        state["backward_panels"] = None
+        state.pop("_panel_versions", None)
         return state
 
     @property
@@ -283,9 +294,89 @@ class ExpertWeights:
 
     def tensors(self) -> list[Optional[Tensor]]:
         """The op's ``weights``: (weight, scales, zeros) of gate, up, down, None where
-        absent, then the three biases when some projection has one."""
+        absent, then the three biases when some projection has one (or the weights
+        carry backward panels), then the three backward panels when they do.
+
+        Raises ``ValueError`` when the backward panels were made from weights changed
+        in place since (:meth:`with_backward_panels`)."""
         packed = [t for p in self.projections for t in (p.weight, p.scales, p.zeros)]
+        if self.backward_panels is not None:
+            if not self.backward_panels_fresh():
+                raise ValueError(
+                    "ExpertWeights: the backward panels were made from weights that have "
+                    "been changed in place since; call with_backward_panels() again"
+                )
+            return packed + [p.bias for p in self.projections] + list(self.backward_panels)
         return packed + [p.bias for p in self.projections] if self.has_bias else packed
+
+    def _weight_versions(self) -> tuple:
+        return tuple(
+            (t.data_ptr(), t._version) if t is not None else None
+            for p in self.projections
+            for t in (p.weight, p.scales)
+        )
+
+    def backward_panels_fresh(self) -> bool:
+        """Whether the backward panels (if any) still match the packed weights and
+        scales: none of them was changed in place or moved since
+        :meth:`with_backward_panels` (True without panels)."""
+        made_from = self.__dict__.get("_panel_versions")
+        return made_from is None or made_from == self._weight_versions()
+
+    def with_backward_panels(self) -> ExpertWeights:
+        """A copy carrying the LoRA backward's transposed weights, made once.
+
+        The LoRA backward's products with the frozen base (``go @ W_down`` and
+        ``dg @ W_gate + du @ W_up``) reduce over each projection's output rows, so
+        kt_ops' bf16 kernel needs the weights paired along ``n`` while the
+        forward's blocks pair them along ``k``: every backward transposes each
+        routed expert's three projections into 16-column panels. These panels,
+        made here once and passed with the weights (the op's ``weights`` entries
+        13-15), are read as they are instead. They hold the same values (the
+        results are bit for bit the same) and cost 2 bytes per weight of host
+        memory: as much again as a bf16 base, twice an int8 one. Measured on Zen 4
+        (Qwen3-30B-A3B layer, T = 512, 2 threads): backward 135 -> 124 ms on a
+        bf16 base, 192 -> 155 ms on int8 (docs/lora.md).
+
+        Used where the backward runs on kt_ops' own bf16 kernel: bf16 hidden
+        states and gradients, an AVX-512 BF16 CPU without AMX (or
+        ``kt_ops.config.brgemm_bf16_kernel = 'kt'``); elsewhere they are passed
+        and ignored. Made for bf16, int8 (per channel, no zeros) and the fp8
+        formats with ``n`` and ``k`` multiples of 16, on an AVX-512 CPU; a
+        projection without them gets None (all three None: ``backward_panels``
+        is None). The base weights are frozen: after an in-place change of a
+        projection's weights or scales, :meth:`tensors` (so every op call)
+        raises ``ValueError`` until this is called again. Not pickled,
+        and not moved by :meth:`to`.
+
+        Returns:
+            A copy of these weights with :attr:`backward_panels`, each bf16
+            ``[E, k/16, 16 n]`` (slice ``s``: columns ``[16 s, 16 s + 16)`` of
+            ``W`` as ``[n/2][16][2]`` pairs of rows) or None.
+
+        Raises:
+            ValueError: weights not on the CPU.
+            RuntimeError: weights the op would refuse (its message).
+        """
+        if any(p.weight.device.type != "cpu" for p in self.projections):
+            raise ValueError(
+                "ExpertWeights.with_backward_panels: the packed weights must be on the CPU, "
+                f"got {self.gate.weight.device}"
+            )
+        base = dataclasses.replace(self, backward_panels=None)
+        panels = tuple(
+            _C.make_backward_panels(
+                base.tensors(),
+                self.weight_format,
+                [self.hidden_size, self.intermediate_size],
+                list(self.group_sizes),
+            )
+        )
+        if all(t is None for t in panels):
+            return base
+        out = dataclasses.replace(self, backward_panels=panels)
+        object.__setattr__(out, "_panel_versions", self._weight_versions())
+        return out
 
     def validate(self) -> ExpertWeights:
         """Check every projection against its format's layout (``PackedProjection.validate``)."""
@@ -310,10 +401,13 @@ class ExpertWeights:
             dataclasses.replace(p, bias=fp32(b, p.weight))
             for p, b in zip(self.projections, (gate, up, down))
         )
-        return ExpertWeights(*projs).validate()
+        out = ExpertWeights(*projs, backward_panels=self.backward_panels).validate()
+        if "_panel_versions" in self.__dict__:  # the same weights: their panels still fit
+            object.__setattr__(out, "_panel_versions", self.__dict__["_panel_versions"])
+        return out
 
     def to(self, device: torch.device | str) -> ExpertWeights:
-        """A copy with every tensor on ``device``."""
+        """A copy with every tensor on ``device`` (without backward panels)."""
         return ExpertWeights(*(p.to(device) for p in self.projections))
 
     @classmethod
@@ -323,12 +417,14 @@ class ExpertWeights:
         Raises ``ValueError`` naming the argument for a wrong count of
         entries or an unknown format.
         """
-        if len(weights) not in (9, 12):
+        if len(weights) not in (9, 12, 15):
             raise ValueError(
                 f"weights must hold 9 entries (gate, up, down x weight, scales, "
-                f"zeros), or 12 with the gate, up, down biases, got {len(weights)}"
+                f"zeros), 12 with the gate, up, down biases, or 15 with the biases and the "
+                f"backward panels, got {len(weights)}"
             )
-        biases = list(weights[9:]) or [None] * 3
+        biases = list(weights[9:12]) or [None] * 3
+        panels = tuple(weights[12:15]) if len(weights) == 15 else None
         if len(sizes) != 2 or len(group_sizes) != 3:
             raise ValueError(
                 f"sizes must be [hidden_size, intermediate_size] and group_sizes 3 values, got "
@@ -343,7 +439,9 @@ class ExpertWeights:
             )
             for i in range(3)
         ]
-        return cls(*projs)
+        if panels is not None and all(t is None for t in panels):
+            panels = None
+        return cls(*projs, backward_panels=panels)
 
     @classmethod
     def from_dense(

@@ -518,6 +518,9 @@ def _check_fake_layer(op: str, bound: dict) -> ExpertWeights:
         named.update({f"{name}_{k}": (t, packed_device) for k, t in p.tensors().items()})
         if p.bias is not None:
             named[f"{name}_bias"] = (p.bias, packed_device)
+    for name, t in zip(PROJECTIONS, experts.backward_panels or ()):
+        if t is not None:
+            named[f"{name}_backward_panels"] = (t, packed_device)
     named.update({"topk_ids": (ids, x.device), "topk_weights": (w, x.device)})
     factor_names = (f"{p}_lora_{f}" for p in PROJECTIONS for f in ("a", "b"))
     named.update({n: (t, x.device) for n, t in zip(factor_names, lora.factors()) if t is not None})

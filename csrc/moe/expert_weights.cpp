@@ -487,14 +487,20 @@ bool is_mxfp8(const Projection& p) {
 
 }  // namespace
 
-bool bf16_vnni_panel_applies(const Projection& p) {
+bool backward_panels_format(const Projection& p) {
   const bool bf16 = p.format->layout == formats::Layout::kBf16;
-  const bool int8 = kernels::brgemm::int8_per_channel_applies(*p.format) && !p.zeros.defined() &&
-                    kernels::avx512::int8_to_bf16_vnni != nullptr;
-  const bool fp8 = (fp8_block_scaled(p) || is_fp8_channel(p) || is_mxfp8(p)) &&
-                   kernels::avx512::fp8_to_bf16_vnni != nullptr &&
-                   kernels::avx512::fp8_e8m0_fits_bf16 != nullptr;
-  return (bf16 || int8 || fp8) && p.n % 16 == 0 && p.k % 16 == 0 &&
+  const bool int8 = kernels::brgemm::int8_per_channel_applies(*p.format) && !p.zeros.defined();
+  const bool fp8 = fp8_block_scaled(p) || is_fp8_channel(p) || is_mxfp8(p);
+  return (bf16 || int8 || fp8) && p.n % 16 == 0 && p.k % 16 == 0;
+}
+
+bool bf16_vnni_panel_applies(const Projection& p) {
+  const bool decoder = p.format->layout == formats::Layout::kBf16 ? true
+                       : p.format->layout == formats::Layout::kFp8
+                           ? kernels::avx512::fp8_to_bf16_vnni != nullptr &&
+                                 kernels::avx512::fp8_e8m0_fits_bf16 != nullptr
+                           : kernels::avx512::int8_to_bf16_vnni != nullptr;
+  return backward_panels_format(p) && decoder &&
          kernels::avx512::bf16_vnni_panel_block != nullptr && runtime::cpu_features().avx512;
 }
 

@@ -54,6 +54,9 @@ int64_t dense_panel_ld(const Projection& p);
 // 16, an AVX-512 CPU and build) and k0, cols multiples of 16 inside [0, k); throws
 // c10::Error otherwise.
 bool bf16_vnni_panel_applies(const Projection& p);
+// The format half of bf16_vnni_panel_applies (no CPU or build check): whether p can
+// have Projection::backward_panels.
+bool backward_panels_format(const Projection& p);
 void bf16_vnni_panel(const Projection& p, int64_t expert, int64_t k0, int64_t cols, uint16_t* dst);
 // A qint projection's panel (int4 with or without zeros, the k-quants, q8_0, q4_0,
 // mxfp4, nvfp4: values s * q - z that are not bf16 values) as two bf16 panels of the same

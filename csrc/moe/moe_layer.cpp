@@ -13,6 +13,7 @@
 #include "formats/fp8.h"
 #include "formats/qint.h"
 #include "formats/scale_dtype.h"
+#include "moe/expert_weights.h"
 
 namespace kt::moe {
 
@@ -229,6 +230,29 @@ at::Tensor parse_bias(const char* op, const std::optional<at::Tensor>& bias, con
   return b;
 }
 
+// One projection's backward panels: bf16 [E, k/16, 16 n], contiguous, of a projection
+// whose format has them (backward_panels_format), or None.
+at::Tensor parse_backward_panels(const char* op, const std::optional<at::Tensor>& panels,
+                                 const char* name, const Projection& p) {
+  if (!panels.has_value()) return {};
+  const at::Tensor& t = *panels;
+  check_cpu(op, t, name);
+  TORCH_CHECK(backward_panels_format(p), op, ": ", name, " was given for a ", p.format->name,
+              " projection of [", p.n, ", ", p.k,
+              "]; backward panels exist for bf16, int8 (per channel, no zeros) and the fp8 "
+              "formats with n and k multiples of 16 (kt_ops.ExpertWeights.with_backward_panels "
+              "makes them)");
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16, op, ": ", name, " must be bf16, got ",
+              t.scalar_type());
+  TORCH_CHECK(t.dim() == 3 && t.size(0) == p.num_experts() && t.size(1) == p.k / 16 &&
+                  t.size(2) == 16 * p.n,
+              op, ": ", name, " must be [E=", p.num_experts(), ", k/16=", p.k / 16,
+              ", 16 n=", 16 * p.n, "] (kt_ops.ExpertWeights.with_backward_panels), got shape ",
+              t.sizes());
+  TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous (call .contiguous())");
+  return t;
+}
+
 // One projection's LoRA A [E, r, k] and B [E, n, r]; a [0]-shaped pair = none.
 LoraProjection parse_lora(const char* op, int i, const at::Tensor& a, const at::Tensor& b,
                           int64_t E, int64_t n, int64_t k) {
@@ -267,9 +291,21 @@ LoraProjection parse_lora(const char* op, int i, const at::Tensor& a, const at::
 ShapeOnlyScope::ShapeOnlyScope() : previous_(t_shape_only) { t_shape_only = true; }
 ShapeOnlyScope::~ShapeOnlyScope() { t_shape_only = previous_; }
 
-const char* const kWeightNames[kNumWeightArgsBias] = {
-    "gate_weight", "gate_scales", "gate_zeros", "up_weight", "up_scales", "up_zeros",
-    "down_weight", "down_scales", "down_zeros", "gate_bias", "up_bias",   "down_bias"};
+const char* const kWeightNames[kNumWeightArgsPanels] = {"gate_weight",
+                                                        "gate_scales",
+                                                        "gate_zeros",
+                                                        "up_weight",
+                                                        "up_scales",
+                                                        "up_zeros",
+                                                        "down_weight",
+                                                        "down_scales",
+                                                        "down_zeros",
+                                                        "gate_bias",
+                                                        "up_bias",
+                                                        "down_bias",
+                                                        "gate_backward_panels",
+                                                        "up_backward_panels",
+                                                        "down_backward_panels"};
 const char* const kLoraFactorNames[6] = {"gate_lora_a", "gate_lora_b", "up_lora_a",
                                          "up_lora_b",   "down_lora_a", "down_lora_b"};
 
@@ -348,9 +384,12 @@ MoeLayer parse_layer(const char* op, const at::Tensor* hidden_states, KT_LAYER_P
   if (hidden_states != nullptr) check_hidden_size(op, *hidden_states, layer);
   TORCH_CHECK(group_sizes.size() == 3, op,
               ": group_sizes must hold 3 values (gate, up, down), got ", group_sizes);
-  TORCH_CHECK(weights.size() == kNumWeightArgs || weights.size() == kNumWeightArgsBias, op,
+  TORCH_CHECK(weights.size() == kNumWeightArgs || weights.size() == kNumWeightArgsBias ||
+                  weights.size() == kNumWeightArgsPanels,
+              op,
               ": weights must hold 9 entries (weight, scales, zeros of gate, up, down; None "
-              "where a format has none), or 12 with the gate, up and down biases, got ",
+              "where a format has none), 12 with the gate, up and down biases, or 15 with "
+              "the biases and the backward panels (None where absent), got ",
               weights.size());
   const std::string fmt(weight_format.data(), weight_format.size());
   const std::vector<std::string> names = split_formats(op, fmt);
@@ -367,9 +406,12 @@ MoeLayer parse_layer(const char* op, const at::Tensor* hidden_states, KT_LAYER_P
     *projs[i] =
         parse_projection(op, i, *f, group_sizes[i], weights.get(3 * i), weights.get(3 * i + 1),
                          weights.get(3 * i + 2), E, down ? H : I, down ? I : H);
-    if (weights.size() == kNumWeightArgsBias)
+    if (weights.size() >= kNumWeightArgsBias)
       projs[i]->bias = parse_bias(op, weights.get(kNumWeightArgs + i),
                                   kWeightNames[kNumWeightArgs + i], E, down ? H : I);
+    if (weights.size() == kNumWeightArgsPanels)
+      projs[i]->backward_panels = parse_backward_panels(
+          op, weights.get(kNumWeightArgsBias + i), kWeightNames[kNumWeightArgsBias + i], *projs[i]);
   }
 
   // --- LoRA ------------------------------------------------------------------

@@ -25,6 +25,9 @@
 //   weight_format one format name, or "gate,up,down" names
 //   sizes         [hidden_size, intermediate_size] of the dense weights
 //   group_sizes   [gate, up, down] group sizes along K (0: per channel)
+//                 and then optionally by 3 backward panels (gate, up, down: the
+//                 transposed weights of Projection::backward_panels, None where a
+//                 projection has none; the biases None where absent)
 //   lora          [] or 6 tensors (gate A, B, up A, B, down A, B); a [0]-shaped
 //                 tensor stands for an absent factor
 //   lora_scaling
@@ -57,6 +60,11 @@ struct Projection {
   int64_t group_size = 0;
   kernels::ProjectionView view;  // what the kernels read
   at::Tensor bias;               // fp32 [E, n], contiguous, added to the product; or undefined
+  // The LoRA backward's transposed weights made once (kt_ops.ExpertWeights.
+  // with_backward_panels): bf16 [E, k/16, 16 n], slice s = columns [16 s, 16 s + 16) of W
+  // as [n/2][16][2] (pairs of rows of W), what bf16_vnni_panel makes per call otherwise;
+  // or undefined.
+  at::Tensor backward_panels;
 
   // Expert e's bias row [n], or nullptr.
   const float* bias_row(int64_t e) const {
@@ -99,10 +107,12 @@ struct MoeLayer {
 
 // The names of the entries of the `weights` argument (gate_weight,
 // gate_scales, gate_zeros, up_..., down_..., then gate_bias, up_bias,
-// down_bias) and of the 6 entries of the `lora` argument, for error messages.
-constexpr int kNumWeightArgs = 9;       // the packed tensors
-constexpr int kNumWeightArgsBias = 12;  // with the biases
-extern const char* const kWeightNames[kNumWeightArgsBias];
+// down_bias, then gate_backward_panels, up_..., down_...) and of the 6 entries of the `lora`
+// argument, for error messages.
+constexpr int kNumWeightArgs = 9;         // the packed tensors
+constexpr int kNumWeightArgsBias = 12;    // with the biases
+constexpr int kNumWeightArgsPanels = 15;  // with the biases and the backward panels
+extern const char* const kWeightNames[kNumWeightArgsPanels];
 extern const char* const kLoraFactorNames[6];
 
 // kt.moe_forward.out's `out`, on any device: the dtype and shape of

@@ -25,6 +25,7 @@
 #include "kernels/dispatch.h"
 #include "kernels/isa.h"
 #include "kernels/tiers.h"
+#include "moe/backward_panels.h"
 #include "moe/blas_tasks.h"
 #include "moe/lora_products.h"
 #include "moe/moe_forward.h"
@@ -433,15 +434,23 @@ void vnni_products(std::initializer_list<PanelTerm> terms, int64_t m, int64_t e,
       }
     }
   };
+  // The projection's backward panels where it has them (kt_ops' kernel: their slices
+  // are its 16-column slices), else nullptr.
+  auto kept = [&](const Projection& p, int64_t c0) {
+    return kt ? backward_panel_slice(p, e, c0) : nullptr;
+  };
   for (int64_t c0 = 0; c0 < k; c0 += kVnniCols) {
     const int64_t cols = std::min(kVnniCols, k - c0);
     const Projection* made = nullptr;  // the projection whose panel is in panel16
     for (int64_t j = 0; j < count; ++j) {
       const PanelTerm& t = first[j];
       const bool add = j > 0;
-      if (t.p != made) make_panel(*t.p, c0, cols);
-      made = t.p;
-      const uint16_t* panel = scratch.panel16[t.part == Part::kLo ? 1 : 0].data();
+      const uint16_t* panel = kept(*t.p, c0);
+      if (panel == nullptr) {
+        if (t.p != made) make_panel(*t.p, c0, cols);
+        made = t.p;
+        panel = scratch.panel16[t.part == Part::kLo ? 1 : 0].data();
+      }
       if (!kt) {  // oneDNN: one [n/2][cols][2] panel per call
         kernels::brgemm::bf16_gemm(static_cast<int>(m), cols, n, t.rows, lda, panel, out + c0, k,
                                    add);
@@ -451,7 +460,16 @@ void vnni_products(std::initializer_list<PanelTerm> terms, int64_t m, int64_t e,
       const auto [np, nc0] = next_panel(j, c0);
       for (int64_t s = 0; s < cols; s += 16) {
         kernels::PrefetchChunks pf;
-        if (np != nullptr && nc0 + s < np->k) pf = vnni_panel_source(*np, e, nc0 + s);
+        if (np != nullptr && nc0 + s < np->k) {
+          if (const uint16_t* next = kept(*np, nc0 + s)) {  // 16 n bf16: n / 2 lines in a row
+            pf.base = next;
+            pf.stride = 8 * 64;
+            pf.chunk_lines_log2 = 3;
+            pf.lines = np->n / 2;
+          } else {
+            pf = vnni_panel_source(*np, e, nc0 + s);
+          }
+        }
         kernels::avx512::bf16_dp_panel(scratch.pairs[slot_of[j]].data(), static_cast<int>(m),
                                        panel + s * n, static_cast<int>(kp), out + c0 + s, k, add,
                                        pf, fp8_chunk_scales(*t.p, e, c0 + s));

@@ -4,6 +4,8 @@
 // eager op's error, word for word, at trace time; devices they check themselves.
 // And kt_ops._C._testing.dense_expert_weights: the backward's dense decoder
 // (moe/expert_weights.h) for the tests to compare with dequantize_weights.
+// And kt_ops._C.make_backward_panels: the LoRA backward's transposed weights
+// (moe/backward_panels.h), for kt_ops.ExpertWeights.with_backward_panels.
 #include <ATen/ATen.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -13,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "moe/backward_panels.h"
 #include "moe/expert_weights.h"
 #include "moe/moe_layer.h"
 
@@ -54,10 +57,29 @@ at::Tensor dense_expert_weights(const std::vector<std::optional<at::Tensor>>& we
   return at::stack(experts);
 }
 
+// The backward panels of gate, up and down (moe::make_backward_panels), None where a
+// projection has none on this CPU and build.
+std::vector<std::optional<at::Tensor>> make_backward_panels(
+    const std::vector<std::optional<at::Tensor>>& weights, const std::string& weight_format,
+    const std::vector<int64_t>& sizes, const std::vector<int64_t>& group_sizes) {
+  c10::List<std::optional<at::Tensor>> list;
+  for (const auto& w : weights) list.push_back(w);
+  const moe::MoeLayer layer = moe::parse_layer(
+      "kt_ops.ExpertWeights.with_backward_panels", nullptr, list, weight_format, sizes, group_sizes,
+      {}, 1.0, kernels::activation_name(kernels::Activation::kSilu), std::nullopt);
+  std::vector<std::optional<at::Tensor>> out;
+  for (const moe::Projection* p : {&layer.gate, &layer.up, &layer.down}) {
+    at::Tensor t = moe::make_backward_panels(*p);
+    out.push_back(t.defined() ? std::optional<at::Tensor>(t) : std::nullopt);
+  }
+  return out;
+}
+
 }  // namespace
 
 void register_layer_checks(py::module& m, py::module& testing) {
   m.def("check_layer_shapes", &check_layer_shapes);
+  m.def("make_backward_panels", &make_backward_panels);
   testing.def("dense_expert_weights", &dense_expert_weights);
 }
 

@@ -39,7 +39,7 @@ void check_frozen(const char* op, const WeightList& weights) {
     const std::optional<at::Tensor> t = weights.get(i);
     if (!t.has_value() || !t->defined() || !t->requires_grad()) continue;
     TORCH_CHECK(false, op, ": ",
-                i < moe::kNumWeightArgsBias ? moe::kWeightNames[i] : "an entry of weights",
+                i < moe::kNumWeightArgsPanels ? moe::kWeightNames[i] : "an entry of weights",
                 " requires grad, but the base expert weights are frozen (kt.moe_backward "
                 "computes gradients only for hidden_states, topk_weights and the LoRA factors); "
                 "call .requires_grad_(False) on it, or pass LoRA factors to fine-tune the experts");

@@ -30,7 +30,7 @@ std::string cuda_arguments(const at::Tensor& topk_ids, const at::Tensor& topk_we
   };
   add(topk_ids, "topk_ids");
   add(topk_weights, "topk_weights");
-  for (size_t i = 0; i < weights.size() && i < moe::kNumWeightArgsBias; ++i) {
+  for (size_t i = 0; i < weights.size() && i < moe::kNumWeightArgsPanels; ++i) {
     const std::optional<at::Tensor> w = weights.get(i);
     if (w.has_value()) add(*w, moe::kWeightNames[i]);
   }

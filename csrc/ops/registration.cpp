@@ -13,7 +13,8 @@ namespace {
 
 // The layer arguments every op takes, written once (csrc/moe/moe_layer.h
 // documents each; kt_ops/layer.py builds them from PackedProjections):
-//   weights: gate, up, down x (weight, scales, zeros), None where absent;
+//   weights: gate, up, down x (weight, scales, zeros), None where absent; then
+//   optionally the 3 biases, then the 3 backward panels;
 //   lora: [] or 6 tensors (gate A, B, up A, B, down A, B), [0]-shaped where a
 //   projection has none (autograd needs every entry of a list to be a tensor);
 //   gpu_experts_mask: bool [E], True for the experts served elsewhere (on the

@@ -1,0 +1,38 @@
+// The LoRA backward's transposed weights, made once instead of at every backward
+// (kt_ops.ExpertWeights.with_backward_panels; Projection::backward_panels).
+//
+// Why: the backward's products with the frozen base (go Wd^T, dg Wg + du Wu) reduce
+// over the forward's output rows n, so their vdpbf16ps operands pair the weights
+// along n while the forward's blocks pair them along k: every backward transposes
+// each expert's three projections into 16-column panels (bf16_vnni_panel). Kept, the
+// panels are read as they are, streamed from DRAM with the next one prefetched, for
+// the memory of a bf16 copy of the weights (2 bytes per weight: as much again as a
+// bf16 base, twice an int8 one). Measured on Zen 4 (Qwen3-30B-A3B layer, T = 512,
+// 2 threads, same process): backward 135 -> 124 ms on a bf16 base, 192 -> 155 ms on
+// int8 (docs/lora.md).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+
+#include "moe/moe_layer.h"
+
+namespace kt::moe {
+
+// Projection p's backward panels: bf16 [E, k/16, 16 n], slice s of expert e =
+// bf16_vnni_panel(p, e, 16 s, 16) ([n/2][16][2]: pairs of rows of W, exact values, the
+// scales of int8 / fp8 left out as there). An undefined tensor where this CPU and build
+// make no such panels (!bf16_vnni_panel_applies(p): another format, or no AVX-512).
+// Built on kt_ops' pool, one expert per task.
+at::Tensor make_backward_panels(const Projection& p);
+
+// Expert e's panel of columns [k0, k0 + 16) (k0 a multiple of 16) in p's backward
+// panels, or nullptr where p has none.
+inline const uint16_t* backward_panel_slice(const Projection& p, int64_t e, int64_t k0) {
+  if (!p.backward_panels.defined()) return nullptr;
+  const auto* base = static_cast<const uint16_t*>(p.backward_panels.data_ptr());
+  return base + (e * (p.k / 16) + k0 / 16) * 16 * p.n;
+}
+
+}  // namespace kt::moe
