@@ -79,6 +79,9 @@ def test_config_keys_and_overrides(tmp_path):
         kt_lf.split_config({"kt_rank": 4})
     with pytest.raises(ValueError, match="expected a subset of gate,up,down"):
         kt_lf.split_config({"kt_lora_projections": "gate,o_proj"})
+    assert kt_lf.split_config({"kt_backward_panels": True})[1].backward_panels
+    with pytest.raises(ValueError, match="kt_backward_panels: 'yes please'; expected true or"):
+        kt_lf.split_config({"kt_backward_panels": "yes please"})
     with pytest.raises(ValueError, match="is not key=value"):
         kt_lf.load_config(str(YAML), ["max_steps"])
 
@@ -131,6 +134,18 @@ def test_init_adapter_hook(backend, tmp_path):
     }
     loaded = peft.PeftModel.from_pretrained(copy.deepcopy(plain), tmp_path)
     assert rel_err(logits(loaded), want) <= RTOL_FP32
+
+
+def test_init_adapter_hook_keeps_backward_panels():
+    plain = tiny_model("qwen3_moe", num_layers=1)
+    options = kt_lf.KtOptions(lora_rank=2, backward_panels=True)
+    model_args, finetuning_args = lf_args()
+    hook = kt_lf.make_init_adapter(lf_like_init_adapter, options)
+    model = hook(plain.config, copy.deepcopy(plain), model_args, finetuning_args, True)
+    experts = model.base_model.model.model.layers[0].mlp.experts
+    panels = experts.expert_weights().backward_panels
+    avx512 = "avx512" in kt_lf.kt_ops.supported_isas()
+    assert (panels is not None) == avx512  # bf16 experts: made wherever AVX-512 runs
 
 
 def test_init_adapter_hook_errors():

@@ -29,6 +29,10 @@ calls right after the model is loaded and patched. The wrapper
 ``kt_lora_projections``     ``gate,up,down`` (default) or a subset
 ``kt_weight_format``        packed expert format (default ``bf16``)
 ``kt_num_threads``          kt_ops thread-pool size
+``kt_backward_panels``      ``true``: keep the backward's transposed weights
+                            (:func:`kt_ops.lora.keep_backward_panels`: 2 bytes
+                            of host memory per expert weight for a 10-17%
+                            faster backward; default ``false``)
 ==========================  ===============================================
 
 Limits: ``finetuning_type: lora`` only (the packed experts are frozen), no
@@ -78,7 +82,7 @@ import yaml
 import kt_ops
 from kt_ops import peft_adapters
 from kt_ops.distributed import keep_packed_experts_out_of_ddp
-from kt_ops.lora import LORA_PROJECTIONS, apply_lora, lora_parameters
+from kt_ops.lora import LORA_PROJECTIONS, apply_lora, keep_backward_panels, lora_parameters
 
 __all__ = [
     "KtOptions",
@@ -102,6 +106,7 @@ class KtOptions:
     lora_projections: tuple[str, ...] = LORA_PROJECTIONS
     weight_format: str = "bf16"
     num_threads: Optional[int] = None
+    backward_panels: bool = False
 
 
 def load_config(path: str, overrides: Sequence[str] = ()) -> dict[str, Any]:
@@ -142,6 +147,8 @@ def split_config(config: dict[str, Any]) -> tuple[dict[str, Any], KtOptions]:
         bad = [p for p in kt["lora_projections"] if p not in LORA_PROJECTIONS]
         if bad or not kt["lora_projections"]:
             raise ValueError(f"kt_lora_projections: {value!r}; expected a subset of gate,up,down")
+    if not isinstance(kt.get("backward_panels", False), bool):
+        raise ValueError(f"kt_backward_panels: {kt['backward_panels']!r}; expected true or false")
     return lf, KtOptions(**kt)
 
 
@@ -194,6 +201,9 @@ def make_init_adapter(original: Callable, options: KtOptions = KtOptions()) -> C
                 use_rslora=bool(getattr(finetuning_args, "use_rslora", False)),
             )
             logger.info("kt_ops: LoRA on the experts of %d MoE layers", len(names))
+            if options.backward_panels:
+                kept = keep_backward_panels(model)
+                logger.info("kt_ops: backward panels kept: %.1f MiB", kept / 2**20)
         model = original(config, model, model_args, finetuning_args, is_trainable)
         if lora:
             _enable_kt_lora(model)  # PEFT's get_peft_model froze everything but its own adapters
