@@ -40,7 +40,8 @@ trap 'rm -rf "$SCRATCH"' EXIT
 export KT_OPS_BUILD_JOBS=${KT_OPS_BUILD_JOBS:-2} KT_OPS_SKIP_APT=1 HF_HUB_OFFLINE=1
 OP_TESTS=(tests/test_moe_forward.py tests/test_quant_forward.py tests/test_errors.py
   tests/test_quant_errors.py tests/test_op_registration.py tests/test_mixed_formats.py
-  tests/test_runtime.py tests/test_prepared_layer.py tests/test_parallel_backend.py)
+  tests/test_runtime.py tests/test_prepared_layer.py tests/test_parallel_backend.py
+  tests/test_backward_panels.py)
 declare -A TORCH=([cpu]=2.13.0 [cuda]=2.14.1 [oldest]=2.6.0 [floor]=2.4.1 [wheel]=2.13.0)
 RESULTS=()
 
