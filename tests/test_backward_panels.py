@@ -340,7 +340,10 @@ def test_panels_for_a_format_without_them_are_refused():
     dense = [torch.randn(E, n, k, generator=g) for n, k in DIMS.values()]
     w = kt_ops.ExpertWeights.from_dense(*dense, "int4", group_size=32)
     bogus = torch.zeros(E, H // 16, 16 * I, dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match="gate_backward_panels was given for a int4 projection"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"gate_backward_panels was given, but that projection is int4 \[96, 256\]",
+    ):
         _call_with_panels(w, [bogus, None, None])
 
 

@@ -237,8 +237,8 @@ at::Tensor parse_backward_panels(const char* op, const std::optional<at::Tensor>
   if (!panels.has_value()) return {};
   const at::Tensor& t = *panels;
   check_cpu(op, t, name);
-  TORCH_CHECK(backward_panels_format(p), op, ": ", name, " was given for a ", p.format->name,
-              " projection of [", p.n, ", ", p.k,
+  TORCH_CHECK(backward_panels_format(p), op, ": ", name, " was given, but that projection is ",
+              p.format->name, " [", p.n, ", ", p.k,
               "]; backward panels exist for bf16, int8 (per channel, no zeros) and the fp8 "
               "formats with n and k multiples of 16 (kt_ops.ExpertWeights.with_backward_panels "
               "makes them)");
