@@ -332,7 +332,7 @@ class ExpertWeights:
         forward's blocks pair them along ``k``: every backward transposes each
         routed expert's three projections into 16-column panels. These panels,
         made here once and passed with the weights (the op's ``weights`` entries
-        13-15), are read as they are instead. They hold the same values (the
+        12-14), are read as they are instead. They hold the same values (the
         results are bit for bit the same) and cost 2 bytes per weight of host
         memory: as much again as a bf16 base, twice an int8 one. Measured on Zen 4
         (Qwen3-30B-A3B layer, T = 512, 2 threads): backward 135 -> 124 ms on a
