@@ -342,7 +342,10 @@ def test_op_names_a_bad_bias(index: int, bias: torch.Tensor, match: str):
     args = layer_args(experts, None, "silu", x)
     with pytest.raises(RuntimeError, match=match):
         torch.ops.kt.moe_forward.default(x, ids, w, weights, *args[1:])
-    with pytest.raises(RuntimeError, match="or 12 with the gate, up and down biases"):
+    with pytest.raises(
+        RuntimeError,
+        match="12 with the gate, up and down biases, or 15 with the biases and the backward panels",
+    ):
         torch.ops.kt.moe_forward.default(x, ids, w, weights[:10], *args[1:])
 
 
