@@ -481,8 +481,8 @@ def main() -> int:
             t0 = time.perf_counter()
             w = packed[fmt].with_backward_panels()
             ms = (time.perf_counter() - t0) * 1e3
-            mb = sum(t.numel() * t.element_size() for t in w.backward_panels or () if t is not None)
-            print(f"# backward panels of {fmt}: {mb / 1e6:,.0f} MB, made in {ms:,.0f} ms")
+            mb = w.backward_panels_nbytes / 1e6
+            print(f"# backward panels of {fmt}: {mb:,.0f} MB, made in {ms:,.0f} ms")
             with_panels[fmt] = w
     kt_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.kt_dtype]
     bpe = {fmt: expert_bytes(p) / E for fmt, p in packed.items()}

@@ -309,6 +309,12 @@ class ExpertWeights:
             return packed + [p.bias for p in self.projections] + list(self.backward_panels)
         return packed + [p.bias for p in self.projections] if self.has_bias else packed
 
+    @property
+    def backward_panels_nbytes(self) -> int:
+        """Bytes of host memory the backward panels hold (0 without them)."""
+        panels = [t for t in self.backward_panels or () if t is not None]
+        return sum(t.numel() * t.element_size() for t in panels)
+
     def _weight_versions(self) -> tuple:
         return tuple(
             (t.data_ptr(), t._version) if t is not None else None

@@ -359,8 +359,7 @@ def keep_backward_panels(model: nn.Module, keep: bool = True) -> int:
     total = 0
     for module in lora_modules(model).values():
         module.keep_backward_panels(keep)
-        panels = module.expert_weights().backward_panels if keep else None
-        total += sum(t.numel() * t.element_size() for t in panels or () if t is not None)
+        total += module.expert_weights().backward_panels_nbytes if keep else 0
     return total
 
 

@@ -16,6 +16,7 @@
 
 #include <cstdint>
 
+#include "kernels/kernel_api.h"
 #include "moe/moe_layer.h"
 
 namespace kt::moe {
@@ -33,6 +34,17 @@ inline const uint16_t* backward_panel_slice(const Projection& p, int64_t e, int6
   if (!p.backward_panels.defined()) return nullptr;
   const auto* base = static_cast<const uint16_t*>(p.backward_panels.data_ptr());
   return base + (e * (p.k / 16) + k0 / 16) * 16 * p.n;
+}
+
+// The lines of a slice from backward_panel_slice, for the kernel to prefetch while it
+// multiplies the slice before: 16 n bf16, n / 2 lines in a row.
+inline kernels::PrefetchChunks backward_panel_prefetch(const uint16_t* slice, int64_t n) {
+  kernels::PrefetchChunks pf;
+  pf.base = slice;
+  pf.stride = 8 * 64;
+  pf.chunk_lines_log2 = 3;
+  pf.lines = n / 2;
+  return pf;
 }
 
 }  // namespace kt::moe

@@ -21,13 +21,13 @@
 //   weights       9 packed tensors: gate, up, down x (weight, scales, zeros),
 //                 None where a format has no such tensor; optionally followed
 //                 by 3 per-expert biases (gate [E, I], up [E, I], down [E, H],
-//                 fp32, None where a projection has none; gpt-oss)
+//                 fp32, None where a projection has none; gpt-oss), and then
+//                 optionally by 3 backward panels (gate, up, down: the transposed
+//                 weights of Projection::backward_panels, None where a projection
+//                 has none; the biases None where absent)
 //   weight_format one format name, or "gate,up,down" names
 //   sizes         [hidden_size, intermediate_size] of the dense weights
 //   group_sizes   [gate, up, down] group sizes along K (0: per channel)
-//                 and then optionally by 3 backward panels (gate, up, down: the
-//                 transposed weights of Projection::backward_panels, None where a
-//                 projection has none; the biases None where absent)
 //   lora          [] or 6 tensors (gate A, B, up A, B, down A, B); a [0]-shaped
 //                 tensor stands for an absent factor
 //   lora_scaling

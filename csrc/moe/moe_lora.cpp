@@ -461,14 +461,9 @@ void vnni_products(std::initializer_list<PanelTerm> terms, int64_t m, int64_t e,
       for (int64_t s = 0; s < cols; s += 16) {
         kernels::PrefetchChunks pf;
         if (np != nullptr && nc0 + s < np->k) {
-          if (const uint16_t* next = kept(*np, nc0 + s)) {  // 16 n bf16: n / 2 lines in a row
-            pf.base = next;
-            pf.stride = 8 * 64;
-            pf.chunk_lines_log2 = 3;
-            pf.lines = np->n / 2;
-          } else {
-            pf = vnni_panel_source(*np, e, nc0 + s);
-          }
+          const uint16_t* next = kept(*np, nc0 + s);
+          pf = next != nullptr ? backward_panel_prefetch(next, np->n)
+                               : vnni_panel_source(*np, e, nc0 + s);
         }
         kernels::avx512::bf16_dp_panel(scratch.pairs[slot_of[j]].data(), static_cast<int>(m),
                                        panel + s * n, static_cast<int>(kp), out + c0 + s, k, add,

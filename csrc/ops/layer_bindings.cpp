@@ -40,15 +40,23 @@ void check_layer_shapes(const std::string& op, const at::Tensor& hidden_states,
                        sizes, group_sizes, lora, lora_scaling, activation, gpu_experts_mask);
 }
 
+// The experts of the op's layer arguments `weights` ... `group_sizes` (no LoRA), parsed
+// with the op's checks; `op` names the caller in their messages.
+moe::MoeLayer parse_experts(const char* op, const std::vector<std::optional<at::Tensor>>& weights,
+                            const std::string& weight_format, const std::vector<int64_t>& sizes,
+                            const std::vector<int64_t>& group_sizes) {
+  c10::List<std::optional<at::Tensor>> list;
+  for (const auto& w : weights) list.push_back(w);
+  return moe::parse_layer(op, nullptr, list, weight_format, sizes, group_sizes, {}, 1.0,
+                          kernels::activation_name(kernels::Activation::kSilu), std::nullopt);
+}
+
 // Projection `proj` (0 gate, 1 up, 2 down) of every expert as dense fp32 [E, n, k].
 at::Tensor dense_expert_weights(const std::vector<std::optional<at::Tensor>>& weights,
                                 const std::string& weight_format, const std::vector<int64_t>& sizes,
                                 const std::vector<int64_t>& group_sizes, int64_t proj) {
-  c10::List<std::optional<at::Tensor>> list;
-  for (const auto& w : weights) list.push_back(w);
-  const moe::MoeLayer layer = moe::parse_layer(
-      "kt_ops._C._testing.dense_expert_weights", nullptr, list, weight_format, sizes, group_sizes,
-      {}, 1.0, kernels::activation_name(kernels::Activation::kSilu), std::nullopt);
+  const moe::MoeLayer layer = parse_experts("kt_ops._C._testing.dense_expert_weights", weights,
+                                            weight_format, sizes, group_sizes);
   const moe::Projection& p = proj == 0 ? layer.gate : proj == 1 ? layer.up : layer.down;
   at::Tensor scratch = at::empty({moe::dense_expert_weight_numel(p)}, at::kFloat);
   std::vector<at::Tensor> experts;
@@ -62,11 +70,8 @@ at::Tensor dense_expert_weights(const std::vector<std::optional<at::Tensor>>& we
 std::vector<std::optional<at::Tensor>> make_backward_panels(
     const std::vector<std::optional<at::Tensor>>& weights, const std::string& weight_format,
     const std::vector<int64_t>& sizes, const std::vector<int64_t>& group_sizes) {
-  c10::List<std::optional<at::Tensor>> list;
-  for (const auto& w : weights) list.push_back(w);
-  const moe::MoeLayer layer = moe::parse_layer(
-      "kt_ops.ExpertWeights.with_backward_panels", nullptr, list, weight_format, sizes, group_sizes,
-      {}, 1.0, kernels::activation_name(kernels::Activation::kSilu), std::nullopt);
+  const moe::MoeLayer layer = parse_experts("kt_ops.ExpertWeights.with_backward_panels", weights,
+                                            weight_format, sizes, group_sizes);
   std::vector<std::optional<at::Tensor>> out;
   for (const moe::Projection* p : {&layer.gate, &layer.up, &layer.down}) {
     at::Tensor t = moe::make_backward_panels(*p);
