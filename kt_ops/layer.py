@@ -229,7 +229,8 @@ class ExpertWeights:
     up: PackedProjection
     down: PackedProjection
     #: The LoRA backward's transposed weights, ``(gate, up, down)`` bf16
-    #: ``[E, k/16, 16 n]`` or None each: made by :meth:`with_backward_panels`.
+    #: ``[E, k/w, w n]`` (``w`` = 16 or 64) or None each: made by
+    #: :meth:`with_backward_panels`.
     backward_panels: Optional[tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]] = field(
         default=None, repr=False, compare=False
     )
@@ -329,7 +330,7 @@ class ExpertWeights:
         made_from = self.__dict__.get("_panel_versions")
         return made_from is None or made_from == self._weight_versions()
 
-    def with_backward_panels(self) -> ExpertWeights:
+    def with_backward_panels(self, width: Optional[int] = None) -> ExpertWeights:
         """A copy carrying the LoRA backward's transposed weights, made once.
 
         The LoRA backward's products with the frozen base (``go @ W_down`` and
@@ -344,30 +345,46 @@ class ExpertWeights:
         (Qwen3-30B-A3B layer, T = 512, 2 threads): backward 135 -> 124 ms on a
         bf16 base, 192 -> 155 ms on int8 (docs/lora.md).
 
-        Used where the backward runs on kt_ops' own bf16 kernel: bf16 hidden
-        states and gradients, an AVX-512 BF16 CPU without AMX (or
-        ``kt_ops.config.brgemm_bf16_kernel = 'kt'``); elsewhere they are passed
-        and ignored. Made for bf16, int8 (per channel, no zeros) and the fp8
-        formats with ``n`` and ``k`` multiples of 16, on an AVX-512 CPU; a
-        projection without them gets None (all three None: ``backward_panels``
-        is None). The base weights are frozen: after an in-place change of a
-        projection's weights or scales, :meth:`tensors` (so every op call)
-        raises ``ValueError`` until this is called again. Not pickled,
+        Read where the backward's products with the base run on bf16 panels: bf16
+        hidden states and gradients on an AVX-512 BF16 CPU, by kt_ops' own kernel
+        (without AMX, or ``kt_ops.config.brgemm_bf16_kernel = 'kt'``) in panels 16
+        columns wide, and by oneDNN's brgemm (AMX, or ``'onednn'``) in either width,
+        one call per panel (64 wide: N = 64 calls, the width AMX tiles run best at; 16
+        wide: four N = 16 calls). kt_ops' kernel ignores 64-wide panels (it makes its
+        own per call, as without panels), and so does every other path. Made for
+        bf16, int8 (per channel, no zeros) and the fp8 formats with ``n`` and ``k``
+        multiples of 16, on an AVX-512 CPU; a projection without them gets None (all
+        three None: ``backward_panels`` is None). The base weights are frozen: after
+        an in-place change of a projection's weights or scales, :meth:`tensors` (so
+        every op call) raises ``ValueError`` until this is called again. Not pickled,
         and not moved by :meth:`to`.
+
+        Args:
+            width: output columns of ``W`` per panel, 16 or 64 (64 needs ``k`` a
+                multiple of 64, else that projection gets 16). None (default): 16
+                where the backward runs on kt_ops' kernel, else 64 (the kernel chosen
+                now, from the CPU and ``kt_ops.config.brgemm_bf16_kernel``).
 
         Returns:
             A copy of these weights with :attr:`backward_panels`, each bf16
-            ``[E, k/16, 16 n]`` (slice ``s``: columns ``[16 s, 16 s + 16)`` of
-            ``W`` as ``[n/2][16][2]`` pairs of rows) or None.
+            ``[E, k/w, w n]`` (panel ``s``: columns ``[w s, w s + w)`` of ``W`` as
+            ``[n/2][w][2]`` pairs of rows) or None.
 
         Raises:
-            ValueError: weights not on the CPU.
+            ValueError: weights not on the CPU, or a width other than 16 and 64.
             RuntimeError: weights the op would refuse (its message).
         """
         if any(p.weight.device.type != "cpu" for p in self.projections):
             raise ValueError(
                 "ExpertWeights.with_backward_panels: the packed weights must be on the CPU, "
                 f"got {self.gate.weight.device}"
+            )
+        if width is not None and (
+            not isinstance(width, int) or isinstance(width, bool) or width not in (16, 64)
+        ):
+            raise ValueError(
+                f"ExpertWeights.with_backward_panels: width must be 16 or 64 (or None), got "
+                f"{width!r}"
             )
         base = dataclasses.replace(self, backward_panels=None)
         panels = tuple(
@@ -376,6 +393,7 @@ class ExpertWeights:
                 self.weight_format,
                 [self.hidden_size, self.intermediate_size],
                 list(self.group_sizes),
+                width,
             )
         )
         if all(t is None for t in panels):

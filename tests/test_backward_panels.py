@@ -1,12 +1,14 @@
 """The LoRA backward's transposed weights made once (``ExpertWeights.with_backward_panels``).
 
 The backward's products with the frozen base reduce over each projection's output
-rows, so kt_ops' vdpbf16ps kernel reads the weights paired along ``n``; without
-panels every backward transposes them (``bf16_vnni_panel``), with them it reads
-the kept copy. These tests check that the copy has the documented layout, that
-the op reads it (zeroed panels change the gradient where kt_ops' kernel runs and
+rows, so its bf16 kernels (kt_ops' vdpbf16ps kernel, oneDNN's brgemm) read the weights
+paired along ``n``; without panels every backward transposes them
+(``bf16_vnni_panel``), with them it reads the kept copy, 16 or 64 columns per panel.
+These tests check that the copy has the documented layout in both widths, that the
+op reads it where the documentation says (zeroed panels change the gradient there and
 nothing elsewhere), that results are bit for bit those without panels (formats,
-odd token counts, thread counts), and every error a caller can hit.
+widths, both kernels, odd token counts, thread counts), and every error a caller can
+hit.
 """
 
 from __future__ import annotations
@@ -93,20 +95,38 @@ def assert_identical(got: dict, want: dict) -> None:
 
 
 @needs_panels
-def test_bf16_panels_hold_the_weights_paired_along_n():
+@pytest.mark.parametrize("width", [16, 64])
+def test_bf16_panels_hold_the_weights_paired_along_n(width: int):
     dense = dense_bf16()
-    w = kt_ops.ExpertWeights.from_dense(*dense, "bf16").with_backward_panels()
+    w = kt_ops.ExpertWeights.from_dense(*dense, "bf16").with_backward_panels(width)
     for t, d in zip(w.backward_panels, dense):
         n, k = d.shape[1:]
-        assert t.dtype == torch.bfloat16 and t.shape == (E, k // 16, 16 * n)
-        # slice s, [n/2][16][2]: element [p, j, i] = W[2p + i, 16 s + j]
-        want = d.view(E, n // 2, 2, k // 16, 16).permute(0, 3, 1, 4, 2).reshape(E, k // 16, 16 * n)
+        wd = width if k % width == 0 else 16  # down's k = 96: 64 does not divide it
+        assert t.dtype == torch.bfloat16 and t.shape == (E, k // wd, wd * n)
+        # panel s, [n/2][wd][2]: element [p, j, i] = W[2p + i, wd s + j]
+        want = d.view(E, n // 2, 2, k // wd, wd).permute(0, 3, 1, 4, 2).reshape(E, k // wd, wd * n)
         assert torch.equal(t, want)
 
 
 @needs_panels
+def test_the_default_width_follows_the_backward_kernel():
+    w = kt_ops.ExpertWeights.from_dense(*dense_bf16(), "bf16")
+
+    def widths():
+        panels = w.with_backward_panels().backward_panels
+        return [k // t.shape[1] for t, (_, k) in zip(panels, DIMS.values())]
+
+    with kt_ops.use_brgemm_bf16_kernel("onednn"):
+        assert widths() == [64, 64, 16]  # down's k = 96: 64 does not divide it
+    with kt_ops.use_brgemm_bf16_kernel("kt"):
+        kernel = kt_ops.compute_paths("avx512")["bf16"]["brgemm_kernel"]  # any ISA forced
+        kt_runs = (kernel or "").endswith("bf16_dp")
+        assert widths() == ([16, 16, 16] if kt_runs else [64, 64, 16])
+
+
+@needs_panels
 def test_int8_panels_hold_the_codes_without_their_channel_scales():
-    w = kt_ops.ExpertWeights.from_dense(*dense_bf16(), "int8").with_backward_panels()
+    w = kt_ops.ExpertWeights.from_dense(*dense_bf16(), "int8").with_backward_panels(16)
     for t, d in zip(w.backward_panels, dense_weights(w)):
         n, k = d.shape[1:]
         codes = t.view(E, k // 16, n // 2, 16, 2).permute(0, 2, 4, 1, 3).reshape(E, n, k).float()
@@ -149,33 +169,53 @@ def test_which_projections_get_panels(fmt: str, made):
 # --------------------------------------------------------------------------
 
 
-@needs_kt_kernel
-def test_the_backward_reads_the_panels_on_kt_ops_kernel_only():
-    w = kt_ops.ExpertWeights.from_dense(*dense_bf16(), "bf16")
-    wp = w.with_backward_panels()
-    zeroed = dataclasses.replace(
-        wp, backward_panels=tuple(map(torch.zeros_like, wp.backward_panels))
+def _zeroed(w: kt_ops.ExpertWeights, which=(0, 1, 2)) -> kt_ops.ExpertWeights:
+    """w with the panels of the projections `which` zeroed (the others kept)."""
+    panels = tuple(
+        torch.zeros_like(t) if i in which else t for i, t in enumerate(w.backward_panels)
     )
-    with kt_ops.use_isa("avx512"), kt_ops.use_brgemm_bf16_kernel("kt"):
-        if kt_ops.compute_paths()["bf16"]["brgemm_kernel"] is None:
-            pytest.skip("no bf16 tiles here (oneDNN capped below AVX512_CORE_BF16)")
-        want = step(w, 40)
-        got = step(zeroed, 40)
+    return dataclasses.replace(w, backward_panels=panels)
+
+
+def _bf16_tiles(kernel: str) -> bool:
+    """Whether the backward's bf16 products run on `kernel` here (oneDNN capped below
+    AVX512_CORE_BF16 runs none: the fp32 BLAS backward)."""
+    with kt_ops.use_isa("avx512"), kt_ops.use_brgemm_bf16_kernel(kernel):
+        return kt_ops.compute_paths()["bf16"]["brgemm_kernel"] is not None
+
+
+@needs_kt_kernel
+@pytest.mark.parametrize("width", [16, 64])
+def test_which_kernel_reads_which_panels(width: int):
+    w = kt_ops.ExpertWeights.from_dense(*dense_bf16(), "bf16")
+    wp = w.with_backward_panels(width)
+    if not _bf16_tiles("kt"):
+        pytest.skip("no bf16 tiles here (oneDNN capped below AVX512_CORE_BF16)")
     # Zeroed panels: W^T products of zero. x's gradient keeps the LoRA terms only.
-    assert not torch.equal(got["x"], want["x"])
-    assert torch.equal(got["out"], want["out"])  # the forward never reads them
-    with kt_ops.use_isa("avx512"), kt_ops.use_brgemm_bf16_kernel("onednn"):  # ignored there
-        assert_identical(step(zeroed, 40), step(w, 40))
+    with kt_ops.use_isa("avx512"), kt_ops.use_brgemm_bf16_kernel("onednn"):  # either width
+        want = step(w, 40)
+        got = step(_zeroed(wp), 40)
+        assert not torch.equal(got["x"], want["x"])
+        assert torch.equal(got["out"], want["out"])  # the forward never reads them
+    with kt_ops.use_isa("avx512"), kt_ops.use_brgemm_bf16_kernel("kt"):  # 16 wide only
+        want = step(w, 40)
+        # gate and up: 64 wide where asked (k = 256); down stays 16 wide (k = 96).
+        got = step(_zeroed(wp, which=(0, 1)), 40)
+        if width == 16:
+            assert not torch.equal(got["x"], want["x"])
+        else:
+            assert_identical(got, want)
     with kt_ops.use_isa("avx2"):  # the fp32 BLAS backward: ignored
-        assert_identical(step(zeroed, 40), step(w, 40))
+        assert_identical(step(_zeroed(wp), 40), step(w, 40))
 
 
 @needs_panels
+@pytest.mark.parametrize("width", [16, 64])
 @pytest.mark.parametrize("bf16_kernel", ["kt", "onednn"])
 @pytest.mark.parametrize(
     "base", ["bf16", "int8", "fp8", "fp8_channel", "mxfp8", "mxfp8_e0", "int8,int8,q6_k"]
 )
-def test_results_are_bit_identical_with_panels(base: str, bf16_kernel: str):
+def test_results_are_bit_identical_with_panels(base: str, bf16_kernel: str, width: int):
     if bf16_kernel == "kt" and not AVX512_BF16:
         pytest.skip("kt_ops' bf16 kernels need AVX512_BF16")
     inter = 256 if "_k" in base else I
@@ -193,7 +233,7 @@ def test_results_are_bit_identical_with_panels(base: str, bf16_kernel: str):
         scales[1, 2, 3, :] = 0
         gate = PackedProjection(gp.weight, scales, None, "mxfp8", gp.group_size, gp.n, gp.k)
         w = kt_ops.ExpertWeights(gate, w.up, w.down)
-    wp = w.with_backward_panels()
+    wp = w.with_backward_panels(width)
     assert wp.backward_panels is not None
     threads = kt_ops.get_num_threads()
     with kt_ops.use_brgemm_bf16_kernel(bf16_kernel):
@@ -209,10 +249,11 @@ def test_results_are_bit_identical_with_panels(base: str, bf16_kernel: str):
 @needs_kt_kernel
 @pytest.mark.parametrize("T", [0, 1, 7, 64])
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["save", "recompute"])
-def test_odd_token_counts_and_checkpointing(T: int, checkpointing: bool):
+@pytest.mark.parametrize("bf16_kernel,width", [("kt", 16), ("onednn", 64)])
+def test_odd_token_counts_and_checkpointing(T: int, checkpointing: bool, bf16_kernel, width):
     w = kt_ops.ExpertWeights.from_dense(*dense_bf16(), "bf16")
-    wp = w.with_backward_panels()
-    with kt_ops.use_brgemm_bf16_kernel("kt"):
+    wp = w.with_backward_panels(width)
+    with kt_ops.use_brgemm_bf16_kernel(bf16_kernel):
         assert_identical(step(wp, T, checkpointing), step(w, T, checkpointing))
 
 
@@ -317,22 +358,30 @@ def _call_with_panels(w: kt_ops.ExpertWeights, panels: list) -> None:
     "how,match",
     [
         ("dtype", "gate_backward_panels must be bf16, got Float"),
-        ("shape", r"gate_backward_panels must be \[E=5, k/16=16, 16 n=1536\]"),
+        ("shape", r"gate_backward_panels must be \[E=5, k/w, w n\] for a width w of 16 or 64"),
+        ("width 32", r"that divides k=256 \(16: \[5, 16, 1536\]"),
+        ("down 64 wide", r"down_backward_panels must be \[E=5, k/w, w n\].*divides k=96"),
         ("strided", "gate_backward_panels must be contiguous"),
         ("device", "gate_backward_panels"),
     ],
 )
 def test_bad_panels_are_refused_by_name(how: str, match: str):
-    w = kt_ops.ExpertWeights.from_dense(*dense_bf16(), "bf16").with_backward_panels()
-    gate = w.backward_panels[0]
+    w = kt_ops.ExpertWeights.from_dense(*dense_bf16(), "bf16").with_backward_panels(16)
+    gate, up, down = w.backward_panels
+    if how == "down 64 wide":  # [E, 96/64, 64 n] does not exist: 64 does not divide 96
+        bad_down = torch.zeros(E, 1, 64 * H, dtype=torch.bfloat16)
+        with pytest.raises(RuntimeError, match=match):
+            _call_with_panels(w, [gate, up, bad_down])
+        return
     bad = {
         "dtype": gate.float(),
         "shape": gate[:, :8],
+        "width 32": gate.reshape(E, 8, 32 * I),
         "strided": gate.transpose(1, 2).contiguous().transpose(1, 2),
         "device": gate.to("meta"),
     }[how]
     with pytest.raises(RuntimeError, match=match):
-        _call_with_panels(w, [bad, *w.backward_panels[1:]])
+        _call_with_panels(w, [bad, up, down])
 
 
 def test_panels_for_a_format_without_them_are_refused():
@@ -345,6 +394,13 @@ def test_panels_for_a_format_without_them_are_refused():
         match=r"gate_backward_panels was given, but that projection is int4 \[96, 256\]",
     ):
         _call_with_panels(w, [bogus, None, None])
+
+
+@pytest.mark.parametrize("width", [32, 0, True, 16.0])
+def test_with_backward_panels_refuses_other_widths(width):
+    w = kt_ops.ExpertWeights.from_dense(*dense_bf16(), "bf16")
+    with pytest.raises(ValueError, match=r"width must be 16 or 64 \(or None\), got"):
+        w.with_backward_panels(width)
 
 
 def test_with_backward_panels_refuses_weights_off_the_cpu():

@@ -7,14 +7,22 @@
 
 namespace kt::moe {
 
-at::Tensor make_backward_panels(const Projection& p) {
+int64_t default_backward_panel_width(const Projection& p) {
+  if (backward_on_kt_kernel() || p.k % kPanelWidthOnednn != 0) return kPanelWidthKt;
+  return kPanelWidthOnednn;
+}
+
+at::Tensor make_backward_panels(const Projection& p, int64_t width) {
+  TORCH_CHECK(width == kPanelWidthKt || width == kPanelWidthOnednn,
+              "make_backward_panels: width must be 16 or 64, got ", width);
   if (!bf16_vnni_panel_applies(p)) return {};
-  const int64_t E = p.num_experts(), slices = p.k / 16;
-  at::Tensor panels = at::empty({E, slices, 16 * p.n}, at::kBFloat16);
+  TORCH_CHECK(p.k % width == 0, "make_backward_panels: width ", width, " does not divide k=", p.k);
+  const int64_t E = p.num_experts(), panels_per_expert = p.k / width;
+  at::Tensor panels = at::empty({E, panels_per_expert, width * p.n}, at::kBFloat16);
   auto* base = static_cast<uint16_t*>(panels.data_ptr());
   runtime::ThreadPool::global().run(E, [&](int64_t e, int) {
-    for (int64_t s = 0; s < slices; ++s)
-      bf16_vnni_panel(p, e, 16 * s, 16, base + (e * slices + s) * 16 * p.n);
+    for (int64_t k0 = 0; k0 < p.k; k0 += width)
+      bf16_vnni_panel(p, e, k0, width, base + (e * p.k + k0) * p.n);
   });
   return panels;
 }

@@ -21,19 +21,40 @@
 
 namespace kt::moe {
 
-// Projection p's backward panels: bf16 [E, k/16, 16 n], slice s of expert e =
-// bf16_vnni_panel(p, e, 16 s, 16) ([n/2][16][2]: pairs of rows of W, exact values, the
-// scales of int8 / fp8 left out as there). An undefined tensor where this CPU and build
-// make no such panels (!bf16_vnni_panel_applies(p): another format, or no AVX-512).
-// Built on kt_ops' pool, one expert per task.
-at::Tensor make_backward_panels(const Projection& p);
+// The panel widths (output columns of W per panel) the backward reads kept panels in:
+// kt_ops' vdpbf16ps kernel multiplies 16-column slices; oneDNN's brgemm (the AMX
+// kernel) reads any width, and 64 columns make one N = 64 call where 16 make four
+// N = 16 calls (the shape AMX tiles are slowest at).
+constexpr int64_t kPanelWidthKt = 16;
+constexpr int64_t kPanelWidthOnednn = 64;
 
-// Expert e's panel of columns [k0, k0 + 16) (k0 a multiple of 16) in p's backward
-// panels, or nullptr where p has none.
+// Whether the LoRA backward's products with the base run on kt_ops' own vdpbf16ps
+// kernel (kernels::avx512::bf16_dp_panel) rather than oneDNN's brgemm (moe/moe_lora.cpp).
+bool backward_on_kt_kernel();
+
+// The width make_backward_panels uses by default: 16 where the backward runs on kt_ops'
+// kernel, else 64 where 64 divides k (16 otherwise).
+int64_t default_backward_panel_width(const Projection& p);
+
+// Projection p's backward panels: bf16 [E, k/w, w n] for a width w of 16 or 64 (w
+// divides k); panel s of expert e = bf16_vnni_panel(p, e, w s, w) ([n/2][w][2]: pairs
+// of rows of W, exact values, the scales of int8 / fp8 left out as there). An undefined
+// tensor where this CPU and build make no such panels (!bf16_vnni_panel_applies(p):
+// another format, or no AVX-512). Built on kt_ops' pool, one expert per task.
+at::Tensor make_backward_panels(const Projection& p, int64_t width);
+
+// The width of p's backward panels (0 where it has none).
+inline int64_t backward_panel_width(const Projection& p) {
+  return p.backward_panels.defined() ? p.k / p.backward_panels.size(1) : 0;
+}
+
+// Expert e's panel that starts at column k0 (a multiple of the width) in p's backward
+// panels, or nullptr where p has none: in every width the panel of columns
+// [k0, k0 + w) of expert e starts (e k + k0) n values in.
 inline const uint16_t* backward_panel_slice(const Projection& p, int64_t e, int64_t k0) {
   if (!p.backward_panels.defined()) return nullptr;
   const auto* base = static_cast<const uint16_t*>(p.backward_panels.data_ptr());
-  return base + (e * (p.k / 16) + k0 / 16) * 16 * p.n;
+  return base + (e * p.k + k0) * p.n;
 }
 
 // The lines of a slice from backward_panel_slice, for the kernel to prefetch while it

@@ -13,6 +13,7 @@
 #include "formats/fp8.h"
 #include "formats/qint.h"
 #include "formats/scale_dtype.h"
+#include "moe/backward_panels.h"
 #include "moe/expert_weights.h"
 
 namespace kt::moe {
@@ -230,8 +231,9 @@ at::Tensor parse_bias(const char* op, const std::optional<at::Tensor>& bias, con
   return b;
 }
 
-// One projection's backward panels: bf16 [E, k/16, 16 n], contiguous, of a projection
-// whose format has them (backward_panels_format), or None.
+// One projection's backward panels: bf16 [E, k/w, w n] for a width w of 16 or 64 that
+// divides k (moe/backward_panels.h), contiguous, of a projection whose format has them
+// (backward_panels_format), or None.
 at::Tensor parse_backward_panels(const char* op, const std::optional<at::Tensor>& panels,
                                  const char* name, const Projection& p) {
   if (!panels.has_value()) return {};
@@ -244,11 +246,14 @@ at::Tensor parse_backward_panels(const char* op, const std::optional<at::Tensor>
               "makes them)");
   TORCH_CHECK(t.scalar_type() == at::kBFloat16, op, ": ", name, " must be bf16, got ",
               t.scalar_type());
-  TORCH_CHECK(t.dim() == 3 && t.size(0) == p.num_experts() && t.size(1) == p.k / 16 &&
-                  t.size(2) == 16 * p.n,
-              op, ": ", name, " must be [E=", p.num_experts(), ", k/16=", p.k / 16,
-              ", 16 n=", 16 * p.n, "] (kt_ops.ExpertWeights.with_backward_panels), got shape ",
-              t.sizes());
+  bool shaped = false;
+  for (const int64_t w : {kPanelWidthKt, kPanelWidthOnednn}) {
+    shaped = shaped || (t.dim() == 3 && t.size(0) == p.num_experts() && p.k % w == 0 &&
+                        t.size(1) == p.k / w && t.size(2) == w * p.n);
+  }
+  TORCH_CHECK(shaped, op, ": ", name, " must be [E=", p.num_experts(), ", k/w, w n] for a width w",
+              " of 16 or 64 that divides k=", p.k, " (16: [", p.num_experts(), ", ", p.k / 16, ", ",
+              16 * p.n, "]; kt_ops.ExpertWeights.with_backward_panels), got shape ", t.sizes());
   TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous (call .contiguous())");
   return t;
 }

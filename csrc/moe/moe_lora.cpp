@@ -306,8 +306,6 @@ uint16_t* scratch_rows16(int slot, int64_t m, int64_t n) {
 // on W_hi + W_lo (within 2^-17 of W: the LoRA gradients keep about fp32 accuracy), dx on
 // W_hi (W rounded to bf16 as dg and du are: x's bf16 gradient moves by about one more
 // rounding).
-bool panel_on_kt_kernel();
-
 // How a projection's panels are made: its exact values (bf16_vnni_panel) or the split
 // hi + lo of its fp32 values (split_vnni_panel).
 bool exact_panels(const Projection& p) { return bf16_vnni_panel_applies(p); }
@@ -334,7 +332,7 @@ bool backward_on_brgemm(const at::Tensor& x, const at::Tensor& grad_output, cons
   }
   return x.scalar_type() == at::kBFloat16 && grad_output.scalar_type() == at::kBFloat16 && panels &&
          kernels::active_isa() >= avx512 && kernels::brgemm::bf16_runs() &&
-         (!chunked || panel_on_kt_kernel());
+         (!chunked || backward_on_kt_kernel());
 }
 
 // Output columns per panel of the backward: a [n/2][64][2] bf16 panel of the weights
@@ -349,10 +347,14 @@ constexpr int64_t kVnniCols = 64;
 // oneDNN's brgemm (which cannot interleave those loads) the build waited on DRAM, 30%
 // of the backward at T = 512; on Zen 4 (Qwen3-30B-A3B layer, 2 threads) the backward
 // takes 163-167 ms here against 196 on oneDNN (220 without the prefetch).
-bool panel_on_kt_kernel() {
+}  // namespace
+
+bool backward_on_kt_kernel() {
   return kernels::brgemm::kt_bf16_runs() && kernels::avx512::bf16_dp_panel != nullptr &&
          kernels::avx512::pack_pair_tiles != nullptr;
 }
+
+namespace {
 
 // Which panel of a projection a product reads: its exact values, or the hi / lo part
 // of split ones (split_vnni_panel).
@@ -377,7 +379,7 @@ void vnni_products(std::initializer_list<PanelTerm> terms, int64_t m, int64_t e,
                    const Projection* then = nullptr) {
   const Projection& p0 = *terms.begin()->p;
   const int64_t n = p0.n, k = p0.k, kp = n / 2, lda = kernels::tile_rows_ld(n);
-  const bool kt = panel_on_kt_kernel();
+  const bool kt = backward_on_kt_kernel();
   TaskScratch& scratch = task_scratch();
   for (std::vector<uint16_t>& v : scratch.panel16)
     if (v.size() < static_cast<size_t>(n * kVnniCols)) v.resize(n * kVnniCols);
@@ -434,10 +436,11 @@ void vnni_products(std::initializer_list<PanelTerm> terms, int64_t m, int64_t e,
       }
     }
   };
-  // The projection's backward panels where it has them (kt_ops' kernel: their slices
-  // are its 16-column slices), else nullptr.
-  auto kept = [&](const Projection& p, int64_t c0) {
-    return kt ? backward_panel_slice(p, e, c0) : nullptr;
+  // The projection's kept backward panel at column c0 where this kernel reads them (kt_ops':
+  // 16 columns wide, its slices; oneDNN's: any width), else nullptr.
+  auto kept = [&](const Projection& p, int64_t c0) -> const uint16_t* {
+    if (kt && backward_panel_width(p) != kPanelWidthKt) return nullptr;
+    return backward_panel_slice(p, e, c0);
   };
   for (int64_t c0 = 0; c0 < k; c0 += kVnniCols) {
     const int64_t cols = std::min(kVnniCols, k - c0);
@@ -446,14 +449,18 @@ void vnni_products(std::initializer_list<PanelTerm> terms, int64_t m, int64_t e,
       const PanelTerm& t = first[j];
       const bool add = j > 0;
       const uint16_t* panel = kept(*t.p, c0);
+      // oneDNN: one call per panel, [n/2][width][2] (kept, 16 or 64 wide) or the
+      // [n/2][cols][2] one made here.
+      const int64_t width = panel != nullptr ? backward_panel_width(*t.p) : cols;
       if (panel == nullptr) {
         if (t.p != made) make_panel(*t.p, c0, cols);
         made = t.p;
         panel = scratch.panel16[t.part == Part::kLo ? 1 : 0].data();
       }
-      if (!kt) {  // oneDNN: one [n/2][cols][2] panel per call
-        kernels::brgemm::bf16_gemm(static_cast<int>(m), cols, n, t.rows, lda, panel, out + c0, k,
-                                   add);
+      if (!kt) {
+        for (int64_t s = 0; s < cols; s += width)
+          kernels::brgemm::bf16_gemm(static_cast<int>(m), width, n, t.rows, lda, panel + s * n,
+                                     out + c0 + s, k, add);
         continue;
       }
       // kt_ops: 16-column slices [n/2][16][2], the next panel's weights prefetched.

@@ -65,16 +65,22 @@ at::Tensor dense_expert_weights(const std::vector<std::optional<at::Tensor>>& we
   return at::stack(experts);
 }
 
-// The backward panels of gate, up and down (moe::make_backward_panels), None where a
-// projection has none on this CPU and build.
+// The backward panels of gate, up and down (moe::make_backward_panels), `width` columns
+// wide (16 or 64; None: moe::default_backward_panel_width), None where a projection has
+// none on this CPU and build.
 std::vector<std::optional<at::Tensor>> make_backward_panels(
     const std::vector<std::optional<at::Tensor>>& weights, const std::string& weight_format,
-    const std::vector<int64_t>& sizes, const std::vector<int64_t>& group_sizes) {
+    const std::vector<int64_t>& sizes, const std::vector<int64_t>& group_sizes,
+    std::optional<int64_t> width) {
   const moe::MoeLayer layer = parse_experts("kt_ops.ExpertWeights.with_backward_panels", weights,
                                             weight_format, sizes, group_sizes);
   std::vector<std::optional<at::Tensor>> out;
   for (const moe::Projection* p : {&layer.gate, &layer.up, &layer.down}) {
-    at::Tensor t = moe::make_backward_panels(*p);
+    // A width that does not divide k (64 of k = 16 j) falls back to 16, as the default does.
+    const int64_t w = !width.has_value()   ? moe::default_backward_panel_width(*p)
+                      : p->k % *width == 0 ? *width
+                                           : moe::kPanelWidthKt;
+    at::Tensor t = moe::make_backward_panels(*p, w);
     out.push_back(t.defined() ? std::optional<at::Tensor>(t) : std::nullopt);
   }
   return out;
@@ -84,7 +90,8 @@ std::vector<std::optional<at::Tensor>> make_backward_panels(
 
 void register_layer_checks(py::module& m, py::module& testing) {
   m.def("check_layer_shapes", &check_layer_shapes);
-  m.def("make_backward_panels", &make_backward_panels,
+  m.def("make_backward_panels", &make_backward_panels, py::arg("weights"), py::arg("weight_format"),
+        py::arg("sizes"), py::arg("group_sizes"), py::arg("width") = std::nullopt,
         py::call_guard<py::gil_scoped_release>());  // ~0.35 s per large layer
   testing.def("dense_expert_weights", &dense_expert_weights);
 }
