@@ -2,14 +2,18 @@
 // (kt_ops.ExpertWeights.with_backward_panels; Projection::backward_panels).
 //
 // Why: the backward's products with the frozen base (go Wd^T, dg Wg + du Wu) reduce
-// over the forward's output rows n, so their vdpbf16ps operands pair the weights
-// along n while the forward's blocks pair them along k: every backward transposes
-// each expert's three projections into 16-column panels (bf16_vnni_panel). Kept, the
-// panels are read as they are, streamed from DRAM with the next one prefetched, for
-// the memory of a bf16 copy of the weights (2 bytes per weight: as much again as a
-// bf16 base, twice an int8 one). Measured on Zen 4 (Qwen3-30B-A3B layer, T = 512,
-// 2 threads, same process): backward 135 -> 124 ms on a bf16 base, 192 -> 155 ms on
-// int8 (docs/lora.md).
+// over the forward's output rows n, so their bf16 operands (kt_ops' vdpbf16ps kernel,
+// oneDNN's brgemm) pair the weights along n while the forward's blocks pair them along
+// k: every backward transposes each expert's three projections into VNNI panels
+// (bf16_vnni_panel). Kept, the panels are read as they are, streamed from DRAM, for the
+// memory of a bf16 copy of the weights (2 bytes per weight: as much again as a bf16
+// base, twice an int8 one). Two widths, one per kernel: kt_ops' kernel reads 16-column
+// slices (the next one prefetched while it multiplies); oneDNN's brgemm reads 64-column
+// panels as one N = 64 call (or 16-column ones as N = 16 calls). Measured on Zen 4
+// (Qwen3-30B-A3B layer, T = 512, 2 threads, same process; docs/lora.md): kt_ops' kernel
+// 135 -> 124 ms on a bf16 base, 192 -> 155 ms on int8; oneDNN's (the AMX backward's
+// kernel, forced here) 163 -> 118 ms on bf16 (138 with 16-wide panels), 198 -> 152 ms
+// on int8.
 #pragma once
 
 #include <ATen/core/Tensor.h>

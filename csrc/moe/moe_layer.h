@@ -61,9 +61,9 @@ struct Projection {
   kernels::ProjectionView view;  // what the kernels read
   at::Tensor bias;               // fp32 [E, n], contiguous, added to the product; or undefined
   // The LoRA backward's transposed weights made once (kt_ops.ExpertWeights.
-  // with_backward_panels): bf16 [E, k/16, 16 n], slice s = columns [16 s, 16 s + 16) of W
-  // as [n/2][16][2] (pairs of rows of W), what bf16_vnni_panel makes per call otherwise;
-  // or undefined.
+  // with_backward_panels): bf16 [E, k/w, w n] for a width w of 16 or 64, panel s =
+  // columns [w s, w s + w) of W as [n/2][w][2] (pairs of rows of W), what
+  // bf16_vnni_panel makes per call otherwise (moe/backward_panels.h); or undefined.
   at::Tensor backward_panels;
 
   // Expert e's bias row [n], or nullptr.

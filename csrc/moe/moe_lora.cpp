@@ -374,7 +374,9 @@ struct PanelTerm {
 // is packed once as its row tiles, the panel is four 16-column slices [n/2][16][2], and
 // the source of the next panel (or of `then`'s first one: the caller's next product) is
 // prefetched during each; the terms add in order through out. On oneDNN's brgemm, one
-// [n/2][64][2] panel per call.
+// [n/2][64][2] panel per call. Where p keeps backward panels (moe/backward_panels.h) of
+// a width the kernel reads, they are read instead of made: kt_ops' 16-wide slices;
+// oneDNN's 64-wide panels (one call) or 16-wide ones (four calls).
 void vnni_products(std::initializer_list<PanelTerm> terms, int64_t m, int64_t e, float* out,
                    const Projection* then = nullptr) {
   const Projection& p0 = *terms.begin()->p;
