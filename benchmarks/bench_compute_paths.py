@@ -58,7 +58,8 @@ def paths_for(fmt: str) -> tuple[tuple[str, str, str], ...]:
     oneDNN's kernel with its 16-row blocks in pairs, one N = 32 call each
     (``KT_OPS_BRGEMM_BF16_PAIRS``, csrc/kernels/brgemm.h). int8 times its w8a8
     kernels likewise: ``brgemm`` on kt_ops' vpdpbusd tiles (AVX512_VNNI without AMX),
-    ``brgemm@onednn`` on oneDNN's u8s8 brgemm.
+    ``brgemm@onednn`` on oneDNN's u8s8 brgemm; so does int4 (its w4a8 kernels, for
+    ``int4-g0``: grouped int4 streams on both).
     """
     if fmt in BF16_BRGEMM_FORMATS:
         pairs = (("brgemm@onednn_pairs", "brgemm", "auto"),) if fmt == "bf16" else ()
@@ -78,9 +79,11 @@ def paths_for(fmt: str) -> tuple[tuple[str, str, str], ...]:
             *onednn,
             ("auto", "auto", "auto"),
         )
+    onednn = (("brgemm@onednn", "brgemm", "auto"),) if fmt == "int4" else ()
     return (
         ("streaming", "streaming", "auto"),
         ("brgemm", "brgemm", "auto"),
+        *onednn,
         ("auto", "auto", "auto"),
     )
 

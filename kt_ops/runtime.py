@@ -536,8 +536,9 @@ class Config:
         per output over k): their results are bit-identical. The same choice
         holds for fp8's tiles and for int8's w8a8 tiles (kt_ops' vpdpbusd
         kernel on AVX512_VNNI CPUs; exact int32 sums, bit-identical to
-        oneDNN's u8s8 brgemm) and int4's per-channel w4a8 tiles (no oneDNN
-        counterpart: under ``'onednn'`` int4 streams). For tests and benchmarks;
+        oneDNN's u8s8 brgemm) and int4's per-channel w4a8 tiles (bit-identical
+        to oneDNN's u8s8 brgemm on the codes decoded to signed bytes, the AMX
+        path). For tests and benchmarks;
         ``compute_paths()[fmt]['brgemm_kernel']`` names the kernel that runs.
         """
         return _C.brgemm_bf16_kernel()

@@ -784,7 +784,14 @@ def q8_brgemm_min_tokens_of(weight_format: str) -> Optional[int]:
 
 
 #: The tile kernels that multiply per-token int8 activations (w8a8 for int8, w4a8 for int4).
-TOKEN_INT8_KERNELS = ("avx512_vnni/w8a8_dp", "onednn/brgemm_w8a8", "avx512_vnni/w4a8_dp")
+TOKEN_INT8_KERNELS = (
+    "avx512_vnni/w8a8_dp",
+    "onednn/brgemm_w8a8",
+    "avx512_vnni/w4a8_dp",
+    "onednn/brgemm_w4a8",
+)
+#: The w4a8 kernels (int4 with one scale per output channel): kt_ops' tiles, oneDNN's.
+W4A8_KERNELS = ("avx512_vnni/w4a8_dp", "onednn/brgemm_w4a8")
 
 
 def w8a8_min_tokens_of(weight_format: str) -> Optional[int]:
@@ -810,7 +817,7 @@ def token_int8_min_tokens_of(projection: Any) -> Optional[int]:
     if m is None or getattr(projection, "group_size", 0) == 0:
         return m
     kernel = kt_ops.compute_paths()[projection.weight_format]["brgemm_kernel"]
-    return None if kernel == "avx512_vnni/w4a8_dp" else m
+    return None if kernel in W4A8_KERNELS else m
 
 
 def token_q8_activations(x: Tensor) -> Tensor:

@@ -29,6 +29,7 @@ import torch
 from reference import (
     TOL_BF16,
     TOL_BF16_BRGEMM,
+    W4A8_KERNELS,
     Tolerance,
     assert_matches_reference,
     lora_weights_from,
@@ -78,11 +79,16 @@ BRGEMM_KERNELS = {
 # fp8_channel: fp8's tiles with unit band scales, its row scales applied to the outputs;
 # mxfp8: the same, its exponents moved into the decoded bf16 values.
 BRGEMM_KERNELS["fp8_channel"] = BRGEMM_KERNELS["mxfp8"] = BRGEMM_KERNELS["fp8"]
-#: The 4-bit integer format on kt_ops' w4a8 tiles (AVX512_VNNI without AMX; nothing
-#: elsewhere): its projections with one scale per output channel.
+#: The 4-bit integer format on the w4a8 kernels: its projections with one scale per
+#: output channel, on kt_ops' tiles (AVX512_VNNI without AMX), else oneDNN's u8s8 calls on
+#: the codes decoded to signed bytes (AMX).
 W4A8_FORMATS = ("int4",)
 for _name in W4A8_FORMATS:
-    BRGEMM_KERNELS[_name] = "avx512_vnni/w4a8_dp"
+    BRGEMM_KERNELS[_name] = (
+        "avx512_vnni/w4a8_dp"
+        if _FEATS.get("avx512_vnni") and not _FEATS.get("amx")
+        else "onednn/brgemm_w4a8"
+    )
 
 #: 'auto' with experts on both paths, against the unrounded reference: the
 #: brgemm experts' bf16 activations (relative rounding 2^-9 per value).
@@ -198,9 +204,9 @@ def test_format_table_records_the_thresholds():
         # vpdpbusd tiles) from 10 tokens per expert. AMX not measured.
         assert spec.brgemm_min_tokens_for("avx512") == (10 if name == "int8" else None)
         assert spec.brgemm_min_tokens_for("amx") == 16
-    spec = kt_ops.formats.format_spec("int4")  # per channel on kt_ops' w4a8 tiles
-    assert spec.brgemm_min_tokens_for("avx512") == 4
-    assert spec.brgemm_min_tokens_for("amx") is None  # no kernel there
+    spec = kt_ops.formats.format_spec("int4")  # per channel on the w4a8 kernels
+    assert spec.brgemm_min_tokens_for("avx512") == 4  # kt_ops' tiles
+    assert spec.brgemm_min_tokens_for("amx") == 16  # oneDNN's, int8's AMX value
     for name in ("fp8", "fp8_channel", "mxfp8"):  # docs/formats.md "Compute paths"
         spec = kt_ops.formats.format_spec(name)
         assert spec.brgemm_min_tokens_for("avx512") == 5  # kt_ops' fused tiles
@@ -231,9 +237,16 @@ def test_where_brgemm_runs(isa):
     # int8's w8a8 on kt_ops' own vpdpbusd tiles needs no oneDNN: an AVX512_VNNI CPU
     # without AMX and an AVX-512 path.
     kt_w8a8 = isa not in ("ref", "avx2") and feats["avx512_vnni"] and not feats.get("amx")
-    for name in W4A8_FORMATS:  # kt_ops' w4a8 tiles, under 'auto' quant only
-        assert paths[name]["brgemm_kernel"] == (BRGEMM_KERNELS[name] if kt_w8a8 else None)
-        assert paths[name]["brgemm_min_tokens"] == (1 if kt_w8a8 else None)
+    for name in W4A8_FORMATS:  # the w4a8 kernels, under 'auto' quant only
+        want = (
+            "avx512_vnni/w4a8_dp"
+            if kt_w8a8
+            else "onednn/brgemm_w4a8"
+            if expected_u8s8 and isa not in ("ref", "avx2")
+            else None
+        )
+        assert paths[name]["brgemm_kernel"] == want
+        assert paths[name]["brgemm_min_tokens"] == (1 if want else None)
     for name in Q8_BRGEMM_FORMATS:
         runs = expected_u8s8 or (name == "int8" and kt_w8a8)
         want = BRGEMM_KERNELS[name] if runs else None
@@ -975,7 +988,19 @@ W4A8_IDS = [f"{f}-g{g}-{'sym' if s else 'zp'}" for f, g, s in W4A8_VARIANTS]
 
 def w4a8_runs() -> bool:
     with kt_ops.use_compute_path("brgemm"):
-        return kt_ops.compute_paths()["int4"]["brgemm_kernel"] == "avx512_vnni/w4a8_dp"
+        return kt_ops.compute_paths()["int4"]["brgemm_kernel"] in W4A8_KERNELS
+
+
+def w4a8_kernels_here() -> list[str]:
+    """The w4a8 kernels that run here, by the ``brgemm_bf16_kernel`` setting that picks each
+    (kt_ops' vpdpbusd tiles under ``'kt'`` on AVX512_VNNI, oneDNN's under ``'onednn'``)."""
+    found = {}
+    for setting in ("kt", "onednn"):
+        with kt_ops.use_compute_path("brgemm"), kt_ops.use_brgemm_bf16_kernel(setting):
+            name = kt_ops.compute_paths()["int4"]["brgemm_kernel"]
+        if name in W4A8_KERNELS:
+            found.setdefault(name, setting)
+    return list(found.values())
 
 
 @pytest.mark.parametrize("variant", W4A8_VARIANTS, ids=W4A8_IDS)
@@ -986,18 +1011,20 @@ def test_w4a8_against_the_per_token_reference(isa, variant, H, I, T):  # noqa: E
     # tile (T = 300: ~100 rows each); H = 2048 is the 4 KiB row stride. Forced brgemm
     # (any token count).
     if not w4a8_runs():
-        pytest.skip("kt_ops' w4a8 tiles do not run on this ISA path / CPU")
+        pytest.skip("no w4a8 kernel runs on this ISA path / CPU")
     fmt, gs, sym = variant
     if gs and (H % gs or I % gs):
         pytest.skip("group size does not divide K")
     experts = make_quant_experts(fmt, 6, H, I, group_size=gs, symmetric=sym, seed=H + I + T)
     ids, w = make_routing(T, 6, 2, seed=T + H)
-    for dtype in (torch.bfloat16, torch.float32):
-        x = make_hidden(T, H, dtype, seed=T + I)
-        out = check_w8a8(x, ids, w, experts)
-        if gs != 0:  # grouped: the streaming q8 kernels, bit for bit
-            with kt_ops.use_quant_activations("q8"):
-                assert torch.equal(out, run("streaming", x, ids, w, experts))
+    for setting in w4a8_kernels_here():
+        with kt_ops.use_brgemm_bf16_kernel(setting):
+            for dtype in (torch.bfloat16, torch.float32):
+                x = make_hidden(T, H, dtype, seed=T + I)
+                out = check_w8a8(x, ids, w, experts)
+                if gs != 0:  # grouped: the streaming q8 kernels, bit for bit
+                    with kt_ops.use_quant_activations("q8"):
+                        assert torch.equal(out, run("streaming", x, ids, w, experts))
 
 
 def test_w4a8_is_per_token_not_per_32(isa):
@@ -1017,27 +1044,55 @@ def test_w4a8_is_per_token_not_per_32(isa):
 
 
 @pytest.mark.parametrize("variant", W4A8_VARIANTS[:2], ids=W4A8_IDS[:2])
-@pytest.mark.parametrize("m", [1, 13, 28, 29, 57, 85])
+@pytest.mark.parametrize("m", [1, 13, 28, 29, 57, 65, 85])
 def test_w4a8_tiles_and_thread_counts(isa, variant, m):
     # One expert with m tokens: every tile split (28 rows: 29 is 15 + 14), the same
     # bits at 1, 2 and 3 threads (each output is its own chain in a fixed order).
+    # kt_ops' tiles and oneDNN's (64-row calls: 65 is 64 + 1) give the same bits: the
+    # same exact int32 sums, the same fold.
     if not w4a8_runs():
-        pytest.skip("kt_ops' w4a8 tiles do not run on this ISA path / CPU")
+        pytest.skip("no w4a8 kernel runs on this ISA path / CPU")
     fmt, gs, sym = variant
     experts = make_quant_experts(fmt, 2, 128, 128, group_size=gs, symmetric=sym, seed=m)
     ids = torch.zeros(m, 1, dtype=torch.long)
     w = torch.ones(m, 1)
     x = make_hidden(m, 128, torch.float32, seed=m)
     got = []
-    for n in THREAD_COUNTS:
-        kt_ops.set_num_threads(n)
-        got.append(check_w8a8(x, ids, w, experts))
-        assert torch.equal(got[-1], got[0]), f"{n} threads"
+    for setting in w4a8_kernels_here():
+        with kt_ops.use_brgemm_bf16_kernel(setting):
+            for n in THREAD_COUNTS:
+                kt_ops.set_num_threads(n)
+                got.append(check_w8a8(x, ids, w, experts))
+                assert torch.equal(got[-1], got[0]), f"{setting}, {n} threads"
+
+
+@pytest.mark.parametrize("sym", [True, False], ids=["sym", "zp"])
+@pytest.mark.parametrize("m", [1, 2, 27, 28, 29, 64, 65, 130])
+def test_kt_and_onednn_w4a8_kernels_bit_identical(isa, sym, m):
+    # kt_ops' tiles add vpdpbusd of the unsigned codes c onto -8 sum q (or 0 with zero
+    # points); oneDNN's calls multiply the codes decoded to c - 8 with q + 128 and take
+    # off the compensation row (plus 8 sum q with zero points): the same exact int32, the
+    # same fold, so the same bits. K = 100 pads to 128 (codes of zero past k), I = 36 is
+    # a partial last block, one outlier row has its own scale.
+    kernels = w4a8_kernels_here()
+    if len(kernels) < 2:
+        pytest.skip(f"needs both w4a8 kernels (AVX512_VNNI CPU, oneDNN u8s8); here {kernels}")
+    H, I = 100, 36  # noqa: E741
+    experts = make_quant_experts("int4", 2, H, I, group_size=0, symmetric=sym, seed=m)
+    ids = torch.zeros(m, 1, dtype=torch.long)
+    w = torch.ones(m, 1)
+    x = make_hidden(m, H, torch.float32, seed=m)
+    x[0, 3] = 40.0
+    outs = {}
+    for setting in kernels:
+        with kt_ops.use_brgemm_bf16_kernel(setting):
+            outs[setting] = check_w8a8(x, ids, w, experts)
+    assert torch.equal(outs["kt"], outs["onednn"])
 
 
 def test_w4a8_only_under_quant_auto(isa):
     if not w4a8_runs():
-        pytest.skip("kt_ops' w4a8 tiles do not run on this ISA path / CPU")
+        pytest.skip("no w4a8 kernel runs on this ISA path / CPU")
     with kt_ops.use_compute_path("brgemm"):
         for quant in ("q8", "fp32"):
             # Under 'fp32', the exact qint tiles (bf16 activations) where they run.
@@ -1046,7 +1101,10 @@ def test_w4a8_only_under_quant_auto(isa):
                 name = kt_ops.compute_paths()["int4"]["brgemm_kernel"]
                 assert name == ("avx512_bf16/qint_dp_exact" if exact else None), quant
     with kt_ops.use_compute_path("brgemm"), kt_ops.use_brgemm_bf16_kernel("onednn"):
-        assert kt_ops.compute_paths()["int4"]["brgemm_kernel"] is None  # no oneDNN w4a8
+        int8 = kt_ops.compute_paths()["int8"]["brgemm_kernel"]
+        int4 = kt_ops.compute_paths()["int4"]["brgemm_kernel"]
+        # oneDNN's w4a8 wherever its w8a8 runs (the same calls on decoded codes).
+        assert int4 == ("onednn/brgemm_w4a8" if int8 == "onednn/brgemm_w8a8" else None)
 
 
 # --------------------------------------------------------------------------

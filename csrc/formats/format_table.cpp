@@ -76,9 +76,13 @@ constexpr BrgemmPolicy kInt8Brgemm = {{kInt8BrgemmMinAvx512, kInt8BrgemmMinAmx}}
 // against the streaming q8 kernel, Zen 4 (AVX512_VNNI, 2 threads, H=2048, I=768):
 // 1.14 (2), 0.87 (4), 0.76 (6), 0.79 (8), 0.75 (10-16), 0.74 (32-64), 0.76 (128):
 // from 4 tokens. int4 with groups and every other 4-bit format stream (the per-group
-// fold costs more there; TileKernel::applies_to). No kernel on AMX (not measured).
+// fold costs more there; TileKernel::applies_to). AMX runs oneDNN's w4a8 (the codes
+// decoded to signed bytes per block, then int8's w8a8 calls on AMX tiles): int8's AMX
+// value, 16 (unmeasured, no AMX host since; the decode is 4 vector operations per 64
+// bytes of codes, once per block for all its token tiles).
 constexpr int kInt4BrgemmMinAvx512 = 4;
-constexpr BrgemmPolicy kInt4Brgemm = {{kInt4BrgemmMinAvx512, kNoBrgemm}};
+constexpr int kInt4BrgemmMinAmx = kInt8BrgemmMinAmx;
+constexpr BrgemmPolicy kInt4Brgemm = {{kInt4BrgemmMinAvx512, kInt4BrgemmMinAmx}};
 constexpr int kQ80BrgemmMinAvx512 = kNoBrgemm;
 constexpr int kQ80BrgemmMinAmx = 16;
 constexpr BrgemmPolicy kQ80Brgemm = {{kQ80BrgemmMinAvx512, kQ80BrgemmMinAmx}};

@@ -206,6 +206,14 @@ bool w4a8_applies(const formats::FormatRow& format) {
 
 bool w4a8_applies_to(const ProjectionView& view) { return view.qint.group_size == 0; }
 
+bool w4a8_onednn_applies_to(const ProjectionView& view) {
+  return view.qint.group_size == 0 && view.kp <= kW8A8MaxK;
+}
+
+bool w4a8_runs() {
+  return avx512::int4_to_s8_vnni != nullptr && avx512::w4a8_epilogue != nullptr && w8a8_runs();
+}
+
 bool kt_w8a8_runs() {
   if (avx512::w8a8_dp_dot == nullptr || avx512::pack_w8a8_dp_rows == nullptr ||
       avx512::quantize_rows_i8_token == nullptr)
@@ -469,6 +477,50 @@ void w8a8_dot(const DotArgs& a, const TileOperand& op) {
         avx512::w8a8_epilogue(c, rows, x_scales + i, blk.scales, p.qint.scale_type, k0 > 0,
                               blk.out + i * blk.ldo, blk.ldo);
       }
+    }
+  }
+#else
+  (void)a;
+  (void)op;
+#endif
+}
+
+void pack_w4a8_rows(const float* const* x, int m, int64_t kp, uint8_t* dst) {
+  pack_w8a8_rows(x, m, kp, dst);
+  // Each row's sum of q: its codes + 128, less 128 per k.
+  auto* sums = reinterpret_cast<int32_t*>(dst + w8a8_bytes(m, kp));
+  const uint8_t* tiles = dst + w8a8_scale_bytes(m);
+  const int64_t ld = w8a8_ld(kp);
+  for (int i = 0, tile = 0; i < m; i += kMaxTileRows, ++tile) {
+    const int rows = std::min(kMaxTileRows, m - i);
+    for (int r = 0; r < rows; ++r) {
+      const uint8_t* row = tiles + (i + tile + r) * ld;
+      int64_t t = 0;
+      for (int64_t k = 0; k < kp; ++k) t += row[k];
+      sums[i + r] = static_cast<int32_t>(t - 128 * kp);
+    }
+  }
+}
+
+void w4a8_dot(const DotArgs& a, const TileOperand& op) {
+#ifdef KT_HAVE_CPUBLAS_BRGEMM
+  const ProjectionView& p = *a.proj;
+  const int64_t kp = p.kp, ld = w8a8_ld(kp);
+  const auto* x_scales = static_cast<const float*>(op.rows);
+  const uint8_t* tiles = static_cast<const uint8_t*>(op.rows) + w8a8_scale_bytes(a.m);
+  const auto* q_sums =
+      reinterpret_cast<const int32_t*>(static_cast<const uint8_t*>(op.rows) + w8a8_bytes(a.m, kp));
+  auto* w = reinterpret_cast<int8_t*>(op.scratch->tile.data());  // >= kp * 16 bytes (reserve)
+  alignas(64) int32_t c[(kMaxTileRows + 1) * 16];  // one tile's sums and its compensation
+  for (int64_t nb = a.nb_begin; nb < a.nb_end; ++nb) {
+    const QintBlock blk = qint_block(a, nb);
+    avx512::int4_to_s8_vnni(blk.block, kp, w);  // once per block, for all its token tiles
+    for (int i = 0, tile = 0; i < a.m; i += kMaxTileRows, ++tile) {
+      const int rows = std::min(kMaxTileRows, a.m - i);
+      const uint8_t* xa = tiles + (i + tile) * ld;  // earlier tiles carry one extra row each
+      at::native::cpublas::brgemm(rows + 1, 16, kp, ld, 16, 16, false, xa, w, c, true);
+      avx512::w4a8_epilogue(c, rows, x_scales + i, q_sums + i, blk.scales, p.qint.scale_type,
+                            blk.zeros, p.qint.zero_type, blk.out + i * blk.ldo, blk.ldo);
     }
   }
 #else

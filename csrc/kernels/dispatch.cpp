@@ -164,8 +164,29 @@ const TileKernel kKtW8A8{
     /*pack_rows=*/avx512::pack_w8a8_dp_rows,
     /*quant_modes=*/kQuantAutoBit,
 };
+// int4 per channel on oneDNN's u8s8 brgemm (w4a8: the codes decoded to signed bytes per
+// block, the w8a8 calls, the w4a8 tiles' fold): AMX, or brgemm_bf16_kernel = 'onednn';
+// the int8 formats go on down the chain.
+const TileKernel kOneDnnW4A8{
+    /*name=*/"onednn/brgemm_w4a8",
+    /*input=*/TileInput::kI8TokenRows,
+    /*bf16_activations_only=*/false,
+    /*keeps=*/true,  // the decoded block in the scratch tile
+    /*applies=*/brgemm::w4a8_applies,
+    /*runs=*/brgemm::w4a8_runs,
+    /*dot=*/brgemm::w4a8_dot,
+    /*pack_bytes=*/brgemm::w4a8_bytes,
+    /*pack=*/nullptr,
+    /*release=*/brgemm::release,
+    /*fallback=*/&kKtW8A8,
+    /*pack_rows=*/brgemm::pack_w4a8_rows,
+    /*quant_modes=*/kQuantAutoBit,
+    /*keeps_if=*/nullptr,
+    /*forced_only=*/false,
+    /*applies_to=*/brgemm::w4a8_onednn_applies_to,
+};
 // int4 per channel on kt_ops' vpdpbusd tiles with per-token activations (w4a8),
-// AVX512_VNNI without AMX; the int8 formats go on down the chain.
+// AVX512_VNNI without AMX (bit-identical to oneDNN's above).
 const TileKernel kKtW4A8{
     /*name=*/"avx512_vnni/w4a8_dp",
     /*input=*/TileInput::kI8TokenRows,
@@ -177,7 +198,7 @@ const TileKernel kKtW4A8{
     /*pack_bytes=*/brgemm::w4a8_dp_bytes,
     /*pack=*/nullptr,
     /*release=*/nullptr,
-    /*fallback=*/&kKtW8A8,
+    /*fallback=*/&kOneDnnW4A8,
     /*pack_rows=*/avx512::pack_w4a8_dp_rows,
     /*quant_modes=*/kQuantAutoBit,
     /*keeps_if=*/nullptr,

@@ -1,7 +1,8 @@
 // The AVX-512 parts of the w8a8 brgemm path (kernels/brgemm.h): the per-token
 // int8 quantization of the activation rows (the A operand) and the epilogue of
-// each tile's int32 sums. brgemm.cpp reaches both through weak declarations
-// (kernels/tiers.h): the path needs an AVX-512 tier anyway (oneDNN's u8s8).
+// each tile's int32 sums; for int4 per channel on the same calls (w4a8), the block's
+// codes as signed bytes and that kernel's epilogue. brgemm.cpp reaches both through weak
+// declarations (kernels/tiers.h): the path needs an AVX-512 tier anyway (oneDNN's u8s8).
 //
 // Per row (formats/q8_activations.h's formula over the whole row, as
 // tests/reference.py's q8_activations with block = K):
@@ -49,6 +50,38 @@ void w8a8_epilogue(const int32_t* c, int rows, const float* x_scales, const void
     float* o = out + i * ldo;
     const __m512 base = accumulate ? _mm512_loadu_ps(o) : _mm512_setzero_ps();
     _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), s, base));
+  }
+}
+
+void int4_to_s8_vnni(const uint8_t* block, int64_t kp, int8_t* dst) {
+  // The low plane [kp/8][16][4]: line l holds quad 2l of the 16 rows in its low nibbles
+  // and quad 2l + 1 in its high ones, so each nibble half is one [16][4] line of dst.
+  const __m512i mask = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
+  for (int64_t l = 0; l < kp / 8; ++l) {
+    const __m512i raw = _mm512_loadu_si512(block + 64 * l);
+    const __m512i lo = _mm512_and_si512(raw, mask);
+    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
+    _mm512_storeu_si512(dst + 128 * l, _mm512_sub_epi8(lo, eight));
+    _mm512_storeu_si512(dst + 128 * l + 64, _mm512_sub_epi8(hi, eight));
+  }
+}
+
+void w4a8_epilogue(const int32_t* c, int rows, const float* x_scales, const int32_t* q_sums,
+                   const void* scales, formats::ScaleType scale_type, const void* zeros,
+                   formats::ScaleType zero_type, float* out, int64_t ldo) {
+  using V = QintVec512<false>;
+  const __m512 s = V::load_scales(scales, scale_type, 0);  // per channel: one group
+  const __m512 z = zeros != nullptr ? V::load_scales(zeros, zero_type, 0) : _mm512_setzero_ps();
+  const __m512i comp = _mm512_loadu_si512(c + rows * 16);
+  for (int i = 0; i < rows; ++i) {
+    // sum (c - 8) q, exact; with zero points sum c q (kt_ops' w4a8 tiles' acc).
+    __m512i acc = _mm512_sub_epi32(_mm512_loadu_si512(c + i * 16), comp);
+    if (zeros != nullptr) acc = _mm512_add_epi32(acc, _mm512_set1_epi32(8 * q_sums[i]));
+    // The tiles' fold, operation for operation (w4a8_tile): the same bits.
+    const __m512 xa = _mm512_mul_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(x_scales[i]));
+    __m512 r = _mm512_mul_ps(s, xa);
+    if (zeros != nullptr) r = _mm512_fnmadd_ps(z, _mm512_set1_ps(x_scales[i] * q_sums[i]), r);
+    _mm512_storeu_ps(out + i * ldo, r);
   }
 }
 
