@@ -58,8 +58,8 @@ def paths_for(fmt: str) -> tuple[tuple[str, str, str], ...]:
     oneDNN's kernel with its 16-row blocks in pairs, one N = 32 call each
     (``KT_OPS_BRGEMM_BF16_PAIRS``, csrc/kernels/brgemm.h). int8 times its w8a8
     kernels likewise: ``brgemm`` on kt_ops' vpdpbusd tiles (AVX512_VNNI without AMX),
-    ``brgemm@onednn`` on oneDNN's u8s8 brgemm; so does int4 (its w4a8 kernels, for
-    ``int4-g0``: grouped int4 streams on both).
+    ``brgemm@onednn`` on oneDNN's u8s8 brgemm; so does int4 per channel (``int4-g0``,
+    its w4a8 kernels).
     """
     if fmt in BF16_BRGEMM_FORMATS:
         pairs = (("brgemm@onednn_pairs", "brgemm", "auto"),) if fmt == "bf16" else ()
@@ -79,7 +79,7 @@ def paths_for(fmt: str) -> tuple[tuple[str, str, str], ...]:
             *onednn,
             ("auto", "auto", "auto"),
         )
-    onednn = (("brgemm@onednn", "brgemm", "auto"),) if fmt == "int4" else ()
+    onednn = (("brgemm@onednn", "brgemm", "auto"),) if fmt.startswith("int4-g0") else ()
     return (
         ("streaming", "streaming", "auto"),
         ("brgemm", "brgemm", "auto"),
@@ -189,7 +189,7 @@ def main() -> int:
         experts, fmt = build_variant(variant, dense, E).experts, variant.weight_format
     else:
         experts, fmt = make_expert_weights(E, H, I, weight_format=args.format), args.format
-    sides = paths_for(fmt)
+    sides = paths_for(args.format if args.format.startswith("int4-g") else fmt)
     with kt_ops.use_compute_path("brgemm"):  # the kernel that forced 'brgemm' runs
         brg = kt_ops.compute_paths()[fmt]["brgemm_kernel"]
     print(

@@ -19,6 +19,7 @@ if [[ "${KT_OPS_TEST_ONEDNN_CLASSES:-1}" != 0 ]]; then
   for cls in $("$PY" tests/onednn_isa.py --below-top); do
     echo "[test.sh] ONEDNN_MAX_CPU_ISA=$cls: the brgemm tests"
     ONEDNN_MAX_CPU_ISA=$cls "$PY" -m pytest tests/test_compute_paths.py \
-      tests/test_compute_plan.py tests/test_lora.py -q -p no:cacheprovider
+      tests/test_compute_plan.py tests/test_lora.py tests/test_backward_panels.py -q \
+      -p no:cacheprovider
   done
 fi
