@@ -404,12 +404,20 @@ def main() -> int:
         help="kt_ops' hidden states and output gradient (bf16: as kt-kernel's and a bf16 model's)",
     )
     ap.add_argument(
+        "--bf16-kernel",
+        choices=["auto", "kt", "onednn"],
+        default="auto",
+        help="kt_ops.config.brgemm_bf16_kernel for every kt row (onednn: the AMX hosts' "
+        "kernel; its kept backward panels are 64 columns wide)",
+    )
+    ap.add_argument(
         "--kt-kernel-worker", nargs=3, metavar=("SPEC", "METHOD", "OUT"), help=argparse.SUPPRESS
     )
     args = ap.parse_args()
     if args.kt_kernel_worker:
         return kt_kernel_worker(*args.kt_kernel_worker)
 
+    kt_ops.config.brgemm_bf16_kernel = args.bf16_kernel  # before the panels take its width
     E, H, I, K, r = args.experts, args.hidden, args.intermediate, args.top_k, args.rank  # noqa: E741
     s = args.alpha / r
     systems = set(args.systems)
@@ -433,7 +441,8 @@ def main() -> int:
     print(
         f"E={E} H={H} I={I} K={K} r={r} alpha={args.alpha:g} (scaling {s:g}); bases "
         f"{args.formats}; threads: kt_ops {kt_threads}, torch {torch.get_num_threads()}, "
-        f"kt-kernel {threads}; kt_ops ISA {kt_ops.active_isa()}; medians of {args.reps} "
+        f"kt-kernel {threads}; kt_ops ISA {kt_ops.active_isa()}, bf16 kernel "
+        f"{args.bf16_kernel}; medians of {args.reps} "
         f"steps after 1 lead step",
         flush=True,
     )
