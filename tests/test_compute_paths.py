@@ -817,16 +817,22 @@ def w8a8_runs() -> bool:
         return kt_ops.compute_paths()["int8"]["brgemm_kernel"] in W8A8_KERNELS
 
 
-def w8a8_kernels_here() -> list[str]:
-    """The w8a8 kernels that run here, by the ``brgemm_bf16_kernel`` setting that picks each
-    (kt_ops' vpdpbusd tiles under ``'kt'`` on AVX512_VNNI, oneDNN's under ``'onednn'``)."""
+def token_int8_kernels_here(fmt: str, kernels: tuple[str, ...]) -> list[str]:
+    """The ``brgemm_bf16_kernel`` settings under which one of ``kernels`` computes ``fmt``
+    here, one per kernel (kt_ops' vpdpbusd tiles under ``'kt'`` on AVX512_VNNI, oneDNN's
+    u8s8 brgemm under ``'onednn'``)."""
     found = {}
     for setting in ("kt", "onednn"):
         with kt_ops.use_compute_path("brgemm"), kt_ops.use_brgemm_bf16_kernel(setting):
-            name = kt_ops.compute_paths()["int8"]["brgemm_kernel"]
-        if name in W8A8_KERNELS:
+            name = kt_ops.compute_paths()[fmt]["brgemm_kernel"]
+        if name in kernels:
             found.setdefault(name, setting)
     return list(found.values())
+
+
+def w8a8_kernels_here() -> list[str]:
+    """The settings that run int8's w8a8 kernels here (:func:`token_int8_kernels_here`)."""
+    return token_int8_kernels_here("int8", W8A8_KERNELS)
 
 
 def check_w8a8(x, ids, w, experts):
@@ -992,15 +998,8 @@ def w4a8_runs() -> bool:
 
 
 def w4a8_kernels_here() -> list[str]:
-    """The w4a8 kernels that run here, by the ``brgemm_bf16_kernel`` setting that picks each
-    (kt_ops' vpdpbusd tiles under ``'kt'`` on AVX512_VNNI, oneDNN's under ``'onednn'``)."""
-    found = {}
-    for setting in ("kt", "onednn"):
-        with kt_ops.use_compute_path("brgemm"), kt_ops.use_brgemm_bf16_kernel(setting):
-            name = kt_ops.compute_paths()["int4"]["brgemm_kernel"]
-        if name in W4A8_KERNELS:
-            found.setdefault(name, setting)
-    return list(found.values())
+    """The settings that run int4's w4a8 kernels here (:func:`token_int8_kernels_here`)."""
+    return token_int8_kernels_here("int4", W4A8_KERNELS)
 
 
 @pytest.mark.parametrize("variant", W4A8_VARIANTS, ids=W4A8_IDS)
