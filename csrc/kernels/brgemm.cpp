@@ -28,6 +28,16 @@ namespace {
 // u8s8: K chunks per epilogue pass (their int32 sums stay in L1 in between).
 constexpr int kFoldChunks = 4;
 
+// The token tiles of the u8s8 and w8a8 A operands: at most kMaxTileRows rows each (the
+// last one shorter), each followed by its row of 128s (the compensation). f(i, rows,
+// row0) for the tile of token rows [i, i + rows), which starts at row row0 of the
+// operand (each earlier tile carries one extra row).
+template <class F>
+void for_each_token_tile(int m, const F& f) {
+  for (int i = 0, tile = 0; i < m; i += kMaxTileRows, ++tile)
+    f(i, std::min(kMaxTileRows, m - i), i + tile);
+}
+
 // Band scales of ones for avx512::scale_rows_to_bf16: the activations rounded to bf16 as
 // they are (fp8_channel, mxfp8, fp8's exact tiles and the exact qint tiles).
 const float* unit_band_scales(const DotArgs& a) {
@@ -384,9 +394,8 @@ void u8s8_dot(const DotArgs& a, const TileOperand& op) {
   for (int64_t nb = a.nb_begin; nb < a.nb_end; ++nb) {
     const QintBlock blk = qint_block(a, nb);
     const auto* w = reinterpret_cast<const signed char*>(blk.block);
-    for (int i = 0, tile = 0; i < a.m; i += kMaxTileRows, ++tile) {
-      const int rows = std::min(kMaxTileRows, a.m - i);
-      const uint8_t* xa = xu8 + (i + tile) * kp;  // earlier tiles carry one extra row each
+    for_each_token_tile(a.m, [&](int i, int rows, int row0) {
+      const uint8_t* xa = xu8 + row0 * kp;
       const int64_t a_chunk = static_cast<int64_t>(rows + 1) * kU8S8Chunk;  // chunk-major A
       float* out = blk.out + i * blk.ldo;
       for (int r = 0; r < rows; ++r) std::fill(out + r * blk.ldo, out + r * blk.ldo + 16, 0.0f);
@@ -400,7 +409,7 @@ void u8s8_dot(const DotArgs& a, const TileOperand& op) {
         avx512::brgemm_q8_fold(c, nc, rows, a.xq + i, kp, c0, blk.scales, p.qint.scale_type,
                                p.qint.group_size, out, blk.ldo);
       }
-    }
+    });
   }
 #else
   (void)a;
@@ -422,12 +431,11 @@ void pack_w8a8_rows(const float* const* x, int m, int64_t kp, uint8_t* dst) {
   auto* scales = reinterpret_cast<float*>(dst);
   uint8_t* tiles = dst + w8a8_scale_bytes(m);
   const int64_t ld = w8a8_ld(kp);
-  for (int i = 0; i < m; i += kMaxTileRows) {
-    const int rows = std::min(kMaxTileRows, m - i);
-    avx512::quantize_rows_i8_token(x + i, rows, kp, tiles, ld, scales + i);
-    std::fill_n(tiles + rows * ld, kp, uint8_t{128});  // the compensation row
-    tiles += (rows + 1) * ld;
-  }
+  for_each_token_tile(m, [&](int i, int rows, int row0) {
+    uint8_t* tile = tiles + row0 * ld;
+    avx512::quantize_rows_i8_token(x + i, rows, kp, tile, ld, scales + i);
+    std::fill_n(tile + rows * ld, kp, uint8_t{128});  // the compensation row
+  });
 }
 
 // Where kt_ops' bf16 tiles run (AVX512_BF16 without AMX, or forced by brgemm_bf16_kernel =
@@ -467,9 +475,8 @@ void w8a8_dot(const DotArgs& a, const TileOperand& op) {
   for (int64_t nb = a.nb_begin; nb < a.nb_end; ++nb) {
     const QintBlock blk = qint_block(a, nb);
     const auto* w = reinterpret_cast<const signed char*>(blk.block);  // [kp/4][16][4]
-    for (int i = 0, tile = 0; i < a.m; i += kMaxTileRows, ++tile) {
-      const int rows = std::min(kMaxTileRows, a.m - i);
-      const uint8_t* xa = tiles + (i + tile) * ld;  // earlier tiles carry one extra row each
+    for_each_token_tile(a.m, [&](int i, int rows, int row0) {
+      const uint8_t* xa = tiles + row0 * ld;
       for (int64_t k0 = 0; k0 < kp; k0 += kW8A8MaxK) {
         const int64_t kc = std::min(kW8A8MaxK, kp - k0);
         at::native::cpublas::brgemm(rows + 1, 16, kc, ld, 16, 16, false, xa + k0, w + k0 * 16, c,
@@ -477,7 +484,7 @@ void w8a8_dot(const DotArgs& a, const TileOperand& op) {
         avx512::w8a8_epilogue(c, rows, x_scales + i, blk.scales, p.qint.scale_type, k0 > 0,
                               blk.out + i * blk.ldo, blk.ldo);
       }
-    }
+    });
   }
 #else
   (void)a;
@@ -491,15 +498,14 @@ void pack_w4a8_rows(const float* const* x, int m, int64_t kp, uint8_t* dst) {
   auto* sums = reinterpret_cast<int32_t*>(dst + w8a8_bytes(m, kp));
   const uint8_t* tiles = dst + w8a8_scale_bytes(m);
   const int64_t ld = w8a8_ld(kp);
-  for (int i = 0, tile = 0; i < m; i += kMaxTileRows, ++tile) {
-    const int rows = std::min(kMaxTileRows, m - i);
+  for_each_token_tile(m, [&](int i, int rows, int row0) {
     for (int r = 0; r < rows; ++r) {
-      const uint8_t* row = tiles + (i + tile + r) * ld;
+      const uint8_t* row = tiles + (row0 + r) * ld;
       int64_t t = 0;
       for (int64_t k = 0; k < kp; ++k) t += row[k];
       sums[i + r] = static_cast<int32_t>(t - 128 * kp);
     }
-  }
+  });
 }
 
 void w4a8_dot(const DotArgs& a, const TileOperand& op) {
@@ -515,13 +521,12 @@ void w4a8_dot(const DotArgs& a, const TileOperand& op) {
   for (int64_t nb = a.nb_begin; nb < a.nb_end; ++nb) {
     const QintBlock blk = qint_block(a, nb);
     avx512::int4_to_s8_vnni(blk.block, kp, w);  // once per block, for all its token tiles
-    for (int i = 0, tile = 0; i < a.m; i += kMaxTileRows, ++tile) {
-      const int rows = std::min(kMaxTileRows, a.m - i);
-      const uint8_t* xa = tiles + (i + tile) * ld;  // earlier tiles carry one extra row each
-      at::native::cpublas::brgemm(rows + 1, 16, kp, ld, 16, 16, false, xa, w, c, true);
+    for_each_token_tile(a.m, [&](int i, int rows, int row0) {
+      at::native::cpublas::brgemm(rows + 1, 16, kp, ld, 16, 16, false, tiles + row0 * ld, w, c,
+                                  true);
       avx512::w4a8_epilogue(c, rows, x_scales + i, q_sums + i, blk.scales, p.qint.scale_type,
                             blk.zeros, p.qint.zero_type, blk.out + i * blk.ldo, blk.ldo);
-    }
+    });
   }
 #else
   (void)a;

@@ -7,16 +7,12 @@
 
 namespace kt::moe {
 
-int64_t default_backward_panel_width(const Projection& p) {
-  if (backward_on_kt_kernel() || p.k % kPanelWidthOnednn != 0) return kPanelWidthKt;
-  return kPanelWidthOnednn;
-}
-
 at::Tensor make_backward_panels(const Projection& p, int64_t width) {
-  TORCH_CHECK(width == kPanelWidthKt || width == kPanelWidthOnednn,
-              "make_backward_panels: width must be 16 or 64, got ", width);
+  TORCH_CHECK(width == 0 || width == kPanelWidthKt || width == kPanelWidthOnednn,
+              "make_backward_panels: width must be 16 or 64 (0: the kernel's), got ", width);
   if (!bf16_vnni_panel_applies(p)) return {};
-  TORCH_CHECK(p.k % width == 0, "make_backward_panels: width ", width, " does not divide k=", p.k);
+  if (width == 0) width = backward_on_kt_kernel() ? kPanelWidthKt : kPanelWidthOnednn;
+  if (p.k % width != 0) width = kPanelWidthKt;  // k is a multiple of 16 (the format check)
   const int64_t E = p.num_experts(), panels_per_expert = p.k / width;
   at::Tensor panels = at::empty({E, panels_per_expert, width * p.n}, at::kBFloat16);
   auto* base = static_cast<uint16_t*>(panels.data_ptr());

@@ -36,16 +36,14 @@ constexpr int64_t kPanelWidthOnednn = 64;
 // kernel (kernels::avx512::bf16_dp_panel) rather than oneDNN's brgemm (moe/moe_lora.cpp).
 bool backward_on_kt_kernel();
 
-// The width make_backward_panels uses by default: 16 where the backward runs on kt_ops'
-// kernel, else 64 where 64 divides k (16 otherwise).
-int64_t default_backward_panel_width(const Projection& p);
-
-// Projection p's backward panels: bf16 [E, k/w, w n] for a width w of 16 or 64 (w
-// divides k); panel s of expert e = bf16_vnni_panel(p, e, w s, w) ([n/2][w][2]: pairs
-// of rows of W, exact values, the scales of int8 / fp8 left out as there). An undefined
-// tensor where this CPU and build make no such panels (!bf16_vnni_panel_applies(p):
-// another format, or no AVX-512). Built on kt_ops' pool, one expert per task.
-at::Tensor make_backward_panels(const Projection& p, int64_t width);
+// Projection p's backward panels: bf16 [E, k/w, w n], panel s of expert e =
+// bf16_vnni_panel(p, e, w s, w) ([n/2][w][2]: pairs of rows of W, exact values, the
+// scales of int8 / fp8 left out as there). w: `width` (16 or 64; 0: 16 where the
+// backward runs on kt_ops' kernel, else 64), 16 where that does not divide k. An
+// undefined tensor where this CPU and build make no such panels
+// (!bf16_vnni_panel_applies(p): another format, or no AVX-512). Built on kt_ops' pool,
+// one expert per task.
+at::Tensor make_backward_panels(const Projection& p, int64_t width = 0);
 
 // The width of p's backward panels (0 where it has none).
 inline int64_t backward_panel_width(const Projection& p) {

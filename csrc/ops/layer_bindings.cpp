@@ -66,8 +66,8 @@ at::Tensor dense_expert_weights(const std::vector<std::optional<at::Tensor>>& we
 }
 
 // The backward panels of gate, up and down (moe::make_backward_panels), `width` columns
-// wide (16 or 64; None: moe::default_backward_panel_width), None where a projection has
-// none on this CPU and build.
+// wide (16 or 64; None: the backward kernel's), None where a projection has none on this
+// CPU and build.
 std::vector<std::optional<at::Tensor>> make_backward_panels(
     const std::vector<std::optional<at::Tensor>>& weights, const std::string& weight_format,
     const std::vector<int64_t>& sizes, const std::vector<int64_t>& group_sizes,
@@ -76,11 +76,7 @@ std::vector<std::optional<at::Tensor>> make_backward_panels(
                                             weight_format, sizes, group_sizes);
   std::vector<std::optional<at::Tensor>> out;
   for (const moe::Projection* p : {&layer.gate, &layer.up, &layer.down}) {
-    // A width that does not divide k (64 of k = 16 j) falls back to 16, as the default does.
-    const int64_t w = !width.has_value()   ? moe::default_backward_panel_width(*p)
-                      : p->k % *width == 0 ? *width
-                                           : moe::kPanelWidthKt;
-    at::Tensor t = moe::make_backward_panels(*p, w);
+    at::Tensor t = moe::make_backward_panels(*p, width.value_or(0));
     out.push_back(t.defined() ? std::optional<at::Tensor>(t) : std::nullopt);
   }
   return out;
