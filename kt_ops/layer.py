@@ -352,9 +352,10 @@ class ExpertWeights:
         one call per panel (64 wide: N = 64 calls, the width AMX tiles run best at; 16
         wide: four N = 16 calls). kt_ops' kernel ignores 64-wide panels (it makes its
         own per call, as without panels), and so does every other path. Made for
-        bf16, int8 (per channel, no zeros) and the fp8 formats with ``n`` and ``k``
-        multiples of 16, on an AVX-512 CPU; a projection without them gets None (all
-        three None: ``backward_panels`` is None). The base weights are frozen: after
+        bf16, int8 (per channel, no zeros), the fp8 formats and mxfp4 (whose values
+        are bf16 values: 4x an mxfp4 base's bytes) with ``n`` and ``k`` multiples of
+        16, on an AVX-512 CPU; a projection without them gets None (all three None:
+        ``backward_panels`` is None). The base weights are frozen: after
         an in-place change of a projection's weights or scales, :meth:`tensors` (so
         every op call) raises ``ValueError`` until this is called again. Not pickled,
         and not moved by :meth:`to`.

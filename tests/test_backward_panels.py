@@ -109,6 +109,20 @@ def test_bf16_panels_hold_the_weights_paired_along_n(width: int):
 
 
 @needs_panels
+@pytest.mark.parametrize("width", [16, 64])
+def test_mxfp4_panels_hold_its_exact_values(width: int):
+    # 2 e2m1(c) * 2^(E-128) is a bf16 value while it stays normal: the panel holds the
+    # dense weights themselves (scales included), as a bf16 base's panel does.
+    w = kt_ops.ExpertWeights.from_dense(*dense_bf16(), "mxfp4").with_backward_panels(width)
+    assert w.backward_panels is not None
+    for t, d in zip(w.backward_panels, dense_weights(w)):
+        n, k = d.shape[1:]
+        wd = width if k % width == 0 else 16
+        want = d.view(E, n // 2, 2, k // wd, wd).permute(0, 3, 1, 4, 2).reshape(E, k // wd, wd * n)
+        assert t.dtype == torch.bfloat16 and torch.equal(t.float(), want)
+
+
+@needs_panels
 def test_the_default_width_follows_the_backward_kernel():
     w = kt_ops.ExpertWeights.from_dense(*dense_bf16(), "bf16")
 
@@ -144,6 +158,7 @@ def test_int8_panels_hold_the_codes_without_their_channel_scales():
         ("fp8", (True,) * 3),
         ("fp8_channel", (True,) * 3),
         ("mxfp8", (True,) * 3),
+        ("mxfp4", (True,) * 3),
         ("int8,int8,q6_k", (True, True, False)),
         ("int4", None),
         ("q4_k", None),
@@ -213,7 +228,18 @@ def test_which_kernel_reads_which_panels(width: int):
 @pytest.mark.parametrize("width", [16, 64])
 @pytest.mark.parametrize("bf16_kernel", ["kt", "onednn"])
 @pytest.mark.parametrize(
-    "base", ["bf16", "int8", "fp8", "fp8_channel", "mxfp8", "mxfp8_e0", "int8,int8,q6_k"]
+    "base",
+    [
+        "bf16",
+        "int8",
+        "fp8",
+        "fp8_channel",
+        "mxfp8",
+        "mxfp8_e0",
+        "mxfp4",
+        "mxfp4_e1",
+        "int8,int8,q6_k",
+    ],
 )
 def test_results_are_bit_identical_with_panels(base: str, bf16_kernel: str, width: int):
     if bf16_kernel == "kt" and not AVX512_BF16:
@@ -224,14 +250,17 @@ def test_results_are_bit_identical_with_panels(base: str, bf16_kernel: str, widt
     dense.append((torch.randn(E, H, inter, generator=g) / inter**0.5).bfloat16())
     if inter != I:
         pytest.skip("the LoRA factors of this file are for I = 96")
-    w = kt_ops.ExpertWeights.from_dense(*dense, base.removesuffix("_e0"))
-    if base == "mxfp8_e0":  # an exponent outside bf16's range: that expert computes otherwise
+    fmt = base.split("_e")[0]
+    w = kt_ops.ExpertWeights.from_dense(*dense, fmt)
+    if base.endswith(("_e0", "_e1")):
+        # An exponent outside the range where the values are bf16 values (mxfp8 below
+        # 10, mxfp4 below 2): that expert computes otherwise.
         from kt_ops.formats import PackedProjection
 
         gp = w.gate
         scales = gp.scales.clone()
-        scales[1, 2, 3, :] = 0
-        gate = PackedProjection(gp.weight, scales, None, "mxfp8", gp.group_size, gp.n, gp.k)
+        scales[1, 2, 3, :] = int(base[-1])
+        gate = PackedProjection(gp.weight, scales, None, fmt, gp.group_size, gp.n, gp.k)
         w = kt_ops.ExpertWeights(gate, w.up, w.down)
     wp = w.with_backward_panels(width)
     assert wp.backward_panels is not None

@@ -778,7 +778,7 @@ BACKWARD_BF16_KERNELS = ["onednn", "kt"]
 @pytest.mark.parametrize(
     "base",
     ["bf16", "int8", "fp8", "fp8_channel", "mxfp8", "mxfp8_e0"]
-    + ["int4", "int4_zeros", "q4_k", "q5_k", "q6_k", "q8_0", "q4_0", "mxfp4", "nvfp4"]
+    + ["int4", "int4_zeros", "q4_k", "q5_k", "q6_k", "q8_0", "q4_0", "mxfp4", "mxfp4_e1", "nvfp4"]
     + ["int8,int8,q6_k"],
 )
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["save", "recompute"])
@@ -797,7 +797,10 @@ def test_lora_gradients_at_fp32_accuracy_on_a_bf16_base(
     # the decoded values; elsewhere the streaming kernels with fp32 activations); mxfp8_e0:
     # one exponent group of one expert's gate set to E = 0, outside bf16's range once
     # added to the decoded values: that block streams in the forward and that expert's
-    # backward products run on fp32 BLAS (moe_lora.cpp, panel_values_exact). The
+    # backward products run on fp32 BLAS (moe_lora.cpp, panel_values_exact). mxfp4 likewise:
+    # 2 e2m1(c) * 2^(E-128) is a bf16 value for E in [2, 252], so its panels hold its exact
+    # values (one go Wd product, as on bf16); mxfp4_e1: one exponent group at E = 1 (an
+    # fp32 subnormal scale), that expert's backward on fp32 BLAS. The
     # backward's products with the base run on either bf16 kernel (kt_ops' packs its rows
     # as row tiles and prefetches the next weight panel: one expert of 3 tokens, others
     # of ~60 in 3 tiles, panels of 64 and 32 columns); x's gradient (bf16, from dg / du
@@ -806,7 +809,8 @@ def test_lora_gradients_at_fp32_accuracy_on_a_bf16_base(
     # H are 2 KiB apart, so the rank-r products read padded copies of them (LoraF32::a_rows,
     # bt_rows) for experts of 16+ rows and the factors themselves for the expert of 3.
     # Bases whose values are not bf16 values (int4 with or without zeros, the k-quants,
-    # q8_0, q4_0, mxfp4, nvfp4; a q6_k down projection beside int8 gate / up): their
+    # q8_0, q4_0, nvfp4; a q6_k down projection beside int8 gate / up; mxfp4 in the
+    # forward): their
     # forward runs the exact qint tiles (avx512_bf16/qint_dp_exact: bf16(x) times the
     # codes' bf16 values, the scales and zeros on each group's fp32 sums; elsewhere the
     # streaming kernels with fp32 activations), their backward splits the decoded weights
@@ -823,18 +827,18 @@ def test_lora_gradients_at_fp32_accuracy_on_a_bf16_base(
     g = torch.Generator().manual_seed(7)
     dense = [(torch.randn(E, n, k, generator=g) / k**0.5).bfloat16() for n, k in ((I, H),) * 2]
     dense.append((torch.randn(E, H, I, generator=g) / I**0.5).bfloat16())
-    fmt = base.removesuffix("_e0").removesuffix("_zeros")
+    fmt = base.removesuffix("_e0").removesuffix("_e1").removesuffix("_zeros")
     group = 32 if fmt == "int4" else None  # I = 96
     weights = kt_ops.ExpertWeights.from_dense(
         *dense, fmt, group_size=group, symmetric=not base.endswith("_zeros")
     )
-    if base == "mxfp8_e0":
+    if base in ("mxfp8_e0", "mxfp4_e1"):
         from kt_ops.formats import PackedProjection
 
         gp = weights.projections[0]
         scales = gp.scales.clone()
-        scales[1, 2, 3, :] = 0  # expert 1, rows 32-47, k 96-127: 2^-127
-        gate = PackedProjection(gp.weight, scales, None, "mxfp8", gp.group_size, gp.n, gp.k)
+        scales[1, 2, 3, :] = int(base[-1])  # expert 1, rows 32-47, k 96-127: 2^-127
+        gate = PackedProjection(gp.weight, scales, None, fmt, gp.group_size, gp.n, gp.k)
         weights = kt_ops.ExpertWeights(gate, *weights.projections[1:])
     if base != "bf16":  # the reference multiplies the dequantized weights
         dense = list(dense_weights(weights))

@@ -127,6 +127,10 @@ __attribute__((weak)) void fp8_dp_block(const uint32_t* packed, int m, const uin
 // rest are padding) make every E4M3 value times 2^(E-127) a normal bf16 (E in
 // [10, 246]; kernels/avx512/e4m3_decode.h).
 __attribute__((weak)) bool fp8_e8m0_fits_bf16(const uint8_t* e8m0, int64_t groups, int rows);
+// True when every UE8M0 exponent of a block ([groups][16], rows [0, rows)) lies in
+// [lo, hi] (the same file; mxfp4's backward panels ask for [2, 252]).
+__attribute__((weak)) bool e8m0_within(const uint8_t* e8m0, int64_t groups, int rows, int lo,
+                                       int hi);
 __attribute__((weak)) void scale_rows_to_bf16(const float* const* x, int m, int64_t kp,
                                               const float* scales, uint16_t* dst, int64_t ld);
 // scale_rows_to_bf16_packed: the same bf16 values (kp a multiple of 32), packed as

@@ -485,17 +485,32 @@ bool is_mxfp8(const Projection& p) {
          p.format->packed_scale_type == formats::ScaleType::kE8M0;
 }
 
+// mxfp4: E2M1 codes with a UE8M0 scale 2^(E-128) per row and 32 k. Its values
+// s * 2 e2m1(c), 2 e2m1(c) in {0, +-1, +-2, +-3, +-4, +-6, +-8, +-12} (at most two
+// significant bits), are bf16 values while they stay normal: E in [2, 252]
+// (12 * 2^124 < bf16's largest finite value; 2^(2-128) its smallest normal). Outside,
+// panel_values_exact says no (as for mxfp8).
+bool is_mxfp4(const Projection& p) {
+  return p.format->layout == formats::Layout::kQint && p.format->qint.lut_e2m1 &&
+         p.format->packed_scale_type == formats::ScaleType::kE8M0;
+}
+constexpr int kMxfp4BfMinE = 2;
+constexpr int kMxfp4BfMaxE = 252;
+
 }  // namespace
 
 bool backward_panels_format(const Projection& p) {
   const bool bf16 = p.format->layout == formats::Layout::kBf16;
   const bool int8 = kernels::brgemm::int8_per_channel_applies(*p.format) && !p.zeros.defined();
   const bool fp8 = fp8_block_scaled(p) || is_fp8_channel(p) || is_mxfp8(p);
-  return (bf16 || int8 || fp8) && p.n % 16 == 0 && p.k % 16 == 0;
+  return (bf16 || int8 || fp8 || is_mxfp4(p)) && p.n % 16 == 0 && p.k % 16 == 0;
 }
 
 bool bf16_vnni_panel_applies(const Projection& p) {
+  // mxfp4: the split decoder's hi part alone (split_vnni_panel), which is its values.
   const bool decoder = p.format->layout == formats::Layout::kBf16 ? true
+                       : is_mxfp4(p)
+                           ? split_vnni_panel_applies(p) && kernels::avx512::e8m0_within != nullptr
                        : p.format->layout == formats::Layout::kFp8
                            ? kernels::avx512::fp8_to_bf16_vnni != nullptr &&
                                  kernels::avx512::fp8_e8m0_fits_bf16 != nullptr
@@ -515,19 +530,24 @@ const float* fp8_chunk_scales(const Projection& p, int64_t expert, int64_t k0) {
 }
 
 bool panel_values_exact(const Projection& p, int64_t expert) {
-  if (!is_mxfp8(p)) return true;
+  const bool mxfp4 = is_mxfp4(p);
+  if (!is_mxfp8(p) && !mxfp4) return true;
   const int64_t blocks = formats::ceil_div(p.n, int64_t{16}), groups = p.scales.size(2);
   const auto* e = static_cast<const uint8_t*>(p.scales.data_ptr()) +
                   expert * blocks * groups * 16;  // [E][NB][G][16]
   for (int64_t nb = 0; nb < blocks; ++nb) {
     const int rows = static_cast<int>(std::min<int64_t>(16, p.n - 16 * nb));
-    if (!kernels::avx512::fp8_e8m0_fits_bf16(e + nb * groups * 16, groups, rows)) return false;
+    const uint8_t* be = e + nb * groups * 16;
+    if (mxfp4 ? !kernels::avx512::e8m0_within(be, groups, rows, kMxfp4BfMinE, kMxfp4BfMaxE)
+              : !kernels::avx512::fp8_e8m0_fits_bf16(be, groups, rows))
+      return false;
   }
   return true;
 }
 
 const float* channel_scales(const Projection& p, int64_t expert) {
-  if (p.format->layout == formats::Layout::kBf16 || fp8_block_scaled(p) || is_mxfp8(p))
+  if (p.format->layout == formats::Layout::kBf16 || fp8_block_scaled(p) || is_mxfp8(p) ||
+      is_mxfp4(p))
     return nullptr;
   thread_local std::vector<float> t_scales;
   if (t_scales.size() < static_cast<size_t>(p.n)) t_scales.resize(static_cast<size_t>(p.n));
@@ -564,6 +584,10 @@ void bf16_vnni_panel(const Projection& p, int64_t expert, int64_t k0, int64_t co
               p.format->name, " projection (or no AVX-512 here)");
   constexpr int kRows = formats::kBf16BlockRows;
   const int64_t blocks = p.n / kRows;
+  if (is_mxfp4(p)) {  // its values are the split decoder's hi part (is_mxfp4)
+    split_vnni_panel(p, expert, k0, cols, dst, nullptr);
+    return;
+  }
   const auto [base, block_bytes] = expert_blocks(p, expert);
   if (p.format->layout != formats::Layout::kBf16) {
     // int8, fp8: the block's codes of columns [k0, k0 + cols) decoded to their exact bf16

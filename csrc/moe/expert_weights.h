@@ -49,9 +49,10 @@ int64_t dense_panel_ld(const Projection& p);
 // no zeros), fp8 and fp8_channel the panel holds the codes' exact bf16 values, without
 // the scales: per output channel (channel_scales: the caller folds them into d), or
 // fp8's 128x128 blocks (fp8_chunk_scales: the kernel scales each 128-row chunk's sums);
-// for mxfp8 the values times their power-of-two scales (exact: panel_values_exact).
-// Needs bf16_vnni_panel_applies(p) (bf16, int8 or an fp8 format, n and k multiples of
-// 16, an AVX-512 CPU and build) and k0, cols multiples of 16 inside [0, k); throws
+// for mxfp8 and mxfp4 the values times their power-of-two scales (exact:
+// panel_values_exact; mxfp4's made by split_vnni_panel's decoder, its hi part alone).
+// Needs bf16_vnni_panel_applies(p) (bf16, int8, an fp8 format or mxfp4, n and k
+// multiples of 16, an AVX-512 CPU and build) and k0, cols multiples of 16 inside [0, k); throws
 // c10::Error otherwise.
 bool bf16_vnni_panel_applies(const Projection& p);
 // The format half of bf16_vnni_panel_applies (no CPU or build check): whether p can
@@ -59,10 +60,10 @@ bool bf16_vnni_panel_applies(const Projection& p);
 bool backward_panels_format(const Projection& p);
 void bf16_vnni_panel(const Projection& p, int64_t expert, int64_t k0, int64_t cols, uint16_t* dst);
 // A qint projection's panel (int4 with or without zeros, the k-quants, q8_0, q4_0,
-// mxfp4, nvfp4: values s * q - z that are not bf16 values) as two bf16 panels of the same
-// layout whose sum is within 2^-17 of each weight: its values v (as dense_expert_panel
-// decodes them) as hi = bf16(v) and lo = bf16(v - hi) (lo may be nullptr: hi alone, W
-// rounded to bf16). A product d @ W with bf16 d is then two exact bf16 products. AVX-512
+// nvfp4: values s * q - z that are not bf16 values; mxfp4's are, bf16_vnni_panel) as two bf16
+// panels of the same layout whose sum is within 2^-17 of each weight: its values v (as
+// dense_expert_panel decodes them) as hi = bf16(v) and lo = bf16(v - hi) (lo may be nullptr: hi
+// alone, W rounded to bf16). A product d @ W with bf16 d is then two exact bf16 products. AVX-512
 // code (kernels/avx512/qint_columns_avx512.cpp). Needs split_vnni_panel_applies(p) (a
 // qint format other than int8, n and k multiples of 16, groups of a multiple of 16 k, an
 // AVX-512 CPU and build) and k0, cols multiples of 16 inside [0, k); throws c10::Error
@@ -74,11 +75,13 @@ void split_vnni_panel(const Projection& p, int64_t expert, int64_t k0, int64_t c
 // to L2 while the previous panel is multiplied (kernels::avx512::bf16_dp_panel).
 kernels::PrefetchChunks vnni_panel_source(const Projection& p, int64_t expert, int64_t k0);
 // An int8 or fp8_channel projection's n channel scales of `expert` as fp32 (the calling
-// thread's buffer, valid until its next call); nullptr for the others (bf16, fp8).
+// thread's buffer, valid until its next call); nullptr for the others (bf16, fp8,
+// mxfp8, mxfp4).
 const float* channel_scales(const Projection& p, int64_t expert);
 // Whether bf16_vnni_panel gives expert's exact values: always, but for mxfp8 blocks
-// with exponents outside [10, 246] (e4m3 * 2^(E-127) then leaves bf16's normal range;
-// no real checkpoint has them), which the caller computes otherwise.
+// with exponents outside [10, 246] (e4m3 * 2^(E-127) then leaves bf16's normal range)
+// and mxfp4 blocks with exponents outside [2, 252] (2 e2m1 * 2^(E-128) likewise; no
+// real checkpoint has either), which the caller computes otherwise.
 bool panel_values_exact(const Projection& p, int64_t expert);
 // fp8 with its 128x128 block scales (not fp8_channel / mxfp8, scaled per row).
 bool fp8_block_scaled(const Projection& p);

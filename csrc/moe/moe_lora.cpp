@@ -301,8 +301,9 @@ uint16_t* scratch_rows16(int slot, int64_t m, int64_t n) {
 // go * s is split into two bf16 rows, hi + lo, within 2^-17 of it (two calls on one
 // panel). fp8_channel likewise; fp8 (128x128 block scales) keeps them off the rows: kt_ops'
 // kernel scales each 128-row chunk's fp32 sums (fp8_chunk_scales), so go Wd stays exact
-// as on bf16. Every other format (int4, k-quants, mxfp4, nvfp4, q8_0, q4_0: values
-// s * q - z that are not bf16 values) splits the weights instead (split_vnni_panel): go Wd
+// as on bf16; mxfp4's values (power-of-two scales on E2M1) are bf16 values, in its panels
+// as mxfp8's. Every other format (int4, k-quants, nvfp4, q8_0, q4_0: values s * q - z
+// that are not bf16 values) splits the weights instead (split_vnni_panel): go Wd
 // on W_hi + W_lo (within 2^-17 of W: the LoRA gradients keep about fp32 accuracy), dx on
 // W_hi (W rounded to bf16 as dg and du are: x's bf16 gradient moves by about one more
 // rounding).

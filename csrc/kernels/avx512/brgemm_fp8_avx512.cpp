@@ -212,10 +212,10 @@ void fp8_dp_block(const uint32_t* packed, int m, const uint8_t* codes, int64_t k
 
 // Rows past a projection's N (zero codes, which stay zero whatever their exponent)
 // are not looked at.
-bool fp8_e8m0_fits_bf16(const uint8_t* e8m0, int64_t groups, int rows) {
+bool e8m0_within(const uint8_t* e8m0, int64_t groups, int rows, int lo_e, int hi_e) {
   const uint64_t r16 = rows >= 16 ? 0xFFFF : (uint64_t{1} << rows) - 1;
   const __mmask64 row_mask = r16 | r16 << 16 | r16 << 32 | r16 << 48;
-  const __m512i mid = _mm512_set1_epi8(127);
+  const __m512i mid = _mm512_set1_epi8(static_cast<char>(lo_e));
   __m512i lo = mid, hi = mid;
   const int64_t n = groups * 16;
   for (int64_t i = 0; i < n; i += 64) {
@@ -224,8 +224,12 @@ bool fp8_e8m0_fits_bf16(const uint8_t* e8m0, int64_t groups, int rows) {
     lo = _mm512_min_epu8(lo, v);
     hi = _mm512_max_epu8(hi, v);
   }
-  return _mm512_cmplt_epu8_mask(lo, _mm512_set1_epi8(kE8m0BfMin)) == 0 &&
-         _mm512_cmpgt_epu8_mask(hi, _mm512_set1_epi8(static_cast<char>(kE8m0BfMax))) == 0;
+  return _mm512_cmplt_epu8_mask(lo, _mm512_set1_epi8(static_cast<char>(lo_e))) == 0 &&
+         _mm512_cmpgt_epu8_mask(hi, _mm512_set1_epi8(static_cast<char>(hi_e))) == 0;
+}
+
+bool fp8_e8m0_fits_bf16(const uint8_t* e8m0, int64_t groups, int rows) {
+  return e8m0_within(e8m0, groups, rows, kE8m0BfMin, kE8m0BfMax);
 }
 
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) void scale_rows_to_bf16_packed(

@@ -17,6 +17,7 @@
 #include "kernels/avx512/vec.h"
 #include "kernels/avx512/vnni_pairs.h"
 #include "kernels/tiers.h"
+#include "runtime/cpu_features.h"
 
 namespace kt::kernels::avx512 {
 
@@ -120,6 +121,32 @@ void block_panel(const uint8_t* low, const uint8_t* high, int32_t offset, int64_
   }
 }
 
+// block_panel without lo, on CPUs with AVX512_BF16 (where the backward's bf16 products
+// run): two columns rounded by one vcvtne2ps2bf16 into one register of words (column
+// 2i's rows in words 0-15, column 2i + 1's in 16-31), paired by one vpermw, instead of the
+// integer rounding of each column and a two-source word permute: a third fewer operations
+// per 16 columns. The same round-to-nearest-even bf16 values, but for inputs below bf16's
+// smallest normal (the instruction flushes them to zero; no decoded weight of a real
+// checkpoint is one, and mxfp4's exact panels exclude them: panel_values_exact).
+template <int Bits, QintValue A>
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void block_panel_hi(
+    const uint8_t* low, const uint8_t* high, int32_t offset, int64_t k0, int64_t cols,
+    const float* s, const float* z, uint16_t* hi) {
+  // Qword j of p[i]: words (row 2j, 2j + 1) of column 2i, then of column 2i + 1.
+  const __m512i pick = _mm512_set_epi16(31, 30, 15, 14, 29, 28, 13, 12, 27, 26, 11, 10, 25, 24, 9,
+                                        8, 23, 22, 7, 6, 21, 20, 5, 4, 19, 18, 3, 2, 17, 16, 1, 0);
+  for (int64_t c0 = 0; c0 < cols; c0 += 16) {
+    __m512 v[16];
+    columns<Bits, A>(low, high, offset, k0 + c0, s + c0, z + c0, v);
+    __m512i p[8];
+    for (int i = 0; i < 8; ++i)
+      p[i] = _mm512_permutexvar_epi16(
+          pick, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(v[2 * i + 1], v[2 * i])));
+    transpose_8x8_epi64(p);  // p[j]: qword i = columns 2i, 2i + 1 of pair j
+    for (int j = 0; j < 8; ++j) _mm512_storeu_si512(hi + c0 * 2 + j * cols * 2, p[j]);
+  }
+}
+
 }  // namespace
 
 bool qint_block_vnni_split(const uint8_t* low, const uint8_t* high, int bits, QintValue value,
@@ -149,6 +176,32 @@ bool qint_block_vnni_split(const uint8_t* low, const uint8_t* high, int bits, Qi
       break;
   }
   if (fn == nullptr) return false;
+  static const bool bf16 = runtime::cpu_features().avx512_bf16;
+  if (lo == nullptr && bf16) {
+    using HiFn = void (*)(const uint8_t*, const uint8_t*, int32_t, int64_t, int64_t, const float*,
+                          const float*, uint16_t*);
+    HiFn hi_fn = nullptr;
+    switch (bits) {  // the same cases as above
+      case 8:
+        hi_fn = block_panel_hi<8, QintValue::kSigned>;
+        break;
+      case 4:
+        hi_fn = value == QintValue::kOffset  ? block_panel_hi<4, QintValue::kOffset>
+                : value == QintValue::kZeros ? block_panel_hi<4, QintValue::kZeros>
+                                             : block_panel_hi<4, QintValue::kE2m1>;
+        break;
+      case 5:
+        hi_fn = value == QintValue::kOffset ? block_panel_hi<5, QintValue::kOffset>
+                                            : block_panel_hi<5, QintValue::kZeros>;
+        break;
+      default:
+        hi_fn = value == QintValue::kOffset ? block_panel_hi<6, QintValue::kOffset>
+                                            : block_panel_hi<6, QintValue::kZeros>;
+        break;
+    }
+    hi_fn(low, high, offset, k0, cols, s, z, hi);
+    return true;
+  }
   fn(low, high, offset, k0, cols, s, z, hi, lo);
   return true;
 }
