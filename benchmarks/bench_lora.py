@@ -58,6 +58,9 @@ roofline time / this row's time. The roofline per (base, T): the bytes of the
 experts hit read twice per step (forward and backward) at ``--read-gbps``
 versus the FLOPs of the forward (3 projections, 2*T*K*H*I each) plus the
 input-gradient backward (the same) at ``--peak-gflops``; the larger bounds.
+Both limits are measured in the same run unless given (``machine_peaks.py``:
+the read stream, and torch's bf16 matmul peak on CPUs with AVX512_BF16, whose
+bf16 products the step runs on, else its fp32 one).
 
 Usage::
 
@@ -393,8 +396,19 @@ def main() -> int:
     ap.add_argument(
         "--kt-threads", type=int, nargs="+", help="kt_ops thread counts (default: --threads)"
     )
-    ap.add_argument("--read-gbps", type=float, default=32.0, help="read bandwidth, roofline")
-    ap.add_argument("--peak-gflops", type=float, default=230.0, help="compute peak, roofline")
+    ap.add_argument(
+        "--read-gbps",
+        type=float,
+        default=None,
+        help="read bandwidth, roofline (default: measured in this run, machine_peaks.py)",
+    )
+    ap.add_argument(
+        "--peak-gflops",
+        type=float,
+        default=None,
+        help="compute peak, roofline (default: measured in this run: torch's bf16 matmul "
+        "where the CPU has AVX512_BF16, whose bf16 products the step runs on, else fp32)",
+    )
     ap.add_argument("--peer-timeout", type=float, default=1800.0, help="seconds per kt-kernel run")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
@@ -424,6 +438,15 @@ def main() -> int:
     threads = args.threads or kt_ops.get_num_threads()
     kt_threads = args.kt_threads or [threads]
     torch.set_num_threads(threads)
+    if args.read_gbps is None or args.peak_gflops is None:
+        # The limits of this run, at the kt_ops thread count (as machine_peaks.py).
+        import machine_peaks
+
+        peaks = machine_peaks.measure(kt_threads[-1])
+        bf16 = kt_ops.info()["cpu_features"]["avx512_bf16"]
+        args.read_gbps = args.read_gbps or peaks.read_gbs
+        args.peak_gflops = args.peak_gflops or (peaks.bf16_gflops if bf16 else peaks.fp32_gflops)
+        print(f"limits: {machine_peaks.describe(peaks)}")
     g = torch.Generator().manual_seed(args.seed)
     bf = torch.bfloat16
     dense = [
@@ -607,8 +630,8 @@ def main() -> int:
             roof[fmt] = max(t_bw, t_fl)
             print(
                 f"roofline {fmt} T={T}: weights 2 x {mb:,.1f} MB ({hit} experts) / "
-                f"{args.read_gbps:g} GB/s = {t_bw:.1f} ms; {flops / 1e9:.1f} GFLOP "
-                f"(fwd + input-grad bwd) / {args.peak_gflops:g} GFLOP/s = {t_fl:.1f} ms -> "
+                f"{args.read_gbps:.1f} GB/s = {t_bw:.1f} ms; {flops / 1e9:.1f} GFLOP "
+                f"(fwd + input-grad bwd) / {args.peak_gflops:.0f} GFLOP/s = {t_fl:.1f} ms -> "
                 f"{max(t_bw, t_fl):.1f} ms ({'memory' if t_bw > t_fl else 'compute'} bound)"
             )
         print()
