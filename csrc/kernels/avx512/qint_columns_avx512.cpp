@@ -121,29 +121,47 @@ void block_panel(const uint8_t* low, const uint8_t* high, int32_t offset, int64_
   }
 }
 
-// block_panel without lo, on CPUs with AVX512_BF16 (where the backward's bf16 products
-// run): two columns rounded by one vcvtne2ps2bf16 into one register of words (column
-// 2i's rows in words 0-15, column 2i + 1's in 16-31), paired by one vpermw, instead of the
-// integer rounding of each column and a two-source word permute: a third fewer operations
-// per 16 columns. The same round-to-nearest-even bf16 values, but for inputs below bf16's
-// smallest normal (the instruction flushes them to zero; no decoded weight of a real
-// checkpoint is one, and mxfp4's exact panels exclude them: panel_values_exact).
-template <int Bits, QintValue A>
-__attribute__((target("avx512f,avx512bw,avx512bf16"))) void block_panel_hi(
+// block_panel on CPUs with AVX512_BF16 (where the backward's bf16 products run): two
+// columns rounded by one vcvtne2ps2bf16 into one register of words (column 2i's rows in
+// words 0-15, column 2i + 1's in 16-31), paired by one vpermw; lo = bf16(v - hi) with hi
+// widened back from those words. Against the integer rounding of each column and a
+// two-source word permute, half the operations per 16 columns. The same
+// round-to-nearest-even bf16 values, but for inputs below bf16's smallest normal (the
+// instruction flushes them to zero): no decoded weight of a real checkpoint is one
+// (a lo part is one below |v| ~ 2^-117), and mxfp4's exact panels exclude them
+// (panel_values_exact).
+template <int Bits, QintValue A, bool Lo>
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void block_panel_bf16(
     const uint8_t* low, const uint8_t* high, int32_t offset, int64_t k0, int64_t cols,
-    const float* s, const float* z, uint16_t* hi) {
-  // Qword j of p[i]: words (row 2j, 2j + 1) of column 2i, then of column 2i + 1.
+    const float* s, const float* z, uint16_t* hi, uint16_t* lo) {
+  // Qword j of a pair register: words (row 2j, 2j + 1) of column 2i, then of column 2i + 1.
   const __m512i pick = _mm512_set_epi16(31, 30, 15, 14, 29, 28, 13, 12, 27, 26, 11, 10, 25, 24, 9,
                                         8, 23, 22, 7, 6, 21, 20, 5, 4, 19, 18, 3, 2, 17, 16, 1, 0);
+  // The fp32 value of 16 bf16 words.
+  auto widen = [](__m256i w) __attribute__((target("avx512f,avx512bw"))) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(w), 16));
+  };
   for (int64_t c0 = 0; c0 < cols; c0 += 16) {
     __m512 v[16];
     columns<Bits, A>(low, high, offset, k0 + c0, s + c0, z + c0, v);
-    __m512i p[8];
-    for (int i = 0; i < 8; ++i)
-      p[i] = _mm512_permutexvar_epi16(
-          pick, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(v[2 * i + 1], v[2 * i])));
+    __m512i p[8], q[8];
+    for (int i = 0; i < 8; ++i) {
+      const __m512i h = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(v[2 * i + 1], v[2 * i]));
+      p[i] = _mm512_permutexvar_epi16(pick, h);
+      if constexpr (Lo) {
+        // v - hi is exact in fp32 (hi is v rounded to 8 significant bits).
+        const __m512 d0 = _mm512_sub_ps(v[2 * i], widen(_mm512_castsi512_si256(h)));
+        const __m512 d1 = _mm512_sub_ps(v[2 * i + 1], widen(_mm512_extracti64x4_epi64(h, 1)));
+        q[i] =
+            _mm512_permutexvar_epi16(pick, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(d1, d0)));
+      }
+    }
     transpose_8x8_epi64(p);  // p[j]: qword i = columns 2i, 2i + 1 of pair j
     for (int j = 0; j < 8; ++j) _mm512_storeu_si512(hi + c0 * 2 + j * cols * 2, p[j]);
+    if constexpr (Lo) {
+      transpose_8x8_epi64(q);
+      for (int j = 0; j < 8; ++j) _mm512_storeu_si512(lo + c0 * 2 + j * cols * 2, q[j]);
+    }
   }
 }
 
@@ -177,29 +195,44 @@ bool qint_block_vnni_split(const uint8_t* low, const uint8_t* high, int bits, Qi
   }
   if (fn == nullptr) return false;
   static const bool bf16 = runtime::cpu_features().avx512_bf16;
-  if (lo == nullptr && bf16) {
-    using HiFn = void (*)(const uint8_t*, const uint8_t*, int32_t, int64_t, int64_t, const float*,
-                          const float*, uint16_t*);
-    HiFn hi_fn = nullptr;
-    switch (bits) {  // the same cases as above
+  if (bf16) {
+    Fn bf = nullptr;
+    // The same cases as above, with and without lo.
+    auto pick = [&](auto hi_only, auto with_lo) { bf = lo == nullptr ? hi_only : with_lo; };
+    switch (bits) {
       case 8:
-        hi_fn = block_panel_hi<8, QintValue::kSigned>;
+        pick(block_panel_bf16<8, QintValue::kSigned, false>,
+             block_panel_bf16<8, QintValue::kSigned, true>);
         break;
       case 4:
-        hi_fn = value == QintValue::kOffset  ? block_panel_hi<4, QintValue::kOffset>
-                : value == QintValue::kZeros ? block_panel_hi<4, QintValue::kZeros>
-                                             : block_panel_hi<4, QintValue::kE2m1>;
+        if (value == QintValue::kOffset)
+          pick(block_panel_bf16<4, QintValue::kOffset, false>,
+               block_panel_bf16<4, QintValue::kOffset, true>);
+        else if (value == QintValue::kZeros)
+          pick(block_panel_bf16<4, QintValue::kZeros, false>,
+               block_panel_bf16<4, QintValue::kZeros, true>);
+        else
+          pick(block_panel_bf16<4, QintValue::kE2m1, false>,
+               block_panel_bf16<4, QintValue::kE2m1, true>);
         break;
       case 5:
-        hi_fn = value == QintValue::kOffset ? block_panel_hi<5, QintValue::kOffset>
-                                            : block_panel_hi<5, QintValue::kZeros>;
+        if (value == QintValue::kOffset)
+          pick(block_panel_bf16<5, QintValue::kOffset, false>,
+               block_panel_bf16<5, QintValue::kOffset, true>);
+        else
+          pick(block_panel_bf16<5, QintValue::kZeros, false>,
+               block_panel_bf16<5, QintValue::kZeros, true>);
         break;
       default:
-        hi_fn = value == QintValue::kOffset ? block_panel_hi<6, QintValue::kOffset>
-                                            : block_panel_hi<6, QintValue::kZeros>;
+        if (value == QintValue::kOffset)
+          pick(block_panel_bf16<6, QintValue::kOffset, false>,
+               block_panel_bf16<6, QintValue::kOffset, true>);
+        else
+          pick(block_panel_bf16<6, QintValue::kZeros, false>,
+               block_panel_bf16<6, QintValue::kZeros, true>);
         break;
     }
-    hi_fn(low, high, offset, k0, cols, s, z, hi);
+    bf(low, high, offset, k0, cols, s, z, hi, lo);
     return true;
   }
   fn(low, high, offset, k0, cols, s, z, hi, lo);
