@@ -681,7 +681,8 @@ bool split_vnni_panel_applies(const Projection& p) {
          kernels::avx512::qint_block_vnni_split != nullptr &&
          kernels::avx512::kquant_record_params != nullptr &&
          kernels::avx512::qint_params16 != nullptr &&
-         kernels::avx512::bf16_vnni_panel_block != nullptr && runtime::cpu_features().avx512;
+         kernels::avx512::bf16_vnni_panel_block != nullptr && runtime::cpu_features().avx512 &&
+         runtime::cpu_features().avx512_bf16;  // the decoder's rounding
 }
 
 // The AVX-512 decoder writes the panel's row pairs straight from the codes

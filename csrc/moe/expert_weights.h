@@ -52,8 +52,8 @@ int64_t dense_panel_ld(const Projection& p);
 // for mxfp8 and mxfp4 the values times their power-of-two scales (exact:
 // panel_values_exact; mxfp4's made by split_vnni_panel's decoder, its hi part alone).
 // Needs bf16_vnni_panel_applies(p) (bf16, int8, an fp8 format or mxfp4, n and k
-// multiples of 16, an AVX-512 CPU and build) and k0, cols multiples of 16 inside [0, k); throws
-// c10::Error otherwise.
+// multiples of 16, an AVX-512 CPU and build; mxfp4 AVX512_BF16) and k0, cols multiples of 16 inside
+// [0, k); throws c10::Error otherwise.
 bool bf16_vnni_panel_applies(const Projection& p);
 // The format half of bf16_vnni_panel_applies (no CPU or build check): whether p can
 // have Projection::backward_panels.
@@ -66,8 +66,8 @@ void bf16_vnni_panel(const Projection& p, int64_t expert, int64_t k0, int64_t co
 // alone, W rounded to bf16). A product d @ W with bf16 d is then two exact bf16 products. AVX-512
 // code (kernels/avx512/qint_columns_avx512.cpp). Needs split_vnni_panel_applies(p) (a
 // qint format other than int8, n and k multiples of 16, groups of a multiple of 16 k, an
-// AVX-512 CPU and build) and k0, cols multiples of 16 inside [0, k); throws c10::Error
-// otherwise.
+// AVX512_BF16 CPU and an AVX-512 build) and k0, cols multiples of 16 inside [0, k); throws
+// c10::Error otherwise.
 bool split_vnni_panel_applies(const Projection& p);
 void split_vnni_panel(const Projection& p, int64_t expert, int64_t k0, int64_t cols, uint16_t* hi,
                       uint16_t* lo);

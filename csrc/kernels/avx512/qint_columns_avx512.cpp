@@ -3,7 +3,7 @@
 // register per column (16 rows), the same values as the scalar dense decoder
 // (dequantize_qint_transposed: a product, then a difference, no FMA) at 16 lanes; then,
 // in registers, rounded to bf16 hi (and lo = bf16(v - hi)), paired by rows and
-// transposed into the panel's 8 row pairs (kernels/avx512/vnni_pairs.h).
+// transposed into the panel's 8 row pairs (kernels/avx512/vnni_pairs.h). AVX512_BF16.
 //
 // Code layout (formats/qint.h, kernels/qint_tiles.h): 8-bit codes [Kp/4][16][4] (row r's
 // 4 consecutive k in lane r of a line); 4/5/6-bit codes [Kp/8][16][4] in the low plane
@@ -13,6 +13,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/avx512/vec.h"
 #include "kernels/avx512/vnni_pairs.h"
@@ -90,48 +91,16 @@ inline void columns(const uint8_t* low, const uint8_t* high, int32_t offset, int
   }
 }
 
-// bf16 bits b[c] (high halves) of 16 columns into the panel's 8 row pairs: dst + j * ld
-// (16-bit words) holds pair j's (row 2j, row 2j + 1) of columns 0 .. 15.
-inline void store_pairs(const __m512i b[16], uint16_t* dst, int64_t ld) {
-  // Qword j of p[i]: words (row 2j, 2j + 1) of column 2i, then of column 2i + 1.
-  const __m512i pick =
-      _mm512_set_epi16(63, 61, 31, 29, 59, 57, 27, 25, 55, 53, 23, 21, 51, 49, 19, 17, 47, 45, 15,
-                       13, 43, 41, 11, 9, 39, 37, 7, 5, 35, 33, 3, 1);
-  __m512i p[8];
-  for (int i = 0; i < 8; ++i) p[i] = _mm512_permutex2var_epi16(b[2 * i], pick, b[2 * i + 1]);
-  transpose_8x8_epi64(p);  // p[j]: qword i = columns 2i, 2i + 1 of pair j
-  for (int j = 0; j < 8; ++j) _mm512_storeu_si512(dst + j * ld, p[j]);
-}
-
-template <int Bits, QintValue A>
-void block_panel(const uint8_t* low, const uint8_t* high, int32_t offset, int64_t k0, int64_t cols,
-                 const float* s, const float* z, uint16_t* hi, uint16_t* lo) {
-  for (int64_t c0 = 0; c0 < cols; c0 += 16) {
-    __m512 v[16];
-    columns<Bits, A>(low, high, offset, k0 + c0, s + c0, z + c0, v);
-    __m512i h[16];
-    for (int c = 0; c < 16; ++c) h[c] = round_to_bf16_high(_mm512_castps_si512(v[c]));
-    store_pairs(h, hi + c0 * 2, cols * 2);
-    if (lo == nullptr) continue;
-    // v - hi is exact in fp32 (hi is v rounded to 8 significant bits).
-    for (int c = 0; c < 16; ++c)
-      h[c] =
-          round_to_bf16_high(_mm512_castps_si512(_mm512_sub_ps(v[c], _mm512_castsi512_ps(h[c]))));
-    store_pairs(h, lo + c0 * 2, cols * 2);
-  }
-}
-
-// block_panel on CPUs with AVX512_BF16 (where the backward's bf16 products run): two
-// columns rounded by one vcvtne2ps2bf16 into one register of words (column 2i's rows in
-// words 0-15, column 2i + 1's in 16-31), paired by one vpermw; lo = bf16(v - hi) with hi
-// widened back from those words. Against the integer rounding of each column and a
-// two-source word permute, half the operations per 16 columns. The same
-// round-to-nearest-even bf16 values, but for inputs below bf16's smallest normal (the
-// instruction flushes them to zero): no decoded weight of a real checkpoint is one
-// (a lo part is one below |v| ~ 2^-117), and mxfp4's exact panels exclude them
-// (panel_values_exact).
+// The panel of columns [k0, k0 + cols): per 16 columns, two columns rounded by one
+// vcvtne2ps2bf16 into one register of words (column 2i's rows in words 0-15, column
+// 2i + 1's in 16-31), paired by one vpermw; lo = bf16(v - hi) with hi widened back from
+// those words. AVX512_BF16, as the products that read the panels (before: an integer
+// rounding of each column and a two-source word permute, twice the operations).
+// Round-to-nearest-even; inputs below bf16's smallest normal are flushed to zero: no
+// decoded weight of a real checkpoint is one (a lo part is one below |v| ~ 2^-117), and
+// mxfp4's exact panels exclude them (panel_values_exact).
 template <int Bits, QintValue A, bool Lo>
-__attribute__((target("avx512f,avx512bw,avx512bf16"))) void block_panel_bf16(
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void block_panel(
     const uint8_t* low, const uint8_t* high, int32_t offset, int64_t k0, int64_t cols,
     const float* s, const float* z, uint16_t* hi, uint16_t* lo) {
   // Qword j of a pair register: words (row 2j, 2j + 1) of column 2i, then of column 2i + 1.
@@ -165,76 +134,55 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void block_panel_bf16(
   }
 }
 
+using PanelFn = void (*)(const uint8_t*, const uint8_t*, int32_t, int64_t, int64_t, const float*,
+                         const float*, uint16_t*, uint16_t*);
+
+// make(bits, value) for the code widths and value forms the decoders cover (as
+// std::integral_constant arguments), else nullptr.
+template <class Make>
+PanelFn by_form(int bits, QintValue value, const Make& make) {
+  using V = QintValue;
+  auto is = [&](V v) { return value == v; };
+  using std::integral_constant;
+  switch (bits) {
+    case 8:
+      if (is(V::kSigned))
+        return make(integral_constant<int, 8>{}, integral_constant<V, V::kSigned>{});
+      return nullptr;
+    case 4:
+      if (is(V::kOffset))
+        return make(integral_constant<int, 4>{}, integral_constant<V, V::kOffset>{});
+      if (is(V::kZeros))
+        return make(integral_constant<int, 4>{}, integral_constant<V, V::kZeros>{});
+      if (is(V::kE2m1)) return make(integral_constant<int, 4>{}, integral_constant<V, V::kE2m1>{});
+      return nullptr;
+    case 5:
+      if (is(V::kOffset))
+        return make(integral_constant<int, 5>{}, integral_constant<V, V::kOffset>{});
+      if (is(V::kZeros))
+        return make(integral_constant<int, 5>{}, integral_constant<V, V::kZeros>{});
+      return nullptr;
+    case 6:
+      if (is(V::kOffset))
+        return make(integral_constant<int, 6>{}, integral_constant<V, V::kOffset>{});
+      if (is(V::kZeros))
+        return make(integral_constant<int, 6>{}, integral_constant<V, V::kZeros>{});
+      return nullptr;
+    default:
+      return nullptr;
+  }
+}
+
 }  // namespace
 
 bool qint_block_vnni_split(const uint8_t* low, const uint8_t* high, int bits, QintValue value,
                            int32_t offset, int64_t k0, int64_t cols, const float* s, const float* z,
                            uint16_t* hi, uint16_t* lo) {
-  using Fn = void (*)(const uint8_t*, const uint8_t*, int32_t, int64_t, int64_t, const float*,
-                      const float*, uint16_t*, uint16_t*);
-  Fn fn = nullptr;
-  switch (bits) {
-    case 8:
-      if (value == QintValue::kSigned) fn = block_panel<8, QintValue::kSigned>;
-      break;
-    case 4:
-      if (value == QintValue::kOffset) fn = block_panel<4, QintValue::kOffset>;
-      if (value == QintValue::kZeros) fn = block_panel<4, QintValue::kZeros>;
-      if (value == QintValue::kE2m1) fn = block_panel<4, QintValue::kE2m1>;
-      break;
-    case 5:
-      if (value == QintValue::kOffset) fn = block_panel<5, QintValue::kOffset>;
-      if (value == QintValue::kZeros) fn = block_panel<5, QintValue::kZeros>;
-      break;
-    case 6:
-      if (value == QintValue::kOffset) fn = block_panel<6, QintValue::kOffset>;
-      if (value == QintValue::kZeros) fn = block_panel<6, QintValue::kZeros>;
-      break;
-    default:
-      break;
-  }
-  if (fn == nullptr) return false;
   static const bool bf16 = runtime::cpu_features().avx512_bf16;
-  if (bf16) {
-    Fn bf = nullptr;
-    // The same cases as above, with and without lo.
-    auto pick = [&](auto hi_only, auto with_lo) { bf = lo == nullptr ? hi_only : with_lo; };
-    switch (bits) {
-      case 8:
-        pick(block_panel_bf16<8, QintValue::kSigned, false>,
-             block_panel_bf16<8, QintValue::kSigned, true>);
-        break;
-      case 4:
-        if (value == QintValue::kOffset)
-          pick(block_panel_bf16<4, QintValue::kOffset, false>,
-               block_panel_bf16<4, QintValue::kOffset, true>);
-        else if (value == QintValue::kZeros)
-          pick(block_panel_bf16<4, QintValue::kZeros, false>,
-               block_panel_bf16<4, QintValue::kZeros, true>);
-        else
-          pick(block_panel_bf16<4, QintValue::kE2m1, false>,
-               block_panel_bf16<4, QintValue::kE2m1, true>);
-        break;
-      case 5:
-        if (value == QintValue::kOffset)
-          pick(block_panel_bf16<5, QintValue::kOffset, false>,
-               block_panel_bf16<5, QintValue::kOffset, true>);
-        else
-          pick(block_panel_bf16<5, QintValue::kZeros, false>,
-               block_panel_bf16<5, QintValue::kZeros, true>);
-        break;
-      default:
-        if (value == QintValue::kOffset)
-          pick(block_panel_bf16<6, QintValue::kOffset, false>,
-               block_panel_bf16<6, QintValue::kOffset, true>);
-        else
-          pick(block_panel_bf16<6, QintValue::kZeros, false>,
-               block_panel_bf16<6, QintValue::kZeros, true>);
-        break;
-    }
-    bf(low, high, offset, k0, cols, s, z, hi, lo);
-    return true;
-  }
+  const PanelFn fn = by_form(bits, value, [&](auto b, auto v) -> PanelFn {
+    return lo == nullptr ? block_panel<b(), v(), false> : block_panel<b(), v(), true>;
+  });
+  if (fn == nullptr || !bf16) return false;
   fn(low, high, offset, k0, cols, s, z, hi, lo);
   return true;
 }

@@ -1,6 +1,6 @@
 // Register helpers of the bf16 VNNI panels (kernels/avx512/bf16_vnni_panel_avx512.cpp,
 // qint_columns_avx512.cpp): the 8 x 8 transpose of 64-bit lanes that turns lines of
-// 16 rows into row pairs, and the rounding of fp32 to bf16; and of the bf16 tiles' packed
+// 16 rows into row pairs; and of the bf16 tiles' packed
 // rows (bf16_dp_avx512bf16.cpp, brgemm_fp8_avx512.cpp): the 16 x 16 transpose of 32-bit
 // lanes. AVX-512 F/BW; included only by files of the avx512 tier.
 #pragma once
@@ -95,14 +95,6 @@ inline void pack_row_tiles(int m, int max_rows, int64_t k_pairs, uint32_t* dst, 
       }
     }
   });
-}
-
-// bf16 bits (round to nearest even) of 16 finite fp32 values u, in the high half of
-// each 32-bit lane (the low half zero): the rounded value as fp32 bits.
-inline __m512i round_to_bf16_high(__m512i u) {
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-  return _mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
 }
 
 }  // namespace kt::kernels::avx512
