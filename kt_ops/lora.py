@@ -351,7 +351,8 @@ def keep_backward_panels(model: nn.Module, keep: bool = True) -> int:
     The LoRA backward then reads each layer's transposed weights, made once,
     instead of transposing every routed expert's weights at every step (the same
     results; 10-17% of the backward on Zen 4 at 512 tokens), for 2 bytes of host
-    memory per expert weight (as much again as a bf16 base, twice an int8 one):
+    memory per expert weight (as much again as a bf16 base, twice an int8 one,
+    four times an mxfp4 one; bf16, int8, the fp8 formats and mxfp4 have them):
     for memory to spare. Returns the bytes of panels a training step of the
     model keeps (0 with ``keep=False``, or where this CPU or the weight formats
     have none: :meth:`kt_ops.ExpertWeights.with_backward_panels`).
