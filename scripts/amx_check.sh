@@ -17,9 +17,9 @@
 #   layer-*      whole-layer prefill at T = 512 and 2048 on each path
 #   peers        bench_peers.py --isolate (kt-kernel 0.7.2 in its venv: scripts/setup_peers.sh
 #                first; skipped, with a note, where that venv is missing)
-#   lora         bench_lora.py: the LoRA step on bf16 and int8 bases, default and with the
-#                backward panels kept (64 columns wide on oneDNN's brgemm), against
-#                kt-kernel's SFT classes and the eager loop
+#   lora         bench_lora.py: the LoRA step on bf16, int8 and mxfp4 bases, default and
+#                with the backward panels kept (64 columns wide on oneDNN's brgemm),
+#                against kt-kernel's SFT classes (bf16, int8) and the eager loop
 #
 # Environment: PYTHON (python3), OUT (default build/amx_check), KT_OPS_PEERS_VENV (as
 # scripts/setup_peers.sh). Exit status: 0 when every step ran and passed, 1 otherwise, 2
@@ -84,7 +84,7 @@ if [[ $QUICK == 0 ]]; then
   else
     echo "[amx_check] peers: skipped (no kt-kernel venv: bash scripts/setup_peers.sh first)"
   fi
-  step lora "$PY" $B/bench_lora.py --formats bf16 int8 --systems kt kt_panels torch_bf16 \
+  step lora "$PY" $B/bench_lora.py --formats bf16 int8 mxfp4 --systems kt kt_panels torch_bf16 \
     kt_kernel --reps 5
 fi
 
