@@ -205,8 +205,9 @@ enum class QintValue { kSigned, kOffset, kZeros, kE2m1 };
 // nullptr), [cols][2] bf16 each, of the values v (the scalar dense decoder's: a product,
 // then a difference) as hi = bf16(v), lo = bf16(v - hi). s and z: the per-row scales
 // (and zeros for kZeros) of each 16 columns, [cols / 16][16]. False (nothing written)
-// for a code width / value form it does not decode, or on a CPU without AVX512_BF16
-// (kernels/avx512/qint_columns_avx512.cpp).
+// for a code width / value form it does not decode. AVX512_BF16 code: the caller checks
+// the CPU (moe/expert_weights.cpp, split_vnni_panel_applies;
+// kernels/avx512/qint_columns_avx512.cpp).
 __attribute__((weak)) bool qint_block_vnni_split(const uint8_t* low, const uint8_t* high, int bits,
                                                  QintValue value, int32_t offset, int64_t k0,
                                                  int64_t cols, const float* s, const float* z,

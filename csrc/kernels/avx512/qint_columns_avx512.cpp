@@ -18,7 +18,6 @@
 #include "kernels/avx512/vec.h"
 #include "kernels/avx512/vnni_pairs.h"
 #include "kernels/tiers.h"
-#include "runtime/cpu_features.h"
 
 namespace kt::kernels::avx512 {
 
@@ -178,11 +177,10 @@ PanelFn by_form(int bits, QintValue value, const Make& make) {
 bool qint_block_vnni_split(const uint8_t* low, const uint8_t* high, int bits, QintValue value,
                            int32_t offset, int64_t k0, int64_t cols, const float* s, const float* z,
                            uint16_t* hi, uint16_t* lo) {
-  static const bool bf16 = runtime::cpu_features().avx512_bf16;
   const PanelFn fn = by_form(bits, value, [&](auto b, auto v) -> PanelFn {
     return lo == nullptr ? block_panel<b(), v(), false> : block_panel<b(), v(), true>;
   });
-  if (fn == nullptr || !bf16) return false;
+  if (fn == nullptr) return false;
   fn(low, high, offset, k0, cols, s, z, hi, lo);
   return true;
 }
