@@ -59,7 +59,8 @@ def paths_for(fmt: str) -> tuple[tuple[str, str, str], ...]:
     (``KT_OPS_BRGEMM_BF16_PAIRS``, csrc/kernels/brgemm.h). int8 times its w8a8
     kernels likewise: ``brgemm`` on kt_ops' vpdpbusd tiles (AVX512_VNNI without AMX),
     ``brgemm@onednn`` on oneDNN's u8s8 brgemm; so does int4 per channel (``int4-g0``,
-    its w4a8 kernels).
+    its w4a8 kernels). mxfp4 times ``brgemm@onednn``: its exact values decoded to bf16
+    tiles on oneDNN's bf16 brgemm (its AMX path).
     """
     if fmt in BF16_BRGEMM_FORMATS:
         pairs = (("brgemm@onednn_pairs", "brgemm", "auto"),) if fmt == "bf16" else ()
@@ -79,7 +80,8 @@ def paths_for(fmt: str) -> tuple[tuple[str, str, str], ...]:
             *onednn,
             ("auto", "auto", "auto"),
         )
-    onednn = (("brgemm@onednn", "brgemm", "auto"),) if fmt.startswith("int4-g0") else ()
+    onednn_tiles = fmt.startswith("int4-g0") or fmt == "mxfp4"
+    onednn = (("brgemm@onednn", "brgemm", "auto"),) if onednn_tiles else ()
     return (
         ("streaming", "streaming", "auto"),
         ("brgemm", "brgemm", "auto"),

@@ -23,7 +23,7 @@ def test_dry_run_lists_every_step_and_runs_nothing():
     assert p.returncode == 0, p.stdout + p.stderr
     steps = [line.split(":")[0].removeprefix("[amx_check] ") for line in p.stdout.splitlines()]
     assert steps[0] == "tests"
-    for fmt in ("bf16", "int8", "int4-g0", "fp8"):
+    for fmt in ("bf16", "int8", "int4-g0", "fp8", "mxfp4"):
         assert f"breakeven-{fmt}" in steps
     assert "layer-int4-g128" in steps and "peers" in steps and "lora" in steps
     # Every benchmark it names exists, with the flags it passes (argparse lists them).

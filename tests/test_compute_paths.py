@@ -89,6 +89,12 @@ for _name in W4A8_FORMATS:
         if _FEATS.get("avx512_vnni") and not _FEATS.get("amx")
         else "onednn/brgemm_w4a8"
     )
+#: mxfp4's tile kernel: its exact values decoded to bf16 tiles on oneDNN's bf16 brgemm,
+#: where oneDNN computes bf16 (AMX by default; ``use_brgemm_bf16_kernel('onednn')``
+#: elsewhere). Without it mxfp4 streams (under quant 'fp32': kt_ops' exact qint tiles).
+MXFP4_KERNEL = "onednn/brgemm_mxfp4_bf16"
+if _FEATS.get("amx") and _FEATS["avx512_bf16"]:
+    BRGEMM_KERNELS["mxfp4"] = MXFP4_KERNEL
 
 #: 'auto' with experts on both paths, against the unrounded reference: the
 #: brgemm experts' bf16 activations (relative rounding 2^-9 per value).
@@ -211,8 +217,11 @@ def test_format_table_records_the_thresholds():
         spec = kt_ops.formats.format_spec(name)
         assert spec.brgemm_min_tokens_for("avx512") == 5  # kt_ops' fused tiles
         assert spec.brgemm_min_tokens_for("amx") == 6  # oneDNN's brgemm on decoded tiles
+    spec = kt_ops.formats.format_spec("mxfp4")  # oneDNN's bf16 brgemm on decoded tiles
+    assert spec.brgemm_min_tokens_for("avx512") is None  # the q8 streaming kernel wins
+    assert spec.brgemm_min_tokens_for("amx") == 12  # bf16's AMX value (not measured)
     for name in kt_ops.formats.FORMATS:
-        if name not in BRGEMM_KERNELS:  # no brgemm path yet: streaming
+        if name not in BRGEMM_KERNELS and name != "mxfp4":  # no brgemm path yet: streaming
             assert dict(kt_ops.formats.format_spec(name).brgemm_min_tokens) == {
                 "avx512": None,
                 "amx": None,
@@ -268,6 +277,19 @@ def test_where_brgemm_runs(isa):
         want = BRGEMM_KERNELS[name] if runs else None
         assert paths[name]["brgemm_kernel"] == want
         assert paths[name]["brgemm_min_tokens"] == (1 if runs else None)  # forced: any count
+    # mxfp4: oneDNN's bf16 brgemm where it computes bf16 (AMX, or forced 'onednn'), under
+    # quant 'auto' and 'fp32' (never 'q8': it does not quantize the activations).
+    onednn_default = feats.get("amx") or not feats["avx512_bf16"]
+    for kernel in ("auto", "onednn", "kt"):
+        on = fp8_runs and (kernel == "onednn" or (kernel == "auto" and onednn_default))
+        with kt_ops.use_compute_path("brgemm"), kt_ops.use_brgemm_bf16_kernel(kernel):
+            for quant in ("auto", "fp32", "q8"):
+                with kt_ops.use_quant_activations(quant):
+                    got = kt_ops.compute_paths()["mxfp4"]["brgemm_kernel"]
+                if quant == "fp32" and not on and got is not None:
+                    assert got == "avx512_bf16/qint_dp_exact", kernel  # test_qint_exact_*
+                    continue
+                assert got == (MXFP4_KERNEL if on and quant != "q8" else None), (kernel, quant)
     with kt_ops.use_compute_path("streaming"):
         assert kt_ops.compute_paths()["bf16"]["brgemm_kernel"] is None
 
@@ -1211,7 +1233,14 @@ QINT_EXACT_COUNTS = [0, 1, 27, 28, 29, 57]
 
 
 def qint_exact_runs(fmt: str) -> bool:
-    with kt_ops.use_compute_path("brgemm"), kt_ops.use_quant_activations("fp32"):
+    """Whether kt_ops' exact qint tiles compute ``fmt`` under forced 'brgemm' and quant
+    'fp32' (on kt_ops' bf16 kernel: mxfp4 has oneDNN's exact kernel first where oneDNN
+    computes bf16, ``test_mxfp4_*`` below)."""
+    with (
+        kt_ops.use_compute_path("brgemm"),
+        kt_ops.use_quant_activations("fp32"),
+        kt_ops.use_brgemm_bf16_kernel("kt" if fmt == "mxfp4" else "auto"),
+    ):
         return kt_ops.compute_paths()[fmt]["brgemm_kernel"] == "avx512_bf16/qint_dp_exact"
 
 
@@ -1222,7 +1251,8 @@ def test_qint_exact_kernel_reported(isa):
     for fmt in sorted({v.fmt for v in QINT_EXACT_VARIANTS}):
         assert qint_exact_runs(fmt) == bf16, fmt
         with kt_ops.use_compute_path("auto"), kt_ops.use_quant_activations("fp32"):
-            assert kt_ops.compute_paths()[fmt]["brgemm_kernel"] is None, fmt
+            got = kt_ops.compute_paths()[fmt]["brgemm_kernel"]
+        assert got == (BRGEMM_KERNELS.get(fmt) if fmt == "mxfp4" else None), fmt
         with kt_ops.use_compute_path("brgemm"), kt_ops.use_quant_activations("auto"):
             assert kt_ops.compute_paths()[fmt]["brgemm_kernel"] != "avx512_bf16/qint_dp_exact"
 
@@ -1282,6 +1312,100 @@ def test_qint_exact_thread_counts_bit_identical(isa, fmt):
         )
         ids, w = make_routing(120, 4, 2, seed=5)
         x = make_hidden(120, 256, torch.bfloat16, seed=5)
+        assert_thread_counts_bit_identical("brgemm", x, ids, w, experts)
+
+
+# --------------------------------------------------------------------------
+# mxfp4 on oneDNN's bf16 brgemm: its exact values decoded to bf16 tiles
+# --------------------------------------------------------------------------
+# mxfp4's values e2m1 * 2^(E-127) are bf16 values for every exponent E in [2, 252], so per
+# pair of 16-row blocks the codes and exponents decode into one bf16 tile and bf16 rows
+# times it are exact products summed in fp32 (kernels/brgemm.h, mxfp4_dot): against the
+# fp64 reference with the GLU output rounded to bf16, as the exact qint tiles above. It
+# runs where oneDNN computes bf16 (AMX; forced here with use_brgemm_bf16_kernel('onednn')).
+#: (H, I): N not a multiple of 16 or 32 (70, 17, 33: a pair's second block partial or
+#: absent), K padded to 32 (70, 17, 33, 200); the Qwen3 shape's H.
+MXFP4_SHAPES = [(96, 64), (160, 96), (2048, 200), (130, 70), (33, 17)]
+#: Tokens per expert: none, 1, short tiles, one 64-row call and past it, two calls.
+MXFP4_COUNTS = [0, 1, 5, 13, 31, 64, 65, 130]
+
+
+def mxfp4_onednn_runs() -> bool:
+    with kt_ops.use_compute_path("brgemm"), kt_ops.use_brgemm_bf16_kernel("onednn"):
+        return kt_ops.compute_paths()["mxfp4"]["brgemm_kernel"] == MXFP4_KERNEL
+
+
+def run_mxfp4_onednn(x, ids, w, experts, quant: str = "fp32"):
+    with (
+        kt_ops.use_compute_path("brgemm"),
+        kt_ops.use_brgemm_bf16_kernel("onednn"),
+        kt_ops.use_quant_activations(quant),
+    ):
+        assert kt_ops.compute_paths()["mxfp4"]["brgemm_kernel"] == MXFP4_KERNEL
+        return kt_ops.moe_forward(x, ids, w, experts)
+
+
+@pytest.mark.parametrize("quant", ["fp32", "auto"])
+@pytest.mark.parametrize(("H", "I"), MXFP4_SHAPES)
+def test_mxfp4_onednn_exact_against_fp64(isa, H, I, quant):  # noqa: E741
+    if not mxfp4_onednn_runs():
+        pytest.skip("oneDNN's bf16 brgemm does not run on this ISA path / CPU / torch")
+    experts = make_quant_experts("mxfp4", len(MXFP4_COUNTS), H, I, seed=H + I)
+    ids, w = fp8_routing(MXFP4_COUNTS, seed=H)
+    x = make_hidden(ids.shape[0], H, torch.bfloat16, seed=I).float()  # bf16 values
+    out = run_mxfp4_onednn(x, ids, w, experts, quant)
+    # fp32 sums of exact products, and h's bf16 roundings on either side of a boundary.
+    assert_matches_reference(out, bf16_h_reference(x, ids, w, experts).float(), TOL_BF16_BRGEMM)
+    # Not the q8 streaming result (its activations quantized: ~1e-2 off).
+    with kt_ops.use_compute_path("streaming"), kt_ops.use_quant_activations("auto"):
+        q8 = kt_ops.moe_forward(x, ids, w, experts)
+    assert not torch.allclose(q8, out, rtol=0, atol=1e-4 * float(out.abs().max()))
+
+
+@pytest.mark.parametrize("value", [0, 1, 2])
+def test_mxfp4_onednn_exponents_outside_bf16_take_the_exact_qint_tiles(isa, value):
+    # The decode adds E - 127 to the bf16 exponent field of e2m1's values (126..129), exact
+    # while E >= 2; at E = 0 or 1 (a scale flushed to zero, formats/qint.h) the add would
+    # borrow into the sign bit and decode huge values. Such a block's pair is computed by
+    # kt_ops' exact qint tiles instead; E = 2 still decodes (the smallest normal values).
+    if not mxfp4_onednn_runs():
+        pytest.skip("oneDNN's bf16 brgemm does not run on this ISA path / CPU / torch")
+    H, I, counts = 160, 96, [5, 40, 0, 70]  # noqa: E741
+    base = make_quant_experts("mxfp4", len(counts), H, I, seed=19)
+    experts = mxfp8_with_exponent(base, 1, value, "mxfp4")
+    ids, w = fp8_routing(counts, seed=19)
+    x = make_hidden(ids.shape[0], H, torch.bfloat16, seed=19).float()
+    out = run_mxfp4_onednn(x, ids, w, experts)
+    assert torch.isfinite(out).all()
+    assert_matches_reference(out, bf16_h_reference(x, ids, w, experts).float(), TOL_BF16_BRGEMM)
+
+
+def test_mxfp4_onednn_and_exact_qint_tiles_agree(isa):
+    # Both multiply bf16(x) by mxfp4's exact values and sum in fp32, in different orders:
+    # they agree to fp32 rounding (not bit for bit), far inside the format's error.
+    if not (mxfp4_onednn_runs() and qint_exact_runs("mxfp4")):
+        pytest.skip("needs oneDNN's bf16 brgemm and kt_ops' exact qint tiles")
+    H, I = 256, 96  # noqa: E741
+    experts = make_quant_experts("mxfp4", len(MXFP4_COUNTS), H, I, seed=23)
+    ids, w = fp8_routing(MXFP4_COUNTS, seed=23)
+    x = make_hidden(ids.shape[0], H, torch.bfloat16, seed=23).float()
+    out = run_mxfp4_onednn(x, ids, w, experts)
+    with (
+        kt_ops.use_compute_path("brgemm"),
+        kt_ops.use_brgemm_bf16_kernel("kt"),
+        kt_ops.use_quant_activations("fp32"),
+    ):
+        kt = kt_ops.moe_forward(x, ids, w, experts)
+    torch.testing.assert_close(out, kt, rtol=0, atol=2e-5 * float(kt.abs().max()))
+
+
+def test_mxfp4_onednn_thread_counts_bit_identical(isa):
+    if not mxfp4_onednn_runs():
+        pytest.skip("oneDNN's bf16 brgemm does not run on this ISA path / CPU / torch")
+    experts = make_quant_experts("mxfp4", 4, 256, 136, seed=29)
+    ids, w = make_routing(150, 4, 2, seed=29)
+    x = make_hidden(150, 256, torch.bfloat16, seed=29)
+    with kt_ops.use_brgemm_bf16_kernel("onednn"), kt_ops.use_quant_activations("fp32"):
         assert_thread_counts_bit_identical("brgemm", x, ids, w, experts)
 
 
@@ -1495,14 +1619,14 @@ def test_fp8_tiles_under_quant_fp32_multiply_exactly(isa, fmt):
                 assert not torch.equal(run("brgemm", x, ids, w, experts), out), (H, I)
 
 
-def mxfp8_with_exponent(experts: kt_ops.ExpertWeights, e: int, value: int):
+def mxfp8_with_exponent(experts: kt_ops.ExpertWeights, e: int, value: int, fmt: str = "mxfp8"):
     """``experts`` with UE8M0 exponent ``value`` in group 0 of rows 0-15 of expert ``e``'s gate."""
     from kt_ops.formats import PackedProjection
 
     g = experts.projections[0]
     scales = g.scales.clone()
     scales[e, 0, 0, :] = value  # [E, NB, G, 16]: block 0, group 0, its 16 rows
-    gate = PackedProjection(g.weight, scales, None, "mxfp8", g.group_size, g.n, g.k)
+    gate = PackedProjection(g.weight, scales, None, fmt, g.group_size, g.n, g.k)
     return kt_ops.ExpertWeights(gate, *experts.projections[1:])
 
 

@@ -465,6 +465,89 @@ void int8_bf16_dot(const DotArgs& a, const TileOperand& op) {
 #endif
 }
 
+bool mxfp4_applies(const formats::FormatRow& format) {
+  const formats::QintFormat& q = format.qint;
+  return format.layout == formats::Layout::kQint && q.bits == 4 && q.lut_e2m1 &&
+         format.packed_scale_type == formats::ScaleType::kE8M0;
+}
+
+bool mxfp4_applies_to(const ProjectionView& view) {
+  return view.qint.scale_type == formats::ScaleType::kE8M0 && view.qint.group_size == 32 &&
+         view.zeros == nullptr;
+}
+
+// Where oneDNN computes bf16 (AMX, or brgemm_bf16_kernel = 'onednn'); kt_ops' exact qint
+// tiles compute the blocks whose exponents leave bf16's range, and mxfp4 everywhere else.
+bool mxfp4_runs() {
+  return avx512::mxfp4_to_bf16_vnni != nullptr && avx512::e8m0_within != nullptr && bf16_runs() &&
+         !bf16_uses_kt_kernel() && qint_dp_exact_runs();
+}
+
+#ifdef KT_HAVE_CPUBLAS_BRGEMM
+namespace {
+
+// Whether block nb's values are bf16 values (its exponents in [2, 252], as in every real
+// checkpoint); rows past N (zero codes) are not looked at.
+bool mxfp4_block_in_bf16(const DotArgs& a, int64_t nb) {
+  const ProjectionView& p = *a.proj;
+  const int rows = static_cast<int>(std::min<int64_t>(16, p.n - 16 * nb));
+  return avx512::e8m0_within(static_cast<const uint8_t*>(qint_block(a, nb).scales), p.groups, rows,
+                             avx512::kMxfp4BfMinE, avx512::kMxfp4BfMaxE);
+}
+
+// Block nb on kt_ops' exact qint tiles (each group's fp32 sums times 2^(E-128)): its
+// exponents leave bf16's range. The same bf16(x) rows, from a.x.
+void mxfp4_exact_block(const DotArgs& a, TileScratch& ts, int64_t nb) {
+  const TileScratch::Slot& s = scaled_rows(a, ts, unit_band_scales(a), true);
+  QintBlock blk = qint_block(a, nb);
+  blk.m = a.m;
+  const bool done = avx512::qint_dp_block(blk, reinterpret_cast<const uint32_t*>(s.rows.data()),
+                                          nullptr, ts.tile.data(), ts.params.data());
+  TORCH_INTERNAL_ASSERT(done, "mxfp4_dot: the exact qint tiles refused a block");
+}
+
+// Block nb's products from its group's (kTileGroupBlocks blocks decoded side by side into
+// one [kp/2][16 * blocks][2] tile, one call per token tile, the next group's codes
+// prefetched meanwhile), on a miss; gate and up keep one group each (group_slot).
+void mxfp4_block(const DotArgs& a, const TileOperand& op, int64_t nb) {
+  const ProjectionView& p = *a.proj;
+  TileScratch& ts = *op.scratch;
+  const int64_t g0 = nb - nb % kTileGroupBlocks;
+  const int64_t g1 = std::min<int64_t>(p.row_blocks, g0 + kTileGroupBlocks);
+  const int ncol = static_cast<int>(16 * (g1 - g0));
+  const uint8_t* group = p.block(a.expert, g0);
+  bool hit = false;
+  TileScratch::Slot& s = group_slot(a, ts, group, &hit);
+  if (!hit) {
+    for (int64_t b = g0; b < g1; ++b)
+      if (!mxfp4_block_in_bf16(a, b)) return mxfp4_exact_block(a, ts, nb);
+    for (int64_t b = g0; b < g1; ++b) {
+      const uint8_t* codes = p.block(a.expert, b);
+      avx512::mxfp4_to_bf16_vnni(codes, static_cast<const uint8_t*>(qint_block(a, b).scales), p.kp,
+                                 ts.tile.data() + 2 * 16 * (b - g0), ncol,
+                                 codes + kTileGroupBlocks * p.block_bytes);
+    }
+    bf16_gemm(a.m, ncol, p.kp, static_cast<const uint16_t*>(op.rows), op.ld, ts.tile.data(),
+              s.out.data(), ncol, false);
+    s.group = group;
+  }
+  float* out = a.out + 16 * (nb - a.nb_begin);
+  const float* c = s.out.data() + 16 * (nb - g0);
+  for (int i = 0; i < a.m; ++i) std::memcpy(out + i * a.ldo, c + i * ncol, 16 * sizeof(float));
+}
+
+}  // namespace
+#endif
+
+void mxfp4_dot(const DotArgs& a, const TileOperand& op) {
+#ifdef KT_HAVE_CPUBLAS_BRGEMM
+  for (int64_t nb = a.nb_begin; nb < a.nb_end; ++nb) mxfp4_block(a, op, nb);
+#else
+  (void)a;
+  (void)op;
+#endif
+}
+
 void w8a8_dot(const DotArgs& a, const TileOperand& op) {
 #ifdef KT_HAVE_CPUBLAS_BRGEMM
   const ProjectionView& p = *a.proj;

@@ -232,6 +232,22 @@ void w4a8_dot(const DotArgs& a, const TileOperand& op);
 bool int8_bf16_runs();
 void int8_bf16_dot(const DotArgs& a, const TileOperand& op);
 
+// mxfp4 on the bf16 brgemm, exact for bf16 activation rows: its values e2m1 * 2^(E-127)
+// are bf16 values for E in [2, 252], so per group of kTileGroupBlocks blocks the codes
+// and exponents are decoded into one bf16 tile (avx512::mxfp4_to_bf16_vnni, into
+// op.scratch's tile) and multiplied with A = bf16(x) in one full-K call per token tile
+// (N = 32), the results kept for the group's other block: the products exact in fp32
+// and summed in fp32, as a bf16 base's. A block with an exponent outside [2, 252] (no
+// real checkpoint has one) runs on kt_ops' exact qint tiles (same values, another sum
+// order). Where oneDNN computes bf16 (AMX, or brgemm_bf16_kernel = 'onednn'):
+// mxfp4_runs; elsewhere kt_ops' exact qint tiles take mxfp4 (qint_dp_exact_dot).
+// mxfp4_applies: the mxfp4 format; mxfp4_applies_to: its projections with UE8M0
+// exponents per 32 k.
+bool mxfp4_applies(const formats::FormatRow& format);
+bool mxfp4_applies_to(const ProjectionView& view);
+bool mxfp4_runs();
+void mxfp4_dot(const DotArgs& a, const TileOperand& op);
+
 // fp8_dot (oneDNN) / fp8_dp_dot (kt_ops' fused tiles): a's run of blocks
 // with the fp32 rows a.x: per 128-row band, A = bf16(x * scale), kept in a
 // slot of op.scratch while the thread computes the band's blocks. oneDNN: per

@@ -92,6 +92,30 @@ const TileKernel kKtQintExact{
     /*forced_only=*/true,
     /*applies_to=*/brgemm::qint_dp_exact_applies_to,
 };
+// mxfp4 times bf16 hidden states, exactly, on oneDNN's bf16 brgemm (AMX, or
+// brgemm_bf16_kernel = 'onednn'): its values e2m1 * 2^(E-127) are bf16 values, decoded
+// per pair of blocks into one N = 32 tile (kernels/brgemm.h, mxfp4_dot). Under 'auto'
+// from the mxfp4 row's threshold (bf16 activations: as exact as a bf16 base, where the
+// streaming kernels quantize the activations to q8), and under 'fp32' where 'brgemm' is
+// forced (the LoRA forward); elsewhere kt_ops' exact qint tiles.
+const TileKernel kOneDnnMxfp4{
+    /*name=*/"onednn/brgemm_mxfp4_bf16",
+    /*input=*/TileInput::kBf16Rows,
+    /*bf16_activations_only=*/true,
+    /*keeps=*/true,
+    /*applies=*/brgemm::mxfp4_applies,
+    /*runs=*/brgemm::mxfp4_runs,
+    /*dot=*/brgemm::mxfp4_dot,
+    /*pack_bytes=*/nullptr,
+    /*pack=*/nullptr,
+    /*release=*/brgemm::release,
+    /*fallback=*/&kKtQintExact,
+    /*pack_rows=*/nullptr,
+    /*quant_modes=*/kQuantAutoBit | kQuantFp32Bit,
+    /*keeps_if=*/nullptr,
+    /*forced_only=*/false,
+    /*applies_to=*/brgemm::mxfp4_applies_to,
+};
 // int8 (per channel) times bf16 hidden states, exactly: each block's codes decoded to
 // their bf16 values (|q| <= 127: exact), bf16 x bf16 products (exact in fp32), fp32
 // sums, the channel scales applied to the outputs. Under quant 'fp32' (exact
@@ -109,7 +133,7 @@ const TileKernel kOneDnnInt8Bf16{
     /*pack_bytes=*/nullptr,
     /*pack=*/nullptr,
     /*release=*/brgemm::release,
-    /*fallback=*/&kKtQintExact,
+    /*fallback=*/&kOneDnnMxfp4,
     /*pack_rows=*/nullptr,
     /*quant_modes=*/kQuantFp32Bit,
     /*keeps_if=*/nullptr,

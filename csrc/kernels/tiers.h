@@ -131,6 +131,15 @@ __attribute__((weak)) bool fp8_e8m0_fits_bf16(const uint8_t* e8m0, int64_t group
 // [lo, hi] (the same file; mxfp4's backward panels ask for [2, 252]).
 __attribute__((weak)) bool e8m0_within(const uint8_t* e8m0, int64_t groups, int rows, int lo,
                                        int hi);
+// mxfp4 on the bf16 brgemm (kernels/avx512/mxfp4_bf16_avx512.cpp): one block's E2M1
+// codes ([kp/8][16][4]) and UE8M0 exponents ([kp/32][16]) as the values e2m1 * 2^(E-127)
+// in bf16, brgemm's VNNI B layout with ldb columns (word ((k/2) * ldb + r) * 2 + k % 2);
+// exact where e8m0_within(e8m0, kp / 32, rows, kMxfp4BfMinE, kMxfp4BfMaxE) holds (the
+// caller checks). `next` (or nullptr) is prefetched to L2 meanwhile.
+constexpr int kMxfp4BfMinE = 2;
+constexpr int kMxfp4BfMaxE = 252;
+__attribute__((weak)) void mxfp4_to_bf16_vnni(const uint8_t* codes, const uint8_t* e8m0, int64_t kp,
+                                              uint16_t* dst, int64_t ldb, const uint8_t* next);
 __attribute__((weak)) void scale_rows_to_bf16(const float* const* x, int m, int64_t kp,
                                               const float* scales, uint16_t* dst, int64_t ld);
 // scale_rows_to_bf16_packed: the same bf16 values (kp a multiple of 32), packed as

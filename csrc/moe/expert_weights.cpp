@@ -494,8 +494,8 @@ bool is_mxfp4(const Projection& p) {
   return p.format->layout == formats::Layout::kQint && p.format->qint.lut_e2m1 &&
          p.format->packed_scale_type == formats::ScaleType::kE8M0;
 }
-constexpr int kMxfp4BfMinE = 2;
-constexpr int kMxfp4BfMaxE = 252;
+using kernels::avx512::kMxfp4BfMaxE;
+using kernels::avx512::kMxfp4BfMinE;
 
 }  // namespace
 

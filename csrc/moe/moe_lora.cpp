@@ -526,7 +526,8 @@ void glu_values(kernels::GluRows rows, const float* g, const float* u, int64_t n
 // the k-quants, q8_0, q4_0, mxfp4, nvfp4) on kt_ops' exact qint tiles (AVX512_BF16:
 // bf16(x) times the codes' exact values, each group's fp32 sums times its scales, minus
 // its zeros times the group's x sum; kernels::brgemm::qint_tiles_exact): 1.5-1.9x
-// faster than streaming at T = 512 (kernels/avx512/qint_dp_avx512bf16.cpp).
+// faster than streaming at T = 512 (kernels/avx512/qint_dp_avx512bf16.cpp); mxfp4 on
+// oneDNN's exact kernel first where oneDNN computes bf16 (kernels::brgemm::mxfp4_dot).
 // Anything else runs the streaming kernels with fp32 activations (no rounding at all).
 kernels::ComputePath lora_forward_path(const at::Tensor& x, const MoeLayer& w) {
   if (x.scalar_type() != at::kBFloat16) return kernels::ComputePath::kStreaming;
