@@ -75,7 +75,6 @@ TileScratch::Slot& scaled_rows(const DotArgs& a, TileScratch& ts, const float* s
     s.m = a.m;
     s.scales = scales;
     s.packed = packed;
-    s.group = nullptr;
     s.sums_k = 0;
   }
   return s;
@@ -286,23 +285,6 @@ void set_bf16_pairs(bool on) { bf16_pairs_flag().store(on, std::memory_order_rel
 #ifdef KT_HAVE_CPUBLAS_BRGEMM
 namespace {
 
-// The slot of ts keeping the results of `group` (a pair's first block) for these m rows
-// of a.x: a hit, or the least recently used slot, emptied for it.
-TileScratch::Slot& group_slot(const DotArgs& a, TileScratch& ts, const uint8_t* group, bool* hit) {
-  TileScratch::Slot& s = ts.find(
-      [&](const TileScratch::Slot& c) {
-        return c.x == a.x && c.m == a.m && c.scales == nullptr && c.group == group;
-      },
-      hit);
-  if (!*hit) {
-    s.x = a.x;
-    s.m = a.m;
-    s.scales = nullptr;
-    s.group = nullptr;
-  }
-  return s;
-}
-
 // Block nb's products from its pair's: blocks g0, g0 + 1 interleaved into one VNNI tile
 // [k/2][32][2] (64 bytes of each per k pair; the next pair's lines prefetched to L2
 // meanwhile) and one N = 32 call per token tile, on a miss.
@@ -314,7 +296,7 @@ void bf16_pair_block(const DotArgs& a, const TileOperand& op, int64_t nb) {
   TileScratch& ts = *op.scratch;
   const uint8_t* group = p.block(a.expert, g0);
   bool hit = false;
-  TileScratch::Slot& s = group_slot(a, ts, group, &hit);
+  TileScratch::Results& s = ts.find_results(a.x, a.m, group, &hit);
   constexpr int kCols = 16 * kTileGroupBlocks;
   if (!hit) {
     uint16_t* tile = ts.tile.data();
@@ -347,7 +329,7 @@ void bf16_dot(const DotArgs& a, const TileOperand& op) {
   const bool pairs =
       bf16_pairs() && a.x != nullptr && op.scratch != nullptr &&
       op.scratch->tile.size() >= static_cast<size_t>(kp2 * 32 * kTileGroupBlocks) &&
-      op.scratch->slots[0].out.size() >= static_cast<size_t>(a.m) * 16 * kTileGroupBlocks;
+      op.scratch->results[0].out.size() >= static_cast<size_t>(a.m) * 16 * kTileGroupBlocks;
   const int64_t paired_end = a.proj->row_blocks / kTileGroupBlocks * kTileGroupBlocks;
   for (int64_t nb = a.nb_begin; nb < a.nb_end; ++nb) {
     if (pairs && nb < paired_end) {
@@ -508,7 +490,7 @@ void mxfp4_exact_block(const DotArgs& a, TileScratch& ts, int64_t nb) {
 
 // Block nb's products from its group's (kTileGroupBlocks blocks decoded side by side into
 // one [kp/2][16 * blocks][2] tile, one call per token tile, the next group's codes
-// prefetched meanwhile), on a miss; gate and up keep one group each (group_slot).
+// prefetched meanwhile), on a miss; gate and up keep one group each (find_results).
 void mxfp4_block(const DotArgs& a, const TileOperand& op, int64_t nb) {
   const ProjectionView& p = *a.proj;
   TileScratch& ts = *op.scratch;
@@ -517,7 +499,7 @@ void mxfp4_block(const DotArgs& a, const TileOperand& op, int64_t nb) {
   const int ncol = static_cast<int>(16 * (g1 - g0));
   const uint8_t* group = p.block(a.expert, g0);
   bool hit = false;
-  TileScratch::Slot& s = group_slot(a, ts, group, &hit);
+  TileScratch::Results& s = ts.find_results(a.x, a.m, group, &hit);
   if (!hit) {
     for (int64_t b = g0; b < g1; ++b)
       if (!mxfp4_block_in_bf16(a, b)) return mxfp4_exact_block(a, ts, nb);
@@ -669,20 +651,22 @@ void fp8_onednn_block(const DotArgs& a, TileScratch& ts, int64_t nb) {
   const int ncol = static_cast<int>(16 * (g1 - g0));
   for (int64_t b = g0; b < g1; ++b)
     if (!decodes_to_bf16(a, b)) return streaming_block(a, nb);
-  TileScratch::Slot& s = scaled_rows(a, ts, fp8_tile_scales(a, g0), false);
   const uint8_t* group = p.block(a.expert, g0);
-  if (s.group != group) {
+  bool hit = false;
+  TileScratch::Results& r = ts.find_results(a.x, a.m, group, &hit);
+  if (!hit) {
+    const TileScratch::Slot& s = scaled_rows(a, ts, fp8_tile_scales(a, g0), false);
     for (int64_t b = g0; b < g1; ++b) {
       const uint8_t* codes = p.block(a.expert, b);
       // Prefetch the same block of the next group (prefetches never fault).
       avx512::fp8_to_bf16_vnni(codes, kp, ts.tile.data() + 2 * 16 * (b - g0), ncol,
                                codes + kTileGroupBlocks * p.block_bytes, true, e8m0_of(a, b));
     }
-    bf16_gemm(a.m, ncol, kp, s.rows.data(), ld, ts.tile.data(), s.out.data(), ncol, false);
-    s.group = group;
+    bf16_gemm(a.m, ncol, kp, s.rows.data(), ld, ts.tile.data(), r.out.data(), ncol, false);
+    r.group = group;
   }
   float* out = a.out + 16 * (nb - a.nb_begin);
-  const float* c = s.out.data() + 16 * (nb - g0);
+  const float* c = r.out.data() + 16 * (nb - g0);
   for (int i = 0; i < a.m; ++i) std::copy(c + i * ncol, c + i * ncol + 16, out + i * a.ldo);
   scale_outputs(a, nb, out);
 }

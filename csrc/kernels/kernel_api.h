@@ -138,20 +138,31 @@ constexpr int kTileGroupBlocks = 2;
 struct TileScratch {
   struct Slot {
     // `rows` was made from these m rows of DotArgs::x and these scales
-    // (x == nullptr: empty); `out` holds the dot products of `group` (the
-    // group's first block) with those rows, or group == nullptr.
+    // (x == nullptr: empty).
     const float* const* x = nullptr;
     int m = 0;
     const float* scales = nullptr;
     bool packed = false;  // `rows` packed as kt_ops' tiles read them (pack_pair_tiles)
-    const uint8_t* group = nullptr;
     uint64_t last_use = 0;
     std::vector<uint16_t> rows;  // >= m * tile_rows_ld(kp)
-    std::vector<float> out;      // >= m * 16 * kTileGroupBlocks
     std::vector<float> sums;     // >= m * kp / 16: sums of `rows` per sums_k k (qint)
     int64_t sums_k = 0;          // 0: `sums` not made for these rows
   };
+  // The dot products of a group of kTileGroupBlocks blocks (`group`: its first block)
+  // with m rows of DotArgs::x, kept for the group's other blocks (x == nullptr or
+  // group == nullptr: none). Apart from the rows: gate and up read the same rows and
+  // alternate block by block (moe_forward.cpp), so each keeps its own group here
+  // (with one entry per rows slot, fp8_channel's and mxfp8's unit-scaled rows, shared
+  // by gate and up, had every group computed twice: 1.5x the time on oneDNN's brgemm).
+  struct Results {
+    const float* const* x = nullptr;
+    int m = 0;
+    const uint8_t* group = nullptr;
+    uint64_t last_use = 0;
+    std::vector<float> out;  // >= m * 16 * kTileGroupBlocks
+  };
   Slot slots[2];  // gate and up alternate within a task: one slot each
+  Results results[2];
   uint64_t uses = 0;
   std::vector<uint16_t> tile;  // >= kp * 16 * kTileGroupBlocks: decoded weight blocks
   std::vector<float> params;   // >= 2 * kp: one block's scales and zeros per group (qint)
@@ -163,9 +174,10 @@ struct TileScratch {
     const size_t sums = static_cast<size_t>(m) * (kp / 16);
     for (Slot& s : slots) {
       if (s.rows.size() < rows) s.rows.resize(rows);
-      if (s.out.size() < out) s.out.resize(out);
       if (s.sums.size() < sums) s.sums.resize(sums);
     }
+    for (Results& r : results)
+      if (r.out.size() < out) r.out.resize(out);
     const size_t t = static_cast<size_t>(kp) * 16 * kTileGroupBlocks;
     if (tile.size() < t) tile.resize(t);
     if (params.size() < static_cast<size_t>(2 * kp)) params.resize(static_cast<size_t>(2 * kp));
@@ -174,34 +186,57 @@ struct TileScratch {
   // the caller to refill); either way marked as used now.
   template <class Match>
   Slot& find(const Match& match, bool* hit) {
-    Slot* pick = &slots[0];
-    *hit = false;
-    for (Slot& s : slots) {
-      if (match(s)) {
-        pick = &s;
-        *hit = true;
-        break;
-      }
-      if (s.last_use < pick->last_use) pick = &s;
+    return lru(slots, match, hit);
+  }
+  // The results of `group` for these m rows of x (*hit = true), else the least recently
+  // used entry, emptied and keyed to x and m (the caller computes the group and sets
+  // `group`); either way marked as used now.
+  Results& find_results(const float* const* x, int m, const uint8_t* group, bool* hit) {
+    Results& r = lru(
+        results, [&](const Results& c) { return c.x == x && c.m == m && c.group == group; }, hit);
+    if (!*hit) {
+      r.x = x;
+      r.m = m;
+      r.group = nullptr;
     }
-    pick->last_use = ++uses;
-    return *pick;
+    return r;
   }
   // Forgets every kept result (the plan, when an op call starts); keeps the memory.
   void reset() {
     for (Slot& s : slots) {
       s.x = nullptr;
-      s.group = nullptr;
       s.last_use = 0;
+    }
+    for (Results& r : results) {
+      r.x = nullptr;
+      r.group = nullptr;
+      r.last_use = 0;
     }
     uses = 0;
   }
   size_t bytes() const {
     size_t n = tile.capacity() * sizeof(uint16_t) + params.capacity() * sizeof(float);
     for (const Slot& s : slots)
-      n += s.rows.capacity() * sizeof(uint16_t) +
-           (s.out.capacity() + s.sums.capacity()) * sizeof(float);
+      n += s.rows.capacity() * sizeof(uint16_t) + s.sums.capacity() * sizeof(float);
+    for (const Results& r : results) n += r.out.capacity() * sizeof(float);
     return n;
+  }
+
+ private:
+  template <class Entry, class Match>
+  Entry& lru(Entry (&entries)[2], const Match& match, bool* hit) {
+    Entry* pick = &entries[0];
+    *hit = false;
+    for (Entry& e : entries) {
+      if (match(e)) {
+        pick = &e;
+        *hit = true;
+        break;
+      }
+      if (e.last_use < pick->last_use) pick = &e;
+    }
+    pick->last_use = ++uses;
+    return *pick;
   }
 };
 
