@@ -208,10 +208,21 @@ __attribute__((weak)) void bf16_vnni_panel_block(const uint16_t* block, int64_t 
 // kOffset s * (q - offset) (an implicit zero); kZeros s * q - z; kE2m1 (mxfp4, nvfp4)
 // s * 2 e2m1(q).
 enum class QintValue { kSigned, kOffset, kZeros, kE2m1 };
+// Where a split panel's lines go: the columns in slices of `width` (a multiple of 16),
+// slice i at base + i * slice_stride words, row pair j of a slice at + j * width * 2
+// ([pairs][width][2] bf16); one slice of all the columns is one [pairs][cols][2] panel.
+struct PanelSlices {
+  int64_t width;
+  int64_t slice_stride;
+  // Column c (a multiple of 16) of row pair j.
+  int64_t at(int64_t c, int j) const {
+    return (c / width) * slice_stride + (c % width) * 2 + j * width * 2;
+  }
+};
 // The split panel (moe/expert_weights.h, split_vnni_panel) of one 16-row block of qint
 // codes (low plane `low`, 5/6-bit high plane `high`), columns [k0, k0 + cols) (k0, cols
-// multiples of 16): its 8 row pairs at hi + j * cols * 2 (and lo likewise, unless
-// nullptr), [cols][2] bf16 each, of the values v (the scalar dense decoder's: a product,
+// multiples of 16): its 8 row pairs at hi + out.at(c, j) for the columns c from k0 (and
+// lo likewise, unless nullptr), of the values v (the scalar dense decoder's: a product,
 // then a difference) as hi = bf16(v), lo = bf16(v - hi). s and z: the per-row scales
 // (and zeros for kZeros) of each 16 columns, [cols / 16][16]. False (nothing written)
 // for a code width / value form it does not decode. AVX512_BF16 code: the caller checks
@@ -220,7 +231,8 @@ enum class QintValue { kSigned, kOffset, kZeros, kE2m1 };
 __attribute__((weak)) bool qint_block_vnni_split(const uint8_t* low, const uint8_t* high, int bits,
                                                  QintValue value, int32_t offset, int64_t k0,
                                                  int64_t cols, const float* s, const float* z,
-                                                 uint16_t* hi, uint16_t* lo);
+                                                 const PanelSlices& out, uint16_t* hi,
+                                                 uint16_t* lo);
 // One k-quant super-block record of 16 rows (formats/qint.h) as fp32 s[j * 16 + r] =
 // d[r] * sc_j[r] and (q4_K / q5_K) z[j * 16 + r] = dmin[r] * m_j[r], j < 8 (q6_K: 16,
 // no z): formats::kquant_param's values, 16 rows at once.

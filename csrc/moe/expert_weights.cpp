@@ -689,11 +689,14 @@ bool split_vnni_panel_applies(const Projection& p) {
 // (kernels::avx512::qint_block_vnni_split: the dense decoder's values, 16 rows per
 // register), k-quant records decoded 16 rows at once (kquant_record_params).
 void split_vnni_panel(const Projection& p, int64_t expert, int64_t k0, int64_t cols, uint16_t* hi,
-                      uint16_t* lo) {
+                      uint16_t* lo, int64_t slice_width) {
+  const int64_t width = slice_width == 0 ? cols : slice_width;
   TORCH_CHECK(split_vnni_panel_applies(p) && expert >= 0 && expert < p.num_experts() &&
-                  k0 % 16 == 0 && cols % 16 == 0 && k0 >= 0 && k0 + cols <= p.k,
-              "split_vnni_panel: columns [", k0, ", ", k0 + cols, ") of a ", p.n, " x ", p.k, " ",
-              p.format->name, " projection (or no AVX-512 here)");
+                  k0 % 16 == 0 && cols % 16 == 0 && k0 >= 0 && k0 + cols <= p.k &&
+                  width % 16 == 0 && width > 0 && cols % width == 0,
+              "split_vnni_panel: columns [", k0, ", ", k0 + cols, ") in slices of ", width,
+              " of a ", p.n, " x ", p.k, " ", p.format->name, " projection (or no AVX-512 here)");
+  const kernels::avx512::PanelSlices out{width, p.n * width};
   const QintExpert x = qint_expert(p, expert, 0, k0, k0 + cols);
   const kernels::avx512::QintValue value = qint_value_form(p);
   const bool zeros = value == kernels::avx512::QintValue::kZeros;
@@ -752,9 +755,9 @@ void split_vnni_panel(const Projection& p, int64_t expert, int64_t k0, int64_t c
       }
       group = g;
     }
-    const int64_t at = nb * (kRows / 2) * cols * 2;  // row pairs 8 nb .. 8 nb + 7
+    const int64_t at = nb * (kRows / 2) * width * 2;  // row pairs 8 nb .. 8 nb + 7
     const bool done = kernels::avx512::qint_block_vnni_split(
-        block, block + x.low_bytes, bits, value, x.offset, k0, cols, s, z, hi + at,
+        block, block + x.low_bytes, bits, value, x.offset, k0, cols, s, z, out, hi + at,
         lo == nullptr ? nullptr : lo + at);
     TORCH_INTERNAL_ASSERT(done, "split_vnni_panel: no decoder for ", p.format->name);
   }

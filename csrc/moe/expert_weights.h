@@ -67,10 +67,13 @@ void bf16_vnni_panel(const Projection& p, int64_t expert, int64_t k0, int64_t co
 // code (kernels/avx512/qint_columns_avx512.cpp). Needs split_vnni_panel_applies(p) (a
 // qint format other than int8, n and k multiples of 16, groups of a multiple of 16 k, an
 // AVX512_BF16 CPU and an AVX-512 build) and k0, cols multiples of 16 inside [0, k); throws
-// c10::Error otherwise.
+// c10::Error otherwise. slice_width (a multiple of 16 dividing cols; 0: cols): the
+// columns as cols / slice_width panels [n/2][slice_width][2], each n * slice_width words
+// after the last (kt_ops' kernel reads 16-wide slices): one call decodes all of them,
+// each 4-bit block's value tables made once per group, not per slice.
 bool split_vnni_panel_applies(const Projection& p);
 void split_vnni_panel(const Projection& p, int64_t expert, int64_t k0, int64_t cols, uint16_t* hi,
-                      uint16_t* lo);
+                      uint16_t* lo, int64_t slice_width = 0);
 // Where bf16_vnni_panel(p, expert, k0, 16, ...) (or split_vnni_panel) reads: its lines, to prefetch
 // to L2 while the previous panel is multiplied (kernels::avx512::bf16_dp_panel).
 kernels::PrefetchChunks vnni_panel_source(const Projection& p, int64_t expert, int64_t k0);

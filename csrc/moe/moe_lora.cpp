@@ -428,16 +428,13 @@ void vnni_products(std::initializer_list<PanelTerm> terms, int64_t m, int64_t e,
   // into panel16[1]; slices of 16 columns [n/2][16][2] (kt_ops) or one [n/2][cols][2].
   auto make_panel = [&](const Projection& p, int64_t c0, int64_t cols) {
     const int64_t step = kt ? 16 : cols;
-    const bool split = !exact_panels(p), lo = split && wants_lo(&p);
-    for (int64_t s = 0; s < cols; s += step) {
-      uint16_t* hi_dst = scratch.panel16[0].data() + s * n;
-      if (!split) {
-        bf16_vnni_panel(p, e, c0 + s, step, hi_dst);
-      } else {
-        split_vnni_panel(p, e, c0 + s, step, hi_dst,
-                         lo ? scratch.panel16[1].data() + s * n : nullptr);
-      }
+    if (!exact_panels(p)) {  // one call for all the slices (a block's tables once per group)
+      split_vnni_panel(p, e, c0, cols, scratch.panel16[0].data(),
+                       wants_lo(&p) ? scratch.panel16[1].data() : nullptr, step);
+      return;
     }
+    for (int64_t s = 0; s < cols; s += step)
+      bf16_vnni_panel(p, e, c0 + s, step, scratch.panel16[0].data() + s * n);
   };
   // The projection's kept backward panel at column c0 where this kernel reads them (kt_ops':
   // 16 columns wide, its slices; oneDNN's: any width), else nullptr.

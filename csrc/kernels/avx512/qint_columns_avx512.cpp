@@ -101,7 +101,7 @@ inline void columns(const uint8_t* low, const uint8_t* high, int32_t offset, int
 template <int Bits, QintValue A, bool Lo>
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) void block_panel(
     const uint8_t* low, const uint8_t* high, int32_t offset, int64_t k0, int64_t cols,
-    const float* s, const float* z, uint16_t* hi, uint16_t* lo) {
+    const float* s, const float* z, const PanelSlices& out, uint16_t* hi, uint16_t* lo) {
   // Qword j of a pair register: words (row 2j, 2j + 1) of column 2i, then of column 2i + 1.
   const __m512i pick = _mm512_set_epi16(31, 30, 15, 14, 29, 28, 13, 12, 27, 26, 11, 10, 25, 24, 9,
                                         8, 23, 22, 7, 6, 21, 20, 5, 4, 19, 18, 3, 2, 17, 16, 1, 0);
@@ -125,16 +125,92 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void block_panel(
       }
     }
     transpose_8x8_epi64(p);  // p[j]: qword i = columns 2i, 2i + 1 of pair j
-    for (int j = 0; j < 8; ++j) _mm512_storeu_si512(hi + c0 * 2 + j * cols * 2, p[j]);
+    for (int j = 0; j < 8; ++j) _mm512_storeu_si512(hi + out.at(c0, j), p[j]);
     if constexpr (Lo) {
       transpose_8x8_epi64(q);
-      for (int j = 0; j < 8; ++j) _mm512_storeu_si512(lo + c0 * 2 + j * cols * 2, q[j]);
+      for (int j = 0; j < 8; ++j) _mm512_storeu_si512(lo + out.at(c0, j), q[j]);
+    }
+  }
+}
+
+// The same panel for 4-bit codes through tables: a 16-column slice lies in one group, so
+// each row has only 16 values there, and a panel line (one row pair, 16 columns) draws on
+// two rows' 32: per row pair and group one table of 32 bf16 words (hi; lo likewise), the
+// values computed as `columns` does (a product, then a difference) and rounded by the
+// same vcvtne2ps2bf16, so the same bits. A line is then one vpermw of the table by its
+// codes + 16 p (row 2j + p), the codes moved from the block's lines (row r's dword, a
+// nibble per k) to word 2c + p of column c by one two-source qword permute, one in-lane
+// byte shuffle and a per-lane shift: no transpose. About half the operations of
+// `block_panel` per slice with hi + lo (the tables remade only where a slice's scales
+// differ from the previous slice's: once per group).
+template <QintValue A, bool Lo>
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void nibble_panel(
+    const uint8_t* low, const uint8_t*, int32_t offset, int64_t k0, int64_t cols, const float* s,
+    const float* z, const PanelSlices& out, uint16_t* hi, uint16_t* lo) {
+  // The code values q (as `columns`): q - offset, q (with zeros), 2 e2m1(q).
+  const __m512 q = [&] {
+    if (A == QintValue::kE2m1)
+      return _mm512_setr_ps(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    if (A == QintValue::kOffset)
+      return _mm512_cvtepi32_ps(_mm512_sub_epi32(iota, _mm512_set1_epi32(offset)));
+    return _mm512_cvtepi32_ps(iota);
+  }();
+  auto widen = [](__m256i w) __attribute__((target("avx512f,avx512bw"))) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(w), 16));
+  };
+  // Word 2c + p of a line: column c (of 16) of row 2j + p. Lanes 0 / 1 read line l's low /
+  // high nibbles (columns 0-3 / 4-7), lanes 2 / 3 line l + 1's (8-11 / 12-15); in each lane
+  // the row pair's qword: bytes 0-3 row 2j, 4-7 row 2j + 1.
+  const __m512i bytes =
+      _mm512_broadcast_i32x4(_mm_setr_epi8(0, -1, 4, -1, 1, -1, 5, -1, 2, -1, 6, -1, 3, -1, 7, -1));
+  const __m512i shifts = _mm512_setr_epi64(0, 0, 0x0004000400040004, 0x0004000400040004, 0, 0,
+                                           0x0004000400040004, 0x0004000400040004);
+  const __m512i odd = _mm512_set1_epi32(16 << 16);  // + 16 for row 2j + 1's half of the table
+  const __m512i m4 = _mm512_set1_epi16(0x0F);
+  __m512i thi[8], tlo[8];
+  for (int64_t c0 = 0; c0 < cols; c0 += 16) {
+    const float* sc = s + c0;
+    const float* zc = z + c0;
+    const bool same = c0 > 0 &&
+                      _mm512_cmpneq_ps_mask(_mm512_loadu_ps(sc), _mm512_loadu_ps(sc - 16)) == 0 &&
+                      (A != QintValue::kZeros ||
+                       _mm512_cmpneq_ps_mask(_mm512_loadu_ps(zc), _mm512_loadu_ps(zc - 16)) == 0);
+    if (!same) {
+      for (int j = 0; j < 8; ++j) {
+        __m512 v0 = _mm512_mul_ps(_mm512_set1_ps(sc[2 * j]), q);
+        __m512 v1 = _mm512_mul_ps(_mm512_set1_ps(sc[2 * j + 1]), q);
+        if constexpr (A == QintValue::kZeros) {
+          v0 = _mm512_sub_ps(v0, _mm512_set1_ps(zc[2 * j]));
+          v1 = _mm512_sub_ps(v1, _mm512_set1_ps(zc[2 * j + 1]));
+        }
+        const __m512i h = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(v1, v0));
+        thi[j] = h;
+        if constexpr (Lo) {
+          const __m512 d0 = _mm512_sub_ps(v0, widen(_mm512_castsi512_si256(h)));
+          const __m512 d1 = _mm512_sub_ps(v1, widen(_mm512_extracti64x4_epi64(h, 1)));
+          tlo[j] = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(d1, d0));
+        }
+      }
+    }
+    const int64_t k = k0 + c0;  // a multiple of 16: lines k / 8 and k / 8 + 1
+    const __m512i l0 = _mm512_loadu_si512(low + (k / 8) * 64);
+    const __m512i l1 = _mm512_loadu_si512(low + (k / 8 + 1) * 64);
+    for (int j = 0; j < 8; ++j) {
+      const __m512i pick = _mm512_setr_epi64(j, j, j, j, 8 + j, 8 + j, 8 + j, 8 + j);
+      const __m512i src = _mm512_permutex2var_epi64(l0, pick, l1);
+      const __m512i codes =
+          _mm512_and_si512(_mm512_srlv_epi16(_mm512_shuffle_epi8(src, bytes), shifts), m4);
+      const __m512i idx = _mm512_or_si512(codes, odd);
+      _mm512_storeu_si512(hi + out.at(c0, j), _mm512_permutexvar_epi16(idx, thi[j]));
+      if constexpr (Lo)
+        _mm512_storeu_si512(lo + out.at(c0, j), _mm512_permutexvar_epi16(idx, tlo[j]));
     }
   }
 }
 
 using PanelFn = void (*)(const uint8_t*, const uint8_t*, int32_t, int64_t, int64_t, const float*,
-                         const float*, uint16_t*, uint16_t*);
+                         const float*, const PanelSlices&, uint16_t*, uint16_t*);
 
 // make(bits, value) for the code widths and value forms the decoders cover (as
 // std::integral_constant arguments), else nullptr.
@@ -176,12 +252,15 @@ PanelFn by_form(int bits, QintValue value, const Make& make) {
 
 bool qint_block_vnni_split(const uint8_t* low, const uint8_t* high, int bits, QintValue value,
                            int32_t offset, int64_t k0, int64_t cols, const float* s, const float* z,
-                           uint16_t* hi, uint16_t* lo) {
+                           const PanelSlices& out, uint16_t* hi, uint16_t* lo) {
   const PanelFn fn = by_form(bits, value, [&](auto b, auto v) -> PanelFn {
-    return lo == nullptr ? block_panel<b(), v(), false> : block_panel<b(), v(), true>;
+    if constexpr (b() == 4)
+      return lo == nullptr ? nibble_panel<v(), false> : nibble_panel<v(), true>;
+    else
+      return lo == nullptr ? block_panel<b(), v(), false> : block_panel<b(), v(), true>;
   });
   if (fn == nullptr) return false;
-  fn(low, high, offset, k0, cols, s, z, hi, lo);
+  fn(low, high, offset, k0, cols, s, z, out, hi, lo);
   return true;
 }
 
