@@ -1399,6 +1399,39 @@ def test_mxfp4_onednn_and_exact_qint_tiles_agree(isa):
     torch.testing.assert_close(out, kt, rtol=0, atol=2e-5 * float(kt.abs().max()))
 
 
+@pytest.mark.parametrize("ldb", [16, 32])
+def test_mxfp4_tile_decode_of_every_code_and_exponent(ldb):
+    # The decode: each E2M1 code c (all 16, both zeros) of row r at k as e2m1(c) *
+    # 2^(E-127) in bf16, exactly (two significant bits), for every exponent E in [2, 252]
+    # (both ends), at word ((k / 2) * ldb + r) * 2 + k % 2; -0 decodes as +0 (as the
+    # scalar decoder). The low plane: byte j of row r's dword in line l holds code
+    # 8 l + j in its low nibble and 8 l + 4 + j in its high one.
+    if "avx512" not in kt_ops.supported_isas():
+        pytest.skip("the decode is AVX-512 code")
+    # OCP MX v1.0, section 5.3.3: E2M1 magnitudes, bit 3 the sign.
+    e2m1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6], dtype=torch.float64)
+    e2m1 = torch.cat([e2m1, -e2m1])
+    kp = 256 * 8  # 64 groups of 32 k: every exponent in [2, 252] at least once
+    g = torch.Generator().manual_seed(8)
+    codes = torch.randint(0, 16, (16, kp), dtype=torch.uint8, generator=g)  # [row, k]
+    codes[:, :16] = torch.arange(16, dtype=torch.uint8)  # every code in every row
+    exps = torch.arange(2, 253).repeat(8)[: kp // 32 * 16].view(kp // 32, 16).to(torch.uint8)
+    lines = codes.view(16, kp // 8, 2, 4)  # [row, line, half (low / high nibble), j]
+    low = (lines[:, :, 0] | (lines[:, :, 1] << 4)).permute(1, 0, 2).contiguous()
+    out = kt_ops._C._testing.mxfp4_block_to_bf16_vnni(
+        low.numpy().tobytes(), exps.numpy().tobytes(), ldb
+    )
+    tile = torch.frombuffer(bytearray(out), dtype=torch.bfloat16).view(kp // 2, ldb, 2)
+    scale = torch.exp2(exps.double() - 127).repeat_interleave(32, dim=0).T  # [row, k]
+    values = e2m1[codes.long()] * scale + 0.0
+    assert torch.equal(values.bfloat16().double(), values)  # bf16 values: exact
+    want = values.bfloat16().T.reshape(kp // 2, 2, 16).transpose(1, 2)
+    assert torch.equal(tile[:, :16].view(torch.int16), want.contiguous().view(torch.int16))
+    assert not tile[:, 16:].view(torch.int16).any()  # the other columns untouched
+    with pytest.raises(ValueError, match=r"len\(exponents\) must be len\(codes\) / 16"):
+        kt_ops._C._testing.mxfp4_block_to_bf16_vnni(low.numpy().tobytes(), bytes(3))
+
+
 def test_mxfp4_onednn_thread_counts_bit_identical(isa):
     if not mxfp4_onednn_runs():
         pytest.skip("oneDNN's bf16 brgemm does not run on this ISA path / CPU / torch")

@@ -124,6 +124,30 @@ void register_test_hooks(py::module& t) {
         return py::bytes(out);
       },
       py::arg("codes"), py::arg("decode"), py::arg("exponents") = py::none());
+  // One mxfp4 block's E2M1 codes (the low plane [kp/8][16][4], kp a multiple of 32) and
+  // UE8M0 exponents [kp/32][16] as the bf16 VNNI tile [kp/2][ldb][2] of its 16 columns
+  // (kernels/tiers.h, mxfp4_to_bf16_vnni; ldb 16 or 32, the other columns zero).
+  t.def(
+      "mxfp4_block_to_bf16_vnni",
+      [](const py::bytes& codes, const py::bytes& exponents, int64_t ldb) {
+        const std::string c = codes, e = exponents;
+        if (kt::kernels::avx512::mxfp4_to_bf16_vnni == nullptr ||
+            !kt::runtime::cpu_features().avx512)
+          throw py::value_error("mxfp4_block_to_bf16_vnni: needs the avx512 tier");
+        if (c.empty() || c.size() % 256 != 0)
+          throw py::value_error("mxfp4_block_to_bf16_vnni: len(codes) must be a multiple of 256");
+        const int64_t kp = static_cast<int64_t>(c.size() / 8);
+        if (static_cast<int64_t>(e.size()) != kp / 32 * 16)
+          throw py::value_error("mxfp4_block_to_bf16_vnni: len(exponents) must be len(codes) / 16");
+        if (ldb != 16 && ldb != 32)
+          throw py::value_error("mxfp4_block_to_bf16_vnni: ldb must be 16 or 32");
+        std::string out(static_cast<size_t>(kp * ldb * 2), '\0');
+        kt::kernels::avx512::mxfp4_to_bf16_vnni(
+            reinterpret_cast<const uint8_t*>(c.data()), reinterpret_cast<const uint8_t*>(e.data()),
+            kp, reinterpret_cast<uint16_t*>(out.data()), ldb, nullptr);
+        return py::bytes(out);
+      },
+      py::arg("codes"), py::arg("exponents"), py::arg("ldb") = 16);
 }
 
 }  // namespace kt::ops
