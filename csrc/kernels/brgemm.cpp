@@ -285,6 +285,26 @@ void set_bf16_pairs(bool on) { bf16_pairs_flag().store(on, std::memory_order_rel
 #ifdef KT_HAVE_CPUBLAS_BRGEMM
 namespace {
 
+// Block nb's 16 columns of its group's products (the kTileGroupBlocks blocks from g0, ncol
+// columns side by side): kept from an earlier block of the group on this thread
+// (TileScratch::find_results), else computed by fill(out [m][ncol]). fill returns false
+// where it computes nothing; so does this, and the caller computes block nb otherwise.
+template <class Fill>
+bool group_block(const DotArgs& a, TileScratch& ts, int64_t nb, int64_t g0, int ncol,
+                 const Fill& fill) {
+  const uint8_t* group = a.proj->block(a.expert, g0);
+  bool hit = false;
+  TileScratch::Results& r = ts.find_results(a.x, a.m, group, &hit);
+  if (!hit) {
+    if (!fill(r.out.data())) return false;
+    r.group = group;
+  }
+  float* out = a.out + 16 * (nb - a.nb_begin);
+  const float* c = r.out.data() + 16 * (nb - g0);
+  for (int i = 0; i < a.m; ++i) std::memcpy(out + i * a.ldo, c + i * ncol, 16 * sizeof(float));
+  return true;
+}
+
 // Block nb's products from its pair's: blocks g0, g0 + 1 interleaved into one VNNI tile
 // [k/2][32][2] (64 bytes of each per k pair; the next pair's lines prefetched to L2
 // meanwhile) and one N = 32 call per token tile, on a miss.
@@ -295,10 +315,8 @@ void bf16_pair_block(const DotArgs& a, const TileOperand& op, int64_t nb) {
   const int64_t g0 = nb - nb % kTileGroupBlocks;
   TileScratch& ts = *op.scratch;
   const uint8_t* group = p.block(a.expert, g0);
-  bool hit = false;
-  TileScratch::Results& s = ts.find_results(a.x, a.m, group, &hit);
   constexpr int kCols = 16 * kTileGroupBlocks;
-  if (!hit) {
+  group_block(a, ts, nb, g0, kCols, [&](float* c) {
     uint16_t* tile = ts.tile.data();
     const uint8_t* next = p.block(a.expert, std::min(g0 + 2 * kTileGroupBlocks, p.row_blocks)) -
                           kTileGroupBlocks * p.block_bytes;  // the next pair, clamped
@@ -309,12 +327,9 @@ void bf16_pair_block(const DotArgs& a, const TileOperand& op, int64_t nb) {
         __builtin_prefetch(next + off, 0, 2);
       }
     }
-    bf16_gemm(a.m, kCols, 2 * kp2, x, op.ld, tile, s.out.data(), kCols, false);
-    s.group = group;
-  }
-  float* out = a.out + 16 * (nb - a.nb_begin);
-  const float* c = s.out.data() + 16 * (nb - g0);
-  for (int i = 0; i < a.m; ++i) std::memcpy(out + i * a.ldo, c + i * kCols, 16 * sizeof(float));
+    bf16_gemm(a.m, kCols, 2 * kp2, x, op.ld, tile, c, kCols, false);
+    return true;
+  });
 }
 
 }  // namespace
@@ -497,25 +512,20 @@ void mxfp4_block(const DotArgs& a, const TileOperand& op, int64_t nb) {
   const int64_t g0 = nb - nb % kTileGroupBlocks;
   const int64_t g1 = std::min<int64_t>(p.row_blocks, g0 + kTileGroupBlocks);
   const int ncol = static_cast<int>(16 * (g1 - g0));
-  const uint8_t* group = p.block(a.expert, g0);
-  bool hit = false;
-  TileScratch::Results& s = ts.find_results(a.x, a.m, group, &hit);
-  if (!hit) {
+  const bool done = group_block(a, ts, nb, g0, ncol, [&](float* c) {
     for (int64_t b = g0; b < g1; ++b)
-      if (!mxfp4_block_in_bf16(a, b)) return mxfp4_exact_block(a, ts, nb);
+      if (!mxfp4_block_in_bf16(a, b)) return false;
     for (int64_t b = g0; b < g1; ++b) {
       const uint8_t* codes = p.block(a.expert, b);
       avx512::mxfp4_to_bf16_vnni(codes, static_cast<const uint8_t*>(qint_block(a, b).scales), p.kp,
                                  ts.tile.data() + 2 * 16 * (b - g0), ncol,
                                  codes + kTileGroupBlocks * p.block_bytes);
     }
-    bf16_gemm(a.m, ncol, p.kp, static_cast<const uint16_t*>(op.rows), op.ld, ts.tile.data(),
-              s.out.data(), ncol, false);
-    s.group = group;
-  }
-  float* out = a.out + 16 * (nb - a.nb_begin);
-  const float* c = s.out.data() + 16 * (nb - g0);
-  for (int i = 0; i < a.m; ++i) std::memcpy(out + i * a.ldo, c + i * ncol, 16 * sizeof(float));
+    bf16_gemm(a.m, ncol, p.kp, static_cast<const uint16_t*>(op.rows), op.ld, ts.tile.data(), c,
+              ncol, false);
+    return true;
+  });
+  if (!done) mxfp4_exact_block(a, ts, nb);
 }
 
 }  // namespace
@@ -651,10 +661,7 @@ void fp8_onednn_block(const DotArgs& a, TileScratch& ts, int64_t nb) {
   const int ncol = static_cast<int>(16 * (g1 - g0));
   for (int64_t b = g0; b < g1; ++b)
     if (!decodes_to_bf16(a, b)) return streaming_block(a, nb);
-  const uint8_t* group = p.block(a.expert, g0);
-  bool hit = false;
-  TileScratch::Results& r = ts.find_results(a.x, a.m, group, &hit);
-  if (!hit) {
+  group_block(a, ts, nb, g0, ncol, [&](float* c) {
     const TileScratch::Slot& s = scaled_rows(a, ts, fp8_tile_scales(a, g0), false);
     for (int64_t b = g0; b < g1; ++b) {
       const uint8_t* codes = p.block(a.expert, b);
@@ -662,12 +669,10 @@ void fp8_onednn_block(const DotArgs& a, TileScratch& ts, int64_t nb) {
       avx512::fp8_to_bf16_vnni(codes, kp, ts.tile.data() + 2 * 16 * (b - g0), ncol,
                                codes + kTileGroupBlocks * p.block_bytes, true, e8m0_of(a, b));
     }
-    bf16_gemm(a.m, ncol, kp, s.rows.data(), ld, ts.tile.data(), r.out.data(), ncol, false);
-    r.group = group;
-  }
+    bf16_gemm(a.m, ncol, kp, s.rows.data(), ld, ts.tile.data(), c, ncol, false);
+    return true;
+  });
   float* out = a.out + 16 * (nb - a.nb_begin);
-  const float* c = r.out.data() + 16 * (nb - g0);
-  for (int i = 0; i < a.m; ++i) std::copy(c + i * ncol, c + i * ncol + 16, out + i * a.ldo);
   scale_outputs(a, nb, out);
 }
 
