@@ -125,10 +125,11 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void block_panel(
       }
     }
     transpose_8x8_epi64(p);  // p[j]: qword i = columns 2i, 2i + 1 of pair j
-    for (int j = 0; j < 8; ++j) _mm512_storeu_si512(hi + out.at(c0, j), p[j]);
+    const int64_t at = out.at(c0, 0), pair = out.width * 2;  // one division per slice
+    for (int j = 0; j < 8; ++j) _mm512_storeu_si512(hi + at + j * pair, p[j]);
     if constexpr (Lo) {
       transpose_8x8_epi64(q);
-      for (int j = 0; j < 8; ++j) _mm512_storeu_si512(lo + out.at(c0, j), q[j]);
+      for (int j = 0; j < 8; ++j) _mm512_storeu_si512(lo + at + j * pair, q[j]);
     }
   }
 }
@@ -196,15 +197,16 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void nibble_panel(
     const int64_t k = k0 + c0;  // a multiple of 16: lines k / 8 and k / 8 + 1
     const __m512i l0 = _mm512_loadu_si512(low + (k / 8) * 64);
     const __m512i l1 = _mm512_loadu_si512(low + (k / 8 + 1) * 64);
+    const int64_t at = out.at(c0, 0), pair = out.width * 2;  // one division per slice
     for (int j = 0; j < 8; ++j) {
       const __m512i pick = _mm512_setr_epi64(j, j, j, j, 8 + j, 8 + j, 8 + j, 8 + j);
       const __m512i src = _mm512_permutex2var_epi64(l0, pick, l1);
       const __m512i codes =
           _mm512_and_si512(_mm512_srlv_epi16(_mm512_shuffle_epi8(src, bytes), shifts), m4);
       const __m512i idx = _mm512_or_si512(codes, odd);
-      _mm512_storeu_si512(hi + out.at(c0, j), _mm512_permutexvar_epi16(idx, thi[j]));
+      _mm512_storeu_si512(hi + at + j * pair, _mm512_permutexvar_epi16(idx, thi[j]));
       if constexpr (Lo)
-        _mm512_storeu_si512(lo + out.at(c0, j), _mm512_permutexvar_epi16(idx, tlo[j]));
+        _mm512_storeu_si512(lo + at + j * pair, _mm512_permutexvar_epi16(idx, tlo[j]));
     }
   }
 }
