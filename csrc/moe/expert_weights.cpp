@@ -490,10 +490,7 @@ bool is_mxfp8(const Projection& p) {
 // significant bits), are bf16 values while they stay normal: E in [2, 252]
 // (12 * 2^124 < bf16's largest finite value; 2^(2-128) its smallest normal). Outside,
 // panel_values_exact says no (as for mxfp8).
-bool is_mxfp4(const Projection& p) {
-  return p.format->layout == formats::Layout::kQint && p.format->qint.lut_e2m1 &&
-         p.format->packed_scale_type == formats::ScaleType::kE8M0;
-}
+bool is_mxfp4(const Projection& p) { return kernels::brgemm::mxfp4_applies(*p.format); }
 using kernels::avx512::kMxfp4BfMaxE;
 using kernels::avx512::kMxfp4BfMinE;
 
