@@ -30,6 +30,7 @@ from reference import (
     TOL_BF16,
     TOL_BF16_BRGEMM,
     W4A8_KERNELS,
+    W4A8_KT_KERNEL,
     Tolerance,
     assert_matches_reference,
     lora_weights_from,
@@ -998,17 +999,20 @@ def test_w8a8_thread_counts_bit_identical(isa, path):
 # --------------------------------------------------------------------------
 # The unsigned 4-bit codes times the per-token codes, exact int32 sums over all of K,
 # then the channel's scale (and zero). The reference: per-token int8 activations
-# (token_q8_activations) times the dequantized weights. int4 with groups and q4_0 stay
-# on the streaming q8 kernels, even when brgemm is forced: their reference is the q8 one
-# (reference.token_int8_min_tokens_of), and their outputs the streaming bits.
+# (token_q8_activations) times the dequantized weights. int4 with groups: oneDNN's w4a8
+# (one call per group, each group's sums times its scales) against the same reference;
+# on kt_ops' tiles they stream on the q8 kernels, as q4_0 does on both, even when brgemm
+# is forced: their reference is the q8 one (reference.token_int8_min_tokens_of), and
+# their outputs the streaming bits.
 
-#: (format, group size, symmetric): per channel (symmetric, zero points), and the
-#: formats that must stream: int4 with groups, q4_0.
+#: (format, group size, symmetric): per channel (symmetric, zero points), int4 with
+#: groups (oneDNN's w4a8; kt_ops' tiles stream them), q4_0 (streams).
 W4A8_VARIANTS = [
     ("int4", 0, True),
     ("int4", 0, False),
     ("int4", 32, True),
     ("int4", 128, False),
+    ("int4", 64, False),
     ("q4_0", None, True),
 ]
 W4A8_IDS = [f"{f}-g{g}-{'sym' if s else 'zp'}" for f, g, s in W4A8_VARIANTS]
@@ -1040,12 +1044,37 @@ def test_w4a8_against_the_per_token_reference(isa, variant, H, I, T):  # noqa: E
     ids, w = make_routing(T, 6, 2, seed=T + H)
     for setting in w4a8_kernels_here():
         with kt_ops.use_brgemm_bf16_kernel(setting):
+            with kt_ops.use_compute_path("brgemm"):
+                kernel = kt_ops.compute_paths()["int4"]["brgemm_kernel"]
+            streams = gs != 0 and (fmt != "int4" or kernel == W4A8_KT_KERNEL)
             for dtype in (torch.bfloat16, torch.float32):
                 x = make_hidden(T, H, dtype, seed=T + I)
                 out = check_w8a8(x, ids, w, experts)
-                if gs != 0:  # grouped: the streaming q8 kernels, bit for bit
+                if streams:  # the streaming q8 kernels, bit for bit
                     with kt_ops.use_quant_activations("q8"):
                         assert torch.equal(out, run("streaming", x, ids, w, experts))
+
+
+@pytest.mark.parametrize("gs", [32, 64, 128])
+def test_onednn_w4a8_groups_are_per_token_and_per_group(isa, gs):
+    # oneDNN's w4a8 on int4 with groups: not vacuous either way. One outlier channel
+    # makes the per-token scale 50x the per-32 one elsewhere, so the q8 (per-32)
+    # reference must NOT match, the per-token one must; and one group of each row scaled
+    # 1000x (with zero points) makes a fold that took one group's scale for another
+    # miss the reference by far more than its tolerance.
+    if "onednn" not in w4a8_kernels_here():
+        pytest.skip("oneDNN's w4a8 does not run on this ISA path / CPU / torch")
+    experts = make_quant_experts("int4", 2, 256, 128, group_size=gs, symmetric=False, seed=gs)
+    for p in (experts.gate, experts.up, experts.down):  # scales [E][blocks][groups][16]
+        p.scales[:, :, p.scales.shape[2] // 2] *= 1000  # a group past the first
+    ids, w = make_routing(30, 2, 1, seed=gs)
+    x = make_hidden(30, 256, torch.float32, seed=gs)
+    x[:, 7] = 50.0
+    with kt_ops.use_brgemm_bf16_kernel("onednn"):
+        out = check_w8a8(x, ids, w, experts)
+        with kt_ops.use_quant_activations("q8"):
+            q8_ref = reference_for(experts, x, ids, w)
+    assert quant_mismatch_report(out, q8_ref) is not None
 
 
 def test_w4a8_is_per_token_not_per_32(isa):
@@ -1064,13 +1093,14 @@ def test_w4a8_is_per_token_not_per_32(isa):
     assert quant_mismatch_report(out, q8_ref) is not None
 
 
-@pytest.mark.parametrize("variant", W4A8_VARIANTS[:2], ids=W4A8_IDS[:2])
+@pytest.mark.parametrize("variant", W4A8_VARIANTS[:5], ids=W4A8_IDS[:5])
 @pytest.mark.parametrize("m", [1, 13, 28, 29, 57, 65, 85])
 def test_w4a8_tiles_and_thread_counts(isa, variant, m):
     # One expert with m tokens: every tile split (28 rows: 29 is 15 + 14), the same
     # bits at 1, 2 and 3 threads (each output is its own chain in a fixed order).
-    # kt_ops' tiles and oneDNN's (64-row calls: 65 is 64 + 1) give the same bits: the
-    # same exact int32 sums, the same fold.
+    # Per channel, kt_ops' tiles and oneDNN's (64-row calls: 65 is 64 + 1) give the same
+    # bits: the same exact int32 sums, the same fold. With groups (K = 128: 4, 2 or 1
+    # group), oneDNN's per-group folds against the reference, kt_ops' tiles stream.
     if not w4a8_runs():
         pytest.skip("no w4a8 kernel runs on this ISA path / CPU")
     fmt, gs, sym = variant
@@ -1078,13 +1108,17 @@ def test_w4a8_tiles_and_thread_counts(isa, variant, m):
     ids = torch.zeros(m, 1, dtype=torch.long)
     w = torch.ones(m, 1)
     x = make_hidden(m, 128, torch.float32, seed=m)
-    got = []
+    first = None
     for setting in w4a8_kernels_here():
         with kt_ops.use_brgemm_bf16_kernel(setting):
+            got = []
             for n in THREAD_COUNTS:
                 kt_ops.set_num_threads(n)
                 got.append(check_w8a8(x, ids, w, experts))
                 assert torch.equal(got[-1], got[0]), f"{setting}, {n} threads"
+            if gs == 0:
+                first = got[0] if first is None else first
+                assert torch.equal(got[0], first), f"{setting} against the other kernel"
 
 
 @pytest.mark.parametrize("sym", [True, False], ids=["sym", "zp"])

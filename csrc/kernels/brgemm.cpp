@@ -216,7 +216,8 @@ bool w4a8_applies(const formats::FormatRow& format) {
 bool w4a8_applies_to(const ProjectionView& view) { return view.qint.group_size == 0; }
 
 bool w4a8_onednn_applies_to(const ProjectionView& view) {
-  return view.qint.group_size == 0 && view.kp <= kW8A8MaxK;
+  const int64_t g = view.qint.group_size;
+  return view.kp <= kW8A8MaxK && (g == 0 || (g % kU8S8Chunk == 0 && view.kp % g == 0));
 }
 
 bool w4a8_runs() {
@@ -569,16 +570,25 @@ void w8a8_dot(const DotArgs& a, const TileOperand& op) {
 
 void pack_w4a8_rows(const float* const* x, int m, int64_t kp, uint8_t* dst) {
   pack_w8a8_rows(x, m, kp, dst);
-  // Each row's sum of q: its codes + 128, less 128 per k.
+  // Each row's sum of q over all of K, then over each 32 k (the groups' sums): its codes
+  // + 128, less 128 per k.
   auto* sums = reinterpret_cast<int32_t*>(dst + w8a8_bytes(m, kp));
+  auto* chunk_sums = reinterpret_cast<int32_t*>(dst + w4a8_chunk_sums_offset(m, kp));
+  const int64_t chunks = kp / kU8S8Chunk;
   const uint8_t* tiles = dst + w8a8_scale_bytes(m);
   const int64_t ld = w8a8_ld(kp);
   for_each_token_tile(m, [&](int i, int rows, int row0) {
     for (int r = 0; r < rows; ++r) {
       const uint8_t* row = tiles + (row0 + r) * ld;
+      int32_t* cs = chunk_sums + (i + r) * chunks;
       int64_t t = 0;
-      for (int64_t k = 0; k < kp; ++k) t += row[k];
-      sums[i + r] = static_cast<int32_t>(t - 128 * kp);
+      for (int64_t c = 0; c < chunks; ++c) {
+        int32_t u = 0;
+        for (int k = 0; k < kU8S8Chunk; ++k) u += row[c * kU8S8Chunk + k];
+        cs[c] = u - 128 * kU8S8Chunk;
+        t += cs[c];
+      }
+      sums[i + r] = static_cast<int32_t>(t);
     }
   });
 }
@@ -588,19 +598,37 @@ void w4a8_dot(const DotArgs& a, const TileOperand& op) {
   const ProjectionView& p = *a.proj;
   const int64_t kp = p.kp, ld = w8a8_ld(kp);
   const auto* x_scales = static_cast<const float*>(op.rows);
-  const uint8_t* tiles = static_cast<const uint8_t*>(op.rows) + w8a8_scale_bytes(a.m);
-  const auto* q_sums =
-      reinterpret_cast<const int32_t*>(static_cast<const uint8_t*>(op.rows) + w8a8_bytes(a.m, kp));
+  const auto* base = static_cast<const uint8_t*>(op.rows);
+  const uint8_t* tiles = base + w8a8_scale_bytes(a.m);
+  const auto* q_sums = reinterpret_cast<const int32_t*>(base + w8a8_bytes(a.m, kp));
+  const auto* chunk_sums = reinterpret_cast<const int32_t*>(base + w4a8_chunk_sums_offset(a.m, kp));
+  // Per channel one full-K call per token tile; with groups one call per group (K = the
+  // group size), each group's int32 sums folded with its scales (and zeros) in k order.
+  const int64_t gk = p.qint.group_size == 0 ? kp : p.qint.group_size;
+  const int64_t chunks = kp / kU8S8Chunk, group_chunks = gk / kU8S8Chunk;
   auto* w = reinterpret_cast<int8_t*>(op.scratch->tile.data());  // >= kp * 16 bytes (reserve)
   alignas(64) int32_t c[(kMaxTileRows + 1) * 16];  // one tile's sums and its compensation
+  int32_t group_q[kMaxTileRows];                   // the tile's rows' sums of q over a group
   for (int64_t nb = a.nb_begin; nb < a.nb_end; ++nb) {
     const QintBlock blk = qint_block(a, nb);
     avx512::int4_to_s8_vnni(blk.block, kp, w);  // once per block, for all its token tiles
     for_each_token_tile(a.m, [&](int i, int rows, int row0) {
-      at::native::cpublas::brgemm(rows + 1, 16, kp, ld, 16, 16, false, tiles + row0 * ld, w, c,
-                                  true);
-      avx512::w4a8_epilogue(c, rows, x_scales + i, q_sums + i, blk.scales, p.qint.scale_type,
-                            blk.zeros, p.qint.zero_type, blk.out + i * blk.ldo, blk.ldo);
+      for (int64_t g = 0; g * gk < kp; ++g) {
+        at::native::cpublas::brgemm(rows + 1, 16, gk, ld, 16, 16, false, tiles + row0 * ld + g * gk,
+                                    w + g * gk * 16, c, true);
+        const int32_t* qs = q_sums + i;
+        if (gk != kp) {
+          for (int r = 0; r < rows; ++r) {
+            const int32_t* cs = chunk_sums + (i + r) * chunks + g * group_chunks;
+            int32_t t = 0;
+            for (int64_t j = 0; j < group_chunks; ++j) t += cs[j];
+            group_q[r] = t;
+          }
+          qs = group_q;
+        }
+        avx512::w4a8_epilogue(c, rows, x_scales + i, qs, blk.scales, p.qint.scale_type, blk.zeros,
+                              p.qint.zero_type, g, g > 0, blk.out + i * blk.ldo, blk.ldo);
+      }
     });
   }
 #else

@@ -208,17 +208,27 @@ inline int64_t w4a8_dp_header_bytes(int m, int64_t kp) {
   return w8a8_scale_bytes(m) + (m * (kp / 32) * 4 + 63) / 64 * 64;
 }
 inline int64_t w4a8_dp_bytes(int m, int64_t kp) { return w4a8_dp_header_bytes(m, kp) + m * kp; }
-// oneDNN's w4a8 (the AMX path of int4 per channel; brgemm_bf16_kernel = 'onednn' runs it
-// elsewhere): per block, the codes decoded to signed bytes c - 8 (avx512::int4_to_s8_vnni,
-// into op.scratch's tile), then w8a8_dot's full-K u8s8 calls on the same A operand, and
-// kt_ops' w4a8 fold of the same exact integers (avx512::w4a8_epilogue): bit-identical to
-// kt_ops' w4a8 tiles. Its A operand: w8a8's (w8a8_bytes), then each row's int32 sum of q
-// over all of K (m of them, padded to 64 bytes). Up to kW8A8MaxK (|(c - 8) (q + 128)|
-// <= 2040, K of them within int32): w4a8_onednn_applies_to.
+// oneDNN's w4a8 (the AMX path of int4; brgemm_bf16_kernel = 'onednn' runs it elsewhere):
+// per block, the codes decoded to signed bytes c - 8 (avx512::int4_to_s8_vnni, into
+// op.scratch's tile), then u8s8 calls on w8a8's A operand (per-token int8 activations)
+// and kt_ops' w4a8 fold of the exact integers (avx512::w4a8_epilogue). Per channel: one
+// full-K call per token tile, bit-identical to kt_ops' w4a8 tiles. With groups (32, 64,
+// 128: the AMX path of int4 g128, which otherwise streams on per-32 q8 activations): one
+// call per group (K = the group size), each group's sums times its scales (less its zeros
+// times the group's sum of q) added in k order; kt_ops' tiles take no groups (their
+// per-group fold did not pay on Zen 4, kernels/avx512/w8a8_dp_avx512vnni.cpp). Its A
+// operand: w8a8's (w8a8_bytes), then each row's int32 sum of q over all of K (m of them,
+// padded to 64 bytes), then each row's sums over each 32 k ([m][kp/32], a group's sum
+// is its chunks'). Up to kW8A8MaxK (|(c - 8) (q + 128)| <= 2040, K of them within int32),
+// groups dividing kp: w4a8_onednn_applies_to.
 bool w4a8_runs();
 bool w4a8_onednn_applies_to(const ProjectionView& view);
-inline int64_t w4a8_bytes(int m, int64_t kp) {
+inline int64_t w4a8_chunk_sums_offset(int m, int64_t kp) {
   return w8a8_bytes(m, kp) + (static_cast<int64_t>(m) * 4 + 63) / 64 * 64;
+}
+inline int64_t w4a8_bytes(int m, int64_t kp) {
+  return w4a8_chunk_sums_offset(m, kp) +
+         (static_cast<int64_t>(m) * (kp / kU8S8Chunk) * 4 + 63) / 64 * 64;
 }
 void pack_w4a8_rows(const float* const* x, int m, int64_t kp, uint8_t* dst);
 void w4a8_dot(const DotArgs& a, const TileOperand& op);

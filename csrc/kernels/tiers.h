@@ -59,19 +59,22 @@ __attribute__((weak)) void quantize_rows_i8_token(const float* const* x, int m, 
 __attribute__((weak)) void w8a8_epilogue(const int32_t* c, int rows, const float* x_scales,
                                          const void* w_scales, formats::ScaleType scale_type,
                                          bool accumulate, float* out, int64_t ldo);
-// int4 per channel on the w8a8 calls (brgemm::w4a8_dot, the same file).
+// int4 (per channel or per group) on the w8a8 calls (brgemm::w4a8_dot, the same file).
 // int4_to_s8_vnni: one int4 block's codes c (low plane [kp/8][16][4], quads 2l / 2l + 1
 // in line l's low / high nibbles) as signed bytes c - 8 in brgemm's s8 B layout
 // [kp/4][16][4] at dst. w4a8_epilogue: one tile's int32 sums c [rows + 1][16] (row
 // `rows`: the compensation) to out[i * ldo + r], kt_ops' w4a8 tiles' fold of the same
 // integer: acc = c[i][r] - c[rows][r] (+ 8 q_sums[i] with zero points: sum c q), then
-// s_r * (float(acc) * x_scales[i]) (- zero_r * (x_scales[i] * q_sums[i])); zeros
-// nullptr: the implicit zero.
+// s_r * (float(acc) * x_scales[i]) (- zero_r * (x_scales[i] * q_sums[i])), added to out
+// (an fma) where accumulate; s_r, zero_r: scale group `group` of the block ([G][16]; 0 per
+// channel), q_sums: the rows' sums of q over that group's k; zeros nullptr: the implicit
+// zero.
 __attribute__((weak)) void int4_to_s8_vnni(const uint8_t* block, int64_t kp, int8_t* dst);
 __attribute__((weak)) void w4a8_epilogue(const int32_t* c, int rows, const float* x_scales,
                                          const int32_t* q_sums, const void* scales,
                                          formats::ScaleType scale_type, const void* zeros,
-                                         formats::ScaleType zero_type, float* out, int64_t ldo);
+                                         formats::ScaleType zero_type, int64_t group,
+                                         bool accumulate, float* out, int64_t ldo);
 
 // kt_ops' w8a8 tiles on AVX512_VNNI (kernels/avx512/w8a8_dp_avx512vnni.cpp, vpdpbusd
 // under a function-level target; kernels/brgemm.h, kt_w8a8_runs): pack_w8a8_dp_rows

@@ -68,20 +68,23 @@ void int4_to_s8_vnni(const uint8_t* block, int64_t kp, int8_t* dst) {
 
 void w4a8_epilogue(const int32_t* c, int rows, const float* x_scales, const int32_t* q_sums,
                    const void* scales, formats::ScaleType scale_type, const void* zeros,
-                   formats::ScaleType zero_type, float* out, int64_t ldo) {
+                   formats::ScaleType zero_type, int64_t group, bool accumulate, float* out,
+                   int64_t ldo) {
   using V = QintVec512<false>;
-  const __m512 s = V::load_scales(scales, scale_type, 0);  // per channel: one group
-  const __m512 z = zeros != nullptr ? V::load_scales(zeros, zero_type, 0) : _mm512_setzero_ps();
+  const __m512 s = V::load_scales(scales, scale_type, 16 * group);
+  const __m512 z =
+      zeros != nullptr ? V::load_scales(zeros, zero_type, 16 * group) : _mm512_setzero_ps();
   const __m512i comp = _mm512_loadu_si512(c + rows * 16);
   for (int i = 0; i < rows; ++i) {
     // sum (c - 8) q, exact; with zero points sum c q (kt_ops' w4a8 tiles' acc).
     __m512i acc = _mm512_sub_epi32(_mm512_loadu_si512(c + i * 16), comp);
     if (zeros != nullptr) acc = _mm512_add_epi32(acc, _mm512_set1_epi32(8 * q_sums[i]));
-    // The tiles' fold, operation for operation (w4a8_tile): the same bits.
+    // The tiles' fold, operation for operation (w4a8_tile): the same bits per channel.
     const __m512 xa = _mm512_mul_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(x_scales[i]));
-    __m512 r = _mm512_mul_ps(s, xa);
+    float* o = out + i * ldo;
+    __m512 r = accumulate ? _mm512_fmadd_ps(s, xa, _mm512_loadu_ps(o)) : _mm512_mul_ps(s, xa);
     if (zeros != nullptr) r = _mm512_fnmadd_ps(z, _mm512_set1_ps(x_scales[i] * q_sums[i]), r);
-    _mm512_storeu_ps(out + i * ldo, r);
+    _mm512_storeu_ps(o, r);
   }
 }
 
