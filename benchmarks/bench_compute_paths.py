@@ -58,9 +58,11 @@ def paths_for(fmt: str) -> tuple[tuple[str, str, str], ...]:
     oneDNN's kernel with its 16-row blocks in pairs, one N = 32 call each
     (``KT_OPS_BRGEMM_BF16_PAIRS``, csrc/kernels/brgemm.h). int8 times its w8a8
     kernels likewise: ``brgemm`` on kt_ops' vpdpbusd tiles (AVX512_VNNI without AMX),
-    ``brgemm@onednn`` on oneDNN's u8s8 brgemm; so does int4 per channel (``int4-g0``,
-    its w4a8 kernels). mxfp4 times ``brgemm@onednn``: its exact values decoded to bf16
-    tiles on oneDNN's bf16 brgemm (its AMX path).
+    ``brgemm@onednn`` on oneDNN's u8s8 brgemm; so does int4 (``int4-g0``, per channel:
+    its w4a8 kernels; with groups, ``int4-g128``, ``brgemm`` streams where kt_ops' tiles
+    run and ``brgemm@onednn`` is oneDNN's w4a8 with one call per group). mxfp4 times
+    ``brgemm@onednn``: its exact values decoded to bf16 tiles on oneDNN's bf16 brgemm
+    (its AMX path).
     """
     if fmt in BF16_BRGEMM_FORMATS:
         pairs = (("brgemm@onednn_pairs", "brgemm", "auto"),) if fmt == "bf16" else ()
@@ -80,7 +82,7 @@ def paths_for(fmt: str) -> tuple[tuple[str, str, str], ...]:
             *onednn,
             ("auto", "auto", "auto"),
         )
-    onednn_tiles = fmt.startswith("int4-g0") or fmt == "mxfp4"
+    onednn_tiles = fmt.startswith("int4-g") or fmt == "mxfp4"
     onednn = (("brgemm@onednn", "brgemm", "auto"),) if onednn_tiles else ()
     return (
         ("streaming", "streaming", "auto"),

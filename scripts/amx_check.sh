@@ -11,7 +11,8 @@
 #   tests        the test command (scripts/test.sh: lint, the suite, then the brgemm tests
 #                under each lower oneDNN class), which issue 26 asks to pass on AMX first
 #   breakeven-*  bench_compute_paths.py per tile format (bf16 with oneDNN's N = 32 pairs,
-#                int8 and int4 per channel on kt_ops' and oneDNN's kernels, fp8, mxfp4 on
+#                int8 and int4 per channel on kt_ops' and oneDNN's kernels, int4 g128 on
+#                oneDNN's per-group w4a8 against its q8 streaming kernel, fp8, mxfp4 on
 #                oneDNN's bf16 brgemm against its q8 streaming kernel): the
 #                tokens per expert from which each AMX kernel wins, for the AMX column of
 #                csrc/formats/format_table.cpp (today's AMX values are unmeasured)
@@ -74,6 +75,7 @@ step tests bash scripts/test.sh -q -p no:cacheprovider
 step breakeven-bf16 "$PY" $B/bench_compute_paths.py --format bf16 --tokens 4 8 12 16 32 64 128
 step breakeven-int8 "$PY" $B/bench_compute_paths.py --format int8 --tokens 4 8 12 16 24 32 64
 step breakeven-int4-g0 "$PY" $B/bench_compute_paths.py --format int4-g0 --tokens 4 8 16 32 64
+step breakeven-int4-g128 "$PY" $B/bench_compute_paths.py --format int4-g128 --tokens 4 8 16 32 64
 step breakeven-fp8 "$PY" $B/bench_compute_paths.py --format fp8 --tokens 2 4 6 8 16 32 64
 step breakeven-mxfp4 "$PY" $B/bench_compute_paths.py --format mxfp4 --tokens 4 8 12 16 32 64
 if [[ $QUICK == 0 ]]; then

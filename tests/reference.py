@@ -794,6 +794,8 @@ TOKEN_INT8_KERNELS = (
 W4A8_KERNELS = ("avx512_vnni/w4a8_dp", "onednn/brgemm_w4a8")
 #: kt_ops' w4a8 tiles: int4 per channel only (oneDNN's take its groups too).
 W4A8_KT_KERNEL = "avx512_vnni/w4a8_dp"
+#: The smallest int4 group oneDNN's w4a8 takes (brgemm::kW4A8MinGroup): g32 streams.
+W4A8_MIN_GROUP = 64
 
 
 def w8a8_min_tokens_of(weight_format: str) -> Optional[int]:
@@ -814,13 +816,16 @@ def w8a8_min_tokens_of(weight_format: str) -> Optional[int]:
 def token_int8_min_tokens_of(projection: Any) -> Optional[int]:
     """:func:`w8a8_min_tokens_of` of one packed projection: kt_ops' w4a8 tiles take int4
     projections with one scale per output channel only (``group_size`` 0), their
-    grouped ones stream (q8 activations); oneDNN's w4a8 takes both (one call per
-    group)."""
+    grouped ones stream (q8 activations); oneDNN's w4a8 takes both, groups of at least
+    :data:`W4A8_MIN_GROUP` (one call per group)."""
     m = w8a8_min_tokens_of(projection.weight_format)
-    if m is None or getattr(projection, "group_size", 0) == 0:
+    gs = getattr(projection, "group_size", 0)
+    if m is None or gs == 0:
         return m
     kernel = kt_ops.compute_paths()[projection.weight_format]["brgemm_kernel"]
-    return None if kernel == W4A8_KT_KERNEL else m
+    if kernel not in W4A8_KERNELS:
+        return m
+    return m if kernel != W4A8_KT_KERNEL and gs >= W4A8_MIN_GROUP else None
 
 
 def token_q8_activations(x: Tensor) -> Tensor:

@@ -77,9 +77,11 @@ constexpr BrgemmPolicy kInt8Brgemm = {{kInt8BrgemmMinAvx512, kInt8BrgemmMinAmx}}
 // 1.14 (2), 0.87 (4), 0.76 (6), 0.79 (8), 0.75 (10-16), 0.74 (32-64), 0.76 (128):
 // from 4 tokens. int4 with groups and every other 4-bit format stream (the per-group
 // fold costs more there; TileKernel::applies_to). AMX runs oneDNN's w4a8 (the codes
-// decoded to signed bytes per block, then int8's w8a8 calls on AMX tiles): int8's AMX
-// value, 16 (unmeasured, no AMX host since; the decode is 4 vector operations per 64
-// bytes of codes, once per block for all its token tiles).
+// decoded to signed bytes per block, then int8's w8a8 calls on AMX tiles; with groups of
+// 64 or 128 one call per group): int8's AMX value, 16 (unmeasured, no AMX host since;
+// the decode is 4 vector operations per 64 bytes of codes, once per block for all its
+// token tiles). oneDNN's grouped calls on Zen 4 (forced): g128 1.2-3.0x the streaming
+// kernel's time from 4 to 128 tokens (docs/formats.md).
 constexpr int kInt4BrgemmMinAvx512 = 4;
 constexpr int kInt4BrgemmMinAmx = kInt8BrgemmMinAmx;
 constexpr BrgemmPolicy kInt4Brgemm = {{kInt4BrgemmMinAvx512, kInt4BrgemmMinAmx}};

@@ -217,7 +217,8 @@ bool w4a8_applies_to(const ProjectionView& view) { return view.qint.group_size =
 
 bool w4a8_onednn_applies_to(const ProjectionView& view) {
   const int64_t g = view.qint.group_size;
-  return view.kp <= kW8A8MaxK && (g == 0 || (g % kU8S8Chunk == 0 && view.kp % g == 0));
+  return view.kp <= kW8A8MaxK &&
+         (g == 0 || (g >= kW4A8MinGroup && g % kU8S8Chunk == 0 && view.kp % g == 0));
 }
 
 bool w4a8_runs() {

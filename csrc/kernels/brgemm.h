@@ -212,16 +212,21 @@ inline int64_t w4a8_dp_bytes(int m, int64_t kp) { return w4a8_dp_header_bytes(m,
 // per block, the codes decoded to signed bytes c - 8 (avx512::int4_to_s8_vnni, into
 // op.scratch's tile), then u8s8 calls on w8a8's A operand (per-token int8 activations)
 // and kt_ops' w4a8 fold of the exact integers (avx512::w4a8_epilogue). Per channel: one
-// full-K call per token tile, bit-identical to kt_ops' w4a8 tiles. With groups (32, 64,
-// 128: the AMX path of int4 g128, which otherwise streams on per-32 q8 activations): one
+// full-K call per token tile, bit-identical to kt_ops' w4a8 tiles. With groups (64, 128:
+// the AMX path of int4 g128, which otherwise streams on per-32 q8 activations): one
 // call per group (K = the group size), each group's sums times its scales (less its zeros
 // times the group's sum of q) added in k order; kt_ops' tiles take no groups (their
 // per-group fold did not pay on Zen 4, kernels/avx512/w8a8_dp_avx512vnni.cpp). Its A
 // operand: w8a8's (w8a8_bytes), then each row's int32 sum of q over all of K (m of them,
 // padded to 64 bytes), then each row's sums over each 32 k ([m][kp/32], a group's sum
 // is its chunks'). Up to kW8A8MaxK (|(c - 8) (q + 128)| <= 2040, K of them within int32),
-// groups dividing kp: w4a8_onednn_applies_to.
+// groups of at least kW4A8MinGroup dividing kp: w4a8_onednn_applies_to.
 bool w4a8_runs();
+// Groups of 32 stream: one K = 32 call per group is the shape of the q8 path's u8s8 calls,
+// which on AMX ran int8 slower than int4's streaming (issue 26: 109.5 against 72 ms at
+// T = 512); on Zen 4's oneDNN (AVX512_VNNI) g32 took 2.3x the time of per channel, g128
+// 1.25x (bench_compute_paths.py, 8 experts of 32 tokens).
+constexpr int64_t kW4A8MinGroup = 64;
 bool w4a8_onednn_applies_to(const ProjectionView& view);
 inline int64_t w4a8_chunk_sums_offset(int m, int64_t kp) {
   return w8a8_bytes(m, kp) + (static_cast<int64_t>(m) * 4 + 63) / 64 * 64;

@@ -188,9 +188,9 @@ const TileKernel kKtW8A8{
     /*pack_rows=*/avx512::pack_w8a8_dp_rows,
     /*quant_modes=*/kQuantAutoBit,
 };
-// int4 per channel on oneDNN's u8s8 brgemm (w4a8: the codes decoded to signed bytes per
-// block, the w8a8 calls, the w4a8 tiles' fold): AMX, or brgemm_bf16_kernel = 'onednn';
-// the int8 formats go on down the chain.
+// int4 on oneDNN's u8s8 brgemm (w4a8: the codes decoded to signed bytes per block, the
+// w8a8 calls, the w4a8 tiles' fold; per channel, or one call per group of 64 / 128): AMX,
+// or brgemm_bf16_kernel = 'onednn'; the int8 formats go on down the chain.
 const TileKernel kOneDnnW4A8{
     /*name=*/"onednn/brgemm_w4a8",
     /*input=*/TileInput::kI8TokenRows,
