@@ -383,8 +383,11 @@ def moe_forward_train(
     up_pre)``: ``out`` as :func:`moe_forward`; ``gate_pre`` and ``up_pre`` the
     gate and up pre-activations of every (token, slot), LoRA terms included:
     fp32 ``[T*K, I]``, row ``t*K + k``, zero rows where ``topk_ids`` is -1.
-    Always runs the ATen fp32 path. Differentiable in ``out``
-    (``gate_pre``/``up_pre`` are not). Raises what :func:`moe_forward` raises.
+    The activations are never quantized here (unlike :func:`moe_forward` on an
+    integer format): bf16 hidden states multiply the weights' exact values on tiles
+    with fp32 sums (AVX512_BF16 / AMX CPUs), other inputs run the streaming kernels
+    on fp32 activations (docs/lora.md, "Training step speed"). Differentiable in
+    ``out`` (``gate_pre``/``up_pre`` are not). Raises what :func:`moe_forward` raises.
     """
     args = (hidden_states, topk_ids, topk_weights) + layer_args(
         experts, lora, activation, hidden_states, gpu_experts_mask
@@ -419,7 +422,10 @@ def moe_backward(
     id is -1), and ``grad_lora``, a :class:`~kt_ops.layer.LoRAWeights` holding
     the gradient of each factor that ``lora`` has (shape and dtype of the
     factor; zero for experts that got no token). Base weights are frozen: no
-    gradient for them. Computed in fp32 with per-expert GEMMs; results are
+    gradient for them. Per expert, the LoRA gradients accumulate in fp32; the
+    products with the frozen base run on bf16 panels of the weights (bf16 hidden
+    states and ``grad_output`` on AVX512_BF16 / AMX CPUs: the exact values, or hi +
+    lo within 2^-17 of them) or on fp32 sgemm (docs/lora.md); results are
     bit-identical for any thread count.
 
     Raises what :func:`moe_forward` raises for its arguments, and RuntimeError
