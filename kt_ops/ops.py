@@ -383,10 +383,11 @@ def moe_forward_train(
     up_pre)``: ``out`` as :func:`moe_forward`; ``gate_pre`` and ``up_pre`` the
     gate and up pre-activations of every (token, slot), LoRA terms included:
     fp32 ``[T*K, I]``, row ``t*K + k``, zero rows where ``topk_ids`` is -1.
-    The activations are never quantized here (unlike :func:`moe_forward` on an
-    integer format): bf16 hidden states multiply the weights' exact values on tiles
-    with fp32 sums (AVX512_BF16 / AMX CPUs), other inputs run the streaming kernels
-    on fp32 activations (docs/lora.md, "Training step speed"). Differentiable in
+    The activations are never quantized to int8 here (unlike :func:`moe_forward` on
+    an integer format): bf16 hidden states multiply the weights' exact values on
+    tiles with fp32 sums (AVX512_BF16 / AMX CPUs; the down projection reads the GLU
+    outputs rounded to bf16, as inference does), other inputs run the streaming
+    kernels on fp32 activations (docs/lora.md, "Training step speed"). Differentiable in
     ``out`` (``gate_pre``/``up_pre`` are not). Raises what :func:`moe_forward` raises.
     """
     args = (hidden_states, topk_ids, topk_weights) + layer_args(
