@@ -538,7 +538,8 @@ class Config:
         kernel on AVX512_VNNI CPUs; exact int32 sums, bit-identical to
         oneDNN's u8s8 brgemm) and int4's per-channel w4a8 tiles (bit-identical
         to oneDNN's u8s8 brgemm on the codes decoded to signed bytes, the AMX
-        path). For tests and benchmarks;
+        path; oneDNN's also takes int4 with groups of 64 and 128, one call per
+        group, which kt_ops' tiles leave to the streaming kernels). For tests and benchmarks;
         ``compute_paths()[fmt]['brgemm_kernel']`` names the kernel that runs.
         """
         return _C.brgemm_bf16_kernel()
