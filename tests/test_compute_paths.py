@@ -30,8 +30,6 @@ from reference import (
     TOL_BF16,
     TOL_BF16_BRGEMM,
     W4A8_KERNELS,
-    W4A8_KT_KERNEL,
-    W4A8_MIN_GROUP,
     Tolerance,
     assert_matches_reference,
     lora_weights_from,
@@ -43,6 +41,7 @@ from reference import (
     quant_mismatch_report,
     reference_for,
     reference_moe_forward,
+    token_int8_min_tokens_of,
 )
 from test_quant_forward import VARIANTS as QUANT_VARIANTS
 
@@ -1045,9 +1044,8 @@ def test_w4a8_against_the_per_token_reference(isa, variant, H, I, T):  # noqa: E
     ids, w = make_routing(T, 6, 2, seed=T + H)
     for setting in w4a8_kernels_here():
         with kt_ops.use_brgemm_bf16_kernel(setting):
-            with kt_ops.use_compute_path("brgemm"):
-                kernel = kt_ops.compute_paths()["int4"]["brgemm_kernel"]
-            streams = gs != 0 and (fmt != "int4" or kernel == W4A8_KT_KERNEL or gs < W4A8_MIN_GROUP)
+            with kt_ops.use_compute_path("brgemm"):  # the reference's own rule
+                streams = token_int8_min_tokens_of(experts.gate) is None
             for dtype in (torch.bfloat16, torch.float32):
                 x = make_hidden(T, H, dtype, seed=T + I)
                 out = check_w8a8(x, ids, w, experts)
