@@ -114,6 +114,21 @@ def time_paths(sides, x, ids, w, experts, repeats: int) -> dict[str, float]:
     return {label: 1e3 * statistics.median(v) for label, v in times.items()}
 
 
+def break_even(ms_by_tokens: dict[int, dict[str, float]], side: str) -> int | None:
+    """The smallest m measured from which ``side`` beats ``streaming`` at every larger m.
+
+    ``ms_by_tokens[m][label]``: median ms per side at m tokens per expert. None when
+    ``side`` loses at the largest m measured (never, within the range). This is the
+    ``brgemm_min_tokens`` the format table takes for the kernel ``side`` runs.
+    """
+    found = None
+    for m in sorted(ms_by_tokens, reverse=True):
+        if ms_by_tokens[m][side] >= ms_by_tokens[m]["streaming"]:
+            break
+        found = m
+    return found
+
+
 def layer_main(args) -> int:
     """A whole layer at T tokens: ms, GOP/s and the fraction of the same-run peak."""
     import machine_peaks
@@ -202,11 +217,12 @@ def main() -> int:
     )
     head = "  ".join(f"{label + ' ms':>15s}" for label, _, _ in sides)
     print(f" m  {head}  brgemm/streaming")
+    ms_by_tokens = {}
     for T in args.tokens:
         x = make_hidden(T, H)
         ids = torch.arange(E).repeat(T, 1)
         w = torch.full((T, E), 1.0 / E)
-        ms = time_paths(sides, x, ids, w, experts, args.repeats)
+        ms = ms_by_tokens[T] = time_paths(sides, x, ids, w, experts, args.repeats)
         ratio = ms["brgemm"] / ms["streaming"]
         extra = f"  (vs q8 {ms['brgemm'] / ms['streaming@q8']:.2f})" if "streaming@q8" in ms else ""
         print(
@@ -214,6 +230,13 @@ def main() -> int:
             + "  ".join(f"{ms[label]:15.3f}" for label, _, _ in sides)
             + f"  {ratio:16.2f}{extra}"
         )
+    # One line per matrix-engine side, for the format table (scripts/amx_check.sh
+    # collects them): from which m it wins, on this CPU class.
+    for label, _, _ in sides:
+        if label.startswith("brgemm"):
+            m = break_even(ms_by_tokens, label)
+            where = f"m >= {m}" if m is not None else f"never up to m = {max(ms_by_tokens)}"
+            print(f"# break-even {args.format} {label} ({kt_ops.active_isa()}): {where}")
     return 0
 
 

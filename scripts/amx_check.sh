@@ -22,6 +22,9 @@
 #   lora         bench_lora.py: the LoRA step on bf16, int8 and mxfp4 bases, default and
 #                with the backward panels kept (64 columns wide on oneDNN's brgemm),
 #                against kt-kernel's SFT classes (bf16, int8) and the eager loop
+# Then $OUT/summary.md gathers the host, every kernel's break-even line (the tokens per
+# expert from which it beats streaming: the AMX column of the format table) and the
+# layer, peers and LoRA tables.
 #
 # Environment: PYTHON (python3), OUT (default build/amx_check), KT_OPS_PEERS_VENV (as
 # scripts/setup_peers.sh). Exit status: 0 when every step ran and passed, 1 otherwise, 2
@@ -95,6 +98,23 @@ fi
 if [[ $DRY == 1 ]]; then
   exit 0
 fi
+# What the closing note and the format table need, from the logs, in one file: the host,
+# each matrix-engine kernel's break-even (the AMX column of brgemm_min_tokens), the
+# layer tables and the peers' and LoRA tables.
+{
+  cat "$OUT/host.txt"
+  echo
+  echo "## break-evens (tokens per expert from which the kernel beats streaming)"
+  cat "$OUT"/breakeven-*.log 2>/dev/null | grep "^# break-even" || echo "(none ran)"
+  for log in "$OUT"/layer-*.log "$OUT/peers.log" "$OUT/lora.log"; do
+    [[ -f $log ]] || continue
+    echo
+    echo "## $(basename "$log" .log)"
+    cat "$log"
+  done
+  ((${#FAILED[@]})) && echo && echo "failed steps: ${FAILED[*]}"
+} >"$OUT/summary.md"
+echo "[amx_check] summary: $OUT/summary.md"
 if ((${#FAILED[@]})); then
   echo "[amx_check] failed: ${FAILED[*]} (logs in $OUT)"
   exit 1

@@ -54,3 +54,18 @@ def test_unknown_arguments_are_refused_by_name():
     p = run("--bogus")
     assert p.returncode == 2
     assert "unknown argument '--bogus'" in p.stderr
+
+
+def test_break_even_is_where_the_kernel_wins_from_then_on():
+    # The line each breakeven step prints for the format table: the smallest m from
+    # which the side beats streaming at every larger m (a win below a loss is noise).
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_compute_paths import break_even
+
+    def table(*rows):
+        return {m: {"streaming": s, "brgemm": b} for m, s, b in rows}
+
+    assert break_even(table((4, 1.0, 2.0), (8, 2.0, 1.9), (16, 4.0, 3.0)), "brgemm") == 8
+    assert break_even(table((4, 1.0, 0.9), (8, 2.0, 2.1), (16, 4.0, 3.0)), "brgemm") == 16
+    assert break_even(table((4, 1.0, 0.5), (8, 2.0, 1.0)), "brgemm") == 4
+    assert break_even(table((4, 1.0, 0.5), (8, 2.0, 2.0)), "brgemm") is None  # a tie is no win
