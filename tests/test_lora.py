@@ -394,6 +394,57 @@ def test_bit_identical_for_thread_counts(checkpointing: bool):
             assert torch.equal(grads[name], grads0[name]), name
 
 
+def _grads_with_factors(p: Problem, factors: dict, checkpointing: bool):
+    """Output and gradients of x, the routing weights and each distinct factor tensor."""
+    x = p.x.detach().clone().requires_grad_(True)
+    tw = p.topk_weights.detach().clone().requires_grad_(True)
+    out = kt_ops.moe_forward(
+        x, p.ids, tw, p.weights, p.lora_weights(factors), activation_checkpointing=checkpointing
+    )
+    out.backward(p.grad_output)
+    return out.detach(), x.grad, tw.grad, {k: v.grad for k, v in factors.items()}
+
+
+@pytest.mark.parametrize("act", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["save", "recompute"])
+def test_shared_gate_up_a_gives_the_bits_of_two_copies(act: torch.dtype, checkpointing: bool):
+    # One A tensor passed as gate's and up's (PEFT's LoRA of a fused gate_up_proj) has
+    # x A^T computed once for both projections: the results must be bit for bit those of
+    # two separate copies of it (the shared A's gradient is the sum of the two copies').
+    case = dataclasses.replace(CASES[4], act=act, ranks={"gate": 4, "up": 4, "down": 5})
+    p = make_problem(case)
+    fresh = {k: v.detach().clone().requires_grad_(True) for k, v in p.lora.items()}
+    shared = dict(fresh, up_lora_a=fresh["gate_lora_a"])
+    out_s, dx_s, dw_s, g_s = _grads_with_factors(p, shared, checkpointing)
+    copies = {k: v.detach().clone().requires_grad_(True) for k, v in shared.items()}
+    out_c, dx_c, dw_c, g_c = _grads_with_factors(p, copies, checkpointing)
+    assert torch.equal(out_s, out_c) and torch.equal(dx_s, dx_c) and torch.equal(dw_s, dw_c)
+    assert torch.equal(g_s["gate_lora_a"], g_c["gate_lora_a"] + g_c["up_lora_a"])
+    for name in ("gate_lora_b", "up_lora_b", "down_lora_a", "down_lora_b"):
+        assert torch.equal(g_s[name], g_c[name]), name
+    # And it is the reference's (so that both sides cannot share one wrong term).
+    want_out, want = reference_grads(dataclasses.replace(p, lora=shared))
+    assert _report(out_s.float(), want_out, forward_tolerance(p)) is None
+
+
+def test_gate_and_up_a_at_one_address_but_of_other_ranks_are_not_shared():
+    # Contiguous views from the same address with different ranks are two factors: the
+    # check for a shared A must compare shapes, not only data pointers.
+    case = dataclasses.replace(CASES[4], ranks={"gate": 4, "up": 2, "down": 5})
+    p = make_problem(case)
+    E, r, H = p.lora["gate_lora_a"].shape
+    storage = torch.randn(E * r * H, generator=torch.Generator().manual_seed(9)) * 0.02
+    factors = {k: v.detach().clone() for k, v in p.lora.items()}
+    factors["gate_lora_a"] = storage.view(E, r, H)
+    factors["up_lora_a"] = storage[: E * 2 * H].view(E, 2, H)
+    assert factors["gate_lora_a"].data_ptr() == factors["up_lora_a"].data_ptr()
+    with torch.no_grad():
+        got = kt_ops.moe_forward(*p.op_args(), p.lora_weights(factors))
+        copies = {k: v.clone() for k, v in factors.items()}
+        want = kt_ops.moe_forward(*p.op_args(), p.lora_weights(copies))
+    assert torch.equal(got, want)
+
+
 # --------------------------------------------------------------------------
 # opcheck
 # --------------------------------------------------------------------------

@@ -127,6 +127,8 @@ struct Call {
   // The exact forward's LoRA factors of gate, up, down (nullptr: none) and their first
   // products per plan row (s.lora_t, [R, r]): the block epilogues add s t B^T[:, block].
   const LoraF32* lora[3] = {nullptr, nullptr, nullptr};
+  // Gate and up share A (LoraParams::shares_gate_up_a): up's first products are gate's.
+  bool up_reuses_gate_t = false;
   bool pre_only = false;  // the pre-activations alone: no down phase (backward's recompute)
 };
 
@@ -251,7 +253,8 @@ void add_lora_block(const Call& c, int p, int64_t e, int64_t nb, int64_t r0, int
   thread_local std::vector<float*> t_rows;
   t_rows.resize(static_cast<size_t>(m));
   for (int i = 0; i < m; ++i) t_rows[i] = d + i * kRows;
-  lora_products::tw_rows(c.s.lora_t[p].data() + r0 * f->r, m, f->r, bt.p + nb * kRows, bt.ld,
+  const int t = p == 1 && c.up_reuses_gate_t ? 0 : p;  // whose first products
+  lora_products::tw_rows(c.s.lora_t[t].data() + r0 * f->r, m, f->r, bt.p + nb * kRows, bt.ld,
                          n_valid, static_cast<float>(c.layer.lora.scaling), true, t_rows.data());
 }
 
@@ -364,7 +367,8 @@ void lora_input_terms(const Call& c) {
     const int64_t m = plan.expert_offsets[e + 1] - r0;
     const float* const* rows = c.s.x_rows.data() + r0;
     for (int p = 0; p < 2; ++p)
-      if (c.lora[p] != nullptr) lora_first_products(c, p, rows, e, r0, m);
+      if (c.lora[p] != nullptr && !(p == 1 && c.up_reuses_gate_t))
+        lora_first_products(c, p, rows, e, r0, m);
   });
 }
 
@@ -467,11 +471,16 @@ void moe_forward_experts_exact(const at::Tensor& hidden_states, const at::Tensor
   }
   call.pre_only = out == nullptr;
   // The LoRA factors as fp32 for this call, and room for their first products.
-  const LoraF32 lora[3] = {lora_f32(layer.lora.gate, 0), lora_f32(layer.lora.up, 1),
-                           lora_f32(layer.lora.down, 2)};
+  const bool shared_a = layer.lora.shares_gate_up_a();
+  LoraF32 lora[3];
+  lora[0] = lora_f32(layer.lora.gate, 0);
+  lora[1] = lora_f32(layer.lora.up, 1, shared_a ? &lora[0] : nullptr);
+  lora[2] = lora_f32(layer.lora.down, 2);
+  call.up_reuses_gate_t = shared_a;
   for (int p = 0; p < 3; ++p) {
     if (!lora[p].present()) continue;
     call.lora[p] = &lora[p];
+    if (p == 1 && shared_a) continue;  // up reads gate's first products
     grow(s.lora_t[p], static_cast<size_t>(call.R * lora[p].r));
   }
   prepare_activations(hidden_states, call);

@@ -591,10 +591,10 @@ LoraRows LoraF32::bt_rows(int64_t e) const {
   return {c.rows.data(), ld};
 }
 
-LoraF32 lora_f32(const LoraProjection& p, int id) {
+LoraF32 lora_f32(const LoraProjection& p, int id, const LoraF32* same_a) {
   LoraF32 f;
   if (!p.present()) return f;
-  f.a_t = p.a.to(at::kFloat).contiguous();
+  f.a_t = same_a != nullptr ? same_a->a_t : p.a.to(at::kFloat).contiguous();
   f.b_t = p.b.to(at::kFloat).contiguous();
   f.a = f.a_t.data_ptr<float>();
   f.b = f.b_t.data_ptr<float>();
@@ -679,7 +679,10 @@ MoeGrads moe_backward_lora(const at::Tensor& grad_output, const at::Tensor& x,
   const LoraParams& lora = w.lora;
   const int64_t T = x.size(0), H = x.size(1), K = topk_ids.size(1);
   const int64_t E = w.gate.num_experts(), I = w.gate.n;
-  const LoraF32 lg = lora_f32(lora.gate, 0), lu = lora_f32(lora.up, 1), ld = lora_f32(lora.down, 2);
+  const bool shared_a = lora.shares_gate_up_a();
+  const LoraF32 lg = lora_f32(lora.gate, 0);
+  const LoraF32 lu = lora_f32(lora.up, 1, shared_a ? &lg : nullptr);
+  const LoraF32 ld = lora_f32(lora.down, 2);
   const kernels::GluRows glu = kernels::glu_rows(kernels::active_isa(), w.glu);
   const kernels::GluBackwardRows glu_back =
       kernels::glu_backward_rows(kernels::active_isa(), w.glu);
@@ -775,7 +778,7 @@ MoeGrads moe_backward_lora(const at::Tensor& grad_output, const at::Tensor& x,
         return rows16 ? xat16(xe16, H, H, a, r) : xat(xep, H, a, r);
       };
       if (lg.present()) xa_g = x_at(lg.a_rows(e, m), lg.r);
-      if (lu.present()) xa_u = x_at(lu.a_rows(e, m), lu.r);
+      if (lu.present()) xa_u = shared_a ? xa_g : x_at(lu.a_rows(e, m), lu.r);
       float* gp = g.data_ptr<float>();
       float* up = u.data_ptr<float>();
       at::Tensor h = scratch_mat(3, m, I);

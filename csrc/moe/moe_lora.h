@@ -75,7 +75,9 @@ struct LoraF32 {
   LoraRows bt_rows(int64_t e) const;
 };
 // `id`: 0, 1, 2 for gate, up, down (two LoraF32 a thread uses at once differ in it).
-LoraF32 lora_f32(const LoraProjection& p, int id);
+// `same_a`: a LoraF32 of the same A (LoraParams::shares_gate_up_a), whose fp32 copy of A
+// this one reuses.
+LoraF32 lora_f32(const LoraProjection& p, int id, const LoraF32* same_a = nullptr);
 
 // out [T, H] in the dtype of x. When save_pre is true, also returns the gate
 // and up pre-activations (with their LoRA terms), fp32 [T*K, I], row t*K + k
