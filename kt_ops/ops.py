@@ -177,7 +177,12 @@ def moe_forward(
         activations to int8 (q8, docs/formats.md) and the exact mode does not,
         so on such a base the LoRA path with ``B = 0`` differs from the no-LoRA
         call by that rounding: about 1e-2 relative (fp8, whose kernels keep
-        fp32 activations: 6e-7). The backward runs fp32 GEMMs on the base
+        fp32 activations: 6e-7). A LoRA call without autograd under
+        ``quant_activations='q8'`` (``kt_ops.use_quant_activations('q8')``) runs
+        the ISA kernels instead, with the same LoRA terms: the no-LoRA call's bits
+        when ``B = 0``, and decode with an unmerged adapter on an integer base at
+        about the base's speed (int4 g128, T = 1: 2.8x faster than the exact mode
+        on Zen 4, ``benchmarks/bench_lora_inference.py``). The backward runs fp32 GEMMs on the base
         weights dequantized to fp32 (exactly ``kt_ops.formats.dequantize_weights``);
         for bf16 hidden states and gradients on a bf16 base, bf16 brgemm products
         (``go Wd`` exact; ``dg``, ``du`` rounded to bf16 for the gradient of x).

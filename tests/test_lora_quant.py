@@ -355,6 +355,37 @@ def test_lora_path_vs_kernel_path(v):
         assert diff < 1e-4, diff
 
 
+@pytest.mark.parametrize("T", [0, 1, 16])
+@pytest.mark.parametrize("v", PER_FORMAT, ids=lambda v: v.id)
+def test_lora_inference_with_q8_pinned_is_the_kernel_path_plus_the_lora_terms(v, T):
+    # quant_activations='q8' sends LoRA calls without autograd to the inference driver:
+    # the base's own kernels (q8 activations where the format has them) with the same
+    # LoRA terms in the block epilogues (x A^T B^T for gate and up, h Ad^T Bd^T for down).
+    p = problem(v, T)
+    args = p.op_args()
+    zero_b = {k: (torch.zeros_like(t) if k.endswith("_b") else t) for k, t in p.lora.items()}
+    with torch.no_grad(), kt_ops.use_quant_activations("q8"):
+        kernel = kt_ops.moe_forward(*args)
+        # B = 0: the terms add exact zeros, so these are the base inference's bits.
+        assert torch.equal(kt_ops.moe_forward(*args, p.lora_weights(zero_b)), kernel)
+        got = kt_ops.moe_forward(*args, **p.op_kwargs())
+    assert got.shape == (T, v.H)
+    if T == 0:
+        return
+    want = reference_moe_forward(*args, p.lora_weights())
+    want_delta = want - reference_moe_forward(*args)
+    assert want_delta.abs().max() > 0.1 * want.abs().max()  # the LoRA terms matter here
+    if format_spec(v.fmt).activation == "q8":
+        # The q8 rounding of x and h (~1e-2 of max|out|, test_lora_path_vs_kernel_path)
+        # moves the LoRA terms' inputs too (the delta's error 0.8-1.6e-2 of max|out| here,
+        # the delta itself 18-31% of it).
+        delta_err = ((got - kernel) - want_delta).abs().max() / want.abs().max()
+        assert delta_err.item() < 3e-2, delta_err.item()
+        assert ((got - want).abs().max() / want.abs().max()).item() < 3e-2
+    else:
+        assert_matches_reference(got, want)
+
+
 def test_opcheck():
     p = problem(VARIANTS[2], 7)  # int4 asymmetric: scales and zeros
     q = _requires_grad(p)

@@ -87,7 +87,7 @@ def compute_all() -> dict[str, torch.Tensor]:
 
 
 def compute_lora() -> dict[str, torch.Tensor]:
-    """LoRA forward and backward (the ATen path: not split, must be unaffected)."""
+    """LoRA forward and backward (the exact path), and LoRA inference on the split driver."""
     outs: dict[str, torch.Tensor] = {}
     for fmt, H, inter in (("bf16", 72, 88), ("int4", 96, 96)):
         experts = _layer(fmt, H, inter)
@@ -105,6 +105,10 @@ def compute_lora() -> dict[str, torch.Tensor]:
         ids, w = make_routing(7, E, TOP_K, seed=2)
         w = w.clone().requires_grad_()
         x = make_hidden(7, H, torch.float32, seed=2).requires_grad_()
+        # No gradient under quant_activations='q8': the inference driver (split by node,
+        # LoRA terms in its epilogues; the down term's h Ad^T between the two phases).
+        with torch.no_grad(), kt_ops.use_quant_activations("q8"):
+            outs[f"{fmt}/lora/q8"] = kt_ops.moe_forward(x, ids, w, experts, lora)
         out = kt_ops.moe_forward(x, ids, w, experts, lora)
         out.square().sum().backward()
         outs[f"{fmt}/lora/out"] = out.detach()

@@ -25,7 +25,9 @@ using kernels::set_compute_path;
 using kernels::set_quant_activations;
 
 // out[t] = sum_k topk_weights[t,k] * down_e(act(gate_e(x[t])) * up_e(x[t])),
-// e = topk_ids[t,k], skipping ids of -1 (the LoRA-free layer; act: layer.activation). Writes `out`
+// e = topk_ids[t,k], skipping ids of -1 (act: layer.activation), plus the layer's LoRA
+// terms when it has them (added in the block epilogues, as the exact forward adds
+// them; moe_forward_layer sends LoRA here only under QuantActivations::kQ8). Writes `out`
 // ([T, H], dtype of x, contiguous). Arguments validated by parse_moe_layer;
 // the ids are checked as the routing plan reads them.
 //
@@ -65,15 +67,14 @@ void moe_forward_experts_exact(const at::Tensor& hidden_states, const at::Tensor
                                at::Tensor& up_pre,
                                kernels::ComputePath path = kernels::ComputePath::kStreaming);
 
-// THE forward of kt.moe_forward on a parsed layer: the ATen LoRA path
-// (moe/moe_lora.h) when the layer has LoRA factors, else moe_forward_experts on
-// ISA tier `isa`. Writes `out` when given ([T, H], the dtype of hidden_states,
-// contiguous) and returns it, else returns a new tensor (the LoRA path's own
-// result, uncopied). The CPU op and its out variant, the CUDA bridge's host
-// function and the prepared layer (kt.moe_forward_prepared) all run this one
-// body. Callers wake the pool (ThreadPool::prewake) as early as they can when
-// the layer has no LoRA (the ATen path's ops run on torch's threads), so the
-// wake-up overlaps their checks.
+// THE forward of kt.moe_forward on a parsed layer: the exact LoRA forward
+// (moe/moe_lora.h) when the layer has LoRA factors and quant_activations is not pinned
+// to kQ8, else moe_forward_experts on ISA tier `isa` (with the LoRA terms, if any). Writes `out`
+// when given ([T, H], the dtype of hidden_states, contiguous) and returns it, else returns a new
+// tensor (the LoRA path's own result, uncopied). The CPU op and its out variant, the CUDA bridge's
+// host function and the prepared layer (kt.moe_forward_prepared) all run this one body. Callers
+// wake the pool (ThreadPool::prewake) as early as they can when the layer has no LoRA (the ATen
+// path's ops run on torch's threads), so the wake-up overlaps their checks.
 at::Tensor moe_forward_layer(const at::Tensor& hidden_states, const at::Tensor& topk_ids,
                              const at::Tensor& topk_weights, const MoeLayer& layer,
                              kernels::Isa isa, const at::Tensor* out = nullptr);
