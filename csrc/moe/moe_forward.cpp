@@ -124,11 +124,13 @@ struct Call {
   // pre-activations on return; nullptr for inference.
   float* gate_pre = nullptr;
   float* up_pre = nullptr;
-  // The exact forward's LoRA factors of gate, up, down (nullptr: none) and their first
-  // products per plan row (s.lora_t, [R, r]): the block epilogues add s t B^T[:, block].
+  // The LoRA factors of gate, up, down (nullptr: none) and their first products per plan
+  // row (s.lora_t, [R, r]): the block epilogues add s t B^T[:, block].
   const LoraF32* lora[3] = {nullptr, nullptr, nullptr};
   // Gate and up share A (LoraParams::shares_gate_up_a): up's first products are gate's.
   bool up_reuses_gate_t = false;
+  // The projection whose first products (s.lora_t) projection p's LoRA term reads.
+  int first_products_of(int p) const { return p == 1 && up_reuses_gate_t ? 0 : p; }
   bool pre_only = false;  // the pre-activations alone: no down phase (backward's recompute)
 };
 
@@ -253,9 +255,9 @@ void add_lora_block(const Call& c, int p, int64_t e, int64_t nb, int64_t r0, int
   thread_local std::vector<float*> t_rows;
   t_rows.resize(static_cast<size_t>(m));
   for (int i = 0; i < m; ++i) t_rows[i] = d + i * kRows;
-  const int t = p == 1 && c.up_reuses_gate_t ? 0 : p;  // whose first products
-  lora_products::tw_rows(c.s.lora_t[t].data() + r0 * f->r, m, f->r, bt.p + nb * kRows, bt.ld,
-                         n_valid, static_cast<float>(c.layer.lora.scaling), true, t_rows.data());
+  lora_products::tw_rows(c.s.lora_t[c.first_products_of(p)].data() + r0 * f->r, m, f->r,
+                         bt.p + nb * kRows, bt.ld, n_valid,
+                         static_cast<float>(c.layer.lora.scaling), true, t_rows.data());
 }
 
 // Epilogue of gate/up: h = act(g + bg) * (u + bu) for the block's valid
@@ -367,7 +369,7 @@ void lora_input_terms(const Call& c) {
     const int64_t m = plan.expert_offsets[e + 1] - r0;
     const float* const* rows = c.s.x_rows.data() + r0;
     for (int p = 0; p < 2; ++p)
-      if (c.lora[p] != nullptr && !(p == 1 && c.up_reuses_gate_t))
+      if (c.lora[p] != nullptr && c.first_products_of(p) == p)
         lora_first_products(c, p, rows, e, r0, m);
   });
 }
@@ -396,7 +398,7 @@ void attach_lora(Call& call, LoraF32 (&lora)[3]) {
   for (int p = 0; p < 3; ++p) {
     if (!lora[p].present()) continue;
     call.lora[p] = &lora[p];
-    if (p == 1 && shared_a) continue;  // up reads gate's first products
+    if (call.first_products_of(p) != p) continue;  // it reads another's
     grow(call.s.lora_t[p], static_cast<size_t>(call.R * lora[p].r));
   }
 }

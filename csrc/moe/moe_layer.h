@@ -88,10 +88,9 @@ struct LoraParams {
   // One A for gate and up (PEFT's LoRA of a fused gate_up_proj: the caller passes the
   // same tensor twice): x A^T is then computed once for both.
   bool shares_gate_up_a() const {
-    return gate.present() && up.present() &&
-           (gate.a.is_same(up.a) ||
-            (gate.a.data_ptr() == up.a.data_ptr() && gate.a.dtype() == up.a.dtype() &&
-             gate.a.sizes() == up.a.sizes() && gate.a.strides() == up.a.strides()));
+    return gate.present() && up.present() && gate.a.data_ptr() == up.a.data_ptr() &&
+           gate.a.dtype() == up.a.dtype() && gate.a.sizes() == up.a.sizes() &&
+           gate.a.strides() == up.a.strides();
   }
 };
 
