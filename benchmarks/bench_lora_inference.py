@@ -16,6 +16,7 @@ The three run interleaved with fresh seeded routing per repetition (weights read
 DRAM, as in decode); medians in ms and each LoRA row's ratio to the base::
 
     python benchmarks/bench_lora_inference.py --formats int4-g128 q4_k int8 --tokens 1 8
+    python benchmarks/bench_lora_inference.py --lora-dtype bf16   # a serving engine's adapter
 """
 
 from __future__ import annotations
@@ -39,6 +40,13 @@ def main() -> int:
     p.add_argument("--formats", nargs="+", default=["int4-g128", "q4_k", "int8", "bf16"])
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 8])
     p.add_argument("--rank", type=int, default=16)
+    p.add_argument(
+        "--lora-dtype",
+        choices=["fp32", "bf16", "fp16"],
+        default="fp32",
+        help="dtype of the LoRA factors (PEFT keeps fp32 adapters by default; serving "
+        "engines cast them to the model's bf16)",
+    )
     p.add_argument("--repeats", type=int, default=101)
     p.add_argument("--experts", type=int, default=128)
     p.add_argument("--top-k", type=int, default=8)
@@ -51,8 +59,10 @@ def main() -> int:
         torch.randn(8, H, I, generator=g) / I**0.5,
     )
 
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.lora_dtype]
+
     def factor(*shape):
-        return torch.randn(*shape, generator=g) * 0.01
+        return (torch.randn(*shape, generator=g) * 0.01).to(dtype)
 
     lora = kt_ops.LoRAWeights(
         gate=(factor(E, r, H), factor(E, I, r)),
@@ -62,7 +72,7 @@ def main() -> int:
     )
     sides = (("base", None, "auto"), ("lora exact", lora, "auto"), ("lora q8", lora, "q8"))
     print(
-        f"# H={H} I={I} E={E} top-{K}, LoRA rank {r} on gate/up/down, "
+        f"# H={H} I={I} E={E} top-{K}, {args.lora_dtype} LoRA rank {r} on gate/up/down, "
         f"isa {kt_ops.active_isa()}, {kt_ops.get_num_threads()} threads; ms, medians"
     )
     print(f"{'format':>10s} {'T':>3s} " + " ".join(f"{s:>11s}" for s, _, _ in sides) + "  ratios")

@@ -427,6 +427,33 @@ def test_shared_gate_up_a_gives_the_bits_of_two_copies(act: torch.dtype, checkpo
     assert _report(out_s.float(), want_out, forward_tolerance(p)) is None
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("T", [1, 40], ids=["T1", "T40"])
+def test_half_precision_factors_give_the_bits_of_their_fp32_values(dtype: torch.dtype, T: int):
+    # bf16 / fp16 factors are widened to fp32 as the products read them (an expert's A, a
+    # block's columns of B), not copied whole per call: the results must be those of the
+    # same values given as fp32, bit for bit, on the training path (saving and recomputing
+    # forward, backward) and on the inference driver (no grad, q8 pinned). H = 512 puts
+    # A's rows 2 KiB apart, so at T = 40 (20 rows an expert) x A^T reads the padded copy;
+    # at T = 1 two of the four experts have no tokens.
+    case = Case("half", T, 512, 48, 4, 2, ALL3, act=torch.bfloat16, lora_dtype=dtype)
+    p = make_problem(case)
+    for checkpointing in (False, True):
+        half = {k: v.detach().clone().requires_grad_(True) for k, v in p.lora.items()}
+        wide = {k: v.detach().float().requires_grad_(True) for k, v in p.lora.items()}
+        out_h, dx_h, dw_h, g_h = _grads_with_factors(p, half, checkpointing)
+        out_f, dx_f, dw_f, g_f = _grads_with_factors(p, wide, checkpointing)
+        assert torch.equal(out_h, out_f) and torch.equal(dx_h, dx_f) and torch.equal(dw_h, dw_f)
+        for name, g in g_h.items():
+            assert g.dtype == dtype and torch.equal(g, g_f[name].to(dtype)), name
+    wide = {k: v.float() for k, v in p.lora.items()}
+    with torch.no_grad(), kt_ops.use_quant_activations("q8"):
+        got = kt_ops.moe_forward(*p.op_args(), p.lora_weights())
+        assert torch.equal(got, kt_ops.moe_forward(*p.op_args(), p.lora_weights(wide)))
+    want_out, _ = reference_grads(p)
+    assert _report(out_h.float(), want_out, forward_tolerance(p)) is None
+
+
 def test_gate_and_up_a_at_one_address_but_of_other_ranks_are_not_shared():
     # Contiguous views from the same address with different ranks are two factors: the
     # check for a shared A must compare shapes, not only data pointers.

@@ -244,20 +244,20 @@ void save_pre(const Call& c, const float* rows, float* pre, int64_t nb, int64_t 
 
 // The LoRA term of projection p (0 gate, 1 up, 2 down) for block nb of expert e's m rows:
 // d[i][0, n_valid) += s (t_i B^T)[nb * 16 + j], t_i the row's first product (s.lora_t)
-// and B^T the expert's [r, n] copy, in one fma per term (lora_products::tw_rows). Added
+// and B^T the block's 16 columns (LoraF32::bt_block), one fma per term (tw_rows). Added
 // here, to the block's own rows, not to a whole-row pass over the [T*K, n] outputs first
 // (which the epilogue then read back from memory: 4% of the LoRA forward on Zen 4).
 void add_lora_block(const Call& c, int p, int64_t e, int64_t nb, int64_t r0, int m, int n_valid,
                     float* d) {
   const LoraF32* f = c.lora[p];
   if (f == nullptr) return;
-  const LoraRows bt = f->bt_rows(e);
+  const LoraRows bt = f->bt_block(e, nb, n_valid);
   thread_local std::vector<float*> t_rows;
   t_rows.resize(static_cast<size_t>(m));
   for (int i = 0; i < m; ++i) t_rows[i] = d + i * kRows;
-  lora_products::tw_rows(c.s.lora_t[c.first_products_of(p)].data() + r0 * f->r, m, f->r,
-                         bt.p + nb * kRows, bt.ld, n_valid,
-                         static_cast<float>(c.layer.lora.scaling), true, t_rows.data());
+  lora_products::tw_rows(c.s.lora_t[c.first_products_of(p)].data() + r0 * f->r, m, f->r, bt.p,
+                         bt.ld, n_valid, static_cast<float>(c.layer.lora.scaling), true,
+                         t_rows.data());
 }
 
 // Epilogue of gate/up: h = act(g + bg) * (u + bu) for the block's valid
@@ -392,7 +392,7 @@ void attach_lora(Call& call, LoraF32 (&lora)[3]) {
   if (!params.any()) return;
   const bool shared_a = params.shares_gate_up_a();
   lora[0] = lora_f32(params.gate, 0);
-  lora[1] = lora_f32(params.up, 1, shared_a ? &lora[0] : nullptr);
+  lora[1] = lora_f32(params.up, 1);
   lora[2] = lora_f32(params.down, 2);
   call.up_reuses_gate_t = shared_a;
   for (int p = 0; p < 3; ++p) {

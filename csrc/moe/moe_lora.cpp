@@ -567,37 +567,76 @@ constexpr int64_t kCopyAMinRows = 16;
 }  // namespace
 
 LoraRows LoraF32::a_rows(int64_t e, int64_t m) const {
-  const int64_t ld = padded_ld(k);
-  if (ld == k || m < kCopyAMinRows) return {a_of(e), k};
+  const bool f32 = dtype == at::kFloat;
+  const int64_t ld = f32 ? padded_ld(k) : (m < kCopyAMinRows ? k : padded_ld(k));
+  const int64_t first = e * r * k;
+  if (f32 && (ld == k || m < kCopyAMinRows)) return {static_cast<const float*>(a) + first, k};
   FactorCopy& c = factor_copy(2 * id);
   if (c.call != call || c.e != e) {
     if (c.rows.size() < static_cast<size_t>(r * ld)) c.rows.resize(static_cast<size_t>(r * ld));
-    for (int64_t j = 0; j < r; ++j) std::memcpy(c.rows.data() + j * ld, a_of(e) + j * k, k * 4);
+    for (int64_t j = 0; j < r; ++j) {
+      float* dst = c.rows.data() + j * ld;
+      if (f32) {
+        std::memcpy(dst, static_cast<const float*>(a) + first + j * k, k * 4);
+      } else if (dtype == at::kBFloat16) {
+        to_f32_range(static_cast<const c10::BFloat16*>(a) + first + j * k, dst, k);
+      } else {
+        to_f32_range(static_cast<const c10::Half*>(a) + first + j * k, dst, k);
+      }
+    }
     c.call = call;
     c.e = e;
   }
   return {c.rows.data(), ld};
 }
+
+namespace {
+
+// Rows [i0, i0 + rows) of B[e] [n, r] (of the factor's dtype) as columns of dst (rows ld
+// apart): transpose_rows, widening bf16 / fp16 on the way.
+void b_columns(const LoraF32& f, int64_t e, int64_t i0, int64_t rows, float* dst, int64_t ld) {
+  const int64_t first = (e * f.n + i0) * f.r;
+  if (f.dtype == at::kFloat) {
+    transpose_rows(static_cast<const float*>(f.b) + first, rows, f.r, dst, ld);
+    return;
+  }
+  const bool bf16 = f.dtype == at::kBFloat16;
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < f.r; ++j) {
+      const int64_t q = first + i * f.r + j;
+      dst[j * ld + i] = bf16 ? static_cast<float>(static_cast<const c10::BFloat16*>(f.b)[q])
+                             : static_cast<float>(static_cast<const c10::Half*>(f.b)[q]);
+    }
+}
+
+}  // namespace
 
 LoraRows LoraF32::bt_rows(int64_t e) const {
   const int64_t ld = padded_ld(n);
   FactorCopy& c = factor_copy(2 * id + 1);
   if (c.call != call || c.e != e) {
     if (c.rows.size() < static_cast<size_t>(r * ld)) c.rows.resize(static_cast<size_t>(r * ld));
-    transpose_rows(b_of(e), n, r, c.rows.data(), ld);
+    b_columns(*this, e, 0, n, c.rows.data(), ld);
     c.call = call;
     c.e = e;
   }
   return {c.rows.data(), ld};
 }
 
-LoraF32 lora_f32(const LoraProjection& p, int id, const LoraF32* same_a) {
+LoraRows LoraF32::bt_block(int64_t e, int64_t nb, int n_valid) const {
+  constexpr int64_t kRows = 16;
+  thread_local std::vector<float> t_strip;
+  t_strip.assign(static_cast<size_t>(r * kRows), 0.f);
+  b_columns(*this, e, nb * kRows, n_valid, t_strip.data(), kRows);
+  return {t_strip.data(), kRows};
+}
+
+LoraF32 lora_f32(const LoraProjection& p, int id) {
   LoraF32 f;
   if (!p.present()) return f;
-  f.a_t = same_a != nullptr ? same_a->a_t : p.a.to(at::kFloat).contiguous();
-  f.b_t = p.b.to(at::kFloat).contiguous();
-  f.a = f.a_t.data_ptr<float>();
-  f.b = f.b_t.data_ptr<float>();
+  f.a = p.a.data_ptr();
+  f.b = p.b.data_ptr();
+  f.dtype = p.a.scalar_type();  // B's too (one dtype, contiguous: parse_moe_layer)
   f.r = p.a.size(1);
   f.k = p.a.size(2);
   f.n = p.b.size(1);
@@ -681,7 +720,7 @@ MoeGrads moe_backward_lora(const at::Tensor& grad_output, const at::Tensor& x,
   const int64_t E = w.gate.num_experts(), I = w.gate.n;
   const bool shared_a = lora.shares_gate_up_a();
   const LoraF32 lg = lora_f32(lora.gate, 0);
-  const LoraF32 lu = lora_f32(lora.up, 1, shared_a ? &lg : nullptr);
+  const LoraF32 lu = lora_f32(lora.up, 1);
   const LoraF32 ld = lora_f32(lora.down, 2);
   const kernels::GluRows glu = kernels::glu_rows(kernels::active_isa(), w.glu);
   const kernels::GluBackwardRows glu_back =

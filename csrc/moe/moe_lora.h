@@ -40,6 +40,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <optional>
+#include <vector>
 
 #include "moe/expert_weights.h"
 #include "moe/moe_layer.h"
@@ -52,32 +53,37 @@ struct LoraRows {
   int64_t ld;
 };
 
-// fp32 copies of one projection's LoRA factors for every expert (the LoRA
-// forward's terms, moe/moe_forward.cpp, and the backward).
+// One projection's LoRA factors read as fp32 (the LoRA forward's terms,
+// moe/moe_forward.cpp, and the backward): an expert's rows at a time, from the factors
+// as given (fp32, or bf16 / fp16 widened exactly as they are read into the calling
+// thread's buffers). No fp32 copy of every expert per call: with a bf16 adapter that copy
+// was most of a decode call (int4 g128, rank 16, T = 1, 8 of 128 experts: 4.5 ms against
+// the base's 0.72, Zen 4).
 struct LoraF32 {
-  at::Tensor a_t, b_t;  // keep the storage alive
-  const float* a = nullptr;
-  const float* b = nullptr;
+  const void* a = nullptr;  // A [E, r, k], B [E, n, r] of dtype `dtype`
+  const void* b = nullptr;
+  at::ScalarType dtype = at::kFloat;
   int64_t r = 0, n = 0, k = 0;
   int id = 0;         // the projection (0 gate, 1 up, 2 down): its thread buffers
   uint64_t call = 0;  // unique per lora_f32 call: what the thread buffers hold
-  bool present() const { return a != nullptr; }
-  const float* a_of(int64_t e) const { return a + e * r * k; }
-  const float* b_of(int64_t e) const { return b + e * n * r; }
-  // A[e] [r, k] for a product over m rows: A itself or, for m >= 16 where its rows are a
-  // multiple of 2 KiB apart, a copy with one 64-byte line of padding per row (the rank
-  // rows and the m rows' lines would share L1 sets: 8 ways, 3 + 8 lines at a time; with
-  // m = 128, k = 2048 on a Zen 4 core x A^T ran 1.2x (r = 8) to 1.7x (r = 16) and t w up
-  // to 3.3x (r = 16) slower). In the calling thread's buffer, kept for the call's later
-  // uses of expert e.
+  bool present() const { return r > 0; }
+  // A[e] [r, k] for a product over m rows: fp32 A itself, or a copy in the calling
+  // thread's buffer (kept for the call's later uses of expert e): of bf16 / fp16 A
+  // widened, and for m >= 16 where its rows are a multiple of 2 KiB apart with one 64-byte
+  // line of padding per row (the rank rows and the m rows' lines would share L1 sets: 8
+  // ways, 3 + 8 lines at a time; with m = 128, k = 2048 on a Zen 4 core x A^T ran 1.2x
+  // (r = 8) to 1.7x (r = 16) and t w up to 3.3x (r = 16) slower).
   LoraRows a_rows(int64_t e, int64_t m) const;
   // B[e]^T [r, n] in the calling thread's buffer (rows padded likewise), kept likewise.
   LoraRows bt_rows(int64_t e) const;
+  // Columns [16 nb, 16 nb + n_valid) of B[e]^T as r rows 16 floats apart (zero past
+  // n_valid), in the calling thread's buffer: the LoRA term of one 16-row block of the
+  // base's outputs, read with the block (16 r values), not B^T whole per expert.
+  LoraRows bt_block(int64_t e, int64_t nb, int n_valid) const;
 };
 // `id`: 0, 1, 2 for gate, up, down (two LoraF32 a thread uses at once differ in it).
-// `same_a`: a LoraF32 of the same A (LoraParams::shares_gate_up_a), whose fp32 copy of A
-// this one reuses.
-LoraF32 lora_f32(const LoraProjection& p, int id, const LoraF32* same_a = nullptr);
+// The factors' storage is the caller's (the layer's tensors outlive the call).
+LoraF32 lora_f32(const LoraProjection& p, int id);
 
 // out [T, H] in the dtype of x. When save_pre is true, also returns the gate
 // and up pre-activations (with their LoRA terms), fp32 [T*K, I], row t*K + k
