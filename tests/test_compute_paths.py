@@ -1348,6 +1348,39 @@ def test_qint_exact_thread_counts_bit_identical(isa, fmt):
         assert_thread_counts_bit_identical("brgemm", x, ids, w, experts)
 
 
+@pytest.mark.parametrize("v", QINT_EXACT_VARIANTS, ids=lambda v: v.id)
+def test_qint_exact_rows_do_not_depend_on_their_tile(isa, v):
+    # A token's output on the exact qint tiles is the same bits alone with its expert (a
+    # tile of one row, which decodes the codes), beside one other token (two rows) and
+    # inside a tile of 28 (29 tokens: a tile of 28, then one of a single row that reads
+    # the codes the first decoded): each group's sum is one chain over its k pairs in
+    # order, folded in group order, in every tile. (What a decode-shaped variant of the
+    # tiles, e.g. groups' chains side by side for one row, must keep: the LoRA forward at
+    # T = 1 computes what the training forward computed for that token.)
+    if not qint_exact_runs(v.fmt):
+        pytest.skip("the exact qint tiles need AVX512_BF16 and an AVX-512 path")
+    experts = make_quant_experts(
+        v.fmt, 1, v.H, v.I, group_size=v.group_size, symmetric=v.symmetric, seed=v.H + v.I
+    )
+    T = 29
+    ids = torch.zeros(T, 1, dtype=torch.int64)
+    w = torch.ones(T, 1)
+    x = make_hidden(T, v.H, torch.bfloat16, seed=v.I).float()  # bf16 values, fp32 out
+    with (
+        kt_ops.use_compute_path("brgemm"),
+        kt_ops.use_quant_activations("fp32"),
+        kt_ops.use_brgemm_bf16_kernel("kt" if v.fmt == "mxfp4" else "auto"),
+    ):
+        full = kt_ops.moe_forward(x, ids, w, experts)
+        for i in range(T):
+            alone = kt_ops.moe_forward(x[i : i + 1], ids[:1], w[:1], experts)
+            assert torch.equal(alone, full[i : i + 1]), i
+        for i in range(0, T - 1, 2):
+            pair = kt_ops.moe_forward(x[i : i + 2], ids[:2], w[:2], experts)
+            assert torch.equal(pair, full[i : i + 2]), i
+    assert_matches_reference(full, bf16_h_reference(x, ids, w, experts).float(), TOL_BF16_BRGEMM)
+
+
 # --------------------------------------------------------------------------
 # mxfp4 on oneDNN's bf16 brgemm: its exact values decoded to bf16 tiles
 # --------------------------------------------------------------------------
