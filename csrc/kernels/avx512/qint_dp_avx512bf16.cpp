@@ -69,7 +69,8 @@ struct BlockCtx {
 
 // The 16 rows' codes of k [k, k + 8) of a 4/5/6-bit block as their bf16 values: the 4
 // k pairs' lines at dst (words 32 p + 2 r + (k % 2)).
-KT_QDP_TARGET inline void decode8_nibbles(const BlockCtx& c, int64_t k, uint16_t* dst) {
+KT_QDP_TARGET __attribute__((always_inline)) inline void decode8_nibbles(const BlockCtx& c,
+                                                                         int64_t k, uint16_t* dst) {
   const __m512i line = _mm512_loadu_si512(c.low + (k / 8) * 64);
   const __m512i m4 = _mm512_set1_epi8(0x0F);
   __m512i lo = _mm512_and_si512(line, m4);                        // byte j of lane r: k + j
@@ -100,7 +101,8 @@ KT_QDP_TARGET inline void decode8_nibbles(const BlockCtx& c, int64_t k, uint16_t
 
 // The same for k [k, k + 4) of 8-bit signed codes (one line: 4 k of the 16 rows), by
 // conversion: bf16 of an int8 is the high half of its fp32.
-KT_QDP_TARGET inline void decode4_signed(const BlockCtx& c, int64_t k, uint16_t* dst) {
+KT_QDP_TARGET __attribute__((always_inline)) inline void decode4_signed(const BlockCtx& c,
+                                                                        int64_t k, uint16_t* dst) {
   const __m512i line = _mm512_loadu_si512(c.low + (k / 4) * 64);
   auto byte = [&](int j) {  // byte j of each row's dword, sign-extended, as fp32 bits
     return _mm512_castps_si512(
@@ -113,8 +115,10 @@ KT_QDP_TARGET inline void decode4_signed(const BlockCtx& c, int64_t k, uint16_t*
   _mm512_storeu_si512(dst + 32, pair(byte(2), byte(3)));
 }
 
-// k [ka, kb) of the block into c.tile; the codes one chunk further prefetched.
-KT_QDP_TARGET void decode_chunk(const BlockCtx& c, int64_t ka, int64_t kb) {
+// The codes of k [ka, kb) prefetched kPrefetchBytes ahead (the lines decode_chunk reads
+// one chunk later).
+KT_QDP_TARGET __attribute__((always_inline)) inline void prefetch_chunk(const BlockCtx& c,
+                                                                        int64_t ka, int64_t kb) {
   const int64_t lines_per_k8 = c.bits == 8 ? 2 : 1;  // low-plane lines per 8 k
   const int64_t bytes = (kb - ka) / 8 * lines_per_k8 * 64;
   const char* from = reinterpret_cast<const char*>(c.low + ka / 8 * lines_per_k8 * 64);
@@ -127,11 +131,22 @@ KT_QDP_TARGET void decode_chunk(const BlockCtx& c, int64_t ka, int64_t kb) {
       _mm_prefetch(reinterpret_cast<const char*>(c.high + (k + k_ahead) / per_line * 64),
                    _MM_HINT_T0);
   }
+}
+
+// k [k, k + 8) of the block into c.tile.
+KT_QDP_TARGET __attribute__((always_inline)) inline void decode8(const BlockCtx& c, int64_t k) {
   if (c.bits == 8) {
-    for (int64_t k = ka; k < kb; k += 4) decode4_signed(c, k, c.tile + k * 16);
+    decode4_signed(c, k, c.tile + k * 16);
+    decode4_signed(c, k + 4, c.tile + (k + 4) * 16);
   } else {
-    for (int64_t k = ka; k < kb; k += 8) decode8_nibbles(c, k, c.tile + k * 16);
+    decode8_nibbles(c, k, c.tile + k * 16);
   }
+}
+
+// k [ka, kb) of the block into c.tile; the codes one chunk further prefetched.
+KT_QDP_TARGET void decode_chunk(const BlockCtx& c, int64_t ka, int64_t kb) {
+  prefetch_chunk(c, ka, kb);
+  for (int64_t k = ka; k < kb; k += 8) decode8(c, k);
 }
 
 // Pairs [pa, pb) of the tile into acc: MT rows of packed pairs a [k_pairs][MT].
@@ -145,6 +160,24 @@ KT_QDP_TARGET __attribute__((always_inline)) inline void dp_pairs(__m512* acc, c
 #pragma GCC unroll 32
     for (int i = 0; i < MT; ++i)
       acc[i] = _mm512_dpbf16_ps(acc[i], wl, (__m512bh)_mm512_set1_epi32(static_cast<int>(ap[i])));
+  }
+}
+
+// Group g's sums of MT rows into out: out = s D (+ out past group 0), minus z X.
+template <int MT, bool Zeros>
+KT_QDP_TARGET __attribute__((always_inline)) inline void fold_group(const BlockCtx& c, int64_t g,
+                                                                    const __m512* acc,
+                                                                    const float* xg, float* out,
+                                                                    int64_t ldo) {
+  const __m512 s = _mm512_loadu_ps(c.s + g * 16);
+  [[maybe_unused]] __m512 z;
+  if constexpr (Zeros) z = _mm512_loadu_ps(c.z + g * 16);
+#pragma GCC unroll 32
+  for (int i = 0; i < MT; ++i) {
+    float* o = out + i * ldo;
+    __m512 t = g == 0 ? _mm512_mul_ps(acc[i], s) : _mm512_fmadd_ps(acc[i], s, _mm512_loadu_ps(o));
+    if constexpr (Zeros) t = _mm512_fnmadd_ps(z, _mm512_set1_ps(xg[i * c.groups + g]), t);
+    _mm512_storeu_ps(o, t);
   }
 }
 
@@ -167,16 +200,46 @@ KT_QDP_TARGET void dp_tile(const BlockCtx& c, bool first, const uint32_t* a, con
       if (first) decode_chunk(c, ka, kb);
       dp_pairs<MT>(acc, a, c.tile, ka / 2, kb / 2);
     }
-    const __m512 s = _mm512_loadu_ps(c.s + g * 16);
-    [[maybe_unused]] __m512 z;
-    if constexpr (Zeros) z = _mm512_loadu_ps(c.z + g * 16);
-#pragma GCC unroll 32
-    for (int i = 0; i < MT; ++i) {
-      float* o = out + i * ldo;
-      __m512 t = g == 0 ? _mm512_mul_ps(acc[i], s) : _mm512_fmadd_ps(acc[i], s, _mm512_loadu_ps(o));
-      if constexpr (Zeros) t = _mm512_fnmadd_ps(z, _mm512_set1_ps(xg[i * c.groups + g]), t);
-      _mm512_storeu_ps(o, t);
+    fold_group<MT, Zeros>(c, g, acc, xg, out, ldo);
+  }
+}
+
+// A tile of MT <= 2 rows that decodes (the block's only one: decode). Each row's sum
+// over a group is one chain of dependent vdpbf16ps, one or two chains in flight where
+// the tiles of 28 rows keep 28, and dp_tile decodes a chunk, then multiplies it: the
+// int4 g128 LoRA forward at T = 1 spent 47% of its time in dp_tile, at about one
+// vdpbf16ps per its latency, and 27% decoding (Zen 4). Here the next chunk's codes are
+// decoded 8 k at a time between the current chunk's steps of 4 pairs, into the chains'
+// idle cycles. The same chunks, pairs in the same order, the same folds: dp_tile's bits.
+template <int MT, bool Zeros>
+KT_QDP_TARGET void dp_tile_pipelined(const BlockCtx& c, const uint32_t* a, const float* xg,
+                                     float* out, int64_t ldo) {
+  // Chunks as dp_tile's: a group, or kDecodeChunk k of a longer one (multiples of 16 k).
+  auto chunk_end = [&](int64_t k) {
+    return std::min((k / c.group_k + 1) * c.group_k, k + kDecodeChunk);
+  };
+  int64_t ka = 0, kb = chunk_end(0);
+  decode_chunk(c, ka, kb);
+  __m512 acc[MT];
+  while (ka < c.kp) {
+    if (ka % c.group_k == 0) {
+#pragma GCC unroll 2
+      for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
     }
+    const int64_t na = kb, nb = kb < c.kp ? chunk_end(kb) : kb;  // the next chunk
+    if (nb > na) prefetch_chunk(c, na, nb);
+    int64_t kd = na;  // the next chunk's next 8 k to decode
+    for (int64_t k = ka; k < kb; k += 8) {
+      if (kd < nb) {
+        decode8(c, kd);
+        kd += 8;
+      }
+      dp_pairs<MT>(acc, a, c.tile, k / 2, k / 2 + 4);
+    }
+    for (; kd < nb; kd += 8) decode8(c, kd);
+    if (kb % c.group_k == 0) fold_group<MT, Zeros>(c, kb / c.group_k - 1, acc, xg, out, ldo);
+    ka = na;
+    kb = nb;
   }
 }
 
@@ -184,6 +247,9 @@ template <int N, bool Zeros>
 KT_QDP_TARGET void dp_tile_n(int rows, const BlockCtx& c, bool first, const uint32_t* a,
                              const float* xg, float* out, int64_t ldo) {
   if constexpr (N >= 1) {
+    if constexpr (N <= 2) {
+      if (rows == N && first) return dp_tile_pipelined<N, Zeros>(c, a, xg, out, ldo);
+    }
     if (rows == N) return dp_tile<N, Zeros>(c, first, a, xg, out, ldo);
     return dp_tile_n<N - 1, Zeros>(rows, c, first, a, xg, out, ldo);
   }
