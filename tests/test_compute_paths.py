@@ -44,6 +44,7 @@ from reference import (
     token_int8_min_tokens_of,
 )
 from test_quant_forward import VARIANTS as QUANT_VARIANTS
+from test_quant_forward import Variant
 
 import kt_ops
 from kt_ops.info import format_info
@@ -1348,7 +1349,12 @@ def test_qint_exact_thread_counts_bit_identical(isa, fmt):
         assert_thread_counts_bit_identical("brgemm", x, ids, w, experts)
 
 
-@pytest.mark.parametrize("v", QINT_EXACT_VARIANTS, ids=lambda v: v.id)
+#: And groups longer than the tiles' 128-k decode chunks (one per channel over K = 200 and
+#: 300: chunks of 128 and a shorter last one).
+ROW_TILE_VARIANTS = [*QINT_EXACT_VARIANTS, Variant("int4", 0, False, 200, 300, "_long")]
+
+
+@pytest.mark.parametrize("v", ROW_TILE_VARIANTS, ids=lambda v: v.id)
 def test_qint_exact_rows_do_not_depend_on_their_tile(isa, v):
     # A token's output on the exact qint tiles is the same bits alone with its expert (a
     # tile of one row, which decodes the codes), beside one other token (two rows) and
