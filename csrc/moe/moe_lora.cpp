@@ -566,50 +566,51 @@ constexpr int64_t kCopyAMinRows = 16;
 
 }  // namespace
 
-LoraRows LoraF32::a_rows(int64_t e, int64_t m) const {
-  const bool f32 = dtype == at::kFloat;
-  const int64_t ld = f32 ? padded_ld(k) : (m < kCopyAMinRows ? k : padded_ld(k));
-  const int64_t first = e * r * k;
-  if (f32 && (ld == k || m < kCopyAMinRows)) return {static_cast<const float*>(a) + first, k};
-  FactorCopy& c = factor_copy(2 * id);
-  if (c.call != call || c.e != e) {
-    if (c.rows.size() < static_cast<size_t>(r * ld)) c.rows.resize(static_cast<size_t>(r * ld));
-    for (int64_t j = 0; j < r; ++j) {
-      float* dst = c.rows.data() + j * ld;
-      if (f32) {
-        std::memcpy(dst, static_cast<const float*>(a) + first + j * k, k * 4);
-      } else if (dtype == at::kBFloat16) {
-        to_f32_range(static_cast<const c10::BFloat16*>(a) + first + j * k, dst, k);
-      } else {
-        to_f32_range(static_cast<const c10::Half*>(a) + first + j * k, dst, k);
-      }
-    }
-    c.call = call;
-    c.e = e;
-  }
-  return {c.rows.data(), ld};
-}
-
 namespace {
 
-// Rows [i0, i0 + rows) of B[e] [n, r] (of the factor's dtype) as columns of dst (rows ld
-// apart): transpose_rows, widening bf16 / fp16 on the way.
+// Values [first, first + n) of a LoRA factor (fp32, bf16 or fp16) as fp32 into dst.
+void factor_to_f32(const void* p, at::ScalarType dtype, int64_t first, int64_t n, float* dst) {
+  if (dtype == at::kFloat) {
+    std::memcpy(dst, static_cast<const float*>(p) + first, n * 4);
+  } else if (dtype == at::kBFloat16) {
+    to_f32_range(static_cast<const c10::BFloat16*>(p) + first, dst, n);
+  } else {
+    to_f32_range(static_cast<const c10::Half*>(p) + first, dst, n);
+  }
+}
+
+// Rows [i0, i0 + rows) of B[e] [n, r] as columns of dst (rows ld apart): transpose_rows
+// of fp32 B where it is, of bf16 / fp16 B's rows (contiguous) widened first into the
+// calling thread's buffer.
 void b_columns(const LoraF32& f, int64_t e, int64_t i0, int64_t rows, float* dst, int64_t ld) {
   const int64_t first = (e * f.n + i0) * f.r;
   if (f.dtype == at::kFloat) {
     transpose_rows(static_cast<const float*>(f.b) + first, rows, f.r, dst, ld);
     return;
   }
-  const bool bf16 = f.dtype == at::kBFloat16;
-  for (int64_t i = 0; i < rows; ++i)
-    for (int64_t j = 0; j < f.r; ++j) {
-      const int64_t q = first + i * f.r + j;
-      dst[j * ld + i] = bf16 ? static_cast<float>(static_cast<const c10::BFloat16*>(f.b)[q])
-                             : static_cast<float>(static_cast<const c10::Half*>(f.b)[q]);
-    }
+  thread_local std::vector<float> t_wide;
+  if (t_wide.size() < static_cast<size_t>(rows * f.r))
+    t_wide.resize(static_cast<size_t>(rows * f.r));
+  factor_to_f32(f.b, f.dtype, first, rows * f.r, t_wide.data());
+  transpose_rows(t_wide.data(), rows, f.r, dst, ld);
 }
 
 }  // namespace
+
+LoraRows LoraF32::a_rows(int64_t e, int64_t m) const {
+  const int64_t ld = m < kCopyAMinRows ? k : padded_ld(k);
+  const int64_t first = e * r * k;
+  if (dtype == at::kFloat && ld == k) return {static_cast<const float*>(a) + first, k};
+  FactorCopy& c = factor_copy(2 * id);
+  if (c.call != call || c.e != e) {
+    if (c.rows.size() < static_cast<size_t>(r * ld)) c.rows.resize(static_cast<size_t>(r * ld));
+    for (int64_t j = 0; j < r; ++j)
+      factor_to_f32(a, dtype, first + j * k, k, c.rows.data() + j * ld);
+    c.call = call;
+    c.e = e;
+  }
+  return {c.rows.data(), ld};
+}
 
 LoraRows LoraF32::bt_rows(int64_t e) const {
   const int64_t ld = padded_ld(n);
@@ -624,9 +625,13 @@ LoraRows LoraF32::bt_rows(int64_t e) const {
 }
 
 LoraRows LoraF32::bt_block(int64_t e, int64_t nb, int n_valid) const {
-  constexpr int64_t kRows = 16;
+  constexpr int64_t kRows = formats::kBf16BlockRows;
   thread_local std::vector<float> t_strip;
-  t_strip.assign(static_cast<size_t>(r * kRows), 0.f);
+  if (t_strip.size() < static_cast<size_t>(r * kRows))
+    t_strip.resize(static_cast<size_t>(r * kRows));
+  // Columns past n_valid zero (the block's last rows of a projection whose n is not a
+  // multiple of 16); the others are all written below.
+  if (n_valid < kRows) std::fill(t_strip.begin(), t_strip.end(), 0.f);
   b_columns(*this, e, nb * kRows, n_valid, t_strip.data(), kRows);
   return {t_strip.data(), kRows};
 }

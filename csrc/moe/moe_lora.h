@@ -40,7 +40,6 @@
 #include <ATen/core/Tensor.h>
 
 #include <optional>
-#include <vector>
 
 #include "moe/expert_weights.h"
 #include "moe/moe_layer.h"
