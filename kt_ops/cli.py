@@ -1,4 +1,5 @@
-"""The ``kt-ops`` command line: ``kt-ops info``, ``kt-ops demo [...]``, ``kt-ops convert [...]``."""
+"""The ``kt-ops`` command line (also ``python -m kt_ops``): ``kt-ops info``, ``kt-ops demo [...]``,
+``kt-ops convert [...]``."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The runtime report: topology, CPU features, ISA paths, kernels, thread pool.
 
-``python -m kt_ops.info`` (or ``kt_ops.print_info()``, ``kt-ops info``) prints it.
+``python -m kt_ops info`` (or ``kt_ops.print_info()``, ``kt-ops info``) prints it.
 """
 
 from __future__ import annotations

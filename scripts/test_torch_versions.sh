@@ -177,7 +177,7 @@ run_wheel() {
     cd "$dir/run"
     no_cuda "$venv" python -c "import kt_ops, sys; print('[kt_ops versions] kt_ops from', \
 kt_ops.__file__); sys.exit('site-packages' not in kt_ops.__file__)"
-    no_cuda "$venv" python -m kt_ops.info | head -5
+    no_cuda "$venv" python -m kt_ops info | head -5
     so=$(no_cuda "$venv" python -c "import kt_ops._C as c; print(c.__file__)")
     log "installed $so resolves: $(ldd "$so" | grep -E 'hwloc|torch_cpu|c10' | tr -s ' \t' ' ')"
     no_cuda "$venv" python -m pytest -q -p no:cacheprovider "${OP_TESTS[@]}"

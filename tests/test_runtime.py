@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import subprocess
 import sys
 import threading
 
@@ -88,6 +89,27 @@ def test_isa_lists_are_consistent():
         assert features["avx2"]
     if features["avx512_vnni"] or features["avx512_bf16"]:
         assert features["avx512"]
+
+
+def test_python_m_kt_ops_info_prints_the_report_without_warnings():
+    """``python -m kt_ops info`` (the docs' command) prints the active ISA and exits 0,
+    with nothing on stderr (``python -m kt_ops.info`` draws runpy's RuntimeWarning:
+    the package imports that module for its ``info()`` function)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KT_OPS_")}
+    proc = subprocess.run(
+        [sys.executable, "-W", "error::RuntimeWarning", "-m", "kt_ops", "info"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""
+    assert f"ISA active     : {kt_ops.active_isa()}" in proc.stdout
+    bad = subprocess.run(
+        [sys.executable, "-m", "kt_ops", "nonsense"], env=env, capture_output=True, text=True
+    )
+    assert bad.returncode == 2 and "invalid choice: 'nonsense'" in bad.stderr
 
 
 def test_default_isa_is_the_best_supported(python_subprocess):
