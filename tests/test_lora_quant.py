@@ -31,6 +31,7 @@ import functools
 import pytest
 import torch
 from reference import (
+    TOL_BF16,
     assert_matches_reference,
     make_quant_experts,
     reference_moe_forward,
@@ -51,6 +52,7 @@ from test_quant_forward import Variant
 import kt_ops
 from kt_ops.formats import FORMATS as WEIGHT_FORMATS
 from kt_ops.formats import PackedProjection, dequantize_weights, format_spec
+from kt_ops.layer import layer_args
 from kt_ops.nn import MoEExperts
 
 QUANT_FORMATS = [f for f in WEIGHT_FORMATS if f != "bf16"]
@@ -186,6 +188,32 @@ def test_dense_decoder_equals_dequantize_weights(layout):
         f"{mismatch.nonzero()[0].tolist()}: {got[mismatch][0].item()!r} vs "
         f"{want[mismatch][0].item()!r}"
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda v: v.id)
+def test_training_forward_reads_every_code_value(layout, dtype):
+    """Through the op: ``moe_forward_train``'s gate pre-activations for one-hot hidden
+    states are the columns of ``W`` (token e * k + j: the j-th unit vector, routed to
+    expert e alone), on the random raw layouts (every code value, random scales and
+    zeros), bit for bit: fp32 activations take the streaming kernels' fp32 decoder (s (q -
+    offset) rounded once: nvfp4's fp32 scales times 12 do not fit fp32), bf16 ones the
+    exact tiles where the CPU has AVX512_BF16. mxfp4 within TOL_BF16: the kernels flush
+    its subnormal scales (2^(E-128) below the fp32 normals) to zero."""
+    p, down = random_pair(layout)
+    experts = kt_ops.ExpertWeights(p, p, down)
+    E, n, k = p.weight.shape[0], layout.n, layout.k
+    x = torch.eye(k).repeat(E, 1).to(dtype)
+    ids = torch.arange(E).repeat_interleave(k)[:, None]
+    _, gate_pre, _ = torch.ops.kt.moe_forward_train(
+        x, ids, torch.ones(E * k, 1), *layer_args(experts, None, "silu", x)
+    )
+    want = dequantize_weights(p).transpose(1, 2).reshape(E * k, n)
+    if layout.fmt == "mxfp4":
+        assert_matches_reference(gate_pre, want, TOL_BF16)
+    else:
+        mismatch = gate_pre != want
+        assert not mismatch.any(), f"{int(mismatch.sum())} of {want.numel()} weights differ"
 
 
 def test_mxfp4_subnormal_scales_are_exact():

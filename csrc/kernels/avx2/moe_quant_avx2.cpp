@@ -175,7 +175,9 @@ void fp8_dot(const Fp8Block& a) {
 // One 16-row block as fp32 W^T [Kp][16]. Per 8 k and half: the codes of 8
 // rows x 8 k ([row][4 k] bytes per quad), regrouped by a byte shuffle and a
 // dword permute into 8-byte runs of one k, widened to int32, converted and
-// scaled: w = s * q - z.
+// scaled: w = s * q - z (explicit zeros), s * (q - zero_offset) (implicit: q - offset is
+// exact, so w is s (q - offset) rounded once, as dequantize_weights; s * q - s * offset
+// rounded s * offset first, which nvfp4's fp32 scales times 12 need not fit).
 template <int Bits, bool Lut, ZeroMode Z, bool KQ = false>
 void qint_decode_impl(const QintBlock& a, float* w) {
   const QintFormat& f = *a.format;
@@ -187,7 +189,7 @@ void qint_decode_impl(const QintBlock& a, float* w) {
   const __m256i by_k = _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15, 0, 4,
                                         8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   const __m256i rows_together = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-  const __m256 offset = _mm256_set1_ps(f.zero_offset);
+  [[maybe_unused]] const __m256 offset = _mm256_set1_ps(f.zero_offset);
   [[maybe_unused]] alignas(64) float kq_s[KQ ? 16 * 16 : 1];
   [[maybe_unused]] alignas(64) float kq_z[KQ ? 8 * 16 : 1];
   for (int64_t k0 = 0; k0 < kp; k0 += 8) {
@@ -207,16 +209,17 @@ void qint_decode_impl(const QintBlock& a, float* w) {
       } else {
         decode_unit<Bits, Lut, 2>(a.block, high, k0, half, c);
       }
-      __m256 sc, z;
+      __m256 sc;
+      [[maybe_unused]] __m256 z;
       if constexpr (KQ) {
         const int64_t sidx = ((k0 % formats::kKSuperK) / gsize) * 16 + half * 8;
         sc = _mm256_load_ps(kq_s + sidx);
-        z = Z == ZeroMode::kExplicit ? _mm256_load_ps(kq_z + sidx) : _mm256_mul_ps(offset, sc);
+        if constexpr (Z == ZeroMode::kExplicit) z = _mm256_load_ps(kq_z + sidx);
       } else {
         const int64_t sidx = (k0 / gsize) * 16 + half * 8;
         sc = QintVec::load_scales(a.scales, f.scale_type, sidx);
-        z = Z == ZeroMode::kExplicit ? QintVec::load_scales(a.zeros, f.zero_type, sidx)
-                                     : _mm256_mul_ps(offset, sc);
+        if constexpr (Z == ZeroMode::kExplicit)
+          z = QintVec::load_scales(a.zeros, f.zero_type, sidx);
       }
       for (int v = 0; v < 2; ++v) {
         const __m256i t =
@@ -226,8 +229,13 @@ void qint_decode_impl(const QintBlock& a, float* w) {
         for (int j = 0; j < 4; ++j) {
           const __m256i q =
               Bits == 8 ? _mm256_cvtepi8_epi32(runs[j]) : _mm256_cvtepu8_epi32(runs[j]);
-          _mm256_storeu_ps(w + (k0 + 4 * v + j) * 16 + half * 8,
-                           _mm256_fmsub_ps(sc, _mm256_cvtepi32_ps(q), z));
+          const __m256 qf = _mm256_cvtepi32_ps(q);
+          __m256 wv;
+          if constexpr (Z == ZeroMode::kExplicit)
+            wv = _mm256_fmsub_ps(sc, qf, z);
+          else
+            wv = _mm256_mul_ps(sc, _mm256_sub_ps(qf, offset));
+          _mm256_storeu_ps(w + (k0 + 4 * v + j) * 16 + half * 8, wv);
         }
       }
     }

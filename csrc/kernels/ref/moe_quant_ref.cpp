@@ -74,9 +74,10 @@ void qint_block_decode(const QintBlock& a, float* w) {
     const int64_t g = k / gsize;
     for (int r = 0; r < 16; ++r) {
       const float s = param(a, g, r, false);
-      const float z = explicit_zeros(a) ? param(a, g, r, true) : f.zero_offset * s;
       const float q = static_cast<float>(formats::qint_code(a.block, f, a.kp, r, k));
-      w[k * 16 + r] = s * q - z;
+      // Implicit zeros: s (q - offset), rounded once (q - offset is exact), as
+      // dequantize_weights; s q - s offset would round s offset (nvfp4: fp32 s times 12).
+      w[k * 16 + r] = explicit_zeros(a) ? s * q - param(a, g, r, true) : s * (q - f.zero_offset);
     }
   }
 }
