@@ -689,23 +689,27 @@ def _moe_backward_fake(*args, **kwargs):
     grad_output = bound.pop("grad_output")
     gate_pre, up_pre = bound.pop("gate_pre"), bound.pop("up_pre")
     compute_grad_hidden_states = bound.pop("compute_grad_hidden_states")
-    _check_fake_layer("kt.moe_backward", bound)
+    experts = _check_fake_layer("kt.moe_backward", bound)
     x = bound["hidden_states"]
-    torch._check(
-        grad_output.shape == x.shape,
-        lambda: (
-            "kt.moe_backward: grad_output must have the shape of hidden_states "
-            f"{tuple(x.shape)}, got {tuple(grad_output.shape)}"
-        ),
-    )
-    torch._check(
-        grad_output.device == x.device,
-        lambda: f"kt.moe_backward: grad_output is on {grad_output.device}, not {x.device}",
-    )
-    torch._check(
-        (gate_pre is None) == (up_pre is None),
-        lambda: "kt.moe_backward: pass both gate_pre and up_pre (or neither)",
-    )
+    # Devices here (the saved tensors on the device of hidden_states: the CPU, or the GPU
+    # through the CUDA-stream bridge); shapes, dtypes, layouts and pairing by the eager
+    # op's own checks on meta stand-ins.
+    for name, t in (("grad_output", grad_output), ("gate_pre", gate_pre), ("up_pre", up_pre)):
+        torch._check(
+            t is None or t.device == x.device,
+            lambda name=name, t=t: f"kt.moe_backward: {name} is on {t.device}, not {x.device}",
+        )
+    try:
+        _C.check_backward_shapes(
+            experts.intermediate_size,
+            _meta(grad_output),
+            _meta(x),
+            _meta(bound["topk_ids"]),
+            _meta(gate_pre),
+            _meta(up_pre),
+        )
+    except (RuntimeError, ValueError) as err:
+        torch._check(False, lambda err=err: str(err).split("\nException raised from")[0])
     lora = LoRAWeights.from_op_args(bound["lora"], bound["lora_scaling"])
     empty = x.new_empty((0,))
     grad_lora = (

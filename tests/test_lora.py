@@ -422,9 +422,16 @@ def test_shared_gate_up_a_gives_the_bits_of_two_copies(act: torch.dtype, checkpo
     assert torch.equal(g_s["gate_lora_a"], g_c["gate_lora_a"] + g_c["up_lora_a"])
     for name in ("gate_lora_b", "up_lora_b", "down_lora_a", "down_lora_b"):
         assert torch.equal(g_s[name], g_c[name]), name
-    # And it is the reference's (so that both sides cannot share one wrong term).
+    # And it is the reference's (so that both sides cannot share one wrong term): the
+    # reference's gate and up copies of A are separate leaves, the shared one's gradient
+    # is their sum.
     want_out, want = reference_grads(dataclasses.replace(p, lora=shared))
     assert _report(out_s.float(), want_out, forward_tolerance(p)) is None
+    ref = {k: v for k, v in want.items() if k != "up_lora_a"}
+    ref["gate_lora_a"] = want["gate_lora_a"] + want["up_lora_a"]
+    got = {"hidden_states": dx_s, "topk_weights": dw_s}
+    got.update({k: v for k, v in g_s.items() if k != "up_lora_a"})
+    assert_grads_match(got, ref, grad_tolerances(p))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -845,6 +852,85 @@ def test_backward_argument_errors(call):
         bwd(go, **call.raw(up_lora_b=torch.zeros(E, I, R + 1)))
     with pytest.raises(RuntimeError, match="kt.moe_backward: lora must be empty or hold 6"):
         bwd(go, **dict(kw, lora=kw["lora"][:4]))
+
+
+def _bad_routed_args(ids: torch.Tensor, w: torch.Tensor, x: torch.Tensor) -> dict:
+    """case -> (overrides of the raw op's arguments, the error's text after the op's name)."""
+    out_of_range = ids.clone()
+    out_of_range[1, 0] = E
+    return {
+        "ids_out_of_range": (
+            {"topk_ids": out_of_range},
+            re.escape(f"topk_ids must lie in [-1, {E})"),
+        ),
+        "ids_dtype": ({"topk_ids": ids.float()}, "topk_ids must be int32 or int64"),
+        "hidden_dtype": ({"hidden_states": x.double()}, "hidden_states must be bf16, fp16 or fp32"),
+        "hidden_size": (
+            {"hidden_states": x[:, :-1]},
+            f"hidden_states has {H - 1} columns but the experts' hidden_size is {H}",
+        ),
+        "weights_shape": (
+            {"topk_weights": w[:, :1]},
+            "topk_weights must have the shape of topk_ids",
+        ),
+        "weights_dtype": ({"topk_weights": w.double()}, "topk_weights must be fp32, bf16 or fp16"),
+        "hidden_device": (
+            {"hidden_states": x.to("meta")},
+            "gate_weight is on cpu but must be on meta",
+        ),
+    }
+
+
+@pytest.mark.parametrize("op", ["moe_backward", "moe_forward_train"])
+@pytest.mark.parametrize(
+    "case",
+    ["ids_out_of_range", "ids_dtype", "hidden_dtype", "hidden_size", "weights_shape",
+     "weights_dtype", "hidden_device"],
+)  # fmt: skip
+def test_training_ops_refuse_bad_routed_arguments(call, op: str, case: str):
+    """The training ops check the routed arguments as kt.moe_forward does, naming the
+    argument: the backward builds its own routing plan from topk_ids and writes LoRA
+    gradients per expert, so an id past E must be refused there too."""
+    kw = call.raw()
+    overrides, message = _bad_routed_args(kw["topk_ids"], kw["topk_weights"], kw["hidden_states"])[
+        case
+    ]
+    kw.update(overrides)
+    with pytest.raises(RuntimeError, match=f"kt.{op}: {message}"):
+        if op == "moe_backward":
+            torch.ops.kt.moe_backward(torch.ones(T, H), **kw)
+        else:
+            torch.ops.kt.moe_forward_train(**kw)
+
+
+def test_backward_refuses_saved_tensors_on_another_device(call):
+    kw = call.raw()
+    pre = torch.zeros(T * K, I)
+    with pytest.raises(RuntimeError, match="kt.moe_backward: gate_pre is on meta, not cpu"):
+        torch.ops.kt.moe_backward(torch.ones(T, H), **kw, gate_pre=pre.to("meta"), up_pre=pre)
+    with pytest.raises(RuntimeError, match="kt.moe_backward: grad_output is on meta, not cpu"):
+        torch.ops.kt.moe_backward(torch.ones(T, H, device="meta"), **kw)
+
+
+def test_training_ops_read_strided_arguments_as_their_contiguous_copies(call):
+    """Transposed views of hidden_states, topk_ids and topk_weights and a strided
+    grad_output give the bits of their contiguous copies (forward with saved
+    pre-activations, and backward)."""
+    kw = call.raw()
+    strided = dict(kw)
+    for name in ("hidden_states", "topk_ids", "topk_weights"):
+        t = kw[name]
+        strided[name] = torch.empty(t.shape[::-1], dtype=t.dtype).t().copy_(t)
+        assert not strided[name].is_contiguous()
+    go = torch.randn(T, 2 * H)[:, ::2]
+    want = torch.ops.kt.moe_forward_train(**kw)
+    got = torch.ops.kt.moe_forward_train(**strided)
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)
+    want = torch.ops.kt.moe_backward(go.contiguous(), **kw, gate_pre=want[1], up_pre=want[2])
+    got = torch.ops.kt.moe_backward(go, **strided, gate_pre=got[1], up_pre=got[2])
+    for a, b in zip([want[0], want[1], *want[2]], [got[0], got[1], *got[2]]):
+        assert a.numel() > 0 and torch.equal(a, b)
 
 
 #: The backward's products with the base on bf16 hidden states: kt_ops' vdpbf16ps

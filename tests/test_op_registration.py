@@ -242,23 +242,78 @@ def _corrupt(args: list, case: str) -> list:
     return args
 
 
-@pytest.mark.parametrize(
-    "case",
-    ["weight_shape", "bias_dtype", "weights_count", "ids_dtype", "activation", "lora_rank",
-     "group_size"],
-)  # fmt: skip
+# case -> the start of the eager error (after "kt.moe_forward: "), so that both sides
+# failing on some other check cannot pass.
+_FORWARD_BAD_ARGS = {
+    "weight_shape": r"gate_weight has shape \[6, 1, 48, 16, 2\]",
+    "bias_dtype": "gate_bias must be fp32",
+    "weights_count": "weights must hold 9 entries",
+    "ids_dtype": "topk_ids must be int32 or int64, got Float",
+    "activation": r"activation='silu\(limit=-1\)' is not supported",
+    "lora_rank": r"gate_lora_b must be \[E=6, I=80, r=2\]",
+    "group_size": "group size 7 of down is not valid",
+}
+
+
+@pytest.mark.parametrize("case", sorted(_FORWARD_BAD_ARGS))
 def test_fake_kernel_raises_the_eager_error(case: str):
     experts = make_expert_weights(6, 96, 80, seed=1)
     ids, w = make_routing(3, 6, 2)
     x = make_hidden(3, 96, torch.float32)
     args = _corrupt([x, ids, w, *layer_args(experts, None, "silu", x)], case)
-    with pytest.raises(RuntimeError) as eager:
+    message = "kt.moe_forward: " + _FORWARD_BAD_ARGS[case]
+    with pytest.raises(RuntimeError, match=message) as eager:
         torch.ops.kt.moe_forward.default(*args)
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         fake = tree_map(lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, args)
-        with pytest.raises(RuntimeError) as traced:
+        with pytest.raises(RuntimeError, match=message) as traced:
             torch.ops.kt.moe_forward.default(*fake)
     assert str(traced.value).split("\n")[0] == str(eager.value).split("\n")[0]
+
+
+_BACKWARD_BAD_ARGS = {
+    # case: (what to change in (grad_output, gate_pre, up_pre), the eager error's start)
+    "grad_output_dtype": (lambda g, gp, up: (g.double(), gp, up), "grad_output must be fp32"),
+    "grad_output_shape": (lambda g, gp, up: (g[:2], gp, up), "grad_output must have the shape"),
+    "gate_pre_alone": (lambda g, gp, up: (g, gp, None), "gate_pre was given without up_pre"),
+    "up_pre_alone": (lambda g, gp, up: (g, None, up), "up_pre was given without gate_pre"),
+    "gate_pre_rows": (lambda g, gp, up: (g, gp[:1], up), "gate_pre must be a contiguous fp32"),
+    "up_pre_dtype": (lambda g, gp, up: (g, gp, up.double()), "up_pre must be a contiguous fp32"),
+    "gate_pre_strided": (
+        lambda g, gp, up: (g, gp.t().contiguous().t(), up),
+        r"gate_pre must be a contiguous fp32 .* \(not contiguous\)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_BACKWARD_BAD_ARGS))
+def test_backward_fake_kernel_raises_the_eager_error(case: str):
+    """kt.moe_backward's fake kernel (torch.compile's trace) refuses what its eager kernel
+    refuses, with the same message: grad_output's dtype and shape, the saved
+    pre-activations' pairing, shape, dtype and layout (the eager op's own checks, on meta
+    stand-ins)."""
+    experts = make_expert_weights(6, 96, 80, seed=1)
+    ids, w = make_routing(3, 6, 2)
+    x = make_hidden(3, 96, torch.float32)
+    layer = layer_args(experts, None, "silu", x)
+    _, gate_pre, up_pre = torch.ops.kt.moe_forward_train.default(x, ids, w, *layer)
+    change, message = _BACKWARD_BAD_ARGS[case]
+    g, gp, up = change(torch.ones_like(x), gate_pre, up_pre)
+    args = [g, x, ids, w, *layer, gp, up]
+    with pytest.raises(RuntimeError, match=message) as eager:
+        torch.ops.kt.moe_backward.default(*args)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = tree_map(lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, args)
+        with pytest.raises(RuntimeError, match=message) as traced:
+            torch.ops.kt.moe_backward.default(*fake)
+    assert str(traced.value).split("\n")[0] == str(eager.value).split("\n")[0]
+    # Unchanged, both accept the arguments.
+    ok = [torch.ones_like(x), x, ids, w, *layer, gate_pre, up_pre]
+    torch.ops.kt.moe_backward.default(*ok)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        torch.ops.kt.moe_backward.default(
+            *tree_map(lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, ok)
+        )
 
 
 def test_dynamic_token_count_compiles_once():

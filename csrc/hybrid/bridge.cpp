@@ -343,7 +343,7 @@ std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> bridge_moe_backward(
     std::optional<at::Tensor> host_gp, host_up;
     if (gp >= 0) host_gp = s.host(gp);
     if (up >= 0) host_up = s.host(up);
-    moe::check_backward_args(c.layer, s.host(go), c.x, c.ids, host_gp, host_up);
+    moe::check_backward_args(c.layer.intermediate_size, s.host(go), c.x, c.ids, host_gp, host_up);
     c.grad_output = s.host(go);
     if (host_gp) c.gate_pre = *host_gp;
     if (host_up) c.up_pre = *host_up;

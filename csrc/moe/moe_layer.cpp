@@ -293,6 +293,8 @@ LoraProjection parse_lora(const char* op, int i, const at::Tensor& a, const at::
 
 }  // namespace
 
+bool shape_only() { return t_shape_only; }
+
 ShapeOnlyScope::ShapeOnlyScope() : previous_(t_shape_only) { t_shape_only = true; }
 ShapeOnlyScope::~ShapeOnlyScope() { t_shape_only = previous_; }
 

@@ -150,6 +150,10 @@ void check_hidden_size(const char* op, const at::Tensor& hidden_states, const Mo
 // The fake kernels (kt_ops/ops.py, through kt_ops._C.check_layer_shapes) make
 // the op's own checks this way instead of repeating them; they check devices
 // themselves (a CUDA-bridge call has its packed weights on the CPU).
+// Whether a ShapeOnlyScope lives on this thread (the op's other argument checks skip
+// their device checks then, as parse_moe_layer does).
+bool shape_only();
+
 class ShapeOnlyScope {
  public:
   ShapeOnlyScope();

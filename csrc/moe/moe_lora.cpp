@@ -671,22 +671,22 @@ namespace {
 
 // A saved pre-activation: fp32 [T*K, I], contiguous, on the CPU.
 void check_pre(const at::Tensor& t, const char* name, int64_t rows, int64_t I) {
-  TORCH_CHECK(t.device().is_cpu(), "kt.moe_backward: ", name, " is on ", t.device(),
+  TORCH_CHECK(shape_only() || t.device().is_cpu(), "kt.moe_backward: ", name, " is on ", t.device(),
               "; it must be the CPU tensor that kt.moe_forward_train returned");
   TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 2 && t.size(0) == rows &&
                   t.size(1) == I && t.is_contiguous(),
               "kt.moe_backward: ", name, " must be a contiguous fp32 [T*K=", rows, ", I=", I,
-              "] tensor as returned by kt.moe_forward_train, got ", t.scalar_type(), " ",
-              t.sizes());
+              "] tensor as returned by kt.moe_forward_train, got ", t.scalar_type(), " ", t.sizes(),
+              t.is_contiguous() ? "" : " (not contiguous)");
 }
 
 }  // namespace
 
-void check_backward_args(const MoeLayer& layer, const at::Tensor& grad_output,
+void check_backward_args(int64_t intermediate_size, const at::Tensor& grad_output,
                          const at::Tensor& hidden_states, const at::Tensor& topk_ids,
                          const std::optional<at::Tensor>& gate_pre,
                          const std::optional<at::Tensor>& up_pre) {
-  TORCH_CHECK(grad_output.device().is_cpu(), "kt.moe_backward: grad_output is on ",
+  TORCH_CHECK(shape_only() || grad_output.device().is_cpu(), "kt.moe_backward: grad_output is on ",
               grad_output.device(), "; the kt_ops experts run on the CPU");
   TORCH_CHECK(grad_output.sizes() == hidden_states.sizes(),
               "kt.moe_backward: grad_output must have the shape of hidden_states ",
@@ -701,8 +701,8 @@ void check_backward_args(const MoeLayer& layer, const at::Tensor& grad_output,
               "; pass both saved pre-activations of kt.moe_forward_train (or neither)");
   const int64_t rows = topk_ids.size(0) * topk_ids.size(1);
   if (gate_pre.has_value()) {
-    check_pre(*gate_pre, "gate_pre", rows, layer.intermediate_size);
-    check_pre(*up_pre, "up_pre", rows, layer.intermediate_size);
+    check_pre(*gate_pre, "gate_pre", rows, intermediate_size);
+    check_pre(*up_pre, "up_pre", rows, intermediate_size);
   }
 }
 

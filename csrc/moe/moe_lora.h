@@ -108,8 +108,9 @@ struct MoeGrads {
   at::Tensor gate_a, gate_b, up_a, up_b, down_a, down_b;  // dtype of the LoRA tensors
 };
 // The checks of kt.moe_backward's own arguments (grad_output, the saved
-// pre-activations), after parse_moe_layer; errors name the argument.
-void check_backward_args(const MoeLayer& layer, const at::Tensor& grad_output,
+// pre-activations), after parse_moe_layer; errors name the argument. Under a
+// ShapeOnlyScope (the fake kernel, kt_ops._C.check_backward_shapes) no device check.
+void check_backward_args(int64_t intermediate_size, const at::Tensor& grad_output,
                          const at::Tensor& hidden_states, const at::Tensor& topk_ids,
                          const std::optional<at::Tensor>& gate_pre,
                          const std::optional<at::Tensor>& up_pre);

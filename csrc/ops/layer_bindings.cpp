@@ -18,6 +18,7 @@
 #include "moe/backward_panels.h"
 #include "moe/expert_weights.h"
 #include "moe/moe_layer.h"
+#include "moe/moe_lora.h"
 
 namespace py = pybind11;
 
@@ -38,6 +39,17 @@ void check_layer_shapes(const std::string& op, const at::Tensor& hidden_states,
   const moe::ShapeOnlyScope shape_only;
   moe::parse_moe_layer(op.c_str(), hidden_states, topk_ids, topk_weights, list, weight_format,
                        sizes, group_sizes, lora, lora_scaling, activation, gpu_experts_mask);
+}
+
+// kt.moe_backward's checks of its own arguments (moe::check_backward_args) in shape-only
+// mode, on meta stand-ins: the fake kernel's, word for word the eager op's.
+void check_backward_shapes(int64_t intermediate_size, const at::Tensor& grad_output,
+                           const at::Tensor& hidden_states, const at::Tensor& topk_ids,
+                           const std::optional<at::Tensor>& gate_pre,
+                           const std::optional<at::Tensor>& up_pre) {
+  const moe::ShapeOnlyScope shape_only;
+  moe::check_backward_args(intermediate_size, grad_output, hidden_states, topk_ids, gate_pre,
+                           up_pre);
 }
 
 // The experts of the op's layer arguments `weights` ... `group_sizes` (no LoRA), parsed
@@ -86,6 +98,7 @@ std::vector<std::optional<at::Tensor>> make_backward_panels(
 
 void register_layer_checks(py::module& m, py::module& testing) {
   m.def("check_layer_shapes", &check_layer_shapes);
+  m.def("check_backward_shapes", &check_backward_shapes);
   m.def("make_backward_panels", &make_backward_panels, py::arg("weights"), py::arg("weight_format"),
         py::arg("sizes"), py::arg("group_sizes"), py::arg("width") = std::nullopt,
         py::call_guard<py::gil_scoped_release>());  // ~0.35 s per large layer

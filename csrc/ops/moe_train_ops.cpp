@@ -35,7 +35,8 @@ Grads moe_backward_cpu(const at::Tensor& grad_output, const at::Tensor& hidden_s
                        const std::optional<at::Tensor>& up_pre, bool compute_grad_hidden_states) {
   const moe::MoeLayer layer =
       moe::parse_moe_layer("kt.moe_backward", hidden_states, topk_ids, topk_weights, KT_LAYER_ARGS);
-  moe::check_backward_args(layer, grad_output, hidden_states, topk_ids, gate_pre, up_pre);
+  moe::check_backward_args(layer.intermediate_size, grad_output, hidden_states, topk_ids, gate_pre,
+                           up_pre);
   moe::MoeGrads g = moe::moe_backward_lora(
       grad_output, hidden_states.contiguous(), topk_ids, topk_weights, layer,
       gate_pre.value_or(at::Tensor()), up_pre.value_or(at::Tensor()), compute_grad_hidden_states);
