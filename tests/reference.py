@@ -19,8 +19,9 @@ every test file (op, nn, hf) compares with the same numbers:
   largest reference magnitude. Both sides use the same bf16 weights and the
   same fp32 activations, so they differ only by fp32 summation order (blocked
   FMA chains vs. BLAS) and the vector ``exp`` in SiLU: a few ulp times
-  sqrt(reduction length), i.e. ~1e-6 for H = 2048. 1e-4 leaves a wide margin
-  yet catches a single wrong weight, token or routing weight.
+  sqrt(reduction length), i.e. 5e-6 (one ulp, 2^-23 x sqrt(2048)) to 2e-5 (three)
+  for H = 2048. 1e-4 leaves a margin of 5-20x yet catches a single wrong weight,
+  token or routing weight.
 * ``OUTPUT_ROUNDING``: the output is the fp32 result rounded once to the
   activation dtype, which adds at most half an ulp: 2^-8 relative for bf16,
   2^-11 for fp16, 0 for fp32 (plus half the smallest fp16 subnormal).

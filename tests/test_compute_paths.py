@@ -13,10 +13,11 @@ int8 and q8_0 run on the u8s8 brgemm (q8 activations, K chunks of 32, the
 streaming kernels' fp32 fold): against the q8 reference (``reference_for``)
 and bit-identical to the streaming q8 kernels of the SIMD tiers.
 
-fp8 runs on the bf16 brgemm with each block decoded to a bf16 tile, its scales
-folded in (W = bf16(e4m3 * scale)): against the reference with bf16-rounded
-activations and weights, and bit-identical to the bf16 brgemm on the
-bf16-rounded dequantized weights (the last section).
+fp8 runs on the bf16 tiles with the activations times the block scales rounded to
+bf16 and the codes' exact bf16 values (bf16(x * s) * e4m3): against the reference
+with those activations (``fp8_scaled_activations``), and, with power-of-two scales
+(where bf16(x * s) = bf16(x) * s), bit-identical to the bf16 brgemm on the
+dequantized weights (the last section).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 from reference import (
     TOL_BF16,
     TOL_BF16_BRGEMM,
+    TOL_QUANT,
     W4A8_KERNELS,
     Tolerance,
     assert_matches_reference,
@@ -392,12 +394,13 @@ def test_brgemm_reference_is_not_vacuous(isa):
 
 
 def test_brgemm_forced_where_it_does_not_run_is_streaming(isa):
-    # Forcing 'brgemm' on an ISA path / format without a brgemm kernel keeps
-    # the streaming kernels, bit for bit (int4 has no brgemm path yet).
-    E, H, I, K, T = 4, 128, 128, 2, 30  # noqa: E741
-    fmts = (
-        ["int4"] + ([] if brgemm_runs() else ["bf16"]) + ([] if brgemm_runs("int8") else ["int8"])
-    )
+    # Forcing 'brgemm' on an ISA path / format without a brgemm kernel keeps the streaming
+    # kernels, bit for bit: q4_0, nvfp4 and the k-quants have none anywhere; bf16, int8,
+    # int4, q8_0 and mxfp4 where this ISA path (and oneDNN's class) has none.
+    E, H, I, K, T = 4, 256, 256, 2, 30  # noqa: E741 (k-quants: K a multiple of 256)
+    candidates = ["q4_0", "nvfp4", "q4_k", "bf16", "int8", "int4", "q8_0", "mxfp4"]
+    fmts = [fmt for fmt in candidates if not brgemm_runs(fmt)]
+    assert fmts[:3] == ["q4_0", "nvfp4", "q4_k"]
     for fmt in fmts:
         experts = make_expert_weights(E, H, I, seed=4, weight_format=fmt)
         ids, w = make_routing(T, E, K, seed=4)
@@ -697,9 +700,10 @@ def test_q8_formats_bit_identical_to_streaming_q8(isa, fmt):
                 assert torch.equal(run("brgemm", x, ids, w, experts), want), (dtype, quant)
 
 
-def test_q8_formats_mixed_with_bf16_projections(isa):
-    # Mixed formats per projection: bf16 and u8s8 brgemm kernels in one call,
-    # each projection against its own reference part.
+def test_q8_formats_mixed_per_projection(isa):
+    # Mixed formats per projection: int8 and q8_0 (per-channel and per-32 scales) in one
+    # call, each projection against its own reference part. (bf16 next to int8 and fp8:
+    # test_fp8_mixed_with_bf16_and_int8_projections.)
     experts = make_quant_experts("int8,q8_0,int8", 4, 96, 64, seed=13)
     ids, w = make_routing(60, 4, 2, seed=13)
     x = make_hidden(60, 96, seed=13)
@@ -1905,10 +1909,19 @@ def test_fp8_mixed_with_bf16_and_int8_projections(isa):
             x, ids, w, experts, bf16_activations=True, fp8_scaled_activations=True
         )
         assert_matches_reference(out, ref, TOL_BF16_BRGEMM)
+    else:  # forced 'brgemm' without fp8 tiles: fp8 streams, bf16 as the path says
+        with kt_ops.use_compute_path("brgemm"):
+            ref = reference_for(experts, x, ids, w)
+        assert quant_mismatch_report(out, ref, TOL_MIXED) is None
+    # int8, fp8 and bf16 in one call, against the reference of each projection's path
+    # (the bf16 projection's rounding of h on the brgemm path is not modelled: TOL_MIXED).
     mixed = make_quant_experts("int8,fp8,bf16", 4, 160, 96, seed=15)
-    for path in ("streaming", "brgemm"):
-        y = run(path, x, ids, w, mixed)
-        assert y.shape == x.shape and torch.isfinite(y).all()
+    for path, tol in (("streaming", TOL_QUANT), ("brgemm", TOL_MIXED)):
+        with kt_ops.use_compute_path(path):
+            y = kt_ops.moe_forward(x, ids, w, mixed)
+            ref = reference_for(mixed, x, ids, w)
+        assert y.shape == x.shape
+        assert quant_mismatch_report(y, ref, tol) is None, path
 
 
 def test_fp8_lora_with_brgemm_forced(isa):

@@ -543,12 +543,14 @@ def test_checker_detects_one_wrong_element():
 
 def test_bf16_tolerance_is_not_vacuous():
     # bf16 outputs may differ from the fp32 reference by half an ulp (2^-8
-    # relative), not by a whole one.
-    ref = torch.tensor([[1.0, 3.0, -0.75, 100.0]])
-    ok = ref.to(torch.bfloat16)
-    assert mismatch_report(ok, ref) is None
-    off_by_one_ulp = (ref * (1 + 2.0**-7)).to(torch.bfloat16)
-    assert mismatch_report(off_by_one_ulp, ref) is not None
+    # relative), not by a whole one. Each value alone: the tolerance's compute term
+    # scales with max |ref|, which would cover a whole ulp of the smaller values
+    # next to 100.
+    for v in (1.0, 3.0, -0.75, 100.0):
+        ref = torch.tensor([[v]])
+        assert mismatch_report(ref.to(torch.bfloat16), ref) is None, v
+        off_by_one_ulp = (ref * (1 + 2.0**-7)).to(torch.bfloat16)
+        assert mismatch_report(off_by_one_ulp, ref) is not None, v
 
 
 # --------------------------------------------------------------------------

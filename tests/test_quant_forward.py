@@ -20,7 +20,7 @@ random raw blocks (``from_gguf``, ``from_fp8``, ``from_mxfp4``); T = 0, 1, 2, 7,
 never read); N not a multiple of 16 and K not a multiple of 32 where the packers
 allow it (int8, fp8, mxfp4); activations bf16/fp16/fp32, topk_ids int32/int64;
 thread counts 1/2/3 bit-identical; fp32/fp16/bf16 scales (and zeros) for
-int8/int4 (and q4_0, the k-quants); the total error against the unquantized
+int8/int4 (and q4_0); the total error against the unquantized
 dense layer; and that the checks can fail.
 
 A note on shapes: ``moe_forward`` requires ``group_size`` to divide the K of
@@ -852,13 +852,19 @@ def test_checker_detects_wrong_weights(v):
         projs[proj] = dataclasses.replace(p, weight=weight)
         out = run_op(x, ids, weights, kt_ops.ExpertWeights(**projs))
         assert quant_mismatch_report(out, ref) is not None, proj
-    # a scale of a used expert doubled
+    # one scale of a used expert doubled: gate's row 0, its first group (every token of
+    # expert e reads it); k-quants: row 0's super-block scale d (fp16, first 2 bytes of
+    # the block's first record)
     projs = list(w.projections)
     scales = projs[0].scales.clone()
-    if scales.dtype == torch.uint8:
-        scales[e] += 1  # UE8M0: x2
+    flat = scales.view(scales.shape[0], -1)
+    if v.fmt in ("q4_k", "q5_k", "q6_k"):
+        flat[e, 0:2].view(torch.float16).mul_(2)
+    elif scales.dtype == torch.uint8:
+        flat[e, 0] += 1  # UE8M0: x2
     else:
-        scales[e] *= 2
+        flat[e, 0] *= 2
+    assert 1 <= torch.count_nonzero(scales != projs[0].scales) <= 2  # one value's bytes
     projs[0] = dataclasses.replace(projs[0], scales=scales)
     out = run_op(x, ids, weights, kt_ops.ExpertWeights(*projs))
     assert quant_mismatch_report(out, ref) is not None
