@@ -13,6 +13,7 @@ catches a swapped gate/up, a transposition or a wrong expert order.
 from __future__ import annotations
 
 import logging
+import re
 
 import gguf
 import numpy as np
@@ -181,6 +182,23 @@ def test_hf_fp8_missing_scale_inv(tmp_path):
         HFCheckpoint(tmp_path)
 
 
+@pytest.mark.parametrize("bad", ["shape", "dtype"])
+def test_hf_fp8_malformed_scale_inv(tmp_path, bad):
+    """A weight_scale_inv of the wrong shape or dtype is named, with what was expected."""
+    from safetensors.torch import load_file, save_file
+
+    write_hf_fp8(tmp_path, E=4, H=192, I=96)
+    f = tmp_path / "model.safetensors"
+    tensors = load_file(str(f))
+    name = "model.layers.1.mlp.experts.2.down_proj.weight_scale_inv"  # [2, 1]: H=192, I=96
+    t = tensors[name]
+    tensors[name] = t[:1] if bad == "shape" else t.to(torch.int32)
+    save_file(tensors, str(f))
+    got = r"I32 \[2, 1\]" if bad == "dtype" else r"F32 \[1, 1\]"
+    with pytest.raises(ValueError, match=rf"{re.escape(name)} is {got}.*expected a float tensor"):
+        HFCheckpoint(tmp_path).load_layer(1)
+
+
 def test_hf_mxfp4_native_and_requantized(tmp_path):
     expected = write_hf_mxfp4(tmp_path)
     ck = HFCheckpoint(tmp_path)
@@ -288,7 +306,7 @@ def test_hf_corrupt_files(tmp_path):
 
 
 def test_hf_refusals(tmp_path):
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(FileNotFoundError, match="nope"):
         HFCheckpoint(tmp_path / "nope")
     write_hf(tmp_path / "d", "qwen3_moe", dense_layers=(0, 1, 2))
     with pytest.raises(ValueError, match="no routed expert tensors"):
@@ -383,7 +401,7 @@ def test_gguf_truncated_and_not_gguf(tmp_path):
     bad.write_bytes(b"NOTGGUF" * 10)
     with pytest.raises(ValueError, match=r"x\.gguf"):
         open_checkpoint(bad)
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(FileNotFoundError, match=r"missing\.gguf"):
         GGUFCheckpoint(tmp_path / "missing.gguf")
 
 
@@ -400,11 +418,68 @@ def test_open_checkpoint_dispatch(tmp_path):
     assert isinstance(open_checkpoint(tmp_path / "hf"), HFCheckpoint)
     write_gguf(tmp_path / "g.bin", dict.fromkeys(ROLES, Q.Q8_0), H=64, I=32, moe_layers=(0,))
     assert isinstance(open_checkpoint(tmp_path / "g.bin"), GGUFCheckpoint)  # by magic
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(FileNotFoundError, match="none"):
         open_checkpoint(tmp_path / "none")
 
 
 # ---------------------------------------------------------------------- the reader interface
+
+
+def _edited_compressed_int4(path, edit) -> None:
+    """Rewrite the compressed-tensors checkpoint at ``path`` with ``edit(tensors)`` applied."""
+    from safetensors.torch import load_file, save_file
+
+    f = path / "model.safetensors"
+    tensors = load_file(str(f))
+    edit(tensors)
+    save_file(tensors, str(f))
+
+
+_CT = "model.layers.1.mlp.experts.2."
+
+
+@pytest.mark.parametrize(
+    "case,edit,message",
+    [
+        ("missing_scale", lambda t: t.pop(_CT + "up_proj.weight_scale"),
+         rf"tensor {re.escape(_CT)}up_proj\.weight_scale is missing"),
+        ("missing_projection", lambda t: t.pop(_CT + "down_proj.weight_packed"),
+         r"layer 1 expert 2 has no down_proj\.weight_packed"),
+        ("codes_dtype", lambda t: t.update({_CT + "gate_proj.weight_packed":
+                                            t[_CT + "gate_proj.weight_packed"].float()}),
+         rf"{re.escape(_CT)}gate_proj\.weight_packed is torch\.float32 .* expected int32"),
+        ("scale_rows", lambda t: t.update({_CT + "up_proj.weight_scale":
+                                           t[_CT + "up_proj.weight_scale"][:-1]}),
+         rf"{re.escape(_CT)}up_proj\.weight_scale has shape \[63, 4\]; expected \[64, K/group\]"),
+        ("group_size", lambda t: [t.update({k: v[:, :1].repeat(1, 8)}) for k, v in list(t.items())
+                                  if k.startswith("model.layers.1.") and k.endswith("weight_scale")
+                                  and "down_proj" not in k],
+         r"layer 1 gate: RAWINT4 group size 16 .*kt_ops int4 takes groups of"),
+    ],
+)  # fmt: skip
+def test_compressed_tensors_refusals(tmp_path, case, edit, message):
+    """A malformed compressed-tensors (RAWINT4) tensor is named in a ValueError, at load."""
+    path = tmp_path / "ct"
+    write_compressed_int4(path, E=4, H=128, I=64)
+    _edited_compressed_int4(path, edit)
+    reader = CompressedTensorsCheckpoint(path)
+    reader.load_layer(0)  # the other layer loads
+    with pytest.raises(ValueError, match=message):
+        reader.load_layer(1)
+
+
+def test_compressed_tensors_corrupt_files(tmp_path):
+    write_compressed_int4(tmp_path / "ct", E=4, H=128, I=64)
+    f = tmp_path / "ct" / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-100])  # truncated
+    with pytest.raises(ValueError, match=r"model\.safetensors: not a valid safetensors file"):
+        CompressedTensorsCheckpoint(tmp_path / "ct")
+    f.write_bytes(b"\x00" * 7)  # shorter than a header
+    with pytest.raises(ValueError, match=r"model\.safetensors"):
+        CompressedTensorsCheckpoint(tmp_path / "ct")
+    f.unlink()
+    with pytest.raises(FileNotFoundError, match="no \\*\\.safetensors files"):
+        CompressedTensorsCheckpoint(tmp_path / "ct")
 
 
 def test_every_reader_has_the_one_interface(tmp_path):
