@@ -355,18 +355,18 @@ def test_forward_train_pre_activations():
     case = Case("pre", 5, 32, 24, 4, 2, ALL3, skip_rows=(1,))
     p = make_problem(case)
     _, gate_pre, up_pre = kt_ops.ops.moe_forward_train(*p.op_args(), **p.op_kwargs())
-    wg = kt_ops.unpack_weights(p.weights.gate.weight, case.I, case.H)
-    a, b = p.lora["gate_lora_a"], p.lora["gate_lora_b"]
-    for t in range(case.T):
-        for k in range(case.K):
-            e = int(p.ids[t, k])
-            row = gate_pre[t * case.K + k]
-            if e < 0:
-                assert torch.all(row == 0)
-                continue
-            want = wg[e] @ p.x[t] + case.scaling * (b[e] @ (a[e] @ p.x[t]))
-            torch.testing.assert_close(row, want, rtol=1e-5, atol=1e-5)
-    assert up_pre.shape == gate_pre.shape
+    for proj, pre in (("gate", gate_pre), ("up", up_pre)):
+        w = kt_ops.unpack_weights(getattr(p.weights, proj).weight, case.I, case.H)
+        a, b = p.lora[f"{proj}_lora_a"], p.lora[f"{proj}_lora_b"]
+        for t in range(case.T):
+            for k in range(case.K):
+                e = int(p.ids[t, k])
+                row = pre[t * case.K + k]
+                if e < 0:
+                    assert torch.all(row == 0)
+                    continue
+                want = w[e] @ p.x[t] + case.scaling * (b[e] @ (a[e] @ p.x[t]))
+                torch.testing.assert_close(row, want, rtol=1e-5, atol=1e-5)
 
 
 # --------------------------------------------------------------------------
