@@ -241,20 +241,33 @@ def _prepared_layer(experts: ExpertWeights, activation: str) -> Optional[Prepare
     output bit for bit from the three routed tensors, without the layer
     arguments' conversion and checks (about half of a cold call's fixed cost:
     ``benchmarks/bench_call_overhead.py``). Kept on the (frozen)
-    ``ExpertWeights`` object, whose tensors cannot be replaced; None where the op
-    would reject the layer (it then raises).
+    ``ExpertWeights`` object with the packed tensors it was made from, and made
+    again where one of them was replaced (a :class:`PackedProjection`'s fields can
+    be assigned); tensors given new storage in place (``.data =``, ``set_()``) the
+    layer itself finds (csrc/ops/prepared_layer.cpp). None where the op would
+    reject the layer (it then raises).
     """
     layers = experts.__dict__.get("_prepared_layers")
     if layers is None:
         layers = {}
         object.__setattr__(experts, "_prepared_layers", layers)
-    layer = layers.get(activation)
-    if layer is None and activation not in layers:
-        # A spec the op refuses gets no prepared layer: the op's call then raises.
-        valid = isinstance(activation, str) and _valid_activation(activation)
-        layer = new_prepared_layer(experts, activation=activation) if valid else None
-        layers[activation] = layer
+    entry = layers.get(activation)
+    if entry is not None and _same_tensors(experts, entry[1]):
+        return entry[0]
+    # A spec the op refuses gets no prepared layer: the op's call then raises.
+    valid = isinstance(activation, str) and _valid_activation(activation)
+    layer = new_prepared_layer(experts, activation=activation) if valid else None
+    layers[activation] = (layer, _packed_tensors(experts))
     return layer
+
+
+def _packed_tensors(experts: ExpertWeights) -> tuple:
+    """The tensors a prepared layer of ``experts`` reads (weights, scales, zeros, biases)."""
+    return tuple(t for p in experts.projections for t in (p.weight, p.scales, p.zeros, p.bias))
+
+
+def _same_tensors(experts: ExpertWeights, made_from: tuple) -> bool:
+    return all(a is b for a, b in zip(_packed_tensors(experts), made_from))
 
 
 def _valid_activation(activation: str) -> bool:

@@ -361,7 +361,7 @@ def test_functional_wrapper_inference_matches_the_op(dense, fmt, group, dtype, T
         with ctx():
             got = kt_ops.moe_forward(x, ids, w, experts)
         assert torch.equal(got, want) and got.dtype == dtype
-    assert isinstance(experts.__dict__["_prepared_layers"]["silu"], PreparedLayer)
+    assert isinstance(experts.__dict__["_prepared_layers"]["silu"][0], PreparedLayer)
 
 
 def test_functional_wrapper_takes_the_prepared_layer(dense, monkeypatch):
@@ -404,3 +404,80 @@ def test_functional_wrapper_copies_and_pickles_its_experts(dense):
         for clone in (copy.deepcopy(experts), pickle.loads(pickle.dumps(experts))):
             assert "_prepared_layers" not in clone.__dict__
             assert torch.equal(kt_ops.moe_forward(x, ids, w, clone), want)
+
+
+# --------------------------------------------------------------------------
+# Packed tensors replaced or given new storage after the layer was prepared
+# --------------------------------------------------------------------------
+
+
+def _storage_edits():
+    """How a packed tensor ``t`` can get other data while its object stays (or not)."""
+
+    def data_assign(t, new):
+        t.data = new
+
+    def set_storage(t, new):
+        t.set_(new)
+
+    def share_memory(t, new):  # new storage (shared memory), then the new values in place
+        t.share_memory_()
+        t.copy_(new)
+
+    return {"data": data_assign, "set_": set_storage, "share_memory_": share_memory}
+
+
+@pytest.mark.parametrize("edit", sorted(_storage_edits()))
+def test_module_follows_its_buffers_new_storage(dense, edit):
+    """``MoEExperts`` after a packed buffer got new storage in place (the module sees the
+    same object): the prepared layer parses again and computes with the new values, as
+    the op does. Before, it read the old storage through its parsed pointers (freed
+    memory with ``.data =``)."""
+    m = _module(dense, "int8")
+    x = make_hidden(6, H, torch.float32)
+    ids, w = make_routing(6, E, 3)
+    with torch.no_grad():
+        m(x, ids, w)  # the layer is prepared
+        new = torch.randint_like(m.up_weight, 0, 255)
+        _storage_edits()[edit](m.up_weight, new)
+        got = m(x, ids, w)
+        want = torch.ops.kt.moe_forward.default(
+            x, ids, w, *kt_ops.layer.layer_args(m.expert_weights(), None, "silu", None)
+        )
+    assert torch.equal(m.up_weight, new)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("edit", sorted(_storage_edits()) + ["field"])
+def test_functional_wrapper_follows_new_tensors(dense, edit):
+    """``kt_ops.moe_forward`` on an ``ExpertWeights`` whose packed tensor was replaced
+    (a :class:`PackedProjection` field assigned) or given new storage: the new values."""
+    experts = kt_ops.ExpertWeights.from_dense(*dense, "int8")
+    x = make_hidden(6, H, torch.float32)
+    ids, w = make_routing(6, E, 3)
+    with torch.no_grad():
+        before = kt_ops.moe_forward(x, ids, w, experts)
+        new = torch.randint_like(experts.up.weight, 0, 255)
+        if edit == "field":
+            experts.up.weight = new
+        else:
+            _storage_edits()[edit](experts.up.weight, new)
+        got = kt_ops.moe_forward(x, ids, w, experts)
+    want = torch.ops.kt.moe_forward.default(
+        x, ids, w, *kt_ops.layer.layer_args(experts, None, "silu", None)
+    )
+    assert not torch.equal(got, before) and torch.equal(got, want)
+
+
+def test_prepared_layer_refuses_a_resized_tensor(dense):
+    """A packed tensor resized in place: the prepared op raises the op's shape error
+    instead of reading past the new storage."""
+    experts = kt_ops.ExpertWeights.from_dense(*dense, "int8")
+    layer = new_prepared_layer(experts)
+    x = make_hidden(2, H, torch.float32)
+    ids, w = make_routing(2, E, 3)
+    with torch.no_grad():
+        moe_forward_prepared(layer.layer, x, ids, w)
+        experts.down.weight.resize_(1, 16)
+        with pytest.raises(RuntimeError, match="down_weight"):
+            moe_forward_prepared(layer.layer, x, ids, w)

@@ -60,28 +60,61 @@ PreparedLayer::PreparedLayer(const c10::List<std::optional<at::Tensor>>& weights
   // in-place updates of it take effect at the next call, as with the op.
   TORCH_CHECK(!gpu_experts_mask.has_value() || gpu_experts_mask->is_contiguous(),
               "kt.PreparedLayer: gpu_experts_mask must be contiguous (it is read live)");
+  parsed_ = parse();
+  num_experts_ = parsed_->layer.num_experts;
+  hidden_size_ = parsed_->layer.hidden_size;
+}
+
+std::shared_ptr<const PreparedLayer::Parsed> PreparedLayer::parse() const {
+  const auto& [weights, weight_format, sizes, group_sizes, activation, mask, top_k] = state_;
+  auto p = std::make_shared<Parsed>();
   const std::vector<at::Tensor> no_lora;
-  layer_ = moe::parse_layer(kOp, nullptr, weights, weight_format, sizes, group_sizes, no_lora, 1.0,
-                            activation, gpu_experts_mask);
+  p->layer = moe::parse_layer(kOp, nullptr, weights, weight_format, sizes, group_sizes, no_lora,
+                              1.0, activation, mask);
+  for (const std::optional<at::Tensor>& t : weights) {
+    if (t.has_value() && t->defined())
+      p->made_from.push_back({t->data_ptr(), t->sizes().vec(), t->strides().vec()});
+  }
+  return p;
+}
+
+// The parsed layer of the packed tensors as they are now. The layer holds raw
+// pointers into their storage: a tensor given new storage in place (`.data = t`,
+// set_(), resize_(), share_memory_()) would leave them dangling, so each call
+// compares the storage with what was parsed (a few ns a tensor) and parses again
+// where it changed, with the op's checks (a resized tensor: the op's error).
+std::shared_ptr<const PreparedLayer::Parsed> PreparedLayer::current() const {
+  std::lock_guard<std::mutex> lock(refresh_);
+  size_t i = 0;
+  bool same = true;
+  for (const std::optional<at::Tensor>& t : std::get<0>(state_)) {
+    if (!t.has_value() || !t->defined()) continue;
+    const Storage& s = parsed_->made_from[i++];
+    same = same && t->data_ptr() == s.data && t->sizes() == at::IntArrayRef(s.sizes) &&
+           t->strides() == at::IntArrayRef(s.strides);
+  }
+  if (!same) parsed_ = parse();
+  return parsed_;
 }
 
 at::Tensor PreparedLayer::forward(const at::Tensor& hidden_states, const at::Tensor& topk_ids,
                                   const at::Tensor& topk_weights) const {
   runtime::ThreadPool::global().prewake();  // the expert kernels run next
   moe::check_routed_args(kOp, hidden_states, topk_ids, topk_weights);
-  moe::check_hidden_size(kOp, hidden_states, layer_);
+  // The snapshot stays alive for this call even if another thread parses again.
+  const std::shared_ptr<const Parsed> parsed = current();
+  moe::check_hidden_size(kOp, hidden_states, parsed->layer);
   const int64_t k = top_k();
   TORCH_CHECK(k <= 0 || topk_ids.size(1) == k, "kt.moe_forward_prepared: topk_ids has ",
               topk_ids.size(1), " columns, but the layer was prepared for top_k=", k);
-  return moe::moe_forward_layer(hidden_states, topk_ids, topk_weights, layer_,
+  return moe::moe_forward_layer(hidden_states, topk_ids, topk_weights, parsed->layer,
                                 kernels::active_isa());
 }
 
 std::tuple<std::tuple<std::string, int64_t>, std::tuple<std::string, int64_t>,
            std::tuple<std::string, int64_t>>
 PreparedLayer::flatten() const {
-  return {
-      {"num_experts", layer_.num_experts}, {"hidden_size", layer_.hidden_size}, {"top_k", top_k()}};
+  return {{"num_experts", num_experts_}, {"hidden_size", hidden_size_}, {"top_k", top_k()}};
 }
 
 namespace {
@@ -140,8 +173,8 @@ void register_prepared_layer_class(torch::Library& m) {
                         std::get<0>(s), std::get<1>(s), std::get<2>(s), std::get<3>(s),
                         std::get<4>(s), std::get<5>(s), std::get<6>(s));
                   })
-      .def("num_experts", [](const Holder& self) { return self->layer().num_experts; })
-      .def("hidden_size", [](const Holder& self) { return self->layer().hidden_size; })
+      .def("num_experts", [](const Holder& self) { return self->num_experts(); })
+      .def("hidden_size", [](const Holder& self) { return self->hidden_size(); })
       .def("top_k", [](const Holder& self) { return self->top_k(); });
 }
 

@@ -10,6 +10,8 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -39,7 +41,8 @@ class PreparedLayer : public torch::CustomClassHolder {
                            std::vector<int64_t>, std::string, std::optional<at::Tensor>, int64_t>;
   State state() const { return state_; }
 
-  const moe::MoeLayer& layer() const { return layer_; }
+  int64_t num_experts() const { return num_experts_; }
+  int64_t hidden_size() const { return hidden_size_; }
   int64_t top_k() const { return std::get<6>(state_); }
   // (name, value) pairs of what the fake class needs: num_experts, hidden_size, top_k.
   std::tuple<std::tuple<std::string, int64_t>, std::tuple<std::string, int64_t>,
@@ -47,8 +50,25 @@ class PreparedLayer : public torch::CustomClassHolder {
   flatten() const;
 
  private:
+  // A packed tensor's data as parsed: a tensor keeps its identity through
+  // `.data = t`, set_(), resize_() and share_memory_(), which change these.
+  struct Storage {
+    const void* data;
+    std::vector<int64_t> sizes, strides;
+  };
+  // The parsed layer and the storage it points into; replaced (under refresh_)
+  // when a call finds the storage changed.
+  struct Parsed {
+    moe::MoeLayer layer;
+    std::vector<Storage> made_from;
+  };
+  std::shared_ptr<const Parsed> parse() const;
+  std::shared_ptr<const Parsed> current() const;
+
   State state_;
-  moe::MoeLayer layer_;
+  int64_t num_experts_ = 0, hidden_size_ = 0;
+  mutable std::mutex refresh_;
+  mutable std::shared_ptr<const Parsed> parsed_;
 };
 
 // In the TORCH_LIBRARY(kt) block (csrc/ops/registration.cpp), in this order:
