@@ -391,13 +391,23 @@ class ExpertMLPList(nn.ModuleList):
     ``experts(hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K])``
     returns ``sum_k w[t, k] * experts[top_k_index[t, k]](x[t])`` (ids of ``-1``
     skipped), looping over the experts hit as transformers' eager experts do.
+    Raises ValueError for an id outside ``[-1, E)``, as ``kt.moe_forward`` does.
     """
 
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        """``hidden_states [T, H]``, ``top_k_index [T, K]`` int, ``top_k_weights [T, K]``
+        -> ``[T, H]`` in the dtype of ``hidden_states``."""
         out = torch.zeros_like(hidden_states)
         num_experts = len(self)
-        for e in torch.unique(top_k_index).tolist():
-            if e < 0 or e >= num_experts:
+        ids = torch.unique(top_k_index).tolist()
+        bad = [e for e in ids if e < -1 or e >= num_experts]
+        if bad:
+            raise ValueError(
+                f"ExpertMLPList: top_k_index must lie in [-1, {num_experts}) (-1 skips a slot), "
+                f"got {bad[:4]}"
+            )
+        for e in ids:
+            if e < 0:
                 continue
             token, slot = torch.where(top_k_index == e)
             y = self[e](hidden_states[token]) * top_k_weights[token, slot, None]

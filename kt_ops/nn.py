@@ -69,7 +69,20 @@ _PARTS = ("weight", "scales", "zeros")
 _BIASES = tuple(f"{proj}_bias" for proj in PROJECTIONS)
 #: The packed buffers and the biases, in the op's ``weights`` order.
 _PACKED_BUFFERS = tuple(f"{proj}_{part}" for proj in PROJECTIONS for part in _PARTS) + _BIASES
+
+
 # What MoEExperts keeps in its __dict__ between calls (dropped when pickled or copied).
+def _as_int(value) -> Optional[int]:
+    """``value`` as an int where it is an integer (int, numpy integer, 0-d integer
+    tensor; not a bool, a float or a string), else None."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
 _CALL_CACHES = ("_expert_weights_cache", "_plain_layer_args_cache", "_prepared_layer")
 
 
@@ -344,8 +357,9 @@ class MoEExperts(GpuResidentExperts, nn.Module):
                 adapter on either would break).
         """
         self.check_lora_allowed("MoEExperts.add_lora")
-        if int(rank) < 1:
-            raise ValueError(f"MoEExperts.add_lora: rank must be >= 1, got {rank}")
+        if _as_int(rank) is None or rank < 1:
+            raise ValueError(f"MoEExperts.add_lora: rank must be an int >= 1, got {rank!r}")
+        rank = _as_int(rank)
         unknown = [p for p in projections if p not in PROJECTIONS]
         if unknown or not projections:
             raise ValueError(
@@ -532,6 +546,11 @@ class MoEExperts(GpuResidentExperts, nn.Module):
             top_k_weights = top_k_weights.reshape(-1, top_k_weights.shape[-1])
         ids, weights = top_k_index, top_k_weights
         if weights.dtype != torch.float32 and weights.dtype != x.dtype:
+            if not weights.is_floating_point():  # as the op: an error, not a cast
+                raise RuntimeError(
+                    f"MoEExperts: top_k_weights must be a floating tensor (fp32, bf16, fp16, or "
+                    f"another floating dtype, converted to fp32), got {weights.dtype}"
+                )
             weights = weights.float()
         if self._buffers["gpu_expert_ids"] is None:
             out = self._cpu_experts(x, ids, weights, None, prepared_tried=flat)

@@ -339,10 +339,24 @@ def test_add_lora_on_expert_list(dense):
     torch.testing.assert_close(module[5](x), want, rtol=0, atol=0)
 
 
+def test_integer_routing_weights_are_refused(experts):
+    """Routing weights must be floating (the op's rule); an int tensor is an error, not
+    silently converted."""
+    x = torch.randn(3, experts.hidden_size)
+    ids = torch.zeros(3, 2, dtype=torch.long)
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad), pytest.raises(RuntimeError, match="top_k_weights"):
+            experts(x, ids, torch.ones(3, 2, dtype=torch.long))
+    torch.testing.assert_close(  # float64: converted
+        experts(x, ids, torch.ones(3, 2, dtype=torch.float64)), experts(x, ids, torch.ones(3, 2))
+    )
+
+
 def test_add_lora_errors(dense):
     module = MoEExperts.from_dense(*dense)
-    with pytest.raises(ValueError, match="rank must be >= 1"):
-        module.add_lora(0)
+    for bad in (0, -1, 1.5, "2", True):
+        with pytest.raises(ValueError, match="rank must be an int >= 1"):
+            module.add_lora(bad)
     with pytest.raises(ValueError, match="projections"):
         module.add_lora(2, projections=("gate", "qkv"))
     with pytest.raises(ValueError, match="dtype"):

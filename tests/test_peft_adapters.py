@@ -406,3 +406,15 @@ def test_errors(tmp_path):
     (tmp_path / "bad" / "adapter_config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="rank 2, its config says 3"):
         peft_adapters.load_adapter(kt_copy(plain), tmp_path / "bad")
+
+
+def test_expert_mlp_list_refuses_ids_outside_the_experts():
+    """ExpertMLPList skips -1 slots and refuses other ids outside [-1, E), as the op."""
+    experts = ExpertMLPList(ExpertMLP(H, I) for _ in range(E))
+    x = torch.randn(2, H)
+    w = torch.ones(2, 1)
+    skipped = experts(x, torch.tensor([[-1], [0]]), w)
+    assert torch.equal(skipped[0], torch.zeros(H)) and skipped[1].abs().sum() > 0
+    for bad in (E, -2):
+        with pytest.raises(ValueError, match=rf"top_k_index must lie in \[-1, {E}\)"):
+            experts(x, torch.tensor([[bad], [0]]), w)

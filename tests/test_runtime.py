@@ -136,6 +136,21 @@ def test_set_num_threads(n):
     assert torch.equal(kt_ops.moe_forward(*args), before)
 
 
+def test_set_num_threads_takes_integers_only():
+    import numpy as np
+
+    n = kt_ops.get_num_threads()
+    try:
+        for bad in (2.7, "2", True, None):
+            with pytest.raises(ValueError, match="n must be an int"):
+                kt_ops.set_num_threads(bad)
+            assert kt_ops.get_num_threads() == n
+        kt_ops.set_num_threads(np.int64(1))  # integer scalars are ints
+        assert kt_ops.get_num_threads() == 1
+    finally:
+        kt_ops.set_num_threads(n)
+
+
 def test_set_num_threads_repeatedly():
     args = small_call(T=40)
     want = kt_ops.moe_forward(*args)
