@@ -306,6 +306,7 @@ def test_systematic_manifest_type_edits(hf_src, converted, tmp_path, capsys):
             (out / MANIFEST_NAME).write_text(json.dumps(m))
             try:
                 experts = ConvertedExperts(out)
+                assert experts.layers == [0, 1, 2], (path, value)  # no layer lost
                 for L in experts.layers:
                     assert_same_layer(experts[L], reference[L])
             except (ValueError, FileNotFoundError) as e:
@@ -324,7 +325,7 @@ def test_systematic_manifest_type_edits(hf_src, converted, tmp_path, capsys):
         code = cli_main(["convert", str(hf_src), str(out), "--format", "int8", "--no-progress"])
         err = capsys.readouterr().err
         assert code == 1 and "manifest.json" in err and "Traceback" not in err, err
-        assert repr(path[-1] if isinstance(path[-1], str) else path[0]) in err or path[0] in err
+        assert repr(".".join(path)) in err, err  # the field, by its full name
 
 
 @pytest.mark.parametrize(

@@ -55,6 +55,11 @@ def _tiny_causal_lm(model_type: str):
 )
 def test_causal_lm_matches_the_unmodified_model(model_type: str, spec: str, biased: bool):
     model = _tiny_causal_lm(model_type)
+    biases = [p for n, p in model.named_parameters() if ".experts." in n and n.endswith("bias")]
+    assert len(biases) == (4 if biased else 0)  # gate_up and down of 2 MoE layers
+    with torch.no_grad():  # transformers starts them at zero: make them count
+        for p in biases:
+            p.normal_(0, 0.1, generator=torch.Generator().manual_seed(p.numel()))
     reference = copy.deepcopy(model)
     replace_experts(model)
     replaced = [m for m in model.modules() if isinstance(m, MoEExperts)]
@@ -64,11 +69,9 @@ def test_causal_lm_matches_the_unmodified_model(model_type: str, spec: str, bias
         want, got = reference(INPUT_IDS).logits, model(INPUT_IDS).logits
     assert rel_err(got, want) < 1e-4
     assert torch.equal(got.argmax(-1), want.argmax(-1))
-    # Training reaches the embeddings through the experts (their backward).
-    model.train()
-    model(INPUT_IDS).logits.float().pow(2).mean().backward()
-    emb = model.get_input_embeddings().weight.grad
-    assert emb is not None and emb.abs().sum() > 0
+    # Training reaches the embeddings through the experts (their backward): as the
+    # unmodified model's.
+    assert_embedding_grads_match(model, reference)
 
 
 def test_gpt_oss_quantized_and_gpu_experts_refused():
@@ -189,11 +192,14 @@ def test_dbrx_stacked_experts():
     with torch.inference_mode():
         want, got = reference(INPUT_IDS).logits, model(INPUT_IDS).logits
     assert rel_err(got, want) < 1e-4 and torch.equal(got.argmax(-1), want.argmax(-1))
-    model.train()
-    model(INPUT_IDS).logits.float().pow(2).mean().backward()
-    assert model.get_input_embeddings().weight.grad.abs().sum() > 0
-    # LoRA trains on it; a PEFT adapter of this layout is refused with a reason.
+    assert_embedding_grads_match(model, reference)
+    # LoRA trains on it (its B factors get gradients); a PEFT adapter of this layout is
+    # refused with a reason.
+    model.zero_grad()
     apply_lora(model, rank=2)
+    model(INPUT_IDS).logits.float().pow(2).mean().backward()
+    lora_b = [p for n, p in model.named_parameters() if n.endswith("lora_b")]
+    assert lora_b and all(p.grad is not None and p.grad.abs().sum() > 0 for p in lora_b)
 
     with pytest.raises(ValueError, match="'stacked' layout"):
         adapter_tensors(model)
@@ -397,7 +403,9 @@ def test_jetmoe_block():
         out = model(INPUT_IDS, output_router_logits=True)
         ref = reference(INPUT_IDS, output_router_logits=True)
     assert rel_err(out.logits, ref.logits) < 1e-4
-    assert len(out.router_logits) == len(ref.router_logits)  # the router is still recorded
+    assert len(out.router_logits) == len(ref.router_logits) > 0  # still recorded
+    for a, b in zip(out.router_logits, ref.router_logits):
+        assert rel_err(a, b) < 1e-4
     assert_embedding_grads_match(model, reference)
     # kt_ops LoRA on the block's experts.
     apply_lora(model, rank=2)

@@ -121,10 +121,8 @@ def test_out_with_lora_matches_functional():
     assert torch.equal(kt_ops.moe_forward(x, ids, weights, w, lora, out=out), want)
 
 
-#: opcheck's utilities for the out overload. test_aot_dispatch_dynamic is left out: its
-#: schema returns ``Tensor(a!)``, and AOTAutograd refuses custom ops whose outputs alias
-#: an input (see test_aot_dispatch_of_out_overload, an expected failure until the schema
-#: returns ``()``).
+#: opcheck's utilities for the out overload, all of them (its schema returns ``()``, so
+#: AOTAutograd takes it: test_aot_dispatch_dynamic included).
 OUT_OPCHECK = (
     "test_schema",
     "test_autograd_registration",
@@ -144,14 +142,6 @@ def test_opcheck_out_quantized():
     x, ids, weights = inputs(64)
     args = (x, ids, weights) + layer_args(w, None, "silu", x)
     torch.library.opcheck(OUT, args, {"out": torch.empty_like(x)}, test_utils=OUT_OPCHECK)
-
-
-def test_aot_dispatch_of_out_overload():
-    sample = next(iter(sample_inputs()))
-    x = sample.args[0]
-    torch.library.opcheck(
-        OUT, sample.args, {"out": torch.empty_like(x)}, test_utils="test_aot_dispatch_dynamic"
-    )
 
 
 def test_out_fake_and_meta():

@@ -998,6 +998,16 @@ def test_from_dense_quantizes_each_projection_in_its_format(fmt, group_size):
     assert quant_mismatch_report(out, ref) is None
 
 
+def _check_module_against_its_reference(m: MoEExperts) -> None:
+    """The replaced experts' output: the reference of each projection's format and path."""
+    x = make_hidden(6, m.hidden_size, torch.float32, seed=3)
+    ids, w = make_routing(6, m.num_experts, 2, seed=3)
+    with torch.inference_mode():
+        out = m(x, ids, w)
+        ref = reference_for(m.expert_weights(), x, ids, w)
+    assert quant_mismatch_report(out, ref) is None
+
+
 def test_replace_experts_online_mixed_format():
     from kt_ops.hf import replace_experts
 
@@ -1008,6 +1018,7 @@ def test_replace_experts_online_mixed_format():
     with torch.inference_mode():
         logits = model(torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(0)))
     assert torch.isfinite(logits.logits).all()
+    _check_module_against_its_reference(m)
     with pytest.raises(ValueError, match="per-projection 'gate,up,down'"):
         replace_experts(_tiny_qwen3_moe(64, 32, 4, 2, num_layers=1), "q4_k,bf17,q6_k")
     # bf16 and fp8 mix with the integer formats online too (issue 9)
@@ -1018,3 +1029,4 @@ def test_replace_experts_online_mixed_format():
     with torch.inference_mode():
         logits = model(torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(0)))
     assert torch.isfinite(logits.logits).all()
+    _check_module_against_its_reference(m)

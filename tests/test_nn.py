@@ -312,16 +312,20 @@ def test_add_lora_trains_the_adapters(dense, checkpointing):
     ids, weights = routing(5)
     # B starts at zero (PEFT): the adapted module starts as the base module.
     assert_matches_reference(module(x, ids, weights), reference(module, x, ids, weights))
+    before = module(x, ids, weights).detach()
     loss = module(x, ids, weights).square().sum()
     loss.backward()
     # With B = 0 only the B factors get a gradient (dA = s (d B)^T x = 0).
     assert module.gate_lora_b.grad.abs().sum() > 0 and module.down_lora_b.grad.abs().sum() > 0
     assert torch.all(module.gate_lora_a.grad == 0)
-    # One SGD step changes the output, and state_dict carries the adapters.
+    # One SGD step changes the output (to the reference's with the new factors), and
+    # state_dict carries the adapters.
     with torch.no_grad():
         for p in module.parameters():
             p -= 0.1 * p.grad
-    assert not torch.equal(module(x, ids, weights), reference(module, x, ids, weights))
+    after = module(x, ids, weights)
+    assert (after - before).abs().max() > 1e-3 * before.abs().max()
+    assert_matches_reference(after, reference(module, x, ids, weights))
     assert {"gate_lora_a", "down_lora_b", "gate_weight"} <= set(module.state_dict())
     clone = copy.deepcopy(module)
     torch.testing.assert_close(clone(x, ids, weights), module(x, ids, weights), rtol=0, atol=0)
@@ -336,7 +340,12 @@ def test_add_lora_on_expert_list(dense):
     ids = torch.full((3, 1), 5)
     lw = kt_ops.LoRAWeights(**{p: (lora[f"{p}_lora_a"], lora[f"{p}_lora_b"]) for p in PROJ})
     want = kt_ops.moe_forward(x, ids, torch.ones(3, 1), module.expert_weights(), lw)
-    torch.testing.assert_close(module[5](x), want, rtol=0, atol=0)
+    torch.testing.assert_close(module[5](x), want, rtol=0, atol=0)  # the op's bits
+    # and the dense reference's values (the LoRA term of up is not zero)
+    ref = reference_moe_forward(x, ids, torch.ones(3, 1), module.expert_weights(), lw)
+    assert_matches_reference(module[5](x), ref)
+    base = kt_ops.moe_forward(x, ids, torch.ones(3, 1), module.expert_weights())
+    assert not torch.equal(base, want)
 
 
 def test_integer_routing_weights_are_refused(experts):

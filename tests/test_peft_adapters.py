@@ -13,9 +13,9 @@ per-expert ``nn.Linear`` (PEFT ``target_modules``) on a ModuleList of expert MLP
 Tolerance: logits within ``RTOL_FP32 = 1e-4`` of max |logit| (fp32 model, bf16-valued expert
 weights on both sides, so only summation order differs; a wrong row split, transposition,
 expert order or scaling gives errors of order 1e-1..1). The converted adapter tensors
-themselves are compared exactly (the conversion is a reshape/permutation). Each test runs on
-the dense PyTorch reference of the experts (``backend=reference``: the mapping) and on the
-kt op (``backend=kt_op``, once ``kt::moe_backward`` has landed).
+themselves are compared exactly where PEFT's are loaded into kt_ops (the conversion is a
+reshape/permutation). The experts run on the kt op (the ``backend`` fixture: ``kt_op``; the
+dense PyTorch reference stood in before ``kt::moe_backward`` landed).
 """
 
 # ruff: noqa: E741, F811

@@ -238,8 +238,9 @@ def _validate_manifest(path: Path, m: dict) -> None:
     ):
         raise _bad(path, "moe_layers", moe, "a sorted list of distinct layer indices")
     layers = m["layers"]
-    if not isinstance(layers, dict):
-        raise _bad(path, "layers", layers, 'an object {"L": entry}')
+    if not isinstance(layers, dict) or not layers:
+        # The converter writes its first manifest with its first finished layer.
+        raise _bad(path, "layers", layers, 'an object {"L": entry} of at least one layer')
     for key, entry in layers.items():
         if not (isinstance(key, str) and key.isascii() and key.isdigit() and key == str(int(key))):
             raise _bad(path, "layers", key, "layer indices as keys ('0', '1', ...)")
