@@ -190,6 +190,9 @@ def moe_forward(
         same bits through a layer parsed once and kept on ``experts``
         (``kt_ops._C.PreparedLayer``), which skips the op's argument conversion
         and dispatch; dispatch modes, subclasses and the profiler still see the op.
+        Packed tensors replaced in ``experts`` or given new storage in place are
+        seen by the next call. A NaN or infinite routing weight makes its token's
+        output NaN (slots of id -1 ignore theirs).
 
     Raises:
         RuntimeError naming the argument for a wrong dtype, rank, shape, device,
@@ -200,6 +203,8 @@ def moe_forward(
         A, an A without its B, or non-contiguous factors; and, when autograd
         records the call, for packed weights (or their scales) that require
         grad (the base weights are frozen).
+        ValueError: ``experts`` carries backward panels made before its packed
+            weights changed (``ExpertWeights.with_backward_panels``; make them again).
     """
     if (
         out is None

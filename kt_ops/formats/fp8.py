@@ -68,6 +68,10 @@ def quantize_fp8(w: Tensor) -> PackedProjection:
 def from_fp8(weight: Tensor, scale_inv: Tensor) -> PackedProjection:
     """Pack an fp8 checkpoint projection (DeepSeek-V3 style) without changing any value.
 
+    E4M3 as in Micikevicius et al., "FP8 Formats for Deep Learning" (2022), with
+    DeepSeek-V3's 128x128 block scales (DeepSeek-AI, "DeepSeek-V3 Technical Report",
+    2024, section 3.3.2).
+
     Args:
         weight: ``[E, N, K]`` ``torch.float8_e4m3fn`` (or its uint8 bits).
         scale_inv: ``[E, ceil(N/128), ceil(K/128)]`` floating tensor, the
@@ -155,6 +159,9 @@ def _pack_channel(bits: Tensor, scale: Tensor, n: int, k: int) -> PackedProjecti
 def from_fp8_channel(weight: Tensor, scale: Tensor) -> PackedProjection:
     """Pack an fp8 per-output-channel checkpoint projection, exactly.
 
+    E4M3 (Micikevicius et al. 2022) with one scale per output channel, as the
+    compressed-tensors ``FP8_DYNAMIC`` scheme stores ``weight_scale`` ``[N, 1]``.
+
     Args:
         weight: ``[E, N, K]`` ``torch.float8_e4m3fn`` (or its uint8 bits).
         scale: ``[E, N]`` or ``[E, N, 1]`` floating (compressed-tensors ``weight_scale``
@@ -204,6 +211,9 @@ def quantize_mxfp8(w: Tensor) -> PackedProjection:
 
 def from_mxfp8(weight: Tensor, scales: Tensor) -> PackedProjection:
     """Pack an MXFP8 checkpoint projection, exactly (``W = fp8 * 2^(E-127)``).
+
+    MXFP8 (E4M3) of the OCP Microscaling Formats (MX) Specification v1.0: a UE8M0
+    scale per block of 32 elements (section 5.4).
 
     Args:
         weight: ``[E, N, K]`` ``torch.float8_e4m3fn`` (or its uint8 bits).

@@ -38,6 +38,11 @@ def from_int4(
 ) -> PackedProjection:
     """Pack unsigned int4 codes with group scales (and zero points) as kt_ops ``int4``.
 
+    The codes and group scales of GPTQ (Frantar et al., "GPTQ: Accurate Post-Training
+    Quantization for Generative Pre-trained Transformers", 2022) and AWQ (Lin et al.,
+    "AWQ: Activation-aware Weight Quantization", 2023) checkpoints, as AutoGPTQ,
+    AutoAWQ and compressed-tensors store them (their readers unpack to these codes).
+
     Args:
         codes: integer ``[E, N, K]``, values in ``[0, 15]``, in natural K order (a
             reader undoes any act-order permutation or nibble interleave first).

@@ -85,6 +85,9 @@ def _as_uint8(x: Any, name: str) -> Tensor:
 def from_mxfp4(blocks: Tensor, scales: Tensor) -> PackedProjection:
     """Pack a Hugging Face MXFP4 checkpoint projection (e.g. gpt-oss ``*_blocks``/``*_scales``).
 
+    MXFP4 of the OCP Microscaling Formats (MX) Specification v1.0: E2M1 elements
+    (section 5.3.3), a UE8M0 scale per block of 32 (section 5.4).
+
     Layout of transformers' ``integrations/mxfp4.py`` (``convert_moe_packed_tensors``):
 
     Args:

@@ -75,6 +75,10 @@ def from_nvfp4(
 ) -> PackedProjection:
     """Pack NVFP4 checkpoint tensors of ``E`` experts, exactly.
 
+    NVFP4 as NVIDIA specifies it (E2M1 elements of the OCP Microscaling Formats v1.0,
+    section 5.3.3; an E4M3 scale per 16 elements and an fp32 scale per tensor: the
+    TensorRT-Model-Optimizer / compressed-tensors ``nvfp4`` layout).
+
     Args:
         weight_packed: uint8 ``[E, N, K/2]``: two E2M1 codes a byte, element ``2i`` in
             the low nibble of byte ``i`` (compressed-tensors ``weight_packed``, ModelOpt
