@@ -31,6 +31,7 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from kt_ops import _C
+from kt_ops.formats.packed import assignments as packed_assignments
 from kt_ops.layer import (
     DEFAULT_ACTIVATION,
     PROJECTIONS,
@@ -257,12 +258,15 @@ def _prepared_layer(experts: ExpertWeights, activation: str) -> Optional[Prepare
         layers = {}
         object.__setattr__(experts, "_prepared_layers", layers)
     entry = layers.get(activation)
-    if entry is not None and _same_tensors(experts, entry[1]):
+    now = packed_assignments()
+    if entry is not None and (entry[2] == now or _same_tensors(experts, entry[1])):
+        if entry[2] != now:
+            layers[activation] = (entry[0], entry[1], now)
         return entry[0]
     # A spec the op refuses gets no prepared layer: the op's call then raises.
     valid = isinstance(activation, str) and _valid_activation(activation)
     layer = new_prepared_layer(experts, activation=activation) if valid else None
-    layers[activation] = (layer, _packed_tensors(experts))
+    layers[activation] = (layer, _packed_tensors(experts), now)
     return layer
 
 
