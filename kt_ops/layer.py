@@ -538,6 +538,10 @@ class LoRAWeights:
     Each field is ``None`` or ``(A, B)``: gate/up ``A [E, r, H]``, ``B [E, I, r]``;
     down ``A [E, r, I]``, ``B [E, H, r]``; one float dtype for all; ``scaling``
     is ``alpha / r``.
+
+    The op (not this container) checks them at each call, RuntimeError naming the
+    factor: rank ``r >= 1`` (each B's rank that of its A), fp32 / bf16 / fp16,
+    contiguous, on the device of the hidden states, ``scaling`` finite.
     """
 
     gate: Optional[tuple[Tensor, Tensor]] = None
