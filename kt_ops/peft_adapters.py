@@ -230,10 +230,13 @@ def adapter_tensors(
         ``rank_pattern``, ``alpha_pattern``.
 
     Raises:
-        ValueError: no kt_ops experts module has LoRA, or an unknown style.
+        ValueError: no kt_ops experts module has LoRA, an unknown style, or a
+            ``dtype`` that is not a floating dtype.
     """
     if style not in ("auto", "parameters", "modules"):
         raise ValueError(f"style must be 'auto', 'parameters' or 'modules', got {style!r}")
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"adapter_tensors: dtype must be a floating dtype, got {dtype!r}")
     base, _ = _unwrap(model)
     dtype = dtype or torch.float32
     tensors: dict[str, Tensor] = {}
@@ -591,9 +594,17 @@ def _module_factors(name: str, module: MoEExperts, sub: dict, config, use_rslora
                     f"{name}: the adapter of {lname} must have lora_A and lora_B for each of "
                     f"the {E} experts"
                 )
+            rank = per_expert[0]["A"].shape[0] if per_expert[0]["A"].dim() == 2 else -1
+            want = lora_shapes(module, proj, rank)
+            for e, v in per_expert.items():  # each expert's pair, before stacking them
+                if (tuple(v["A"].shape), tuple(v["B"].shape)) != (want[0][1:], want[1][1:]):
+                    raise ValueError(
+                        f"{name}.{e}.{lname}: lora_A {tuple(v['A'].shape)}, lora_B "
+                        f"{tuple(v['B'].shape)}; expected {want[0][1:]}, {want[1][1:]} (rank "
+                        f"{rank}, that of expert 0)"
+                    )
             a = torch.stack([per_expert[e]["A"].float() for e in range(E)])
             b = torch.stack([per_expert[e]["B"].float() for e in range(E)])
-            want = lora_shapes(module, proj, a.shape[1])
             if (tuple(a.shape), tuple(b.shape)) != want:
                 raise ValueError(
                     f"{name}.*.{lname}: stacked lora_A {tuple(a.shape)}, lora_B "

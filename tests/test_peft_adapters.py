@@ -418,3 +418,85 @@ def test_expert_mlp_list_refuses_ids_outside_the_experts():
     for bad in (E, -2):
         with pytest.raises(ValueError, match=rf"top_k_index must lie in \[-1, {E}\)"):
             experts(x, torch.tensor([[bad], [0]]), w)
+
+
+_P = "base_model.model.model.layers.0.mlp.experts."
+
+
+def _corrupt_fused(t: dict, case: str) -> None:
+    if case == "B_missing":
+        del t[_P + "lora_B.weight"]
+    elif case == "A_width":  # down's A with one column too many: fits no projection
+        t[_P + "lora_A.weight"] = torch.zeros(2 * E, I + 1)
+    elif case == "A_rows":  # rank x E rows broken
+        t[_P + "lora_A.weight"] = t[_P + "lora_A.weight"][:-1]
+        t[_P + "lora_B.weight"] = t[_P + "lora_B.weight"][:, :-1]
+    elif case == "dora":
+        t[_P + "lora_magnitude_vector.weight"] = torch.ones(H)
+    elif case == "mixed":
+        t[_P + "0.gate_proj.lora_A.weight"] = torch.zeros(2, H)
+
+
+def _corrupt_modules(t: dict, case: str) -> None:
+    if case == "expert_missing":
+        del t[_P + "3.up_proj.lora_A.weight"], t[_P + "3.up_proj.lora_B.weight"]
+    elif case == "unknown_projection":
+        for k in [k for k in t if ".down_proj." in k]:
+            t[k.replace(".down_proj.", ".w9.")] = t.pop(k)
+    elif case == "shape":
+        t[_P + "2.gate_proj.lora_A.weight"] = torch.zeros(2, H + 1)
+
+
+_ADAPTER_ERRORS = {
+    # case: (style, corrupt, message)
+    "B_missing": ("parameters", _corrupt_fused, r"without its pair"),
+    "A_width": ("parameters", _corrupt_fused, r"fit neither gate_up_proj \(in 64, out 64\)"),
+    "A_rows": ("parameters", _corrupt_fused, r"lora_A rows 15 are not rank x 8"),
+    "dora": ("parameters", _corrupt_fused, r"not plain LoRA A/B weights"),
+    "mixed": ("parameters", _corrupt_fused, r"mixes fused-parameter and per-expert"),
+    "expert_missing": ("modules", _corrupt_modules, r"lora_A and lora_B for each of the 8"),
+    "unknown_projection": ("modules", _corrupt_modules, r"unknown expert projection 'w9'"),
+    "shape": ("modules", _corrupt_modules, r"experts\.2\.gate_proj: lora_A \(2, 65\)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_ADAPTER_ERRORS))
+def test_malformed_adapter_tensors_are_named(case):
+    """An adapter whose expert tensors do not fit the kt_ops experts: a ValueError naming
+    the module and what is wrong, and the model keeps no half-loaded adapter."""
+    style, corrupt, message = _ADAPTER_ERRORS[case]
+    source = kt_copy(tiny_model(num_layers=1))
+    apply_lora(source, rank=2, alpha=4, seed=0)
+    tensors, cfg = peft_adapters.adapter_tensors(source, style=style)
+    corrupt(tensors, case)
+    config = peft.LoraConfig(
+        r=2,
+        lora_alpha=4,
+        rank_pattern=cfg["rank_pattern"],
+        alpha_pattern=cfg["alpha_pattern"],
+        target_parameters=cfg["target_parameters"] or None,
+        target_modules=cfg["target_modules"],
+    )
+    target = kt_copy(tiny_model(num_layers=1))
+    with pytest.raises(ValueError, match=message):
+        peft_adapters.load_adapter_weights(target, tensors, config)
+    assert not list(lora_parameters(target))
+
+
+def test_adapter_api_refusals(tmp_path):
+    model = kt_copy(tiny_model(num_layers=1))
+    apply_lora(model, rank=2, seed=0)
+    with pytest.raises(ValueError, match="dtype must be a floating dtype"):
+        peft_adapters.adapter_tensors(model, dtype=torch.int8)
+    wrapped = peft.get_peft_model(
+        kt_copy(tiny_model(num_layers=1)), peft.LoraConfig(r=2, target_modules=["q_proj"])
+    )
+    peft_adapters.save_pretrained(model, tmp_path / "a")
+    with pytest.raises(ValueError, match="not a PeftModel"):
+        peft_adapters.load_adapter(wrapped, tmp_path / "a")
+    prefix = peft.get_peft_model(
+        tiny_model(num_layers=1),
+        peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=2),
+    )
+    with pytest.raises(ValueError, match="only LoRA adapters convert to kt_ops"):
+        peft_adapters.load_adapter_weights(model, {}, prefix.peft_config["default"])
