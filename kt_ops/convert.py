@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import numbers
 import os
 import re
 import sys
@@ -246,6 +247,9 @@ def convert(
     if layers is None:
         todo = list(source.moe_layers)
     else:
+        not_ints = [L for L in layers if isinstance(L, bool) or not isinstance(L, numbers.Integral)]
+        if not_ints:
+            raise ValueError(f"layers={list(layers)!r}: expected layer indices (ints)")
         todo = sorted(set(int(L) for L in layers))
         bad = [L for L in todo if L not in source.moe_layers]
         if bad:

@@ -195,6 +195,23 @@ def test_interrupted_by_callback_keeps_finished_layers(hf_src, tmp_path):
     assert sorted(m["layers"]) == ["1", "2", "3"]
 
 
+def test_convert_argument_errors(hf_src, tmp_path):
+    """Bad arguments of convert(): a ValueError (FileNotFoundError for a missing source)
+    naming the argument, before anything is written."""
+    out = tmp_path / "out"
+    for layers in (["a"], [1.7], [True]):
+        with pytest.raises(ValueError, match=r"layers=.*expected layer indices"):
+            convert(hf_src, out, "int8", layers=layers)
+    for group_size in (-32, 1.5, "32", True):
+        with pytest.raises(ValueError, match=r"group_size=.*expected a non-negative int"):
+            convert(hf_src, out, "int4", group_size)
+    with pytest.raises(ValueError, match=r"layers \[7\] of .* have no routed experts"):
+        convert(hf_src, out, "int8", layers=[7])
+    with pytest.raises(FileNotFoundError, match="no-such-dir"):
+        convert(tmp_path / "no-such-dir", out, "int8")
+    assert not out.exists() or not any(out.iterdir())
+
+
 def test_refuses_mixing(hf_src, tmp_path):
     out = tmp_path / "out"
     convert(hf_src, out, "int4", 32, layers=[1])

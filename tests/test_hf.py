@@ -476,6 +476,10 @@ def test_argument_errors():
         replace_experts("Qwen/Qwen3-30B-A3B")
     with pytest.raises(ValueError, match="weight_format='int5' is not supported"):
         replace_experts(LegacySparseMoeBlock(), weight_format="int5")
+    with pytest.raises(ValueError, match="pass converted_dir or checkpoint, not both"):
+        replace_experts(LegacySparseMoeBlock(), converted_dir="a", checkpoint="b")
+    with pytest.raises(ValueError, match="group_size"):
+        replace_experts(LegacySparseMoeBlock(), "int4", group_size=7)
 
 
 # --------------------------------------------------------------------------------------------
