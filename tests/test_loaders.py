@@ -279,15 +279,19 @@ def test_hf_missing_fused_tensor(tmp_path):
         HFCheckpoint(tmp_path)
 
 
+def _assert_corrupt_safetensors_named(f, reader) -> None:
+    """``reader(f.parent)`` names ``f`` when it is truncated or shorter than a header."""
+    f.write_bytes(f.read_bytes()[:-100])  # truncated
+    with pytest.raises(ValueError, match=rf"{re.escape(f.name)}.*not a valid safetensors"):
+        reader(f.parent)
+    f.write_bytes(b"\x00" * 7)  # shorter than a header
+    with pytest.raises(ValueError, match=re.escape(f.name)):
+        reader(f.parent)
+
+
 def test_hf_corrupt_files(tmp_path):
     write_hf(tmp_path / "t", "qwen3_moe")
-    f = tmp_path / "t" / "model.safetensors"
-    f.write_bytes(f.read_bytes()[:-100])  # truncated
-    with pytest.raises(ValueError, match=r"model\.safetensors.*not a valid safetensors"):
-        HFCheckpoint(tmp_path / "t")
-    f.write_bytes(b"\x00" * 7)  # shorter than a header
-    with pytest.raises(ValueError, match=r"model\.safetensors"):
-        HFCheckpoint(tmp_path / "t")
+    _assert_corrupt_safetensors_named(tmp_path / "t" / "model.safetensors", HFCheckpoint)
     # sharded: a shard listed in the index is missing
     write_hf(tmp_path / "s", "qwen3_moe", shards=2)
     (tmp_path / "s" / "model-00002-of-00002.safetensors").unlink()
@@ -471,12 +475,7 @@ def test_compressed_tensors_refusals(tmp_path, case, edit, message):
 def test_compressed_tensors_corrupt_files(tmp_path):
     write_compressed_int4(tmp_path / "ct", E=4, H=128, I=64)
     f = tmp_path / "ct" / "model.safetensors"
-    f.write_bytes(f.read_bytes()[:-100])  # truncated
-    with pytest.raises(ValueError, match=r"model\.safetensors: not a valid safetensors file"):
-        CompressedTensorsCheckpoint(tmp_path / "ct")
-    f.write_bytes(b"\x00" * 7)  # shorter than a header
-    with pytest.raises(ValueError, match=r"model\.safetensors"):
-        CompressedTensorsCheckpoint(tmp_path / "ct")
+    _assert_corrupt_safetensors_named(f, CompressedTensorsCheckpoint)
     f.unlink()
     with pytest.raises(FileNotFoundError, match="no \\*\\.safetensors files"):
         CompressedTensorsCheckpoint(tmp_path / "ct")

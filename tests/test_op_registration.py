@@ -242,6 +242,18 @@ def _corrupt(args: list, case: str) -> list:
     return args
 
 
+def _assert_fake_raises_as_eager(op, args: list, message: str) -> None:
+    """``op`` raises ``message`` eagerly and under FakeTensorMode (torch.compile's trace),
+    with the same first line."""
+    with pytest.raises(RuntimeError, match=message) as eager:
+        op(*args)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = tree_map(lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, args)
+        with pytest.raises(RuntimeError, match=message) as traced:
+            op(*fake)
+    assert str(traced.value).split("\n")[0] == str(eager.value).split("\n")[0]
+
+
 # case -> the start of the eager error (after "kt.moe_forward: "), so that both sides
 # failing on some other check cannot pass.
 _FORWARD_BAD_ARGS = {
@@ -262,13 +274,7 @@ def test_fake_kernel_raises_the_eager_error(case: str):
     x = make_hidden(3, 96, torch.float32)
     args = _corrupt([x, ids, w, *layer_args(experts, None, "silu", x)], case)
     message = "kt.moe_forward: " + _FORWARD_BAD_ARGS[case]
-    with pytest.raises(RuntimeError, match=message) as eager:
-        torch.ops.kt.moe_forward.default(*args)
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        fake = tree_map(lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, args)
-        with pytest.raises(RuntimeError, match=message) as traced:
-            torch.ops.kt.moe_forward.default(*fake)
-    assert str(traced.value).split("\n")[0] == str(eager.value).split("\n")[0]
+    _assert_fake_raises_as_eager(torch.ops.kt.moe_forward.default, args, message)
 
 
 _BACKWARD_BAD_ARGS = {
@@ -300,13 +306,7 @@ def test_backward_fake_kernel_raises_the_eager_error(case: str):
     change, message = _BACKWARD_BAD_ARGS[case]
     g, gp, up = change(torch.ones_like(x), gate_pre, up_pre)
     args = [g, x, ids, w, *layer, gp, up]
-    with pytest.raises(RuntimeError, match=message) as eager:
-        torch.ops.kt.moe_backward.default(*args)
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        fake = tree_map(lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, args)
-        with pytest.raises(RuntimeError, match=message) as traced:
-            torch.ops.kt.moe_backward.default(*fake)
-    assert str(traced.value).split("\n")[0] == str(eager.value).split("\n")[0]
+    _assert_fake_raises_as_eager(torch.ops.kt.moe_backward.default, args, message)
     # Unchanged, both accept the arguments.
     ok = [torch.ones_like(x), x, ids, w, *layer, gate_pre, up_pre]
     torch.ops.kt.moe_backward.default(*ok)
