@@ -585,7 +585,12 @@ class LoRAWeights:
         return cls(**pairs, scaling=scaling)
 
     def with_factors(self, factors) -> LoRAWeights:
-        """A copy whose factors are ``factors`` (6 entries, None where absent)."""
+        """A copy whose factors are ``factors`` (6 entries ``[gate_a, gate_b, up_a, up_b,
+        down_a, down_b]``, None where absent). ValueError for an A without its B or a B
+        without its A."""
+        for i, p in enumerate(PROJECTIONS):
+            if (factors[2 * i] is None) != (factors[2 * i + 1] is None):
+                raise ValueError(f"LoRAWeights.with_factors: {p} has one of A and B, not both")
         pairs = {
             p: (factors[2 * i], factors[2 * i + 1]) if factors[2 * i] is not None else None
             for i, p in enumerate(PROJECTIONS)

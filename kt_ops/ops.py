@@ -253,6 +253,8 @@ def _prepared_layer(experts: ExpertWeights, activation: str) -> Optional[Prepare
     layer itself finds (csrc/ops/prepared_layer.cpp). None where the op would
     reject the layer (it then raises).
     """
+    if not isinstance(activation, str):  # the op's call raises, naming activation
+        return None
     layers = experts.__dict__.get("_prepared_layers")
     if layers is None:
         layers = {}
@@ -264,8 +266,11 @@ def _prepared_layer(experts: ExpertWeights, activation: str) -> Optional[Prepare
             layers[activation] = (entry[0], entry[1], now)
         return entry[0]
     # A spec the op refuses gets no prepared layer: the op's call then raises.
-    valid = isinstance(activation, str) and _valid_activation(activation)
-    layer = new_prepared_layer(experts, activation=activation) if valid else None
+    layer = (
+        new_prepared_layer(experts, activation=activation)
+        if _valid_activation(activation)
+        else None
+    )
     layers[activation] = (layer, _packed_tensors(experts), now)
     return layer
 

@@ -493,3 +493,19 @@ else:
     proc = python_subprocess(code, env={"KT_OPS_HWLOC_SYNTHETIC": "garbage topology"})
     assert proc.returncode == 0, proc.stderr
     assert "KT_OPS_HWLOC_SYNTHETIC" in proc.stdout and "garbage" in proc.stdout, proc.stdout
+
+
+def test_activation_of_another_type_is_named():
+    """A non-string activation under no_grad (the prepared-layer path looks it up first)."""
+    experts = make_expert_weights(4, 64, 32, seed=2)
+    ids, w = make_routing(3, 4, 2)
+    x = make_hidden(3, 64)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="argument 'activation'"):
+        kt_ops.moe_forward(x, ids, w, experts, activation=["silu"])
+
+
+def test_lora_with_factors_refuses_half_pairs():
+    lora = kt_ops.LoRAWeights(scaling=2.0)
+    a = torch.zeros(4, 2, 64)
+    with pytest.raises(ValueError, match="up has one of A and B, not both"):
+        lora.with_factors([None, None, a, None, None, None])
