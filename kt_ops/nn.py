@@ -746,6 +746,11 @@ class MoEExpertsWithIdentity(MoEExperts):
         self.num_identity = num_identity
 
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        """:meth:`MoEExperts.forward` with ids ``E .. E + num_identity - 1`` adding
+        ``top_k_weight * x``: ``hidden_states [T, H]`` (or ``[..., H]``), ``top_k_index``
+        and ``top_k_weights [T, K]`` -> the shape and dtype of ``hidden_states``.
+        Raises as :meth:`MoEExperts.forward` (an id outside ``[-1, E + num_identity)``:
+        RuntimeError naming ``topk_ids``)."""
         E = self.num_experts
         identity = (top_k_index >= E) & (top_k_index < E + self.num_identity)
         out = super().forward(hidden_states, top_k_index.masked_fill(identity, -1), top_k_weights)

@@ -333,11 +333,18 @@ class PreparedLayer:
     __slots__ = ("layer",)
 
     def __init__(self, layer) -> None:
+        """``layer``: a ``torch.classes.kt.PreparedLayer`` (:func:`new_prepared_layer`)."""
         self.layer = layer  # torch.classes.kt.PreparedLayer
 
     def forward(
         self, hidden_states: Tensor, topk_ids: Tensor, topk_weights: Tensor
     ) -> Optional[Tensor]:
+        """``[T, H]`` in the dtype of ``hidden_states`` (``topk_ids``, ``topk_weights``
+        ``[T, K]``, as :func:`moe_forward`), or None where the caller's full path must
+        run (the cases above; every error included: the full path raises it). Giving
+        the packed tensors new storage while a call runs in another thread is a data
+        race, as for any op reading them.
+        """
         if (
             torch.is_grad_enabled()
             or type(hidden_states) is not Tensor

@@ -33,6 +33,7 @@ class RoutingStats:
     """
 
     def __init__(self, counts: Optional[dict[str, Tensor]] = None) -> None:
+        """``counts``: experts module name -> int64 ``[E]`` hit counts (copied shallowly)."""
         self.counts: dict[str, Tensor] = dict(counts or {})
 
     def __getitem__(self, name: str) -> Tensor:

@@ -757,3 +757,21 @@ def test_activation_and_code_helpers_reject_bad_input():
         pack_codes(torch.full((1, 1, 1), 16), 4)
     with pytest.raises(ValueError, match="unpack_codes: weight"):
         unpack_codes(torch.zeros(1, 1, 10, dtype=torch.uint8), 4, 16, 32)
+
+
+def test_unpacking_params_checks_the_row_count():
+    """unpack_group_params / unpack_kquant_scales refuse a row count that does not fit the
+    blocks (a slice would silently return another shape)."""
+    from kt_ops.formats.qint import pack_group_params, unpack_group_params
+
+    p = pack_group_params(torch.randn(2, 20, 3), torch.float32)
+    assert unpack_group_params(p, 20).shape == (2, 20, 3)
+    for n in (33, 16, -1, 2.0):
+        with pytest.raises(ValueError, match=r"n=.* does not fit 2 blocks of 16 rows"):
+            unpack_group_params(p, n)
+    with pytest.raises(ValueError, match=r"expected \[E, NB, G, 16\]"):
+        unpack_group_params(p[..., :8], 20)
+    q = quantize_weights(torch.randn(1, 20, 256), "q4_k")
+    assert unpack_kquant_scales(q.scales, "q4_k", 20).shape[:2] == (1, 20)
+    with pytest.raises(ValueError, match="unpack_kquant_scales: n=40"):
+        unpack_kquant_scales(q.scales, "q4_k", 40)

@@ -20,6 +20,7 @@ instead, so the two check each other.
 
 from __future__ import annotations
 
+import numbers
 from typing import Optional
 
 import torch
@@ -139,6 +140,19 @@ def unpack_codes(weight: Tensor, bits: int, n: int, k: int, signed: bool = False
     return q.reshape(E, nb * BLOCK_ROWS, kp)[:, :n, :k].contiguous()
 
 
+def _check_rows(where: str, n: int, nb: int) -> None:
+    """``n`` output rows must fill ``nb`` blocks of 16 (the last one partly)."""
+    if (
+        isinstance(n, bool)
+        or not isinstance(n, numbers.Integral)
+        or not BLOCK_ROWS * (nb - 1) < n <= BLOCK_ROWS * nb
+    ):
+        raise ValueError(
+            f"{where}: n={n!r} does not fit {nb} blocks of {BLOCK_ROWS} rows; expected an int in "
+            f"({BLOCK_ROWS * (nb - 1)}, {BLOCK_ROWS * nb}]"
+        )
+
+
 def pack_group_params(p: Tensor, dtype: torch.dtype) -> Tensor:
     """Scales or zeros ``[E, N, G]`` -> ``[E, NB, G, 16]`` in ``dtype``; padding rows are 0.
 
@@ -154,7 +168,14 @@ def pack_group_params(p: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def unpack_group_params(p: Tensor, n: int) -> Tensor:
-    """Inverse of :func:`pack_group_params`: ``[E, NB, G, 16]`` -> ``[E, n, G]`` (same dtype)."""
+    """Inverse of :func:`pack_group_params`: ``[E, NB, G, 16]`` -> ``[E, n, G]`` (same dtype).
+
+    Raises:
+        ValueError: ``p`` is not ``[E, NB, G, 16]``, or ``n`` is not in ``(16 (NB - 1), 16 NB]``.
+    """
+    if p.dim() != 4 or p.shape[-1] != BLOCK_ROWS:
+        raise ValueError(f"unpack_group_params: expected [E, NB, G, 16], got {list(p.shape)}")
+    _check_rows("unpack_group_params", n, p.shape[1])
     E, nb, G, r = p.shape
     return p.transpose(2, 3).reshape(E, nb * r, G)[:, :n].contiguous()
 
@@ -218,6 +239,7 @@ def unpack_kquant_scales(scales: Tensor, fmt: str, n: int) -> Tensor:
             f"uint8 [E, NB, S, {rb}] for {fmt!r}"
         )
     E, nb, S, _ = scales.shape
+    _check_rows("unpack_kquant_scales", n, nb)
     rows = scales.view(E, nb, S, -1)
     d = rows[..., 0:32].reshape(E, nb, S, BLOCK_ROWS, 2)
     if mins:  # q4_k, q5_k
