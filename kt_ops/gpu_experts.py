@@ -377,7 +377,10 @@ class GpuResidentExperts:
         T, K = ids.shape
         slot = self.gpu_expert_slot
         ids64 = ids.long()
-        local = torch.where(ids64 >= 0, slot[ids64.clamp(min=0)], -1)  # [T, K]
+        # Ids outside [0, E) index no slot (clamped: on CUDA an out-of-range index is a
+        # device-side assert that ends the context); the op's range check names them.
+        E = slot.shape[0]
+        local = torch.where((ids64 >= 0) & (ids64 < E), slot[ids64.clamp(0, E - 1)], -1)  # [T, K]
         lora = self.lora_weights()
         has_lora = lora.any()
         # With LoRA, fp32 throughout (as the op's LoRA path); else the weights' and

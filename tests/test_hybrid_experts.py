@@ -754,3 +754,19 @@ def test_cuda_graph_capture_of_a_hybrid_layer():
             assert rel_err(out.cpu(), hybrid(nx, nids, nw).cpu()) <= 1e-5
     del graph
     kt_ops.hybrid.release_graph_staging()
+
+
+def test_gpu_share_ignores_ids_outside_the_experts():
+    """The GPU experts' share indexes no slot for an id outside [0, E) (on CUDA that index
+    would be a device-side assert, ending the context): it skips them, and the call
+    raises the op's error naming topk_ids."""
+    h = _hybrid(_module("bf16"), [1, 2, 6])
+    x, ids, w = _routing(3)
+    bad = ids.clone()
+    bad[1, 0] = E + 3
+    share = h._gpu_experts(x, bad, w)
+    skipped = ids.clone()
+    skipped[1, 0] = -1
+    assert torch.equal(share, h._gpu_experts(x, skipped, w))
+    with pytest.raises(RuntimeError, match=r"topk_ids must lie in \[-1, 8\)"):
+        h(x, bad, w)
