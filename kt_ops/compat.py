@@ -605,7 +605,9 @@ class KTMoEWrapper:
             and mask.is_contiguous()  # read live by the layer: in-place updates count
         ):
             return
-        layer = ops.new_prepared_layer(experts, mask, self.num_experts_per_tok)
+        layer = ops.new_prepared_layer(
+            experts, mask, self.num_experts_per_tok, activation=self.activation
+        )
         if layer is not None:
             self._prepared = (layer, experts, mask)
 

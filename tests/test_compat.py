@@ -571,12 +571,12 @@ def test_cross_check_kt_kernel(tmp_path):
 # ---------------------------------------------------------------------- the prepared CPU path
 
 
-def _online(method="MOE_INT8", H=64, inter=32, mask=None, seed=0):
+def _online(method="MOE_INT8", H=64, inter=32, mask=None, seed=0, **kwargs):
     g = torch.Generator().manual_seed(seed)
     gate, up = (torch.randn(E, inter, H, generator=g) * 0.05 for _ in range(2))
     down = torch.randn(E, H, inter, generator=g) * 0.05
     extra = {"group_size": 32} if "INT4" in method else {}
-    w = make(method, None, H, inter, gpu_experts_mask=mask, **extra)
+    w = make(method, None, H, inter, gpu_experts_mask=mask, **extra, **kwargs)
     w.load_weights_from_tensors(gate, up, down)
     return w
 
@@ -587,12 +587,21 @@ def _full_path(wrapper, x, ids, w):
         return wrapper.forward(x, ids, w)
 
 
+@pytest.mark.parametrize("swiglu_limit", [0.0, 0.1])
 @pytest.mark.parametrize("method", ["MOE_INT8", "MOE_INT4", "BF16", "FP8"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_prepared_path_matches_the_full_path_bit_for_bit(method, dtype):
+def test_prepared_path_matches_the_full_path_bit_for_bit(method, dtype, swiglu_limit):
+    # With a clamp (gate pre-activations of std ~0.4 here: 0.1 clamps most of them) the
+    # prepared layer must carry it too (it once fell back to plain silu).
     mask = torch.tensor([False, True, False, False])
+    if swiglu_limit:
+        x, ids, w = inputs(64, T=5, seed=5, dtype=dtype)
+        with torch.no_grad():
+            plain = _online(method).forward(x, ids, w)
+            clamped = _online(method, swiglu_limit=swiglu_limit).forward(x, ids, w)
+        assert not torch.equal(plain, clamped)
     for m in (None, mask):
-        wrapper = _online(method, mask=m)
+        wrapper = _online(method, mask=m, swiglu_limit=swiglu_limit)
         for T in (0, 1, 5):
             x, ids, w = inputs(64, T=T, seed=T, dtype=dtype)
             want = _full_path(wrapper, x, ids, w)
