@@ -478,7 +478,9 @@ class KTMoEWrapper:
 
         ``gate_proj``/``up_proj`` ``[E, I, H]`` and ``down_proj`` ``[E, H, I]``, any
         float dtype and device, packed into the method's format with
-        :meth:`kt_ops.ExpertWeights.from_dense` (``int4`` with ``group_size``).
+        :meth:`kt_ops.ExpertWeights.from_dense` (``int4`` with ``group_size``, or the
+        method's own: per channel for ``AMXINT4_1``; zero points for ``AMXINT4_1`` and
+        ``AMXINT4_1KGroup``), as :meth:`load_weights` quantizes a checkpoint.
         kt-kernel offers this for AMXINT4/AMXINT8/MOE_INT4/MOE_INT8 and also writes
         the quantized layer under ``weight_path``; kt_ops writes nothing and also
         accepts BF16, FP8 and RAWINT4 (int4, symmetric).
@@ -511,9 +513,13 @@ class KTMoEWrapper:
             gate_proj, up_proj, down_proj = (
                 t[m.to(t.device)] for t in (gate_proj, up_proj, down_proj)
             )
-        group = self.group_size if group_choices(fmt) else None
+        # The method's own group and symmetry (AMXINT4_1: per channel with zero points;
+        # AMXINT4_1KGroup: zero points), as load_weights quantizes an HF checkpoint.
+        group = self.mapping.group_size
+        if group is None:
+            group = self.group_size if group_choices(fmt) else None
         self.experts = ExpertWeights.from_dense(
-            gate_proj, up_proj, down_proj, fmt, group_size=group
+            gate_proj, up_proj, down_proj, fmt, group_size=group, symmetric=self.mapping.symmetric
         )
 
     # ------------------------------------------------------------------ forward

@@ -285,8 +285,16 @@ def test_load_weights_from_tensors(method):
     )
     w = make(method, None, H, I, group_size=32)
     w.load_weights_from_tensors(*dense, torch.arange(E))
-    fmt = METHODS[method].weight_format
-    want = kt_ops.ExpertWeights.from_dense(*dense, fmt, group_size=32 if fmt == "int4" else None)
+    mapping = METHODS[method]
+    fmt = mapping.weight_format
+    # The method's own group and symmetry (AMXINT4_1: per channel with zero points), as
+    # load_weights quantizes a checkpoint; written out here, not read from the wrapper.
+    group = {"AMXINT4_1": 0}.get(method, 32 if fmt == "int4" else None)
+    symmetric = method not in ("AMXINT4_1", "AMXINT4_1KGroup")
+    assert (mapping.group_size in (None, group), mapping.symmetric) == (True, symmetric)
+    want = kt_ops.ExpertWeights.from_dense(*dense, fmt, group_size=group, symmetric=symmetric)
+    assert w.experts.group_sizes == want.group_sizes
+    assert (w.experts.gate.zeros is not None) == (not symmetric)
     for a, b in zip(w.experts.tensors(), want.tensors()):
         assert (a is None and b is None) or torch.equal(a, b)
     check_forward(w, H)
