@@ -100,6 +100,12 @@ def test_spec_round_trip():
         ("silu(beta=1)", "unknown parameter 'beta'"),
         ("silu(limit=7", r"name\(key=value"),
         ("silu(limit)", "finite number"),
+        ("silu(limit=1e39)", "finite number> that fp32 holds"),  # inf in the kernels
+        ("silu(limit=1e-50)", "finite number> that fp32 holds"),  # 0: would zero the output
+        ("silu(up_offset=-1e39)", "finite number> that fp32 holds"),
+        ("silu(alpha=2,alpha=3)", "'alpha' is given twice"),
+        ("silu(limit=1,)", "without an empty one"),
+        ("silu(,limit=1)", "without an empty one"),
     ],
 )
 def test_spec_errors(spec: str, match: str):

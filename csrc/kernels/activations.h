@@ -58,9 +58,9 @@
 namespace kt::kernels {
 
 // X(enum name, op name)
-#define KT_ACTIVATIONS(X) \
-  X(kSilu, "silu")        \
-  X(kGelu, "gelu")        \
+#define KT_ACTIVATIONS(X)   \
+  X(kSilu, "silu")          \
+  X(kGelu, "gelu")          \
   X(kGeluTanh, "gelu_tanh") \
   X(kRelu, "relu")
 
@@ -101,9 +101,7 @@ struct Glu {
   bool clamped() const { return std::isfinite(limit); }
   bool softcapped() const { return std::isfinite(gate_softcap) || std::isfinite(up_softcap); }
   // No parameter set: the plain act(g) * u, computed exactly as before they existed.
-  bool plain() const {
-    return alpha == 1.0f && !clamped() && up_offset == 0.0f && !softcapped();
-  }
+  bool plain() const { return alpha == 1.0f && !clamped() && up_offset == 0.0f && !softcapped(); }
 };
 
 // Parses "name" or "name(key=value,...)" (keys alpha, limit, act_limit,
@@ -126,7 +124,12 @@ inline bool parse_glu(std::string_view text, Glu* out, std::string* error) {
       return false;
     }
     std::string_view rest = text.substr(open + 1, text.size() - open - 2);
+    if (!rest.empty() && (rest.front() == ',' || rest.back() == ',')) {
+      *error = "parameters must be written name(key=value,...) without an empty one";
+      return false;
+    }
     bool seen_limit = false;
+    std::string seen = ",";  // the keys given so far, each followed by a comma
     while (!rest.empty()) {
       const size_t comma = rest.find(',');
       const std::string_view item = rest.substr(0, comma);
@@ -137,10 +140,19 @@ inline bool parse_glu(std::string_view text, Glu* out, std::string* error) {
           eq == std::string_view::npos ? "" : std::string(item.substr(eq + 1));
       char* end = nullptr;
       const double v = value.empty() ? 0.0 : std::strtod(value.c_str(), &end);
-      if (value.empty() || end != value.c_str() + value.size() || !std::isfinite(v)) {
-        *error = "parameter '" + std::string(item) + "' must be key=<finite number>";
+      // The kernels take fp32: the value must stay finite (and, where it must be
+      // positive, nonzero) once rounded to fp32 (1e39 would be inf, 1e-50 zero).
+      if (value.empty() || end != value.c_str() + value.size() ||
+          !std::isfinite(static_cast<float>(v)) || (v != 0.0 && static_cast<float>(v) == 0.0f)) {
+        *error = "parameter '" + std::string(item) +
+                 "' must be key=<finite number> that fp32 holds (1e39 overflows, 1e-50 underflows)";
         return false;
       }
+      if (seen.find("," + key + ",") != std::string::npos) {
+        *error = "parameter '" + key + "' is given twice";
+        return false;
+      }
+      seen += key + ",";
       if (key == "alpha") {
         if (glu.act != Activation::kSilu || !(v > 0.0)) {
           *error = "alpha applies to silu only and must be positive";
