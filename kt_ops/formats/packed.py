@@ -14,16 +14,6 @@ from kt_ops.formats.spec import FormatSpec, format_spec, padded_k
 
 __all__ = ["PackedProjection"]
 
-# Bumped at every assignment to a PackedProjection field (construction included): the
-# prepared layers kept on ExpertWeights (kt_ops/ops.py) compare their packed tensors'
-# identity only after it moved, not at every call (that comparison costs ~2 us).
-_assignments = 0
-
-
-def assignments() -> int:
-    """How many PackedProjection field assignments this process has made."""
-    return _assignments
-
 
 @dataclass
 class PackedProjection:
@@ -55,11 +45,6 @@ class PackedProjection:
     n: int
     k: int
     bias: Optional[Tensor] = None
-
-    def __setattr__(self, name: str, value) -> None:
-        global _assignments
-        object.__setattr__(self, name, value)
-        _assignments += 1
 
     @property
     def spec(self) -> FormatSpec:
