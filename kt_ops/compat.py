@@ -98,6 +98,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import numbers
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Optional, Union
@@ -293,11 +294,19 @@ class KTMoEWrapper:
                 f"({num_experts})"
             )
         self.threadpool_count = _int("threadpool_count", threadpool_count, 1)
-        if numa_nodes is not None and len(numa_nodes) != threadpool_count:
-            raise ValueError(
-                f"numa_nodes length ({len(numa_nodes)}) must match threadpool_count "
-                f"({threadpool_count})"
-            )
+        if numa_nodes is not None:
+            if not isinstance(numa_nodes, (list, tuple)) or not all(
+                isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in numa_nodes
+            ):
+                raise ValueError(
+                    f"numa_nodes must be a list of NUMA node indices (ints >= 0), got "
+                    f"{numa_nodes!r}"
+                )
+            if len(numa_nodes) != threadpool_count:
+                raise ValueError(
+                    f"numa_nodes length ({len(numa_nodes)}) must match threadpool_count "
+                    f"({threadpool_count})"
+                )
         self.numa_nodes = numa_nodes
         deferred = 0 if max_deferred_experts_per_token is None else max_deferred_experts_per_token
         if _int("max_deferred_experts_per_token", deferred, 0) > 0:
@@ -311,8 +320,12 @@ class KTMoEWrapper:
                 f"swiglu_alpha={swiglu_alpha}: only 0.0 is supported (kt_ops runs plain SwiGLU "
                 "or, with swiglu_limit, DeepSeek-V4's clamped SwiGLU)"
             )
-        if not (swiglu_limit >= 0.0 and math.isfinite(swiglu_limit)):
-            raise ValueError(f"swiglu_limit={swiglu_limit}: expected a finite value >= 0")
+        if (
+            isinstance(swiglu_limit, bool)
+            or not isinstance(swiglu_limit, numbers.Real)
+            or not (swiglu_limit >= 0.0 and math.isfinite(swiglu_limit))
+        ):
+            raise ValueError(f"swiglu_limit={swiglu_limit!r}: expected a finite number >= 0")
         self.swiglu_limit = float(swiglu_limit)
         self.activation = (
             activation_spec("silu", limit=self.swiglu_limit) if self.swiglu_limit else "silu"
@@ -364,10 +377,11 @@ class KTMoEWrapper:
 
     @classmethod
     def _configure_threads(cls, threads: Optional[int]) -> None:
+        # Checked for every wrapper, applied by the first.
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)):
+            raise ValueError(f"cpuinfer_threads must be an int or None, got {threads!r}")
         if cls._threads_configured or threads is None:
             return
-        if isinstance(threads, bool) or not isinstance(threads, int):
-            raise ValueError(f"cpuinfer_threads must be an int or None, got {threads!r}")
         if threads <= 0:
             return
         try:

@@ -297,7 +297,7 @@ def test_set_numa_validates_and_restores():
     before = kt_ops.get_numa()
     with pytest.raises(ValueError, match="'auto', 'on' or 'off'"):
         kt_ops.set_numa("2")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="'auto', 'on' or 'off'"):
         kt_ops.set_numa(None)  # type: ignore[arg-type]
     with kt_ops.use_numa("on"):
         assert kt_ops.get_numa() == "on"
