@@ -194,6 +194,10 @@ def test_formats_match_the_reference(fmt: str, T: int, spec: str, which: str, is
     if T:  # the biases and the parameters matter
         plain = experts.with_biases(None, None, None)
         assert quant_mismatch_report(kt_ops.moe_forward(x, ids, w, plain), ref) is not None
+        if spec != "silu":  # the parameters alone, with the biases kept
+            name = kt_ops.layer.parse_activation(spec)["name"]
+            bare = kt_ops.moe_forward(x, ids, w, experts, activation=name)
+            assert quant_mismatch_report(bare, ref) is not None
 
 
 @pytest.mark.parametrize("spec, which", CASES[:2], ids=["gpt_oss", "clamped"])

@@ -34,6 +34,7 @@ from lora_helpers import (  # noqa: F401  (backend is a fixture)
     LORA_OP_REASON,
     RTOL_FP32,
     backend,
+    lm_loss,
     logits,
     randomize_lora_b_,
     rel_err,
@@ -125,6 +126,14 @@ def test_init_adapter_hook(backend, tmp_path):
     assert not any("embed" in n or "mlp.gate." in n for n in trainable)
 
     randomize_lora_b_(model)
+    # Both adapters train: one backward reaches PEFT's attention LoRA and kt_ops' experts'.
+    lm_loss(model).backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    assert any(
+        "q_proj.lora_B" in n and g is not None and g.abs().sum() > 0 for n, g in grads.items()
+    )
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in kt_params)
+    model.zero_grad()
     want = logits(model)
     model.save_pretrained(str(tmp_path))  # what the HF Trainer calls: patched by the hook
     config = json.loads((tmp_path / "adapter_config.json").read_text())
