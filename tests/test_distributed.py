@@ -107,3 +107,16 @@ def test_core_share_environment(python_subprocess):
     env["KT_OPS_CORE_SHARE"] = "3/3"
     r = python_subprocess(code, env=env)
     assert r.returncode != 0 and "KT_OPS_CORE_SHARE='3/3' must be" in r.stderr
+    # Launcher variables that contradict each other are an error, not the whole host.
+    env.pop("KT_OPS_CORE_SHARE")
+    for rank, size in (("2", "2"), ("x", "2"), ("0", "0")):
+        env.update(LOCAL_RANK=rank, LOCAL_WORLD_SIZE=size)
+        r = python_subprocess(code, env=env)
+        assert r.returncode != 0 and f"LOCAL_RANK='{rank}' and LOCAL_WORLD_SIZE='{size}'" in (
+            r.stderr
+        ), r.stderr
+    env["KT_OPS_CORE_SHARE"] = "off"  # the way out
+    assert python_subprocess(code, env=env).returncode == 0
+    del env["LOCAL_WORLD_SIZE"], env["KT_OPS_CORE_SHARE"]  # LOCAL_RANK alone: the whole host
+    s = json.loads(python_subprocess(code, env=env).stdout.strip().splitlines()[-1])
+    assert (s["count"], len(s["cores"])) == (1, 8)

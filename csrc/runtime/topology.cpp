@@ -41,9 +41,16 @@ void apply_core_share(Topology& info) {
     count = n;
     info.share_source = "KT_OPS_CORE_SHARE";
   } else {
-    const int n = parse_int(std::getenv("LOCAL_WORLD_SIZE"), 1, 1 << 16);
-    const int i = n < 1 ? -1 : parse_int(std::getenv("LOCAL_RANK"), 0, n - 1);
-    if (i < 0) return;  // not launched as local ranks (or malformed): the whole host
+    const char* size_env = std::getenv("LOCAL_WORLD_SIZE");
+    const char* rank_env = std::getenv("LOCAL_RANK");
+    if (size_env == nullptr || rank_env == nullptr) return;  // not local ranks: the whole host
+    const int n = parse_int(size_env, 1, 1 << 16);
+    const int i = n < 1 ? -1 : parse_int(rank_env, 0, n - 1);
+    if (i < 0)  // every rank would take the whole host: say so instead
+      throw std::invalid_argument(std::string("LOCAL_RANK='") + rank_env +
+                                  "' and LOCAL_WORLD_SIZE='" + size_env +
+                                  "' must be ints with 0 <= LOCAL_RANK < LOCAL_WORLD_SIZE "
+                                  "(set KT_OPS_CORE_SHARE=off to use the whole host)");
     index = i;
     count = n;
     info.share_source = "LOCAL_RANK/LOCAL_WORLD_SIZE";
