@@ -22,7 +22,8 @@ its manifest.
 
 **The cores shared out.** Each process's kt_ops thread pool takes its share of the
 host's cores: part ``LOCAL_RANK`` of ``LOCAL_WORLD_SIZE`` (torchrun and accelerate set
-both), or ``KT_OPS_CORE_SHARE=i/n`` / ``off`` (csrc/runtime/topology.h).
+both; both set but not ``0 <= LOCAL_RANK < LOCAL_WORLD_SIZE`` is an error naming them),
+or ``KT_OPS_CORE_SHARE=i/n`` / ``off`` (csrc/runtime/topology.h).
 :func:`core_share` reports it; ``kt_ops.print_info()`` prints it.
 """
 

@@ -35,7 +35,9 @@ struct Topology {
 //                               (torchrun, accelerate, torch.distributed.launch), else off.
 // Part i of n holds cores [i*C/n, (i+1)*C/n) of the C cores, in NUMA-node order, so a
 // rank stays on as few nodes as it can; with fewer cores than ranks, rank i gets core
-// i mod C. Throws std::invalid_argument for a malformed $KT_OPS_CORE_SHARE.
+// i mod C. Throws std::invalid_argument for a malformed $KT_OPS_CORE_SHARE, and for
+// $LOCAL_RANK / $LOCAL_WORLD_SIZE that are both set but not 0 <= rank < size (each rank
+// would otherwise take the whole host).
 
 // The process-wide topology. The synthetic description in $KT_OPS_HWLOC_SYNTHETIC
 // (hwloc's syntax, e.g. "node:2 core:4 pu:1") replaces the real machine; tests
