@@ -60,7 +60,13 @@ def _modes(fmt: str):
             ("streaming", "auto", torch.float32),
             ("brgemm", "auto", torch.bfloat16),  # streams where oneDNN's brgemm does not run
         ]
-    return [("streaming", "q8", torch.float32), ("streaming", "fp32", torch.bfloat16)]
+    # and the tile kernels where the format has them (int8's w8a8 / u8s8, fp8's bf16 tiles;
+    # formats without one stream there too)
+    return [
+        ("streaming", "q8", torch.float32),
+        ("streaming", "fp32", torch.bfloat16),
+        ("brgemm", "auto", torch.bfloat16),
+    ]
 
 
 def compute_all() -> dict[str, torch.Tensor]:
