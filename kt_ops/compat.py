@@ -108,6 +108,7 @@ from torch import Tensor
 
 import kt_ops
 from kt_ops import ops
+from kt_ops._checks import as_int
 from kt_ops.compat_methods import (
     KT_KERNEL_VERSION,
     METHODS,
@@ -296,7 +297,7 @@ class KTMoEWrapper:
         self.threadpool_count = _int("threadpool_count", threadpool_count, 1)
         if numa_nodes is not None:
             if not isinstance(numa_nodes, (list, tuple)) or not all(
-                isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in numa_nodes
+                as_int(n) is not None and n >= 0 for n in numa_nodes
             ):
                 raise ValueError(
                     f"numa_nodes must be a list of NUMA node indices (ints >= 0), got "
@@ -378,7 +379,7 @@ class KTMoEWrapper:
     @classmethod
     def _configure_threads(cls, threads: Optional[int]) -> None:
         # Checked for every wrapper, applied by the first.
-        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)):
+        if threads is not None and as_int(threads) is None:
             raise ValueError(f"cpuinfer_threads must be an int or None, got {threads!r}")
         if cls._threads_configured or threads is None:
             return

@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import numbers
 import os
 import re
 import sys
@@ -49,6 +48,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import kt_ops
+from kt_ops._checks import as_int
 from kt_ops.formats import FORMATS, PackedProjection, format_spec
 from kt_ops.layer import PROJECTIONS, ExpertWeights
 from kt_ops.loaders import open_checkpoint
@@ -247,7 +247,7 @@ def convert(
     if layers is None:
         todo = list(source.moe_layers)
     else:
-        not_ints = [L for L in layers if isinstance(L, bool) or not isinstance(L, numbers.Integral)]
+        not_ints = [L for L in layers if as_int(L) is None]
         if not_ints:
             raise ValueError(f"layers={list(layers)!r}: expected layer indices (ints)")
         todo = sorted(set(int(L) for L in layers))

@@ -37,6 +37,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor, nn
 
+from kt_ops._checks import as_int
 from kt_ops.formats import format_spec
 from kt_ops.formats.packed import PackedProjection
 from kt_ops.gpu_experts import (
@@ -70,19 +71,7 @@ _BIASES = tuple(f"{proj}_bias" for proj in PROJECTIONS)
 #: The packed buffers and the biases, in the op's ``weights`` order.
 _PACKED_BUFFERS = tuple(f"{proj}_{part}" for proj in PROJECTIONS for part in _PARTS) + _BIASES
 
-
 # What MoEExperts keeps in its __dict__ between calls (dropped when pickled or copied).
-def _as_int(value) -> Optional[int]:
-    """``value`` as an int where it is an integer (int, numpy integer, 0-d integer
-    tensor; not a bool, a float or a string), else None."""
-    if isinstance(value, bool):
-        return None
-    try:
-        return operator.index(value)
-    except TypeError:
-        return None
-
-
 _CALL_CACHES = ("_expert_weights_cache", "_plain_layer_args_cache", "_prepared_layer")
 
 
@@ -357,9 +346,9 @@ class MoEExperts(GpuResidentExperts, nn.Module):
                 adapter on either would break).
         """
         self.check_lora_allowed("MoEExperts.add_lora")
-        if _as_int(rank) is None or rank < 1:
+        if as_int(rank) is None or rank < 1:
             raise ValueError(f"MoEExperts.add_lora: rank must be an int >= 1, got {rank!r}")
-        rank = _as_int(rank)
+        rank = as_int(rank)
         unknown = [p for p in projections if p not in PROJECTIONS]
         if unknown or not projections:
             raise ValueError(

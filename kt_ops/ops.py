@@ -535,6 +535,16 @@ def _bind(*args, **kwargs) -> dict:
     return bound.arguments
 
 
+def _as_trace_check(check, *args) -> None:
+    """Run one of the op's own C++ checks (shape-only mode, on meta stand-ins) and raise
+    its failure as ``torch._check`` does, with the eager op's message (without the C++
+    backtrace)."""
+    try:
+        check(*args)
+    except (RuntimeError, ValueError) as err:
+        torch._check(False, lambda err=err: str(err).split("\nException raised from")[0])
+
+
 def _check_fake_layer(op: str, bound: dict) -> ExpertWeights:
     """The fake kernels' share of the op's checks; returns the layer's experts.
 
@@ -547,23 +557,21 @@ def _check_fake_layer(op: str, bound: dict) -> ExpertWeights:
     """
     x, ids, w = bound["hidden_states"], bound["topk_ids"], bound["topk_weights"]
     mask = bound.get("gpu_experts_mask")
-    try:
-        _C.check_layer_shapes(
-            op,
-            _meta(x),
-            _meta(ids),
-            _meta(w),
-            [_meta(t) for t in bound["weights"]],
-            bound["weight_format"],
-            list(bound["sizes"]),
-            list(bound["group_sizes"]),
-            [_meta(t) for t in bound["lora"]],
-            float(bound["lora_scaling"]),
-            bound["activation"],
-            _meta(mask),
-        )
-    except (RuntimeError, ValueError) as err:
-        torch._check(False, lambda err=err: str(err).split("\nException raised from")[0])
+    _as_trace_check(
+        _C.check_layer_shapes,
+        op,
+        _meta(x),
+        _meta(ids),
+        _meta(w),
+        [_meta(t) for t in bound["weights"]],
+        bound["weight_format"],
+        list(bound["sizes"]),
+        list(bound["group_sizes"]),
+        [_meta(t) for t in bound["lora"]],
+        float(bound["lora_scaling"]),
+        bound["activation"],
+        _meta(mask),
+    )
     experts = ExpertWeights.from_op_args(
         bound["weights"], bound["weight_format"], bound["sizes"], bound["group_sizes"]
     )
@@ -747,17 +755,15 @@ def _moe_backward_fake(*args, **kwargs):
             t is None or t.device == x.device,
             lambda name=name, t=t: f"kt.moe_backward: {name} is on {t.device}, not {x.device}",
         )
-    try:
-        _C.check_backward_shapes(
-            experts.intermediate_size,
-            _meta(grad_output),
-            _meta(x),
-            _meta(bound["topk_ids"]),
-            _meta(gate_pre),
-            _meta(up_pre),
-        )
-    except (RuntimeError, ValueError) as err:
-        torch._check(False, lambda err=err: str(err).split("\nException raised from")[0])
+    _as_trace_check(
+        _C.check_backward_shapes,
+        experts.intermediate_size,
+        _meta(grad_output),
+        _meta(x),
+        _meta(bound["topk_ids"]),
+        _meta(gate_pre),
+        _meta(up_pre),
+    )
     lora = LoRAWeights.from_op_args(bound["lora"], bound["lora_scaling"])
     empty = x.new_empty((0,))
     grad_lora = (

@@ -605,12 +605,7 @@ def _module_factors(name: str, module: MoEExperts, sub: dict, config, use_rslora
                     )
             a = torch.stack([per_expert[e]["A"].float() for e in range(E)])
             b = torch.stack([per_expert[e]["B"].float() for e in range(E)])
-            if (tuple(a.shape), tuple(b.shape)) != want:
-                raise ValueError(
-                    f"{name}.*.{lname}: stacked lora_A {tuple(a.shape)}, lora_B "
-                    f"{tuple(b.shape)}; expected {want[0]}, {want[1]}"
-                )
-            factors[proj] = (a, b)
+            factors[proj] = (a, b)  # of the shapes `want` (each expert's pair checked)
             scales[proj] = scaling_of(f"{name}.0.{lname}", a.shape[1])
     return factors, scales
 

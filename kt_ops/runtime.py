@@ -17,11 +17,11 @@ bound to its core, reused across calls; the calling thread does its share.
 from __future__ import annotations
 
 import contextlib
-import operator
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Optional
 
 from kt_ops import _C
+from kt_ops._checks import as_int
 from kt_ops.formats import format_spec
 
 if TYPE_CHECKING:
@@ -38,12 +38,9 @@ def set_num_threads(n: int) -> None:
             pool then keeps its previous size (or one thread), which
             :func:`get_num_threads` reports.
     """
-    try:  # ints and integer scalars (numpy, 0-d tensors); not 2.7, "2" or True
-        if isinstance(n, bool):
-            raise TypeError
-        n = operator.index(n)
-    except TypeError:
-        raise ValueError(f"kt_ops.set_num_threads: n must be an int, got {n!r}") from None
+    if as_int(n) is None:  # not 2.7, "2" or True
+        raise ValueError(f"kt_ops.set_num_threads: n must be an int, got {n!r}")
+    n = as_int(n)
     if not -(2**63) <= n < 2**63:  # the extension checks [1, cap] and names the cap
         raise ValueError(
             f"kt_ops.set_num_threads: n must be in [1, 4 x the physical cores (at least 64)], "

@@ -564,10 +564,6 @@ FactorCopy& factor_copy(int slot) {
 // Rows of the LoRA products below which A is read where it is (a copy costs more).
 constexpr int64_t kCopyAMinRows = 16;
 
-}  // namespace
-
-namespace {
-
 // Values [first, first + n) of a LoRA factor (fp32, bf16 or fp16) as fp32 into dst.
 void factor_to_f32(const void* p, at::ScalarType dtype, int64_t first, int64_t n, float* dst) {
   if (dtype == at::kFloat) {

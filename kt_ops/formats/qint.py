@@ -20,12 +20,12 @@ instead, so the two check each other.
 
 from __future__ import annotations
 
-import numbers
 from typing import Optional
 
 import torch
 from torch import Tensor
 
+from kt_ops._checks import as_int
 from kt_ops.formats.spec import BLOCK_ROWS, FORMATS, ceil_div, format_spec, padded_k
 
 __all__ = [
@@ -142,11 +142,7 @@ def unpack_codes(weight: Tensor, bits: int, n: int, k: int, signed: bool = False
 
 def _check_rows(where: str, n: int, nb: int) -> None:
     """``n`` output rows must fill ``nb`` blocks of 16 (the last one partly)."""
-    if (
-        isinstance(n, bool)
-        or not isinstance(n, numbers.Integral)
-        or not BLOCK_ROWS * (nb - 1) < n <= BLOCK_ROWS * nb
-    ):
+    if as_int(n) is None or not BLOCK_ROWS * (nb - 1) < n <= BLOCK_ROWS * nb:
         raise ValueError(
             f"{where}: n={n!r} does not fit {nb} blocks of {BLOCK_ROWS} rows; expected an int in "
             f"({BLOCK_ROWS * (nb - 1)}, {BLOCK_ROWS * nb}]"
