@@ -557,6 +557,8 @@ for _fmt in (
     "nvfp4",
     "q8_0",
     "q4_0",
+    "q2_k",
+    "q3_k",
     "q4_k",
     "q5_k",
     "q6_k",
@@ -1058,6 +1060,8 @@ def quant_mismatch_report(
 GGUF_BLOCKS = {
     "q8_0": (32, 34),
     "q4_0": (32, 18),
+    "q2_k": (256, 84),
+    "q3_k": (256, 110),
     "q4_k": (256, 144),
     "q5_k": (256, 176),
     "q6_k": (256, 210),
@@ -1092,6 +1096,11 @@ def random_gguf_raw(qtype: str, num_experts: int, n: int, k: int, *, seed: int =
         nmax = 15 if qtype == "q4_k" else 31
         set_f16(0, 0.5 * s / (32 * nmax), 2 * s / (32 * nmax))
         set_f16(2, 0.5 * s / 64, 2 * s / 64)
+    elif qtype == "q2_k":  # W = d*sc*q - dmin*m, sc, m < 16, q < 4
+        set_f16(80, 0.5 * s / (16 * 3), 2 * s / (16 * 3))
+        set_f16(82, 0.5 * s / 16, 2 * s / 16)
+    elif qtype == "q3_k":  # W = d*(sc - 32)*(q - 4), |sc - 32| <= 32, |q - 4| <= 4
+        set_f16(108, 0.5 * s / (32 * 4), 2 * s / (32 * 4))
     else:  # q6_k: W = d*sc*(q - 32), |sc| <= 128
         set_f16(208, 0.5 * s / (64 * 32), 2 * s / (64 * 32))
     return torch.from_numpy(raw.reshape(num_experts, n, k // bs * ts))

@@ -52,16 +52,19 @@ def _gen(seed: int) -> torch.Generator:
 def _kquant_head(
     fmt: str, E: int, N: int, S: int, d: float, sc: int, dmin=0.0, m=0
 ) -> torch.Tensor:
-    """GGUF scale bytes per row and super-block (q4_K/q5_K ``d, dmin, scales[12]``; q6_K
-    ``scales[16], d``) with one ``d`` (fp16) and sub-scale ``sc`` (and ``dmin``, min ``m``)."""
+    """GGUF scale bytes per row and super-block (q4_K/q5_K ``d, dmin, scales[12]``; q6_K,
+    q3_K ``int8 scales[16], d``; q2_K ``scales[16], d, dmin``) with one ``d`` (fp16) and
+    sub-scale ``sc`` (and ``dmin``, min ``m``)."""
     d16 = torch.tensor([d], dtype=torch.float16).view(torch.uint8)
-    if fmt == "q6_k":
+    dm16 = torch.tensor([dmin], dtype=torch.float16).view(torch.uint8)
+    if fmt in ("q6_k", "q3_k"):
         one = torch.cat([torch.full((16,), sc, dtype=torch.int8).view(torch.uint8), d16])
+    elif fmt == "q2_k":
+        one = torch.cat([torch.full((16,), sc | (m << 4), dtype=torch.uint8), d16, dm16])
     else:
         sc6 = np.full((8,), sc, dtype=np.uint8)
         m6 = np.full((8,), m, dtype=np.uint8)
         packed = torch.from_numpy(_pack_scale_min_k4(sc6, m6))
-        dm16 = torch.tensor([dmin], dtype=torch.float16).view(torch.uint8)
         one = torch.cat([d16, dm16, packed])
     return one.expand(E, N, S, one.numel()).contiguous()
 
@@ -96,6 +99,8 @@ def test_registry_matches_the_table_of_docs_formats_md():
         "nvfp4",
         "q8_0",
         "q4_0",
+        "q2_k",
+        "q3_k",
         "q4_k",
         "q5_k",
         "q6_k",
@@ -111,6 +116,9 @@ def test_registry_matches_the_table_of_docs_formats_md():
         "nvfp4": (4, torch.float32, False, (16,), "q8", 6.0),
         "q8_0": (8, torch.float16, False, (32,), "q8", 8.5),
         "q4_0": (4, torch.float16, False, (32,), "q8", 4.5),
+        # q2_k / q3_k: 2- and 3-bit codes in the 4-bit plane, records of 320 / 288 bytes
+        "q2_k": (4, torch.uint8, False, (16,), "q8", 4.625),
+        "q3_k": (4, torch.uint8, False, (16,), "q8", 4.5625),
         # GGUF's own sizes: 4.5, 5.5 and 6.5625 bits per weight (scale records)
         "q4_k": (4, torch.uint8, False, (32,), "q8", 4.5),
         "q5_k": (5, torch.uint8, False, (32,), "q8", 5.5),
@@ -127,6 +135,8 @@ def test_registry_matches_the_table_of_docs_formats_md():
     assert format_spec("int4").zeros_optional and not format_spec("q4_k").has_zeros
     kq = {f: (format_spec(f).scale_record_bytes, format_spec(f).record_mins) for f in FORMATS}
     assert {f: v for f, v in kq.items() if v != (0, False)} == {
+        "q2_k": (320, True),
+        "q3_k": (288, False),
         "q4_k": (256, True),
         "q5_k": (256, True),
         "q6_k": (288, False),
@@ -135,8 +145,11 @@ def test_registry_matches_the_table_of_docs_formats_md():
     for fmt, gguf_bytes in (("q4_k", 144), ("q5_k", 176), ("q6_k", 210)):
         assert format_spec(fmt).bits_per_weight == 8 * gguf_bytes / 256
     assert format_spec("int4").bits_per_weight_for(32, zeros=True) == 5.0
-    with pytest.raises(ValueError, match="unknown weight_format 'q3_k'.*bf16, int8"):
-        format_spec("q3_k")
+    # The implicit zeros: q3_k's 3-bit codes sit at q + 4 (ggml: q - (high ? 0 : 4)).
+    offsets = {f: format_spec(f).zero_offset for f in FORMATS if format_spec(f).zero_offset}
+    assert offsets == {"int4": 8, "mxfp4": 12, "nvfp4": 12, "q4_0": 8, "q3_k": 4, "q6_k": 32}
+    with pytest.raises(ValueError, match="unknown weight_format 'iq4_xs'.*bf16, int8"):
+        format_spec("iq4_xs")
     with pytest.raises(dataclasses.FrozenInstanceError):
         format_spec("int8").bits = 4
 
@@ -144,14 +157,17 @@ def test_registry_matches_the_table_of_docs_formats_md():
 def test_gguf_block_types_are_rows_of_the_table():
     """GGUF-ness is one field of the spec rows; every list of GGUF types derives from it."""
     gguf_types = [f for f in FORMATS if format_spec(f).is_gguf]
-    assert gguf_types == ["q8_0", "q4_0", "q4_k", "q5_k", "q6_k"]
+    assert gguf_types == ["q8_0", "q4_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k"]
     assert GGUF_FORMATS == tuple(gguf_types)
     for f in FORMATS:
         block = format_spec(f).gguf_block
         if block is None:
             continue
         assert block == gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[f.upper()]], f
-        assert format_spec(f).bits_per_weight == 8 * block[1] / block[0], f
+        if f in ("q2_k", "q3_k"):  # held in the 4-bit plane: more than GGUF's size
+            assert format_spec(f).bits_per_weight > 8 * block[1] / block[0], f
+        else:
+            assert format_spec(f).bits_per_weight == 8 * block[1] / block[0], f
     from kt_ops.loaders.gguf_file import GGUF_NATIVE_FORMATS
 
     assert list(GGUF_NATIVE_FORMATS.values()) == gguf_types
@@ -286,7 +302,7 @@ def test_pack_unpack_codes_round_trip(bits, e, n, k, seed):
     assert int((full != 7).sum()) == int((q.to(torch.int32) & 0xFF != 7).sum())
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4", "q4_k", "q5_k", "q6_k"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k"])
 def test_reference_decoder_agrees_with_the_packer(fmt):
     # The packer (reshape/permute) and the reference dequantizer (index arithmetic)
     # are written independently; unit scales make W the code (minus the implicit zero).
@@ -295,7 +311,8 @@ def test_reference_decoder_agrees_with_the_packer(fmt):
     lo = -127 if spec.signed else 0
     q = torch.randint(lo, 1 << min(spec.bits, 7), (2, n, k), generator=_gen(1))
     d = dequantize_weights(_packed_codes(q, fmt))
-    implicit = 0 if (spec.signed or spec.has_zeros or spec.record_mins) else 1 << (spec.bits - 1)
+    implicit = 0 if (spec.signed or spec.has_zeros or spec.record_mins) else spec.zero_offset
+    assert implicit == {"q3_k": 4, "q6_k": 32}.get(fmt, 0)  # int4 here: zeros of 0
     assert torch.equal(d, (q - implicit).float())
 
 
@@ -486,7 +503,8 @@ def _random_gguf_raw(name: str, E: int, n: int, k: int, seed: int) -> np.ndarray
     bs, ts = gguf.constants.GGML_QUANT_SIZES[getattr(gguf.GGMLQuantizationType, name.upper())]
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, size=(E, n, k // bs, ts), dtype=np.uint8)
-    offsets = {"q8_0": [0], "q4_0": [0], "q4_k": [0, 2], "q5_k": [0, 2], "q6_k": [208]}[name]
+    offsets = {"q8_0": [0], "q4_0": [0], "q2_k": [80, 82], "q3_k": [108], "q4_k": [0, 2],
+               "q5_k": [0, 2], "q6_k": [208]}[name]  # fmt: skip
     for off in offsets:
         h = rng.integers(0, 1 << 16, size=raw.shape[:-1], dtype=np.uint16)
         h = np.where((h & 0x7C00) == 0x7C00, h & 0x83FF, h)  # exponent 31 (inf/nan) -> 0
@@ -494,12 +512,12 @@ def _random_gguf_raw(name: str, E: int, n: int, k: int, seed: int) -> np.ndarray
     return raw.reshape(E, n, -1)
 
 
-@pytest.mark.parametrize("name", ["q8_0", "q4_0", "q4_k", "q5_k", "q6_k"])
+@pytest.mark.parametrize("name", GGUF_FORMATS)
 def test_from_gguf_matches_gguf_dequantize_exactly(name):
     # Exact (bit-identical), not merely close: the repacked scales d*sc and dmin*m
     # are exact fp32 products (11-bit fp16 mantissa times an integer < 2^8), and the
     # reference evaluates the same fp32 expression as gguf.quants (d*sc * q - dmin*m;
-    # d * (q - 8); d*sc * (q - 32), all of whose products are exact).
+    # d * (q - 8); d*sc * (q - 32), d*(sc - 32) * (q - 4), all of whose products are exact).
     E, n, k = 2, 21, 512
     raw = _random_gguf_raw(name, E, n, k, seed=FORMATS.index(name))
     qt = getattr(gguf.GGMLQuantizationType, name.upper())
@@ -514,17 +532,28 @@ def test_from_gguf_matches_gguf_dequantize_exactly(name):
     # Same result from a tensor, a flat array and the gguf enum.
     p2 = from_gguf(qt, torch.from_numpy(raw.reshape(-1)), n, k)
     assert torch.equal(p2.weight, p.weight) and torch.equal(p2.scales, p.scales)
-    if spec.is_kquant:
+    bs, ts = gguf.constants.GGML_QUANT_SIZES[qt]
+    blk = raw.reshape(E, n, k // bs, ts)
+    if name in ("q4_k", "q5_k", "q6_k"):
         # GGUF's size: the 16 padded rows aside, exactly the bytes of its blocks, and the
         # scale bytes are GGUF's own (d, dmin, scales[12] / scales[16], d), only regrouped.
-        bs, ts = gguf.constants.GGML_QUANT_SIZES[qt]
         assert p.nbytes == E * 32 * (k // bs) * ts  # n = 21 -> 2 blocks of 16 rows
-        head = raw.reshape(E, n, k // bs, ts)
-        head = head[..., 192:210] if name == "q6_k" else head[..., 0:16]
+        head = blk[..., 192:210] if name == "q6_k" else blk[..., 0:16]
         assert torch.equal(unpack_kquant_scales(p.scales, name, n), torch.from_numpy(head))
+    elif name in ("q2_k", "q3_k"):
+        # 4-bit codes (128 bytes a row and super-block) and a record of 20 / 18 bytes a row.
+        assert p.nbytes == E * 32 * (k // bs) * (128 + p.scales.shape[-1] // 16)
+        got = unpack_kquant_scales(p.scales, name, n)
+        if name == "q2_k":  # scales[16], d, dmin: GGUF's bytes
+            head = np.concatenate([blk[..., 0:16], blk[..., 80:84]], axis=-1)
+            assert torch.equal(got, torch.from_numpy(head))
+        else:  # int8 sc - 32, d: the d bytes are GGUF's, the scales in [-32, 31]
+            assert torch.equal(got[..., 16:18], torch.from_numpy(blk[..., 108:110].copy()))
+            sc = got[..., :16].view(torch.int8)
+            assert int(sc.min()) >= -32 and int(sc.max()) <= 31
 
 
-@pytest.mark.parametrize("name", ["q8_0", "q4_0", "q4_k", "q5_k", "q6_k"])
+@pytest.mark.parametrize("name", GGUF_FORMATS)
 def test_gguf_quantizers_round_trip(name):
     E, N, K = 2, 19, 512
     w = torch.randn(E, N, K, generator=_gen(13))
@@ -538,7 +567,8 @@ def test_gguf_quantizers_round_trip(name):
     if name in ("q8_0", "q4_0"):  # llama.cpp's own reference quantizer
         assert np.array_equal(raw, gguf.quants.quantize(w.numpy(), qt))
     rel = ((d - w).pow(2).mean() / w.pow(2).mean()).sqrt().item()
-    bound = {"q8_0": 0.01, "q4_0": 0.15, "q4_k": 0.12, "q5_k": 0.06, "q6_k": 0.03}[name]
+    bound = {"q8_0": 0.01, "q4_0": 0.15, "q2_k": 0.4, "q3_k": 0.2, "q4_k": 0.12, "q5_k": 0.06,
+             "q6_k": 0.03}[name]  # fmt: skip
     assert rel < bound, rel
     assert torch.equal(d[0, 0], torch.zeros(K))
 

@@ -124,6 +124,10 @@ VARIANTS = [
     Variant("nvfp4", None, True, 96, 72),
     Variant("q8_0", None, True, 96, 64),
     Variant("q4_0", None, True, 96, 64),
+    Variant("q2_k", None, True, 256, 256),
+    Variant("q2_k", None, True, 512, 256, "_512x256"),
+    Variant("q3_k", None, True, 256, 256),
+    Variant("q3_k", None, True, 256, 512, "_256x512"),
     Variant("q4_k", None, True, 256, 256),
     Variant("q5_k", None, True, 256, 256),
     Variant("q6_k", None, True, 256, 256),
@@ -200,10 +204,11 @@ def test_packed_layer_is_valid(v):
         p.validate()
         assert (p.n, p.k, p.weight_format) == (n, k, v.fmt)
         assert (p.zeros is not None) == (format_spec(v.fmt).zeros_required or not v.symmetric)
-    # dequantized weights are close to the dense weights they were made from
+    # dequantized weights are close to the dense weights they were made from (2 bits: ~0.33)
+    bound = 0.4 if v.fmt == "q2_k" else 0.2
     for got, want in zip(dense_weights(w), dense_expert_weights(E_TOTAL, v.H, v.I)):
         err = ((got - want).norm() / want.norm()).item()
-        assert err < 0.2, f"{v.id}: weight quantization error {err:.3g}"
+        assert err < bound, f"{v.id}: weight quantization error {err:.3g}"
 
 
 # --------------------------------------------------------------------------
@@ -471,7 +476,7 @@ def test_quant_activation_modes():
     assert kt_ops.get_quant_activations() == "auto"
     with pytest.raises(ValueError, match="mode must be 'auto', 'q8' or 'fp32', got 'int8'"):
         kt_ops.set_quant_activations("int8")
-    for fmt in ("int4", "mxfp4", "q4_0", "q4_k", "q5_k", "q6_k", "bf16"):
+    for fmt in ("int4", "mxfp4", "q4_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "bf16"):
         assert kt_ops.quant_fp32_min_tokens(fmt) is None, fmt
     for fmt in ("int8", "q8_0", "fp8"):
         assert kt_ops.quant_fp32_min_tokens(fmt, "avx2") >= 2, fmt
@@ -488,7 +493,7 @@ def test_quant_activation_modes():
 # Weights from raw checkpoint blocks (every code value, not just a quantizer's)
 # --------------------------------------------------------------------------
 
-GGUF_TYPES = ["q8_0", "q4_0", "q4_k", "q5_k", "q6_k"]
+GGUF_TYPES = ["q8_0", "q4_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k"]
 
 
 @functools.cache
@@ -669,6 +674,8 @@ TOTAL_ERROR = {
     "nvfp4": 0.30,
     "q4_0": 0.30,
     "q4_k": 0.30,
+    "q3_k": 0.45,
+    "q2_k": 0.80,
 }
 #: Relative Frobenius error of the q8 kernels against the same dequantized weights
 #: with fp32 activations: only the two int8 roundings of the activations (step
@@ -858,7 +865,7 @@ def test_checker_detects_wrong_weights(v):
     projs = list(w.projections)
     scales = projs[0].scales.clone()
     flat = scales.view(scales.shape[0], -1)
-    if v.fmt in ("q4_k", "q5_k", "q6_k"):
+    if format_spec(v.fmt).is_kquant:
         flat[e, 0:2].view(torch.float16).mul_(2)
     elif scales.dtype == torch.uint8:
         flat[e, 0] += 1  # UE8M0: x2

@@ -1,6 +1,6 @@
 // The "qint" weight-format family: integer codes with grouped affine
 // dequantization, W[n,k] = scale[n,g] * q[n,k] - zero[n,g]. Formats int8,
-// int4, mxfp4, q8_0, q4_0, q4_k, q5_k, q6_k are all members (docs/formats.md
+// int4, mxfp4, q8_0, q4_0, q2_k, q3_k, q4_k, q5_k, q6_k are all members (docs/formats.md
 // has the byte layout and the table of members; this header is its C++
 // mirror and the scalar reference decoder the kernels are tested against).
 #pragma once
@@ -16,8 +16,8 @@ constexpr int kQintKAlign = 32;     // K is padded to a multiple of this
 // How scales / zeros are stored (one value per 16-row block row and group),
 // or, for the GGUF k-quants, one record per 16-row block and super-block of
 // 256 k that holds GGUF's own two-level scales (kKq45: q4_K / q5_K, kKq6:
-// q6_K; layout below), decoded by the kernels.
-enum class ScaleType : uint8_t { kNone, kF32, kF16, kBF16, kE8M0, kKq45, kKq6 };
+// q6_K and q3_K, kKq2: q2_K; layout below), decoded by the kernels.
+enum class ScaleType : uint8_t { kNone, kF32, kF16, kBF16, kE8M0, kKq45, kKq6, kKq2 };
 
 // ---- GGUF k-quant super-block records (docs/formats.md, "k-quant scales") ---
 //
@@ -28,16 +28,32 @@ enum class ScaleType : uint8_t { kNone, kF32, kF16, kBF16, kE8M0, kKq45, kKq6 };
 //         sub-block j (32 k) has the 6-bit scale sc_j and min m_j of
 //         get_scale_min_k4, W = d*sc_j * q - dmin*m_j.
 //   kKq6 (q6_K), 288 bytes: d fp16 [16] | int8 scales[16][16] (sub-block j of
-//         16 k of row r at 32 + 16 j + r); W = d*sc_j * (q - 32).
+//         16 k of row r at 32 + 16 j + r); W = d*sc_j * (q - 32). q3_K's
+//         records are the same bytes: its 6-bit scales unpacked to int8
+//         sc_j - 32 when the blocks are repacked (lossless), its 3-bit codes
+//         q + 4 in the 4-bit plane, W = d*sc_j * (q - 4).
+//   kKq2 (q2_K), 320 bytes: d fp16 [16] | dmin fp16 [16] | scales[16][16]
+//         (GGUF's byte j of row r at 64 + 16 j + r: sc_j in the low nibble,
+//         m_j in the high one); sub-blocks of 16 k, W = d*sc_j * q - dmin*m_j,
+//         its 2-bit codes in the 4-bit plane.
 // d*sc and dmin*m are exact in fp32 (11-bit by <= 7-bit integers).
 constexpr int64_t kKSuperK = 256;
-inline bool is_kquant(ScaleType t) { return t == ScaleType::kKq45 || t == ScaleType::kKq6; }
-inline int64_t kquant_record_bytes(ScaleType t) { return t == ScaleType::kKq45 ? 256 : 288; }
+inline bool is_kquant(ScaleType t) {
+  return t == ScaleType::kKq45 || t == ScaleType::kKq6 || t == ScaleType::kKq2;
+}
+inline int64_t kquant_record_bytes(ScaleType t) {
+  return t == ScaleType::kKq45 ? 256 : t == ScaleType::kKq6 ? 288 : 320;
+}
 // Sub-blocks (scale groups) per super-block.
 inline int64_t kquant_sub_blocks(ScaleType t) { return t == ScaleType::kKq45 ? 8 : 16; }
+constexpr int64_t kKquantMaxSubBlocks = 16;
+// Whether the records hold mins (W = s * q - z): q4_K, q5_K, q2_K.
+inline bool kquant_has_mins(ScaleType t) { return t == ScaleType::kKq45 || t == ScaleType::kKq2; }
 constexpr int64_t kKq45MinOffset = 32;    // dmin fp16 [16]
 constexpr int64_t kKq45ScaleOffset = 64;  // scales[12][16]
 constexpr int64_t kKq6ScaleOffset = 32;   // int8 scales[16][16]
+constexpr int64_t kKq2MinOffset = 32;     // dmin fp16 [16]
+constexpr int64_t kKq2ScaleOffset = 64;   // scales[16][16]: sc | m << 4
 
 // get_scale_min_k4 for one row: the 6-bit scale (min = false) or min of
 // sub-block j from bytes q[i] = GGUF scales[i] of that row (stride 16).
@@ -49,16 +65,16 @@ inline int kquant_sub_q45(const uint8_t* q, int j, bool min) {
 }
 
 // Whether a qint projection's weights subtract zeros (W = s * q - z): stored zeros, or
-// the q4_K / q5_K mins inside the scale records.
+// the q4_K / q5_K / q2_K mins inside the scale records.
 inline bool qint_subtracts_zeros(ScaleType scale_type, bool stored_zeros) {
-  return stored_zeros || scale_type == ScaleType::kKq45;
+  return stored_zeros || kquant_has_mins(scale_type);
 }
 
 // Activations a format multiplies with.
 enum class ActType : uint8_t { kF32, kQ8 };
 
 struct QintFormat {
-  int bits = 4;            // 4, 5, 6 or 8
+  int bits = 4;            // 4, 5, 6 or 8 (q2_K / q3_K codes sit in the 4-bit plane)
   bool is_signed = false;  // 8-bit codes are signed; 4/5/6-bit codes are unsigned
   bool lut_e2m1 = false;   // mxfp4: 4-bit E2M1 codes map to q = 2*e2m1 + 12
   ScaleType scale_type = ScaleType::kF32;
@@ -153,12 +169,13 @@ inline float scale_value(const void* base, ScaleType t, int64_t index) {
     case ScaleType::kNone:
     case ScaleType::kKq45:
     case ScaleType::kKq6:
+    case ScaleType::kKq2:
       break;
   }
   return 0.f;
 }
 
-// Scale (min = false) or zero (min = true: dmin*m; 0 for q6_K) of row r and
+// Scale (min = false) or zero (min = true: dmin*m; 0 for q6_K / q3_K) of row r and
 // group g of one block's k-quant records `recs` ([Kp/256][record]).
 inline float kquant_param(const void* recs, ScaleType t, int64_t g, int r, bool min) {
   const int64_t subs = kquant_sub_blocks(t);
@@ -168,6 +185,11 @@ inline float kquant_param(const void* recs, ScaleType t, int64_t g, int r, bool 
     if (min) return 0.f;
     return scale_value(rec, ScaleType::kF16, r) *
            static_cast<float>(static_cast<int8_t>(rec[kKq6ScaleOffset + 16 * j + r]));
+  }
+  if (t == ScaleType::kKq2) {
+    const float d = scale_value(rec + (min ? kKq2MinOffset : 0), ScaleType::kF16, r);
+    const int b = rec[kKq2ScaleOffset + 16 * j + r];
+    return d * static_cast<float>(min ? b >> 4 : b & 15);
   }
   const float d = scale_value(rec + (min ? kKq45MinOffset : 0), ScaleType::kF16, r);
   return d * static_cast<float>(kquant_sub_q45(rec + kKq45ScaleOffset + r, j, min));

@@ -15,7 +15,7 @@
 
 namespace kt::kernels {
 
-// s[j * 16 + r] = d[r] * sc_j[r] and (q4_k, q5_k) z[j * 16 + r] = dmin[r] * m_j[r].
+// s[j * 16 + r] = d[r] * sc_j[r] and (q4_k, q5_k, q2_k) z[j * 16 + r] = dmin[r] * m_j[r].
 template <class V>
 inline void kquant_decode_records(const uint8_t* rec, formats::ScaleType t, float* s, float* z) {
   typename V::F d[V::kParts], dmin[V::kParts];
@@ -25,6 +25,17 @@ inline void kquant_decode_records(const uint8_t* rec, formats::ScaleType t, floa
     for (int j = 0; j < 16; ++j)
       V::kq_widen_store(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * j)), true, d,
                         s + 16 * j);
+    return;
+  }
+  if (t == formats::ScaleType::kKq2) {  // sc_j | m_j << 4, one byte per row
+    V::kq_load_d(rec + formats::kKq2MinOffset, dmin);
+    const uint8_t* q = rec + formats::kKq2ScaleOffset;
+    const __m128i m15 = _mm_set1_epi8(15);
+    for (int j = 0; j < 16; ++j) {
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * j));
+      V::kq_widen_store(_mm_and_si128(b, m15), false, d, s + 16 * j);
+      V::kq_widen_store(_mm_and_si128(_mm_srli_epi16(b, 4), m15), false, dmin, z + 16 * j);
+    }
     return;
   }
   V::kq_load_d(rec + formats::kKq45MinOffset, dmin);

@@ -147,8 +147,8 @@ KT_ALWAYS_INLINE void qint_tile(const QintBlock& a, const uint8_t* const* x_rows
   constexpr bool kNzFill = kNz && M > 2;
   constexpr int kNzUnits = 64;
   [[maybe_unused]] alignas(64) float nz[kNzFill ? M * kNzUnits : 1];
-  [[maybe_unused]] alignas(64) float kq_s[KQ ? 16 * 16 : 1];
-  [[maybe_unused]] alignas(64) float kq_z[KQ ? 8 * 16 : 1];
+  [[maybe_unused]] alignas(64) float kq_s[KQ ? formats::kKquantMaxSubBlocks * 16 : 1];
+  [[maybe_unused]] alignas(64) float kq_z[KQ ? formats::kKquantMaxSubBlocks * 16 : 1];
   // The scale group of k0, followed without a division per unit (a 64-bit
   // idiv sat on every unit's fold; a unit never straddles two groups).
   [[maybe_unused]] int64_t g = 0, g_end = gsize;
@@ -464,6 +464,10 @@ void qint_dot(const QintBlock& a, void (*fallback)(const QintBlock&)) {
   if (formats::is_kquant(f.scale_type)) {
     if (f.bits == 4 && unit == 32)
       return qint_block_dot<V, 4, false, 32, ZeroMode::kExplicit, true>(a);
+    if (f.bits == 4 && unit == 16 && formats::kquant_has_mins(f.scale_type))  // q2_k
+      return qint_block_dot<V, 4, false, 16, ZeroMode::kExplicit, true>(a);
+    if (f.bits == 4 && unit == 16)  // q3_k
+      return qint_block_dot<V, 4, false, 16, ZeroMode::kImplicit, true>(a);
     if (f.bits == 5 && unit == 32)
       return qint_block_dot<V, 5, false, 32, ZeroMode::kExplicit, true>(a);
     if (f.bits == 6 && unit == 16)

@@ -137,6 +137,7 @@ void load_params(const void* base, formats::ScaleType type, int64_t index, float
     case formats::ScaleType::kNone:
     case formats::ScaleType::kKq45:  // decoded per group by kquant_param
     case formats::ScaleType::kKq6:
+    case formats::ScaleType::kKq2:
       break;
   }
   TORCH_CHECK(false, "dense_expert_weight: scales/zeros have no fp32 reading");

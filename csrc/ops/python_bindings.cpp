@@ -87,6 +87,7 @@ const char* scale_dtype_name(kt::formats::ScaleType t) {
     case kt::formats::ScaleType::kE8M0:
     case kt::formats::ScaleType::kKq45:
     case kt::formats::ScaleType::kKq6:
+    case kt::formats::ScaleType::kKq2:
       return "uint8";
     case kt::formats::ScaleType::kNone:
       break;
@@ -136,7 +137,8 @@ py::list formats_report() {
     // k-quants: bytes of one scale record (16 rows x 256 k), whether it holds mins.
     d["scale_record_bytes"] = kq ? kt::formats::kquant_record_bytes(f.packed_scale_type) : 0;
     d["super_block"] = kq ? kt::formats::kKSuperK : 0;
-    d["record_mins"] = f.packed_scale_type == kt::formats::ScaleType::kKq45;
+    d["record_mins"] = kq && kt::formats::kquant_has_mins(f.packed_scale_type);
+    d["zero_offset"] = f.layout == Layout::kQint ? f.qint.zero_offset : 0.f;
     d["has_zeros"] = f.zeros != kt::formats::ZeroPolicy::kNever;
     d["zeros_optional"] = f.zeros == kt::formats::ZeroPolicy::kOptional;
     d["group_sizes"] = f.group_sizes;

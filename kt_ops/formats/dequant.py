@@ -68,7 +68,8 @@ def _kquant_params(rec: Tensor, spec, kp: int) -> tuple[Tensor, Tensor]:
     By the byte offsets of docs/formats.md: sub-block ``j`` (``g = k // group``,
     super-block ``s = k // 256``) of row ``r`` has ``d`` = fp16 bytes ``2r, 2r+1``;
     q4_k/q5_k: ``dmin`` at ``32 + 2r``, GGUF ``scales[i]`` at ``64 + 16i + r``
-    decoded by ``get_scale_min_k4``; q6_k: int8 ``sc_j`` at ``32 + 16j + r``.
+    decoded by ``get_scale_min_k4``; q6_k, q3_k: int8 ``sc_j`` at ``32 + 16j + r``;
+    q2_k: ``dmin`` at ``32 + 2r``, ``sc_j | m_j << 4`` at ``64 + 16j + r``.
     """
     r, k = _rk(kp)
     E, nb, S, R = rec.shape
@@ -80,7 +81,11 @@ def _kquant_params(rec: Tensor, spec, kp: int) -> tuple[Tensor, Tensor]:
         return bits.to(torch.int16).view(torch.float16).float()
 
     d = f16(base + 2 * r)
-    if not spec.record_mins:  # q6_k
+    if spec.name == "q2_k":  # sub-blocks of 16, sc | m << 4
+        j = (k % 256) // 16
+        b = _gather(flat, base + 64 + 16 * j + r)
+        return d * (b & 15).float(), f16(base + 32 + 2 * r) * (b >> 4).float()
+    if not spec.record_mins:  # q6_k, q3_k
         j = (k % 256) // 16
         sc = _gather(flat, base + 32 + 16 * j + r)
         sc = sc - ((sc & 0x80) << 1)  # int8
@@ -166,7 +171,7 @@ def _dequantize_one(spec, group_size, n, k, weight, scales=None, zeros=None) -> 
         scale, zero = _kquant_params(scales, spec, kp)
         if spec.record_mins:
             return _rows(scale * q.float() - zero, n, k)
-        return _rows(scale * (q - (1 << (spec.bits - 1))).float(), n, k)
+        return _rows(scale * (q - int(spec.zero_offset)).float(), n, k)
     scale = _expand_groups(scales, kp, group_size)
     if spec.lut:  # mxfp4, nvfp4: E2M1 codes through the table
         qv = torch.tensor(MXFP4_Q_LUT, dtype=torch.float64)[q]
@@ -179,6 +184,6 @@ def _dequantize_one(spec, group_size, n, k, weight, scales=None, zeros=None) -> 
     if spec.signed:  # two's-complement byte
         return _rows(scale * (q - ((q & 0x80) << 1)).float(), n, k)
     if zeros is None:
-        return _rows(scale * (q - (1 << (spec.bits - 1))).float(), n, k)
+        return _rows(scale * (q - int(spec.zero_offset)).float(), n, k)
     zero = _expand_groups(zeros, kp, group_size).float()
     return _rows(scale * q.float() - zero, n, k)

@@ -6,6 +6,15 @@ the same bytes), ``QK_K = 256``, ``d``/``dmin`` fp16, little endian:
 * ``block_q8_0`` (34 B / 32 weights): ``d``, ``int8 qs[32]``; ``W = d * qs``.
 * ``block_q4_0`` (18 B / 32): ``d``, ``qs[16]``; weight ``i < 16`` is the low
   nibble of ``qs[i]``, weight ``i + 16`` the high nibble; ``W = d * (q - 8)``.
+* ``block_q2_K`` (84 B / 256): ``scales[16]`` (``sc`` in the low nibble,
+  ``m`` in the high one, 16 weights each), ``qs[64]``, ``d``, ``dmin``; in
+  each half ``i`` (128 weights), weight ``32t + l`` is ``(qs[32i + l] >> 2t)
+  & 3``; ``W = d*sc[j] * q - dmin*m[j]``.
+* ``block_q3_K`` (110 B / 256): ``hmask[32]``, ``qs[64]``, ``scales[12]`` (16
+  six-bit scales, packed as ggml's ``dequantize_row_q3_K`` unpacks them), ``d``;
+  weight ``32t + l`` of half ``i`` has low bits ``(qs[32i + l] >> 2t) & 3`` and
+  high bit ``(hmask[l] >> (4i + t)) & 1``; ``W = d*(sc[j] - 32) * (q - 4)``
+  with ``q = low + 4 * high`` (ggml: ``low - (high ? 0 : 4)``).
 * ``block_q4_K`` (144 B / 256): ``d``, ``dmin``, ``scales[12]`` (8 six-bit
   scales ``sc`` and mins ``m``, ``get_scale_min_k4``), ``qs[128]``; sub-block
   ``2i`` / ``2i+1`` (32 weights each) are the low / high nibbles of
@@ -21,7 +30,9 @@ the same bytes), ``QK_K = 256``, ``d``/``dmin`` fp16, little endian:
 The repacked scales are ``d`` (fp16, q8_0/q4_0) or, for the k-quants, GGUF's
 own scale bytes (``d``, ``dmin``, ``scales[12]`` / ``scales[16]``), copied into
 records of 16 rows x 256 k (docs/formats.md, "k-quant scales"); only the codes
-are rearranged. The kernels form ``d*sc`` and ``dmin*m`` (exact in fp32), so
+are rearranged (q3_K's 6-bit scales are unpacked to int8 ``sc - 32``, q6_K's
+record). q2_K's and q3_K's codes go into the 4-bit plane: exact, at 4.6 bits a
+weight instead of GGUF's 2.6 / 3.4. The kernels form ``d*sc`` and ``dmin*m`` (exact in fp32), so
 the qint dequantization reproduces ``gguf.quants.dequantize`` bit for bit.
 """
 
@@ -72,6 +83,30 @@ def _scale_min_k4(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc, mn
 
 
+def _scales_q3_k(b: np.ndarray) -> np.ndarray:
+    """q3_K ``scales[..., 12]`` -> the 16 six-bit scales ``[..., 16]`` (0..63; ggml subtracts 32).
+
+    As ``dequantize_row_q3_K``: scale ``i``'s low four bits are the low (``i < 8``) or
+    high (``i >= 8``) nibble of byte ``i % 8``, its two high bits bits ``2 (i // 4)`` and
+    ``2 (i // 4) + 1`` of byte ``8 + i % 4``.
+    """
+    lo = np.concatenate([b[..., 0:8] & 15, b[..., 0:8] >> 4], axis=-1)  # [..., 16]
+    hb = b[..., 8:12]
+    hi = np.concatenate([(hb >> s) & 3 for s in (0, 2, 4, 6)], axis=-1)  # i // 4 = s / 2
+    return lo | (hi << 4)
+
+
+def _pack_scales_q3_k(s: np.ndarray) -> np.ndarray:
+    """Inverse of :func:`_scales_q3_k`: six-bit ``[..., 16]`` -> ``scales[..., 12]``."""
+    out = np.empty(s.shape[:-1] + (12,), dtype=np.uint8)
+    out[..., 0:8] = (s[..., 0:8] & 15) | ((s[..., 8:16] & 15) << 4)
+    hi = s >> 4  # [..., 16], two bits each
+    out[..., 8:12] = (
+        hi[..., 0:4] | (hi[..., 4:8] << 2) | (hi[..., 8:12] << 4) | (hi[..., 12:16] << 6)
+    )
+    return out
+
+
 def _pack_scale_min_k4(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
     """Inverse of :func:`_scale_min_k4`: six-bit ``sc``, ``m`` ``[..., 8]`` -> ``[..., 12]``."""
     out = np.empty(sc.shape[:-1] + (12,), dtype=np.uint8)
@@ -101,8 +136,9 @@ def from_gguf(
     """Repack the raw GGUF blocks of an ``[E, n, k]`` tensor losslessly into the qint layout.
 
     Args:
-        qtype: ``'q8_0'``, ``'q4_0'``, ``'q4_k'``, ``'q5_k'`` or ``'q6_k'``
-            (any case) or the matching ``gguf.GGMLQuantizationType``.
+        qtype: ``'q8_0'``, ``'q4_0'``, ``'q2_k'``, ``'q3_k'``, ``'q4_k'``,
+            ``'q5_k'`` or ``'q6_k'`` (any case) or the matching
+            ``gguf.GGMLQuantizationType``.
         raw: uint8 numpy array or tensor with the block bytes, rows of ``k``
             weights along GGUF's first dimension ``ne0``: shape
             ``[E, n, k / block * type_size]`` as ``gguf.GGUFReader`` returns
@@ -113,8 +149,8 @@ def from_gguf(
     Returns:
         A validated :class:`PackedProjection` of format ``qtype``: codes in the
         qint planes, scales ``d`` (fp16, q8_0/q4_0) or the k-quants' scale
-        records (uint8 ``[E, NB, K/256, 256 | 288]``, GGUF's bytes), no
-        zeros, group 32 (q6_k: 16).
+        records (uint8 ``[E, NB, K/256, 256 | 288 | 320]``, GGUF's bytes), no
+        zeros, group 32 (q2_k, q3_k, q6_k: 16).
         Dequantizing it gives exactly ``gguf.quants.dequantize(raw, qtype)``.
 
     Raises:
@@ -152,6 +188,20 @@ def from_gguf(
         qs = blk[..., 2:18]
         codes = np.concatenate([qs & 15, qs >> 4], axis=-1)
         scales = d
+    elif name == "q2_k":  # scales[16], qs[64], d, dmin
+        _check_finite(name, _f16(blk[..., 80:82]), _f16(blk[..., 82:84]))
+        head = np.concatenate([blk[..., 0:16], blk[..., 80:84]], axis=-1)
+        qs = blk[..., 16:80].reshape(E, n, -1, 2, 1, 32)  # [i][.][l]
+        codes = (qs >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)) & 3  # [.., 2, 4, 32]
+    elif name == "q3_k":  # hmask[32], qs[64], scales[12], d
+        _check_finite(name, _f16(blk[..., 108:110]))
+        sc = _scales_q3_k(blk[..., 96:108]).astype(np.int16) - 32  # [.., 16] in [-32, 31]
+        head = np.concatenate([sc.astype(np.int8).view(np.uint8), blk[..., 108:110]], axis=-1)
+        qs = blk[..., 32:96].reshape(E, n, -1, 2, 1, 32)
+        hm = blk[..., 0:32].reshape(E, n, -1, 1, 1, 32)
+        low = (qs >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)) & 3  # [.., 2, 4, 32]
+        high = (hm >> np.arange(8, dtype=np.uint8).reshape(2, 4, 1)) & 1  # bit 4i + t
+        codes = low | (high << 2)
     elif spec.record_mins:  # q4_K, q5_K: d, dmin, scales[12] ahead of the codes
         _check_finite(name, _f16(blk[..., 0:2]), _f16(blk[..., 2:4]))
         head = blk[..., 0:16]  # d, dmin, scales[12]: copied as they are
@@ -218,6 +268,12 @@ def _div(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         return np.where(b > 0, a / np.where(b > 0, b, 1), 0).astype(np.float32)
 
 
+def _div_signed(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``a / b`` where ``b != 0``, else 0."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(b != 0, a / np.where(b != 0, b, 1), 0).astype(np.float32)
+
+
 def _quantize_q45_k(x: np.ndarray, bits: int) -> np.ndarray:
     """Blocks ``[B, 256]`` fp32 -> q4_K (bits=4) or q5_K (bits=5) bytes ``[B, 144 | 176]``."""
     B = x.shape[0]
@@ -261,14 +317,82 @@ def _quantize_q6_k(x: np.ndarray) -> np.ndarray:
     )
 
 
+def _q2_bits(q: np.ndarray) -> np.ndarray:
+    """2-bit values ``[B, 256]`` -> ``qs[B, 64]``: weight ``128i + 32t + l`` at bits ``2t`` of
+    ``qs[32i + l]`` (q2_K, q3_K)."""
+    q = q.reshape(-1, 2, 4, 32).astype(np.uint8) & 3
+    return (
+        (q << (2 * np.arange(4, dtype=np.uint8)).reshape(4, 1))
+        .sum(axis=2, dtype=np.uint8)
+        .reshape(-1, 64)
+    )
+
+
+def _quantize_q2_k(x: np.ndarray) -> np.ndarray:
+    """Blocks ``[B, 256]`` fp32 -> q2_K bytes ``[B, 84]`` (4-bit sub-block scales and mins)."""
+    B = x.shape[0]
+    xs = x.reshape(B, 16, 16)
+    mn = np.minimum(xs.min(-1), 0)
+    scale = (xs.max(-1) - mn) / 3
+    d = _to_f16(scale.max(-1) / 15, "d")
+    dmin = _to_f16((-mn).max(-1) / 15, "dmin")
+    sc = np.clip(np.rint(_div(scale, d.astype(np.float32)[:, None])), 0, 15).astype(np.uint8)
+    m = np.clip(np.rint(_div(-mn, dmin.astype(np.float32)[:, None])), 0, 15).astype(np.uint8)
+    s = d.astype(np.float32)[:, None] * sc
+    z = dmin.astype(np.float32)[:, None] * m
+    q = np.clip(np.rint(_div(xs + z[..., None], s[..., None])), 0, 3).astype(np.uint8)
+    return np.concatenate(
+        [
+            sc | (m << 4),
+            _q2_bits(q),
+            d.view(np.uint8).reshape(B, 2),
+            dmin.view(np.uint8).reshape(B, 2),
+        ],
+        axis=-1,
+    )
+
+
+def _quantize_q3_k(x: np.ndarray) -> np.ndarray:
+    """Blocks ``[B, 256]`` fp32 -> q3_K bytes ``[B, 110]``.
+
+    Per sub-block of 16 the scale maps the value of largest magnitude to -4 (ggml's
+    ``make_q3_quants`` sign trick: q runs over [-4, 3]); the signed sub-block scales
+    become 6-bit ``sc - 32`` against ``d``, the largest in magnitude -32 (as llama.cpp).
+    """
+    B = x.shape[0]
+    xs = x.reshape(B, 16, 16)
+    at = np.abs(xs).argmax(-1)[..., None]
+    scale = -np.take_along_axis(xs, at, axis=-1)[..., 0] / 4  # signed
+    big = np.take_along_axis(scale, np.abs(scale).argmax(-1)[:, None], axis=-1)[:, 0]
+    d = _to_f16(-big / 32, "d")
+    sc = np.clip(np.rint(_div_signed(scale, d.astype(np.float32)[:, None])), -32, 31)
+    s = d.astype(np.float32)[:, None] * sc.astype(np.int16)
+    q = np.clip(np.rint(_div_signed(xs, s[..., None])), -4, 3).astype(np.int16) + 4  # 0..7
+    qb = q.reshape(B, 256)
+    hbits = (qb >> 2).astype(np.uint8).reshape(B, 2, 4, 32)  # [i][t][l] -> bit 4i + t of hmask[l]
+    shifts = np.arange(8, dtype=np.uint8).reshape(2, 4, 1)
+    hmask = (hbits << shifts).reshape(B, 8, 32).sum(axis=1, dtype=np.uint8)
+    return np.concatenate(
+        [
+            hmask,
+            _q2_bits(qb & 3),
+            _pack_scales_q3_k((sc + 32).astype(np.uint8)),
+            d.view(np.uint8).reshape(B, 2),
+        ],
+        axis=-1,
+    )
+
+
 def quantize_gguf_raw(weight: np.ndarray, qtype: Union[str, Any]) -> np.ndarray:
     """Quantize fp32 ``[..., K]`` to raw GGUF blocks ``[..., K / block * type_size]`` (uint8).
 
     ``q8_0`` and ``q4_0`` use ``gguf.quants.quantize`` (bit-exact with
     llama.cpp's reference quantizers). The ``gguf`` package cannot quantize
-    the k-quants, so ``q4_k``/``q5_k``/``q6_k`` use a simple round-to-nearest
-    quantizer here: per sub-block min/max (min clipped to <= 0) or absmax,
-    6-bit (q6_K: int8) sub-block scales against an fp16 super-block ``d``.
+    the k-quants, so ``q2_k`` ... ``q6_k`` use a simple round-to-nearest
+    quantizer here: per sub-block min/max (min clipped to <= 0; q2_k, q4_k,
+    q5_k) or the value of largest magnitude (q3_k, q6_k), 4-bit (q2_K), 6-bit
+    (q3_K, q4_K, q5_K) or int8 (q6_K) sub-block scales against an fp16
+    super-block ``d``.
     It writes valid blocks but skips llama.cpp's iterative scale search
     (``make_qkx2_quants``), so its error is somewhat larger than
     ``llama-quantize``'s; convert a GGUF file for production weights.
@@ -292,5 +416,12 @@ def quantize_gguf_raw(weight: np.ndarray, qtype: Union[str, Any]) -> np.ndarray:
         qt = getattr(gguf.GGMLQuantizationType, name.upper())
         return gguf.quants.quantize(x, qt)
     blocks = x.reshape(-1, bs)
-    out = _quantize_q45_k(blocks, spec.bits) if spec.record_mins else _quantize_q6_k(blocks)
+    if name == "q2_k":
+        out = _quantize_q2_k(blocks)
+    elif name == "q3_k":
+        out = _quantize_q3_k(blocks)
+    elif spec.record_mins:
+        out = _quantize_q45_k(blocks, spec.bits)
+    else:
+        out = _quantize_q6_k(blocks)
     return out.reshape(*x.shape[:-1], x.shape[-1] // bs * ts)

@@ -106,7 +106,7 @@ def quantize_weights(
       per 16 along K, E2M1 elements (:func:`kt_ops.formats.nvfp4.quantize_nvfp4`).
     * ``q8_0``, ``q4_0``: ``gguf.quants.quantize`` (llama.cpp's reference
       quantizers), repacked with ``from_gguf``; ``K`` a multiple of 32.
-    * ``q4_k``, ``q5_k``, ``q6_k``: a simple round-to-nearest k-quant
+    * ``q2_k``, ``q3_k``, ``q4_k``, ``q5_k``, ``q6_k``: a simple round-to-nearest k-quant
       quantizer of this package (the ``gguf`` package cannot quantize them)
       writing valid GGUF blocks, repacked with ``from_gguf``; ``K`` a
       multiple of 256. For production weights convert a GGUF file instead.
@@ -117,7 +117,7 @@ def quantize_weights(
         group_size: ``None`` for the format's default, else one it allows
             (see ``format_spec(weight_format).group_sizes``).
         symmetric: ``False`` selects the zero-point variant of ``int4``;
-            accepted (and ignored: always asymmetric) for ``q4_k``/``q5_k``.
+            accepted (and ignored: always asymmetric) for ``q2_k``/``q4_k``/``q5_k``.
 
     Returns:
         A validated :class:`PackedProjection` (``n = N``, ``k = K``).
@@ -148,7 +148,7 @@ def quantize_weights(
     if not symmetric and not (spec.has_zeros or spec.record_mins):
         raise ValueError(
             f"quantize_weights: symmetric=False is not supported for {spec.name!r} (it has no "
-            "zeros); formats with zeros: int4, q4_k, q5_k"
+            "zeros); formats with zeros: int4, q2_k, q4_k, q5_k"
         )
     w = weight.detach().to("cpu", torch.float32).contiguous()
     if not bool(torch.isfinite(w).all()):

@@ -86,13 +86,18 @@ class FormatSpec:
         bits_per_weight: storage per weight at the default group size, scales
             and zeros included (int4: symmetric, group 128), ignoring padding.
         source: where the element format comes from.
-        scale_record_bytes: GGUF k-quants (``q4_k``, ``q5_k``, ``q6_k``): bytes
-            of one scale record (16 rows x one 256-k super-block: 256 for
-            q4_k/q5_k, 288 for q6_k); ``scales`` is uint8 ``[E, NB, Kp/256,
-            scale_record_bytes]`` (docs/formats.md, "k-quant scales"). 0 otherwise.
+        scale_record_bytes: GGUF k-quants (``q2_k``, ``q3_k``, ``q4_k``,
+            ``q5_k``, ``q6_k``): bytes of one scale record (16 rows x one 256-k
+            super-block: 256 for q4_k/q5_k, 288 for q6_k/q3_k, 320 for q2_k);
+            ``scales`` is uint8 ``[E, NB, Kp/256, scale_record_bytes]``
+            (docs/formats.md, "k-quant scales"). 0 otherwise.
         super_block: K per scale record (256 for the k-quants, else 0).
-        record_mins: the records hold mins (``dmin*m``, q4_k/q5_k): the
+        record_mins: the records hold mins (``dmin*m``, q2_k/q4_k/q5_k): the
             format is asymmetric without a ``zeros`` tensor.
+        zero_offset: the implicit zero of unsigned codes without zeros or
+            mins, ``W = scale * (q - zero_offset)``: ``2^(bits-1)`` (int4,
+            q4_0: 8; q6_k: 32), 4 for q3_k (its 3-bit codes in the 4-bit
+            plane), 12 for the E2M1 formats' kernel codes; 0 otherwise.
         gguf_block: the GGUF (ggml) block types: ``(weights, bytes)`` of one
             ggml block of the type the format repacks losslessly (as
             ``gguf.GGML_QUANT_SIZES``); ``None`` for the other formats.
@@ -122,6 +127,7 @@ class FormatSpec:
     record_mins: bool = False
     gguf_block: Optional[tuple[int, int]] = None
     fp8_row_scales: bool = False
+    zero_offset: float = 0.0
 
     def brgemm_min_tokens_for(self, cpu_class: str) -> Optional[int]:
         """The ``'auto'`` brgemm threshold on ``cpu_class`` (``'avx512'`` or ``'amx'``)."""
@@ -145,7 +151,7 @@ class FormatSpec:
 
     @property
     def is_gguf(self) -> bool:
-        """True for the GGUF block types (q8_0, q4_0, q4_k, q5_k, q6_k): ``gguf_block`` is set."""
+        """True for the GGUF block types (q8_0, q4_0, q2_k ... q6_k): ``gguf_block`` is set."""
         return self.gguf_block is not None
 
     def num_groups(self, k: int, group_size: int) -> int:
@@ -222,6 +228,7 @@ def _spec_from_row(row: dict) -> FormatSpec:
         record_mins=row["record_mins"],
         gguf_block=row["gguf_block"],
         fp8_row_scales=row["fp8_row_scales"],
+        zero_offset=row["zero_offset"],
     )
 
 

@@ -190,8 +190,8 @@ void qint_decode_impl(const QintBlock& a, float* w) {
                                         8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   const __m256i rows_together = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   [[maybe_unused]] const __m256 offset = _mm256_set1_ps(f.zero_offset);
-  [[maybe_unused]] alignas(64) float kq_s[KQ ? 16 * 16 : 1];
-  [[maybe_unused]] alignas(64) float kq_z[KQ ? 8 * 16 : 1];
+  [[maybe_unused]] alignas(64) float kq_s[KQ ? formats::kKquantMaxSubBlocks * 16 : 1];
+  [[maybe_unused]] alignas(64) float kq_z[KQ ? formats::kKquantMaxSubBlocks * 16 : 1];
   for (int64_t k0 = 0; k0 < kp; k0 += 8) {
     if constexpr (KQ) {  // k-quants: the super-block's scales (qint_tiles.h)
       if (k0 % formats::kKSuperK == 0)
@@ -246,6 +246,8 @@ void qint_decode(const QintBlock& a, float* w) {
   const QintFormat& f = *a.format;
   const bool explicit_zero = a.zeros != nullptr;
   if (formats::is_kquant(f.scale_type)) {
+    if (f.bits == 4 && !formats::kquant_has_mins(f.scale_type))  // q3_k
+      return qint_decode_impl<4, false, ZeroMode::kImplicit, true>(a, w);
     if (f.bits == 4) return qint_decode_impl<4, false, ZeroMode::kExplicit, true>(a, w);
     if (f.bits == 5) return qint_decode_impl<5, false, ZeroMode::kExplicit, true>(a, w);
     if (f.bits == 6) return qint_decode_impl<6, false, ZeroMode::kImplicit, true>(a, w);

@@ -160,7 +160,7 @@ struct QintVec {
   static inline F fnmadd(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
   static inline void store(float* p, F v) { _mm256_storeu_ps(p, v); }
   // GGUF k-quant record (formats/qint.h) -> s[j * 16 + r] = d[r] * sc_j[r] and
-  // (kKq45) z[j * 16 + r] = dmin[r] * m_j[r] for the 16 rows: get_scale_min_k4
+  // (kKq45, kKq2) z[j * 16 + r] = dmin[r] * m_j[r] for the 16 rows: get_scale_min_k4
   // on 16-byte vectors (one byte per row), widened and scaled. Exact products.
   // The byte work is shared by the x86 tiers (kernels/kquant_records_sse.h).
   static inline void kquant_decode(const uint8_t* rec, formats::ScaleType t, float* s, float* z) {

@@ -28,7 +28,7 @@ inline float param(const QintBlock& a, int64_t g, int r, bool min) {
 
 // Whether the block has explicit zeros (a zeros tensor or q4_K/q5_K mins).
 inline bool explicit_zeros(const QintBlock& a) {
-  return a.zeros != nullptr || a.format->scale_type == formats::ScaleType::kKq45;
+  return formats::qint_subtracts_zeros(a.format->scale_type, a.zeros != nullptr);
 }
 
 }  // namespace
