@@ -362,6 +362,11 @@ def random_blocks(qtype: Q, shape_elems: tuple[int, ...], rng: np.random.Generat
         set_f16(off_m, 1e-4, 1e-3)
     elif qtype == Q.Q6_K:
         set_f16(208, 1e-4, 1e-3)
+    elif qtype == Q.Q3_K:
+        set_f16(108, 1e-4, 1e-3)
+    elif qtype == Q.Q4_1:  # d, m: a type kt_ops refuses
+        set_f16(0, 1e-3, 1e-2)
+        set_f16(2, 1e-3, 1e-2)
     else:
         raise ValueError(qtype)
     return raw.reshape(*lead, K // bs * ts)

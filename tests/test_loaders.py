@@ -384,11 +384,31 @@ def test_gguf_float_tensors_quantized_online(tmp_path, qtype):
 
 
 def test_gguf_unsupported_type(tmp_path):
-    path = tmp_path / "q2.gguf"
-    write_gguf(path, {"gate": Q.Q4_K, "up": Q.Q2_K, "down": Q.Q6_K}, moe_layers=(0,))
-    with pytest.raises(ValueError, match=r"blk\.0\.ffn_up_exps\.weight.*Q2_K.*Q4_K") as ei:
+    path = tmp_path / "q41.gguf"
+    write_gguf(path, {"gate": Q.Q4_K, "up": Q.Q4_1, "down": Q.Q6_K}, moe_layers=(0,))
+    with pytest.raises(ValueError, match=r"blk\.0\.ffn_up_exps\.weight.*Q4_1.*Q4_K") as ei:
         GGUFCheckpoint(path)
-    assert "Q8_0" in str(ei.value) and "supported" in str(ei.value)
+    assert "Q8_0" in str(ei.value) and "Q2_K" in str(ei.value) and "supported" in str(ei.value)
+
+
+def test_gguf_low_bit_k_quants_native(tmp_path):
+    # Q2_K and Q3_K (GGUF Q2_K / Q3_K_M files): their codes held in the 4-bit plane,
+    # exactly gguf.quants.dequantize's weights (the kernels: tests/test_quant_forward.py).
+    path = tmp_path / "q23.gguf"
+    types = {"gate": Q.Q2_K, "up": Q.Q3_K, "down": Q.Q2_K}
+    expected = write_gguf(path, types, E=2, H=256, I=256, moe_layers=(0,))
+    ck = GGUFCheckpoint(path)
+    assert ck.tensor_types(0) == {"gate": "Q2_K", "up": "Q3_K", "down": "Q2_K"}
+    assert ck.native_formats(0) == {"gate": "q2_k", "up": "q3_k", "down": "q2_k"}
+    out = ck.load_layer(0)
+    assert out.weight_format == "q2_k,q3_k,q2_k"
+    for r in ROLES:
+        raw = np.asarray(expected[0][r]["raw"])
+        want = torch.from_numpy(gguf.quants.dequantize(raw, types[r]))
+        assert torch.equal(expected[0][r]["dense"], want)
+        assert torch.equal(dequantize_weights(getattr(out, r)), want), r
+    with pytest.raises(ValueError, match=r"blk\.0\.ffn_up_exps\.weight is Q3_K"):
+        ck.load_layer(0, "q2_k")
 
 
 def test_gguf_truncated_and_not_gguf(tmp_path):

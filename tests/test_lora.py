@@ -943,6 +943,7 @@ BACKWARD_BF16_KERNELS = ["onednn", "kt"]
     "base",
     ["bf16", "int8", "fp8", "fp8_channel", "mxfp8", "mxfp8_e0"]
     + ["int4", "int4_zeros", "q4_k", "q5_k", "q6_k", "q8_0", "q4_0", "mxfp4", "mxfp4_e1", "nvfp4"]
+    + ["q2_k", "q3_k"]
     + ["int8,int8,q6_k"],
 )
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["save", "recompute"])

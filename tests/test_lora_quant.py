@@ -97,6 +97,8 @@ LAYOUTS = [
     Layout("q8_0", 32, False, 72, 40),
     Layout("q4_0", 32, False, 72, 40),
     # k-quants: K (and so, for the [k, n] down, n) a multiple of 256; scale records.
+    Layout("q2_k", 16, False, 256, 512),
+    Layout("q3_k", 16, False, 512, 256),
     Layout("q4_k", 32, False, 256, 512),
     Layout("q5_k", 32, False, 512, 256),  # several 32-k high-plane words, 2 super-blocks
     Layout("q6_k", 16, False, 256, 512),
@@ -127,7 +129,7 @@ def random_packed(
     sshape = spec.scales_shape(E, n, k, group_size)
     if spec.is_kquant:  # every record byte random, then finite random fp16 d (and dmin)
         scales = torch.randint(0, 256, sshape, dtype=torch.uint8, generator=g)
-        n_f16 = 32 if fmt == "q6_k" else 64
+        n_f16 = 64 if spec.record_mins else 32  # d (and dmin) fp16 [16]
         f16 = (torch.randn(*sshape[:-1], n_f16 // 2, generator=g) * 0.05).half()
         scales[..., :n_f16] = f16.view(torch.uint8)
     elif spec.scale_dtype == torch.uint8:
@@ -263,6 +265,8 @@ VARIANTS = [
     Variant("nvfp4", None, True, 72, 40),
     Variant("q8_0", None, True, 96, 64),
     Variant("q4_0", None, True, 96, 64),
+    Variant("q2_k", None, True, 256, 256),
+    Variant("q3_k", None, True, 256, 256),
     Variant("q4_k", None, True, 256, 256),
     Variant("q5_k", None, True, 256, 256),
     Variant("q6_k", None, True, 256, 256),

@@ -126,6 +126,9 @@ MIXES = [
     Mix(("int4", "fp8", "bf16"), 96, 64, 32, False),
     Mix(("bf16", "fp8", "int8"), 50, 40),
     Mix(("fp8", "bf16", "fp8"), 17, 15),
+    # the low-bit GGUF mixes: Q3_K_M-like and Q2_K-like
+    Mix(("q3_k", "q3_k", "q4_k"), 256, 256),
+    Mix(("q2_k", "q2_k", "q3_k"), 256, 256),
 ]
 MIX_IDS = [m.id for m in MIXES]
 #: The six mixes of the brief (the first six).
