@@ -738,6 +738,15 @@ def test_from_gguf_rejects_bad_input():
     bad[0, 0, 0:2] = np.array([0x00, 0x7C], dtype=np.uint8)  # fp16 +inf d
     with pytest.raises(ValueError, match="raw has a non-finite"):
         from_gguf("q4_0", bad, 4, 64)
+    # Every k-quant's d (and dmin) is checked where its block stores it.
+    for name, offs in (("q2_k", (80, 82)), ("q3_k", (108,)), ("q4_k", (0, 2)), ("q6_k", (208,))):
+        good = _random_gguf_raw(name, 1, 2, 256, seed=1)
+        assert from_gguf(name, good, 2, 256) is not None
+        for off in offs:
+            bad = good.copy()
+            bad[0, 1, off : off + 2] = np.array([0x00, 0xFE], dtype=np.uint8)  # fp16 NaN
+            with pytest.raises(ValueError, match=f"raw has a non-finite fp16 d/dmin in a {name}"):
+                from_gguf(name, bad, 2, 256)
 
 
 def test_from_fp8_and_from_mxfp4_reject_bad_input():
