@@ -83,6 +83,23 @@ def _scale_min_k4(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc, mn
 
 
+def _crumbs(a: np.ndarray) -> np.ndarray:
+    """Bytes ``[..., 1, L]`` -> their four 2-bit fields ``[..., 4, L]``, bits ``2t`` first."""
+    return (a >> (2 * np.arange(4, dtype=np.uint8)).reshape(4, 1)) & 3
+
+
+def _pack_crumbs(q: np.ndarray) -> np.ndarray:
+    """Inverse of :func:`_crumbs`: 2-bit values ``[B, 256]`` -> bytes ``[B, 64]``, value
+    ``128i + 32t + l`` at bits ``2t`` of byte ``32i + l`` (q2_K's / q3_K's ``qs``, q6_K's
+    ``qh``)."""
+    q = q.reshape(-1, 2, 4, 32).astype(np.uint8) & 3
+    return (
+        (q << (2 * np.arange(4, dtype=np.uint8)).reshape(4, 1))
+        .sum(axis=2, dtype=np.uint8)
+        .reshape(-1, 64)
+    )
+
+
 def _scales_q3_k(b: np.ndarray) -> np.ndarray:
     """q3_K ``scales[..., 12]`` -> the 16 six-bit scales ``[..., 16]`` (0..63; ggml subtracts 32).
 
@@ -192,14 +209,14 @@ def from_gguf(
         _check_finite(name, _f16(blk[..., 80:82]), _f16(blk[..., 82:84]))
         head = np.concatenate([blk[..., 0:16], blk[..., 80:84]], axis=-1)
         qs = blk[..., 16:80].reshape(E, n, -1, 2, 1, 32)  # [i][.][l]
-        codes = (qs >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)) & 3  # [.., 2, 4, 32]
+        codes = _crumbs(qs)  # [.., 2, 4, 32]
     elif name == "q3_k":  # hmask[32], qs[64], scales[12], d
         _check_finite(name, _f16(blk[..., 108:110]))
         sc = _scales_q3_k(blk[..., 96:108]).astype(np.int16) - 32  # [.., 16] in [-32, 31]
         head = np.concatenate([sc.astype(np.int8).view(np.uint8), blk[..., 108:110]], axis=-1)
         qs = blk[..., 32:96].reshape(E, n, -1, 2, 1, 32)
         hm = blk[..., 0:32].reshape(E, n, -1, 1, 1, 32)
-        low = (qs >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)) & 3  # [.., 2, 4, 32]
+        low = _crumbs(qs)  # [.., 2, 4, 32]
         high = (hm >> np.arange(8, dtype=np.uint8).reshape(2, 4, 1)) & 1  # bit 4i + t
         codes = low | (high << 2)
     elif spec.record_mins:  # q4_K, q5_K: d, dmin, scales[12] ahead of the codes
@@ -222,7 +239,7 @@ def from_gguf(
         head = blk[..., 192:210]  # int8 scales[16], d: copied as they are
         # weight 32t + l of half i, t = 2s + a: nibble s of ql[64i + 32a + l]
         low = (ql >> np.array([0, 4], dtype=np.uint8).reshape(2, 1, 1)) & 15  # [..., 2, 2, 2, 32]
-        high = (qh >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)) & 3  # [..., 2, 4, 32]
+        high = _crumbs(qh)  # [..., 2, 4, 32]
         codes = low.reshape(E, n, -1, 2, 4, 32) | (high << 4)
     codes_t = torch.from_numpy(np.ascontiguousarray(codes).reshape(E, n, k))
     pad = 0 if spec.signed else 1 << (spec.bits - 1)
@@ -263,31 +280,32 @@ def _to_f16(a: np.ndarray, what: str) -> np.ndarray:
 
 
 def _div(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """``a / b`` where ``b > 0``, else 0."""
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where(b > 0, a / np.where(b > 0, b, 1), 0).astype(np.float32)
-
-
-def _div_signed(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """``a / b`` where ``b != 0``, else 0."""
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.where(b != 0, a / np.where(b != 0, b, 1), 0).astype(np.float32)
 
 
-def _quantize_q45_k(x: np.ndarray, bits: int) -> np.ndarray:
-    """Blocks ``[B, 256]`` fp32 -> q4_K (bits=4) or q5_K (bits=5) bytes ``[B, 144 | 176]``."""
-    B = x.shape[0]
-    nmax = (1 << bits) - 1
-    xs = x.reshape(B, 8, 32)
+def _min_max_quants(xs: np.ndarray, nmax: int, smax: int) -> tuple[np.ndarray, ...]:
+    """Sub-blocks ``[B, J, L]`` fp32 -> ``d``, ``dmin`` fp16 ``[B]``, sub-scales ``sc``, mins
+    ``m`` ``[B, J]`` (``0..smax``) and codes ``q`` ``[B, J, L]`` (``0..nmax``), by round to
+    nearest: ``W ~ d*sc * q - dmin*m`` with the sub-block's min clipped to <= 0 (q2_K,
+    q4_K, q5_K)."""
     mn = np.minimum(xs.min(-1), 0)
     scale = (xs.max(-1) - mn) / nmax
-    d = _to_f16(scale.max(-1) / 63, "d")
-    dmin = _to_f16((-mn).max(-1) / 63, "dmin")
-    sc = np.clip(np.rint(_div(scale, d.astype(np.float32)[:, None])), 0, 63).astype(np.uint8)
-    m = np.clip(np.rint(_div(-mn, dmin.astype(np.float32)[:, None])), 0, 63).astype(np.uint8)
+    d = _to_f16(scale.max(-1) / smax, "d")
+    dmin = _to_f16((-mn).max(-1) / smax, "dmin")
+    sc = np.clip(np.rint(_div(scale, d.astype(np.float32)[:, None])), 0, smax).astype(np.uint8)
+    m = np.clip(np.rint(_div(-mn, dmin.astype(np.float32)[:, None])), 0, smax).astype(np.uint8)
     s = d.astype(np.float32)[:, None] * sc
     z = dmin.astype(np.float32)[:, None] * m
     q = np.clip(np.rint(_div(xs + z[..., None], s[..., None])), 0, nmax).astype(np.uint8)
+    return d, dmin, sc, m, q
+
+
+def _quantize_q45_k(x: np.ndarray, bits: int) -> np.ndarray:
+    """Blocks ``[B, 256]`` fp32 -> q4_K (bits=4) or q5_K (bits=5) bytes ``[B, 144 | 176]``."""
+    B = x.shape[0]
+    d, dmin, sc, m, q = _min_max_quants(x.reshape(B, 8, 32), (1 << bits) - 1, 63)
     head = [d.view(np.uint8).reshape(B, 2), dmin.view(np.uint8).reshape(B, 2)]
     head.append(_pack_scale_min_k4(sc, m))
     q4 = q.reshape(B, 4, 2, 32) & 15
@@ -310,41 +328,18 @@ def _quantize_q6_k(x: np.ndarray) -> np.ndarray:
     q = np.clip(np.rint(_div(xs, s[..., None])) + 32, 0, 63).astype(np.uint8)
     q = q.reshape(B, 2, 2, 2, 32)  # [i][s][a][l]: weight 128i + 32(2s + a) + l
     ql = ((q[:, :, 0] & 15) | ((q[:, :, 1] & 15) << 4)).reshape(B, 128)
-    hb = (q.reshape(B, 2, 4, 32) >> 4) & 3  # [i][t][l] -> bits 2t of qh[32i + l]
-    qh = (hb << (2 * np.arange(4, dtype=np.uint8)).reshape(4, 1)).sum(axis=2, dtype=np.uint8)
-    return np.concatenate(
-        [ql, qh.reshape(B, 64), sc.view(np.uint8), d.view(np.uint8).reshape(B, 2)], axis=-1
-    )
-
-
-def _q2_bits(q: np.ndarray) -> np.ndarray:
-    """2-bit values ``[B, 256]`` -> ``qs[B, 64]``: weight ``128i + 32t + l`` at bits ``2t`` of
-    ``qs[32i + l]`` (q2_K, q3_K)."""
-    q = q.reshape(-1, 2, 4, 32).astype(np.uint8) & 3
-    return (
-        (q << (2 * np.arange(4, dtype=np.uint8)).reshape(4, 1))
-        .sum(axis=2, dtype=np.uint8)
-        .reshape(-1, 64)
-    )
+    qh = _pack_crumbs(q.reshape(B, 256) >> 4)  # weight 128i + 32t + l: bits 2t of qh[32i + l]
+    return np.concatenate([ql, qh, sc.view(np.uint8), d.view(np.uint8).reshape(B, 2)], axis=-1)
 
 
 def _quantize_q2_k(x: np.ndarray) -> np.ndarray:
     """Blocks ``[B, 256]`` fp32 -> q2_K bytes ``[B, 84]`` (4-bit sub-block scales and mins)."""
     B = x.shape[0]
-    xs = x.reshape(B, 16, 16)
-    mn = np.minimum(xs.min(-1), 0)
-    scale = (xs.max(-1) - mn) / 3
-    d = _to_f16(scale.max(-1) / 15, "d")
-    dmin = _to_f16((-mn).max(-1) / 15, "dmin")
-    sc = np.clip(np.rint(_div(scale, d.astype(np.float32)[:, None])), 0, 15).astype(np.uint8)
-    m = np.clip(np.rint(_div(-mn, dmin.astype(np.float32)[:, None])), 0, 15).astype(np.uint8)
-    s = d.astype(np.float32)[:, None] * sc
-    z = dmin.astype(np.float32)[:, None] * m
-    q = np.clip(np.rint(_div(xs + z[..., None], s[..., None])), 0, 3).astype(np.uint8)
+    d, dmin, sc, m, q = _min_max_quants(x.reshape(B, 16, 16), 3, 15)
     return np.concatenate(
         [
             sc | (m << 4),
-            _q2_bits(q),
+            _pack_crumbs(q),
             d.view(np.uint8).reshape(B, 2),
             dmin.view(np.uint8).reshape(B, 2),
         ],
@@ -365,9 +360,9 @@ def _quantize_q3_k(x: np.ndarray) -> np.ndarray:
     scale = -np.take_along_axis(xs, at, axis=-1)[..., 0] / 4  # signed
     big = np.take_along_axis(scale, np.abs(scale).argmax(-1)[:, None], axis=-1)[:, 0]
     d = _to_f16(-big / 32, "d")
-    sc = np.clip(np.rint(_div_signed(scale, d.astype(np.float32)[:, None])), -32, 31)
+    sc = np.clip(np.rint(_div(scale, d.astype(np.float32)[:, None])), -32, 31)
     s = d.astype(np.float32)[:, None] * sc.astype(np.int16)
-    q = np.clip(np.rint(_div_signed(xs, s[..., None])), -4, 3).astype(np.int16) + 4  # 0..7
+    q = np.clip(np.rint(_div(xs, s[..., None])), -4, 3).astype(np.int16) + 4  # 0..7
     qb = q.reshape(B, 256)
     hbits = (qb >> 2).astype(np.uint8).reshape(B, 2, 4, 32)  # [i][t][l] -> bit 4i + t of hmask[l]
     shifts = np.arange(8, dtype=np.uint8).reshape(2, 4, 1)
@@ -375,7 +370,7 @@ def _quantize_q3_k(x: np.ndarray) -> np.ndarray:
     return np.concatenate(
         [
             hmask,
-            _q2_bits(qb & 3),
+            _pack_crumbs(qb & 3),
             _pack_scales_q3_k((sc + 32).astype(np.uint8)),
             d.view(np.uint8).reshape(B, 2),
         ],
