@@ -562,6 +562,8 @@ for _fmt in (
     "q4_k",
     "q5_k",
     "q6_k",
+    "iq4_nl",
+    "iq4_xs",
 ):
     TOLERANCES[_fmt] = TOL_QUANT
 del _fmt
@@ -1065,6 +1067,8 @@ GGUF_BLOCKS = {
     "q4_k": (256, 144),
     "q5_k": (256, 176),
     "q6_k": (256, 210),
+    "iq4_nl": (32, 18),
+    "iq4_xs": (256, 136),
 }
 
 
@@ -1101,6 +1105,10 @@ def random_gguf_raw(qtype: str, num_experts: int, n: int, k: int, *, seed: int =
         set_f16(82, 0.5 * s / 16, 2 * s / 16)
     elif qtype == "q3_k":  # W = d*(sc - 32)*(q - 4), |sc - 32| <= 32, |q - 4| <= 4
         set_f16(108, 0.5 * s / (32 * 4), 2 * s / (32 * 4))
+    elif qtype == "iq4_nl":  # W = d * v, |v| <= 127
+        set_f16(0, 0.5 * s / 64, 2 * s / 64)
+    elif qtype == "iq4_xs":  # W = d*(ls - 32) * v, |ls - 32| <= 32, |v| <= 127
+        set_f16(0, 0.5 * s / (16 * 64), 2 * s / (16 * 64))
     else:  # q6_k: W = d*sc*(q - 32), |sc| <= 128
         set_f16(208, 0.5 * s / (64 * 32), 2 * s / (64 * 32))
     return torch.from_numpy(raw.reshape(num_experts, n, k // bs * ts))

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 from kt_ops.formats import (
     E2M1_VALUES,
+    IQ4NL_VALUES,
     FORMATS,
     GGUF_FORMATS,
     PackedProjection,
@@ -53,12 +54,13 @@ def _kquant_head(
     fmt: str, E: int, N: int, S: int, d: float, sc: int, dmin=0.0, m=0
 ) -> torch.Tensor:
     """GGUF scale bytes per row and super-block (q4_K/q5_K ``d, dmin, scales[12]``; q6_K,
-    q3_K ``int8 scales[16], d``; q2_K ``scales[16], d, dmin``) with one ``d`` (fp16) and
-    sub-scale ``sc`` (and ``dmin``, min ``m``)."""
+    q3_K ``int8 scales[16], d``; q2_K ``scales[16], d, dmin``; IQ4_XS ``int8 scales[8], d``)
+    with one ``d`` (fp16) and sub-scale ``sc`` (and ``dmin``, min ``m``)."""
     d16 = torch.tensor([d], dtype=torch.float16).view(torch.uint8)
     dm16 = torch.tensor([dmin], dtype=torch.float16).view(torch.uint8)
-    if fmt in ("q6_k", "q3_k"):
-        one = torch.cat([torch.full((16,), sc, dtype=torch.int8).view(torch.uint8), d16])
+    if fmt in ("q6_k", "q3_k", "iq4_xs"):
+        subs = 8 if fmt == "iq4_xs" else 16
+        one = torch.cat([torch.full((subs,), sc, dtype=torch.int8).view(torch.uint8), d16])
     elif fmt == "q2_k":
         one = torch.cat([torch.full((16,), sc | (m << 4), dtype=torch.uint8), d16, dm16])
     else:
@@ -104,6 +106,8 @@ def test_registry_matches_the_table_of_docs_formats_md():
         "q4_k",
         "q5_k",
         "q6_k",
+        "iq4_nl",
+        "iq4_xs",
     )
     table = {  # format: (bits, scale dtype, zeros, groups, activations, bits/weight)
         "bf16": (16, None, False, (0,), "fp32", 16.0),
@@ -123,6 +127,9 @@ def test_registry_matches_the_table_of_docs_formats_md():
         "q4_k": (4, torch.uint8, False, (32,), "q8", 4.5),
         "q5_k": (5, torch.uint8, False, (32,), "q8", 5.5),
         "q6_k": (6, torch.uint8, False, (16,), "q8", 6.5625),
+        # IQ4_NL: q4_0's layout through a table; IQ4_XS: int8 sub-scales (GGUF: 6-bit, 4.25)
+        "iq4_nl": (4, torch.float16, False, (32,), "q8", 4.5),
+        "iq4_xs": (4, torch.uint8, False, (32,), "q8", 4.3125),
     }
     for name, (bits, sdt, zeros, groups, act, bpw) in table.items():
         s = format_spec(name)
@@ -132,6 +139,11 @@ def test_registry_matches_the_table_of_docs_formats_md():
         assert s.bits_per_weight_for(s.default_group_size) == bpw
     assert format_spec("int8").signed and format_spec("q8_0").signed
     assert not format_spec("q4_0").signed and format_spec("mxfp4").lut
+    tables = {f: format_spec(f).code_table for f in FORMATS if format_spec(f).lut}
+    assert tables == {"mxfp4": "e2m1", "nvfp4": "e2m1", "iq4_nl": "iq4nl", "iq4_xs": "iq4nl"}
+    # IQ4_NL's values are signed bytes: the kernels multiply them as 8-bit signed codes.
+    assert format_spec("iq4_nl").signed and format_spec("iq4_xs").signed
+    assert IQ4NL_VALUES == tuple(gguf.quants.IQ4_NL.kvalues)
     assert format_spec("int4").zeros_optional and not format_spec("q4_k").has_zeros
     kq = {f: (format_spec(f).scale_record_bytes, format_spec(f).record_mins) for f in FORMATS}
     assert {f: v for f, v in kq.items() if v != (0, False)} == {
@@ -140,6 +152,7 @@ def test_registry_matches_the_table_of_docs_formats_md():
         "q4_k": (256, True),
         "q5_k": (256, True),
         "q6_k": (288, False),
+        "iq4_xs": (160, False),
     }
     # GGUF's block sizes: 144, 176, 210 bytes per 256 weights.
     for fmt, gguf_bytes in (("q4_k", 144), ("q5_k", 176), ("q6_k", 210)):
@@ -148,8 +161,8 @@ def test_registry_matches_the_table_of_docs_formats_md():
     # The implicit zeros: q3_k's 3-bit codes sit at q + 4 (ggml: q - (high ? 0 : 4)).
     offsets = {f: format_spec(f).zero_offset for f in FORMATS if format_spec(f).zero_offset}
     assert offsets == {"int4": 8, "mxfp4": 12, "nvfp4": 12, "q4_0": 8, "q3_k": 4, "q6_k": 32}
-    with pytest.raises(ValueError, match="unknown weight_format 'iq4_xs'.*bf16, int8"):
-        format_spec("iq4_xs")
+    with pytest.raises(ValueError, match="unknown weight_format 'iq2_xs'.*bf16, int8"):
+        format_spec("iq2_xs")
     with pytest.raises(dataclasses.FrozenInstanceError):
         format_spec("int8").bits = 4
 
@@ -157,14 +170,17 @@ def test_registry_matches_the_table_of_docs_formats_md():
 def test_gguf_block_types_are_rows_of_the_table():
     """GGUF-ness is one field of the spec rows; every list of GGUF types derives from it."""
     gguf_types = [f for f in FORMATS if format_spec(f).is_gguf]
-    assert gguf_types == ["q8_0", "q4_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k"]
+    assert gguf_types == [
+        "q8_0", "q4_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs"
+    ]  # fmt: skip
     assert GGUF_FORMATS == tuple(gguf_types)
     for f in FORMATS:
         block = format_spec(f).gguf_block
         if block is None:
             continue
         assert block == gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[f.upper()]], f
-        if f in ("q2_k", "q3_k"):  # held in the 4-bit plane: more than GGUF's size
+        # q2_k / q3_k: held in the 4-bit plane; iq4_xs: its 6-bit scales as int8
+        if f in ("q2_k", "q3_k", "iq4_xs"):  # more than GGUF's size
             assert format_spec(f).bits_per_weight > 8 * block[1] / block[0], f
         else:
             assert format_spec(f).bits_per_weight == 8 * block[1] / block[0], f
@@ -302,12 +318,19 @@ def test_pack_unpack_codes_round_trip(bits, e, n, k, seed):
     assert int((full != 7).sum()) == int((q.to(torch.int32) & 0xFF != 7).sum())
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k"])
+@pytest.mark.parametrize(
+    "fmt", ["int8", "int4", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs"]
+)
 def test_reference_decoder_agrees_with_the_packer(fmt):
     # The packer (reshape/permute) and the reference dequantizer (index arithmetic)
     # are written independently; unit scales make W the code (minus the implicit zero).
     spec = format_spec(fmt)
     n, k = 21, 256 if fmt != "int4" else 128
+    if spec.code_table == "iq4nl":  # W = the table's value of each 4-bit code
+        q = torch.randint(0, 16, (2, n, k), generator=_gen(1))
+        d = dequantize_weights(_packed_codes(q, fmt))
+        assert torch.equal(d, torch.tensor(IQ4NL_VALUES, dtype=torch.float32)[q])
+        return
     lo = -127 if spec.signed else 0
     q = torch.randint(lo, 1 << min(spec.bits, 7), (2, n, k), generator=_gen(1))
     d = dequantize_weights(_packed_codes(q, fmt))
@@ -504,7 +527,7 @@ def _random_gguf_raw(name: str, E: int, n: int, k: int, seed: int) -> np.ndarray
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, size=(E, n, k // bs, ts), dtype=np.uint8)
     offsets = {"q8_0": [0], "q4_0": [0], "q2_k": [80, 82], "q3_k": [108], "q4_k": [0, 2],
-               "q5_k": [0, 2], "q6_k": [208]}[name]  # fmt: skip
+               "q5_k": [0, 2], "q6_k": [208], "iq4_nl": [0], "iq4_xs": [0]}[name]  # fmt: skip
     for off in offsets:
         h = rng.integers(0, 1 << 16, size=raw.shape[:-1], dtype=np.uint16)
         h = np.where((h & 0x7C00) == 0x7C00, h & 0x83FF, h)  # exponent 31 (inf/nan) -> 0
@@ -551,6 +574,18 @@ def test_from_gguf_matches_gguf_dequantize_exactly(name):
             assert torch.equal(got[..., 16:18], torch.from_numpy(blk[..., 108:110].copy()))
             sc = got[..., :16].view(torch.int8)
             assert int(sc.min()) >= -32 and int(sc.max()) <= 31
+    elif name == "iq4_nl":  # q4_0's layout: GGUF's size, the same code bytes
+        assert p.nbytes == E * 32 * (k // bs) * ts
+    elif name == "iq4_xs":  # its 128 code bytes, d and 8 int8 ls - 32 (GGUF: 6 bits each)
+        assert p.nbytes == E * 32 * (k // bs) * (128 + 10)
+        got = unpack_kquant_scales(p.scales, name, n)
+        assert torch.equal(got[..., 8:10], torch.from_numpy(blk[..., 0:2].copy()))
+        sc = got[..., :8].view(torch.int8).to(torch.int32) + 32
+        h = torch.from_numpy(blk[..., 2:4].copy()).view(torch.int16).to(torch.int32) & 0xFFFF
+        ls = torch.from_numpy(blk[..., 4:8].copy()).to(torch.int32)
+        for j in range(8):  # ggml's ls_j, spelled out
+            want = ((ls[..., j // 2] >> (4 * (j % 2))) & 15) | (((h[..., 0] >> (2 * j)) & 3) << 4)
+            assert torch.equal(sc[..., j], want), j
 
 
 @pytest.mark.parametrize("name", GGUF_FORMATS)
@@ -568,7 +603,7 @@ def test_gguf_quantizers_round_trip(name):
         assert np.array_equal(raw, gguf.quants.quantize(w.numpy(), qt))
     rel = ((d - w).pow(2).mean() / w.pow(2).mean()).sqrt().item()
     bound = {"q8_0": 0.01, "q4_0": 0.15, "q2_k": 0.4, "q3_k": 0.2, "q4_k": 0.12, "q5_k": 0.06,
-             "q6_k": 0.03}[name]  # fmt: skip
+             "q6_k": 0.03, "iq4_nl": 0.1, "iq4_xs": 0.1}[name]  # fmt: skip
     assert rel < bound, rel
     assert torch.equal(d[0, 0], torch.zeros(K))
 
@@ -739,7 +774,8 @@ def test_from_gguf_rejects_bad_input():
     with pytest.raises(ValueError, match="raw has a non-finite"):
         from_gguf("q4_0", bad, 4, 64)
     # Every k-quant's d (and dmin) is checked where its block stores it.
-    for name, offs in (("q2_k", (80, 82)), ("q3_k", (108,)), ("q4_k", (0, 2)), ("q6_k", (208,))):
+    for name, offs in (("q2_k", (80, 82)), ("q3_k", (108,)), ("q4_k", (0, 2)), ("q6_k", (208,)),
+                       ("iq4_nl", (0, 18)), ("iq4_xs", (0,))):  # fmt: skip
         good = _random_gguf_raw(name, 1, 2, 256, seed=1)
         assert from_gguf(name, good, 2, 256) is not None
         for off in offs:

@@ -134,6 +134,10 @@ VARIANTS = [
     # Several 256-k super-blocks per 16-row block (scale records decoded per super-block).
     Variant("q5_k", None, True, 512, 256, "_512x256"),
     Variant("q6_k", None, True, 256, 768, "_256x768"),
+    # IQ4_NL's table of signed values from 4-bit codes (the signed 8-bit kernels' way).
+    Variant("iq4_nl", None, True, 96, 64),
+    Variant("iq4_xs", None, True, 256, 256),
+    Variant("iq4_xs", None, True, 512, 256, "_512x256"),
 ]
 VARIANT_IDS = [v.id for v in VARIANTS]
 #: One variant per format (the first listed).
@@ -476,7 +480,7 @@ def test_quant_activation_modes():
     assert kt_ops.get_quant_activations() == "auto"
     with pytest.raises(ValueError, match="mode must be 'auto', 'q8' or 'fp32', got 'int8'"):
         kt_ops.set_quant_activations("int8")
-    for fmt in ("int4", "mxfp4", "q4_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "bf16"):
+    for fmt in ("int4", "mxfp4", "q4_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "bf16"):
         assert kt_ops.quant_fp32_min_tokens(fmt) is None, fmt
     for fmt in ("int8", "q8_0", "fp8"):
         assert kt_ops.quant_fp32_min_tokens(fmt, "avx2") >= 2, fmt
@@ -493,12 +497,13 @@ def test_quant_activation_modes():
 # Weights from raw checkpoint blocks (every code value, not just a quantizer's)
 # --------------------------------------------------------------------------
 
-GGUF_TYPES = ["q8_0", "q4_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k"]
+GGUF_TYPES = ["q8_0", "q4_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs"]
 
 
 @functools.cache
 def gguf_layer(qtype: str) -> kt_ops.ExpertWeights:
-    H, I = (96, 64) if qtype in ("q8_0", "q4_0") else (512, 256)  # k-quants: 2 super-blocks
+    # k-quants and iq4_xs: 2 super-blocks
+    H, I = (96, 64) if qtype in ("q8_0", "q4_0", "iq4_nl") else (512, 256)
     shapes = ((I, H), (I, H), (H, I))
     return kt_ops.ExpertWeights(
         *(from_gguf(qtype, random_gguf_raw(qtype, 4, n, k, seed=i), n, k)
@@ -674,6 +679,8 @@ TOTAL_ERROR = {
     "nvfp4": 0.30,
     "q4_0": 0.30,
     "q4_k": 0.30,
+    "iq4_nl": 0.30,
+    "iq4_xs": 0.30,
     "q3_k": 0.45,
     "q2_k": 0.80,
 }

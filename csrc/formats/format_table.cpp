@@ -6,11 +6,11 @@ namespace kt::formats {
 
 namespace {
 
-QintFormat qint(int bits, bool is_signed, bool lut, float zero_offset) {
+QintFormat qint(int bits, bool is_signed, float zero_offset, CodeTable table = CodeTable::kNone) {
   QintFormat f;
   f.bits = bits;
   f.is_signed = is_signed;
-  f.lut_e2m1 = lut;
+  f.table = table;
   f.zero_offset = zero_offset;
   return f;
 }
@@ -144,10 +144,10 @@ const std::vector<FormatRow>& format_table() {
   static const std::vector<FormatRow> rows = {
       {"bf16", L::kBf16, {}, {0}, 0, S::kNone, Z::kNever, A::kF32, kNoFp32, kBf16Brgemm, 16.0,
        "bfloat16 weights (round to nearest even)"},
-      {"int8", L::kQint, qint(8, true, false, 0.f), {0}, 0, S::kF32, Z::kNever, A::kQ8,
+      {"int8", L::kQint, qint(8, true, 0.f), {0}, 0, S::kF32, Z::kNever, A::kQ8,
        kInt8Fp32, kInt8Brgemm, 8.0, "symmetric per-channel int8 (scale = amax/127)"},
       // group_size 0: one scale (and zero) per output channel (kt-kernel AMXINT4 / AMXINT4_1).
-      {"int4", L::kQint, qint(4, false, false, 8.f), {0, 32, 64, 128}, 128, S::kF16,
+      {"int4", L::kQint, qint(4, false, 8.f), {0, 32, 64, 128}, 128, S::kF16,
        Z::kOptional, A::kQ8, kNoFp32, kInt4Brgemm, 4.125,
        "int4 per group or per output channel, symmetric or asymmetric (GPTQ/AWQ-style zero point)"},
       {"fp8", L::kFp8, {}, {128}, 128, S::kF32, Z::kNever, A::kF32, kFp8Fp32, kFp8Brgemm, 8.0,
@@ -163,17 +163,17 @@ const std::vector<FormatRow>& format_table() {
        8.25, "OCP Microscaling Formats (MX) v1.0: E4M3 elements, UE8M0 scales, 32 per block",
        {}, true},
       // OCP MX: E2M1 codes, one UE8M0 exponent per 32; kernel codes 2v + 12.
-      {"mxfp4", L::kQint, qint(4, false, true, 12.f), {32}, 32, S::kE8M0, Z::kNever, A::kQ8,
+      {"mxfp4", L::kQint, qint(4, false, 12.f, CodeTable::kE2m1), {32}, 32, S::kE8M0, Z::kNever, A::kQ8,
        kNoFp32, kMxfp4Brgemm, 4.25,
        "OCP Microscaling Formats (MX) v1.0: E2M1 elements, UE8M0 scales, 32 per block"},
       // NVIDIA NVFP4: E2M1 codes, one E4M3 scale per 16 times a per-tensor fp32 scale. Stored
       // as one fp32 scale per 16 (half the product, for the kernel codes 2v + 12): exact.
-      {"nvfp4", L::kQint, qint(4, false, true, 12.f), {16}, 16, S::kF32, Z::kNever, A::kQ8,
+      {"nvfp4", L::kQint, qint(4, false, 12.f, CodeTable::kE2m1), {16}, 16, S::kF32, Z::kNever, A::kQ8,
        kNoFp32, kNoBrgemmPath, 6.0,
        "NVIDIA NVFP4 (E2M1 elements, E4M3 scale per 16, fp32 per-tensor scale), fp32 scales"},
-      {"q8_0", L::kQint, qint(8, true, false, 0.f), {32}, 32, S::kF16, Z::kNever, A::kQ8,
+      {"q8_0", L::kQint, qint(8, true, 0.f), {32}, 32, S::kF16, Z::kNever, A::kQ8,
        kInt8Fp32, kQ80Brgemm, 8.5, kGgml, {32, 34}},
-      {"q4_0", L::kQint, qint(4, false, false, 8.f), {32}, 32, S::kF16, Z::kNever, A::kQ8,
+      {"q4_0", L::kQint, qint(4, false, 8.f), {32}, 32, S::kF16, Z::kNever, A::kQ8,
        kNoFp32, kNoBrgemmPath, 4.5, kGgml, {32, 18}},
       // k-quants: GGUF's own super-block scales (d, dmin fp16 per 256, 6-bit / int8
       // sub-scales), one record per 16 rows x 256 k (formats/qint.h); the q4_K/q5_K
@@ -181,16 +181,24 @@ const std::vector<FormatRow>& format_table() {
       // 2- and 3-bit codes in the 4-bit plane (the 4-bit kernels; 4.6 bits a weight, not
       // GGUF's 2.6 / 3.4) and their scales in records (q3_K: q6_K's, its 6-bit scales as
       // int8 sc - 32; q2_K: its own bytes): exact, the same values as ggml's.
-      {"q2_k", L::kQint, qint(4, false, false, 0.f), {16}, 16, S::kKq2, Z::kNever, A::kQ8,
+      {"q2_k", L::kQint, qint(4, false, 0.f), {16}, 16, S::kKq2, Z::kNever, A::kQ8,
        kNoFp32, kNoBrgemmPath, 4.625, kGgml, {256, 84}},
-      {"q3_k", L::kQint, qint(4, false, false, 4.f), {16}, 16, S::kKq6, Z::kNever, A::kQ8,
+      {"q3_k", L::kQint, qint(4, false, 4.f), {16}, 16, S::kKq6, Z::kNever, A::kQ8,
        kNoFp32, kNoBrgemmPath, 4.5625, kGgml, {256, 110}},
-      {"q4_k", L::kQint, qint(4, false, false, 0.f), {32}, 32, S::kKq45, Z::kNever, A::kQ8,
+      {"q4_k", L::kQint, qint(4, false, 0.f), {32}, 32, S::kKq45, Z::kNever, A::kQ8,
        kNoFp32, kNoBrgemmPath, 4.5, kGgml, {256, 144}},
-      {"q5_k", L::kQint, qint(5, false, false, 0.f), {32}, 32, S::kKq45, Z::kNever, A::kQ8,
+      {"q5_k", L::kQint, qint(5, false, 0.f), {32}, 32, S::kKq45, Z::kNever, A::kQ8,
        kNoFp32, kNoBrgemmPath, 5.5, kGgml, {256, 176}},
-      {"q6_k", L::kQint, qint(6, false, false, 32.f), {16}, 16, S::kKq6, Z::kNever, A::kQ8,
+      {"q6_k", L::kQint, qint(6, false, 32.f), {16}, 16, S::kKq6, Z::kNever, A::kQ8,
        kNoFp32, kNoBrgemmPath, 6.5625, kGgml, {256, 210}},
+      // i-quants with IQ4_NL's non-linear grid: 4-bit codes through its table of signed
+      // values (CodeTable::kIq4nl), multiplied as 8-bit signed codes; IQ4_NL a fp16 d per
+      // 32 (q4_0's groups), IQ4_XS GGUF's super-block scales in records (kKiq4: d and
+      // 6-bit sub-scales per 32 as int8). The same sizes as GGUF's, exact.
+      {"iq4_nl", L::kQint, qint(4, true, 0.f, CodeTable::kIq4nl), {32}, 32, S::kF16, Z::kNever,
+       A::kQ8, kNoFp32, kNoBrgemmPath, 4.5, kGgml, {32, 18}},
+      {"iq4_xs", L::kQint, qint(4, true, 0.f, CodeTable::kIq4nl), {32}, 32, S::kKiq4, Z::kNever,
+       A::kQ8, kNoFp32, kNoBrgemmPath, 4.3125, kGgml, {256, 136}},
   };
   // clang-format on
   return rows;

@@ -70,7 +70,7 @@ struct Fp32Policy {
 struct FormatRow {
   const char* name;
   Layout layout;
-  QintFormat qint;                   // kQint: bits, signedness, E2M1 table, implicit zero
+  QintFormat qint;                   // kQint: bits, signedness, code table, implicit zero
   std::vector<int64_t> group_sizes;  // group_size values accepted (0: per output channel)
   int64_t default_group_size;        // what the packers use when none is given
   ScaleType packed_scale_type;       // scale dtype the packers write (kNone: no scales)

@@ -1,6 +1,6 @@
 // The "qint" weight-format family: integer codes with grouped affine
 // dequantization, W[n,k] = scale[n,g] * q[n,k] - zero[n,g]. Formats int8,
-// int4, mxfp4, q8_0, q4_0, q2_k, q3_k, q4_k, q5_k, q6_k are all members (docs/formats.md
+// int4, mxfp4, nvfp4, q8_0, q4_0, q2_k ... q6_k, iq4_nl, iq4_xs are all members (docs/formats.md
 // has the byte layout and the table of members; this header is its C++
 // mirror and the scalar reference decoder the kernels are tested against).
 #pragma once
@@ -16,8 +16,8 @@ constexpr int kQintKAlign = 32;     // K is padded to a multiple of this
 // How scales / zeros are stored (one value per 16-row block row and group),
 // or, for the GGUF k-quants, one record per 16-row block and super-block of
 // 256 k that holds GGUF's own two-level scales (kKq45: q4_K / q5_K, kKq6:
-// q6_K and q3_K, kKq2: q2_K; layout below), decoded by the kernels.
-enum class ScaleType : uint8_t { kNone, kF32, kF16, kBF16, kE8M0, kKq45, kKq6, kKq2 };
+// q6_K and q3_K, kKq2: q2_K, kKiq4: IQ4_XS; layout below), decoded by the kernels.
+enum class ScaleType : uint8_t { kNone, kF32, kF16, kBF16, kE8M0, kKq45, kKq6, kKq2, kKiq4 };
 
 // ---- GGUF k-quant super-block records (docs/formats.md, "k-quant scales") ---
 //
@@ -36,22 +36,42 @@ enum class ScaleType : uint8_t { kNone, kF32, kF16, kBF16, kE8M0, kKq45, kKq6, k
 //         (GGUF's byte j of row r at 64 + 16 j + r: sc_j in the low nibble,
 //         m_j in the high one); sub-blocks of 16 k, W = d*sc_j * q - dmin*m_j,
 //         its 2-bit codes in the 4-bit plane.
+//   kKiq4 (IQ4_XS), 160 bytes: d fp16 [16] | int8 scales[8][16] (sub-block j of
+//         32 k of row r at 32 + 16 j + r: GGUF's 6-bit ls_j - 32, unpacked from
+//         scales_h / scales_l when the blocks are repacked); W = d*sc_j * v(q),
+//         v the IQ4_NL table (CodeTable::kIq4nl). kKq6's layout with 8 sub-blocks.
 // d*sc and dmin*m are exact in fp32 (11-bit by <= 7-bit integers).
 constexpr int64_t kKSuperK = 256;
 inline bool is_kquant(ScaleType t) {
-  return t == ScaleType::kKq45 || t == ScaleType::kKq6 || t == ScaleType::kKq2;
+  return t == ScaleType::kKq45 || t == ScaleType::kKq6 || t == ScaleType::kKq2 ||
+         t == ScaleType::kKiq4;
 }
 inline int64_t kquant_record_bytes(ScaleType t) {
-  return t == ScaleType::kKq45 ? 256 : t == ScaleType::kKq6 ? 288 : 320;
+  switch (t) {
+    case ScaleType::kKq45:
+      return 256;
+    case ScaleType::kKq6:
+      return 288;
+    case ScaleType::kKiq4:
+      return 160;
+    default:
+      return 320;
+  }
 }
 // Sub-blocks (scale groups) per super-block.
-inline int64_t kquant_sub_blocks(ScaleType t) { return t == ScaleType::kKq45 ? 8 : 16; }
+inline int64_t kquant_sub_blocks(ScaleType t) {
+  return t == ScaleType::kKq45 || t == ScaleType::kKiq4 ? 8 : 16;
+}
+// Whether the records are d fp16 [16] | int8 sub-scales [j][16] (q6_K, q3_K, IQ4_XS).
+inline bool kquant_int8_scales(ScaleType t) {
+  return t == ScaleType::kKq6 || t == ScaleType::kKiq4;
+}
 constexpr int64_t kKquantMaxSubBlocks = 16;
 // Whether the records hold mins (W = s * q - z): q4_K, q5_K, q2_K.
 inline bool kquant_has_mins(ScaleType t) { return t == ScaleType::kKq45 || t == ScaleType::kKq2; }
 constexpr int64_t kKq45MinOffset = 32;    // dmin fp16 [16]
 constexpr int64_t kKq45ScaleOffset = 64;  // scales[12][16]
-constexpr int64_t kKq6ScaleOffset = 32;   // int8 scales[16][16]
+constexpr int64_t kKq6ScaleOffset = 32;   // int8 scales[16][16] (kKiq4: [8][16])
 constexpr int64_t kKq2MinOffset = 32;     // dmin fp16 [16]
 constexpr int64_t kKq2ScaleOffset = 64;   // scales[16][16]: sc | m << 4
 
@@ -73,10 +93,19 @@ inline bool qint_subtracts_zeros(ScaleType scale_type, bool stored_zeros) {
 // Activations a format multiplies with.
 enum class ActType : uint8_t { kF32, kQ8 };
 
+// The table a stored 4-bit code goes through before it is multiplied (the kernel code).
+enum class CodeTable : uint8_t {
+  kNone,   // the stored code itself
+  kE2m1,   // mxfp4, nvfp4: 2 * e2m1(c) + 12, unsigned (zero_offset 12)
+  kIq4nl,  // iq4_nl, iq4_xs: kvalues_iq4nl[c] (ggml-quants.c), signed 8-bit
+};
+
 struct QintFormat {
-  int bits = 4;            // 4, 5, 6 or 8 (q2_K / q3_K codes sit in the 4-bit plane)
-  bool is_signed = false;  // 8-bit codes are signed; 4/5/6-bit codes are unsigned
-  bool lut_e2m1 = false;   // mxfp4: 4-bit E2M1 codes map to q = 2*e2m1 + 12
+  int bits = 4;            // bits per stored code: 4, 5, 6 or 8 (q2_K / q3_K codes sit in the
+                           // 4-bit plane)
+  bool is_signed = false;  // the kernel codes are signed bytes: 8-bit codes and the IQ4_NL
+                           // table's values; other 4/5/6-bit codes are unsigned
+  CodeTable table = CodeTable::kNone;
   ScaleType scale_type = ScaleType::kF32;
   ScaleType zero_type = ScaleType::kNone;  // kNone: implicit zero = scale * zero_offset
   float zero_offset = 0.f;                 // 2^(bits-1), 12 for mxfp4, 0 for signed codes
@@ -116,6 +145,20 @@ inline float e2m1_value(int code) {
 // The unsigned code the kernels multiply for an E2M1 code: 2*value + 12.
 inline uint8_t e2m1_kernel_code(int code) {
   return static_cast<uint8_t>(static_cast<int>(2.f * e2m1_value(code)) + 12);
+}
+
+// IQ4_NL's non-linear 4-bit grid (llama.cpp ggml-quants.c, kvalues_iq4nl; the
+// gguf package's IQ4_NL.kvalues): the signed value of code c, W = d * value.
+inline int iq4nl_value(int code) {
+  static const int8_t kTable[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                    1,    13,   25,  38,  53,  69,  89,  113};
+  return kTable[code & 15];
+}
+// The kernel code of a stored 4-bit code c of a format with a table.
+inline int table_code(CodeTable t, int code) {
+  if (t == CodeTable::kE2m1) return e2m1_kernel_code(code);
+  if (t == CodeTable::kIq4nl) return iq4nl_value(code);
+  return code;
 }
 
 inline float half_bits_to_float(uint16_t h) {
@@ -170,18 +213,19 @@ inline float scale_value(const void* base, ScaleType t, int64_t index) {
     case ScaleType::kKq45:
     case ScaleType::kKq6:
     case ScaleType::kKq2:
+    case ScaleType::kKiq4:
       break;
   }
   return 0.f;
 }
 
-// Scale (min = false) or zero (min = true: dmin*m; 0 for q6_K / q3_K) of row r and
-// group g of one block's k-quant records `recs` ([Kp/256][record]).
+// Scale (min = false) or zero (min = true: dmin*m; 0 for q6_K / q3_K / IQ4_XS) of row r
+// and group g of one block's k-quant records `recs` ([Kp/256][record]).
 inline float kquant_param(const void* recs, ScaleType t, int64_t g, int r, bool min) {
   const int64_t subs = kquant_sub_blocks(t);
   const uint8_t* rec = static_cast<const uint8_t*>(recs) + (g / subs) * kquant_record_bytes(t);
   const int j = static_cast<int>(g % subs);
-  if (t == ScaleType::kKq6) {
+  if (kquant_int8_scales(t)) {
     if (min) return 0.f;
     return scale_value(rec, ScaleType::kF16, r) *
            static_cast<float>(static_cast<int8_t>(rec[kKq6ScaleOffset + 16 * j + r]));
@@ -196,7 +240,8 @@ inline float kquant_param(const void* recs, ScaleType t, int64_t g, int r, bool 
 }
 
 // Scalar reference decode of the code q[r][k] (r < 16, k < Kp) of one block,
-// as the kernel multiplies it (E2M1 codes already mapped to 2*v + 12).
+// as the kernel multiplies it (table codes already mapped: E2M1 to 2*v + 12, IQ4_NL
+// to its values).
 inline int qint_code(const uint8_t* block, const QintFormat& f, int64_t kp, int r, int64_t k) {
   if (f.bits == 8) {
     const uint8_t b = block[(k / 4) * 64 + r * 4 + (k % 4)];
@@ -206,7 +251,7 @@ inline int qint_code(const uint8_t* block, const QintFormat& f, int64_t kp, int 
   const int j = static_cast<int>(k % 4);
   const uint8_t lo = block[(half / 2) * 64 + r * 4 + j];
   int q = (half % 2) ? (lo >> 4) : (lo & 15);
-  if (f.lut_e2m1) return e2m1_kernel_code(q);
+  if (f.table != CodeTable::kNone) return table_code(f.table, q);
   const uint8_t* high = block + qint_low_plane_bytes(f.bits, kp);
   if (f.bits == 5) {
     const uint8_t hb = high[(half / 8) * 64 + r * 4 + j];

@@ -204,13 +204,14 @@ bool kt_w4a8_runs() {
 
 bool w4a8_applies(const formats::FormatRow& format) {
   // Unsigned 4-bit integer codes with a per-channel variant (int4): not mxfp4 / nvfp4
-  // (E2M1 tables), the k-quants (their records) or q4_0 (groups of 32 only).
+  // (E2M1 tables), iq4 (IQ4_NL tables), the k-quants (their records) or q4_0 (groups of
+  // 32 only).
   const formats::QintFormat& q = format.qint;
   const bool per_channel = std::find(format.group_sizes.begin(), format.group_sizes.end(),
                                      int64_t{0}) != format.group_sizes.end();
-  return format.layout == formats::Layout::kQint && q.bits == 4 && !q.is_signed && !q.lut_e2m1 &&
-         !formats::is_kquant(q.scale_type) && format.activation == formats::ActType::kQ8 &&
-         per_channel;
+  return format.layout == formats::Layout::kQint && q.bits == 4 && !q.is_signed &&
+         q.table == formats::CodeTable::kNone && !formats::is_kquant(q.scale_type) &&
+         format.activation == formats::ActType::kQ8 && per_channel;
 }
 
 bool w4a8_applies_to(const ProjectionView& view) { return view.qint.group_size == 0; }
@@ -246,8 +247,9 @@ bool fp8_applies(const formats::FormatRow& format) {
 
 bool u8s8_applies(const formats::FormatRow& format) {
   const formats::QintFormat& q = format.qint;
-  return format.layout == formats::Layout::kQint && q.bits == 8 && q.is_signed && !q.lut_e2m1 &&
-         format.zeros == formats::ZeroPolicy::kNever && format.activation == formats::ActType::kQ8;
+  return format.layout == formats::Layout::kQint && q.bits == 8 && q.is_signed &&
+         q.table == formats::CodeTable::kNone && format.zeros == formats::ZeroPolicy::kNever &&
+         format.activation == formats::ActType::kQ8;
 }
 
 namespace {
@@ -466,7 +468,8 @@ void int8_bf16_dot(const DotArgs& a, const TileOperand& op) {
 
 bool mxfp4_applies(const formats::FormatRow& format) {
   const formats::QintFormat& q = format.qint;
-  return format.layout == formats::Layout::kQint && q.bits == 4 && q.lut_e2m1 &&
+  return format.layout == formats::Layout::kQint && q.bits == 4 &&
+         q.table == formats::CodeTable::kE2m1 &&
          format.packed_scale_type == formats::ScaleType::kE8M0;
 }
 
@@ -772,7 +775,7 @@ bool qint_dp_exact_runs() {
 bool qint_dp_exact_applies(const formats::FormatRow& format) {
   const formats::QintFormat& q = format.qint;
   if (format.layout != formats::Layout::kQint) return false;
-  if (q.bits == 8) return q.is_signed && !q.lut_e2m1;
+  if (q.bits == 8) return q.is_signed && q.table == formats::CodeTable::kNone;
   return q.bits == 4 || q.bits == 5 || q.bits == 6;
 }
 

@@ -16,13 +16,15 @@
 namespace kt::kernels {
 
 // s[j * 16 + r] = d[r] * sc_j[r] and (q4_k, q5_k, q2_k) z[j * 16 + r] = dmin[r] * m_j[r].
+// (q6_k, q3_k, iq4_xs write no z.)
 template <class V>
 inline void kquant_decode_records(const uint8_t* rec, formats::ScaleType t, float* s, float* z) {
   typename V::F d[V::kParts], dmin[V::kParts];
   V::kq_load_d(rec, d);
-  if (t == formats::ScaleType::kKq6) {
+  if (formats::kquant_int8_scales(t)) {  // q6_K, q3_K (16 sub-blocks), IQ4_XS (8)
     const uint8_t* q = rec + formats::kKq6ScaleOffset;
-    for (int j = 0; j < 16; ++j)
+    const int subs = static_cast<int>(formats::kquant_sub_blocks(t));
+    for (int j = 0; j < subs; ++j)
       V::kq_widen_store(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * j)), true, d,
                         s + 16 * j);
     return;

@@ -133,7 +133,7 @@ ProjectionPlan::ProjectionPlan(const formats::FormatRow& format, const Projectio
   tile_ = allowed ? tile.kernel : nullptr;
   tile_min_ = allowed ? tile.min_tokens : formats::kNoBrgemm;
   u8_codes_ = q8_ && streaming_->dot_u8 != nullptr && format.layout == formats::Layout::kQint &&
-              format.qint.bits == 8 && format.qint.is_signed;
+              format.qint.is_signed;  // 8-bit codes, IQ4_NL's values
 }
 
 const char* ProjectionPlan::kernel_name(int m) const {

@@ -17,7 +17,7 @@
 //       acc += s[r,g] * (x_scale_i(u) * isum) - zero[r,g] * x_sum_i(u)
 //   (implicit zero: zero = zero_offset * s, folded as
 //   acc = fma(s, fma(float(isum), x_scale, -zero_offset * x_sum), acc) for
-//   int4, q4_0, mxfp4 and nvfp4; 8-bit codes and q6_k keep fma(s,
+//   int4, q4_0, mxfp4 and nvfp4; signed codes and the k-quants keep fma(s,
 //   fnmadd(offset, x_sum, float(isum) * x_scale), acc), as
 //   brgemm_fold_avx512.cpp). The fp32 fold is the same
 //   sequence of operations (FMAs) on every SIMD tier, and the int32 sums are
@@ -32,6 +32,9 @@
 //   vpdpbusd accumulates int32 directly. Signed 8-bit codes use the sign
 //   trick |w| * (x * sign(w)) (llama.cpp), whose pairs are bounded by 2*127^2;
 //   on VNNI, with u8 tiles from the plan (dot_u8), qint8_u8_block_dot (below) instead.
+//   Code tables (Tab): E2M1 codes become unsigned kernel codes 2v + 12 (pshufb) and
+//   go the 4-bit way; IQ4_NL codes become their signed values (-127..113, pshufb) and
+//   go the signed 8-bit way, two quads of one 4-bit line at a time.
 // TILES  decode (m <= 2) reads each line once with all parts together (one
 //   sequential DRAM stream); more tokens go part by part in tiles of
 //   V::kMaxTile (AVX2 / AVX-512 4, AVX512_VNNI 12) and one remainder tile,
@@ -114,13 +117,17 @@ KT_ALWAYS_INLINE void kquant_decode_super(const uint8_t* rec, formats::ScaleType
 
 // Rows [part0 * kRows, (part0 + P) * kRows) of the block for M tokens.
 // KQ: the scales are k-quant records (decoded per super-block, kquant_decode_super).
-template <class V, int Bits, bool Lut, int Unit, ZeroMode Z, bool KQ, int M, int P>
+template <class V, int Bits, formats::CodeTable Tab, int Unit, ZeroMode Z, bool KQ, int M, int P>
 KT_ALWAYS_INLINE void qint_tile(const QintBlock& a, const uint8_t* const* x_rows, float* out,
                                 int part0) {
   using I = typename V::I;
   using F = typename V::F;
-  constexpr int NQ = Unit / 4;                                            // k-quads per fold unit
-  constexpr int D = V::depth(Bits, Lut) < NQ ? V::depth(Bits, Lut) : NQ;  // quads per flush
+  // Signed kernel codes: 8-bit codes as stored, or IQ4_NL's values of 4-bit codes.
+  constexpr bool kSigned = Bits == 8 || Tab == formats::CodeTable::kIq4nl;
+  constexpr bool kE2m1 = Tab == formats::CodeTable::kE2m1;
+  constexpr int NQ = Unit / 4;  // k-quads per fold unit
+  constexpr int kDepth = V::depth(kSigned ? 8 : Bits, kE2m1);
+  constexpr int D = kDepth < NQ ? kDepth : NQ;  // quads per flush
   static_assert(D % 2 == 0 && NQ % D == 0, "quads go in pairs; flushes divide the unit");
   // Decode tiles spread a unit's quad pairs over C independent sum chains
   // (V::kDecodeChains); exact int32, so the sums do not depend on C.
@@ -143,7 +150,7 @@ KT_ALWAYS_INLINE void qint_tile(const QintBlock& a, const uint8_t* const* x_rows
   // per-tile pass over the units cost more than the fold at 1-2 tokens: hot
   // T = 1 mxfp4 / int4-g32 17-19% slower). The same fp32 product either
   // way, so a token's result does not depend on the tile it falls in.
-  constexpr bool kNz = !KQ && Z == ZeroMode::kImplicit && Bits != 8;
+  constexpr bool kNz = !KQ && Z == ZeroMode::kImplicit && !kSigned;
   constexpr bool kNzFill = kNz && M > 2;
   constexpr int kNzUnits = 64;
   [[maybe_unused]] alignas(64) float nz[kNzFill ? M * kNzUnits : 1];
@@ -178,11 +185,11 @@ KT_ALWAYS_INLINE void qint_tile(const QintBlock& a, const uint8_t* const* x_rows
             f.scale_type, kq_s, kq_z);
     }
     I isum[M][P];
-    [[maybe_unused]] I isum_c[Bits == 8 ? C : 1][M][P];  // 8-bit: the chains of isum
+    [[maybe_unused]] I isum_c[kSigned ? C : 1][M][P];  // signed codes: the chains of isum
     for (int i = 0; i < M; ++i)
       for (int p = 0; p < P; ++p) {
         isum[i][p] = V::zero();
-        if constexpr (Bits == 8)
+        if constexpr (kSigned)
           for (int c = 0; c < C; ++c) isum_c[c][i][p] = V::zero();
       }
     [[maybe_unused]] I hb[P];  // 5/6 bit: the unit's one high-plane line
@@ -193,20 +200,30 @@ KT_ALWAYS_INLINE void qint_tile(const QintBlock& a, const uint8_t* const* x_rows
     }
     for (int q0 = 0; q0 < NQ; q0 += D) {
       [[maybe_unused]] I st[C][M][P];
-      if constexpr (Bits != 8) {
+      if constexpr (!kSigned) {
         for (int c = 0; c < C; ++c)
           for (int i = 0; i < M; ++i)
             for (int p = 0; p < P; ++p) st[c][i][p] = V::zero();
       }
       for (int q = q0; q < q0 + D; q += 2) {
         const int c = (q / 2) % C;  // a constant once the loops unroll
-        if constexpr (Bits == 8) {
-          // Two lines: quads q and q+1, each 4 k of all 16 rows.
+        if constexpr (kSigned) {
           I r0[P], r1[P];
-          const uint8_t* line = a.block + (k0 / 4 + q) * 64;
-          for (int p = 0; p < P; ++p) {
-            r0[p] = V::load(line + (part0 + p) * V::kBytes);
-            r1[p] = V::load(line + 64 + (part0 + p) * V::kBytes);
+          if constexpr (Bits == 8) {
+            // Two lines: quads q and q+1, each 4 k of all 16 rows.
+            const uint8_t* line = a.block + (k0 / 4 + q) * 64;
+            for (int p = 0; p < P; ++p) {
+              r0[p] = V::load(line + (part0 + p) * V::kBytes);
+              r1[p] = V::load(line + 64 + (part0 + p) * V::kBytes);
+            }
+          } else {
+            // IQ4_NL: one low-plane line, quad q in the low nibbles, q+1 in the high ones.
+            const uint8_t* line = a.block + ((k0 / 4 + q) / 2) * 64;
+            for (int p = 0; p < P; ++p) {
+              const I raw = V::load(line + (part0 + p) * V::kBytes);
+              r0[p] = V::iq4nl_codes(V::lo_nibbles(raw));
+              r1[p] = V::iq4nl_codes(V::hi_nibbles(raw));
+            }
           }
           for (int i = 0; i < M; ++i) {
             const I xa = V::set1_i32(*reinterpret_cast<const int32_t*>(xr.codes[i] + k0 + 4 * q));
@@ -223,7 +240,7 @@ KT_ALWAYS_INLINE void qint_tile(const QintBlock& a, const uint8_t* const* x_rows
             const I raw = V::load(line + (part0 + p) * V::kBytes);
             w0[p] = V::lo_nibbles(raw);
             w1[p] = V::hi_nibbles(raw);
-            if constexpr (Lut) {
+            if constexpr (kE2m1) {
               w0[p] = V::e2m1_codes(w0[p]);
               w1[p] = V::e2m1_codes(w1[p]);
             }
@@ -241,13 +258,13 @@ KT_ALWAYS_INLINE void qint_tile(const QintBlock& a, const uint8_t* const* x_rows
           }
         }
       }
-      if constexpr (Bits != 8) {
+      if constexpr (!kSigned) {
         for (int c = 0; c < C; ++c)
           for (int i = 0; i < M; ++i)
             for (int p = 0; p < P; ++p) isum[i][p] = V::flush(isum[i][p], st[c][i][p]);
       }
     }
-    if constexpr (Bits == 8) {
+    if constexpr (kSigned) {
       for (int c = 0; c < C; ++c)
         for (int i = 0; i < M; ++i)
           for (int p = 0; p < P; ++p) isum[i][p] = V::add_i32(isum[i][p], isum_c[c][i][p]);
@@ -308,27 +325,27 @@ KT_ALWAYS_INLINE void qint_tile(const QintBlock& a, const uint8_t* const* x_rows
 }
 
 // qint_tile for a remainder of 1 <= rows <= N tokens (one part).
-template <class V, int Bits, bool Lut, int Unit, ZeroMode Z, bool KQ, int N>
+template <class V, int Bits, formats::CodeTable Tab, int Unit, ZeroMode Z, bool KQ, int N>
 KT_ALWAYS_INLINE void qint_tile_rem(const QintBlock& a, const uint8_t* const* x, float* out,
                                     int part, int rows) {
-  if (rows == N) return qint_tile<V, Bits, Lut, Unit, Z, KQ, N, 1>(a, x, out, part);
-  if constexpr (N > 1) qint_tile_rem<V, Bits, Lut, Unit, Z, KQ, N - 1>(a, x, out, part, rows);
+  if (rows == N) return qint_tile<V, Bits, Tab, Unit, Z, KQ, N, 1>(a, x, out, part);
+  if constexpr (N > 1) qint_tile_rem<V, Bits, Tab, Unit, Z, KQ, N - 1>(a, x, out, part, rows);
 }
 
-template <class V, int Bits, bool Lut, int Unit, ZeroMode Z, bool KQ = false>
+template <class V, int Bits, formats::CodeTable Tab, int Unit, ZeroMode Z, bool KQ = false>
 void qint_block_dot(const QintBlock& a) {
   if (V::kParts > 1 && a.m <= 2) {  // decode: one sequential pass over the block
-    if (a.m == 2) return qint_tile<V, Bits, Lut, Unit, Z, KQ, 2, V::kParts>(a, a.x_rows, a.out, 0);
-    if (a.m == 1) return qint_tile<V, Bits, Lut, Unit, Z, KQ, 1, V::kParts>(a, a.x_rows, a.out, 0);
+    if (a.m == 2) return qint_tile<V, Bits, Tab, Unit, Z, KQ, 2, V::kParts>(a, a.x_rows, a.out, 0);
+    if (a.m == 1) return qint_tile<V, Bits, Tab, Unit, Z, KQ, 1, V::kParts>(a, a.x_rows, a.out, 0);
     return;
   }
   constexpr int MT = V::kMaxTile;
   for (int part = 0; part < V::kParts; ++part) {
     int i = 0;
     for (; i + MT <= a.m; i += MT)
-      qint_tile<V, Bits, Lut, Unit, Z, KQ, MT, 1>(a, a.x_rows + i, a.out + i * a.ldo, part);
+      qint_tile<V, Bits, Tab, Unit, Z, KQ, MT, 1>(a, a.x_rows + i, a.out + i * a.ldo, part);
     if (i < a.m)
-      qint_tile_rem<V, Bits, Lut, Unit, Z, KQ, MT - 1>(a, a.x_rows + i, a.out + i * a.ldo, part,
+      qint_tile_rem<V, Bits, Tab, Unit, Z, KQ, MT - 1>(a, a.x_rows + i, a.out + i * a.ldo, part,
                                                        a.m - i);
   }
 }
@@ -358,6 +375,9 @@ void qint_block_dot(const QintBlock& a) {
 // so the results are bit-identical to the sign-trick kernels of every SIMD
 // tier (for finite activations: those also subtract 0 * x_sum, the implicit
 // zero of the 8-bit formats; brgemm_fold_avx512.cpp does the same).
+// IQ4_NL / IQ4_XS (Bits = 4) run the same tiles on their table values, read from
+// the 4-bit plane (one line holds two quads: low and high nibbles); IQ4_XS (KQ)
+// takes its scales from the super-block records, decoded at each 256 k.
 // ---------------------------------------------------------------------------
 
 constexpr int64_t kQint8ChunkK = 512;
@@ -367,11 +387,12 @@ constexpr int64_t kQint8ChunkK = 512;
 // computes ncomp[u] = -128 * sum_{k in unit u} w[r][k] per row r as it goes
 // (one vpdpbusd of 0x80 per line) and prefetches the stream ahead, as
 // qint_tile does; the chunk's later tiles start each unit's sums from ncomp.
-template <class V, int M, bool First>
+template <class V, int Bits, bool KQ, int M, bool First>
 KT_ALWAYS_INLINE void qint8_u8_tile(const QintBlock& a, int i0, int64_t k_begin, int64_t k_end,
                                     typename V::I* ncomp, bool first_chunk) {
   using I = typename V::I;
   using F = typename V::F;
+  static_assert(Bits == 8 || Bits == 4, "8-bit codes, or IQ4_NL's table of 4-bit codes");
   const formats::QintFormat& f = *a.format;
   const int64_t kp = a.kp;
   const int64_t gsize = f.group_size == 0 ? kp : f.group_size;
@@ -388,9 +409,12 @@ KT_ALWAYS_INLINE void qint8_u8_tile(const QintBlock& a, int i0, int64_t k_begin,
   }
   int64_t g = k_begin / gsize;      // the scale group of k0
   int64_t g_end = (g + 1) * gsize;  // its end
+  [[maybe_unused]] alignas(64) float kq_s[KQ ? formats::kKquantMaxSubBlocks * 16 : 1];
+  [[maybe_unused]] float kq_z[1];  // IQ4_XS records hold no mins
   for (int64_t k0 = k_begin; k0 < k_end; k0 += 32) {
-    const uint8_t* line = a.block + k0 * 16;  // k0 / 4 lines of 64 bytes
-    const uint8_t* xq = xt + k0 * M;          // the unit's 8 quads of the M tokens
+    // The unit's lines: k0 / 4 lines of 64 bytes (8-bit), k0 / 8 (4-bit).
+    const uint8_t* line = a.block + k0 * 16 * Bits / 8;
+    const uint8_t* xq = xt + k0 * M;  // the unit's 8 quads of the M tokens
     I* nc = ncomp + (k0 - k_begin) / 32;
     // isum[c][i], comp[c]: C independent dpbusd chains (decode: few tokens
     // leave the chains' latency exposed; exact int32, summed after the unit).
@@ -401,16 +425,26 @@ KT_ALWAYS_INLINE void qint8_u8_tile(const QintBlock& a, int i0, int64_t k_begin,
       for (int i = 0; i < M; ++i) isum[c][i] = V::zero();
     }
     if constexpr (First) {
-      qint_prefetch_unit<8, 32>(a.block, nullptr, k0);
+      qint_prefetch_unit<Bits, 32>(a.block, nullptr, k0);
     } else {
       for (int i = 0; i < M; ++i) isum[0][i] = *nc;
     }
-    for (int q = 0; q < 8; ++q) {
-      const int c = q % C;
-      const I w = V::load(line + q * 64);
-      if constexpr (First) comp[c] = V::dpbusd(comp[c], c80, w);
-      for (int i = 0; i < M; ++i)
-        isum[c][i] = V::dpbusd(isum[c][i], V::bcast_quad(xq + (q * M + i) * 4), w);
+    for (int q = 0; q < 8; q += 2) {
+      I w[2];
+      if constexpr (Bits == 8) {
+        w[0] = V::load(line + q * 64);
+        w[1] = V::load(line + (q + 1) * 64);
+      } else {
+        const I raw = V::load(line + (q / 2) * 64);
+        w[0] = V::iq4nl_codes(V::lo_nibbles(raw));
+        w[1] = V::iq4nl_codes(V::hi_nibbles(raw));
+      }
+      for (int h = 0; h < 2; ++h) {
+        const int c = (q + h) % C;
+        if constexpr (First) comp[c] = V::dpbusd(comp[c], c80, w[h]);
+        for (int i = 0; i < M; ++i)
+          isum[c][i] = V::dpbusd(isum[c][i], V::bcast_quad(xq + ((q + h) * M + i) * 4), w[h]);
+      }
     }
     for (int c = 1; c < C; ++c) {
       if constexpr (First) comp[0] = V::add_i32(comp[0], comp[c]);
@@ -420,11 +454,21 @@ KT_ALWAYS_INLINE void qint8_u8_tile(const QintBlock& a, int i0, int64_t k_begin,
       for (int i = 0; i < M; ++i) isum[0][i] = V::sub_i32(isum[0][i], comp[0]);
       *nc = V::sub_i32(V::zero(), comp[0]);
     }
-    if (k0 == g_end) {  // k0 / gsize without a division per unit
-      ++g;
-      g_end += gsize;
+    F s;
+    if constexpr (KQ) {
+      if (k0 % formats::kKSuperK == 0 || k0 == k_begin)
+        kquant_decode_super<V>(
+            static_cast<const uint8_t*>(a.scales) +
+                (k0 / formats::kKSuperK) * formats::kquant_record_bytes(f.scale_type),
+            f.scale_type, kq_s, kq_z);
+      s = V::load_scales(kq_s, formats::ScaleType::kF32, ((k0 % formats::kKSuperK) / 32) * 16);
+    } else {
+      if (k0 == g_end) {  // k0 / gsize without a division per unit
+        ++g;
+        g_end += gsize;
+      }
+      s = V::load_scales(a.scales, f.scale_type, g * 16);
     }
-    const F s = V::load_scales(a.scales, f.scale_type, g * 16);
     for (int i = 0; i < M; ++i)
       acc[i] = V::fmadd(s, V::mul(V::cvt(isum[0][i]), V::set1(xs[i][k0 / 32])), acc[i]);
   }
@@ -432,14 +476,15 @@ KT_ALWAYS_INLINE void qint8_u8_tile(const QintBlock& a, int i0, int64_t k_begin,
 }
 
 // qint8_u8_tile for a run of 1 <= rows <= N tokens.
-template <class V, bool First, int N>
+template <class V, int Bits, bool KQ, bool First, int N>
 KT_ALWAYS_INLINE void qint8_u8_tile_rem(const QintBlock& a, int i0, int rows, int64_t kb,
                                         int64_t ke, typename V::I* ncomp, bool first_chunk) {
-  if (rows == N) return qint8_u8_tile<V, N, First>(a, i0, kb, ke, ncomp, first_chunk);
-  if constexpr (N > 1) qint8_u8_tile_rem<V, First, N - 1>(a, i0, rows, kb, ke, ncomp, first_chunk);
+  if (rows == N) return qint8_u8_tile<V, Bits, KQ, N, First>(a, i0, kb, ke, ncomp, first_chunk);
+  if constexpr (N > 1)
+    qint8_u8_tile_rem<V, Bits, KQ, First, N - 1>(a, i0, rows, kb, ke, ncomp, first_chunk);
 }
 
-template <class V>
+template <class V, int Bits = 8, bool KQ = false>
 void qint8_u8_block_dot(const QintBlock& a) {
   constexpr int MT = kU8TileRows;  // the packing's tiles
   typename V::I ncomp[kQint8ChunkK / 32];
@@ -447,10 +492,12 @@ void qint8_u8_block_dot(const QintBlock& a) {
     const int64_t ke = kb + kQint8ChunkK < a.kp ? kb + kQint8ChunkK : a.kp;
     const bool first_chunk = kb == 0;
     const int rows0 = a.m < MT ? a.m : MT;
-    qint8_u8_tile_rem<V, true, MT>(a, 0, rows0, kb, ke, ncomp, first_chunk);
+    qint8_u8_tile_rem<V, Bits, KQ, true, MT>(a, 0, rows0, kb, ke, ncomp, first_chunk);
     int i = rows0;
-    for (; i + MT <= a.m; i += MT) qint8_u8_tile<V, MT, false>(a, i, kb, ke, ncomp, first_chunk);
-    if (i < a.m) qint8_u8_tile_rem<V, false, MT - 1>(a, i, a.m - i, kb, ke, ncomp, first_chunk);
+    for (; i + MT <= a.m; i += MT)
+      qint8_u8_tile<V, Bits, KQ, MT, false>(a, i, kb, ke, ncomp, first_chunk);
+    if (i < a.m)
+      qint8_u8_tile_rem<V, Bits, KQ, false, MT - 1>(a, i, a.m - i, kb, ke, ncomp, first_chunk);
   }
 }
 
@@ -458,34 +505,46 @@ void qint8_u8_block_dot(const QintBlock& a) {
 // goes to the scalar reference.
 template <class V>
 void qint_dot(const QintBlock& a, void (*fallback)(const QintBlock&)) {
+  using T = formats::CodeTable;
   const formats::QintFormat& f = *a.format;
   const bool explicit_zero = a.zeros != nullptr;  // k-quants: zeros inside the records
   const int unit = static_cast<int>(formats::qint_fold_unit(f.group_size));
+  const bool iq4 = f.bits == 4 && f.table == T::kIq4nl && unit == 32;  // iq4_nl, iq4_xs
   if (formats::is_kquant(f.scale_type)) {
+    if (iq4) {  // iq4_xs
+      if constexpr (V::kU8S8)
+        if (a.x_u8 != nullptr) return qint8_u8_block_dot<V, 4, true>(a);
+      return qint_block_dot<V, 4, T::kIq4nl, 32, ZeroMode::kImplicit, true>(a);
+    }
     if (f.bits == 4 && unit == 32)
-      return qint_block_dot<V, 4, false, 32, ZeroMode::kExplicit, true>(a);
+      return qint_block_dot<V, 4, T::kNone, 32, ZeroMode::kExplicit, true>(a);
     if (f.bits == 4 && unit == 16 && formats::kquant_has_mins(f.scale_type))  // q2_k
-      return qint_block_dot<V, 4, false, 16, ZeroMode::kExplicit, true>(a);
+      return qint_block_dot<V, 4, T::kNone, 16, ZeroMode::kExplicit, true>(a);
     if (f.bits == 4 && unit == 16)  // q3_k
-      return qint_block_dot<V, 4, false, 16, ZeroMode::kImplicit, true>(a);
+      return qint_block_dot<V, 4, T::kNone, 16, ZeroMode::kImplicit, true>(a);
     if (f.bits == 5 && unit == 32)
-      return qint_block_dot<V, 5, false, 32, ZeroMode::kExplicit, true>(a);
+      return qint_block_dot<V, 5, T::kNone, 32, ZeroMode::kExplicit, true>(a);
     if (f.bits == 6 && unit == 16)
-      return qint_block_dot<V, 6, false, 16, ZeroMode::kImplicit, true>(a);
+      return qint_block_dot<V, 6, T::kNone, 16, ZeroMode::kImplicit, true>(a);
     return fallback(a);
   }
   if (f.bits == 8 && unit == 32) {
     if constexpr (V::kU8S8)
       if (a.x_u8 != nullptr) return qint8_u8_block_dot<V>(a);
-    return qint_block_dot<V, 8, false, 32, ZeroMode::kImplicit>(a);
+    return qint_block_dot<V, 8, T::kNone, 32, ZeroMode::kImplicit>(a);
   }
-  if (f.bits == 4 && f.lut_e2m1 && unit == 32)
-    return qint_block_dot<V, 4, true, 32, ZeroMode::kImplicit>(a);
-  if (f.bits == 4 && f.lut_e2m1 && unit == 16)  // nvfp4
-    return qint_block_dot<V, 4, true, 16, ZeroMode::kImplicit>(a);
-  if (f.bits == 4 && unit == 32) {
-    if (explicit_zero) return qint_block_dot<V, 4, false, 32, ZeroMode::kExplicit>(a);
-    return qint_block_dot<V, 4, false, 32, ZeroMode::kImplicit>(a);
+  if (iq4) {  // iq4_nl
+    if constexpr (V::kU8S8)
+      if (a.x_u8 != nullptr) return qint8_u8_block_dot<V, 4>(a);
+    return qint_block_dot<V, 4, T::kIq4nl, 32, ZeroMode::kImplicit>(a);
+  }
+  if (f.bits == 4 && f.table == T::kE2m1 && unit == 32)
+    return qint_block_dot<V, 4, T::kE2m1, 32, ZeroMode::kImplicit>(a);
+  if (f.bits == 4 && f.table == T::kE2m1 && unit == 16)  // nvfp4
+    return qint_block_dot<V, 4, T::kE2m1, 16, ZeroMode::kImplicit>(a);
+  if (f.bits == 4 && f.table == T::kNone && unit == 32) {
+    if (explicit_zero) return qint_block_dot<V, 4, T::kNone, 32, ZeroMode::kExplicit>(a);
+    return qint_block_dot<V, 4, T::kNone, 32, ZeroMode::kImplicit>(a);
   }
   fallback(a);  // 5/6-bit codes are k-quants only
 }

@@ -209,8 +209,8 @@ __attribute__((weak)) void bf16_vnni_panel_block(const uint16_t* block, int64_t 
                                                  uint16_t* dst);
 // How a qint code q becomes a weight (docs/formats.md, qint): kSigned 8-bit s * q;
 // kOffset s * (q - offset) (an implicit zero); kZeros s * q - z; kE2m1 (mxfp4, nvfp4)
-// s * 2 e2m1(q).
-enum class QintValue { kSigned, kOffset, kZeros, kE2m1 };
+// s * 2 e2m1(q); kIq4nl (iq4_nl, iq4_xs) s * kvalues_iq4nl[q].
+enum class QintValue { kSigned, kOffset, kZeros, kE2m1, kIq4nl };
 // Where a split panel's lines go: the columns in slices of `width` (a multiple of 16),
 // slice i at base + i * slice_stride words, row pair j of a slice at + j * width * 2
 // ([pairs][width][2] bf16); one slice of all the columns is one [pairs][cols][2] panel.

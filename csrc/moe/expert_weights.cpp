@@ -138,6 +138,7 @@ void load_params(const void* base, formats::ScaleType type, int64_t index, float
     case formats::ScaleType::kKq45:  // decoded per group by kquant_param
     case formats::ScaleType::kKq6:
     case formats::ScaleType::kKq2:
+    case formats::ScaleType::kKiq4:
       break;
   }
   TORCH_CHECK(false, "dense_expert_weight: scales/zeros have no fp32 reading");
@@ -149,6 +150,7 @@ enum class Affine {
   kOffset,  // unsigned, implicit zero: s * (q - offset)
   kZeros,   // unsigned with a zeros tensor: s * q - z
   kE2m1,    // mxfp4: q = 2 e2m1(c) + 12, s * (q - 12) = s * 2 e2m1(c)
+  kIq4nl,   // iq4_nl, iq4_xs: s * kvalues_iq4nl[c]
 };
 
 template <Affine A>
@@ -156,6 +158,7 @@ inline float qint_value(int32_t q, float s, float z, int32_t offset) {
   if (A == Affine::kSigned) return s * static_cast<float>(q);
   if (A == Affine::kOffset) return s * static_cast<float>(q - offset);
   if (A == Affine::kZeros) return s * static_cast<float>(q) - z;
+  if (A == Affine::kIq4nl) return s * static_cast<float>(formats::iq4nl_value(q));
   // E2M1 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 doubled: m = 0..3 as is, m = 4..7
   // -> (4 + 2 (m & 1)) << ((m >> 1) & 1). Masks instead of a table or branches
   // (SSE2 has neither gathers nor per-lane shifts), so the row loop vectorizes.
@@ -351,7 +354,10 @@ void dequantize_qint_transposed(const Projection& p, int64_t expert, float* wt, 
       TORCH_CHECK(f.is_signed && !zeros, "dense_expert_weight: 8-bit codes are signed, no zeros");
       return decode_qint_transposed<8, Affine::kSigned>(x, wt);
     case 4:
-      if (f.lut_e2m1) return decode_qint_transposed<4, Affine::kE2m1>(x, wt);
+      if (f.table == formats::CodeTable::kE2m1)
+        return decode_qint_transposed<4, Affine::kE2m1>(x, wt);
+      if (f.table == formats::CodeTable::kIq4nl)
+        return decode_qint_transposed<4, Affine::kIq4nl>(x, wt);
       return zeros ? decode_qint_transposed<4, Affine::kZeros>(x, wt)
                    : decode_qint_transposed<4, Affine::kOffset>(x, wt);
     case 5:
@@ -647,7 +653,8 @@ kernels::avx512::QintValue qint_value_form(const Projection& p) {
   const formats::QintFormat& f = p.format->qint;
   const bool zeros = qint_has_zeros(p);
   if (f.bits == 8) return QintValue::kSigned;
-  if (f.lut_e2m1) return QintValue::kE2m1;
+  if (f.table == formats::CodeTable::kE2m1) return QintValue::kE2m1;
+  if (f.table == formats::CodeTable::kIq4nl) return QintValue::kIq4nl;
   return zeros ? QintValue::kZeros : QintValue::kOffset;
 }
 

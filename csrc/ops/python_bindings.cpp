@@ -88,6 +88,7 @@ const char* scale_dtype_name(kt::formats::ScaleType t) {
     case kt::formats::ScaleType::kKq45:
     case kt::formats::ScaleType::kKq6:
     case kt::formats::ScaleType::kKq2:
+    case kt::formats::ScaleType::kKiq4:
       return "uint8";
     case kt::formats::ScaleType::kNone:
       break;
@@ -130,7 +131,12 @@ py::list formats_report() {
     d["layout"] = f.layout == Layout::kBf16 ? "bf16" : f.layout == Layout::kFp8 ? "fp8" : "qint";
     d["bits"] = f.bits();
     d["signed"] = f.layout == Layout::kQint && f.qint.is_signed;
-    d["lut"] = f.layout == Layout::kQint && f.qint.lut_e2m1;
+    const kt::formats::CodeTable table =
+        f.layout == Layout::kQint ? f.qint.table : kt::formats::CodeTable::kNone;
+    d["lut"] = table != kt::formats::CodeTable::kNone;
+    d["code_table"] = table == kt::formats::CodeTable::kE2m1    ? py::object(py::str("e2m1"))
+                      : table == kt::formats::CodeTable::kIq4nl ? py::object(py::str("iq4nl"))
+                                                                : py::object(py::none());
     const char* sd = scale_dtype_name(f.packed_scale_type);
     d["scale_dtype"] = sd ? py::object(py::str(sd)) : py::object(py::none());
     const bool kq = kt::formats::is_kquant(f.packed_scale_type);

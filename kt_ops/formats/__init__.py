@@ -14,7 +14,7 @@ statement and the reference the C++ kernels are tested against:
 """
 
 from kt_ops.formats.activations import quantize_activations_q8
-from kt_ops.formats.dequant import MXFP4_Q_LUT, dequantize_weights
+from kt_ops.formats.dequant import IQ4NL_VALUES, MXFP4_Q_LUT, dequantize_weights
 from kt_ops.formats.fp8 import from_fp8, from_fp8_channel, from_mxfp8
 from kt_ops.formats.gguf_blocks import GGUF_FORMATS, from_gguf, quantize_gguf_raw
 from kt_ops.formats.int4 import from_int4
@@ -52,6 +52,7 @@ __all__ = [
     "GGUF_FORMATS",
     "E2M1_VALUES",
     "MXFP4_Q_LUT",
+    "IQ4NL_VALUES",
     "BLOCK_ROWS",
     "K_ALIGN",
     "padded_k",

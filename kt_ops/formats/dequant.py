@@ -14,10 +14,12 @@ from torch import Tensor
 from kt_ops.formats.packed import PackedProjection
 from kt_ops.formats.spec import BLOCK_ROWS, format_spec, padded_k
 
-__all__ = ["dequantize_weights", "MXFP4_Q_LUT"]
+__all__ = ["dequantize_weights", "MXFP4_Q_LUT", "IQ4NL_VALUES"]
 
 #: mxfp4: E2M1 code c -> unsigned code q = 2*e2m1(c) + 12 (docs/formats.md, qint / mxfp4).
 MXFP4_Q_LUT = (12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0)
+#: iq4_nl / iq4_xs: code c -> its value (llama.cpp ggml-quants.c ``kvalues_iq4nl``).
+IQ4NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 
 def _rk(kp: int) -> tuple[Tensor, Tensor]:
@@ -69,7 +71,8 @@ def _kquant_params(rec: Tensor, spec, kp: int) -> tuple[Tensor, Tensor]:
     super-block ``s = k // 256``) of row ``r`` has ``d`` = fp16 bytes ``2r, 2r+1``;
     q4_k/q5_k: ``dmin`` at ``32 + 2r``, GGUF ``scales[i]`` at ``64 + 16i + r``
     decoded by ``get_scale_min_k4``; q6_k, q3_k: int8 ``sc_j`` at ``32 + 16j + r``;
-    q2_k: ``dmin`` at ``32 + 2r``, ``sc_j | m_j << 4`` at ``64 + 16j + r``.
+    q2_k: ``dmin`` at ``32 + 2r``, ``sc_j | m_j << 4`` at ``64 + 16j + r``; iq4_xs
+    as q6_k with sub-blocks of 32.
     """
     r, k = _rk(kp)
     E, nb, S, R = rec.shape
@@ -85,8 +88,8 @@ def _kquant_params(rec: Tensor, spec, kp: int) -> tuple[Tensor, Tensor]:
         j = (k % 256) // 16
         b = _gather(flat, base + 64 + 16 * j + r)
         return d * (b & 15).float(), f16(base + 32 + 2 * r) * (b >> 4).float()
-    if not spec.record_mins:  # q6_k, q3_k
-        j = (k % 256) // 16
+    if not spec.record_mins:  # q6_k, q3_k (16 k per sub-block), iq4_xs (32)
+        j = (k % 256) // spec.default_group_size
         sc = _gather(flat, base + 32 + 16 * j + r)
         sc = sc - ((sc & 0x80) << 1)  # int8
         return d * sc.float(), torch.zeros_like(d)
@@ -116,8 +119,8 @@ def dequantize_weights(p: PackedProjection) -> Tensor:
     Per format (docs/formats.md):
 
     * ``bf16``: ``W[n, k] = packed[n // 16, k // 2, n % 16, k % 2]``.
-    * qint (``int8``, ``int4``, ``mxfp4``, ``q8_0``, ``q4_0``, ``q4_k``,
-      ``q5_k``, ``q6_k``): codes from the bit planes, then
+    * qint (``int8``, ``int4``, ``mxfp4``, ``nvfp4``, ``q8_0``, ``q4_0``, ``q2_k`` ...
+      ``q6_k``, ``iq4_nl``, ``iq4_xs``): codes from the bit planes, then
       ``W = scale[g] * q - zero[g]`` with ``g = k // group_size`` in fp32
       (k-quants: ``scale = d*sc``, ``zero = dmin*m`` decoded from the
       super-block records, exact).
@@ -129,6 +132,9 @@ def dequantize_weights(p: PackedProjection) -> Tensor:
       ``2^(E-127) * e2m1(c)``), evaluated in float64 then rounded to fp32
       (exact except where the value overflows fp32, which gives inf);
       ``nvfp4`` likewise with its fp32 ``scale`` (half the NVFP4 ``b * g``).
+      ``iq4_nl`` / ``iq4_xs``: ``W = scale * IQ4NL_VALUES[c]`` (``scale`` the fp16 ``d``
+      per 32, or iq4_xs' ``d * (ls - 32)`` from its records), as ggml's
+      ``dequantize_row_iq4_nl`` / ``_iq4_xs``.
     * ``fp8``: ``W = float(E4M3 bits) * scale[n // 128, k // 128]`` in fp32;
       ``fp8_channel`` / ``mxfp8``: times the scale of row ``n`` and group ``k //
       group_size`` (``mxfp8``: ``2^(E-127)``).
@@ -167,6 +173,13 @@ def _dequantize_one(spec, group_size, n, k, weight, scales=None, zeros=None) -> 
             return vals * s.float()
         return vals * scales.float()[:, nn // 128, kk // 128]
     q = _decode_codes(w, spec.bits, kp)
+    if spec.code_table == "iq4nl":  # iq4_nl, iq4_xs: the table's signed values
+        qv = torch.tensor(IQ4NL_VALUES, dtype=torch.float32)[q]
+        if spec.is_kquant:
+            scale = _kquant_params(scales, spec, kp)[0]
+        else:
+            scale = _expand_groups(scales, kp, group_size).float()
+        return _rows(scale * qv, n, k)
     if spec.is_kquant:
         scale, zero = _kquant_params(scales, spec, kp)
         if spec.record_mins:

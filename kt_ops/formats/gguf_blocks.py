@@ -26,13 +26,23 @@ the same bytes), ``QK_K = 256``, ``d``/``dmin`` fp16, little endian:
   ``d``; in each half ``i`` (128 weights), weight ``32t + l`` has low bits
   from ``ql[64i + 32(t%2) + l]`` (nibble ``t//2``), high bits ``(qh[32i + l]
   >> 2t) & 3``; 16 weights per scale; ``W = d*sc * (q - 32)``.
+* ``block_iq4_nl`` (18 B / 32): ``d``, ``qs[16]`` with q4_0's nibble order;
+  ``W = d * kvalues_iq4nl[q]`` (a non-linear grid of 16 signed values,
+  ggml-quants.c; :data:`kt_ops.formats.IQ4NL_VALUES`).
+* ``block_iq4_xs`` (136 B / 256): ``d``, ``uint16 scales_h``, ``scales_l[4]``,
+  ``qs[128]``; sub-block ``j`` (32 weights) has the 6-bit scale ``ls_j =
+  ((scales_l[j/2] >> 4(j%2)) & 15) | (((scales_h >> 2j) & 3) << 4)`` and its
+  weights ``l < 16`` / ``l + 16`` in the low / high nibbles of ``qs[16j + l]``;
+  ``W = d*(ls_j - 32) * kvalues_iq4nl[q]``.
 
 The repacked scales are ``d`` (fp16, q8_0/q4_0) or, for the k-quants, GGUF's
 own scale bytes (``d``, ``dmin``, ``scales[12]`` / ``scales[16]``), copied into
 records of 16 rows x 256 k (docs/formats.md, "k-quant scales"); only the codes
 are rearranged (q3_K's 6-bit scales are unpacked to int8 ``sc - 32``, q6_K's
-record). q2_K's and q3_K's codes go into the 4-bit plane: exact, at 4.6 bits a
-weight instead of GGUF's 2.6 / 3.4. The kernels form ``d*sc`` and ``dmin*m`` (exact in fp32), so
+record; IQ4_XS's likewise into its own record of int8 ``ls - 32``). q2_K's and q3_K's codes go
+into the 4-bit plane: exact, at 4.6 bits a weight instead of GGUF's 2.6 / 3.4. IQ4_NL's and
+IQ4_XS's 4-bit codes are stored as they are (their table is the kernels'), at GGUF's size
+(4.5 / 4.3 bits). The kernels form ``d*sc`` and ``dmin*m`` (exact in fp32), so
 the qint dequantization reproduces ``gguf.quants.dequantize`` bit for bit.
 """
 
@@ -46,6 +56,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from kt_ops.formats.dequant import IQ4NL_VALUES
 from kt_ops.formats.packed import PackedProjection
 from kt_ops.formats.qint import pack_codes, pack_group_params, pack_kquant_scales
 from kt_ops.formats.spec import FORMATS, format_spec
@@ -124,6 +135,27 @@ def _pack_scales_q3_k(s: np.ndarray) -> np.ndarray:
     return out
 
 
+def _scales_iq4_xs(b: np.ndarray) -> np.ndarray:
+    """IQ4_XS ``scales_h`` (2 bytes, little endian) and ``scales_l[4]`` ``[..., 6]`` -> the 8
+    six-bit scales ``ls`` ``[..., 8]`` (0..63; ggml subtracts 32)."""
+    h = b[..., 0:1].astype(np.uint16) | (b[..., 1:2].astype(np.uint16) << 8)
+    hi = (h >> (2 * np.arange(8, dtype=np.uint16))) & 3  # [..., 8]
+    lo = (b[..., 2:6, None] >> np.array([0, 4], dtype=np.uint8)) & 15  # [..., 4, 2]
+    return (lo.reshape(*b.shape[:-1], 8) | (hi.astype(np.uint8) << 4)).astype(np.uint8)
+
+
+def _pack_scales_iq4_xs(ls: np.ndarray) -> np.ndarray:
+    """Inverse of :func:`_scales_iq4_xs`: six-bit ``[..., 8]`` -> ``scales_h, scales_l`` ``[..., 6]``."""
+    hi = (ls >> 4).astype(np.uint16) & 3
+    h = (hi << (2 * np.arange(8, dtype=np.uint16))).sum(axis=-1, dtype=np.uint16)
+    lo = (ls & 15).reshape(*ls.shape[:-1], 4, 2)
+    out = np.empty(ls.shape[:-1] + (6,), dtype=np.uint8)
+    out[..., 0] = h & 0xFF
+    out[..., 1] = h >> 8
+    out[..., 2:6] = lo[..., 0] | (lo[..., 1] << 4)
+    return out
+
+
 def _pack_scale_min_k4(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
     """Inverse of :func:`_scale_min_k4`: six-bit ``sc``, ``m`` ``[..., 8]`` -> ``[..., 12]``."""
     out = np.empty(sc.shape[:-1] + (12,), dtype=np.uint8)
@@ -154,8 +186,8 @@ def from_gguf(
 
     Args:
         qtype: ``'q8_0'``, ``'q4_0'``, ``'q2_k'``, ``'q3_k'``, ``'q4_k'``,
-            ``'q5_k'`` or ``'q6_k'`` (any case) or the matching
-            ``gguf.GGMLQuantizationType``.
+            ``'q5_k'``, ``'q6_k'``, ``'iq4_nl'`` or ``'iq4_xs'`` (any case) or the
+            matching ``gguf.GGMLQuantizationType``.
         raw: uint8 numpy array or tensor with the block bytes, rows of ``k``
             weights along GGUF's first dimension ``ne0``: shape
             ``[E, n, k / block * type_size]`` as ``gguf.GGUFReader`` returns
@@ -165,9 +197,9 @@ def from_gguf(
 
     Returns:
         A validated :class:`PackedProjection` of format ``qtype``: codes in the
-        qint planes, scales ``d`` (fp16, q8_0/q4_0) or the k-quants' scale
-        records (uint8 ``[E, NB, K/256, 256 | 288 | 320]``, GGUF's bytes), no
-        zeros, group 32 (q2_k, q3_k, q6_k: 16).
+        qint planes, scales ``d`` (fp16, q8_0/q4_0/iq4_nl) or the scale records
+        of the k-quants and iq4_xs (uint8 ``[E, NB, K/256, 256 | 288 | 320 | 160]``,
+        GGUF's bytes), no zeros, group 32 (q2_k, q3_k, q6_k: 16).
         Dequantizing it gives exactly ``gguf.quants.dequantize(raw, qtype)``.
 
     Raises:
@@ -200,11 +232,17 @@ def from_gguf(
         d = _f16(blk[..., 0:2])
         codes = blk[..., 2:].view(np.int8)
         scales = d
-    elif name == "q4_0":
+    elif name in ("q4_0", "iq4_nl"):  # d, qs[16]
         d = _f16(blk[..., 0:2])
         qs = blk[..., 2:18]
         codes = np.concatenate([qs & 15, qs >> 4], axis=-1)
         scales = d
+    elif name == "iq4_xs":  # d, scales_h, scales_l[4], qs[128]
+        _check_finite(name, _f16(blk[..., 0:2]))
+        sc = _scales_iq4_xs(blk[..., 2:8]).astype(np.int16) - 32  # [.., 8] in [-32, 31]
+        head = np.concatenate([sc.astype(np.int8).view(np.uint8), blk[..., 0:2]], axis=-1)
+        qs = blk[..., 8:136].reshape(E, n, -1, 8, 1, 16)  # [j][.][l]
+        codes = (qs >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)) & 15  # [.., 8, 2, 16]
     elif name == "q2_k":  # scales[16], qs[64], d, dmin
         _check_finite(name, _f16(blk[..., 80:82]), _f16(blk[..., 82:84]))
         head = np.concatenate([blk[..., 0:16], blk[..., 80:84]], axis=-1)
@@ -378,6 +416,70 @@ def _quantize_q3_k(x: np.ndarray) -> np.ndarray:
     )
 
 
+_IQ4 = np.array(IQ4NL_VALUES, dtype=np.float32)
+_IQ4_MID = (_IQ4[1:] + _IQ4[:-1]) / 2
+
+
+def _iq4_index(y: np.ndarray) -> np.ndarray:
+    """The IQ4_NL code of the grid value nearest to each ``y`` (uint8)."""
+    return np.searchsorted(_IQ4_MID, y).astype(np.uint8)
+
+
+def _iq4_scales(xs: np.ndarray, ntry: int = 7) -> np.ndarray:
+    """Sub-blocks ``[B, L]`` fp32 -> the fp32 scale ``d [B]`` (signed) of the IQ4_NL grid.
+
+    As ggml's ``quantize_row_iq4_nl_impl`` without an importance matrix: weights
+    ``x^2``; candidate inverse scales ``(t - 127) / max`` (``t`` in ``[-ntry, ntry]``,
+    ``max`` the value of largest magnitude) and ``127 / max``; per candidate the nearest
+    grid codes and the least-squares scale ``sum(w q x) / sum(w q q)``, keeping the one
+    of least weighted error.
+    """
+    w = xs * xs
+    mx = np.take_along_axis(xs, np.abs(xs).argmax(-1)[:, None], axis=-1)  # [B, 1], signed
+    safe = np.where(mx != 0, mx, 1)
+    ids = [127 / safe] + [(t - 127) / safe for t in range(-ntry, ntry + 1)]
+    best_d = np.zeros(xs.shape[0], dtype=np.float32)
+    best = np.full(xs.shape[0], -np.inf, dtype=np.float32)
+    for inv in ids:
+        q = _IQ4[_iq4_index(inv * xs)]
+        sumqx = (w * q * xs).sum(-1)
+        sumq2 = (w * q * q).sum(-1)
+        score = np.where(sumq2 > 0, sumqx * _div(sumqx, sumq2), -np.inf)
+        take = score > best
+        best = np.where(take, score, best)
+        best_d = np.where(take, _div(sumqx, sumq2), best_d)
+    return np.where(mx[:, 0] != 0, best_d, 0).astype(np.float32)
+
+
+def _quantize_iq4_nl(x: np.ndarray) -> np.ndarray:
+    """Blocks ``[B, 32]`` fp32 -> IQ4_NL bytes ``[B, 18]``."""
+    B = x.shape[0]
+    d = _to_f16(_iq4_scales(x), "d")
+    q = _iq4_index(x * _div(np.ones_like(d, dtype=np.float32), d.astype(np.float32))[:, None])
+    qs = q[:, 0:16] | (q[:, 16:32] << 4)
+    return np.concatenate([d.view(np.uint8).reshape(B, 2), qs], axis=-1)
+
+
+def _quantize_iq4_xs(x: np.ndarray) -> np.ndarray:
+    """Blocks ``[B, 256]`` fp32 -> IQ4_XS bytes ``[B, 136]``.
+
+    The sub-block scales of :func:`_iq4_scales`, then as ggml's ``quantize_row_iq4_nl_impl``
+    for super-blocks: ``d = -max_scale / 32`` (the scale of largest magnitude at -32),
+    ``ls = clamp(round(scale / d), -32, 31) + 32``, codes against ``d * (ls - 32)``.
+    """
+    B = x.shape[0]
+    xs = x.reshape(B, 8, 32)
+    scale = _iq4_scales(xs.reshape(B * 8, 32)).reshape(B, 8)
+    big = np.take_along_axis(scale, np.abs(scale).argmax(-1)[:, None], axis=-1)[:, 0]
+    d = _to_f16(-big / 32, "d")
+    sc = np.clip(np.rint(_div(scale, d.astype(np.float32)[:, None])), -32, 31)
+    s = d.astype(np.float32)[:, None] * sc.astype(np.float32)
+    q = _iq4_index(xs * _div(np.ones_like(s), s)[..., None])  # [B, 8, 32]
+    qs = (q[..., 0:16] | (q[..., 16:32] << 4)).reshape(B, 128)
+    hl = _pack_scales_iq4_xs((sc + 32).astype(np.uint8))
+    return np.concatenate([d.view(np.uint8).reshape(B, 2), hl, qs], axis=-1)
+
+
 def quantize_gguf_raw(weight: np.ndarray, qtype: Union[str, Any]) -> np.ndarray:
     """Quantize fp32 ``[..., K]`` to raw GGUF blocks ``[..., K / block * type_size]`` (uint8).
 
@@ -387,7 +489,8 @@ def quantize_gguf_raw(weight: np.ndarray, qtype: Union[str, Any]) -> np.ndarray:
     quantizer here: per sub-block min/max (min clipped to <= 0; q2_k, q4_k,
     q5_k) or the value of largest magnitude (q3_k, q6_k), 4-bit (q2_K), 6-bit
     (q3_K, q4_K, q5_K) or int8 (q6_K) sub-block scales against an fp16
-    super-block ``d``.
+    super-block ``d``. ``iq4_nl`` / ``iq4_xs`` search the sub-block scale as
+    llama.cpp does without an importance matrix (:func:`_iq4_scales`).
     It writes valid blocks but skips llama.cpp's iterative scale search
     (``make_qkx2_quants``), so its error is somewhat larger than
     ``llama-quantize``'s; convert a GGUF file for production weights.
@@ -405,13 +508,17 @@ def quantize_gguf_raw(weight: np.ndarray, qtype: Union[str, Any]) -> np.ndarray:
             f"quantize_weights: K={x.shape[-1] if x.ndim else 0} is not a multiple of the "
             f"{name} block size {bs}"
         )
-    if not spec.is_kquant:  # q8_0, q4_0
+    blocks = x.reshape(-1, bs)
+    if name in ("q8_0", "q4_0"):
         import gguf  # noqa: PLC0415  (optional dependency)
 
         qt = getattr(gguf.GGMLQuantizationType, name.upper())
         return gguf.quants.quantize(x, qt)
-    blocks = x.reshape(-1, bs)
-    if name == "q2_k":
+    if name == "iq4_nl":
+        out = _quantize_iq4_nl(blocks)
+    elif name == "iq4_xs":
+        out = _quantize_iq4_xs(blocks)
+    elif name == "q2_k":
         out = _quantize_q2_k(blocks)
     elif name == "q3_k":
         out = _quantize_q3_k(blocks)

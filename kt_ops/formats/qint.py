@@ -178,14 +178,14 @@ def unpack_group_params(p: Tensor, n: int) -> Tensor:
 
 # --------------------------------------------------------------------------- k-quant records
 
-#: The GGUF k-quants: the formats whose scales are super-block records.
+#: The GGUF k-quants and iq4_xs: the formats whose scales are super-block records.
 _KQUANTS = tuple(f for f in FORMATS if format_spec(f).is_kquant)
 
 
 def _kq(fmt: str) -> tuple[int, int, bool]:
     """Bytes of the scale fields of one GGUF block per row (``head``: 16 for q4_k/q5_k, 18
-    for q6_k/q3_k, 20 for q2_k), bytes of one record (16 rows of heads), and whether the
-    head holds mins."""
+    for q6_k/q3_k, 20 for q2_k, 10 for iq4_xs), bytes of one record (16 rows of heads), and
+    whether the head holds mins."""
     if fmt not in _KQUANTS:
         raise ValueError(f"{fmt!r} is not a GGUF k-quant; expected one of {_KQUANTS}")
     spec = format_spec(fmt)
@@ -202,14 +202,16 @@ def pack_kquant_scales(head: Tensor, fmt: str) -> Tensor:
             d`` (18 bytes, the last 18 of ``block_q6_K``); q3_K the same 18 bytes
             as q6_K, its sub-block scales as int8 ``sc - 32`` (``from_gguf``
             unpacks GGUF's 12 bytes of 6-bit scales into them); q2_K ``scales[16],
-            d, dmin`` (20 bytes: the first 16 of ``block_q2_K`` and its last 4).
+            d, dmin`` (20 bytes: the first 16 of ``block_q2_K`` and its last 4);
+            IQ4_XS int8 ``scales[8], d`` (10 bytes: its 6-bit ``ls - 32`` unpacked
+            from ``scales_h`` / ``scales_l`` by ``from_gguf``, then its ``d``).
             ``S = K / 256``.
-        fmt: ``'q2_k'``, ``'q3_k'``, ``'q4_k'``, ``'q5_k'`` or ``'q6_k'``.
+        fmt: ``'q2_k'``, ``'q3_k'``, ``'q4_k'``, ``'q5_k'``, ``'q6_k'`` or ``'iq4_xs'``.
 
     Returns:
-        uint8 ``[E, NB, S, 256 | 288 | 320]``: per 16-row block and super-block,
+        uint8 ``[E, NB, S, 256 | 288 | 320 | 160]``: per 16-row block and super-block,
         ``d`` fp16 ``[16]``, (q2_k/q4_k/q5_k) ``dmin`` fp16 ``[16]`` and the
-        sub-block bytes ``[12 | 16][16 rows]`` (byte ``i`` of row ``r`` at
+        sub-block bytes ``[12 | 16 | 8][16 rows]`` (byte ``i`` of row ``r`` at
         ``16 i + r``): the same bytes, the block's 16 rows side by side.
         Padding rows are 0.
     """
@@ -227,8 +229,8 @@ def pack_kquant_scales(head: Tensor, fmt: str) -> Tensor:
         parts = [full[..., 16:18], full[..., 18:20], full[..., 0:16].transpose(-1, -2)]
     elif mins:  # q4_k, q5_k: d, dmin [16][2], sc [12 j][16 r]
         parts = [full[..., 0:2], full[..., 2:4], full[..., 4:16].transpose(-1, -2)]
-    else:  # q6_k, q3_k
-        parts = [full[..., 16:18], full[..., 0:16].transpose(-1, -2)]  # d [16][2], sc [16 j][16 r]
+    else:  # q6_k, q3_k, iq4_xs: d [16][2], int8 sc [16 | 8 j][16 r]
+        parts = [full[..., hb - 2 : hb], full[..., 0 : hb - 2].transpose(-1, -2)]
     out = torch.cat([p.reshape(E, nb, S, -1) for p in parts], dim=-1).contiguous()
     assert out.shape[-1] == rb
     return out
@@ -237,8 +239,8 @@ def pack_kquant_scales(head: Tensor, fmt: str) -> Tensor:
 def unpack_kquant_scales(scales: Tensor, fmt: str, n: int) -> Tensor:
     """Inverse of :func:`pack_kquant_scales`: records ``[E, NB, S, R]`` -> heads ``[E, n, S, H]``.
 
-    ``H``: 16 (q4_k, q5_k), 18 (q6_k, q3_k) or 20 (q2_k) bytes, as :func:`pack_kquant_scales`
-    takes them.
+    ``H``: 16 (q4_k, q5_k), 18 (q6_k, q3_k), 20 (q2_k) or 10 (iq4_xs) bytes, as
+    :func:`pack_kquant_scales` takes them.
     """
     hb, rb, mins = _kq(fmt)
     if scales.dtype != torch.uint8 or scales.dim() != 4 or scales.shape[-1] != rb:
@@ -258,20 +260,22 @@ def unpack_kquant_scales(scales: Tensor, fmt: str, n: int) -> Tensor:
         dmin = rows[..., 32:64].reshape(E, nb, S, BLOCK_ROWS, 2)
         sc = rows[..., 64:256].reshape(E, nb, S, 12, BLOCK_ROWS).transpose(-1, -2)
         head = torch.cat([d, dmin, sc], dim=-1)
-    else:  # q6_k, q3_k
-        sc = rows[..., 32:288].reshape(E, nb, S, 16, BLOCK_ROWS).transpose(-1, -2)
+    else:  # q6_k, q3_k, iq4_xs
+        sc = rows[..., 32:rb].reshape(E, nb, S, hb - 2, BLOCK_ROWS).transpose(-1, -2)
         head = torch.cat([sc, d], dim=-1)
     head = head.permute(0, 1, 3, 2, 4).reshape(E, nb * BLOCK_ROWS, S, hb)
     return head[:, :n].contiguous()
 
 
 def kquant_scale_values(scales: Tensor, fmt: str, n: int) -> tuple[Tensor, Optional[Tensor]]:
-    """The fp32 scales ``d*sc`` and zeros ``dmin*m`` (None for q6_k, q3_k) ``[E, n, G]`` of records.
+    """The fp32 scales ``d*sc`` and zeros ``dmin*m`` (None for q6_k, q3_k, iq4_xs) ``[E, n, G]``
+    of records.
 
-    ``G = K / 32`` (q4_k, q5_k) or ``K / 16`` (q2_k, q3_k, q6_k); the products are exact.
+    ``G = K / 32`` (q4_k, q5_k, iq4_xs) or ``K / 16`` (q2_k, q3_k, q6_k); the products are
+    exact.
     """
     head = unpack_kquant_scales(scales, fmt, n).to(torch.int32)
-    E, _, S, _ = head.shape
+    E, _, S, hb = head.shape
 
     def f16(lo: Tensor, hi: Tensor) -> Tensor:
         return (lo | (hi << 8)).to(torch.int16).view(torch.float16).float()
@@ -281,10 +285,10 @@ def kquant_scale_values(scales: Tensor, fmt: str, n: int) -> tuple[Tensor, Optio
         b = head[..., 0:16]
         scale = (d.unsqueeze(-1) * (b & 15).float()).reshape(E, n, S * 16)
         return scale, (dmin.unsqueeze(-1) * (b >> 4).float()).reshape(E, n, S * 16)
-    if not format_spec(fmt).record_mins:  # q6_k, q3_k: int8 scales[16], d
-        sc = head[..., 0:16].to(torch.uint8).view(torch.int8).float()
-        d = f16(head[..., 16], head[..., 17])
-        return (d.unsqueeze(-1) * sc).reshape(E, n, S * 16), None
+    if not format_spec(fmt).record_mins:  # q6_k, q3_k, iq4_xs: int8 scales[16 | 8], d
+        sc = head[..., 0 : hb - 2].to(torch.uint8).view(torch.int8).float()
+        d = f16(head[..., hb - 2], head[..., hb - 1])
+        return (d.unsqueeze(-1) * sc).reshape(E, n, S * (hb - 2)), None
     d, dmin = f16(head[..., 0], head[..., 1]), f16(head[..., 2], head[..., 3])
     q = head[..., 4:16]
     lo, mid, hi = q[..., 0:4], q[..., 4:8], q[..., 8:12]

@@ -53,10 +53,14 @@ class FormatSpec:
         layout: ``'bf16'`` (n16k2 bf16), ``'qint'`` (integer code planes) or
             ``'fp8'`` (E4M3 bytes, ``[E, NB, Kp, 16]``).
         bits: bits per stored weight code (16 for bf16).
-        signed: the integer codes are two's-complement signed bytes (int8, q8_0);
-            False for the float layouts (bf16, fp8) and the unsigned codes.
+        signed: the codes the kernels multiply are signed bytes: two's-complement
+            8-bit codes (int8, q8_0) or the IQ4_NL table's values (iq4_nl,
+            iq4_xs); False for the float layouts (bf16, fp8) and the unsigned codes.
         lut: the stored code goes through a 16-entry table before the affine
-            step (mxfp4: E2M1 code ``c`` -> ``q = 2*e2m1(c) + 12``).
+            step (``code_table`` names it).
+        code_table: ``'e2m1'`` (mxfp4, nvfp4: E2M1 code ``c`` -> ``q = 2*e2m1(c) +
+            12``), ``'iq4nl'`` (iq4_nl, iq4_xs: ``c`` -> ``IQ4NL_VALUES[c]``, llama.cpp's
+            ``kvalues_iq4nl``) or ``None``.
         scale_dtype: dtype of the ``scales`` tensor (``None`` for bf16;
             ``torch.uint8`` UE8M0 exponents for mxfp4).
         has_zeros: the format can carry a ``zeros`` tensor (``W = scale*q - zero``).
@@ -87,11 +91,12 @@ class FormatSpec:
             and zeros included (int4: symmetric, group 128), ignoring padding.
         source: where the element format comes from.
         scale_record_bytes: GGUF k-quants (``q2_k``, ``q3_k``, ``q4_k``,
-            ``q5_k``, ``q6_k``): bytes of one scale record (16 rows x one 256-k
-            super-block: 256 for q4_k/q5_k, 288 for q6_k/q3_k, 320 for q2_k);
+            ``q5_k``, ``q6_k``) and ``iq4_xs``: bytes of one scale record (16 rows x
+            one 256-k super-block: 256 for q4_k/q5_k, 288 for q6_k/q3_k, 320 for
+            q2_k, 160 for iq4_xs);
             ``scales`` is uint8 ``[E, NB, Kp/256, scale_record_bytes]``
             (docs/formats.md, "k-quant scales"). 0 otherwise.
-        super_block: K per scale record (256 for the k-quants, else 0).
+        super_block: K per scale record (256 for the k-quants and iq4_xs, else 0).
         record_mins: the records hold mins (``dmin*m``, q2_k/q4_k/q5_k): the
             format is asymmetric without a ``zeros`` tensor.
         zero_offset: the implicit zero of unsigned codes without zeros or
@@ -128,6 +133,7 @@ class FormatSpec:
     gguf_block: Optional[tuple[int, int]] = None
     fp8_row_scales: bool = False
     zero_offset: float = 0.0
+    code_table: Optional[str] = None
 
     def brgemm_min_tokens_for(self, cpu_class: str) -> Optional[int]:
         """The ``'auto'`` brgemm threshold on ``cpu_class`` (``'avx512'`` or ``'amx'``)."""
@@ -146,7 +152,7 @@ class FormatSpec:
 
     @property
     def is_kquant(self) -> bool:
-        """True for the GGUF k-quants, whose ``scales`` are super-block records."""
+        """True where ``scales`` are GGUF super-block records: the k-quants and iq4_xs."""
         return self.scale_record_bytes > 0
 
     @property
@@ -229,6 +235,7 @@ def _spec_from_row(row: dict) -> FormatSpec:
         gguf_block=row["gguf_block"],
         fp8_row_scales=row["fp8_row_scales"],
         zero_offset=row["zero_offset"],
+        code_table=row["code_table"],
     )
 
 

@@ -34,9 +34,9 @@ using formats::QintFormat;
 using formats::ScaleType;
 
 // Decodes the codes of k in [k0, k0 + 4*NV) (NV even) for the rows of one
-// half into NV vectors of [8 rows][4 k] unsigned codes (4/5/6 bit, E2M1),
-// with the integer traits of the dot product (QintVec).
-template <int Bits, bool Lut, int NV>
+// half into NV vectors of [8 rows][4 k] kernel codes (4/5/6 bit and E2M1 unsigned,
+// IQ4_NL signed), with the integer traits of the dot product (QintVec).
+template <int Bits, formats::CodeTable Tab, int NV>
 KT_INLINE void decode_unit(const uint8_t* block, [[maybe_unused]] const uint8_t* high, int64_t k0,
                            int half, __m256i* w) {
   static_assert(Bits != 8 && NV % 2 == 0, "8-bit codes are loaded as they are");
@@ -48,7 +48,8 @@ KT_INLINE void decode_unit(const uint8_t* block, [[maybe_unused]] const uint8_t*
   }
   for (int v = 0; v < NV; ++v) {
     const int64_t h = h0 + v;
-    if constexpr (Lut) w[v] = QintVec::e2m1_codes(w[v]);
+    if constexpr (Tab == formats::CodeTable::kE2m1) w[v] = QintVec::e2m1_codes(w[v]);
+    if constexpr (Tab == formats::CodeTable::kIq4nl) w[v] = QintVec::iq4nl_codes(w[v]);
     if constexpr (Bits == 5) {
       const __m256i hb = QintVec::load(high + (h / 8) * 64 + half * 32);
       w[v] = QintVec::or_(w[v], QintVec::high_bits(hb, static_cast<int>(h % 8), 0x10));
@@ -178,8 +179,9 @@ void fp8_dot(const Fp8Block& a) {
 // scaled: w = s * q - z (explicit zeros), s * (q - zero_offset) (implicit: q - offset is
 // exact, so w is s (q - offset) rounded once, as dequantize_weights; s * q - s * offset
 // rounded s * offset first, which nvfp4's fp32 scales times 12 need not fit).
-template <int Bits, bool Lut, ZeroMode Z, bool KQ = false>
+template <int Bits, formats::CodeTable Tab, ZeroMode Z, bool KQ = false>
 void qint_decode_impl(const QintBlock& a, float* w) {
+  constexpr bool kSigned = Bits == 8 || Tab == formats::CodeTable::kIq4nl;
   const QintFormat& f = *a.format;
   const int64_t kp = a.kp;
   const int64_t gsize = f.group_size == 0 ? kp : f.group_size;
@@ -207,7 +209,7 @@ void qint_decode_impl(const QintBlock& a, float* w) {
           c[v] = _mm256_loadu_si256(
               reinterpret_cast<const __m256i*>(a.block + (k0 / 4 + v) * 64 + half * 32));
       } else {
-        decode_unit<Bits, Lut, 2>(a.block, high, k0, half, c);
+        decode_unit<Bits, Tab, 2>(a.block, high, k0, half, c);
       }
       __m256 sc;
       [[maybe_unused]] __m256 z;
@@ -227,8 +229,7 @@ void qint_decode_impl(const QintBlock& a, float* w) {
         const __m128i lo = _mm256_castsi256_si128(t), hi = _mm256_extracti128_si256(t, 1);
         const __m128i runs[4] = {lo, _mm_unpackhi_epi64(lo, lo), hi, _mm_unpackhi_epi64(hi, hi)};
         for (int j = 0; j < 4; ++j) {
-          const __m256i q =
-              Bits == 8 ? _mm256_cvtepi8_epi32(runs[j]) : _mm256_cvtepu8_epi32(runs[j]);
+          const __m256i q = kSigned ? _mm256_cvtepi8_epi32(runs[j]) : _mm256_cvtepu8_epi32(runs[j]);
           const __m256 qf = _mm256_cvtepi32_ps(q);
           __m256 wv;
           if constexpr (Z == ZeroMode::kExplicit)
@@ -243,21 +244,27 @@ void qint_decode_impl(const QintBlock& a, float* w) {
 }
 
 void qint_decode(const QintBlock& a, float* w) {
+  using T = formats::CodeTable;
   const QintFormat& f = *a.format;
   const bool explicit_zero = a.zeros != nullptr;
   if (formats::is_kquant(f.scale_type)) {
+    if (f.bits == 4 && f.table == T::kIq4nl)  // iq4_xs
+      return qint_decode_impl<4, T::kIq4nl, ZeroMode::kImplicit, true>(a, w);
     if (f.bits == 4 && !formats::kquant_has_mins(f.scale_type))  // q3_k
-      return qint_decode_impl<4, false, ZeroMode::kImplicit, true>(a, w);
-    if (f.bits == 4) return qint_decode_impl<4, false, ZeroMode::kExplicit, true>(a, w);
-    if (f.bits == 5) return qint_decode_impl<5, false, ZeroMode::kExplicit, true>(a, w);
-    if (f.bits == 6) return qint_decode_impl<6, false, ZeroMode::kImplicit, true>(a, w);
+      return qint_decode_impl<4, T::kNone, ZeroMode::kImplicit, true>(a, w);
+    if (f.bits == 4) return qint_decode_impl<4, T::kNone, ZeroMode::kExplicit, true>(a, w);
+    if (f.bits == 5) return qint_decode_impl<5, T::kNone, ZeroMode::kExplicit, true>(a, w);
+    if (f.bits == 6) return qint_decode_impl<6, T::kNone, ZeroMode::kImplicit, true>(a, w);
     return ref::qint_block_decode(a, w);
   }
-  if (f.bits == 8) return qint_decode_impl<8, false, ZeroMode::kImplicit>(a, w);
-  if (f.bits == 4 && f.lut_e2m1) return qint_decode_impl<4, true, ZeroMode::kImplicit>(a, w);
+  if (f.bits == 8) return qint_decode_impl<8, T::kNone, ZeroMode::kImplicit>(a, w);
+  if (f.bits == 4 && f.table != T::kNone) {  // mxfp4, nvfp4, iq4_nl
+    if (f.table == T::kE2m1) return qint_decode_impl<4, T::kE2m1, ZeroMode::kImplicit>(a, w);
+    return qint_decode_impl<4, T::kIq4nl, ZeroMode::kImplicit>(a, w);
+  }
   if (f.bits == 4) {
-    if (explicit_zero) return qint_decode_impl<4, false, ZeroMode::kExplicit>(a, w);
-    return qint_decode_impl<4, false, ZeroMode::kImplicit>(a, w);
+    if (explicit_zero) return qint_decode_impl<4, T::kNone, ZeroMode::kExplicit>(a, w);
+    return qint_decode_impl<4, T::kNone, ZeroMode::kImplicit>(a, w);
   }
   ref::qint_block_decode(a, w);  // 5/6-bit codes are k-quants only
 }

@@ -131,6 +131,13 @@ struct QintVec {
                                    13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0);
     return _mm256_shuffle_epi8(lut, c);
   }
+  // IQ4_NL code -> its signed value (formats::iq4nl_value), per 128-bit lane.
+  static inline I iq4nl_codes(I c) {
+    const I lut =
+        _mm256_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
+                         -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
+    return _mm256_shuffle_epi8(lut, c);
+  }
   // The high bits stored at bit `from` of each byte, moved to bit 4 and
   // masked. 16-bit shifts are safe: the mask keeps only bits of the same byte.
   static inline I high_bits(I hb, int from, int mask) {

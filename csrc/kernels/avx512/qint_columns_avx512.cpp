@@ -23,6 +23,17 @@ namespace kt::kernels::avx512 {
 
 namespace {
 
+// The values of the 16 codes of a table form (kE2m1: 2 e2m1(c); kIq4nl: IQ4_NL's grid,
+// formats::iq4nl_value); zeros for the other forms.
+template <QintValue A>
+inline __m512 code_table_ps() {
+  if (A == QintValue::kE2m1)
+    return _mm512_setr_ps(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+  if (A == QintValue::kIq4nl)
+    return _mm512_setr_ps(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
+  return _mm512_setzero_ps();
+}
+
 // The 16 columns [k0, k0 + 16) of the block as fp32 registers v[c] (row r in lane r).
 // k0 is a multiple of 16: the columns are 2 lines of the low plane (8-bit codes: 4), each
 // code at a fixed bit of its line, so the loops below unroll to immediate shifts (per-
@@ -33,8 +44,8 @@ inline void columns(const uint8_t* low, const uint8_t* high, int32_t offset, int
   const __m512 sv = _mm512_loadu_ps(s);
   const __m512 zv = A == QintValue::kZeros ? _mm512_loadu_ps(z) : _mm512_setzero_ps();
   // mxfp4: E2M1 code c -> 2 e2m1(c) (magnitudes 0, 1, 2, 3, 4, 6, 8, 12, bit 3 the sign;
-  // -0 as +0, as the scalar decoder's integer form).
-  const __m512 e2m1 = _mm512_setr_ps(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+  // -0 as +0, as the scalar decoder's integer form); iq4: IQ4_NL's values.
+  const __m512 table = code_table_ps<A>();
   const __m512i off = _mm512_set1_epi32(offset);
   auto value = [&](__m512i q) {
     if (A == QintValue::kSigned || A == QintValue::kZeros) {
@@ -43,7 +54,7 @@ inline void columns(const uint8_t* low, const uint8_t* high, int32_t offset, int
     }
     if (A == QintValue::kOffset)
       return _mm512_mul_ps(sv, _mm512_cvtepi32_ps(_mm512_sub_epi32(q, off)));
-    return _mm512_mul_ps(sv, _mm512_permutexvar_ps(q, e2m1));
+    return _mm512_mul_ps(sv, _mm512_permutexvar_ps(q, table));
   };
   if constexpr (Bits == 8) {
 #pragma GCC unroll 4
@@ -148,10 +159,9 @@ template <QintValue A, bool Lo>
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) void nibble_panel(
     const uint8_t* low, const uint8_t*, int32_t offset, int64_t k0, int64_t cols, const float* s,
     const float* z, const PanelSlices& out, uint16_t* hi, uint16_t* lo) {
-  // The code values q (as `columns`): q - offset, q (with zeros), 2 e2m1(q).
+  // The code values q (as `columns`): q - offset, q (with zeros), 2 e2m1(q), IQ4_NL's.
   const __m512 q = [&] {
-    if (A == QintValue::kE2m1)
-      return _mm512_setr_ps(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    if (A == QintValue::kE2m1 || A == QintValue::kIq4nl) return code_table_ps<A>();
     const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     if (A == QintValue::kOffset)
       return _mm512_cvtepi32_ps(_mm512_sub_epi32(iota, _mm512_set1_epi32(offset)));
@@ -232,6 +242,8 @@ PanelFn by_form(int bits, QintValue value, const Make& make) {
       if (is(V::kZeros))
         return make(integral_constant<int, 4>{}, integral_constant<V, V::kZeros>{});
       if (is(V::kE2m1)) return make(integral_constant<int, 4>{}, integral_constant<V, V::kE2m1>{});
+      if (is(V::kIq4nl))
+        return make(integral_constant<int, 4>{}, integral_constant<V, V::kIq4nl>{});
       return nullptr;
     case 5:
       if (is(V::kOffset))

@@ -1,10 +1,10 @@
 // The exact qint tiles (kernels/brgemm.h, qint_dp_exact_dot): bf16 activation rows
 // times a qint block's codes, with the scales (and zeros) applied to each group's fp32
-// sums, for the LoRA forward on an int4 / k-quant / q8_0 / q4_0 / mxfp4 / nvfp4 base.
+// sums, for the LoRA forward on an int4 / k-quant / q8_0 / q4_0 / mxfp4 / nvfp4 / iq4 base.
 //
 // A qint weight is v = s[r,g] * c - z[r,g] (formats/qint.h): c the code's value (an
-// integer of at most 8 bits, or twice an E2M1 value: every one a bf16 value), s and z
-// one per row and group of k. For a bf16 row x:
+// integer of at most 8 bits, twice an E2M1 value or an IQ4_NL value: every one a bf16 value), s and
+// z one per row and group of k. For a bf16 row x:
 //   sum_k x[k] v[r,k] = sum_g ( s[r,g] * D[g] - z[r,g] * X[g] ),
 //   D[g] = sum_{k in g} x[k] c[r,k],  X[g] = sum_{k in g} x[k],
 // where each product x[k] c[r,k] is exact in fp32 (8 by 8 significant bits) and summed
@@ -300,18 +300,18 @@ bool qint_dp_block(const QintBlock& b, const uint32_t* packed, const float* xg, 
   const bool kquant = formats::is_kquant(f.scale_type);
   const bool zeros = formats::qint_subtracts_zeros(f.scale_type, b.zeros != nullptr);
   if (f.bits != 4 && f.bits != 5 && f.bits != 6 && f.bits != 8) return false;
-  if (f.bits == 8 && (!f.is_signed || zeros || f.lut_e2m1)) return false;
+  if (f.bits == 8 && (!f.is_signed || zeros || f.table != formats::CodeTable::kNone)) return false;
   const int64_t kp = b.kp;
   const int64_t group_k = f.group_size == 0 ? kp : f.group_size;
   if (group_k % 16 != 0 || kp % group_k != 0) return false;
   const int64_t groups = kp / group_k;
   // The code values: q - offset (implicit zero), q (explicit zeros), 2 e2m1(q) (mxfp4,
-  // nvfp4: the scales are the kernels' 2^(E-128), formats/qint.h).
+  // nvfp4: the scales are the kernels' 2^(E-128), formats/qint.h), IQ4_NL's values.
   alignas(64) uint16_t table[64];
   for (int q = 0; q < 64; ++q) {
     float v;
-    if (f.lut_e2m1)
-      v = 2.0f * formats::e2m1_value(q & 15);
+    if (f.table != formats::CodeTable::kNone)
+      v = static_cast<float>(formats::table_code(f.table, q & 15)) - f.zero_offset;
     else
       v = zeros ? static_cast<float>(q) : static_cast<float>(q) - f.zero_offset;
     table[q] = bf16_bits_exact(v);

@@ -132,6 +132,12 @@ struct QintVec512 {
         _mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
     return _mm512_shuffle_epi8(lut, c);
   }
+  // IQ4_NL code -> its signed value (formats::iq4nl_value), per 128-bit lane.
+  static inline I iq4nl_codes(I c) {
+    const I lut = _mm512_broadcast_i32x4(
+        _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113));
+    return _mm512_shuffle_epi8(lut, c);
+  }
   static inline I high_bits(I hb, int from, int mask) {
     const I m = _mm512_set1_epi8(static_cast<char>(mask));
     if (from < 4) return _mm512_and_si512(_mm512_sll_epi16(hb, _mm_cvtsi32_si128(4 - from)), m);
