@@ -23,9 +23,9 @@ from hypothesis import strategies as st
 
 from kt_ops.formats import (
     E2M1_VALUES,
-    IQ4NL_VALUES,
     FORMATS,
     GGUF_FORMATS,
+    IQ4NL_VALUES,
     PackedProjection,
     dequantize_weights,
     format_spec,

@@ -145,7 +145,7 @@ def _scales_iq4_xs(b: np.ndarray) -> np.ndarray:
 
 
 def _pack_scales_iq4_xs(ls: np.ndarray) -> np.ndarray:
-    """Inverse of :func:`_scales_iq4_xs`: six-bit ``[..., 8]`` -> ``scales_h, scales_l`` ``[..., 6]``."""
+    """Inverse of :func:`_scales_iq4_xs`: six-bit ``[..., 8]`` -> ``scales_h, scales_l`` bytes."""
     hi = (ls >> 4).astype(np.uint16) & 3
     h = (hi << (2 * np.arange(8, dtype=np.uint16))).sum(axis=-1, dtype=np.uint16)
     lo = (ls & 15).reshape(*ls.shape[:-1], 4, 2)
