@@ -364,6 +364,10 @@ def random_blocks(qtype: Q, shape_elems: tuple[int, ...], rng: np.random.Generat
         set_f16(208, 1e-4, 1e-3)
     elif qtype == Q.Q3_K:
         set_f16(108, 1e-4, 1e-3)
+    elif qtype == Q.IQ4_NL:  # d * kvalues_iq4nl[q], |v| <= 127
+        set_f16(0, 1e-4, 1e-3)
+    elif qtype == Q.IQ4_XS:  # d * (ls - 32) * v
+        set_f16(0, 1e-5, 1e-4)
     elif qtype == Q.Q4_1:  # d, m: a type kt_ops refuses
         set_f16(0, 1e-3, 1e-2)
         set_f16(2, 1e-3, 1e-2)

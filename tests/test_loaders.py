@@ -28,7 +28,9 @@ from checkpoints import (
     write_hf_fp8,
     write_hf_mxfp4,
 )
+from reference import dense_weights, reference_quant_moe_forward
 
+import kt_ops
 import kt_ops.loaders._common as common
 import kt_ops.loaders.hf_checkpoint as hf_mod
 from kt_ops import ExpertWeights
@@ -409,6 +411,29 @@ def test_gguf_low_bit_k_quants_native(tmp_path):
         assert torch.equal(dequantize_weights(getattr(out, r)), want), r
     with pytest.raises(ValueError, match=r"blk\.0\.ffn_up_exps\.weight is Q3_K"):
         ck.load_layer(0, "q2_k")
+
+
+def test_gguf_iq4_native(tmp_path):
+    # IQ4_XS and IQ4_NL (bartowski's / unsloth's IQ4_XS files; IQ4_NL in mixes): their
+    # 4-bit codes as stored, the IQ4_NL grid in the kernels; exactly gguf.quants.dequantize.
+    path = tmp_path / "iq4.gguf"
+    types = {"gate": Q.IQ4_XS, "up": Q.IQ4_XS, "down": Q.IQ4_NL}
+    expected = write_gguf(path, types, E=2, H=256, I=256, moe_layers=(0,))
+    ck = GGUFCheckpoint(path)
+    assert ck.tensor_types(0) == {"gate": "IQ4_XS", "up": "IQ4_XS", "down": "IQ4_NL"}
+    out = ck.load_layer(0)
+    assert out.weight_format == "iq4_xs,iq4_xs,iq4_nl"
+    for r in ROLES:
+        raw = np.asarray(expected[0][r]["raw"])
+        want = torch.from_numpy(gguf.quants.dequantize(raw, types[r]))
+        assert torch.equal(dequantize_weights(getattr(out, r)), want), r
+    x = torch.randn(8, 256, generator=torch.Generator().manual_seed(0))
+    ids, weights = torch.randint(0, 2, (8, 2)), torch.rand(8, 2)
+    want = reference_quant_moe_forward(x, ids, weights, *dense_weights(out), activation="fp32")
+    got = kt_ops.moe_forward(x, ids, weights, out)
+    assert ((got - want.out).norm() / want.out.norm()).item() < 0.02  # the q8 activations
+    with pytest.raises(ValueError, match=r"blk\.0\.ffn_down_exps\.weight is IQ4_NL"):
+        ck.load_layer(0, "iq4_xs")
 
 
 def test_gguf_truncated_and_not_gguf(tmp_path):

@@ -943,7 +943,7 @@ BACKWARD_BF16_KERNELS = ["onednn", "kt"]
     "base",
     ["bf16", "int8", "fp8", "fp8_channel", "mxfp8", "mxfp8_e0"]
     + ["int4", "int4_zeros", "q4_k", "q5_k", "q6_k", "q8_0", "q4_0", "mxfp4", "mxfp4_e1", "nvfp4"]
-    + ["q2_k", "q3_k"]
+    + ["q2_k", "q3_k", "iq4_nl", "iq4_xs"]
     + ["int8,int8,q6_k"],
 )
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["save", "recompute"])
@@ -974,7 +974,7 @@ def test_lora_gradients_at_fp32_accuracy_on_a_bf16_base(
     # H are 2 KiB apart, so the rank-r products read padded copies of them (LoraF32::a_rows,
     # bt_rows) for experts of 16+ rows and the factors themselves for the expert of 3.
     # Bases whose values are not bf16 values (int4 with or without zeros, the k-quants,
-    # q8_0, q4_0, nvfp4; a q6_k down projection beside int8 gate / up; mxfp4 in the
+    # q8_0, q4_0, nvfp4, iq4_nl, iq4_xs; a q6_k down projection beside int8 gate / up; mxfp4 in the
     # forward): their
     # forward runs the exact qint tiles (avx512_bf16/qint_dp_exact: bf16(x) times the
     # codes' bf16 values, the scales and zeros on each group's fp32 sums; elsewhere the
@@ -987,8 +987,8 @@ def test_lora_gradients_at_fp32_accuracy_on_a_bf16_base(
     from reference import dense_weights
 
     E, H, I, K, T, r = 5, 512, 96, 2, 160, 4  # noqa: E741
-    if "_k" in base:
-        I = 256  # noqa: E741  (the k-quants' super-blocks of 256 k)
+    if "_k" in base or base == "iq4_xs":
+        I = 256  # noqa: E741  (the k-quants' and iq4_xs' super-blocks of 256 k)
     g = torch.Generator().manual_seed(7)
     dense = [(torch.randn(E, n, k, generator=g) / k**0.5).bfloat16() for n, k in ((I, H),) * 2]
     dense.append((torch.randn(E, H, I, generator=g) / I**0.5).bfloat16())

@@ -102,6 +102,9 @@ LAYOUTS = [
     Layout("q4_k", 32, False, 256, 512),
     Layout("q5_k", 32, False, 512, 256),  # several 32-k high-plane words, 2 super-blocks
     Layout("q6_k", 16, False, 256, 512),
+    # IQ4_NL's table: every code value through the signed-value decoders.
+    Layout("iq4_nl", 32, False, 72, 40),
+    Layout("iq4_xs", 32, False, 256, 512),
     # n * 4 bytes a multiple of 2 KiB: the decoder pads the rows of its W^T storage.
     Layout("int4", 32, False, 512, 40),
     Layout("fp8", 128, False, 1024, 40),
@@ -270,6 +273,8 @@ VARIANTS = [
     Variant("q4_k", None, True, 256, 256),
     Variant("q5_k", None, True, 256, 256),
     Variant("q6_k", None, True, 256, 256),
+    Variant("iq4_nl", None, True, 96, 64),
+    Variant("iq4_xs", None, True, 256, 256),
 ]
 PER_FORMAT = list({v.fmt: v for v in reversed(VARIANTS)}.values())[::-1]
 E_TOTAL = 6

@@ -129,6 +129,10 @@ MIXES = [
     # the low-bit GGUF mixes: Q3_K_M-like and Q2_K-like
     Mix(("q3_k", "q3_k", "q4_k"), 256, 256),
     Mix(("q2_k", "q2_k", "q3_k"), 256, 256),
+    # IQ4_XS files: an iq4_nl or q5_k projection beside iq4_xs (signed table codes beside
+    # the unsigned 4/5-bit kernels in one layer)
+    Mix(("iq4_xs", "iq4_xs", "iq4_nl"), 256, 256),
+    Mix(("iq4_xs", "q5_k", "iq4_xs"), 256, 256),
 ]
 MIX_IDS = [m.id for m in MIXES]
 #: The six mixes of the brief (the first six).

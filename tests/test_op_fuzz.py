@@ -50,6 +50,7 @@ LAYERS = [
     ("q6_k", None, 256, 256),
     ("q4_k,q4_k,q6_k", None, 256, 256),
     ("q2_k,q2_k,q3_k", None, 256, 256),
+    ("iq4_xs,iq4_xs,iq4_nl", None, 256, 256),
     ("bf16,int4,q8_0", 32, 64, 32),
 ]
 MUTATIONS = [

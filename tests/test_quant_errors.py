@@ -89,7 +89,7 @@ def test_valid_calls_work(fmt, gs, sym):
     assert quant_mismatch_report(out, reference_for(w, x, ids, weights)) is None
 
 
-@pytest.mark.parametrize("fmt", ["q2_k", "q3_k", "q4_k", "q5_k", "q6_k"])
+@pytest.mark.parametrize("fmt", ["q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs"])
 def test_valid_k_quant_calls_work(fmt):
     assert call(k_layer(fmt)).shape == (T, 256)
 
@@ -109,7 +109,7 @@ def test_unknown_format_name(fmt):
     "fmt,gs,bad",
     [("int4", 32, 16), ("int4", 32, 8), ("int4", 32, 256), ("int4", 32, -32), ("int8", None, 32),
      ("int8", None, 128), ("fp8", None, 0), ("fp8", None, 64), ("mxfp4", None, 64),
-     ("q8_0", None, 0), ("q4_0", None, 64)],
+     ("q8_0", None, 0), ("q4_0", None, 64), ("iq4_nl", None, 16)],
 )  # fmt: skip
 def test_group_size_not_allowed_for_format(fmt, gs, bad):
     match = rf"group size {bad} of gate is not valid for weight_format='{fmt}'; expected one of"
@@ -117,7 +117,7 @@ def test_group_size_not_allowed_for_format(fmt, gs, bad):
         call(layer(fmt, gs), group_size=bad)
 
 
-@pytest.mark.parametrize("fmt", ["q2_k", "q3_k", "q4_k", "q5_k", "q6_k"])
+@pytest.mark.parametrize("fmt", ["q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs"])
 def test_group_size_not_allowed_for_k_quants(fmt):
     with pytest.raises(RuntimeError, match=f"group size 64 of gate is not valid for .*'{fmt}'"):
         call(k_layer(fmt), group_size=64)
@@ -375,7 +375,7 @@ def test_zeros_for_fp8(proj):
         call(w, **{name: torch.ones(3)})
 
 
-@pytest.mark.parametrize("fmt", ["q2_k", "q3_k", "q4_k", "q5_k", "q6_k"])
+@pytest.mark.parametrize("fmt", ["q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs"])
 @pytest.mark.parametrize("proj", PROJ)
 def test_k_quant_scale_records_are_checked(fmt, proj):
     # The k-quants keep GGUF's own scales in uint8 records [E, NB, K/256, 256 | 288 | 320]
@@ -383,11 +383,11 @@ def test_k_quant_scale_records_are_checked(fmt, proj):
     # [E, NB, G, 16] with fp32 zeros) is refused with a message that names it.
     w = k_layer(fmt)
     rec = getattr(w, proj).scales
-    size = {"q2_k": 320, "q3_k": 288, "q6_k": 288}.get(fmt, 256)
+    size = {"q2_k": 320, "q3_k": 288, "q6_k": 288, "iq4_xs": 160}.get(fmt, 256)
     assert rec.dtype == torch.uint8 and rec.shape[-1] == size
     with pytest.raises(RuntimeError, match=rf"{proj}_zeros was given, but weight_format='{fmt}'"):
         call(w, **{f"{proj}_zeros": torch.zeros(rec.shape[0], rec.shape[1], 8, 16)})
-    g = 8 if fmt in ("q4_k", "q5_k") else 16
+    g = 8 if fmt in ("q4_k", "q5_k", "iq4_xs") else 16
     old = torch.ones(rec.shape[0], rec.shape[1], g, 16)
     with pytest.raises(
         RuntimeError, match=r"must be uint8 k-quant scale records.*manifest_version 1"
