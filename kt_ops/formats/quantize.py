@@ -110,6 +110,9 @@ def quantize_weights(
       quantizer of this package (the ``gguf`` package cannot quantize them)
       writing valid GGUF blocks, repacked with ``from_gguf``; ``K`` a
       multiple of 256. For production weights convert a GGUF file instead.
+    * ``iq4_nl``, ``iq4_xs``: llama.cpp's IQ4_NL grid with its scale search (no
+      importance matrix; :func:`kt_ops.formats.gguf_blocks.quantize_gguf_raw`); ``K`` a
+      multiple of 32 / 256.
 
     Args:
         weight: ``[E, N, K]`` floating tensor, finite.

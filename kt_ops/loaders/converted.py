@@ -27,8 +27,8 @@ index must be the one asked for, and the manifest entry's ``shape`` and
 metadata are refused; every version of the converter wrote it.
 
 **Format versions.** ``manifest_version`` 2 (this kt_ops) stores the GGUF
-k-quants (``q4_k``, ``q5_k``, ``q6_k``; later ``q2_k``, ``q3_k``) with GGUF's own super-block scales
-(docs/formats.md). Directories of version 1 still load when they hold no
+k-quants (``q4_k``, ``q5_k``, ``q6_k``; later ``q2_k``, ``q3_k``, ``iq4_xs``) with GGUF's
+own super-block scales (docs/formats.md). Directories of version 1 still load when they hold no
 k-quant projection (no other layout changed); one that does is refused with a
 ValueError naming ``manifest_version 1`` and the layer: convert the source
 again.

@@ -14,9 +14,11 @@ raw blocks to :func:`kt_ops.formats.from_gguf` (no dense round trip; the
 result dequantizes bit-identically to ``gguf.quants.dequantize``). ``F16``,
 ``BF16`` and ``F32`` tensors are quantized online to the requested format
 (``bf16`` by default). ``Q2_K`` and ``Q3_K`` load exactly, their codes held in
-the 4-bit plane (4.6 bits a weight in memory, not GGUF's 2.6 / 3.4). Other types
-(``IQ*``, ``Q4_1``, ``Q5_0``, ``Q5_1``, ``TQ*``, ...) are refused with a ValueError
-naming the tensor and its type.
+the 4-bit plane (4.6 bits a weight in memory, not GGUF's 2.6 / 3.4); ``IQ4_NL`` and
+``IQ4_XS`` exactly, their codes as stored (IQ4_XS at 4.31 bits a weight, GGUF's 4.25).
+Other types (``IQ1_*`` ... ``IQ3_*``, whose codes index lattice grids, ``Q4_1``,
+``Q5_0``, ``Q5_1``, ``TQ*``, ...) are refused with a ValueError naming the tensor and
+its type.
 A quantized tensor is only packed in its own format: asking for another one
 (requantizing) is a ValueError; pass ``weight_format=None`` to get each
 tensor's own format (llama.cpp mixes them, e.g. Q6_K ``ffn_down_exps`` in a
