@@ -393,47 +393,43 @@ def test_gguf_unsupported_type(tmp_path):
     assert "Q8_0" in str(ei.value) and "Q2_K" in str(ei.value) and "supported" in str(ei.value)
 
 
-def test_gguf_low_bit_k_quants_native(tmp_path):
-    # Q2_K and Q3_K (GGUF Q2_K / Q3_K_M files): their codes held in the 4-bit plane,
-    # exactly gguf.quants.dequantize's weights (the kernels: tests/test_quant_forward.py).
-    path = tmp_path / "q23.gguf"
-    types = {"gate": Q.Q2_K, "up": Q.Q3_K, "down": Q.Q2_K}
+@pytest.mark.parametrize(
+    "types",
+    [
+        # Q2_K and Q3_K (GGUF Q2_K / Q3_K_M files): their codes held in the 4-bit plane.
+        {"gate": Q.Q2_K, "up": Q.Q3_K, "down": Q.Q2_K},
+        # IQ4_XS with IQ4_NL (bartowski's / unsloth's IQ4_XS files): their codes as stored,
+        # the IQ4_NL grid in the kernels.
+        {"gate": Q.IQ4_XS, "up": Q.IQ4_XS, "down": Q.IQ4_NL},
+    ],
+    ids=["q2_k_q3_k", "iq4"],
+)
+def test_gguf_types_beyond_q4_k_native(tmp_path, types):
+    # Exactly gguf.quants.dequantize's weights, and the op computes with them (the
+    # kernels in detail: tests/test_quant_forward.py).
+    path = tmp_path / "low.gguf"
     expected = write_gguf(path, types, E=2, H=256, I=256, moe_layers=(0,))
     ck = GGUFCheckpoint(path)
-    assert ck.tensor_types(0) == {"gate": "Q2_K", "up": "Q3_K", "down": "Q2_K"}
-    assert ck.native_formats(0) == {"gate": "q2_k", "up": "q3_k", "down": "q2_k"}
+    assert ck.tensor_types(0) == {r: t.name for r, t in types.items()}
+    fmts = [types[r].name.lower() for r in ROLES]
+    assert ck.native_formats(0) == dict(zip(ROLES, fmts))
     out = ck.load_layer(0)
-    assert out.weight_format == "q2_k,q3_k,q2_k"
+    assert out.weight_format == ",".join(fmts)
     for r in ROLES:
         raw = np.asarray(expected[0][r]["raw"])
         want = torch.from_numpy(gguf.quants.dequantize(raw, types[r]))
         assert torch.equal(expected[0][r]["dense"], want)
-        assert torch.equal(dequantize_weights(getattr(out, r)), want), r
-    with pytest.raises(ValueError, match=r"blk\.0\.ffn_up_exps\.weight is Q3_K"):
-        ck.load_layer(0, "q2_k")
-
-
-def test_gguf_iq4_native(tmp_path):
-    # IQ4_XS and IQ4_NL (bartowski's / unsloth's IQ4_XS files; IQ4_NL in mixes): their
-    # 4-bit codes as stored, the IQ4_NL grid in the kernels; exactly gguf.quants.dequantize.
-    path = tmp_path / "iq4.gguf"
-    types = {"gate": Q.IQ4_XS, "up": Q.IQ4_XS, "down": Q.IQ4_NL}
-    expected = write_gguf(path, types, E=2, H=256, I=256, moe_layers=(0,))
-    ck = GGUFCheckpoint(path)
-    assert ck.tensor_types(0) == {"gate": "IQ4_XS", "up": "IQ4_XS", "down": "IQ4_NL"}
-    out = ck.load_layer(0)
-    assert out.weight_format == "iq4_xs,iq4_xs,iq4_nl"
-    for r in ROLES:
-        raw = np.asarray(expected[0][r]["raw"])
-        want = torch.from_numpy(gguf.quants.dequantize(raw, types[r]))
         assert torch.equal(dequantize_weights(getattr(out, r)), want), r
     x = torch.randn(8, 256, generator=torch.Generator().manual_seed(0))
     ids, weights = torch.randint(0, 2, (8, 2)), torch.rand(8, 2)
     want = reference_quant_moe_forward(x, ids, weights, *dense_weights(out), activation="fp32")
     got = kt_ops.moe_forward(x, ids, weights, out)
     assert ((got - want.out).norm() / want.out.norm()).item() < 0.02  # the q8 activations
-    with pytest.raises(ValueError, match=r"blk\.0\.ffn_down_exps\.weight is IQ4_NL"):
-        ck.load_layer(0, "iq4_xs")
+    other = next(r for r in ROLES if types[r] != types["gate"])
+    with pytest.raises(
+        ValueError, match=rf"blk\.0\.ffn_{other}_exps\.weight is {types[other].name}"
+    ):
+        ck.load_layer(0, fmts[0])
 
 
 def test_gguf_truncated_and_not_gguf(tmp_path):
