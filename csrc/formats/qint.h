@@ -142,18 +142,17 @@ inline float e2m1_value(int code) {
   const float v = kTable[code & 7];
   return (code & 8) ? -v : v;
 }
-// The unsigned code the kernels multiply for an E2M1 code: 2*value + 12.
-inline uint8_t e2m1_kernel_code(int code) {
-  return static_cast<uint8_t>(static_cast<int>(2.f * e2m1_value(code)) + 12);
-}
+// The unsigned code the kernels multiply for an E2M1 code: 2*value + 12. The
+// vector tiers load their byte-shuffle tables from these arrays.
+alignas(16) inline constexpr uint8_t kE2m1KernelCodes[16] = {12, 13, 14, 15, 16, 18, 20, 24,
+                                                             12, 11, 10, 9,  8,  6,  4,  0};
+inline uint8_t e2m1_kernel_code(int code) { return kE2m1KernelCodes[code & 15]; }
 
 // IQ4_NL's non-linear 4-bit grid (llama.cpp ggml-quants.c, kvalues_iq4nl; the
 // gguf package's IQ4_NL.kvalues): the signed value of code c, W = d * value.
-inline int iq4nl_value(int code) {
-  static const int8_t kTable[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
-                                    1,    13,   25,  38,  53,  69,  89,  113};
-  return kTable[code & 15];
-}
+alignas(16) inline constexpr int8_t kIq4nlValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                                        1,    13,   25,  38,  53,  69,  89,  113};
+inline int iq4nl_value(int code) { return kIq4nlValues[code & 15]; }
 // The kernel code of a stored 4-bit code c of a format with a table.
 inline int table_code(CodeTable t, int code) {
   if (t == CodeTable::kE2m1) return e2m1_kernel_code(code);

@@ -125,18 +125,17 @@ struct QintVec {
   static inline I hi_nibbles(I raw) {
     return _mm256_and_si256(_mm256_srli_epi16(raw, 4), _mm256_set1_epi8(0x0F));
   }
-  // E2M1 code -> 2*value + 12 (formats::e2m1_kernel_code), per 128-bit lane.
-  static inline I e2m1_codes(I c) {
-    const I lut = _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0, 12,
-                                   13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0);
-    return _mm256_shuffle_epi8(lut, c);
+  // A 16-byte table in both 128-bit lanes (vpshufb looks up per lane).
+  static inline I table16(const void* t) {
+    return _mm256_broadcastsi128_si256(_mm_load_si128(static_cast<const __m128i*>(t)));
   }
-  // IQ4_NL code -> its signed value (formats::iq4nl_value), per 128-bit lane.
+  // E2M1 code -> 2*value + 12 (formats::e2m1_kernel_code).
+  static inline I e2m1_codes(I c) {
+    return _mm256_shuffle_epi8(table16(formats::kE2m1KernelCodes), c);
+  }
+  // IQ4_NL code -> its signed value (formats::iq4nl_value).
   static inline I iq4nl_codes(I c) {
-    const I lut =
-        _mm256_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
-                         -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
-    return _mm256_shuffle_epi8(lut, c);
+    return _mm256_shuffle_epi8(table16(formats::kIq4nlValues), c);
   }
   // The high bits stored at bit `from` of each byte, moved to bit 4 and
   // masked. 16-bit shifts are safe: the mask keeps only bits of the same byte.

@@ -23,14 +23,16 @@ namespace kt::kernels::avx512 {
 
 namespace {
 
-// The values of the 16 codes of a table form (kE2m1: 2 e2m1(c); kIq4nl: IQ4_NL's grid,
-// formats::iq4nl_value); zeros for the other forms.
+// The values of the 16 codes of a table form as fp32 (kE2m1: 2 e2m1(c), the kernel codes
+// minus 12; kIq4nl: IQ4_NL's grid); zeros for the other forms.
 template <QintValue A>
 inline __m512 code_table_ps() {
+  const auto bytes = [](const void* t) { return _mm_load_si128(static_cast<const __m128i*>(t)); };
   if (A == QintValue::kE2m1)
-    return _mm512_setr_ps(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    return _mm512_cvtepi32_ps(_mm512_sub_epi32(
+        _mm512_cvtepu8_epi32(bytes(formats::kE2m1KernelCodes)), _mm512_set1_epi32(12)));
   if (A == QintValue::kIq4nl)
-    return _mm512_setr_ps(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes(formats::kIq4nlValues)));
   return _mm512_setzero_ps();
 }
 

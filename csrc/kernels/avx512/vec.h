@@ -126,17 +126,17 @@ struct QintVec512 {
   static inline I hi_nibbles(I raw) {
     return _mm512_and_si512(_mm512_srli_epi16(raw, 4), _mm512_set1_epi8(0x0F));
   }
-  // E2M1 code -> 2*value + 12, per 128-bit lane (the table in every lane).
-  static inline I e2m1_codes(I c) {
-    const I lut = _mm512_broadcast_i32x4(
-        _mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
-    return _mm512_shuffle_epi8(lut, c);
+  // A 16-byte table in every 128-bit lane (vpshufb looks up per lane).
+  static inline I table16(const void* t) {
+    return _mm512_broadcast_i32x4(_mm_load_si128(static_cast<const __m128i*>(t)));
   }
-  // IQ4_NL code -> its signed value (formats::iq4nl_value), per 128-bit lane.
+  // E2M1 code -> 2*value + 12 (formats::e2m1_kernel_code).
+  static inline I e2m1_codes(I c) {
+    return _mm512_shuffle_epi8(table16(formats::kE2m1KernelCodes), c);
+  }
+  // IQ4_NL code -> its signed value (formats::iq4nl_value).
   static inline I iq4nl_codes(I c) {
-    const I lut = _mm512_broadcast_i32x4(
-        _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113));
-    return _mm512_shuffle_epi8(lut, c);
+    return _mm512_shuffle_epi8(table16(formats::kIq4nlValues), c);
   }
   static inline I high_bits(I hb, int from, int mask) {
     const I m = _mm512_set1_epi8(static_cast<char>(mask));
