@@ -381,6 +381,7 @@ void qint_block_dot(const QintBlock& a) {
 // ---------------------------------------------------------------------------
 
 constexpr int64_t kQint8ChunkK = 512;
+static_assert(kQint8ChunkK % formats::kKSuperK == 0, "IQ4_XS records: whole super-blocks");
 
 // Tokens [i0, i0 + M) of the block over k in [k_begin, k_end); out holds the
 // running fp32 sums (first: start from 0). The chunk's first tile (First)
@@ -456,7 +457,7 @@ KT_ALWAYS_INLINE void qint8_u8_tile(const QintBlock& a, int i0, int64_t k_begin,
     }
     F s;
     if constexpr (KQ) {
-      if (k0 % formats::kKSuperK == 0 || k0 == k_begin)
+      if (k0 % formats::kKSuperK == 0)  // chunks start on a super-block
         kquant_decode_super<V>(
             static_cast<const uint8_t*>(a.scales) +
                 (k0 / formats::kKSuperK) * formats::kquant_record_bytes(f.scale_type),

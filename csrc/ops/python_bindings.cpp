@@ -133,7 +133,6 @@ py::list formats_report() {
     d["signed"] = f.layout == Layout::kQint && f.qint.is_signed;
     const kt::formats::CodeTable table =
         f.layout == Layout::kQint ? f.qint.table : kt::formats::CodeTable::kNone;
-    d["lut"] = table != kt::formats::CodeTable::kNone;
     d["code_table"] = table == kt::formats::CodeTable::kE2m1    ? py::object(py::str("e2m1"))
                       : table == kt::formats::CodeTable::kIq4nl ? py::object(py::str("iq4nl"))
                                                                 : py::object(py::none());

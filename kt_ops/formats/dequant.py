@@ -186,7 +186,7 @@ def _dequantize_one(spec, group_size, n, k, weight, scales=None, zeros=None) -> 
             return _rows(scale * q.float() - zero, n, k)
         return _rows(scale * (q - int(spec.zero_offset)).float(), n, k)
     scale = _expand_groups(scales, kp, group_size)
-    if spec.lut:  # mxfp4, nvfp4: E2M1 codes through the table
+    if spec.code_table == "e2m1":  # mxfp4, nvfp4: E2M1 codes through the table
         qv = torch.tensor(MXFP4_Q_LUT, dtype=torch.float64)[q]
         if scales.dtype == torch.uint8:  # UE8M0 exponents (mxfp4)
             s = torch.pow(2.0, scale.to(torch.float64) - 128.0)

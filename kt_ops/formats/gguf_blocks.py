@@ -323,6 +323,11 @@ def _div(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         return np.where(b != 0, a / np.where(b != 0, b, 1), 0).astype(np.float32)
 
 
+def _signed_absmax(a: np.ndarray) -> np.ndarray:
+    """The value of largest magnitude along the last axis, with its sign ``[...]``."""
+    return np.take_along_axis(a, np.abs(a).argmax(-1)[..., None], axis=-1)[..., 0]
+
+
 def _min_max_quants(xs: np.ndarray, nmax: int, smax: int) -> tuple[np.ndarray, ...]:
     """Sub-blocks ``[B, J, L]`` fp32 -> ``d``, ``dmin`` fp16 ``[B]``, sub-scales ``sc``, mins
     ``m`` ``[B, J]`` (``0..smax``) and codes ``q`` ``[B, J, L]`` (``0..nmax``), by round to
@@ -394,9 +399,8 @@ def _quantize_q3_k(x: np.ndarray) -> np.ndarray:
     """
     B = x.shape[0]
     xs = x.reshape(B, 16, 16)
-    at = np.abs(xs).argmax(-1)[..., None]
-    scale = -np.take_along_axis(xs, at, axis=-1)[..., 0] / 4  # signed
-    big = np.take_along_axis(scale, np.abs(scale).argmax(-1)[:, None], axis=-1)[:, 0]
+    scale = -_signed_absmax(xs) / 4  # signed
+    big = _signed_absmax(scale)
     d = _to_f16(-big / 32, "d")
     sc = np.clip(np.rint(_div(scale, d.astype(np.float32)[:, None])), -32, 31)
     s = d.astype(np.float32)[:, None] * sc.astype(np.int16)
@@ -435,7 +439,7 @@ def _iq4_scales(xs: np.ndarray, ntry: int = 7) -> np.ndarray:
     of least weighted error.
     """
     w = xs * xs
-    mx = np.take_along_axis(xs, np.abs(xs).argmax(-1)[:, None], axis=-1)  # [B, 1], signed
+    mx = _signed_absmax(xs)[:, None]  # [B, 1]
     safe = np.where(mx != 0, mx, 1)
     ids = [127 / safe] + [(t - 127) / safe for t in range(-ntry, ntry + 1)]
     best_d = np.zeros(xs.shape[0], dtype=np.float32)
@@ -470,8 +474,7 @@ def _quantize_iq4_xs(x: np.ndarray) -> np.ndarray:
     B = x.shape[0]
     xs = x.reshape(B, 8, 32)
     scale = _iq4_scales(xs.reshape(B * 8, 32)).reshape(B, 8)
-    big = np.take_along_axis(scale, np.abs(scale).argmax(-1)[:, None], axis=-1)[:, 0]
-    d = _to_f16(-big / 32, "d")
+    d = _to_f16(-_signed_absmax(scale) / 32, "d")
     sc = np.clip(np.rint(_div(scale, d.astype(np.float32)[:, None])), -32, 31)
     s = d.astype(np.float32)[:, None] * sc.astype(np.float32)
     q = _iq4_index(xs * _div(np.ones_like(s), s)[..., None])  # [B, 8, 32]

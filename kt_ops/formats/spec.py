@@ -115,7 +115,6 @@ class FormatSpec:
     layout: str
     bits: int
     signed: bool
-    lut: bool
     scale_dtype: Optional[torch.dtype]
     has_zeros: bool
     zeros_optional: bool
@@ -144,6 +143,11 @@ class FormatSpec:
                 f"got {cpu_class!r}"
             )
         return table[cpu_class]
+
+    @property
+    def lut(self) -> bool:
+        """True when the stored code goes through a 16-entry table (``code_table``)."""
+        return self.code_table is not None
 
     @property
     def zeros_required(self) -> bool:
@@ -217,7 +221,6 @@ def _spec_from_row(row: dict) -> FormatSpec:
         layout=row["layout"],
         bits=row["bits"],
         signed=row["signed"],
-        lut=row["lut"],
         scale_dtype=getattr(torch, sd) if sd else None,
         has_zeros=row["has_zeros"],
         zeros_optional=row["zeros_optional"],
