@@ -430,6 +430,10 @@ KT_ALWAYS_INLINE void qint8_u8_tile(const QintBlock& a, int i0, int64_t k_begin,
     } else {
       for (int i = 0; i < M; ++i) isum[0][i] = *nc;
     }
+    // Unrolled: as a loop GCC 12 kept the 12 tokens' sums rotating through
+    // registers (23 vector moves per 24 vpdpbusd); unrolled, T = 512 ran 8-10%
+    // faster for iq4_xs and q8_0 (Zen 4, 2 threads, alternating builds).
+#pragma GCC unroll 4
     for (int q = 0; q < 8; q += 2) {
       I w[2];
       if constexpr (Bits == 8) {
