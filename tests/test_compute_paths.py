@@ -118,6 +118,35 @@ def bf16_min_tokens() -> int | None:
         return kt_ops.compute_paths()["bf16"]["brgemm_min_tokens"]
 
 
+def planned_kernels(experts, counts, bf16_activations: bool = True) -> list[str]:
+    """The kernel the compute plan picks for gate, up and down of an expert of each of
+    ``counts`` tokens under the current modes (``ProjectionPlan::kernel_name``); one name
+    per count, the three projections checked to agree (one format)."""
+    names = kt_ops._C._testing.plan_kernels(
+        experts.tensors(),
+        experts.weight_format,
+        [experts.hidden_size, experts.intermediate_size],
+        list(experts.group_sizes),
+        bf16_activations,
+        list(counts),
+    )
+    assert all(len(set(n)) == 1 for n in names), names
+    return [n[0] for n in names]
+
+
+def assert_plan_follows_threshold(experts, counts, tile_kernel, min_tokens, bf16_activations):
+    """Under 'auto', experts of at least ``min_tokens`` tokens run ``tile_kernel`` and the
+    others a streaming kernel (``min_tokens`` None: all stream). Where the two paths give
+    the same bits (q8_0's u8s8 brgemm) only the plan tells them apart."""
+    with kt_ops.use_compute_path("auto"):
+        got = planned_kernels(experts, counts, bf16_activations)
+    for c, name in zip(counts, got):
+        if min_tokens is not None and c >= min_tokens:
+            assert name == tile_kernel, (c, name, tile_kernel)
+        else:
+            assert name != tile_kernel, (c, name, tile_kernel)
+
+
 def run(path: str, x, ids, w, experts):
     with kt_ops.use_compute_path(path):
         return kt_ops.moe_forward(x, ids, w, experts)
@@ -574,6 +603,9 @@ def test_auto_threshold(isa):
         rows = (ids[:, 0] == e).nonzero().flatten()
         want = "brgemm" if on_brgemm and c >= min_tokens else "streaming"
         assert torch.equal(outs["auto"][rows], outs[want][rows]), (e, c, want)
+    tile = BRGEMM_KERNELS["bf16"]
+    assert_plan_follows_threshold(experts, counts, tile, bf16_min_tokens(), True)
+    assert_plan_follows_threshold(experts, counts, tile, None, False)  # fp32 activations
     ref = reference_moe_forward(x, ids, w, experts, bf16_activations=on_brgemm)
     assert_matches_reference(outs["brgemm"], ref, TOL_BF16_BRGEMM if on_brgemm else TOL_BF16)
 
@@ -725,6 +757,8 @@ def test_q8_formats_auto_threshold(isa, fmt):
     # Top-1 routing: expert e gets exactly counts[e] tokens around the
     # threshold; each token must equal the path its expert takes under 'auto'
     # (activations of any dtype: the u8s8 brgemm takes q8 records either way).
+    # q8_0's u8s8 brgemm gives the streaming kernels' bits, so the plan's own
+    # choice (planned_kernels) is checked as well as the outputs.
     min_tokens = q8_min_tokens(fmt) or 16
     counts = [1, min_tokens - 1, min_tokens, min_tokens + 1, 2 * min_tokens]
     E, H, I = len(counts), 96, 64  # noqa: E741
@@ -743,6 +777,13 @@ def test_q8_formats_auto_threshold(isa, fmt):
             want = "brgemm" if on_brgemm and c >= min_tokens else "streaming"
             assert torch.equal(outs["auto"][rows], outs[want][rows]), (dtype, e, c, want)
         check_q8("auto", x, ids, w, experts, quant="auto")
+        assert_plan_follows_threshold(
+            experts,
+            counts,
+            BRGEMM_KERNELS[fmt],
+            q8_min_tokens(fmt) if on_brgemm else None,
+            dtype == torch.bfloat16,
+        )
 
 
 @pytest.mark.parametrize("fmt", Q8_BRGEMM_FORMATS)

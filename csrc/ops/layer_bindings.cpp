@@ -4,6 +4,8 @@
 // eager op's error, word for word, at trace time; devices they check themselves.
 // And kt_ops._C._testing.dense_expert_weights: the backward's dense decoder
 // (moe/expert_weights.h) for the tests to compare with dequantize_weights.
+// And kt_ops._C._testing.plan_kernels: the kernel the compute plan picks per expert token
+// count (kernels::ProjectionPlan), where the output bits cannot tell the paths apart.
 // And kt_ops._C.make_backward_panels: the LoRA backward's transposed weights
 // (moe/backward_panels.h), for kt_ops.ExpertWeights.with_backward_panels.
 #include <ATen/ATen.h>
@@ -15,6 +17,8 @@
 #include <string>
 #include <vector>
 
+#include "kernels/dispatch.h"
+#include "kernels/plan.h"
 #include "moe/backward_panels.h"
 #include "moe/expert_weights.h"
 #include "moe/moe_layer.h"
@@ -77,6 +81,29 @@ at::Tensor dense_expert_weights(const std::vector<std::optional<at::Tensor>>& we
   return at::stack(experts);
 }
 
+// Per token count m in `counts`: the kernels that compute an expert of m tokens of gate,
+// up and down under the current modes on the active ISA path, as the driver plans them
+// (kernels::ProjectionPlan::kernel_name).
+std::vector<std::vector<std::string>> plan_kernels(
+    const std::vector<std::optional<at::Tensor>>& weights, const std::string& weight_format,
+    const std::vector<int64_t>& sizes, const std::vector<int64_t>& group_sizes,
+    bool bf16_activations, const std::vector<int64_t>& counts) {
+  const moe::MoeLayer layer =
+      parse_experts("kt_ops._C._testing.plan_kernels", weights, weight_format, sizes, group_sizes);
+  const kernels::Isa isa = kernels::active_isa();
+  const kernels::Modes modes = kernels::Modes::current();
+  std::vector<std::vector<std::string>> out;
+  for (const int64_t m : counts) {
+    std::vector<std::string> names;
+    for (const moe::Projection* p : {&layer.gate, &layer.up, &layer.down}) {
+      const kernels::ProjectionPlan plan(*p->format, p->view, isa, modes, bf16_activations);
+      names.emplace_back(plan.kernel_name(static_cast<int>(m)));
+    }
+    out.push_back(std::move(names));
+  }
+  return out;
+}
+
 // The backward panels of gate, up and down (moe::make_backward_panels), `width` columns
 // wide (16 or 64; None: the backward kernel's), None where a projection has none on this
 // CPU and build.
@@ -103,6 +130,7 @@ void register_layer_checks(py::module& m, py::module& testing) {
         py::arg("sizes"), py::arg("group_sizes"), py::arg("width") = std::nullopt,
         py::call_guard<py::gil_scoped_release>());  // ~0.35 s per large layer
   testing.def("dense_expert_weights", &dense_expert_weights);
+  testing.def("plan_kernels", &plan_kernels);
 }
 
 }  // namespace kt::ops
