@@ -27,6 +27,36 @@ from kt_ops.formats import format_spec
 if TYPE_CHECKING:
     from kt_ops.layer import ExpertWeights
 
+__all__ = [
+    "config",
+    "Config",
+    "set_num_threads",
+    "get_num_threads",
+    "set_parallel_backend",
+    "get_parallel_backend",
+    "use_parallel_backend",
+    "supported_isas",
+    "active_isa",
+    "set_isa",
+    "use_isa",
+    "set_quant_activations",
+    "get_quant_activations",
+    "quant_fp32_min_tokens",
+    "use_quant_activations",
+    "set_compute_path",
+    "get_compute_path",
+    "use_compute_path",
+    "set_brgemm_bf16_kernel",
+    "get_brgemm_bf16_kernel",
+    "use_brgemm_bf16_kernel",
+    "compute_paths",
+    "set_numa",
+    "get_numa",
+    "use_numa",
+    "numa_placement",
+    "memory_nodes",
+]
+
 
 def set_num_threads(n: int) -> None:
     """Alias of ``kt_ops.config.num_threads = n`` (:attr:`Config.num_threads`), kept for a

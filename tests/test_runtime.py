@@ -422,3 +422,23 @@ print("ok")
     proc = python_subprocess(code, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().endswith("ok")
+
+
+def test_runtime_all_lists_its_public_api_with_docstrings():
+    # kt_ops.runtime's __all__ is its public API: every public function and class defined
+    # there, each documented, and each re-exported by kt_ops.
+    import inspect
+
+    import kt_ops.runtime as runtime
+
+    defined = {
+        name
+        for name, obj in vars(runtime).items()
+        if not name.startswith("_")
+        and (inspect.isfunction(obj) or inspect.isclass(obj))
+        and obj.__module__ == runtime.__name__
+    }
+    assert defined | {"config"} == set(runtime.__all__)
+    for name in runtime.__all__:
+        assert name == "config" or inspect.getdoc(getattr(runtime, name)), name
+        assert name == "memory_nodes" or name in kt_ops.__all__, name
