@@ -399,9 +399,12 @@ def test_checkpoint_dequantizes_to_the_producer_and_runs_the_model(tmp_path, kin
     if kind != "gptq_desc_act":  # the stored format, not a requantization
         assert replaced.weight_format == reader.native_format
     rel = ((got - want).norm() / want.norm()).item()
-    # int8 activations (q8) for the 4-bit formats: ~1% per projection; bf16 activations
-    # on the brgemm path of fp8 and bf16: ~1e-4.
-    assert rel < (3e-2 if reader.native_format in ("int4", "nvfp4", "mxfp4") else 2e-3), rel
+    # The same weights on both sides, so what differs is the activations' rounding: the
+    # 4-bit formats multiply int8 (q8) activations, 4-6e-4 of the logits measured (Zen 4);
+    # gptq desc_act, requantized to bf16 weights, 4.4e-4; the fp8 family decodes exactly
+    # and sums fp32 activations in fp32 (this model's dtype), 1.8e-7. Bounds ~5x those.
+    bound = {"int4": 3e-3, "nvfp4": 3e-3, "mxfp4": 3e-3, "bf16": 2e-3}
+    assert rel < bound.get(reader.native_format, 1e-6), (reader.native_format, rel)
 
 
 def test_requantize_from_a_quantized_checkpoint(tmp_path):
