@@ -557,6 +557,9 @@ for _fmt in (
     "nvfp4",
     "q8_0",
     "q4_0",
+    "q4_1",
+    "q5_0",
+    "q5_1",
     "q2_k",
     "q3_k",
     "q4_k",
@@ -1062,6 +1065,9 @@ def quant_mismatch_report(
 GGUF_BLOCKS = {
     "q8_0": (32, 34),
     "q4_0": (32, 18),
+    "q4_1": (32, 20),
+    "q5_0": (32, 22),
+    "q5_1": (32, 24),
     "q2_k": (256, 84),
     "q3_k": (256, 110),
     "q4_k": (256, 144),
@@ -1096,6 +1102,12 @@ def random_gguf_raw(qtype: str, num_experts: int, n: int, k: int, *, seed: int =
         set_f16(0, 0.5 * s / 64, 2 * s / 64)
     elif qtype == "q4_0":  # W = d * (q - 8)
         set_f16(0, 0.5 * s / 4, 2 * s / 4)
+    elif qtype == "q5_0":  # W = d * (q - 16)
+        set_f16(0, 0.5 * s / 8, 2 * s / 8)
+    elif qtype in ("q4_1", "q5_1"):  # W = d * q + m, q < 16 | 32; m of either sign
+        nmax = 15 if qtype == "q4_1" else 31
+        set_f16(0, 0.5 * s / nmax, 2 * s / nmax)
+        set_f16(2, -2 * s, 0.5 * s)
     elif qtype in ("q4_k", "q5_k"):  # W = d*sc*q - dmin*m, sc, m < 64
         nmax = 15 if qtype == "q4_k" else 31
         set_f16(0, 0.5 * s / (32 * nmax), 2 * s / (32 * nmax))

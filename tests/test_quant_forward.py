@@ -124,6 +124,12 @@ VARIANTS = [
     Variant("nvfp4", None, True, 96, 72),
     Variant("q8_0", None, True, 96, 64),
     Variant("q4_0", None, True, 96, 64),
+    # GGUF's fallback types (k-quant mixes, rows not a multiple of 256): 5-bit codes with
+    # q4_0's fp16 scales, and q4_1's / q5_1's mins as fp16 zeros.
+    Variant("q4_1", None, True, 96, 64),
+    Variant("q5_0", None, True, 96, 64),
+    Variant("q5_0", None, True, 160, 96, "_160x96"),
+    Variant("q5_1", None, True, 96, 64),
     Variant("q2_k", None, True, 256, 256),
     Variant("q2_k", None, True, 512, 256, "_512x256"),
     Variant("q3_k", None, True, 256, 256),
@@ -497,13 +503,16 @@ def test_quant_activation_modes():
 # Weights from raw checkpoint blocks (every code value, not just a quantizer's)
 # --------------------------------------------------------------------------
 
-GGUF_TYPES = ["q8_0", "q4_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs"]
+GGUF_TYPES = [
+    "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl",
+    "iq4_xs",
+]  # fmt: skip
 
 
 @functools.cache
 def gguf_layer(qtype: str) -> kt_ops.ExpertWeights:
     # k-quants and iq4_xs: 2 super-blocks
-    H, I = (96, 64) if qtype in ("q8_0", "q4_0", "iq4_nl") else (512, 256)
+    H, I = (96, 64) if format_spec(qtype).gguf_block[0] == 32 else (512, 256)
     shapes = ((I, H), (I, H), (H, I))
     return kt_ops.ExpertWeights(
         *(from_gguf(qtype, random_gguf_raw(qtype, 4, n, k, seed=i), n, k)
@@ -678,6 +687,9 @@ TOTAL_ERROR = {
     "mxfp4": 0.30,
     "nvfp4": 0.30,
     "q4_0": 0.30,
+    "q4_1": 0.30,
+    "q5_0": 0.15,
+    "q5_1": 0.15,
     "q4_k": 0.30,
     "iq4_nl": 0.30,
     "iq4_xs": 0.30,

@@ -175,6 +175,17 @@ const std::vector<FormatRow>& format_table() {
        kInt8Fp32, kQ80Brgemm, 8.5, kGgml, {32, 34}},
       {"q4_0", L::kQint, qint(4, false, 8.f), {32}, 32, S::kF16, Z::kNever, A::kQ8,
        kNoFp32, kNoBrgemmPath, 4.5, kGgml, {32, 18}},
+      // GGUF's legacy block types, which llama.cpp's k-quant mixes fall back to where a
+      // row is not a multiple of 256 (Q4_K -> Q5_0, Q5_K -> Q5_1, llama-quant.cpp): the
+      // 1408-wide down projections of DeepSeek-V2-Lite and GLM-4.5-Air, gpt-oss' 2880-wide
+      // gate / up. q4_1 / q5_1 hold their min m as the zero (W = d*q + m = d*q - (-m), fp16
+      // like d), q5_0 its implicit zero 16; the same sizes as GGUF's, exact.
+      {"q4_1", L::kQint, qint(4, false, 0.f), {32}, 32, S::kF16, Z::kRequired, A::kQ8,
+       kNoFp32, kNoBrgemmPath, 5.0, kGgml, {32, 20}},
+      {"q5_0", L::kQint, qint(5, false, 16.f), {32}, 32, S::kF16, Z::kNever, A::kQ8,
+       kNoFp32, kNoBrgemmPath, 5.5, kGgml, {32, 22}},
+      {"q5_1", L::kQint, qint(5, false, 0.f), {32}, 32, S::kF16, Z::kRequired, A::kQ8,
+       kNoFp32, kNoBrgemmPath, 6.0, kGgml, {32, 24}},
       // k-quants: GGUF's own super-block scales (d, dmin fp16 per 256, 6-bit / int8
       // sub-scales), one record per 16 rows x 256 k (formats/qint.h); the q4_K/q5_K
       // mins are inside the record, so there is no zeros tensor. q2_K and q3_K keep their

@@ -551,7 +551,11 @@ void qint_dot(const QintBlock& a, void (*fallback)(const QintBlock&)) {
     if (explicit_zero) return qint_block_dot<V, 4, T::kNone, 32, ZeroMode::kExplicit>(a);
     return qint_block_dot<V, 4, T::kNone, 32, ZeroMode::kImplicit>(a);
   }
-  fallback(a);  // 5/6-bit codes are k-quants only
+  if (f.bits == 5 && unit == 32) {  // q5_1, q5_0
+    if (explicit_zero) return qint_block_dot<V, 5, T::kNone, 32, ZeroMode::kExplicit>(a);
+    return qint_block_dot<V, 5, T::kNone, 32, ZeroMode::kImplicit>(a);
+  }
+  fallback(a);  // 6-bit codes are k-quants only
 }
 
 }  // namespace kt::kernels

@@ -6,6 +6,12 @@ the same bytes), ``QK_K = 256``, ``d``/``dmin`` fp16, little endian:
 * ``block_q8_0`` (34 B / 32 weights): ``d``, ``int8 qs[32]``; ``W = d * qs``.
 * ``block_q4_0`` (18 B / 32): ``d``, ``qs[16]``; weight ``i < 16`` is the low
   nibble of ``qs[i]``, weight ``i + 16`` the high nibble; ``W = d * (q - 8)``.
+* ``block_q4_1`` (20 B / 32): ``d``, ``m``, ``qs[16]`` in q4_0's nibble order;
+  ``W = d * q + m``.
+* ``block_q5_0`` (22 B / 32): ``d``, ``uint32 qh``, ``qs[16]``; weight ``i`` has the
+  low bits of q4_0's nibble ``i`` and bit 4 from bit ``i`` of ``qh``; ``W = d * (q - 16)``.
+* ``block_q5_1`` (24 B / 32): ``d``, ``m``, ``qh``, ``qs[16]`` as q5_0;
+  ``W = d * q + m``.
 * ``block_q2_K`` (84 B / 256): ``scales[16]`` (``sc`` in the low nibble,
   ``m`` in the high one, 16 weights each), ``qs[64]``, ``d``, ``dmin``; in
   each half ``i`` (128 weights), weight ``32t + l`` is ``(qs[32i + l] >> 2t)
@@ -35,7 +41,8 @@ the same bytes), ``QK_K = 256``, ``d``/``dmin`` fp16, little endian:
   weights ``l < 16`` / ``l + 16`` in the low / high nibbles of ``qs[16j + l]``;
   ``W = d*(ls_j - 32) * kvalues_iq4nl[q]``.
 
-The repacked scales are ``d`` (fp16, q8_0/q4_0) or, for the k-quants, GGUF's
+The repacked scales are ``d`` (fp16, q8_0/q4_0/q4_1/q5_0/q5_1; q4_1 and q5_1 keep
+``-m`` as their fp16 zeros, ``W = d*q - (-m)``) or, for the k-quants, GGUF's
 own scale bytes (``d``, ``dmin``, ``scales[12]`` / ``scales[16]``), copied into
 records of 16 rows x 256 k (docs/formats.md, "k-quant scales"); only the codes
 are rearranged (q3_K's 6-bit scales are unpacked to int8 ``sc - 32``, q6_K's
@@ -185,7 +192,8 @@ def from_gguf(
     """Repack the raw GGUF blocks of an ``[E, n, k]`` tensor losslessly into the qint layout.
 
     Args:
-        qtype: ``'q8_0'``, ``'q4_0'``, ``'q2_k'``, ``'q3_k'``, ``'q4_k'``,
+        qtype: ``'q8_0'``, ``'q4_0'``, ``'q4_1'``, ``'q5_0'``, ``'q5_1'``,
+            ``'q2_k'``, ``'q3_k'``, ``'q4_k'``,
             ``'q5_k'``, ``'q6_k'``, ``'iq4_nl'`` or ``'iq4_xs'`` (any case) or the
             matching ``gguf.GGMLQuantizationType``.
         raw: uint8 numpy array or tensor with the block bytes, rows of ``k``
@@ -197,9 +205,10 @@ def from_gguf(
 
     Returns:
         A validated :class:`PackedProjection` of format ``qtype``: codes in the
-        qint planes, scales ``d`` (fp16, q8_0/q4_0/iq4_nl) or the scale records
-        of the k-quants and iq4_xs (uint8 ``[E, NB, K/256, 256 | 288 | 320 | 160]``,
-        GGUF's bytes), no zeros, group 32 (q2_k, q3_k, q6_k: 16).
+        qint planes, scales ``d`` (fp16, q8_0/q4_0/q4_1/q5_0/q5_1/iq4_nl) or the
+        scale records of the k-quants and iq4_xs (uint8 ``[E, NB, K/256, 256 | 288 |
+        320 | 160]``, GGUF's bytes), zeros ``-m`` (fp16, q4_1 and q5_1; else none),
+        group 32 (q2_k, q3_k, q6_k: 16).
         Dequantizing it gives exactly ``gguf.quants.dequantize(raw, qtype)``.
 
     Raises:
@@ -228,14 +237,27 @@ def from_gguf(
         )
     E = data.size // (n * row_bytes)
     blk = data.reshape(E, n, k // bs, ts)
+    zeros = None  # q4_1, q5_1: -m
     if name == "q8_0":
         d = _f16(blk[..., 0:2])
         codes = blk[..., 2:].view(np.int8)
         scales = d
-    elif name in ("q4_0", "iq4_nl"):  # d, qs[16]
+    elif name in ("q4_0", "iq4_nl", "q4_1", "q5_0", "q5_1"):  # d, [m], [qh], qs[16]
         d = _f16(blk[..., 0:2])
-        qs = blk[..., 2:18]
+        has_m, has_qh = name in ("q4_1", "q5_1"), name in ("q5_0", "q5_1")
+        at = 4 if has_m else 2
+        if has_m:
+            m = _f16(blk[..., 2:4])
+            _check_finite(name, m.astype(np.float32))
+            zeros = -m  # W = d*q + m = d*q - zero
+        if has_qh:  # bit i of the little-endian uint32 qh: bit 4 of weight i
+            qh = blk[..., at : at + 4, None] >> np.arange(8, dtype=np.uint8)
+            high = (qh & 1).reshape(*blk.shape[:-1], 32)
+            at += 4
+        qs = blk[..., at : at + 16]
         codes = np.concatenate([qs & 15, qs >> 4], axis=-1)
+        if has_qh:
+            codes = codes | (high << 4)
         scales = d
     elif name == "iq4_xs":  # d, scales_h, scales_l[4], qs[128]
         _check_finite(name, _f16(blk[..., 0:2]))
@@ -288,10 +310,15 @@ def from_gguf(
     else:
         _check_finite(name, scales.astype(np.float32))
         scales = pack_group_params(torch.from_numpy(scales.reshape(E, n, k // g)), spec.scale_dtype)
+        if zeros is not None:
+            zeros = pack_group_params(
+                torch.from_numpy(np.ascontiguousarray(zeros).reshape(E, n, k // g)),
+                spec.scale_dtype,
+            )
     p = PackedProjection(
         weight=weight,
         scales=scales,
-        zeros=None,
+        zeros=zeros,
         weight_format=name,
         group_size=g,
         n=n,
@@ -486,8 +513,8 @@ def _quantize_iq4_xs(x: np.ndarray) -> np.ndarray:
 def quantize_gguf_raw(weight: np.ndarray, qtype: Union[str, Any]) -> np.ndarray:
     """Quantize fp32 ``[..., K]`` to raw GGUF blocks ``[..., K / block * type_size]`` (uint8).
 
-    ``q8_0`` and ``q4_0`` use ``gguf.quants.quantize`` (bit-exact with
-    llama.cpp's reference quantizers). The ``gguf`` package cannot quantize
+    ``q8_0``, ``q4_0``, ``q4_1``, ``q5_0`` and ``q5_1`` use ``gguf.quants.quantize``
+    (bit-exact with llama.cpp's reference quantizers). The ``gguf`` package cannot quantize
     the k-quants, so ``q2_k`` ... ``q6_k`` use a simple round-to-nearest
     quantizer here: per sub-block min/max (min clipped to <= 0; q2_k, q4_k,
     q5_k) or the value of largest magnitude (q3_k, q6_k), 4-bit (q2_K), 6-bit
@@ -512,7 +539,7 @@ def quantize_gguf_raw(weight: np.ndarray, qtype: Union[str, Any]) -> np.ndarray:
             f"{name} block size {bs}"
         )
     blocks = x.reshape(-1, bs)
-    if name in ("q8_0", "q4_0"):
+    if name in ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1"):
         import gguf  # noqa: PLC0415  (optional dependency)
 
         qt = getattr(gguf.GGMLQuantizationType, name.upper())

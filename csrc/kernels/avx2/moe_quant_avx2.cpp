@@ -266,7 +266,11 @@ void qint_decode(const QintBlock& a, float* w) {
     if (explicit_zero) return qint_decode_impl<4, T::kNone, ZeroMode::kExplicit>(a, w);
     return qint_decode_impl<4, T::kNone, ZeroMode::kImplicit>(a, w);
   }
-  ref::qint_block_decode(a, w);  // 5/6-bit codes are k-quants only
+  if (f.bits == 5) {  // q5_1, q5_0
+    if (explicit_zero) return qint_decode_impl<5, T::kNone, ZeroMode::kExplicit>(a, w);
+    return qint_decode_impl<5, T::kNone, ZeroMode::kImplicit>(a, w);
+  }
+  ref::qint_block_decode(a, w);  // 6-bit codes are k-quants only
 }
 
 void fp8_decode(const Fp8Block& a, float* w) {
