@@ -368,9 +368,13 @@ def random_blocks(qtype: Q, shape_elems: tuple[int, ...], rng: np.random.Generat
         set_f16(0, 1e-4, 1e-3)
     elif qtype == Q.IQ4_XS:  # d * (ls - 32) * v
         set_f16(0, 1e-5, 1e-4)
-    elif qtype == Q.Q4_1:  # d, m: a type kt_ops refuses
-        set_f16(0, 1e-3, 1e-2)
-        set_f16(2, 1e-3, 1e-2)
+    elif qtype in (Q.Q4_1, Q.Q5_1):  # W = d * q + m
+        set_f16(0, 1e-4, 1e-3)
+        set_f16(2, -1e-2, 1e-3)
+    elif qtype == Q.Q5_0:  # W = d * (q - 16)
+        set_f16(0, 1e-4, 1e-3)
+    elif qtype == Q.TQ2_0:  # a type kt_ops refuses (ternary, 2 bits a weight)
+        pass
     else:
         raise ValueError(qtype)
     return raw.reshape(*lead, K // bs * ts)

@@ -39,6 +39,7 @@ from kt_ops.formats import (
     quantize_gguf_raw,
     quantize_weights,
     unpack_codes,
+    unpack_group_params,
     unpack_kquant_scales,
 )
 from kt_ops.formats.gguf_blocks import _pack_scale_min_k4
@@ -101,6 +102,9 @@ def test_registry_matches_the_table_of_docs_formats_md():
         "nvfp4",
         "q8_0",
         "q4_0",
+        "q4_1",
+        "q5_0",
+        "q5_1",
         "q2_k",
         "q3_k",
         "q4_k",
@@ -120,6 +124,10 @@ def test_registry_matches_the_table_of_docs_formats_md():
         "nvfp4": (4, torch.float32, False, (16,), "q8", 6.0),
         "q8_0": (8, torch.float16, False, (32,), "q8", 8.5),
         "q4_0": (4, torch.float16, False, (32,), "q8", 4.5),
+        # q4_1 / q5_1: GGUF's min m as an fp16 zero per 32 (W = d*q - (-m)); GGUF's sizes
+        "q4_1": (4, torch.float16, True, (32,), "q8", 5.0),
+        "q5_0": (5, torch.float16, False, (32,), "q8", 5.5),
+        "q5_1": (5, torch.float16, True, (32,), "q8", 6.0),
         # q2_k / q3_k: 2- and 3-bit codes in the 4-bit plane, records of 320 / 288 bytes
         "q2_k": (4, torch.uint8, False, (16,), "q8", 4.625),
         "q3_k": (4, torch.uint8, False, (16,), "q8", 4.5625),
@@ -145,6 +153,7 @@ def test_registry_matches_the_table_of_docs_formats_md():
     assert format_spec("iq4_nl").signed and format_spec("iq4_xs").signed
     assert IQ4NL_VALUES == tuple(gguf.quants.IQ4_NL.kvalues)
     assert format_spec("int4").zeros_optional and not format_spec("q4_k").has_zeros
+    assert format_spec("q4_1").zeros_required and format_spec("q5_1").zeros_required
     kq = {f: (format_spec(f).scale_record_bytes, format_spec(f).record_mins) for f in FORMATS}
     assert {f: v for f, v in kq.items() if v != (0, False)} == {
         "q2_k": (320, True),
@@ -160,7 +169,9 @@ def test_registry_matches_the_table_of_docs_formats_md():
     assert format_spec("int4").bits_per_weight_for(32, zeros=True) == 5.0
     # The implicit zeros: q3_k's 3-bit codes sit at q + 4 (ggml: q - (high ? 0 : 4)).
     offsets = {f: format_spec(f).zero_offset for f in FORMATS if format_spec(f).zero_offset}
-    assert offsets == {"int4": 8, "mxfp4": 12, "nvfp4": 12, "q4_0": 8, "q3_k": 4, "q6_k": 32}
+    assert offsets == {
+        "int4": 8, "mxfp4": 12, "nvfp4": 12, "q4_0": 8, "q5_0": 16, "q3_k": 4, "q6_k": 32
+    }  # fmt: skip
     with pytest.raises(ValueError, match="unknown weight_format 'iq2_xs'.*bf16, int8"):
         format_spec("iq2_xs")
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -171,7 +182,8 @@ def test_gguf_block_types_are_rows_of_the_table():
     """GGUF-ness is one field of the spec rows; every list of GGUF types derives from it."""
     gguf_types = [f for f in FORMATS if format_spec(f).is_gguf]
     assert gguf_types == [
-        "q8_0", "q4_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs"
+        "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k",
+        "iq4_nl", "iq4_xs",
     ]  # fmt: skip
     assert GGUF_FORMATS == tuple(gguf_types)
     for f in FORMATS:
@@ -526,8 +538,9 @@ def _random_gguf_raw(name: str, E: int, n: int, k: int, seed: int) -> np.ndarray
     bs, ts = gguf.constants.GGML_QUANT_SIZES[getattr(gguf.GGMLQuantizationType, name.upper())]
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, size=(E, n, k // bs, ts), dtype=np.uint8)
-    offsets = {"q8_0": [0], "q4_0": [0], "q2_k": [80, 82], "q3_k": [108], "q4_k": [0, 2],
-               "q5_k": [0, 2], "q6_k": [208], "iq4_nl": [0], "iq4_xs": [0]}[name]  # fmt: skip
+    offsets = {"q8_0": [0], "q4_0": [0], "q4_1": [0, 2], "q5_0": [0], "q5_1": [0, 2],
+               "q2_k": [80, 82], "q3_k": [108], "q4_k": [0, 2], "q5_k": [0, 2], "q6_k": [208],
+               "iq4_nl": [0], "iq4_xs": [0]}[name]  # fmt: skip
     for off in offsets:
         h = rng.integers(0, 1 << 16, size=raw.shape[:-1], dtype=np.uint16)
         h = np.where((h & 0x7C00) == 0x7C00, h & 0x83FF, h)  # exponent 31 (inf/nan) -> 0
@@ -574,8 +587,12 @@ def test_from_gguf_matches_gguf_dequantize_exactly(name):
             assert torch.equal(got[..., 16:18], torch.from_numpy(blk[..., 108:110].copy()))
             sc = got[..., :16].view(torch.int8)
             assert int(sc.min()) >= -32 and int(sc.max()) <= 31
-    elif name == "iq4_nl":  # q4_0's layout: GGUF's size, the same code bytes
+    elif name in ("iq4_nl", "q4_1", "q5_0", "q5_1"):  # GGUF's size: codes, d (and -m)
         assert p.nbytes == E * 32 * (k // bs) * ts
+        if name in ("q4_1", "q5_1"):  # the zeros are -m, m GGUF's fp16 bytes 2..4
+            m = torch.from_numpy(blk[..., 2:4].copy()).view(torch.float16)[..., 0]
+            z = unpack_group_params(p.zeros, n)
+            assert torch.equal(z.view(torch.int16), (-m).view(torch.int16))
     elif name == "iq4_xs":  # its 128 code bytes, d and 8 int8 ls - 32 (GGUF: 6 bits each)
         assert p.nbytes == E * 32 * (k // bs) * (128 + 10)
         got = unpack_kquant_scales(p.scales, name, n)
@@ -599,11 +616,12 @@ def test_gguf_quantizers_round_trip(name):
     p = quantize_weights(w, name)
     d = dequantize_weights(p)
     assert torch.equal(d, ref)  # valid GGUF blocks, repacked losslessly
-    if name in ("q8_0", "q4_0"):  # llama.cpp's own reference quantizer
+    if name in ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1"):  # llama.cpp's reference quantizer
         assert np.array_equal(raw, gguf.quants.quantize(w.numpy(), qt))
     rel = ((d - w).pow(2).mean() / w.pow(2).mean()).sqrt().item()
-    bound = {"q8_0": 0.01, "q4_0": 0.15, "q2_k": 0.4, "q3_k": 0.2, "q4_k": 0.12, "q5_k": 0.06,
-             "q6_k": 0.03, "iq4_nl": 0.1, "iq4_xs": 0.1}[name]  # fmt: skip
+    bound = {"q8_0": 0.01, "q4_0": 0.15, "q4_1": 0.12, "q5_0": 0.06, "q5_1": 0.06, "q2_k": 0.4,
+             "q3_k": 0.2, "q4_k": 0.12, "q5_k": 0.06, "q6_k": 0.03, "iq4_nl": 0.1,
+             "iq4_xs": 0.1}[name]  # fmt: skip
     assert rel < bound, rel
     assert torch.equal(d[0, 0], torch.zeros(K))
 
@@ -757,7 +775,7 @@ def test_quantize_weights_rejects_bad_input():
 def test_from_gguf_rejects_bad_input():
     raw = _random_gguf_raw("q4_0", 1, 4, 64, seed=0)
     cases = [
-        (("q4_1", raw, 4, 64), "qtype"),
+        (("q8_1", raw, 4, 64), "qtype"),
         ((gguf.GGMLQuantizationType.IQ2_XS, raw, 4, 64), "qtype"),
         ((3, raw, 4, 64), "qtype"),
         (("q4_0", raw, 0, 64), "n must"),
@@ -775,7 +793,8 @@ def test_from_gguf_rejects_bad_input():
         from_gguf("q4_0", bad, 4, 64)
     # Every k-quant's d (and dmin) is checked where its block stores it.
     for name, offs in (("q2_k", (80, 82)), ("q3_k", (108,)), ("q4_k", (0, 2)), ("q6_k", (208,)),
-                       ("iq4_nl", (0, 18)), ("iq4_xs", (0,))):  # fmt: skip
+                       ("iq4_nl", (0, 18)), ("iq4_xs", (0,)), ("q4_1", (0, 2)), ("q5_0", (0,)),
+                       ("q5_1", (0, 2))):  # fmt: skip
         good = _random_gguf_raw(name, 1, 2, 256, seed=1)
         assert from_gguf(name, good, 2, 256) is not None
         for off in offs:

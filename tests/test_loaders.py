@@ -386,11 +386,12 @@ def test_gguf_float_tensors_quantized_online(tmp_path, qtype):
 
 
 def test_gguf_unsupported_type(tmp_path):
-    path = tmp_path / "q41.gguf"
-    write_gguf(path, {"gate": Q.Q4_K, "up": Q.Q4_1, "down": Q.Q6_K}, moe_layers=(0,))
-    with pytest.raises(ValueError, match=r"blk\.0\.ffn_up_exps\.weight.*Q4_1.*Q4_K") as ei:
+    path = tmp_path / "tq2.gguf"
+    write_gguf(path, {"gate": Q.Q4_K, "up": Q.TQ2_0, "down": Q.Q6_K}, moe_layers=(0,))
+    with pytest.raises(ValueError, match=r"blk\.0\.ffn_up_exps\.weight.*TQ2_0.*Q4_K") as ei:
         GGUFCheckpoint(path)
-    assert "Q8_0" in str(ei.value) and "Q2_K" in str(ei.value) and "supported" in str(ei.value)
+    msg = str(ei.value)
+    assert "Q8_0" in msg and "Q2_K" in msg and "Q5_1" in msg and "supported" in msg
 
 
 @pytest.mark.parametrize(
@@ -401,14 +402,21 @@ def test_gguf_unsupported_type(tmp_path):
         # IQ4_XS with IQ4_NL (bartowski's / unsloth's IQ4_XS files): their codes as stored,
         # the IQ4_NL grid in the kernels.
         {"gate": Q.IQ4_XS, "up": Q.IQ4_XS, "down": Q.IQ4_NL},
+        # A Q4_K_M file of a model whose expert width is not a multiple of 256 (I = 1408:
+        # DeepSeek-V2-Lite, GLM-4.5-Air): llama.cpp falls back to Q5_0 for ffn_down_exps.
+        {"gate": Q.Q4_K, "up": Q.Q4_K, "down": Q.Q5_0},
+        # The other fallbacks (Q5_K -> Q5_1) and the legacy Q4_1.
+        {"gate": Q.Q5_1, "up": Q.Q4_1, "down": Q.Q5_1},
     ],
-    ids=["q2_k_q3_k", "iq4"],
+    ids=["q2_k_q3_k", "iq4", "q4_k_m_fallback", "q4_1_q5_1"],
 )
 def test_gguf_types_beyond_q4_k_native(tmp_path, types):
     # Exactly gguf.quants.dequantize's weights, and the op computes with them (the
     # kernels in detail: tests/test_quant_forward.py).
     path = tmp_path / "low.gguf"
-    expected = write_gguf(path, types, E=2, H=256, I=256, moe_layers=(0,))
+    # I = 160: rows of 32-weight blocks that are not a multiple of 256 (the k-quants' blocks)
+    I = 256 if types["down"] in (Q.Q2_K, Q.IQ4_NL) else 160  # noqa: E741
+    expected = write_gguf(path, types, E=2, H=256, I=I, moe_layers=(0,))
     ck = GGUFCheckpoint(path)
     assert ck.tensor_types(0) == {r: t.name for r, t in types.items()}
     fmts = [types[r].name.lower() for r in ROLES]

@@ -943,7 +943,7 @@ BACKWARD_BF16_KERNELS = ["onednn", "kt"]
     "base",
     ["bf16", "int8", "fp8", "fp8_channel", "mxfp8", "mxfp8_e0"]
     + ["int4", "int4_zeros", "q4_k", "q5_k", "q6_k", "q8_0", "q4_0", "mxfp4", "mxfp4_e1", "nvfp4"]
-    + ["q2_k", "q3_k", "iq4_nl", "iq4_xs"]
+    + ["q2_k", "q3_k", "iq4_nl", "iq4_xs", "q4_1", "q5_0", "q5_1"]
     + ["int8,int8,q6_k"],
 )
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["save", "recompute"])
@@ -974,8 +974,8 @@ def test_lora_gradients_at_fp32_accuracy_on_a_bf16_base(
     # H are 2 KiB apart, so the rank-r products read padded copies of them (LoraF32::a_rows,
     # bt_rows) for experts of 16+ rows and the factors themselves for the expert of 3.
     # Bases whose values are not bf16 values (int4 with or without zeros, the k-quants,
-    # q8_0, q4_0, nvfp4, iq4_nl, iq4_xs; a q6_k down projection beside int8 gate / up; mxfp4 in the
-    # forward): their
+    # q8_0, q4_0, q4_1, q5_0, q5_1, nvfp4, iq4_nl, iq4_xs; a q6_k down projection beside
+    # int8 gate / up; mxfp4 in the forward): their
     # forward runs the exact qint tiles (avx512_bf16/qint_dp_exact: bf16(x) times the
     # codes' bf16 values, the scales and zeros on each group's fp32 sums; elsewhere the
     # streaming kernels with fp32 activations), their backward splits the decoded weights

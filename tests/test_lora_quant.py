@@ -105,6 +105,10 @@ LAYOUTS = [
     # IQ4_NL's table: every code value through the signed-value decoders.
     Layout("iq4_nl", 32, False, 72, 40),
     Layout("iq4_xs", 32, False, 256, 512),
+    # GGUF's fallback types: 5-bit codes with fp16 scales, q4_1 / q5_1 with fp16 zeros (-m).
+    Layout("q4_1", 32, True, 72, 40),
+    Layout("q5_0", 32, False, 72, 40),
+    Layout("q5_1", 32, True, 72, 40),
     # n * 4 bytes a multiple of 2 KiB: the decoder pads the rows of its W^T storage.
     Layout("int4", 32, False, 512, 40),
     Layout("fp8", 128, False, 1024, 40),
@@ -268,6 +272,9 @@ VARIANTS = [
     Variant("nvfp4", None, True, 72, 40),
     Variant("q8_0", None, True, 96, 64),
     Variant("q4_0", None, True, 96, 64),
+    Variant("q4_1", None, True, 96, 64),
+    Variant("q5_0", None, True, 96, 64),
+    Variant("q5_1", None, True, 96, 64),
     Variant("q2_k", None, True, 256, 256),
     Variant("q3_k", None, True, 256, 256),
     Variant("q4_k", None, True, 256, 256),

@@ -133,6 +133,11 @@ MIXES = [
     # the unsigned 4/5-bit kernels in one layer)
     Mix(("iq4_xs", "iq4_xs", "iq4_nl"), 256, 256),
     Mix(("iq4_xs", "q5_k", "iq4_xs"), 256, 256),
+    # Q4_K_M / Q5_K_M files of models whose expert width is not a multiple of 256: the
+    # down projection falls back to q5_0 / q5_1 (llama.cpp), beside k-quant gate / up
+    Mix(("q4_k", "q4_k", "q5_0"), 256, 160),
+    Mix(("q5_k", "q5_k", "q5_1"), 256, 96),
+    Mix(("q4_1", "q5_1", "q5_0"), 96, 64),
 ]
 MIX_IDS = [m.id for m in MIXES]
 #: The six mixes of the brief (the first six).

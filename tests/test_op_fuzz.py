@@ -51,6 +51,8 @@ LAYERS = [
     ("q4_k,q4_k,q6_k", None, 256, 256),
     ("q2_k,q2_k,q3_k", None, 256, 256),
     ("iq4_xs,iq4_xs,iq4_nl", None, 256, 256),
+    ("q4_k,q4_k,q5_0", None, 256, 160),
+    ("q4_1,q5_1,q5_1", None, 64, 96),
     ("bf16,int4,q8_0", 32, 64, 32),
 ]
 MUTATIONS = [

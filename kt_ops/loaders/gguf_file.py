@@ -16,9 +16,11 @@ result dequantizes bit-identically to ``gguf.quants.dequantize``). ``F16``,
 (``bf16`` by default). ``Q2_K`` and ``Q3_K`` load exactly, their codes held in
 the 4-bit plane (4.6 bits a weight in memory, not GGUF's 2.6 / 3.4); ``IQ4_NL`` and
 ``IQ4_XS`` exactly, their codes as stored (IQ4_XS at 4.31 bits a weight, GGUF's 4.25).
-Other types (``IQ1_*`` ... ``IQ3_*``, whose codes index lattice grids, ``Q4_1``,
-``Q5_0``, ``Q5_1``, ``TQ*``, ...) are refused with a ValueError naming the tensor and
-its type.
+``Q4_1``, ``Q5_0`` and ``Q5_1`` (what llama.cpp's k-quant mixes write where a row is not a
+multiple of 256, e.g. the 1408-wide ``ffn_down_exps`` of DeepSeek-V2-Lite in a ``Q4_K_M``
+file) load exactly at GGUF's size. Other types (``IQ1_*`` ... ``IQ3_*``, whose codes
+index lattice grids, ``Q8_1``, ``TQ*``, ...) are refused with a ValueError naming the
+tensor and its type.
 A quantized tensor is only packed in its own format: asking for another one
 (requantizing) is a ValueError; pass ``weight_format=None`` to get each
 tensor's own format (llama.cpp mixes them, e.g. Q6_K ``ffn_down_exps`` in a
