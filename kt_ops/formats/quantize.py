@@ -14,9 +14,14 @@ from kt_ops.formats.mxfp4 import quantize_mxfp4
 from kt_ops.formats.nvfp4 import quantize_nvfp4
 from kt_ops.formats.packed import PackedProjection
 from kt_ops.formats.qint import pack_codes, pack_group_params
-from kt_ops.formats.spec import format_spec
+from kt_ops.formats.spec import FORMATS, format_spec
 
 __all__ = ["quantize_weights"]
+
+#: The formats that hold zeros (a zeros tensor, or the k-quants' mins in their records).
+_ASYMMETRIC_FORMATS = tuple(
+    f for f in FORMATS if format_spec(f).has_zeros or format_spec(f).record_mins
+)
 
 
 def _quantize_int8(w: Tensor) -> PackedProjection:
@@ -104,8 +109,9 @@ def quantize_weights(
     * ``mxfp8``: OCP MX v1.0 MXFP8, a UE8M0 exponent per 32 along K, E4M3 elements.
     * ``nvfp4``: NVIDIA NVFP4, per-expert fp32 scale ``amax / (448 * 6)``, E4M3 scale
       per 16 along K, E2M1 elements (:func:`kt_ops.formats.nvfp4.quantize_nvfp4`).
-    * ``q8_0``, ``q4_0``: ``gguf.quants.quantize`` (llama.cpp's reference
-      quantizers), repacked with ``from_gguf``; ``K`` a multiple of 32.
+    * ``q8_0``, ``q4_0``, ``q4_1``, ``q5_0``, ``q5_1``: ``gguf.quants.quantize``
+      (llama.cpp's reference quantizers), repacked with ``from_gguf``; ``K`` a
+      multiple of 32.
     * ``q2_k``, ``q3_k``, ``q4_k``, ``q5_k``, ``q6_k``: a simple round-to-nearest k-quant
       quantizer of this package (the ``gguf`` package cannot quantize them)
       writing valid GGUF blocks, repacked with ``from_gguf``; ``K`` a
@@ -151,7 +157,7 @@ def quantize_weights(
     if not symmetric and not (spec.has_zeros or spec.record_mins):
         raise ValueError(
             f"quantize_weights: symmetric=False is not supported for {spec.name!r} (it has no "
-            "zeros); formats with zeros: int4, q2_k, q4_k, q5_k"
+            f"zeros); formats with zeros: {', '.join(_ASYMMETRIC_FORMATS)}"
         )
     w = weight.detach().to("cpu", torch.float32).contiguous()
     if not bool(torch.isfinite(w).all()):
