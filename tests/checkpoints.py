@@ -373,8 +373,8 @@ def random_blocks(qtype: Q, shape_elems: tuple[int, ...], rng: np.random.Generat
         set_f16(2, -1e-2, 1e-3)
     elif qtype == Q.Q5_0:  # W = d * (q - 16)
         set_f16(0, 1e-4, 1e-3)
-    elif qtype == Q.TQ2_0:  # a type kt_ops refuses (ternary, 2 bits a weight)
-        pass
+    elif qtype == Q.TQ2_0:  # a type kt_ops refuses (ternary: qs[64], d)
+        set_f16(64, 1e-3, 1e-2)
     else:
         raise ValueError(qtype)
     return raw.reshape(*lead, K // bs * ts)
@@ -386,7 +386,7 @@ def gguf_raw(qtype: Q, w: np.ndarray, rng: np.random.Generator) -> np.ndarray:
         return w.astype(np.float32)
     if qtype == Q.F16:
         return w.astype(np.float16)
-    if qtype in (Q.BF16, Q.Q8_0, Q.Q4_0):
+    if qtype in (Q.BF16, Q.Q8_0, Q.Q4_0, Q.MXFP4):
         return gguf.quants.quantize(w.astype(np.float32), qtype)
     return random_blocks(qtype, w.shape, rng)
 
@@ -401,14 +401,18 @@ def write_gguf(
     moe_layers: tuple[int, ...] = (0, 1),
     seed: int = 0,
     drop: Optional[str] = None,
+    arch: str = "qwen3moe",
+    bias_types: Optional[dict[str, Q]] = None,
 ) -> dict[int, dict[str, dict]]:
-    """A GGUF file with ``blk.{L}.ffn_{gate,up,down}_exps.weight`` of the given types.
+    """A GGUF file with ``blk.{L}.ffn_{gate,up,down}_exps.weight`` of the given types
+    (and, per role of ``bias_types``, ``blk.{L}.ffn_{role}_exps.bias`` ``[E, N]`` of that
+    float type, as gpt-oss's).
 
     Returns ``{layer: {role: {"raw": data as written, "dense": fp32 [E, N, K] torch
-    (gguf.quants.dequantize of the raw data)}}}``.
+    (gguf.quants.dequantize of the raw data), "bias": fp32 [E, N] torch or None}}}``.
     """
     rng = np.random.default_rng(seed)
-    writer = gguf.GGUFWriter(str(path), "qwen3moe")
+    writer = gguf.GGUFWriter(str(path), arch)
     num_layers = max(moe_layers) + 1
     writer.add_block_count(num_layers)
     writer.add_expert_count(E)
@@ -429,7 +433,17 @@ def write_gguf(
             else:
                 writer.add_tensor(name, raw)
                 dense = raw.astype(np.float32)
-            expected[L][r] = {"raw": raw, "dense": torch.from_numpy(np.array(dense))}
+            expected[L][r] = {"raw": raw, "dense": torch.from_numpy(np.array(dense)), "bias": None}
+            if bias_types and r in bias_types:
+                b = rng.standard_normal((E, N)).astype(np.float32)
+                b = gguf.quants.quantize(b, bias_types[r]) if bias_types[r] == Q.BF16 else b
+                b = b.astype(np.float16) if bias_types[r] == Q.F16 else b
+                if bias_types[r] == Q.BF16:
+                    writer.add_tensor(f"blk.{L}.ffn_{r}_exps.bias", b, raw_dtype=Q.BF16)
+                    b = gguf.quants.dequantize(b, Q.BF16)
+                else:
+                    writer.add_tensor(f"blk.{L}.ffn_{r}_exps.bias", b)
+                expected[L][r]["bias"] = torch.from_numpy(np.array(b, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -182,7 +182,7 @@ def test_gguf_block_types_are_rows_of_the_table():
     """GGUF-ness is one field of the spec rows; every list of GGUF types derives from it."""
     gguf_types = [f for f in FORMATS if format_spec(f).is_gguf]
     assert gguf_types == [
-        "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k",
+        "mxfp4", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k",
         "iq4_nl", "iq4_xs",
     ]  # fmt: skip
     assert GGUF_FORMATS == tuple(gguf_types)
@@ -538,13 +538,15 @@ def _random_gguf_raw(name: str, E: int, n: int, k: int, seed: int) -> np.ndarray
     bs, ts = gguf.constants.GGML_QUANT_SIZES[getattr(gguf.GGMLQuantizationType, name.upper())]
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, size=(E, n, k // bs, ts), dtype=np.uint8)
-    offsets = {"q8_0": [0], "q4_0": [0], "q4_1": [0, 2], "q5_0": [0], "q5_1": [0, 2],
+    offsets = {"mxfp4": [], "q8_0": [0], "q4_0": [0], "q4_1": [0, 2], "q5_0": [0], "q5_1": [0, 2],
                "q2_k": [80, 82], "q3_k": [108], "q4_k": [0, 2], "q5_k": [0, 2], "q6_k": [208],
                "iq4_nl": [0], "iq4_xs": [0]}[name]  # fmt: skip
     for off in offsets:
         h = rng.integers(0, 1 << 16, size=raw.shape[:-1], dtype=np.uint16)
         h = np.where((h & 0x7C00) == 0x7C00, h & 0x83FF, h)  # exponent 31 (inf/nan) -> 0
         raw[..., off : off + 2] = h.astype("<u2")[..., None].view(np.uint8)
+    if name == "mxfp4":  # every exponent byte but 255 (NaN in OCP MX; refused)
+        raw[..., 0] = rng.integers(0, 255, size=raw.shape[:-1], dtype=np.uint8)
     return raw.reshape(E, n, -1)
 
 
@@ -557,7 +559,8 @@ def test_from_gguf_matches_gguf_dequantize_exactly(name):
     E, n, k = 2, 21, 512
     raw = _random_gguf_raw(name, E, n, k, seed=FORMATS.index(name))
     qt = getattr(gguf.GGMLQuantizationType, name.upper())
-    ref = torch.from_numpy(gguf.quants.dequantize(raw, qt))
+    with np.errstate(over="ignore"):  # mxfp4: exponents near 254 times 6 overflow to inf
+        ref = torch.from_numpy(gguf.quants.dequantize(raw, qt))
     assert ref.shape == (E, n, k)
     p = from_gguf(name, raw, n, k)
     spec = format_spec(name)
@@ -616,12 +619,14 @@ def test_gguf_quantizers_round_trip(name):
     p = quantize_weights(w, name)
     d = dequantize_weights(p)
     assert torch.equal(d, ref)  # valid GGUF blocks, repacked losslessly
-    if name in ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1"):  # llama.cpp's reference quantizer
+    if name in ("mxfp4", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"):  # llama.cpp's quantizer
         assert np.array_equal(raw, gguf.quants.quantize(w.numpy(), qt))
     rel = ((d - w).pow(2).mean() / w.pow(2).mean()).sqrt().item()
-    bound = {"q8_0": 0.01, "q4_0": 0.15, "q4_1": 0.12, "q5_0": 0.06, "q5_1": 0.06, "q2_k": 0.4,
-             "q3_k": 0.2, "q4_k": 0.12, "q5_k": 0.06, "q6_k": 0.03, "iq4_nl": 0.1,
-             "iq4_xs": 0.1}[name]  # fmt: skip
+    bound = {
+        "mxfp4": 0.15, "q8_0": 0.01, "q4_0": 0.15, "q4_1": 0.12, "q5_0": 0.06, "q5_1": 0.06,
+        "q2_k": 0.4, "q3_k": 0.2, "q4_k": 0.12, "q5_k": 0.06, "q6_k": 0.03, "iq4_nl": 0.1,
+        "iq4_xs": 0.1,
+    }[name]  # fmt: skip
     assert rel < bound, rel
     assert torch.equal(d[0, 0], torch.zeros(K))
 
@@ -787,6 +792,11 @@ def test_from_gguf_rejects_bad_input():
     for args, match in cases:
         with pytest.raises(ValueError, match=match):
             from_gguf(*args)
+    mx = _random_gguf_raw("mxfp4", 1, 4, 64, seed=2)
+    assert from_gguf("mxfp4", mx, 4, 64) is not None
+    mx[0, 3, 17] = 255  # the second block's exponent byte: NaN in OCP MX
+    with pytest.raises(ValueError, match="MXFP4 exponent byte 255"):
+        from_gguf("mxfp4", mx, 4, 64)
     bad = raw.copy()
     bad[0, 0, 0:2] = np.array([0x00, 0x7C], dtype=np.uint8)  # fp16 +inf d
     with pytest.raises(ValueError, match="raw has a non-finite"):

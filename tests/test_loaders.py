@@ -440,6 +440,74 @@ def test_gguf_types_beyond_q4_k_native(tmp_path, types):
         ck.load_layer(0, fmts[0])
 
 
+def test_gguf_gpt_oss_mxfp4_experts_with_biases(tmp_path):
+    # gpt-oss GGUF files (llama.cpp's "gpt-oss" arch): MXFP4 experts, exact as stored, and
+    # per-expert biases blk.{L}.ffn_{gate,up,down}_exps.bias [E, n] of a float type, loaded
+    # into PackedProjection.bias; the op with gpt-oss's clamped SwiGLU against the reference.
+    from reference import quant_mismatch_report, reference_for
+
+    path = tmp_path / "gpt-oss.gguf"
+    types = dict.fromkeys(ROLES, Q.MXFP4)
+    bias_types = {"gate": Q.F32, "up": Q.BF16, "down": Q.F16}
+    expected = write_gguf(
+        path, types, E=4, H=96, I=64, moe_layers=(0, 1), arch="gpt-oss", bias_types=bias_types
+    )
+    ck = GGUFCheckpoint(path)
+    assert ck.architecture == "gpt-oss" and ck.has_expert_bias
+    assert ck.native_format == "mxfp4" and ck.tensor_types(1) == dict.fromkeys(ROLES, "MXFP4")
+    w = ck.load_layer(1)
+    assert w.weight_format == "mxfp4" and w.has_bias
+    for r in ROLES:
+        assert torch.equal(dequantize_weights(getattr(w, r)), expected[1][r]["dense"]), r
+        assert torch.equal(getattr(w, r).bias, expected[1][r]["bias"]), r
+    spec = kt_ops.activation_spec("silu", alpha=1.702, limit=7.0, up_offset=1.0)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(9, 96, generator=g)
+    ids, weights = torch.randint(0, 4, (9, 2), generator=g), torch.rand(9, 2, generator=g)
+    out = kt_ops.moe_forward(x, ids, weights, w, activation=spec)
+    ref = reference_for(w, x, ids, weights, act=spec)
+    assert quant_mismatch_report(out, ref) is None
+    plain = kt_ops.moe_forward(x, ids, weights, w.with_biases(None, None, None), activation=spec)
+    assert quant_mismatch_report(plain, ref) is not None  # the biases count
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        ("type", r"ffn_up_exps\.bias has GGML type Q8_0; expert biases load from F32"),
+        ("dims", r"ffn_up_exps\.bias has dims \(ne0, ne1\) = \(32, 4\); expected \(64, 4\)"),
+        ("orphan", r"blk\.3\.ffn_down_exps\.bias belongs to block 3, which has no expert"),
+        ("nan", r"ffn_up_exps\.bias holds NaN or infinite values"),
+    ],
+)
+def test_gguf_bad_expert_biases(tmp_path, edit, match):
+    path = tmp_path / "b.gguf"
+    writer = gguf.GGUFWriter(str(path), "gpt-oss")
+    rng = np.random.default_rng(0)
+    E, H, I = 4, 64, 64  # noqa: E741
+    for r in ROLES:
+        n, k = (H, I) if r == "down" else (I, H)
+        raw = gguf.quants.quantize(rng.standard_normal((E, n, k)).astype(np.float32), Q.MXFP4)
+        writer.add_tensor(f"blk.0.ffn_{r}_exps.weight", raw, raw_dtype=Q.MXFP4)
+    up = rng.standard_normal((E, I)).astype(np.float32)
+    if edit == "type":
+        writer.add_tensor("blk.0.ffn_up_exps.bias", gguf.quants.quantize(up, Q.Q8_0),
+                          raw_dtype=Q.Q8_0)  # fmt: skip
+    elif edit == "dims":
+        writer.add_tensor("blk.0.ffn_up_exps.bias", up[:, :32].copy())
+    elif edit == "orphan":
+        writer.add_tensor("blk.3.ffn_down_exps.bias", np.zeros((E, H), dtype=np.float32))
+    else:
+        up[1, 2] = np.nan
+        writer.add_tensor("blk.0.ffn_up_exps.bias", up)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=match):
+        GGUFCheckpoint(path).load_layer(0)
+
+
 def test_gguf_truncated_and_not_gguf(tmp_path):
     path = tmp_path / "t.gguf"
     write_gguf(path, {"gate": Q.Q4_K, "up": Q.Q4_K, "down": Q.Q6_K}, moe_layers=(0,))

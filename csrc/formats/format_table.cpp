@@ -162,10 +162,13 @@ const std::vector<FormatRow>& format_table() {
       {"mxfp8", L::kFp8, {}, {32}, 32, S::kE8M0, Z::kNever, A::kF32, kFp8Fp32, kFp8Brgemm,
        8.25, "OCP Microscaling Formats (MX) v1.0: E4M3 elements, UE8M0 scales, 32 per block",
        {}, true},
-      // OCP MX: E2M1 codes, one UE8M0 exponent per 32; kernel codes 2v + 12.
+      // OCP MX: E2M1 codes, one UE8M0 exponent per 32; kernel codes 2v + 12. Also GGUF's
+      // MXFP4 block (gpt-oss GGUF files: the exponent byte and q4_0's nibbles, ggml's
+      // kvalues_mxfp4 = 2 * E2M1 against 2^(e - 128): the same values), repacked as stored.
       {"mxfp4", L::kQint, qint(4, false, 12.f, CodeTable::kE2m1), {32}, 32, S::kE8M0, Z::kNever, A::kQ8,
        kNoFp32, kMxfp4Brgemm, 4.25,
-       "OCP Microscaling Formats (MX) v1.0: E2M1 elements, UE8M0 scales, 32 per block"},
+       "OCP Microscaling Formats (MX) v1.0: E2M1 elements, UE8M0 scales, 32 per block",
+       {32, 17}},
       // NVIDIA NVFP4: E2M1 codes, one E4M3 scale per 16 times a per-tensor fp32 scale. Stored
       // as one fp32 scale per 16 (half the product, for the kernel codes 2v + 12): exact.
       {"nvfp4", L::kQint, qint(4, false, 12.f, CodeTable::kE2m1), {16}, 16, S::kF32, Z::kNever, A::kQ8,

@@ -12,6 +12,10 @@ the same bytes), ``QK_K = 256``, ``d``/``dmin`` fp16, little endian:
   low bits of q4_0's nibble ``i`` and bit 4 from bit ``i`` of ``qh``; ``W = d * (q - 16)``.
 * ``block_q5_1`` (24 B / 32): ``d``, ``m``, ``qh``, ``qs[16]`` as q5_0;
   ``W = d * q + m``.
+* ``block_mxfp4`` (17 B / 32): ``uint8 e``, ``qs[16]`` in q4_0's nibble order;
+  ``W = kvalues_mxfp4[q] * 2^(e - 128)``, ``kvalues_mxfp4`` twice the E2M1 values (OCP MX
+  v1.0), so ``W = e2m1(q) * 2^(e - 127)``: kt_ops' ``mxfp4`` with ``E = e`` (``e = 255``,
+  NaN in OCP MX and finite in ggml, is refused).
 * ``block_q2_K`` (84 B / 256): ``scales[16]`` (``sc`` in the low nibble,
   ``m`` in the high one, 16 weights each), ``qs[64]``, ``d``, ``dmin``; in
   each half ``i`` (128 weights), weight ``32t + l`` is ``(qs[32i + l] >> 2t)
@@ -192,7 +196,7 @@ def from_gguf(
     """Repack the raw GGUF blocks of an ``[E, n, k]`` tensor losslessly into the qint layout.
 
     Args:
-        qtype: ``'q8_0'``, ``'q4_0'``, ``'q4_1'``, ``'q5_0'``, ``'q5_1'``,
+        qtype: ``'mxfp4'``, ``'q8_0'``, ``'q4_0'``, ``'q4_1'``, ``'q5_0'``, ``'q5_1'``,
             ``'q2_k'``, ``'q3_k'``, ``'q4_k'``,
             ``'q5_k'``, ``'q6_k'``, ``'iq4_nl'`` or ``'iq4_xs'`` (any case) or the
             matching ``gguf.GGMLQuantizationType``.
@@ -205,7 +209,8 @@ def from_gguf(
 
     Returns:
         A validated :class:`PackedProjection` of format ``qtype``: codes in the
-        qint planes, scales ``d`` (fp16, q8_0/q4_0/q4_1/q5_0/q5_1/iq4_nl) or the
+        qint planes, the exponent bytes (uint8, mxfp4), scales ``d`` (fp16,
+        q8_0/q4_0/q4_1/q5_0/q5_1/iq4_nl) or the
         scale records of the k-quants and iq4_xs (uint8 ``[E, NB, K/256, 256 | 288 |
         320 | 160]``, GGUF's bytes), zeros ``-m`` (fp16, q4_1 and q5_1; else none),
         group 32 (q2_k, q3_k, q6_k: 16).
@@ -215,7 +220,7 @@ def from_gguf(
         ValueError: unsupported ``qtype``; ``n``/``k`` not positive, ``k`` not a
             multiple of the block size (32 or 256); ``raw`` not uint8, or its
             byte count not a positive multiple of ``n * row_bytes``; a
-            non-finite fp16 ``d``/``dmin`` in ``raw``.
+            non-finite fp16 ``d``/``dmin`` in ``raw``; an MXFP4 exponent byte 255.
     """
     name = _qtype_name(qtype)
     spec = format_spec(name)
@@ -242,6 +247,15 @@ def from_gguf(
         d = _f16(blk[..., 0:2])
         codes = blk[..., 2:].view(np.int8)
         scales = d
+    elif name == "mxfp4":  # e, qs[16]: E2M1 codes as stored, the exponent byte as E
+        scales = blk[..., 0]
+        if (scales == 255).any():
+            raise ValueError(
+                "from_gguf: raw has an MXFP4 exponent byte 255 (NaN in OCP MX; ggml reads it "
+                "as 2^127), which kt_ops' mxfp4 does not hold"
+            )
+        qs = blk[..., 1:17]
+        codes = np.concatenate([qs & 15, qs >> 4], axis=-1)
     elif name in ("q4_0", "iq4_nl", "q4_1", "q5_0", "q5_1"):  # d, [m], [qh], qs[16]
         d = _f16(blk[..., 0:2])
         has_m, has_qh = name in ("q4_1", "q5_1"), name in ("q5_0", "q5_1")
@@ -308,8 +322,11 @@ def from_gguf(
     if spec.is_kquant:
         scales = pack_kquant_scales(torch.from_numpy(np.ascontiguousarray(head)), name)
     else:
-        _check_finite(name, scales.astype(np.float32))
-        scales = pack_group_params(torch.from_numpy(scales.reshape(E, n, k // g)), spec.scale_dtype)
+        if scales.dtype != np.uint8:  # fp16 d (mxfp4: exponent bytes, all finite)
+            _check_finite(name, scales.astype(np.float32))
+        scales = pack_group_params(
+            torch.from_numpy(np.ascontiguousarray(scales).reshape(E, n, k // g)), spec.scale_dtype
+        )
         if zeros is not None:
             zeros = pack_group_params(
                 torch.from_numpy(np.ascontiguousarray(zeros).reshape(E, n, k // g)),
@@ -513,7 +530,7 @@ def _quantize_iq4_xs(x: np.ndarray) -> np.ndarray:
 def quantize_gguf_raw(weight: np.ndarray, qtype: Union[str, Any]) -> np.ndarray:
     """Quantize fp32 ``[..., K]`` to raw GGUF blocks ``[..., K / block * type_size]`` (uint8).
 
-    ``q8_0``, ``q4_0``, ``q4_1``, ``q5_0`` and ``q5_1`` use ``gguf.quants.quantize``
+    ``mxfp4``, ``q8_0``, ``q4_0``, ``q4_1``, ``q5_0`` and ``q5_1`` use ``gguf.quants.quantize``
     (bit-exact with llama.cpp's reference quantizers). The ``gguf`` package cannot quantize
     the k-quants, so ``q2_k`` ... ``q6_k`` use a simple round-to-nearest
     quantizer here: per sub-block min/max (min clipped to <= 0; q2_k, q4_k,
@@ -539,7 +556,7 @@ def quantize_gguf_raw(weight: np.ndarray, qtype: Union[str, Any]) -> np.ndarray:
             f"{name} block size {bs}"
         )
     blocks = x.reshape(-1, bs)
-    if name in ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1"):
+    if name in ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "mxfp4"):
         import gguf  # noqa: PLC0415  (optional dependency)
 
         qt = getattr(gguf.GGMLQuantizationType, name.upper())

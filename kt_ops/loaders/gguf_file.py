@@ -16,11 +16,14 @@ result dequantizes bit-identically to ``gguf.quants.dequantize``). ``F16``,
 (``bf16`` by default). ``Q2_K`` and ``Q3_K`` load exactly, their codes held in
 the 4-bit plane (4.6 bits a weight in memory, not GGUF's 2.6 / 3.4); ``IQ4_NL`` and
 ``IQ4_XS`` exactly, their codes as stored (IQ4_XS at 4.31 bits a weight, GGUF's 4.25).
-``Q4_1``, ``Q5_0`` and ``Q5_1`` (what llama.cpp's k-quant mixes write where a row is not a
-multiple of 256, e.g. the 1408-wide ``ffn_down_exps`` of DeepSeek-V2-Lite in a ``Q4_K_M``
-file) load exactly at GGUF's size. Other types (``IQ1_*`` ... ``IQ3_*``, whose codes
-index lattice grids, ``Q8_1``, ``TQ*``, ...) are refused with a ValueError naming the
-tensor and its type.
+``MXFP4`` (gpt-oss GGUF files) loads as ``mxfp4``, the codes and exponents as stored, with
+the experts' biases (``blk.{L}.ffn_{gate,up,down}_exps.bias``, any float type) as
+``PackedProjection.bias``; the clamped SwiGLU of gpt-oss is the model's to pass
+(``activation``). ``Q4_1``, ``Q5_0`` and ``Q5_1`` (what llama.cpp's k-quant mixes write
+where a row is not a multiple of 256, e.g. the 1408-wide ``ffn_down_exps`` of
+DeepSeek-V2-Lite in a ``Q4_K_M`` file) load exactly at GGUF's size. Other types
+(``IQ1_*`` ... ``IQ3_*``, whose codes index lattice grids, ``Q8_1``, ``TQ*``, ...) are
+refused with a ValueError naming the tensor and its type.
 A quantized tensor is only packed in its own format: asking for another one
 (requantizing) is a ValueError; pass ``weight_format=None`` to get each
 tensor's own format (llama.cpp mixes them, e.g. Q6_K ``ffn_down_exps`` in a
@@ -64,7 +67,7 @@ GGUF_TENSOR_NAMES = {
     "down": "blk.{L}.ffn_down_exps.weight",
 }
 
-_EXPERT_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
+_EXPERT_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.(weight|bias)$")
 _SUPPORTED = ", ".join(t.name for t in (*GGUF_NATIVE_FORMATS, *GGUF_FLOAT_TYPES))
 
 
@@ -92,14 +95,17 @@ class GGUFCheckpoint(CheckpointReader):
         intermediate_size (``E``, ``H``, ``I`` of the first MoE layer);
         source_dtype (the lower-case GGML type name of the first layer's gate,
         e.g. ``"q4_k"``); native_format (the kt_ops format of that tensor:
-        ``"bf16"`` for float types).
+        ``"bf16"`` for float types); has_expert_bias (the file holds expert biases,
+        ``blk.{L}.ffn_{gate,up,down}_exps.bias`` as gpt-oss's: :meth:`load_layer`
+        returns them as ``PackedProjection.bias``, fp32).
 
     Raises:
         FileNotFoundError: no such file.
         ValueError: not a readable GGUF file (bad magic, truncated), no expert
             tensors, a missing projection in a layer (named), shapes that do not
             match each other, or an unsupported tensor type (naming the tensor,
-            its type and the supported types).
+            its type and the supported types); an expert bias of a non-float type,
+            of the wrong dims, or in a block without expert weights.
     """
 
     kind = "gguf"
@@ -119,19 +125,24 @@ class GGUFCheckpoint(CheckpointReader):
         self._check_tensor_offsets()
         self.architecture = _field(self._reader, "general.architecture") or "unknown"
         layers: dict[int, dict[str, Any]] = {}
+        biases: dict[int, dict[str, Any]] = {}
         for name, t in self._tensors.items():
             m = _EXPERT_RE.match(name)
             if m:
-                layers.setdefault(int(m[1]), {})[m[2]] = t
+                (layers if m[3] == "weight" else biases).setdefault(int(m[1]), {})[m[2]] = t
         if not layers:
             raise ValueError(
                 f"{self.path}: no routed expert tensors (blk.{{L}}.ffn_gate_exps.weight, "
                 "ffn_up_exps, ffn_down_exps) in this GGUF file"
             )
         self._layers = layers
+        self._biases = biases
         self._shapes: dict[int, tuple[int, int, int]] = {}
         for L in sorted(layers):
             self._shapes[L] = self._check_layer_tensors(L)
+        for L in sorted(biases):
+            self._check_bias_tensors(L)
+        self.has_expert_bias = bool(biases)
         self.moe_layers = self.layers = sorted(layers)
         count = _field(self._reader, f"{self.architecture}.block_count")
         self.num_layers = int(count) if isinstance(count, (int, np.integer)) else max(layers) + 1
@@ -223,6 +234,30 @@ class GGUFCheckpoint(CheckpointReader):
                 )
         return experts, inter, hidden
 
+    def _check_bias_tensors(self, layer: int) -> None:
+        """The expert biases of ``layer`` (gpt-oss: ``blk.{L}.ffn_{gate,up,down}_exps.bias``,
+        dims ``(n, E)``, a float type) must belong to its expert weights."""
+        if layer not in self._layers:
+            names = ", ".join(t.name for t in self._biases[layer].values())
+            raise ValueError(
+                f"{self.path}: expert bias {names} belongs to block {layer}, which has no expert "
+                "weights (blk.{L}.ffn_gate_exps.weight, ffn_up_exps, ffn_down_exps)"
+            )
+        E, inter, hidden = self._shapes[layer]
+        for role, t in self._biases[layer].items():
+            if t.tensor_type not in GGUF_FLOAT_TYPES:
+                raise ValueError(
+                    f"{self.path}: tensor {t.name} has GGML type {t.tensor_type.name}; expert "
+                    f"biases load from {', '.join(f.name for f in GGUF_FLOAT_TYPES)}"
+                )
+            want = [hidden if role == "down" else inter, E]
+            if [int(d) for d in t.shape] != want:
+                raise ValueError(
+                    f"{self.path}: {t.name} has dims (ne0, ne1) = "
+                    f"{tuple(int(d) for d in t.shape)}; expected {tuple(want)} (gate/up (I, E), "
+                    "down (H, E))"
+                )
+
     def layer_shape(self, layer: int) -> tuple[int, int, int]:
         """``(E, I, H)`` of MoE layer ``layer``; ValueError if it has no experts."""
         return self._shapes[self._check_layer(layer)]
@@ -280,7 +315,9 @@ class GGUFCheckpoint(CheckpointReader):
             group_size, symmetric: passed to ``quantize_weights`` for float tensors.
 
         Returns:
-            :class:`~kt_ops.layer.ExpertWeights`: gate, up ``[E, I, H]``, down ``[E, H, I]``.
+            :class:`~kt_ops.layer.ExpertWeights`: gate, up ``[E, I, H]``, down ``[E, H, I]``,
+            with the layer's expert biases (fp32 ``[E, I]`` / ``[E, H]``) where the file
+            has them.
 
         Raises:
             ValueError: unknown block or format, a quantized tensor whose type is not
@@ -312,7 +349,31 @@ class GGUFCheckpoint(CheckpointReader):
                     ) from e
 
             out[role] = pack_in_chunks(E, n, k, pack)
-        return expert_weights(**out, where=f"{self.path}: block {layer}")
+        weights = expert_weights(**out, where=f"{self.path}: block {layer}")
+        if layer in self._biases:
+            weights = weights.with_biases(*self._read_biases(layer))
+        return weights
+
+    def _read_biases(self, layer: int) -> list[Optional[torch.Tensor]]:
+        """The gate, up ``[E, I]`` and down ``[E, H]`` biases of ``layer`` as fp32, None
+        where absent; ValueError naming a tensor that is unreadable or not finite."""
+        out: list[Optional[torch.Tensor]] = []
+        for role in PROJECTIONS:
+            t = self._biases[layer].get(role)
+            if t is None:
+                out.append(None)
+                continue
+            try:
+                b = _float_tensor(t.tensor_type, t.data)
+            except Exception as e:
+                raise ValueError(
+                    f"{self.path}: tensor {t.name} cannot be read (truncated file?): "
+                    f"{type(e).__name__}: {e}"
+                ) from e
+            if not bool(torch.isfinite(b).all()):
+                raise ValueError(f"{self.path}: tensor {t.name} holds NaN or infinite values")
+            out.append(b)
+        return out
 
     def __repr__(self) -> str:
         return (
