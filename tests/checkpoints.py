@@ -391,6 +391,16 @@ def gguf_raw(qtype: Q, w: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     return random_blocks(qtype, w.shape, rng)
 
 
+def _add_tensor(writer: gguf.GGUFWriter, name: str, qtype: Q, raw: np.ndarray) -> np.ndarray:
+    """Add ``raw`` (data of ``qtype``, as :func:`gguf_raw` makes it) as tensor ``name``;
+    return its values as fp32 (gguf.quants.dequantize of block data)."""
+    if raw.dtype == np.uint8:
+        writer.add_tensor(name, raw, raw_dtype=qtype)
+        return gguf.quants.dequantize(raw, qtype)
+    writer.add_tensor(name, raw)
+    return raw.astype(np.float32)
+
+
 def write_gguf(
     path: Path,
     types: dict[str, Q],
@@ -427,22 +437,11 @@ def write_gguf(
             name = f"blk.{L}.ffn_{r}_exps.weight"
             if name == drop:
                 continue
-            if raw.dtype == np.uint8:
-                writer.add_tensor(name, raw, raw_dtype=types[r])
-                dense = gguf.quants.dequantize(raw, types[r])
-            else:
-                writer.add_tensor(name, raw)
-                dense = raw.astype(np.float32)
+            dense = _add_tensor(writer, name, types[r], raw)
             expected[L][r] = {"raw": raw, "dense": torch.from_numpy(np.array(dense)), "bias": None}
             if bias_types and r in bias_types:
-                b = rng.standard_normal((E, N)).astype(np.float32)
-                b = gguf.quants.quantize(b, bias_types[r]) if bias_types[r] == Q.BF16 else b
-                b = b.astype(np.float16) if bias_types[r] == Q.F16 else b
-                if bias_types[r] == Q.BF16:
-                    writer.add_tensor(f"blk.{L}.ffn_{r}_exps.bias", b, raw_dtype=Q.BF16)
-                    b = gguf.quants.dequantize(b, Q.BF16)
-                else:
-                    writer.add_tensor(f"blk.{L}.ffn_{r}_exps.bias", b)
+                b = gguf_raw(bias_types[r], rng.standard_normal((E, N)), rng)
+                b = _add_tensor(writer, f"blk.{L}.ffn_{r}_exps.bias", bias_types[r], b)
                 expected[L][r]["bias"] = torch.from_numpy(np.array(b, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
