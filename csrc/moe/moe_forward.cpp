@@ -415,18 +415,17 @@ void run_experts(const Call& c) {
   auto end_run = [&](int thread) { kernels::end_run(ks.at(thread)); };
   // NUMA placement (moe/numa_placement.h): one part unless several nodes.
   const NumaSplit numa = numa_split(c.layer);
-  if (c.gate_pre != nullptr) {
-    // The exact forward: the down projection's LoRA term needs an expert's whole
-    // h (h Ad^T per expert, between the phases).
+  if (c.pre_only) {
+    // The backward's recompute of the exact forward's pre-activations: gate/up alone.
     for_each_expert_block(c.routing, numa.gate_up, gate_up, end_run);
-    if (c.pre_only) return;
-    lora_down_terms(c);
-    for_each_expert_block(c.routing, numa.down, down, end_run);
     return;
   }
   if (numa.gate_up.parts() == 1 && numa.down.parts() == 1) {
     // One pool job: an expert's down blocks start as soon as its gate/up
-    // blocks are done, with no barrier between the phases.
+    // blocks are done, with no barrier between the phases. The exact (LoRA) forward
+    // too: its h rows are still in L2 when h Ad^T and down read them (two phases
+    // wrote all of h, 50 MB at T = 2048 on a Qwen3-30B-A3B layer, before reading it
+    // back from DRAM). The same bits either way (moe_phases.h).
     // Between an expert's phases: its h as q8 records where down reads them, and
     // (LoRA) h Ad^T from its whole h.
     auto between = [&](int64_t e, int64_t r0, int m) {
