@@ -302,6 +302,34 @@ def test_backward_makes_no_zero_gradients_for_the_saved_pre_activations():
     assert x.grad is not None and torch.isfinite(x.grad).all()
 
 
+class _DropsGradient(torch.autograd.Function):
+    """Identity forward whose backward returns no gradient (None)."""
+
+    @staticmethod
+    def forward(ctx, a):
+        return a.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["save", "recompute"])
+def test_no_gradient_for_the_output_gives_none_for_the_inputs(checkpointing: bool):
+    # A downstream node that returns None hands the MoE node an undefined gradient (no
+    # zeros are materialized for it): its inputs then get no gradient, as autograd's
+    # zero, and x keeps the gradient of its other use.
+    p = make_problem(CASES[4])
+    x = p.x.clone().requires_grad_(True)
+    lora = {k: v.clone().requires_grad_(True) for k, v in p.lora.items()}
+    out = kt_ops.moe_forward(
+        x, *p.op_args()[1:], p.lora_weights(lora), activation_checkpointing=checkpointing
+    )
+    (_DropsGradient.apply(out).sum() + x.float().sum()).backward()
+    assert torch.equal(x.grad, torch.ones_like(x))
+    assert all(v.grad is None for v in lora.values())
+
+
 def test_global_checkpointing_switch_selects_the_op():
     p = make_problem(CASES[3])
     x = p.x.clone().requires_grad_(True)
