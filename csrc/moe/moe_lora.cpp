@@ -135,7 +135,7 @@ void gather_rows(const T* src, int64_t rows, int64_t n, const int64_t* index, T*
       const char* next = reinterpret_cast<const char*>(src + index[i + 1] * n);
       for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(next + b, 0, 3);
     }
-    std::memcpy(dst + i * ldd, src + index[i] * n, n * sizeof(T));
+    std::memcpy(dst + i * ldd, src + index[i] * n, bytes);
   }
 }
 

@@ -111,10 +111,12 @@ void save_tensors(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& i
 }
 
 // Gradients of x, ids, w and each LoRA tensor, from kt::moe_backward;
-// undefined where none is needed.
+// undefined where none is needed, and all undefined when grad_output is (no gradient
+// reached the output: materialize_grads is off), which autograd reads as zero.
 variable_list backward_of(AutogradContext* ctx, const at::Tensor& grad_output) {
-  const variable_list saved = ctx->get_saved_variables();
   const int64_t num_lora = ctx->saved_data["num_lora"].toInt();
+  if (!grad_output.defined()) return variable_list(3 + num_lora);
+  const variable_list saved = ctx->get_saved_variables();
   const bool has_mask = ctx->saved_data["has_mask"].toBool();
   const bool has_pre = ctx->saved_data["has_pre"].toBool();
   const at::Tensor& x = saved[0];
@@ -181,12 +183,8 @@ struct MoeForwardNode : public torch::autograd::Function<Self> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
-    // The gradients of the saved pre-activations (non-differentiable) are ignored. No
-    // gradient for the output (undefined: materialize_grads is off) gives none for
-    // the inputs, which autograd reads as zero.
-    const int64_t num_lora = ctx->saved_data["num_lora"].toInt();
-    variable_list grads =
-        grad_outputs[0].defined() ? backward_of(ctx, grad_outputs[0]) : variable_list(3 + num_lora);
+    // The gradients of the saved pre-activations (non-differentiable) are ignored.
+    variable_list grads = backward_of(ctx, grad_outputs[0]);
     grads.resize(grads.size() + 7);  // the mask and the six other arguments: none
     return grads;
   }
