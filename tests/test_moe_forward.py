@@ -377,6 +377,25 @@ def test_repeated_calls_bit_identical(isa):
     assert_matches_reference(first, run_ref(x_a, ids_a, w_a, w))
 
 
+@pytest.mark.parametrize("H", [128, 130])
+def test_non_temporal_stores_give_the_same_bits(isa, H):
+    # Past 16 MiB the per-slot outputs are written with non-temporal stores
+    # (moe/moe_forward.h): the threshold lowered to 0 runs that path here. H = 128: every
+    # row 16-byte aligned (streamed); H = 130: rows at every alignment (the unaligned
+    # ones copied as before).
+    w = small_layer(8, H, 70)
+    ids, weights = make_routing(200, 8, 4, seed=3)
+    x = make_hidden(200, H, torch.float32, seed=3)
+    want = run_op(x, ids, weights, w)
+    before = kt_ops._C._testing.set_stream_bytes(0)
+    try:
+        got = run_op(x, ids, weights, w)
+    finally:
+        kt_ops._C._testing.set_stream_bytes(before)
+    assert torch.equal(got, want)
+    assert_matches_reference(got, run_ref(x, ids, weights, w))
+
+
 def test_inputs_are_not_modified(isa):
     E, H, I, T, K = 4, 33, 17, 9, 2
     w = small_layer(E, H, I)

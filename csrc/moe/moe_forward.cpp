@@ -3,9 +3,14 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <vector>
+
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
 
 #include "formats/bf16.h"  // ceil_div
 #include "formats/q8_activations.h"
@@ -83,15 +88,30 @@ void to_bf16_row(const float* src, int64_t n, uint16_t* dst) {
   for (int64_t j = 0; j < n; ++j) dst[j] = to_bf16(src[j]);
 }
 
-// A block row's n (<= 16) floats into dst: a whole strip as fixed-size moves, not a
-// libc memmove call per 64 bytes (the epilogues copy a strip per row and block: the
-// calls were 1.3% of the LoRA forward on Zen 4).
+// A block row's n (<= 16) floats into dst: a whole strip as one fixed-size memcpy (SSE
+// moves), not a libc memmove call per 64 bytes (the epilogues copy a strip per row and
+// block: the calls were 1.3% of the LoRA forward on Zen 4), nor a loop, which GCC 12 at
+// -O2 copied one movss at a time.
 inline void copy_strip(const float* src, int n, float* dst) {
   if (n == kRows) {
-    for (int j = 0; j < kRows; ++j) dst[j] = src[j];
+    std::memcpy(dst, src, kRows * sizeof(float));
   } else {
-    for (int j = 0; j < n; ++j) dst[j] = src[j];
+    std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float));
   }
+}
+
+// copy_strip into a buffer the call does not read again (the saved pre-activations,
+// [T*K, I] each, read by the backward after the whole forward): non-temporal stores
+// where dst is 16-byte aligned, so its lines are not read for ownership first nor kept
+// in the caches. The caller fences (_mm_sfence) before another thread reads them.
+inline void stream_strip(const float* src, int n, float* dst) {
+#if defined(__SSE2__)
+  if (n == kRows && (reinterpret_cast<uintptr_t>(dst) & 15) == 0) {
+    for (int j = 0; j < kRows; j += 4) _mm_stream_ps(dst + j, _mm_loadu_ps(src + j));
+    return;
+  }
+#endif
+  copy_strip(src, n, dst);
 }
 
 // q8 records of rows [0, rows) of src into dst (the tier's quantizer).
@@ -104,6 +124,11 @@ void quantize_rows(kernels::Isa isa, const float* src, int64_t stride, int64_t r
     for (int64_t r = task * 16; r < end; ++r) quantize(src + r * stride, kp, dst + r * rec);
   });
 }
+
+// Bytes of a buffer the call writes and reads back only after a pool barrier (the
+// per-slot outputs y, the saved pre-activations) from which it is written past the
+// caches (non-temporal stores).
+std::atomic<int64_t> g_stream_bytes{int64_t{16} << 20};
 
 // One call of the driver: the layer's sizes, the compute plan of its three
 // projections and the forms of the activations that plan reads.
@@ -124,6 +149,11 @@ struct Call {
   // pre-activations on return; nullptr for inference.
   float* gate_pre = nullptr;
   float* up_pre = nullptr;
+  bool stream_pre = false;  // written with non-temporal stores (stream_strip)
+  // y written with non-temporal stores (down_block): the combine reads it after every
+  // expert's down blocks, and past the caches (134 MB at T = 2048 on a Qwen3-30B-A3B
+  // layer) caching its lines only read them for ownership first.
+  bool stream_y = false;
   // The LoRA factors of gate, up, down (nullptr: none) and their first products per plan
   // row (s.lora_t, [R, r]): the block epilogues add s t B^T[:, block].
   const LoraF32* lora[3] = {nullptr, nullptr, nullptr};
@@ -167,6 +197,8 @@ Call plan_call(const at::Tensor& hidden_states, const MoeLayer& layer, kernels::
          kernels::quantize_row_q8(isa)};
   c.x_q8 = c.gate.reads_q8() || c.up.reads_q8();
   c.h_q8 = c.down.reads_q8();
+  c.stream_y = c.T * c.K * c.H * static_cast<int64_t>(sizeof(float)) >=
+               g_stream_bytes.load(std::memory_order_relaxed);
   for (int64_t e : routing.active_experts) {
     const int m = static_cast<int>(routing.expert_offsets[e + 1] - routing.expert_offsets[e]);
     c.x_bf16 = c.x_bf16 || c.gate.reads_bf16(m) || c.up.reads_bf16(m);
@@ -238,7 +270,11 @@ void add_bias(float* rows, const float* bias, int m, int n_valid) {
 void save_pre(const Call& c, const float* rows, float* pre, int64_t nb, int64_t r0, int m,
               int n_valid) {
   for (int i = 0; i < m; ++i) {
-    copy_strip(rows + i * kRows, n_valid, pre + c.routing.row_slot[r0 + i] * c.I + nb * kRows);
+    float* dst = pre + c.routing.row_slot[r0 + i] * c.I + nb * kRows;
+    if (c.stream_pre)
+      stream_strip(rows + i * kRows, n_valid, dst);
+    else
+      copy_strip(rows + i * kRows, n_valid, dst);
   }
 }
 
@@ -305,10 +341,6 @@ void gate_up_block(const Call& c, int64_t e, int64_t nb, int64_t r0, int m,
                                  c.routing.row_token.data() + r0};
   grow(t_gate_out, static_cast<size_t>(m) * kRows);
   grow(t_up_out, static_cast<size_t>(m) * kRows);
-  if (c.gate_pre != nullptr) {
-    prefetch_slot_lines(c, c.gate_pre, c.I, nb * kRows, r0, m);
-    prefetch_slot_lines(c, c.up_pre, c.I, nb * kRows, r0, m);
-  }
   c.gate.dot(rows, nb, t_gate_out.data(), ts);
   c.up.dot(rows, nb, t_up_out.data(), ts);
   glu_epilogue(c, e, t_gate_out.data(), t_up_out.data(), nb, r0, m);
@@ -337,7 +369,7 @@ void down_block(const Call& c, int64_t e, int64_t nb, int64_t r0, int m,
                                  c.ld_hb,
                                  nullptr};
   grow(t_gate_out, static_cast<size_t>(m) * kRows);
-  prefetch_slot_lines(c, s.y.data(), c.H, nb * kRows, r0, m);
+  if (!c.stream_y) prefetch_slot_lines(c, s.y.data(), c.H, nb * kRows, r0, m);
   c.down.dot(rows, nb, t_gate_out.data(), ts);
   const int n_valid = static_cast<int>(std::min<int64_t>(kRows, c.H - nb * kRows));
   add_lora_block(c, 2, e, nb, r0, m, n_valid, t_gate_out.data());  // nothing without LoRA
@@ -347,6 +379,14 @@ void down_block(const Call& c, int64_t e, int64_t nb, int64_t r0, int m,
     float* dst = s.y.data() + c.routing.row_slot[r0 + i] * c.H + nb * kRows;
     const float w = c.routing.row_weight[r0 + i];
     const float* d = t_gate_out.data() + i * kRows;
+#if defined(__SSE2__)
+    if (c.stream_y && n_valid == kRows && (reinterpret_cast<uintptr_t>(dst) & 15) == 0) {
+      const __m128 wv = _mm_set1_ps(w);
+      for (int r = 0; r < kRows; r += 4)
+        _mm_stream_ps(dst + r, _mm_mul_ps(wv, _mm_loadu_ps(d + r)));
+      continue;
+    }
+#endif
     for (int r = 0; r < n_valid; ++r) dst[r] = w * d[r];
   }
 }
@@ -412,7 +452,14 @@ void run_experts(const Call& c) {
   auto down = [&](int64_t e, int64_t nb, int64_t r0, int m, int thread) {
     down_block(c, e, nb, r0, m, ks.at(thread));
   };
-  auto end_run = [&](int thread) { kernels::end_run(ks.at(thread)); };
+  auto end_run = [&](int thread) {
+    kernels::end_run(ks.at(thread));
+#if defined(__SSE2__)
+    // The non-temporal stores (saved pre-activations, y) visible before the pool's
+    // barrier hands them on.
+    if (c.stream_pre || c.stream_y) _mm_sfence();
+#endif
+  };
   // NUMA placement (moe/numa_placement.h): one part unless several nodes.
   const NumaSplit numa = numa_split(c.layer);
   if (c.pre_only) {
@@ -480,6 +527,8 @@ void moe_forward_experts(const at::Tensor& hidden_states, const at::Tensor& topk
   trim_scratch(s);
 }
 
+int64_t set_stream_bytes(int64_t bytes) { return g_stream_bytes.exchange(bytes); }
+
 void moe_forward_experts_exact(const at::Tensor& hidden_states, const at::Tensor& topk_ids,
                                const at::Tensor& topk_weights, const MoeLayer& layer,
                                kernels::Isa isa, at::Tensor* out, at::Tensor& gate_pre,
@@ -493,6 +542,11 @@ void moe_forward_experts_exact(const at::Tensor& hidden_states, const at::Tensor
   Call call = plan_call(hidden_states, layer, isa, routing, s, exact);
   call.gate_pre = gate_pre.data_ptr<float>();
   call.up_pre = up_pre.data_ptr<float>();
+  // Past the caches, the saved pre-activations are stored past them: the backward reads
+  // them after the whole forward (or, recomputed, after all of gate/up). At T = 2048 on a
+  // Qwen3-30B-A3B layer they are 100 MB a call.
+  call.stream_pre = 2 * gate_pre.numel() * static_cast<int64_t>(sizeof(float)) >=
+                    g_stream_bytes.load(std::memory_order_relaxed);
   // The rows no expert writes: the slots without one (gate/up's epilogue writes every
   // other row: no zeroing pass over the [T*K, I] buffers, 100 MB at T = 2048).
   for (int64_t q = 0; q < static_cast<int64_t>(routing.slot_valid.size()); ++q) {

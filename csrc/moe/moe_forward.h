@@ -87,4 +87,10 @@ size_t retained_scratch_bytes();
 // KT_OPS_SCRATCH_KEEP_MB (default 512) in bytes, read once; an invalid value throws.
 size_t scratch_keep_bytes();
 
+// Size (bytes) from which a call writes the buffers it reads back only after a pool
+// barrier (the per-slot outputs, the saved pre-activations) with non-temporal stores,
+// past the caches; default 16 MiB. Tests set it (kt_ops._C._testing.set_stream_bytes) to
+// run that path on small layers; returns the previous value.
+int64_t set_stream_bytes(int64_t bytes);
+
 }  // namespace kt::moe

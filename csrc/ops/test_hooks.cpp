@@ -22,6 +22,7 @@
 #include "kernels/brgemm.h"
 #include "kernels/dispatch.h"
 #include "kernels/tiers.h"
+#include "moe/moe_forward.h"
 #include "runtime/cpu_features.h"
 #include "runtime/openmp_team.h"
 #include "runtime/thread_pool.h"
@@ -42,6 +43,9 @@ void register_test_hooks(py::module& t) {
       py::arg("on"),
       "Whether oneDNN's bf16 kernel multiplies 16-row blocks in pairs (one N = 32 call; "
       "kernels/brgemm.h, bf16_pairs); returns the previous setting.");
+  t.def("set_stream_bytes", &kt::moe::set_stream_bytes, py::arg("bytes"),
+        "Size (bytes) from which the forward writes its per-slot outputs and saved "
+        "pre-activations with non-temporal stores (moe/moe_forward.h); returns the previous.");
   t.def(
       "parallel_probe",
       [](int64_t tasks, int64_t fail_at, bool caller_waits, bool pool_threads) {
