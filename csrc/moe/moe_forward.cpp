@@ -64,6 +64,14 @@ size_t scratch_bytes(const Scratch& s) {
          capacity_bytes(s.lora_t[2]) + s.kernels.bytes();
 }
 
+// The per-slot outputs y [T*K][H] in s.y, from its first 64-byte boundary (std::vector
+// aligns to 16 bytes): with H a multiple of 16, every row's strips start a cache line, as
+// down_block's non-temporal stores need.
+inline float* y_rows(Scratch& s) {
+  const auto p = reinterpret_cast<uintptr_t>(s.y.data());
+  return reinterpret_cast<float*>((p + 63) & ~uintptr_t{63});
+}
+
 // Releases the calling thread's buffers when they hold more than scratch_keep_bytes().
 void trim_scratch(Scratch& s) {
   if (scratch_bytes(s) <= scratch_keep_bytes()) return;
@@ -100,13 +108,20 @@ inline void copy_strip(const float* src, int n, float* dst) {
   }
 }
 
+constexpr int64_t kLineFloats = 16;  // a 64-byte cache line
+
+// Whether dst starts a cache line: a strip of 16 floats then fills it, and its
+// non-temporal stores write the whole line (a partial one costs the memory controller a
+// read-modify-write).
+inline bool line_aligned(const float* dst) { return (reinterpret_cast<uintptr_t>(dst) & 63) == 0; }
+
 // copy_strip into a buffer the call does not read again (the saved pre-activations,
 // [T*K, I] each, read by the backward after the whole forward): non-temporal stores
-// where dst is 16-byte aligned, so its lines are not read for ownership first nor kept
-// in the caches. The caller fences (_mm_sfence) before another thread reads them.
+// where dst starts a line, so its lines are not read for ownership first nor kept in the
+// caches. The caller fences (_mm_sfence) before another thread reads them.
 inline void stream_strip(const float* src, int n, float* dst) {
 #if defined(__SSE2__)
-  if (n == kRows && (reinterpret_cast<uintptr_t>(dst) & 15) == 0) {
+  if (n == kRows && line_aligned(dst)) {
     for (int j = 0; j < kRows; j += 4) _mm_stream_ps(dst + j, _mm_loadu_ps(src + j));
     return;
   }
@@ -240,7 +255,7 @@ void prepare_rows(const Call& c) {
   const int64_t x_rec = formats::q8_record_bytes(Hp);
   const int64_t h_rec = formats::q8_record_bytes(Ip);
   grow(s.h, R * Ip);
-  grow(s.y, c.T * c.K * c.H);
+  grow(s.y, c.T * c.K * c.H + kLineFloats);  // y_rows aligns it to a cache line
   grow(s.x_rows, R);
   grow(s.xq_rows, R);
   grow(s.h_rows, R);
@@ -369,18 +384,18 @@ void down_block(const Call& c, int64_t e, int64_t nb, int64_t r0, int m,
                                  c.ld_hb,
                                  nullptr};
   grow(t_gate_out, static_cast<size_t>(m) * kRows);
-  if (!c.stream_y) prefetch_slot_lines(c, s.y.data(), c.H, nb * kRows, r0, m);
+  if (!c.stream_y) prefetch_slot_lines(c, y_rows(s), c.H, nb * kRows, r0, m);
   c.down.dot(rows, nb, t_gate_out.data(), ts);
   const int n_valid = static_cast<int>(std::min<int64_t>(kRows, c.H - nb * kRows));
   add_lora_block(c, 2, e, nb, r0, m, n_valid, t_gate_out.data());  // nothing without LoRA
   if (const float* b = c.layer.down.bias_row(e))
     add_bias(t_gate_out.data(), b + nb * kRows, m, n_valid);
   for (int i = 0; i < m; ++i) {
-    float* dst = s.y.data() + c.routing.row_slot[r0 + i] * c.H + nb * kRows;
+    float* dst = y_rows(s) + c.routing.row_slot[r0 + i] * c.H + nb * kRows;
     const float w = c.routing.row_weight[r0 + i];
     const float* d = t_gate_out.data() + i * kRows;
 #if defined(__SSE2__)
-    if (c.stream_y && n_valid == kRows && (reinterpret_cast<uintptr_t>(dst) & 15) == 0) {
+    if (c.stream_y && n_valid == kRows && line_aligned(dst)) {
       const __m128 wv = _mm_set1_ps(w);
       for (int r = 0; r < kRows; r += 4)
         _mm_stream_ps(dst + r, _mm_mul_ps(wv, _mm_loadu_ps(d + r)));
@@ -523,7 +538,7 @@ void moe_forward_experts(const at::Tensor& hidden_states, const at::Tensor& topk
   prepare_rows(call);
   lora_input_terms(call);
   run_experts(call);
-  combine_slots(s.y.data(), routing, out);  // sum the top-k slots in k order, cast
+  combine_slots(y_rows(s), routing, out);  // sum the top-k slots in k order, cast
   trim_scratch(s);
 }
 
@@ -561,7 +576,7 @@ void moe_forward_experts_exact(const at::Tensor& hidden_states, const at::Tensor
   prepare_rows(call);
   lora_input_terms(call);
   run_experts(call);
-  if (out != nullptr) combine_slots(s.y.data(), routing, *out);
+  if (out != nullptr) combine_slots(y_rows(s), routing, *out);
   trim_scratch(s);
 }
 
