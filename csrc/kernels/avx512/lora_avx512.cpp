@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <utility>
 
 #include "kernels/tiers.h"
@@ -110,6 +111,43 @@ void tw_tile(const float* t, int r, const float* w, int64_t ldw, int64_t c0, int
   }
 }
 
+// One 16-column step of one term, all m rows (n <= 16: the forward's LoRA terms, added per
+// 16-row block of the base product): w's RC rows stay in registers for every row and each
+// t value is broadcast from memory into its FMA. Rows in groups of 4: a row's sum is one
+// chain of RC dependent FMAs (4 cycles each on Zen 4), four chains keep the FMA unit busy.
+// tw_tile's sums and order: the same bits. (tw_tile re-read w and broadcast t's RC values
+// into registers for every 2 rows, as many instructions as its 2 RC FMAs: on Zen 4 the
+// per-block terms ran at half the fp32 peak.)
+template <int RC>
+void tw_one_step(const float* t, int m, int r, const float* w, int64_t ldw, int64_t n, float s,
+                 bool accumulate, float* const* out) {
+  const __mmask16 mk = n >= 16 ? static_cast<__mmask16>(0xFFFF) : tail_mask(n);
+  __m512 wv[RC];
+#pragma GCC unroll 16
+  for (int j = 0; j < RC; ++j) wv[j] = _mm512_maskz_loadu_ps(mk, w + j * ldw);
+  const __m512 sv = _mm512_set1_ps(s);
+  auto rows = [&](auto group, int i) {
+    constexpr int G = decltype(group)::value;
+    __m512 acc[G];
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
+#pragma GCC unroll 16
+    for (int j = 0; j < RC; ++j)
+#pragma GCC unroll 4
+      for (int g = 0; g < G; ++g)
+        acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(t[(i + g) * r + j]), wv[j], acc[g]);
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g) {
+      float* o = out[i + g];
+      const __m512 base = accumulate ? _mm512_maskz_loadu_ps(mk, o) : _mm512_setzero_ps();
+      _mm512_mask_storeu_ps(o, mk, _mm512_fmadd_ps(sv, acc[g], base));
+    }
+  };
+  int i = 0;
+  for (; i + 4 <= m; i += 4) rows(std::integral_constant<int, 4>{}, i);
+  for (; i < m; ++i) rows(std::integral_constant<int, 1>{}, i);
+}
+
 // Columns per block of lora_tw: w's rows for them (RC x 2 KiB at r = 8) stay in L1 while
 // all m rows pass, instead of streaming w from L2 for every row tile (m = 32, n = 2048,
 // r = 8 on a Zen 4 core: 26 -> 20 us); out's rows for them stay in L1 from one term to
@@ -154,6 +192,15 @@ void tw_term_block(std::integer_sequence<int, Rm1...>, const LoraTwTerm& q, int 
          (tw_block<Rm1 + 1>(q.t, m, q.r, q.w, q.ldw, c0, c1, n, s, accumulate, out), true)) ||
         ...))
     tw_block_wide(q.t, m, q.r, q.w, q.ldw, c0, c1, n, s, accumulate, out);
+}
+
+// tw_one_step for ranks 1..16; false for wider ones.
+template <int... Rm1>
+bool tw_term_step(std::integer_sequence<int, Rm1...>, const LoraTwTerm& q, int m, int64_t n,
+                  float s, bool accumulate, float* const* out) {
+  return ((q.r == Rm1 + 1 &&
+           (tw_one_step<Rm1 + 1>(q.t, m, q.r, q.w, q.ldw, n, s, accumulate, out), true)) ||
+          ...);
 }
 
 // Rank chunk of RC (<= 8) of lora_dtx, its column blocks of kDtxVecs vectors: every loop
@@ -244,6 +291,14 @@ void lora_xat_bf16(const uint16_t* const* x, int m, int64_t k, const float* a, i
 // the terms' sums added to out one after the other, as separate calls would.
 void lora_tw(const LoraTwTerm* terms, int nterms, int m, int64_t n, float s, bool accumulate,
              float* const* out) {
+  if (n <= 16) {
+    for (int q = 0; q < nterms; ++q) {
+      const bool acc = accumulate || q > 0;
+      if (!tw_term_step(std::make_integer_sequence<int, 16>{}, terms[q], m, n, s, acc, out))
+        tw_block_wide(terms[q].t, m, terms[q].r, terms[q].w, terms[q].ldw, 0, n, n, s, acc, out);
+    }
+    return;
+  }
   for (int64_t c0 = 0; c0 < n; c0 += kTwCols) {
     const int64_t c1 = std::min(n, c0 + kTwCols);
     for (int q = 0; q < nterms; ++q)
