@@ -145,6 +145,12 @@ void quantize_rows(kernels::Isa isa, const float* src, int64_t stride, int64_t r
 // caches (non-temporal stores).
 std::atomic<int64_t> g_stream_bytes{int64_t{16} << 20};
 
+// Whether a buffer of that many floats is written past the caches.
+bool streamed(int64_t floats) {
+  return floats * static_cast<int64_t>(sizeof(float)) >=
+         g_stream_bytes.load(std::memory_order_relaxed);
+}
+
 // One call of the driver: the layer's sizes, the compute plan of its three
 // projections and the forms of the activations that plan reads.
 struct Call {
@@ -165,9 +171,9 @@ struct Call {
   float* gate_pre = nullptr;
   float* up_pre = nullptr;
   bool stream_pre = false;  // written with non-temporal stores (stream_strip)
-  // y written with non-temporal stores (down_block): the combine reads it after every
-  // expert's down blocks, and past the caches (134 MB at T = 2048 on a Qwen3-30B-A3B
-  // layer) caching its lines only read them for ownership first.
+  // y written with non-temporal stores (down_block): the combine reads it only after
+  // every expert's down blocks, and at that size (134 MB at T = 2048 on a Qwen3-30B-A3B
+  // layer) caching its lines would only read them for ownership first.
   bool stream_y = false;
   // The LoRA factors of gate, up, down (nullptr: none) and their first products per plan
   // row (s.lora_t, [R, r]): the block epilogues add s t B^T[:, block].
@@ -212,8 +218,7 @@ Call plan_call(const at::Tensor& hidden_states, const MoeLayer& layer, kernels::
          kernels::quantize_row_q8(isa)};
   c.x_q8 = c.gate.reads_q8() || c.up.reads_q8();
   c.h_q8 = c.down.reads_q8();
-  c.stream_y = c.T * c.K * c.H * static_cast<int64_t>(sizeof(float)) >=
-               g_stream_bytes.load(std::memory_order_relaxed);
+  c.stream_y = streamed(c.T * c.K * c.H);
   for (int64_t e : routing.active_experts) {
     const int m = static_cast<int>(routing.expert_offsets[e + 1] - routing.expert_offsets[e]);
     c.x_bf16 = c.x_bf16 || c.gate.reads_bf16(m) || c.up.reads_bf16(m);
@@ -557,11 +562,9 @@ void moe_forward_experts_exact(const at::Tensor& hidden_states, const at::Tensor
   Call call = plan_call(hidden_states, layer, isa, routing, s, exact);
   call.gate_pre = gate_pre.data_ptr<float>();
   call.up_pre = up_pre.data_ptr<float>();
-  // Past the caches, the saved pre-activations are stored past them: the backward reads
-  // them after the whole forward (or, recomputed, after all of gate/up). At T = 2048 on a
-  // Qwen3-30B-A3B layer they are 100 MB a call.
-  call.stream_pre = 2 * gate_pre.numel() * static_cast<int64_t>(sizeof(float)) >=
-                    g_stream_bytes.load(std::memory_order_relaxed);
+  // The backward reads the saved pre-activations after the whole forward (or, recomputed,
+  // after all of gate/up): 100 MB a call at T = 2048 on a Qwen3-30B-A3B layer.
+  call.stream_pre = streamed(2 * gate_pre.numel());
   // The rows no expert writes: the slots without one (gate/up's epilogue writes every
   // other row: no zeroing pass over the [T*K, I] buffers, 100 MB at T = 2048).
   for (int64_t q = 0; q < static_cast<int64_t>(routing.slot_valid.size()); ++q) {
