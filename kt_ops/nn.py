@@ -38,7 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from kt_ops._checks import as_int
-from kt_ops.formats import format_spec
+from kt_ops.formats import format_spec, padded_k, repack_codes
 from kt_ops.formats.packed import PackedProjection
 from kt_ops.gpu_experts import (
     GpuExperts,
@@ -399,8 +399,29 @@ class MoEExperts(GpuResidentExperts, nn.Module):
                     "(MoEExperts.from_dense, or kt_ops.loaders from the GGUF file)"
                 )
 
+    def _repack_old_narrow_codes(self, state_dict, prefix: str) -> None:
+        """Repack q2_k / q3_k weights of kt_ops before their 2- and 3-bit planes.
+
+        Those held the codes in the 4-bit plane (``manifest_version`` 2); the
+        repacking is lossless (:func:`kt_ops.formats.repack_codes`).
+        """
+        H, inter = self.hidden_size, self.intermediate_size
+        dims = {"gate": (inter, H), "up": (inter, H), "down": (H, inter)}
+        for proj, fmt in zip(PROJECTIONS, self.weight_formats):
+            key = f"{prefix}{proj}_weight"
+            w = state_dict.get(key)
+            spec = format_spec(fmt)
+            if fmt not in ("q2_k", "q3_k") or not isinstance(w, Tensor) or w.dim() != 3:
+                continue
+            n, k = dims[proj]
+            if w.dtype == torch.uint8 and w.shape[-1] == 8 * padded_k(k):
+                state_dict[key] = repack_codes(
+                    w.cpu(), 4, spec.bits, n, k, pad_code=int(spec.zero_offset)
+                )
+
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
         self._refuse_old_kquant_scales(state_dict, prefix)
+        self._repack_old_narrow_codes(state_dict, prefix)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         packed = (f"{prefix}{proj}_{part}" for proj in PROJECTIONS for part in _PARTS)
         if self.num_gpu_experts and any(key in state_dict for key in packed):

@@ -20,6 +20,8 @@ import os
 import pytest
 import torch
 from checkpoints import ROLES, Q, write_gguf, write_hf, write_hf_fp8, write_hf_mxfp4
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 import kt_ops
 import kt_ops.convert as conv
@@ -34,6 +36,7 @@ from kt_ops.convert import (
     read_manifest,
     sha256_file,
 )
+from kt_ops.formats import format_spec, pack_codes, unpack_codes
 from kt_ops.loaders import open_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -321,12 +324,12 @@ def _set_manifest_version(out, version: int) -> None:
 
 
 def test_manifest_version_1_directories(hf_src, tmp_path):
-    # manifest_version 1 stored k-quants as fp32 d*sc scales + dmin*m zeros; version 2
-    # keeps GGUF's own scales. A version-1 directory with k-quants is refused, naming it.
+    # manifest_version 1 stored k-quants as fp32 d*sc scales + dmin*m zeros; versions 2
+    # and 3 keep GGUF's own scales. A version-1 directory with k-quants is refused, naming it.
     g = tmp_path / "m.gguf"
     write_gguf(g, {"gate": Q.Q4_K, "up": Q.Q4_K, "down": Q.Q6_K}, E=2, moe_layers=(0,))
     out = tmp_path / "k"
-    assert convert(g, out)["manifest_version"] == 2
+    assert convert(g, out)["manifest_version"] == 3
     _set_manifest_version(out, 1)
     old = r"manifest_version 1 directory: layer 0 down is q6_k in the old k-quant layout.*convert"
     with pytest.raises(ValueError, match=old):
@@ -341,8 +344,36 @@ def test_manifest_version_1_directories(hf_src, tmp_path):
     convert(hf_src, o8, "int8")
     _set_manifest_version(o8, 1)
     assert_same_layer(load_converted(o8, 2), open_checkpoint(hf_src).load_layer(2, "int8"))
-    with pytest.raises(ValueError, match="manifest_version 1, not 2"):
+    with pytest.raises(ValueError, match="manifest_version 1, not 3"):
         convert(hf_src, o8, "int8")
-    _set_manifest_version(o8, 3)
-    with pytest.raises(ValueError, match="manifest_version 3; this kt_ops reads 1, 2"):
+    _set_manifest_version(o8, 4)
+    with pytest.raises(ValueError, match="manifest_version 4; this kt_ops reads 1, 2, 3"):
         ConvertedExperts(o8)
+
+
+def test_manifest_version_2_directories_repack_q2_k_and_q3_k(tmp_path):
+    # manifest_version 2 held q2_k / q3_k codes in the 4-bit plane; version 3 in 2- and
+    # 3-bit planes. A version-2 directory loads, its codes repacked, bit-identically.
+    g = tmp_path / "m.gguf"
+    write_gguf(g, {"gate": Q.Q2_K, "up": Q.Q3_K, "down": Q.Q2_K}, E=2, moe_layers=(0,))
+    out = tmp_path / "k"
+    assert convert(g, out)["manifest_version"] == 3
+    want = open_checkpoint(g).load_layer(0)
+    assert_same_layer(load_converted(out, 0), want)
+    # Rewrite the layer file as version 2 wrote it (the same metadata and checksums).
+    path = out / "layer_000.safetensors"
+    with safe_open(path, "pt") as f:
+        meta = f.metadata()
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
+    for role in ROLES:
+        p = getattr(want, role)
+        codes = unpack_codes(p.weight, format_spec(p.weight_format).bits, p.n, p.k)
+        tensors[f"{role}.weight"] = pack_codes(codes, 4)
+    save_file(tensors, path, metadata=meta)
+    m = json.loads((out / MANIFEST_NAME).read_text())
+    m["manifest_version"] = 2
+    m["layers"]["0"]["sha256"] = sha256_file(path)
+    m["layers"]["0"]["bytes"] = path.stat().st_size
+    (out / MANIFEST_NAME).write_text(json.dumps(m))
+    assert_same_layer(load_converted(out, 0), want)
+    assert_same_layer(ConvertedExperts(out).load_layer(0), want)

@@ -129,8 +129,8 @@ def test_registry_matches_the_table_of_docs_formats_md():
         "q5_0": (5, torch.float16, False, (32,), "q8", 5.5),
         "q5_1": (5, torch.float16, True, (32,), "q8", 6.0),
         # q2_k / q3_k: 2- and 3-bit codes in the 4-bit plane, records of 320 / 288 bytes
-        "q2_k": (4, torch.uint8, False, (16,), "q8", 4.625),
-        "q3_k": (4, torch.uint8, False, (16,), "q8", 4.5625),
+        "q2_k": (2, torch.uint8, False, (16,), "q8", 2.625),
+        "q3_k": (3, torch.uint8, False, (16,), "q8", 3.5625),
         # GGUF's own sizes: 4.5, 5.5 and 6.5625 bits per weight (scale records)
         "q4_k": (4, torch.uint8, False, (32,), "q8", 4.5),
         "q5_k": (5, torch.uint8, False, (32,), "q8", 5.5),
@@ -191,8 +191,8 @@ def test_gguf_block_types_are_rows_of_the_table():
         if block is None:
             continue
         assert block == gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[f.upper()]], f
-        # q2_k / q3_k: held in the 4-bit plane; iq4_xs: its 6-bit scales as int8
-        if f in ("q2_k", "q3_k", "iq4_xs"):  # more than GGUF's size
+        # q3_k / iq4_xs: their 6-bit scales as int8 in the records
+        if f in ("q3_k", "iq4_xs"):  # more than GGUF's size
             assert format_spec(f).bits_per_weight > 8 * block[1] / block[0], f
         else:
             assert format_spec(f).bits_per_weight == 8 * block[1] / block[0], f
@@ -308,7 +308,7 @@ def test_reference_dequantizer_reads_hand_written_bytes():
 
 @settings(max_examples=20, deadline=None)
 @given(
-    bits=st.sampled_from([4, 5, 6, 8]),
+    bits=st.sampled_from([2, 3, 4, 5, 6, 8]),
     e=st.integers(1, 2),
     n=st.integers(1, 40),
     k=st.integers(1, 100),
@@ -320,14 +320,15 @@ def test_pack_unpack_codes_round_trip(bits, e, n, k, seed):
         q = torch.randint(-128, 128, (e, n, k), generator=g)
     else:
         q = torch.randint(0, 1 << bits, (e, n, k), generator=g)
-    w = pack_codes(q, bits, pad_code=7)
+    pad = 7 if bits >= 3 else 2
+    w = pack_codes(q, bits, pad_code=pad)
     kp = -(-k // 32) * 32
     assert w.shape == (e, -(-n // 16), 16 * kp * bits // 8)
     assert torch.equal(unpack_codes(w, bits, n, k, signed=bits == 8), q.to(torch.int32))
     # The padding (rows n.., columns k..) holds the pad code.
     full = unpack_codes(w, bits, -(-n // 16) * 16, kp)
     assert torch.equal(full[:, :n, :k], q.to(torch.int32) & 0xFF)
-    assert int((full != 7).sum()) == int((q.to(torch.int32) & 0xFF != 7).sum())
+    assert int((full != pad).sum()) == int((q.to(torch.int32) & 0xFF != pad).sum())
 
 
 @pytest.mark.parametrize(
@@ -573,23 +574,24 @@ def test_from_gguf_matches_gguf_dequantize_exactly(name):
     assert torch.equal(p2.weight, p.weight) and torch.equal(p2.scales, p.scales)
     bs, ts = gguf.constants.GGML_QUANT_SIZES[qt]
     blk = raw.reshape(E, n, k // bs, ts)
-    if name in ("q4_k", "q5_k", "q6_k"):
+    if name in ("q2_k", "q4_k", "q5_k", "q6_k"):
         # GGUF's size: the 16 padded rows aside, exactly the bytes of its blocks, and the
         # scale bytes are GGUF's own (d, dmin, scales[12] / scales[16], d), only regrouped.
         assert p.nbytes == E * 32 * (k // bs) * ts  # n = 21 -> 2 blocks of 16 rows
-        head = blk[..., 192:210] if name == "q6_k" else blk[..., 0:16]
-        assert torch.equal(unpack_kquant_scales(p.scales, name, n), torch.from_numpy(head))
-    elif name in ("q2_k", "q3_k"):
-        # 4-bit codes (128 bytes a row and super-block) and a record of 20 / 18 bytes a row.
-        assert p.nbytes == E * 32 * (k // bs) * (128 + p.scales.shape[-1] // 16)
-        got = unpack_kquant_scales(p.scales, name, n)
         if name == "q2_k":  # scales[16], d, dmin: GGUF's bytes
             head = np.concatenate([blk[..., 0:16], blk[..., 80:84]], axis=-1)
-            assert torch.equal(got, torch.from_numpy(head))
-        else:  # int8 sc - 32, d: the d bytes are GGUF's, the scales in [-32, 31]
-            assert torch.equal(got[..., 16:18], torch.from_numpy(blk[..., 108:110].copy()))
-            sc = got[..., :16].view(torch.int8)
-            assert int(sc.min()) >= -32 and int(sc.max()) <= 31
+        else:
+            head = blk[..., 192:210] if name == "q6_k" else blk[..., 0:16]
+        assert torch.equal(unpack_kquant_scales(p.scales, name, n), torch.from_numpy(head))
+    elif name == "q3_k":
+        # 3-bit codes (96 bytes a row and super-block: GGUF's) and a record of 18 bytes a
+        # row (its 12 bytes of 6-bit scales as 16 int8).
+        assert p.nbytes == E * 32 * (k // bs) * (96 + p.scales.shape[-1] // 16)
+        got = unpack_kquant_scales(p.scales, name, n)
+        # int8 sc - 32, d: the d bytes are GGUF's, the scales in [-32, 31]
+        assert torch.equal(got[..., 16:18], torch.from_numpy(blk[..., 108:110].copy()))
+        sc = got[..., :16].view(torch.int8)
+        assert int(sc.min()) >= -32 and int(sc.max()) <= 31
     elif name in ("iq4_nl", "q4_1", "q5_0", "q5_1"):  # GGUF's size: codes, d (and -m)
         assert p.nbytes == E * 32 * (k // bs) * ts
         if name in ("q4_1", "q5_1"):  # the zeros are -m, m GGUF's fp16 bytes 2..4
@@ -855,8 +857,10 @@ def test_activation_and_code_helpers_reject_bad_input():
         quantize_activations_q8(torch.ones(2, 3, dtype=torch.int32))
     with pytest.raises(ValueError, match="block must"):
         quantize_activations_q8(torch.ones(2, 3), block=0)
-    with pytest.raises(ValueError, match="bits=3"):
-        pack_codes(torch.zeros(1, 1, 1, dtype=torch.uint8), 3)
+    with pytest.raises(ValueError, match="bits=7"):
+        pack_codes(torch.zeros(1, 1, 1, dtype=torch.uint8), 7)
+    with pytest.raises(ValueError, match="outside"):
+        pack_codes(torch.full((1, 1, 1), 8), 3)
     with pytest.raises(ValueError, match="outside"):
         pack_codes(torch.full((1, 1, 1), 16), 4)
     with pytest.raises(ValueError, match="unpack_codes: weight"):

@@ -141,6 +141,35 @@ def test_old_kquant_state_dict_is_refused_by_name():
     m.load_state_dict(m.state_dict())  # today's layout still loads
 
 
+def test_old_q2_k_and_q3_k_state_dicts_are_repacked():
+    # kt_ops before the 2- and 3-bit planes (manifest_version 2) kept q2_k / q3_k codes
+    # in the 4-bit plane; such a state_dict loads, its codes repacked, bit-identically.
+    g = torch.Generator().manual_seed(4)
+    h, i = 256, 256
+    gate, up = (torch.randn(2, i, h, generator=g) / 16 for _ in range(2))
+    down = torch.randn(2, h, i, generator=g) / 6
+    q = kt_ops.formats.quantize_weights
+    m = MoEExperts(kt_ops.ExpertWeights(q(gate, "q2_k"), q(up, "q3_k"), q(down, "q2_k")))
+    sd = m.state_dict()
+    old = dict(sd)
+    for proj, bits in (("gate", 2), ("up", 3), ("down", 2)):
+        codes = kt_ops.formats.unpack_codes(sd[f"{proj}_weight"], bits, *sd_dims(proj, h, i))
+        old[f"{proj}_weight"] = kt_ops.formats.pack_codes(codes, 4)
+        assert old[f"{proj}_weight"].shape[-1] == 8 * 256
+    other = MoEExperts(kt_ops.ExpertWeights(q(gate * 0, "q2_k"), q(up, "q3_k"), q(down, "q2_k")))
+    other.load_state_dict(old)
+    for proj in ("gate", "up", "down"):
+        assert torch.equal(getattr(other, f"{proj}_weight"), sd[f"{proj}_weight"])
+    x = torch.randn(3, h, generator=g)
+    ids = torch.tensor([[0, 1], [1, 0], [0, 1]])
+    w = torch.full((3, 2), 0.5)
+    assert torch.equal(other(x, ids, w), m(x, ids, w))
+
+
+def sd_dims(proj: str, h: int, i: int) -> tuple[int, int]:
+    return (h, i) if proj == "down" else (i, h)
+
+
 def test_dtype_and_device_casts_leave_packed_weights_alone(experts):
     m = copy.deepcopy(experts)
     m.half()

@@ -192,13 +192,14 @@ const std::vector<FormatRow>& format_table() {
       // k-quants: GGUF's own super-block scales (d, dmin fp16 per 256, 6-bit / int8
       // sub-scales), one record per 16 rows x 256 k (formats/qint.h); the q4_K/q5_K
       // mins are inside the record, so there is no zeros tensor. q2_K and q3_K keep their
-      // 2- and 3-bit codes in the 4-bit plane (the 4-bit kernels; 4.6 bits a weight, not
-      // GGUF's 2.6 / 3.4) and their scales in records (q3_K: q6_K's, its 6-bit scales as
-      // int8 sc - 32; q2_K: its own bytes): exact, the same values as ggml's.
-      {"q2_k", L::kQint, qint(4, false, 0.f), {16}, 16, S::kKq2, Z::kNever, A::kQ8,
-       kNoFp32, kNoBrgemmPath, 4.625, kGgml, {256, 84}},
-      {"q3_k", L::kQint, qint(4, false, 4.f), {16}, 16, S::kKq6, Z::kNever, A::kQ8,
-       kNoFp32, kNoBrgemmPath, 4.5625, kGgml, {256, 110}},
+      // codes in 2-bit planes (q3_K's third bit in a high plane, as 5-bit codes') and their
+      // scales in records (q3_K: q6_K's, its 6-bit scales as int8 sc - 32; q2_K: its own
+      // bytes): exact, the same values as ggml's; 2.625 and 3.5625 bits a weight (GGUF's
+      // 2.625 / 3.4375).
+      {"q2_k", L::kQint, qint(2, false, 0.f), {16}, 16, S::kKq2, Z::kNever, A::kQ8,
+       kNoFp32, kNoBrgemmPath, 2.625, kGgml, {256, 84}},
+      {"q3_k", L::kQint, qint(3, false, 4.f), {16}, 16, S::kKq6, Z::kNever, A::kQ8,
+       kNoFp32, kNoBrgemmPath, 3.5625, kGgml, {256, 110}},
       {"q4_k", L::kQint, qint(4, false, 0.f), {32}, 32, S::kKq45, Z::kNever, A::kQ8,
        kNoFp32, kNoBrgemmPath, 4.5, kGgml, {256, 144}},
       {"q5_k", L::kQint, qint(5, false, 0.f), {32}, 32, S::kKq45, Z::kNever, A::kQ8,

@@ -31,11 +31,11 @@ enum class ScaleType : uint8_t { kNone, kF32, kF16, kBF16, kE8M0, kKq45, kKq6, k
 //         16 k of row r at 32 + 16 j + r); W = d*sc_j * (q - 32). q3_K's
 //         records are the same bytes: its 6-bit scales unpacked to int8
 //         sc_j - 32 when the blocks are repacked (lossless), its 3-bit codes
-//         q + 4 in the 4-bit plane, W = d*sc_j * (q - 4).
+//         q + 4 (bits 0-1 in the 2-bit plane, bit 2 in the high plane), W = d*sc_j * (q - 4).
 //   kKq2 (q2_K), 320 bytes: d fp16 [16] | dmin fp16 [16] | scales[16][16]
 //         (GGUF's byte j of row r at 64 + 16 j + r: sc_j in the low nibble,
 //         m_j in the high one); sub-blocks of 16 k, W = d*sc_j * q - dmin*m_j,
-//         its 2-bit codes in the 4-bit plane.
+//         its codes in the 2-bit plane.
 //   kKiq4 (IQ4_XS), 160 bytes: d fp16 [16] | int8 scales[8][16] (sub-block j of
 //         32 k of row r at 32 + 16 j + r: GGUF's 6-bit ls_j - 32, unpacked from
 //         scales_h / scales_l when the blocks are repacked); W = d*sc_j * v(q),
@@ -101,8 +101,7 @@ enum class CodeTable : uint8_t {
 };
 
 struct QintFormat {
-  int bits = 4;            // bits per stored code: 4, 5, 6 or 8 (q2_K / q3_K codes sit in the
-                           // 4-bit plane)
+  int bits = 4;            // bits per stored code: 2, 3, 4, 5, 6 or 8
   bool is_signed = false;  // the kernel codes are signed bytes: 8-bit codes and the IQ4_NL
                            // table's values; other 4/5/6-bit codes are unsigned
   CodeTable table = CodeTable::kNone;
@@ -116,10 +115,13 @@ inline int64_t qint_k_padded(int64_t k) {
   return (k + kQintKAlign - 1) / kQintKAlign * kQintKAlign;
 }
 inline int64_t qint_row_blocks(int64_t n) { return (n + kQintBlockRows - 1) / kQintBlockRows; }
-// Bytes of one 16-row block: low plane (8 or 4 bits) plus the high plane.
+// Bits per code in the low plane: 8-bit codes whole, 4/5/6-bit codes' low nibbles,
+// 2/3-bit codes' low bit pairs. The rest (5, 6, 3 bits) are in the high plane after it.
+constexpr int qint_low_plane_bits(int bits) { return bits == 8 ? 8 : bits >= 4 ? 4 : 2; }
+// Bytes of one 16-row block: low plane plus the high plane.
 inline int64_t qint_block_bytes(int bits, int64_t kp) { return kQintBlockRows * kp * bits / 8; }
 inline int64_t qint_low_plane_bytes(int bits, int64_t kp) {
-  return kQintBlockRows * kp * (bits == 8 ? 8 : 4) / 8;
+  return kQintBlockRows * kp * qint_low_plane_bits(bits) / 8;
 }
 // Groups along K (G): Kp / group_size, or 1 for a per-channel format.
 inline int64_t qint_groups(int64_t group_size, int64_t kp) {
@@ -248,10 +250,15 @@ inline int qint_code(const uint8_t* block, const QintFormat& f, int64_t kp, int 
   }
   const int64_t half = k / 4;  // half-set index h (4 k each)
   const int j = static_cast<int>(k % 4);
+  const uint8_t* high = block + qint_low_plane_bytes(f.bits, kp);
+  if (f.bits <= 3) {  // 2-bit low plane: quad h in bits 2 (h % 4), one line per 16 k
+    int q = (block[(half / 4) * 64 + r * 4 + j] >> (2 * (half % 4))) & 3;
+    if (f.bits == 3) q |= ((high[(half / 8) * 64 + r * 4 + j] >> (half % 8)) & 1) << 2;
+    return q;
+  }
   const uint8_t lo = block[(half / 2) * 64 + r * 4 + j];
   int q = (half % 2) ? (lo >> 4) : (lo & 15);
   if (f.table != CodeTable::kNone) return table_code(f.table, q);
-  const uint8_t* high = block + qint_low_plane_bytes(f.bits, kp);
   if (f.bits == 5) {
     const uint8_t hb = high[(half / 8) * 64 + r * 4 + j];
     q |= ((hb >> (half % 8)) & 1) << 4;

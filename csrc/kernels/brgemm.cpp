@@ -776,7 +776,7 @@ bool qint_dp_exact_applies(const formats::FormatRow& format) {
   const formats::QintFormat& q = format.qint;
   if (format.layout != formats::Layout::kQint) return false;
   if (q.bits == 8) return q.is_signed && q.table == formats::CodeTable::kNone;
-  return q.bits == 4 || q.bits == 5 || q.bits == 6;
+  return q.bits >= 2 && q.bits <= 6;
 }
 
 bool qint_dp_exact_applies_to(const ProjectionView& view) {

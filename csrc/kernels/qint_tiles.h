@@ -6,9 +6,10 @@
 //
 // SHAPES  one 16-row block of codes: low plane [Kp/8][16 rows][4 bytes] for
 //         4/5/6-bit (byte j of row r, line l: low nibble = quad 2l, high
-//         nibble = quad 2l+1; a quad is 4 consecutive k) or [Kp/4][16][4]
-//         signed bytes for 8-bit; 5/6-bit codes keep their high bits in a
-//         second plane (one 64-byte line per 32 or 16 k). Scales (zeros)
+//         nibble = quad 2l+1; a quad is 4 consecutive k), [Kp/16][16][4] for
+//         2/3-bit (bits 2c, 2c+1 of byte j of line l = quad 4l + c) or
+//         [Kp/4][16][4] signed bytes for 8-bit; 3/5/6-bit codes keep their high
+//         bits in a second plane (one 64-byte line per 32, 32 or 16 k). Scales (zeros)
 //         [G][16]. m q8 activation rows. Output out[i * ldo + r], r < 16.
 // DEFINITION
 //   for i < m, r < 16: acc = 0
@@ -70,20 +71,21 @@ constexpr int64_t kQintPrefetchL2Bytes = 8192;
 
 // Prefetches every 64-byte line holding the codes of k in [k0, k0 + Unit)
 // kQintPrefetchBytes ahead into L1 and kQintPrefetchL2Bytes ahead into L2, in
-// the low plane and (5/6 bit) the high plane.
+// the low plane and (3/5/6 bit) the high plane.
 template <int Bits, int Unit>
 KT_ALWAYS_INLINE void qint_prefetch_unit(const uint8_t* block, [[maybe_unused]] const uint8_t* high,
                                          int64_t k0) {
-  constexpr int kLowBits = Bits == 8 ? 8 : 4;
+  constexpr int kLowBits = formats::qint_low_plane_bits(Bits);
   constexpr int64_t kLowLines = int64_t{Unit} * 16 * kLowBits / 8 / 64;
+  static_assert(kLowLines >= 1, "a unit covers whole low-plane lines");
   const uint8_t* low = block + k0 * 16 * kLowBits / 8;
   for (int64_t l = 0; l < kLowLines; ++l) {
     __builtin_prefetch(low + kQintPrefetchBytes + l * 64, 0, 3);
     __builtin_prefetch(low + kQintPrefetchL2Bytes + l * 64, 0, 2);
   }
-  if constexpr (Bits == 5 || Bits == 6) {
-    // One high-plane line per 32 (5 bit) or 16 (6 bit) k: Unit covers one.
-    const uint8_t* h = high + k0 * 16 * (Bits - 4) / 8;
+  if constexpr (Bits != kLowBits) {
+    // One high-plane line per 32 (3, 5 bit) or 16 (6 bit) k: Unit covers at most one.
+    const uint8_t* h = high + k0 * 16 * (Bits - kLowBits) / 8;
     __builtin_prefetch(h + kQintPrefetchBytes, 0, 3);
     __builtin_prefetch(h + kQintPrefetchL2Bytes, 0, 2);
   }
@@ -192,11 +194,19 @@ KT_ALWAYS_INLINE void qint_tile(const QintBlock& a, const uint8_t* const* x_rows
         if constexpr (kSigned)
           for (int c = 0; c < C; ++c) isum_c[c][i][p] = V::zero();
       }
-    [[maybe_unused]] I hb[P];  // 5/6 bit: the unit's one high-plane line
+    [[maybe_unused]] I hb[P];  // 3/5/6 bit: the unit's one high-plane line
     if constexpr (Bits == 5 || Bits == 6) {
       static_assert(Unit * (Bits - 4) == 32, "one high-plane line per unit");
       for (int p = 0; p < P; ++p)
         hb[p] = V::load(high + (k0 / Unit) * 64 + (part0 + p) * V::kBytes);
+    } else if constexpr (Bits == 3) {
+      // One line per 32 k, bit h of a byte for quad h: a unit of 16 k in its second
+      // half moves its bits 4-7 down, so the shifts below are constants.
+      static_assert(Unit == 16 || Unit == 32, "a unit in one high-plane line");
+      for (int p = 0; p < P; ++p) {
+        hb[p] = V::load(high + (k0 / 32) * 64 + (part0 + p) * V::kBytes);
+        if (Unit == 16 && k0 % 32 != 0) hb[p] = V::srl16(hb[p], 4);
+      }
     }
     for (int q0 = 0; q0 < NQ; q0 += D) {
       [[maybe_unused]] I st[C][M][P];
@@ -233,21 +243,36 @@ KT_ALWAYS_INLINE void qint_tile(const QintBlock& a, const uint8_t* const* x_rows
               isum_c[c][i][p] = V::dot_signed(V::dot_signed(isum_c[c][i][p], r0[p], xa), r1[p], xb);
           }
         } else {
-          // One low-plane line: quad q in the low nibbles, q+1 in the high ones.
           I w0[P], w1[P];
-          const uint8_t* line = a.block + ((k0 / 4 + q) / 2) * 64;
-          for (int p = 0; p < P; ++p) {
-            const I raw = V::load(line + (part0 + p) * V::kBytes);
-            w0[p] = V::lo_nibbles(raw);
-            w1[p] = V::hi_nibbles(raw);
-            if constexpr (kE2m1) {
-              w0[p] = V::e2m1_codes(w0[p]);
-              w1[p] = V::e2m1_codes(w1[p]);
+          if constexpr (Bits <= 3) {
+            // One 2-bit plane line per 16 k (k0 is a multiple of 16): quads q, q+1 in
+            // bit pairs q % 4 and q % 4 + 1; the 3-bit codes' third bit to bit 2.
+            const uint8_t* line = a.block + ((k0 / 4 + q) / 4) * 64;
+            for (int p = 0; p < P; ++p) {
+              const I raw = V::load(line + (part0 + p) * V::kBytes);
+              w0[p] = V::crumbs(raw, q % 4);
+              w1[p] = V::crumbs(raw, q % 4 + 1);
+              if constexpr (Bits == 3) {
+                w0[p] = V::or_(w0[p], V::high_bits(hb[p], q, 0x04, 2));
+                w1[p] = V::or_(w1[p], V::high_bits(hb[p], q + 1, 0x04, 2));
+              }
             }
-            if constexpr (Bits == 5 || Bits == 6) {
-              // Constant shifts once the loops unroll.
-              w0[p] = V::or_(w0[p], V::high_bits(hb[p], (Bits - 4) * q, kHighMask));
-              w1[p] = V::or_(w1[p], V::high_bits(hb[p], (Bits - 4) * (q + 1), kHighMask));
+          } else {
+            // One low-plane line: quad q in the low nibbles, q+1 in the high ones.
+            const uint8_t* line = a.block + ((k0 / 4 + q) / 2) * 64;
+            for (int p = 0; p < P; ++p) {
+              const I raw = V::load(line + (part0 + p) * V::kBytes);
+              w0[p] = V::lo_nibbles(raw);
+              w1[p] = V::hi_nibbles(raw);
+              if constexpr (kE2m1) {
+                w0[p] = V::e2m1_codes(w0[p]);
+                w1[p] = V::e2m1_codes(w1[p]);
+              }
+              if constexpr (Bits == 5 || Bits == 6) {
+                // Constant shifts once the loops unroll.
+                w0[p] = V::or_(w0[p], V::high_bits(hb[p], (Bits - 4) * q, kHighMask));
+                w1[p] = V::or_(w1[p], V::high_bits(hb[p], (Bits - 4) * (q + 1), kHighMask));
+              }
             }
           }
           for (int i = 0; i < M; ++i) {
@@ -523,10 +548,10 @@ void qint_dot(const QintBlock& a, void (*fallback)(const QintBlock&)) {
     }
     if (f.bits == 4 && unit == 32)
       return qint_block_dot<V, 4, T::kNone, 32, ZeroMode::kExplicit, true>(a);
-    if (f.bits == 4 && unit == 16 && formats::kquant_has_mins(f.scale_type))  // q2_k
-      return qint_block_dot<V, 4, T::kNone, 16, ZeroMode::kExplicit, true>(a);
-    if (f.bits == 4 && unit == 16)  // q3_k
-      return qint_block_dot<V, 4, T::kNone, 16, ZeroMode::kImplicit, true>(a);
+    if (f.bits == 2 && unit == 16)  // q2_k
+      return qint_block_dot<V, 2, T::kNone, 16, ZeroMode::kExplicit, true>(a);
+    if (f.bits == 3 && unit == 16)  // q3_k
+      return qint_block_dot<V, 3, T::kNone, 16, ZeroMode::kImplicit, true>(a);
     if (f.bits == 5 && unit == 32)
       return qint_block_dot<V, 5, T::kNone, 32, ZeroMode::kExplicit, true>(a);
     if (f.bits == 6 && unit == 16)

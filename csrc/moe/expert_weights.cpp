@@ -202,7 +202,7 @@ void group_params(const QintExpert& x, int64_t nb, int64_t g, bool zeros, float*
 template <int Bits, Affine A>
 void decode_qint_transposed(const QintExpert& x, float* wt) {
   const int64_t n = x.n, k = x.kb;
-  constexpr int kWordK = Bits == 8 ? 4 : 8;  // k per 64-byte low-plane word
+  constexpr int kWordK = 64 * 8 / (kRows * formats::qint_low_plane_bits(Bits));  // k per word
   for (int64_t nb = 0; nb * kRows < n; ++nb) {
     const int64_t rows = std::min<int64_t>(kRows, n - nb * kRows);
     const uint8_t* block = x.weight + nb * x.block_bytes;
@@ -242,6 +242,28 @@ void decode_qint_transposed(const QintExpert& x, float* wt) {
               line[r] = qint_value<A>(q, s[r], z[r], x.offset);
             }
             store_line(line, col + (kw + j - x.ka) * x.ld, rows);
+          }
+          continue;
+        }
+        if (Bits <= 3) {
+          // 2-bit plane: bits 8 j + 2 c of a row's word are code kw + 4 c + j; 3-bit
+          // codes' third bit at 8 j + (kw % 32) / 4 + c of the high plane's word.
+          uint32_t hb[kRows] = {};
+          const int hshift = static_cast<int>((kw % 32) / 4);
+          if (Bits == 3) std::memcpy(hb, high + (kw / 32) * 64, sizeof(hb));
+          for (int c = 0; c < 4; ++c) {
+            for (int j = 0; j < 4; ++j) {
+              const int64_t kk = kw + 4 * c + j;
+              if (kk >= k) break;
+              float line[kRows];
+              for (int r = 0; r < kRows; ++r) {
+                int32_t q = static_cast<int32_t>((lo[r] >> (8 * j + 2 * c)) & 3u);
+                if (Bits == 3)
+                  q |= static_cast<int32_t>(((hb[r] >> (8 * j + hshift + c)) & 1u) << 2);
+                line[r] = qint_value<A>(q, s[r], z[r], x.offset);
+              }
+              store_line(line, col + (kk - x.ka) * x.ld, rows);
+            }
           }
           continue;
         }
@@ -360,6 +382,12 @@ void dequantize_qint_transposed(const Projection& p, int64_t expert, float* wt, 
         return decode_qint_transposed<4, Affine::kIq4nl>(x, wt);
       return zeros ? decode_qint_transposed<4, Affine::kZeros>(x, wt)
                    : decode_qint_transposed<4, Affine::kOffset>(x, wt);
+    case 2:
+      return zeros ? decode_qint_transposed<2, Affine::kZeros>(x, wt)
+                   : decode_qint_transposed<2, Affine::kOffset>(x, wt);
+    case 3:
+      return zeros ? decode_qint_transposed<3, Affine::kZeros>(x, wt)
+                   : decode_qint_transposed<3, Affine::kOffset>(x, wt);
     case 5:
       return zeros ? decode_qint_transposed<5, Affine::kZeros>(x, wt)
                    : decode_qint_transposed<5, Affine::kOffset>(x, wt);
@@ -724,8 +752,8 @@ void split_vnni_panel(const Projection& p, int64_t expert, int64_t k0, int64_t c
   // int4, q4_k unchanged).
   constexpr int64_t kPrefetchBlocks = 4;
   const int bits = p.format->qint.bits;
-  const int64_t high_k = bits == 5 ? 32 : bits == 6 ? 16 : 0;
-  const int64_t kWordK = bits == 8 ? 4 : 8;  // k per line of the low plane
+  const int64_t high_k = bits == 3 || bits == 5 ? 32 : bits == 6 ? 16 : 0;
+  const int64_t kWordK = 64 * 8 / (kRows * formats::qint_low_plane_bits(bits));  // k per line
   for (int64_t nb = 0; nb < p.n / kRows; ++nb) {
     const uint8_t* block = x.weight + nb * x.block_bytes;
     if (nb + kPrefetchBlocks < p.n / kRows) {

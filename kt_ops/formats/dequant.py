@@ -42,14 +42,20 @@ def _decode_codes(weight: Tensor, bits: int, kp: int) -> Tensor:
     if bits == 8:
         # word c = k // 4, byte j = k % 4 of row r: offset 64c + 4r + j
         return _gather(w, (k // 4) * 64 + r * 4 + k % 4)
-    # low plane: word c = k // 8, byte j = k % 4, nibble hi = (k // 4) % 2
-    low = _gather(w, (k // 8) * 64 + r * 4 + k % 4)
-    q = (low >> (4 * ((k // 4) % 2))) & 15
-    high_base = 8 * kp  # the low plane is 16 * Kp * 4 / 8 bytes
-    if bits == 5:
-        # word w = k // 32, byte j = k % 4, bit h = (k % 32) // 4 -> bit 4 of q
+    if bits <= 3:
+        # low plane: word c = k // 16, byte j = k % 4, bits 2h, 2h+1 with h = (k % 16) // 4
+        low = _gather(w, (k // 16) * 64 + r * 4 + k % 4)
+        q = (low >> (2 * ((k % 16) // 4))) & 3
+        high_base = 4 * kp  # the low plane is 16 * Kp * 2 / 8 bytes
+    else:
+        # low plane: word c = k // 8, byte j = k % 4, nibble hi = (k // 4) % 2
+        low = _gather(w, (k // 8) * 64 + r * 4 + k % 4)
+        q = (low >> (4 * ((k // 4) % 2))) & 15
+        high_base = 8 * kp  # the low plane is 16 * Kp * 4 / 8 bytes
+    if bits in (3, 5):
+        # word w = k // 32, byte j = k % 4, bit h = (k % 32) // 4 -> bit 2 (3 bit) / 4 (5 bit) of q
         high = _gather(w, high_base + (k // 32) * 64 + r * 4 + k % 4)
-        q = q | (((high >> ((k % 32) // 4)) & 1) << 4)
+        q = q | (((high >> ((k % 32) // 4)) & 1) << (bits - 1))
     elif bits == 6:
         # word w = k // 16, byte j = k % 4, bits 2h, 2h+1 with h = (k % 16) // 4 -> bits 4, 5
         high = _gather(w, high_base + (k // 16) * 64 + r * 4 + k % 4)

@@ -1,13 +1,17 @@
 """qint code planes: pack integer codes ``[E, N, K]`` into 16-row blocks and back.
 
 The layout is docs/formats.md, "Byte layout of one 16-row block". One block
-``weight[e, nb, :]`` is the low plane followed (5 and 6 bit) by the high plane:
+``weight[e, nb, :]`` is the low plane followed (3, 5 and 6 bit) by the high plane:
 
 * 8 bit: ``Kp/4`` words ``[16 rows][4 bytes]``; byte ``j`` of row ``r`` in
   word ``c`` is ``q[n, 4c + j]``.
 * 4/5/6 bit low plane: ``Kp/8`` words ``[16][4]``; the low nibble of byte ``j``
   of row ``r`` in word ``c`` is ``q[n, 8c + j] & 15``, the high nibble
   ``q[n, 8c + 4 + j] & 15``.
+* 2/3 bit low plane: ``Kp/16`` words ``[16][4]``; bits ``2h, 2h+1`` of byte ``j``
+  of row ``r`` in word ``c`` are ``q[n, 16c + 4h + j] & 3``.
+* 3 bit high plane: ``Kp/32`` words; bit ``h`` of byte ``j`` of row ``r`` in
+  word ``w`` is bit 2 of ``q[n, 32w + 4h + j]`` (the 5-bit plane's layout).
 * 5 bit high plane: ``Kp/32`` words; bit ``h`` of byte ``j`` of row ``r`` in
   word ``w`` is bit 4 of ``q[n, 32w + 4h + j]``.
 * 6 bit high plane: ``Kp/16`` words; bits ``2h, 2h+1`` of byte ``j`` are bits
@@ -31,6 +35,7 @@ from kt_ops.formats.spec import BLOCK_ROWS, FORMATS, ceil_div, format_spec, padd
 __all__ = [
     "pack_codes",
     "unpack_codes",
+    "repack_codes",
     "pack_group_params",
     "unpack_group_params",
     "pack_kquant_scales",
@@ -38,7 +43,7 @@ __all__ = [
     "kquant_scale_values",
 ]
 
-_BITS = (4, 5, 6, 8)
+_BITS = (2, 3, 4, 5, 6, 8)
 
 
 def _check_bits(bits: int) -> None:
@@ -53,7 +58,7 @@ def pack_codes(q: Tensor, bits: int, pad_code: int = 0) -> Tensor:
         q: integer tensor ``[E, N, K]``: codes in ``[0, 2^bits)``, or for
             ``bits=8`` also signed codes in ``[-128, 127]`` (stored as their
             two's-complement byte).
-        bits: 4, 5, 6 or 8.
+        bits: 2, 3, 4, 5, 6 or 8.
         pad_code: the code written for the padding (rows ``N..16*NB`` and
             columns ``K..Kp``); pass the code of weight 0 (e.g. 8 for symmetric
             4 bit) so that the padding holds zero weights.
@@ -63,7 +68,7 @@ def pack_codes(q: Tensor, bits: int, pad_code: int = 0) -> Tensor:
 
     Raises:
         ValueError: ``q`` is not a 3-D integer tensor, a code is out of range
-            for ``bits``, or ``bits`` is not 4, 5, 6 or 8.
+            for ``bits``, or ``bits`` is not 2, 3, 4, 5, 6 or 8.
     """
     _check_bits(bits)
     if not isinstance(q, Tensor) or q.dim() != 3 or q.is_floating_point() or q.is_complex():
@@ -86,13 +91,21 @@ def pack_codes(q: Tensor, bits: int, pad_code: int = 0) -> Tensor:
         # [E, NB, 16, Kp/4, 4] -> words [E, NB, Kp/4, 16, 4]
         out = full.view(E, nb, BLOCK_ROWS, kp // 4, 4).permute(0, 1, 3, 2, 4)
         return out.reshape(E, nb, -1).contiguous()
-    # low plane: [E, NB, 16, Kp/8, 2 (nibble), 4 (j)]
-    low = (full & 15).view(E, nb, BLOCK_ROWS, kp // 8, 2, 4)
-    low = low[..., 0, :] | (low[..., 1, :] << 4)
+    if bits <= 3:
+        # low plane: [E, NB, 16, Kp/16, 4 (h), 4 (j)]: bits 2h, 2h+1 of byte j = q[16c + 4h + j] & 3
+        low = (full & 3).view(E, nb, BLOCK_ROWS, kp // 16, 4, 4)
+        low = (low << (2 * torch.arange(4, dtype=torch.uint8).view(4, 1))).sum(
+            dim=-2, dtype=torch.uint8
+        )
+    else:
+        # low plane: [E, NB, 16, Kp/8, 2 (nibble), 4 (j)]
+        low = (full & 15).view(E, nb, BLOCK_ROWS, kp // 8, 2, 4)
+        low = low[..., 0, :] | (low[..., 1, :] << 4)
     planes = [low.permute(0, 1, 3, 2, 4).reshape(E, nb, -1)]
-    if bits == 5:
-        # [E, NB, 16, Kp/32, 8 (h), 4 (j)]: bit h of byte j = bit 4 of q[32w + 4h + j]
-        hb = ((full >> 4) & 1).view(E, nb, BLOCK_ROWS, kp // 32, 8, 4)
+    if bits in (3, 5):
+        # [E, NB, 16, Kp/32, 8 (h), 4 (j)]: bit h of byte j = bit 2 (3 bit) or 4 (5 bit) of
+        # q[32w + 4h + j]
+        hb = ((full >> (bits - 1)) & 1).view(E, nb, BLOCK_ROWS, kp // 32, 8, 4)
         shift = torch.arange(8, dtype=torch.uint8).view(8, 1)
         high = (hb << shift).sum(dim=-2, dtype=torch.uint8)  # disjoint bits: sum == or
         planes.append(high.permute(0, 1, 3, 2, 4).reshape(E, nb, -1))
@@ -127,17 +140,40 @@ def unpack_codes(weight: Tensor, bits: int, n: int, k: int, signed: bool = False
         if signed:
             q = q - ((q & 0x80) << 1)
         return q[:, :n, :k].contiguous()
-    low = w[..., : 8 * kp].view(E, nb, kp // 8, BLOCK_ROWS, 4).permute(0, 1, 3, 2, 4)
-    q = torch.stack([low & 15, low >> 4], dim=-2).reshape(E, nb, BLOCK_ROWS, kp)
-    if bits == 5:
-        high = w[..., 8 * kp :].view(E, nb, kp // 32, BLOCK_ROWS, 1, 4).permute(0, 1, 3, 2, 4, 5)
+    if bits <= 3:
+        low_bytes = 4 * kp
+        low = w[..., :low_bytes].view(E, nb, kp // 16, BLOCK_ROWS, 1, 4).permute(0, 1, 3, 2, 4, 5)
+        shift = 2 * torch.arange(4, dtype=torch.int32).view(4, 1)
+        q = ((low >> shift) & 3).reshape(E, nb, BLOCK_ROWS, kp)
+    else:
+        low_bytes = 8 * kp
+        low = w[..., :low_bytes].view(E, nb, kp // 8, BLOCK_ROWS, 4).permute(0, 1, 3, 2, 4)
+        q = torch.stack([low & 15, low >> 4], dim=-2).reshape(E, nb, BLOCK_ROWS, kp)
+    if bits in (3, 5):
+        high = w[..., low_bytes:].view(E, nb, kp // 32, BLOCK_ROWS, 1, 4).permute(0, 1, 3, 2, 4, 5)
         shift = torch.arange(8, dtype=torch.int32).view(8, 1)
-        q = q | (((high >> shift) & 1) << 4).reshape(E, nb, BLOCK_ROWS, kp)
+        q = q | (((high >> shift) & 1) << (bits - 1)).reshape(E, nb, BLOCK_ROWS, kp)
     elif bits == 6:
-        high = w[..., 8 * kp :].view(E, nb, kp // 16, BLOCK_ROWS, 1, 4).permute(0, 1, 3, 2, 4, 5)
+        high = w[..., low_bytes:].view(E, nb, kp // 16, BLOCK_ROWS, 1, 4).permute(0, 1, 3, 2, 4, 5)
         shift = 2 * torch.arange(4, dtype=torch.int32).view(4, 1)
         q = q | (((high >> shift) & 3) << 4).reshape(E, nb, BLOCK_ROWS, kp)
     return q.reshape(E, nb * BLOCK_ROWS, kp)[:, :n, :k].contiguous()
+
+
+def repack_codes(weight: Tensor, from_bits: int, bits: int, n: int, k: int, pad_code: int = 0) -> Tensor:
+    """A packed qint weight of ``from_bits`` codes in the layout of ``bits`` codes (lossless).
+
+    For weights written before q2_k / q3_k had their own 2- and 3-bit planes
+    (kt_ops' ``manifest_version`` 2: their codes in the 4-bit plane).
+
+    Raises:
+        ValueError: ``weight`` is not a packed ``from_bits`` weight of ``n x k``
+            (:func:`unpack_codes`), or holds a code wider than ``bits``.
+    """
+    codes = unpack_codes(weight, from_bits, n, k)
+    if codes.numel() and int(codes.max()) >= 1 << bits:
+        raise ValueError(f"repack_codes: a code above {(1 << bits) - 1} for bits={bits}")
+    return pack_codes(codes, bits, pad_code=pad_code)
 
 
 def _check_rows(where: str, n: int, nb: int) -> None:

@@ -26,11 +26,13 @@ index must be the one asked for, and the manifest entry's ``shape`` and
 ``file``/``sha256`` pairs) is refused, never loaded. Files without that
 metadata are refused; every version of the converter wrote it.
 
-**Format versions.** ``manifest_version`` 2 (this kt_ops) stores the GGUF
+**Format versions.** ``manifest_version`` 3 (this kt_ops) stores ``q2_k`` and ``q3_k``
+codes in 2- and 3-bit planes; version 2 stored them in the 4-bit plane, and stores the GGUF
 k-quants (``q4_k``, ``q5_k``, ``q6_k``; later ``q2_k``, ``q3_k``, ``iq4_xs``) with GGUF's
-own super-block scales (docs/formats.md). Directories of version 1 still load when they hold no
-k-quant projection (no other layout changed); one that does is refused with a
-ValueError naming ``manifest_version 1`` and the layer: convert the source
+own super-block scales (docs/formats.md), as version 3 does. Directories of version 2 load,
+their ``q2_k`` / ``q3_k`` codes repacked on load (lossless). Directories of version 1 still
+load when they hold no k-quant projection (no other layout changed); one that does is
+refused with a ValueError naming ``manifest_version 1`` and the layer: convert the source
 again.
 
 **Reading back.** :func:`load_converted` and :class:`ConvertedExperts` verify
@@ -49,9 +51,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Optional, Union
 
+import torch
 from safetensors import safe_open
 
-from kt_ops.formats import FORMATS, PackedProjection, format_spec
+from kt_ops.formats import FORMATS, PackedProjection, format_spec, repack_codes
 from kt_ops.layer import PROJECTIONS, ExpertWeights, join_weight_format
 from kt_ops.loaders._common import check_format
 from kt_ops.loaders.base import CheckpointReader, expert_weights
@@ -67,15 +70,19 @@ __all__ = [
 ]
 
 MANIFEST_NAME = "manifest.json"
-#: 2: the GGUF k-quants (q4_k, q5_k, q6_k) store GGUF's own super-block scales
-#: (uint8 scale records, 4.5 / 5.5 / 6.5625 bits per weight). 1: they stored
-#: fp32 ``d*sc`` scales and ``dmin*m`` zeros (6 / 7 / 8 bits per weight).
-MANIFEST_VERSION = 2
+#: 3: q2_k and q3_k codes in 2- and 3-bit planes (2.625 / 3.5625 bits per weight). 2: the
+#: GGUF k-quants (q4_k, q5_k, q6_k) store GGUF's own super-block scales (uint8 scale
+#: records, 4.5 / 5.5 / 6.5625 bits per weight), q2_k / q3_k codes in the 4-bit plane.
+#: 1: k-quants stored fp32 ``d*sc`` scales and ``dmin*m`` zeros (6 / 7 / 8 bits per weight).
+MANIFEST_VERSION = 3
 #: Versions this kt_ops reads: a version-1 directory still loads where it holds no
 #: k-quant projection (every other layout is unchanged); one with k-quants is refused
-#: (:func:`_check_layout_version`), as is resuming into any version-1 directory.
-_READABLE_VERSIONS = (1, 2)
+#: (:func:`_check_layout_version`), as is resuming into any version-1 directory. A
+#: version-2 directory loads, its q2_k / q3_k codes repacked from the 4-bit plane on
+#: load (:func:`_repack_nibble_codes`: lossless; the file's bytes are checked first).
+_READABLE_VERSIONS = (1, 2, 3)
 _KQUANT_V2 = tuple(f for f in FORMATS if format_spec(f).is_kquant)
+_NARROW_CODES_V3 = ("q2_k", "q3_k")
 _PathLike = Union[str, Path]
 
 
@@ -138,6 +145,16 @@ def _check_layout_version(path: Path, m: dict) -> None:
                     f"{MANIFEST_VERSION}). Convert the source again into a new directory "
                     "(kt-ops convert SRC NEW_OUT)"
                 )
+
+
+def _repack_nibble_codes(weight: torch.Tensor, fmt: str, n: int, k: int) -> torch.Tensor:
+    """A version-2 q2_k / q3_k weight (codes in the 4-bit plane) in this layout's planes.
+
+    Raises ValueError when ``weight`` is not the version-2 shape (uint8
+    ``[E, ceil(n/16), 8 * Kp]``) or holds a code wider than the format's.
+    """
+    spec = format_spec(fmt)
+    return repack_codes(weight, 4, spec.bits, n, k, pad_code=int(spec.zero_offset))
 
 
 def _is_int(v: Any) -> bool:
@@ -363,6 +380,8 @@ def _load_entry(out: Path, manifest: dict, layer: int, verify: bool) -> ExpertWe
         pm = meta["projections"][role]
         ts = {n: tensors[f"{role}.{n}"] for n in pm["tensors"]}
         try:
+            if manifest["manifest_version"] < 3 and pm["format"] in _NARROW_CODES_V3:
+                ts["weight"] = _repack_nibble_codes(ts["weight"], pm["format"], pm["n"], pm["k"])
             p = PackedProjection(
                 weight=ts["weight"],
                 scales=ts.get("scales"),

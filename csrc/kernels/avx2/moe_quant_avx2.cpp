@@ -41,6 +41,18 @@ KT_INLINE void decode_unit(const uint8_t* block, [[maybe_unused]] const uint8_t*
                            int half, __m256i* w) {
   static_assert(Bits != 8 && NV % 2 == 0, "8-bit codes are loaded as they are");
   const int64_t h0 = k0 / 4;  // first half-set (quad)
+  if constexpr (Bits <= 3) {  // 2-bit plane: quad h in bit pair h % 4 of line h / 4
+    for (int v = 0; v < NV; ++v) {
+      const int64_t h = h0 + v;
+      w[v] =
+          QintVec::crumbs(QintVec::load(block + (h / 4) * 64 + half * 32), static_cast<int>(h % 4));
+      if constexpr (Bits == 3) {  // bit h % 8 of line h / 8 of the high plane, to bit 2
+        const __m256i hb = QintVec::load(high + (h / 8) * 64 + half * 32);
+        w[v] = QintVec::or_(w[v], QintVec::high_bits(hb, static_cast<int>(h % 8), 0x04, 2));
+      }
+    }
+    return;
+  }
   for (int v = 0; v < NV; v += 2) {
     const __m256i raw = QintVec::load(block + ((h0 + v) / 2) * 64 + half * 32);
     w[v] = QintVec::lo_nibbles(raw);
@@ -250,8 +262,8 @@ void qint_decode(const QintBlock& a, float* w) {
   if (formats::is_kquant(f.scale_type)) {
     if (f.bits == 4 && f.table == T::kIq4nl)  // iq4_xs
       return qint_decode_impl<4, T::kIq4nl, ZeroMode::kImplicit, true>(a, w);
-    if (f.bits == 4 && !formats::kquant_has_mins(f.scale_type))  // q3_k
-      return qint_decode_impl<4, T::kNone, ZeroMode::kImplicit, true>(a, w);
+    if (f.bits == 2) return qint_decode_impl<2, T::kNone, ZeroMode::kExplicit, true>(a, w);
+    if (f.bits == 3) return qint_decode_impl<3, T::kNone, ZeroMode::kImplicit, true>(a, w);
     if (f.bits == 4) return qint_decode_impl<4, T::kNone, ZeroMode::kExplicit, true>(a, w);
     if (f.bits == 5) return qint_decode_impl<5, T::kNone, ZeroMode::kExplicit, true>(a, w);
     if (f.bits == 6) return qint_decode_impl<6, T::kNone, ZeroMode::kImplicit, true>(a, w);

@@ -107,13 +107,14 @@ struct QintVec {
 
   // Quads whose pmaddubsw products may be summed in int16 before widening:
   // pairs of u8 * s8 products are at most 2 * qmax * 127, so 4-bit codes
-  // (qmax 15) allow 8 quads, 5-bit and E2M1 (qmax 24..31) 4, 6-bit 2.
+  // (qmax 15) allow 8 quads (2/3-bit codes, qmax 3 / 7, as many), 5-bit and
+  // E2M1 (qmax 24..31) 4, 6-bit 2.
   // Independent int32 sum chains in decode tiles (see avx512/vec.h): the
   // pmaddubsw chain is a 1-cycle add, so one.
   static constexpr int kDecodeChains = 1;
 
   static constexpr int depth(int bits, bool lut) {
-    return bits == 4 ? (lut ? 4 : 8) : (bits == 5 ? 4 : 2);
+    return bits <= 4 ? (lut ? 4 : 8) : (bits == 5 ? 4 : 2);
   }
 
   static inline I load(const void* p) { return _mm256_loadu_si256(static_cast<const I*>(p)); }
@@ -137,13 +138,20 @@ struct QintVec {
   static inline I iq4nl_codes(I c) {
     return _mm256_shuffle_epi8(table16(formats::kIq4nlValues), c);
   }
-  // The high bits stored at bit `from` of each byte, moved to bit 4 and
-  // masked. 16-bit shifts are safe: the mask keeps only bits of the same byte.
-  static inline I high_bits(I hb, int from, int mask) {
+  // The high bits stored at bit `from` of each byte, moved to bit `to` (4: 5/6-bit
+  // codes, 2: 3-bit codes) and masked. 16-bit shifts are safe: the mask keeps only bits of the same
+  // byte.
+  static inline I high_bits(I hb, int from, int mask, int to = 4) {
     const I m = _mm256_set1_epi8(static_cast<char>(mask));
-    if (from < 4) return _mm256_and_si256(_mm256_sll_epi16(hb, _mm_cvtsi32_si128(4 - from)), m);
-    return _mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(from - 4)), m);
+    if (from < to) return _mm256_and_si256(_mm256_sll_epi16(hb, _mm_cvtsi32_si128(to - from)), m);
+    return _mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(from - to)), m);
   }
+  // Bits 2c, 2c + 1 of each byte (quad c of a 2-bit plane's line) as codes 0..3.
+  static inline I crumbs(I raw, int c) {
+    return _mm256_and_si256(_mm256_srl_epi16(raw, _mm_cvtsi32_si128(2 * c)), _mm256_set1_epi8(3));
+  }
+  // Every 16-bit lane shifted right by n bits.
+  static inline I srl16(I v, int n) { return _mm256_srl_epi16(v, _mm_cvtsi32_si128(n)); }
   // st += w0 . x0 + w1 . x1 per 16-bit pair (u8 codes x s8 activations).
   static inline void dot2(I& st, I w0, I x0, I w1, I x1) {
     st = _mm256_add_epi16(

@@ -6,7 +6,9 @@
 // transposed into the panel's 8 row pairs (kernels/avx512/vnni_pairs.h). AVX512_BF16.
 //
 // Code layout (formats/qint.h, kernels/qint_tiles.h): 8-bit codes [Kp/4][16][4] (row r's
-// 4 consecutive k in lane r of a line); 4/5/6-bit codes [Kp/8][16][4] in the low plane
+// 4 consecutive k in lane r of a line); 2/3-bit codes [Kp/16][16][4] (bit pair 2 c of
+// byte j: k = 16 l + 4 c + j; 3-bit: the third bit in a high plane as 5-bit codes');
+// 4/5/6-bit codes [Kp/8][16][4] in the low plane
 // (byte j of lane r: low nibble k = 8 l + j, high nibble k = 8 l + 4 + j), and for 5/6
 // bits a high plane after it (one line per 32 / 16 k: bit (or bit pair) of k at
 // 8 j + (k % 32) / 4 (+ 1 for the high nibble's half), resp. 8 j + 2 ((k % 16) / 4)).
@@ -65,6 +67,30 @@ inline void columns(const uint8_t* low, const uint8_t* high, int32_t offset, int
 #pragma GCC unroll 4
       for (int j = 0; j < 4; ++j)
         v[4 * l + j] = value(_mm512_srai_epi32(_mm512_slli_epi32(line, 24 - 8 * j), 24));
+    }
+    return;
+  }
+  if constexpr (Bits <= 3) {
+    // 2-bit plane: the 16 columns are one line, code k0 + 4 c + j at bits 8 j + 2 c of a
+    // row's lane; 3-bit codes' third bit at 8 j + (k0 % 32) / 4 + c of the high plane's
+    // line (one per 32 k).
+    const __m512i line = _mm512_loadu_si512(low + (k0 / 16) * 64);
+    [[maybe_unused]] __m512i hl;
+    if constexpr (Bits == 3) hl = _mm512_loadu_si512(high + (k0 / 32) * 64);
+    const int h3 = static_cast<int>((k0 % 32) / 4);
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        __m512i q = _mm512_and_si512(_mm512_srli_epi32(line, 8 * j + 2 * c), _mm512_set1_epi32(3));
+        if constexpr (Bits == 3)
+          q = _mm512_or_si512(
+              q, _mm512_slli_epi32(
+                     _mm512_and_si512(_mm512_srl_epi32(hl, _mm_cvtsi32_si128(8 * j + h3 + c)),
+                                      _mm512_set1_epi32(1)),
+                     2));
+        v[4 * c + j] = value(q);
+      }
     }
     return;
   }
@@ -246,6 +272,18 @@ PanelFn by_form(int bits, QintValue value, const Make& make) {
       if (is(V::kE2m1)) return make(integral_constant<int, 4>{}, integral_constant<V, V::kE2m1>{});
       if (is(V::kIq4nl))
         return make(integral_constant<int, 4>{}, integral_constant<V, V::kIq4nl>{});
+      return nullptr;
+    case 2:
+      if (is(V::kOffset))
+        return make(integral_constant<int, 2>{}, integral_constant<V, V::kOffset>{});
+      if (is(V::kZeros))
+        return make(integral_constant<int, 2>{}, integral_constant<V, V::kZeros>{});
+      return nullptr;
+    case 3:
+      if (is(V::kOffset))
+        return make(integral_constant<int, 3>{}, integral_constant<V, V::kOffset>{});
+      if (is(V::kZeros))
+        return make(integral_constant<int, 3>{}, integral_constant<V, V::kZeros>{});
       return nullptr;
     case 5:
       if (is(V::kOffset))

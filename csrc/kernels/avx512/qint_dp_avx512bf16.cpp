@@ -58,23 +58,39 @@ constexpr int64_t kPrefetchBytes = 1024;
 // What the tiles of one block read.
 struct BlockCtx {
   const uint8_t* low;   // the codes' low plane (8-bit: all of them)
-  const uint8_t* high;  // 5/6-bit codes' high plane, else nullptr
+  const uint8_t* high;  // 3/5/6-bit codes' high plane, else nullptr
   int bits;
-  const uint16_t* table;  // code -> bf16 bits of its value (4/5/6-bit codes), 64 words
+  const uint16_t* table;  // code -> bf16 bits of its value (2-6-bit codes), 64 words
   int64_t kp, group_k, groups;
   const float* s;  // [groups][16]
   const float* z;  // [groups][16], or nullptr (no zeros)
   uint16_t* tile;  // [kp/2][16][2]
 };
 
-// The 16 rows' codes of k [k, k + 8) of a 4/5/6-bit block as their bf16 values: the 4
+// The 16 rows' codes of k [k, k + 8) of a 2/3/4/5/6-bit block as their bf16 values: the 4
 // k pairs' lines at dst (words 32 p + 2 r + (k % 2)).
 KT_QDP_TARGET __attribute__((always_inline)) inline void decode8_nibbles(const BlockCtx& c,
                                                                          int64_t k, uint16_t* dst) {
-  const __m512i line = _mm512_loadu_si512(c.low + (k / 8) * 64);
-  const __m512i m4 = _mm512_set1_epi8(0x0F);
-  __m512i lo = _mm512_and_si512(line, m4);                        // byte j of lane r: k + j
-  __m512i hi = _mm512_and_si512(_mm512_srli_epi16(line, 4), m4);  // k + 4 + j
+  __m512i lo, hi;  // byte j of lane r: the codes of k + j, k + 4 + j
+  if (c.bits <= 3) {
+    // 2-bit plane, one line per 16 k: bit pairs 2 ((k % 16) / 4) (+ 2); 3-bit codes' third
+    // bit from the high plane (one line per 32 k: bit (k % 32) / 4 (+ 1)) to bit 2.
+    const __m512i line = _mm512_loadu_si512(c.low + (k / 16) * 64);
+    const int cs = static_cast<int>(k % 16) / 4;
+    lo = QintVec512<false>::crumbs(line, cs);
+    hi = QintVec512<false>::crumbs(line, cs + 1);
+    if (c.bits == 3) {
+      const __m512i hl = _mm512_loadu_si512(c.high + (k / 32) * 64);
+      const int hs = static_cast<int>((k % 32) / 4);
+      lo = _mm512_or_si512(lo, QintVec512<false>::high_bits(hl, hs, 0x04, 2));
+      hi = _mm512_or_si512(hi, QintVec512<false>::high_bits(hl, hs + 1, 0x04, 2));
+    }
+  } else {
+    const __m512i line = _mm512_loadu_si512(c.low + (k / 8) * 64);
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    lo = _mm512_and_si512(line, m4);
+    hi = _mm512_and_si512(_mm512_srli_epi16(line, 4), m4);
+  }
   if (c.bits == 5) {  // one line per 32 k: bit (k % 32) / 4 (+ 1: the high nibbles)
     const __m512i hl = _mm512_loadu_si512(c.high + (k / 32) * 64);
     const int hs = static_cast<int>((k % 32) / 4);
@@ -119,14 +135,14 @@ KT_QDP_TARGET __attribute__((always_inline)) inline void decode4_signed(const Bl
 // one chunk later).
 KT_QDP_TARGET __attribute__((always_inline)) inline void prefetch_chunk(const BlockCtx& c,
                                                                         int64_t ka, int64_t kb) {
-  const int64_t lines_per_k8 = c.bits == 8 ? 2 : 1;  // low-plane lines per 8 k
-  const int64_t bytes = (kb - ka) / 8 * lines_per_k8 * 64;
-  const char* from = reinterpret_cast<const char*>(c.low + ka / 8 * lines_per_k8 * 64);
+  const int64_t low_per_k = 2 * formats::qint_low_plane_bits(c.bits);  // bytes per k, 16 rows
+  const int64_t bytes = (kb - ka) * low_per_k;
+  const char* from = reinterpret_cast<const char*>(c.low + ka * low_per_k);
   for (int64_t off = 0; off < bytes; off += 64)
     _mm_prefetch(from + kPrefetchBytes + off, _MM_HINT_T0);
   if (c.high != nullptr) {  // the high plane's lines kPrefetchBytes ahead likewise
-    const int64_t per_line = c.bits == 5 ? 32 : 16;
-    const int64_t k_ahead = kPrefetchBytes / 64 * 8 / lines_per_k8;
+    const int64_t per_line = c.bits == 6 ? 16 : 32;
+    const int64_t k_ahead = kPrefetchBytes / low_per_k;
     for (int64_t k = ka - ka % per_line; k < kb; k += per_line)
       _mm_prefetch(reinterpret_cast<const char*>(c.high + (k + k_ahead) / per_line * 64),
                    _MM_HINT_T0);
@@ -299,7 +315,7 @@ bool qint_dp_block(const QintBlock& b, const uint32_t* packed, const float* xg, 
   const formats::QintFormat& f = *b.format;
   const bool kquant = formats::is_kquant(f.scale_type);
   const bool zeros = formats::qint_subtracts_zeros(f.scale_type, b.zeros != nullptr);
-  if (f.bits != 4 && f.bits != 5 && f.bits != 6 && f.bits != 8) return false;
+  if (f.bits < 2 || f.bits > 8 || f.bits == 7) return false;
   if (f.bits == 8 && (!f.is_signed || zeros || f.table != formats::CodeTable::kNone)) return false;
   const int64_t kp = b.kp;
   const int64_t group_k = f.group_size == 0 ? kp : f.group_size;
@@ -334,17 +350,18 @@ bool qint_dp_block(const QintBlock& b, const uint32_t* packed, const float* xg, 
         _mm512_storeu_ps(z + g * 16, QintVec512<false>::load_scales(b.zeros, f.zero_type, g * 16));
     }
   }
-  const BlockCtx c{
-      b.block,
-      f.bits == 5 || f.bits == 6 ? b.block + formats::qint_low_plane_bytes(f.bits, kp) : nullptr,
-      f.bits,
-      table,
-      kp,
-      group_k,
-      groups,
-      s,
-      z,
-      tile};
+  const BlockCtx c{b.block,
+                   f.bits == 3 || f.bits == 5 || f.bits == 6
+                       ? b.block + formats::qint_low_plane_bytes(f.bits, kp)
+                       : nullptr,
+                   f.bits,
+                   table,
+                   kp,
+                   group_k,
+                   groups,
+                   s,
+                   z,
+                   tile};
   for_each_row_tile(b.m, kTileRows, [&](int t, int i, int rows) {
     const uint32_t* a = packed + i * (kp / 2);
     float* o = b.out + i * b.ldo;

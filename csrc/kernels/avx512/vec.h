@@ -114,7 +114,7 @@ struct QintVec512 {
 
   static constexpr int depth(int bits, bool lut) {
     if (kVnni) return 8;
-    return bits == 4 ? (lut ? 4 : 8) : (bits == 5 ? 4 : 2);
+    return bits <= 4 ? (lut ? 4 : 8) : (bits == 5 ? 4 : 2);
   }
 
   static inline I load(const void* p) { return _mm512_loadu_si512(p); }
@@ -138,11 +138,17 @@ struct QintVec512 {
   static inline I iq4nl_codes(I c) {
     return _mm512_shuffle_epi8(table16(formats::kIq4nlValues), c);
   }
-  static inline I high_bits(I hb, int from, int mask) {
+  static inline I high_bits(I hb, int from, int mask, int to = 4) {
     const I m = _mm512_set1_epi8(static_cast<char>(mask));
-    if (from < 4) return _mm512_and_si512(_mm512_sll_epi16(hb, _mm_cvtsi32_si128(4 - from)), m);
-    return _mm512_and_si512(_mm512_srl_epi16(hb, _mm_cvtsi32_si128(from - 4)), m);
+    if (from < to) return _mm512_and_si512(_mm512_sll_epi16(hb, _mm_cvtsi32_si128(to - from)), m);
+    return _mm512_and_si512(_mm512_srl_epi16(hb, _mm_cvtsi32_si128(from - to)), m);
   }
+  // Bits 2c, 2c + 1 of each byte (quad c of a 2-bit plane's line) as codes 0..3.
+  static inline I crumbs(I raw, int c) {
+    return _mm512_and_si512(_mm512_srl_epi16(raw, _mm_cvtsi32_si128(2 * c)), _mm512_set1_epi8(3));
+  }
+  // Every 16-bit lane shifted right by n bits.
+  static inline I srl16(I v, int n) { return _mm512_srl_epi16(v, _mm_cvtsi32_si128(n)); }
   static inline void dot2(I& st, I w0, I x0, I w1, I x1) {
     if constexpr (kVnni) {
       st = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(st, w0, x0), w1, x1);
