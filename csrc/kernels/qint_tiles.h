@@ -69,26 +69,63 @@ enum class ZeroMode { kImplicit, kExplicit };
 constexpr int64_t kQintPrefetchBytes = 2048;
 constexpr int64_t kQintPrefetchL2Bytes = 8192;
 
+// The byte of k (k may pass kp: then in the blocks that follow) in a plane
+// holding `bytes_per_k` bytes per k of each block, the planes of consecutive
+// blocks `block_bytes` apart.
+KT_ALWAYS_INLINE const uint8_t* plane_ahead(const uint8_t* plane, int64_t k, int64_t kp,
+                                            int64_t block_bytes, int64_t bytes_per_k) {
+  while (k >= kp) {  // a few times at most: the distances are a few KB
+    k -= kp;
+    plane += block_bytes;
+  }
+  return plane + k * bytes_per_k;
+}
+
 // Prefetches every 64-byte line holding the codes of k in [k0, k0 + Unit)
-// kQintPrefetchBytes ahead into L1 and kQintPrefetchL2Bytes ahead into L2, in
-// the low plane and (3/5/6 bit) the high plane.
+// kQintPrefetchBytes ahead into L1 and kQintPrefetchL2Bytes ahead into L2.
+// 4- and 8-bit codes are one plane, consecutive blocks back to back: one
+// stream, prefetched by bytes. 3/5/6-bit codes are two planes per block, read
+// side by side: each is prefetched as many k ahead as those bytes are of the
+// low plane, continuing into the next block's plane past the block's end. (A
+// byte distance in the high plane had run its prefetches into the next block's
+// low plane and left the high plane's start to the low plane's stream, which
+// reached it just in time: a cold q3_k T = 1 call spent a fifth of its time
+// on the high plane's loads.) k-quants (`recs`): their scale records, a
+// third stream, into L2 as far ahead.
 template <int Bits, int Unit>
 KT_ALWAYS_INLINE void qint_prefetch_unit(const uint8_t* block, [[maybe_unused]] const uint8_t* high,
-                                         int64_t k0) {
+                                         int64_t k0, [[maybe_unused]] int64_t kp,
+                                         [[maybe_unused]] const uint8_t* recs = nullptr,
+                                         [[maybe_unused]] int64_t rec_bytes = 0) {
   constexpr int kLowBits = formats::qint_low_plane_bits(Bits);
-  constexpr int64_t kLowLines = int64_t{Unit} * 16 * kLowBits / 8 / 64;
+  constexpr int64_t kLowPerK = 16 * kLowBits / 8;  // bytes per k of the block's 16 rows
+  constexpr int64_t kLowLines = int64_t{Unit} * kLowPerK / 64;
   static_assert(kLowLines >= 1, "a unit covers whole low-plane lines");
-  const uint8_t* low = block + k0 * 16 * kLowBits / 8;
-  for (int64_t l = 0; l < kLowLines; ++l) {
-    __builtin_prefetch(low + kQintPrefetchBytes + l * 64, 0, 3);
-    __builtin_prefetch(low + kQintPrefetchL2Bytes + l * 64, 0, 2);
-  }
+  constexpr int64_t kAheadK = kQintPrefetchBytes / kLowPerK;
+  constexpr int64_t kAheadL2K = kQintPrefetchL2Bytes / kLowPerK;
   if constexpr (Bits != kLowBits) {
+    constexpr int64_t kHighPerK = 16 * (Bits - kLowBits) / 8;
+    const int64_t block_bytes = formats::qint_block_bytes(Bits, kp);
+    const uint8_t* l1 = plane_ahead(block, k0 + kAheadK, kp, block_bytes, kLowPerK);
+    const uint8_t* l2 = plane_ahead(block, k0 + kAheadL2K, kp, block_bytes, kLowPerK);
+    for (int64_t l = 0; l < kLowLines; ++l) {
+      __builtin_prefetch(l1 + l * 64, 0, 3);
+      __builtin_prefetch(l2 + l * 64, 0, 2);
+    }
     // One high-plane line per 32 (3, 5 bit) or 16 (6 bit) k: Unit covers at most one.
-    const uint8_t* h = high + k0 * 16 * (Bits - kLowBits) / 8;
-    __builtin_prefetch(h + kQintPrefetchBytes, 0, 3);
-    __builtin_prefetch(h + kQintPrefetchL2Bytes, 0, 2);
+    __builtin_prefetch(plane_ahead(high, k0 + kAheadK, kp, block_bytes, kHighPerK), 0, 3);
+    __builtin_prefetch(plane_ahead(high, k0 + kAheadL2K, kp, block_bytes, kHighPerK), 0, 2);
+  } else {
+    const uint8_t* low = block + k0 * kLowPerK;
+    for (int64_t l = 0; l < kLowLines; ++l) {
+      __builtin_prefetch(low + kQintPrefetchBytes + l * 64, 0, 3);
+      __builtin_prefetch(low + kQintPrefetchL2Bytes + l * 64, 0, 2);
+    }
   }
+  // The records of consecutive blocks are back to back: one stream, one record per
+  // 256 k (<= 320 bytes, so a unit of 16 k passes at most 20 of them: a line per unit).
+  if (recs != nullptr)
+    __builtin_prefetch(recs + (k0 + kAheadL2K) * rec_bytes / formats::kKSuperK, 0, 2);
 }
 
 // The parts of M q8 activation records.
@@ -164,7 +201,13 @@ KT_ALWAYS_INLINE void qint_tile(const QintBlock& a, const uint8_t* const* x_rows
   for (int64_t k0 = 0; k0 < kp; k0 += Unit) {
     // Keep the block's stream ahead of the decode, in the first pass only
     // (later parts find the lines in cache).
-    if (part0 == 0) qint_prefetch_unit<Bits, Unit>(a.block, high, k0);
+    if (part0 == 0) {
+      if constexpr (KQ)
+        qint_prefetch_unit<Bits, Unit>(a.block, high, k0, kp, static_cast<const uint8_t*>(a.scales),
+                                       formats::kquant_record_bytes(f.scale_type));
+      else
+        qint_prefetch_unit<Bits, Unit>(a.block, high, k0, kp);
+    }
     if constexpr (kNzFill) {
       const int64_t u0 = k0 / Unit;
       if (u0 % kNzUnits == 0) {
@@ -451,7 +494,7 @@ KT_ALWAYS_INLINE void qint8_u8_tile(const QintBlock& a, int i0, int64_t k_begin,
       for (int i = 0; i < M; ++i) isum[c][i] = V::zero();
     }
     if constexpr (First) {
-      qint_prefetch_unit<Bits, 32>(a.block, nullptr, k0);
+      qint_prefetch_unit<Bits, 32>(a.block, nullptr, k0, kp);
     } else {
       for (int i = 0; i < M; ++i) isum[0][i] = *nc;
     }

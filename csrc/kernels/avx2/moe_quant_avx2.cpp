@@ -34,7 +34,7 @@ using formats::QintFormat;
 using formats::ScaleType;
 
 // Decodes the codes of k in [k0, k0 + 4*NV) (NV even) for the rows of one
-// half into NV vectors of [8 rows][4 k] kernel codes (4/5/6 bit and E2M1 unsigned,
+// half into NV vectors of [8 rows][4 k] kernel codes (2-6 bit and E2M1 unsigned,
 // IQ4_NL signed), with the integer traits of the dot product (QintVec).
 template <int Bits, formats::CodeTable Tab, int NV>
 KT_INLINE void decode_unit(const uint8_t* block, [[maybe_unused]] const uint8_t* high, int64_t k0,

@@ -39,7 +39,7 @@ inline __m512 code_table_ps() {
 }
 
 // The 16 columns [k0, k0 + 16) of the block as fp32 registers v[c] (row r in lane r).
-// k0 is a multiple of 16: the columns are 2 lines of the low plane (8-bit codes: 4), each
+// k0 is a multiple of 16: the columns are 2 lines of the low plane (8-bit: 4, 2/3-bit: 1), each
 // code at a fixed bit of its line, so the loops below unroll to immediate shifts (per-
 // column address and shift arithmetic had been most of the decode's scalar work).
 template <int Bits, QintValue A>
