@@ -198,13 +198,15 @@ KT_ALWAYS_INLINE void qint_tile(const QintBlock& a, const uint8_t* const* x_rows
   // The scale group of k0, followed without a division per unit (a 64-bit
   // idiv sat on every unit's fold; a unit never straddles two groups).
   [[maybe_unused]] int64_t g = 0, g_end = gsize;
+  // k-quants: bytes of one scale record (a table lookup, kept out of the loop).
+  [[maybe_unused]] const int64_t rec_bytes = KQ ? formats::kquant_record_bytes(f.scale_type) : 0;
   for (int64_t k0 = 0; k0 < kp; k0 += Unit) {
     // Keep the block's stream ahead of the decode, in the first pass only
     // (later parts find the lines in cache).
     if (part0 == 0) {
       if constexpr (KQ)
         qint_prefetch_unit<Bits, Unit>(a.block, high, k0, kp, static_cast<const uint8_t*>(a.scales),
-                                       formats::kquant_record_bytes(f.scale_type));
+                                       rec_bytes);
       else
         qint_prefetch_unit<Bits, Unit>(a.block, high, k0, kp);
     }
@@ -225,8 +227,7 @@ KT_ALWAYS_INLINE void qint_tile(const QintBlock& a, const uint8_t* const* x_rows
     if constexpr (KQ) {
       if (k0 % formats::kKSuperK == 0)
         kquant_decode_super<V>(
-            static_cast<const uint8_t*>(a.scales) +
-                (k0 / formats::kKSuperK) * formats::kquant_record_bytes(f.scale_type),
+            static_cast<const uint8_t*>(a.scales) + (k0 / formats::kKSuperK) * rec_bytes,
             f.scale_type, kq_s, kq_z);
     }
     I isum[M][P];
