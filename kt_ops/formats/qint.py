@@ -160,7 +160,9 @@ def unpack_codes(weight: Tensor, bits: int, n: int, k: int, signed: bool = False
     return q.reshape(E, nb * BLOCK_ROWS, kp)[:, :n, :k].contiguous()
 
 
-def repack_codes(weight: Tensor, from_bits: int, bits: int, n: int, k: int, pad_code: int = 0) -> Tensor:
+def repack_codes(
+    weight: Tensor, from_bits: int, bits: int, n: int, k: int, pad_code: int = 0
+) -> Tensor:
     """A packed qint weight of ``from_bits`` codes in the layout of ``bits`` codes (lossless).
 
     For weights written before q2_k / q3_k had their own 2- and 3-bit planes
