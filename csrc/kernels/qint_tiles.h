@@ -74,7 +74,7 @@ constexpr int64_t kQintPrefetchL2Bytes = 8192;
 // blocks `block_bytes` apart.
 KT_ALWAYS_INLINE const uint8_t* plane_ahead(const uint8_t* plane, int64_t k, int64_t kp,
                                             int64_t block_bytes, int64_t bytes_per_k) {
-  while (k >= kp) {  // a few times at most: the distances are a few KB
+  while (k >= kp) {  // once or twice for real layers (kp >= 512); more only for tiny K
     k -= kp;
     plane += block_bytes;
   }
