@@ -38,7 +38,12 @@ import torch
 from torch import Tensor, nn
 
 from kt_ops._checks import as_int
-from kt_ops.formats import format_spec, padded_k, repack_codes
+from kt_ops.formats import (
+    FOUR_BIT_PLANE_BEFORE_V3,
+    format_spec,
+    padded_k,
+    repack_four_bit_plane,
+)
 from kt_ops.formats.packed import PackedProjection
 from kt_ops.gpu_experts import (
     GpuExperts,
@@ -403,21 +408,18 @@ class MoEExperts(GpuResidentExperts, nn.Module):
         """Repack q2_k / q3_k weights of kt_ops before their 2- and 3-bit planes.
 
         Those held the codes in the 4-bit plane (``manifest_version`` 2); the
-        repacking is lossless (:func:`kt_ops.formats.repack_codes`).
+        repacking is lossless (:func:`kt_ops.formats.repack_four_bit_plane`).
         """
         H, inter = self.hidden_size, self.intermediate_size
         dims = {"gate": (inter, H), "up": (inter, H), "down": (H, inter)}
         for proj, fmt in zip(PROJECTIONS, self.weight_formats):
             key = f"{prefix}{proj}_weight"
             w = state_dict.get(key)
-            spec = format_spec(fmt)
-            if fmt not in ("q2_k", "q3_k") or not isinstance(w, Tensor) or w.dim() != 3:
+            if fmt not in FOUR_BIT_PLANE_BEFORE_V3 or not isinstance(w, Tensor) or w.dim() != 3:
                 continue
             n, k = dims[proj]
             if w.dtype == torch.uint8 and w.shape[-1] == 8 * padded_k(k):
-                state_dict[key] = repack_codes(
-                    w.cpu(), 4, spec.bits, n, k, pad_code=int(spec.zero_offset)
-                )
+                state_dict[key] = repack_four_bit_plane(w.cpu(), fmt, n, k)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
         self._refuse_old_kquant_scales(state_dict, prefix)

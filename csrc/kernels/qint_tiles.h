@@ -203,13 +203,9 @@ KT_ALWAYS_INLINE void qint_tile(const QintBlock& a, const uint8_t* const* x_rows
   for (int64_t k0 = 0; k0 < kp; k0 += Unit) {
     // Keep the block's stream ahead of the decode, in the first pass only
     // (later parts find the lines in cache).
-    if (part0 == 0) {
-      if constexpr (KQ)
-        qint_prefetch_unit<Bits, Unit>(a.block, high, k0, kp, static_cast<const uint8_t*>(a.scales),
-                                       rec_bytes);
-      else
-        qint_prefetch_unit<Bits, Unit>(a.block, high, k0, kp);
-    }
+    if (part0 == 0)
+      qint_prefetch_unit<Bits, Unit>(
+          a.block, high, k0, kp, KQ ? static_cast<const uint8_t*>(a.scales) : nullptr, rec_bytes);
     if constexpr (kNzFill) {
       const int64_t u0 = k0 / Unit;
       if (u0 % kNzUnits == 0) {

@@ -22,11 +22,13 @@ from kt_ops.formats.mxfp4 import E2M1_VALUES, from_mxfp4
 from kt_ops.formats.nvfp4 import from_nvfp4
 from kt_ops.formats.packed import PackedProjection
 from kt_ops.formats.qint import (
+    FOUR_BIT_PLANE_BEFORE_V3,
     kquant_scale_values,
     pack_codes,
     pack_group_params,
     pack_kquant_scales,
     repack_codes,
+    repack_four_bit_plane,
     unpack_codes,
     unpack_group_params,
     unpack_kquant_scales,
@@ -59,6 +61,8 @@ __all__ = [
     "padded_k",
     "pack_codes",
     "repack_codes",
+    "repack_four_bit_plane",
+    "FOUR_BIT_PLANE_BEFORE_V3",
     "unpack_codes",
     "pack_group_params",
     "unpack_group_params",

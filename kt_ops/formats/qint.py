@@ -36,6 +36,8 @@ __all__ = [
     "pack_codes",
     "unpack_codes",
     "repack_codes",
+    "repack_four_bit_plane",
+    "FOUR_BIT_PLANE_BEFORE_V3",
     "pack_group_params",
     "unpack_group_params",
     "pack_kquant_scales",
@@ -176,6 +178,22 @@ def repack_codes(
     if codes.numel() and int(codes.max()) >= 1 << bits:
         raise ValueError(f"repack_codes: a code above {(1 << bits) - 1} for bits={bits}")
     return pack_codes(codes, bits, pad_code=pad_code)
+
+
+#: Formats whose codes kt_ops before ``manifest_version`` 3 kept in the 4-bit plane.
+FOUR_BIT_PLANE_BEFORE_V3 = ("q2_k", "q3_k")
+
+
+def repack_four_bit_plane(weight: Tensor, weight_format: str, n: int, k: int) -> Tensor:
+    """An old ``q2_k`` / ``q3_k`` weight (codes in the 4-bit plane) in today's planes.
+
+    ``weight``: uint8 ``[E, ceil(n/16), 8 * Kp]``, as kt_ops before
+    ``manifest_version`` 3 packed :data:`FOUR_BIT_PLANE_BEFORE_V3`; returns uint8
+    ``[E, ceil(n/16), 16 * Kp * bits / 8]``, the same codes (lossless), the padding
+    holding the code of weight 0. Raises ValueError as :func:`repack_codes`.
+    """
+    spec = format_spec(weight_format)
+    return repack_codes(weight, 4, spec.bits, n, k, pad_code=int(spec.zero_offset))
 
 
 def _check_rows(where: str, n: int, nb: int) -> None:

@@ -51,10 +51,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Optional, Union
 
-import torch
 from safetensors import safe_open
 
-from kt_ops.formats import FORMATS, PackedProjection, format_spec, repack_codes
+from kt_ops.formats import (
+    FORMATS,
+    FOUR_BIT_PLANE_BEFORE_V3,
+    PackedProjection,
+    format_spec,
+    repack_four_bit_plane,
+)
 from kt_ops.layer import PROJECTIONS, ExpertWeights, join_weight_format
 from kt_ops.loaders._common import check_format
 from kt_ops.loaders.base import CheckpointReader, expert_weights
@@ -79,10 +84,10 @@ MANIFEST_VERSION = 3
 #: k-quant projection (every other layout is unchanged); one with k-quants is refused
 #: (:func:`_check_layout_version`), as is resuming into any version-1 directory. A
 #: version-2 directory loads, its q2_k / q3_k codes repacked from the 4-bit plane on
-#: load (:func:`_repack_nibble_codes`: lossless; the file's bytes are checked first).
+#: load (:func:`kt_ops.formats.repack_four_bit_plane`: lossless; the file's bytes are
+#: checked first).
 _READABLE_VERSIONS = (1, 2, 3)
 _KQUANT_V2 = tuple(f for f in FORMATS if format_spec(f).is_kquant)
-_NARROW_CODES_V3 = ("q2_k", "q3_k")
 _PathLike = Union[str, Path]
 
 
@@ -145,16 +150,6 @@ def _check_layout_version(path: Path, m: dict) -> None:
                     f"{MANIFEST_VERSION}). Convert the source again into a new directory "
                     "(kt-ops convert SRC NEW_OUT)"
                 )
-
-
-def _repack_nibble_codes(weight: torch.Tensor, fmt: str, n: int, k: int) -> torch.Tensor:
-    """A version-2 q2_k / q3_k weight (codes in the 4-bit plane) in this layout's planes.
-
-    Raises ValueError when ``weight`` is not the version-2 shape (uint8
-    ``[E, ceil(n/16), 8 * Kp]``) or holds a code wider than the format's.
-    """
-    spec = format_spec(fmt)
-    return repack_codes(weight, 4, spec.bits, n, k, pad_code=int(spec.zero_offset))
 
 
 def _is_int(v: Any) -> bool:
@@ -380,8 +375,8 @@ def _load_entry(out: Path, manifest: dict, layer: int, verify: bool) -> ExpertWe
         pm = meta["projections"][role]
         ts = {n: tensors[f"{role}.{n}"] for n in pm["tensors"]}
         try:
-            if manifest["manifest_version"] < 3 and pm["format"] in _NARROW_CODES_V3:
-                ts["weight"] = _repack_nibble_codes(ts["weight"], pm["format"], pm["n"], pm["k"])
+            if manifest["manifest_version"] < 3 and pm["format"] in FOUR_BIT_PLANE_BEFORE_V3:
+                ts["weight"] = repack_four_bit_plane(ts["weight"], pm["format"], pm["n"], pm["k"])
             p = PackedProjection(
                 weight=ts["weight"],
                 scales=ts.get("scales"),
