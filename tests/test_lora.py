@@ -439,6 +439,62 @@ def test_bit_identical_for_thread_counts(checkpointing: bool):
             assert torch.equal(grads[name], grads0[name]), name
 
 
+def _gemm_nt_isas() -> list[str]:
+    """The supported tiers with their own fp32 NT tiles (the rest run the BLAS)."""
+    a, b, c = torch.ones(1, 1), torch.ones(1, 1), torch.zeros(1, 1)
+    have = []
+    for isa in kt_ops.supported_isas():
+        try:
+            kt_ops._C._testing.gemm_nt_f32(a, b, c, False, isa, 0, 1)
+        except ValueError:
+            continue
+        have.append(isa)
+    return have
+
+
+def test_gemm_nt_tiles_match_fp64_and_any_row_split():
+    """The backward's fp32 products with the base on a tier's own NT tiles (AVX2:
+    kernels/avx2/gemm_nt_avx2.cpp; 3 x 4 register tiles, 8 lanes along the reduction):
+    every edge of the tiling (m % 3, n % 4, k % 8), against fp64, and the same bits for
+    any split of the rows (a thread's share), with and without accumulation."""
+    isas = _gemm_nt_isas()
+    if "avx2" in kt_ops.supported_isas():
+        assert "avx2" in isas
+    if not isas:
+        pytest.skip("no tier here has its own fp32 NT tiles (the BLAS computes them)")
+    g = torch.Generator().manual_seed(5)
+    nt = kt_ops._C._testing.gemm_nt_f32
+    for isa in isas:
+        for m, n, k in [
+            (1, 1, 1),
+            (2, 3, 7),
+            (3, 4, 8),
+            (4, 5, 9),
+            (5, 9, 33),
+            (7, 6, 70),
+            (8, 13, 256),
+            (16, 7, 131),
+        ]:
+            a = torch.randn(m, k, generator=g)
+            b = torch.randn(n, k, generator=g)
+            c0 = torch.randn(m, n, generator=g)
+            want = a.double() @ b.double().T
+            bound = 4 * k * 2**-24 * (a.abs().double() @ b.abs().double().T) + 1e-30
+            whole = torch.empty(m, n)
+            nt(a, b, whole, False, isa, 0, m)
+            assert ((whole.double() - want).abs() <= bound).all(), (isa, m, n, k)
+            for cut in range(1, m):
+                split = torch.empty(m, n)
+                nt(a, b, split, False, isa, 0, cut)
+                nt(a, b, split, False, isa, cut, m - cut)
+                assert torch.equal(split, whole), (isa, m, n, k, cut)
+            acc = c0.clone()
+            nt(a, b, acc, True, isa, 0, m)
+            assert torch.equal(acc, c0 + whole), (isa, m, n, k)
+    with pytest.raises(ValueError, match="no such kernel"):
+        nt(torch.ones(1, 1), torch.ones(1, 1), torch.zeros(1, 1), False, "ref", 0, 1)
+
+
 @pytest.mark.parametrize("case", [CASES[3], CASES[4], CASES[5]], ids=lambda c: c.name)
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["save", "recompute"])
 def test_non_temporal_stores_give_the_same_bits(case: Case, checkpointing: bool):

@@ -300,6 +300,7 @@ struct Tier {
   GluRows (*glu)(const Glu&);                   // the epilogue of each activation
   GluBackwardRows (*glu_backward)(const Glu&);  // its backward (LoRA), where vectorized
   QuantizeRowQ8 quantize_q8;
+  GemmNtF32 gemm_nt = nullptr;  // the LoRA backward's fp32 products (else the BLAS)
 };
 
 const Tier kTiers[] = {
@@ -318,7 +319,8 @@ const Tier kTiers[] = {
      {nullptr, nullptr, nullptr},  // oneDNN's bf16 / int8 brgemm does not run on AVX2
      avx2::glu_rows,
      avx2::glu_backward_rows,
-     avx2::quantize_row_q8},
+     avx2::quantize_row_q8,
+     avx2::gemm_nt_f32},
     // The weight-only fp32 path stays on AVX2 code, which every AVX-512 CPU runs;
     // so does fp8 without AVX512_VBMI (avx512::fp8_kernels chooses).
     // The tile families: oneDNN's brgemm (AVX-512 code, or AMX tiles where the
@@ -477,6 +479,8 @@ GluBackwardRows glu_backward_rows(Isa isa, const Glu& glu) {
     if (kTiers[i].glu_backward != nullptr) return kTiers[i].glu_backward(glu);
   return kTiers[0].glu_backward(glu);
 }
+
+GemmNtF32 gemm_nt_f32(Isa isa) { return kTiers[isa].gemm_nt; }
 
 QuantizeRowQ8 quantize_row_q8(Isa isa) {
   for (Isa i = isa; i > 0; --i)

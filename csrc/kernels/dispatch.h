@@ -9,6 +9,7 @@
 
 #include "formats/format_table.h"
 #include "kernels/activations.h"
+#include "kernels/gemm_nt.h"
 #include "kernels/isa.h"
 #include "kernels/kernel_api.h"
 
@@ -40,5 +41,9 @@ GluRows glu_rows(Isa isa, const Glu& glu);
 GluBackwardRows glu_backward_rows(Isa isa, const Glu& glu);
 // The q8 activation quantizer of tier `isa`.
 QuantizeRowQ8 quantize_row_q8(Isa isa);
+// Tier `isa`'s own fp32 NT product for the LoRA backward (kernels/gemm_nt.h), or nullptr:
+// the BLAS computes it. No fallback to a lower tier: a tier without one (AVX-512) keeps
+// the BLAS's kernels for its own vector width.
+GemmNtF32 gemm_nt_f32(Isa isa);
 
 }  // namespace kt::kernels

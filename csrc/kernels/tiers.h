@@ -8,6 +8,7 @@
 
 #include "kernels/activations.h"
 #include "kernels/block_args.h"
+#include "kernels/gemm_nt.h"
 #include "kernels/kernel_api.h"
 
 namespace kt::kernels {
@@ -33,6 +34,9 @@ __attribute__((weak)) const ProjectionKernels& fp8_kernels();
 __attribute__((weak)) GluRows glu_rows(const Glu& glu);
 __attribute__((weak)) GluBackwardRows glu_backward_rows(const Glu& glu);
 __attribute__((weak)) void quantize_row_q8(const float* x, int64_t kp, uint8_t* rec);
+__attribute__((weak)) void gemm_nt_f32(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
+                                       const float* b, int64_t ldb, float* c, int64_t ldc,
+                                       bool accumulate);
 }  // namespace avx2
 
 namespace avx512 {

@@ -184,25 +184,37 @@ void combine_slots(const float* slots, const RoutingPlan& plan, int64_t H, at::T
 // 2 MiB on Sapphire Rapids). 256 KiB gave 32-column panels of the down projection
 // (n = 2048), whose sgemms ran ~10% slower (m = 32 rows, 2 threads, Zen 4).
 constexpr int64_t kPanelBytes = 1024 * 1024;
+// The AVX2 NT tiles' panels: inside Zen 3's 512 KiB L2 (1 MiB gave the same backward
+// within the host's noise: 757-828 against 767-860 ms at T = 512, alternating runs).
+constexpr int64_t kNtPanelBytes = 256 * 1024;
 
 // out = sum_j d_j @ W_j for the backward's products with the frozen base (grad
 // of h: go Wd; grad of x: dg Wg + du Wu), W_j an expert's [n, k] projection
 // and every d_j [m, n]: per panel of 32-aligned columns of W, decoded to fp32
 // (dense_expert_panel) into `panel` and multiplied at once, so the whole fp32
 // matrix is never written to or read back from memory.
+// Where the tier has its own fp32 NT tiles (kernels/gemm_nt.h: AVX2) they multiply the
+// panel as it lies (rows of W^T, read along the reduction like d's rows); else the BLAS.
 void base_products(std::initializer_list<std::pair<const at::Tensor*, const Projection*>> terms,
                    int64_t e, at::Tensor& out, std::vector<float>& panel) {
   const Projection& p0 = *terms.begin()->second;
   const int64_t k = p0.k, ld = dense_panel_ld(p0);
-  const int64_t kc = std::max<int64_t>(32, kPanelBytes / (ld * 4) / 32 * 32);
+  kernels::GemmNtF32 nt = kernels::gemm_nt_f32(kernels::active_isa());
+  for (const auto& [d, p] : terms) nt = d->is_contiguous() && out.stride(1) == 1 ? nt : nullptr;
+  const int64_t bytes = nt != nullptr ? kNtPanelBytes : kPanelBytes;
+  const int64_t kc = std::max<int64_t>(32, bytes / (ld * 4) / 32 * 32);
   if (panel.size() < static_cast<size_t>(kc * ld)) panel.resize(kc * ld);
+  const int64_t m = out.size(0);
   for (int64_t k0 = 0; k0 < k; k0 += kc) {
     const int64_t k1 = std::min(k, k0 + kc);
     at::Tensor o = out.narrow(1, k0, k1 - k0);
     bool first = true;
     for (const auto& [d, p] : terms) {
       const at::Tensor wp = dense_expert_panel(*p, e, k0, k1, panel.data());
-      if (first) {
+      if (nt != nullptr) {
+        nt(m, k1 - k0, p->n, d->data_ptr<float>(), p->n, panel.data(), ld,
+           out.data_ptr<float>() + k0, out.stride(0), !first);
+      } else if (first) {
         at::mm_out(o, *d, wp);
       } else {
         o.addmm_(*d, wp);

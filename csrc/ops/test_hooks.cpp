@@ -1,13 +1,14 @@
 // kt_ops._C._testing: hooks for tests and benchmarks, kept out of the runtime
 // controls of kt_ops._C (python_bindings.cpp). Nothing in kt_ops/ calls them;
 // tests/ and benchmarks/ reach internals through them (the pool's task
-// placement, the caller's move target, one tier's quantizer or fp8 decode).
+// placement, the caller's move target, one tier's quantizer, fp8 decode or fp32 NT tiles).
 // The other hooks of this submodule are registered beside the code they
 // expose: HostBridge and bridge_caller_waits (csrc/hybrid/host_transport.cpp),
 // split_blocks (csrc/ops/numa_bindings.cpp).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 #include <sched.h>
+#include <torch/csrc/utils/pybind.h>  // at::Tensor <-> torch.Tensor casters
 
 #include <algorithm>
 #include <chrono>
@@ -95,6 +96,32 @@ void register_test_hooks(py::module& t) {
     kt::kernels::quantize_row_q8(isa)(x.data(), kp, reinterpret_cast<uint8_t*>(rec.data()));
     return py::bytes(rec);
   });
+  // c = a @ b^T (+ c when accumulate) from tier `isa`'s fp32 NT tiles (kernels/gemm_nt.h),
+  // on the rows [i0, i0 + rows) of a and c only (the caller's split of m); a [m, k], b [n, k],
+  // c [m, n]: contiguous fp32 tensors. ValueError where the tier has none.
+  t.def(
+      "gemm_nt_f32",
+      [](const at::Tensor& a, const at::Tensor& b, at::Tensor& c, bool accumulate,
+         const std::string& isa_name, int64_t i0, int64_t rows) {
+        const Isa isa = kt::kernels::parse_isa(isa_name);
+        const std::vector<Isa> ok = kt::kernels::supported_isas();
+        const kt::kernels::GemmNtF32 nt = std::find(ok.begin(), ok.end(), isa) == ok.end()
+                                              ? nullptr
+                                              : kt::kernels::gemm_nt_f32(isa);
+        if (nt == nullptr)
+          throw py::value_error("gemm_nt_f32: ISA '" + isa_name + "' has no such kernel here");
+        for (const at::Tensor* x : {&a, &b, static_cast<const at::Tensor*>(&c)})
+          if (x->dim() != 2 || x->scalar_type() != at::kFloat || !x->is_contiguous())
+            throw py::value_error("gemm_nt_f32: a, b and c must be contiguous 2-D fp32 tensors");
+        const int64_t m = a.size(0), k = a.size(1), n = b.size(0);
+        if (b.size(1) != k || c.size(0) != m || c.size(1) != n || i0 < 0 || rows < 0 ||
+            i0 + rows > m)
+          throw py::value_error("gemm_nt_f32: shapes or row range do not match");
+        nt(rows, n, k, a.data_ptr<float>() + i0 * k, k, b.data_ptr<float>(), k,
+           c.data_ptr<float>() + i0 * n, n, accumulate);
+      },
+      py::arg("a"), py::arg("b"), py::arg("c"), py::arg("accumulate"), py::arg("isa"),
+      py::arg("i0"), py::arg("rows"));
   // One fp8 block's E4M3 codes [kp][16] (kp a multiple of 32) as the fp8
   // brgemm's bf16 VNNI tile [kp/2][16][2] (kernels/tiers.h), from the
   // AVX512_VBMI decode ("vbmi") or the AVX512_BW one ("bw"); with `exponents`
