@@ -13,7 +13,13 @@ them the same way (``load_weights`` from ``weight_path``, or
 ||y_kt_kernel - y_kt_ops|| / ||y_kt_ops||, ``max_abs`` = max |y_kt_kernel -
 y_kt_ops|, ``max_rel`` = max_abs / max |y_kt_ops|, and each side's relative error
 against the fp32 dense reference of the stored weights (``ref_kt_kernel``,
-``ref_kt_ops``). A case kt-kernel cannot run here is recorded with its error.
+``ref_kt_ops``). A case kt-kernel cannot run here is recorded with its error and
+the side that raised it (``side``). Before each case and each side the script prints
+``@case NAME`` / ``@side kt_kernel|kt_ops`` (flushed), so that when a wrapper kills
+the process (kt-kernel 0.7.2's AVX2 build segfaults in RAWINT4) the caller knows
+which one did, and reruns the rest with ``--skip NAME``::
+
+    ... tests/kt_kernel_crosscheck.py OUT.json --skip RAWINT4
 
 Two adjustments let kt-kernel's wrapper run on a CPU-only torch, neither of
 which changes what it computes: its buffers ask for pinned memory, which a
@@ -101,6 +107,9 @@ def rel(a, b) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
 
+_SIDE = ["kt_kernel"]  # the wrapper running now: which side an exception came from
+
+
 def run_case(
     name, method, path, dense, *, tensors=None, p2l=None, mask=None, seed=0, experts=E, **extra
 ):
@@ -126,6 +135,8 @@ def run_case(
     m = ident if p2l is None else p2l
     outs = {}
     for side, cls in (("kt_kernel", kt_kernel.KTMoEWrapper), ("kt_ops", KTMoEWrapper)):
+        _SIDE[0] = side
+        print(f"@side {side}", flush=True)
         _release_kt_kernel_loader()
         wrapper = cls(**args)
         if tensors is not None:
@@ -136,6 +147,7 @@ def run_case(
     ref = reference(x, ids, w, dense, p2l, mask)
     # kt_ops' 4-bit kernels multiply int8 activations (q8, per 32) by default; its w4a16
     # path (fp32 activations) is the like-for-like with kt-kernel's fp32-activation backends.
+    _SIDE[0] = "kt_ops"
     kt_ops.set_quant_activations("fp32")
     try:
         w4a16 = wrapper.forward(x, ids, w, 0).clone()
@@ -156,15 +168,20 @@ def run_case(
     }
 
 
-def main(out_json: str) -> int:
+def main(out_json: str, skip: frozenset[str] = frozenset()) -> int:
     results = []
     tmp = Path(tempfile.mkdtemp(prefix="kt_compat_"))
 
     def case(fn):
+        if fn.__name__ in skip:
+            return
+        print(f"@case {fn.__name__}", flush=True)
+        _SIDE[0] = "kt_kernel"
         try:
             results.append(fn())
         except Exception as e:  # recorded, the test decides
-            results.append({"case": fn.__name__, "error": f"{type(e).__name__}: {e}"})
+            error = f"{type(e).__name__}: {e}"
+            results.append({"case": fn.__name__, "error": error, "side": _SIDE[0]})
             traceback.print_exc()
 
     bf16 = write_hf(tmp / "bf16", E=E, H=H, I=I, num_layers=2, dense_layers=(0,))[LAYER]
@@ -238,4 +255,6 @@ def main(out_json: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    args = sys.argv[1:]
+    skip = frozenset(args[args.index("--skip") + 1 :]) if "--skip" in args else frozenset()
+    sys.exit(main(args[0], skip))

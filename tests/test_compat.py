@@ -564,22 +564,44 @@ _PEERS_UNUSABLE = _peers_venv_unusable()
 
 @pytest.mark.skipif(bool(_PEERS_UNUSABLE), reason=_PEERS_UNUSABLE or "usable")
 def test_cross_check_kt_kernel(tmp_path):
+    """kt_ops.compat.KTMoEWrapper against kt-kernel 0.7.2's on the same weights, per method.
+
+    A case kt-kernel itself cannot run on this CPU is left out, with the reason: it
+    raised (its build lacks the method: the AVX2 build has no AMX classes) or it killed
+    the process (its AVX2 build segfaults in RAWINT4; the script is rerun without that
+    case). An error or a crash on kt_ops' side fails, and BF16 must run everywhere."""
     out = tmp_path / "cross.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("KT_OPS_")}
     env.update(PYTHONPATH=str(REPO), KT_FORCE_SYNC_SUBMIT="1", HF_HUB_OFFLINE="1")
-    r = subprocess.run(
-        [str(PEERS_PY), str(TESTS_DIR / "kt_kernel_crosscheck.py"), str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
-    )
+    left_out: dict[str, str] = {}
+    for _ in range(len(CROSS_CHECK_REL)):
+        skip = ["--skip", *left_out] if left_out else []
+        r = subprocess.run(
+            [str(PEERS_PY), str(TESTS_DIR / "kt_kernel_crosscheck.py"), str(out), *skip],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=tmp_path,
+        )
+        if r.returncode == 0:
+            break
+        marks = dict(line.split()[:2] for line in r.stdout.splitlines() if line[:2] in ("@c", "@s"))
+        case, side = marks.get("@case"), marks.get("@side")
+        assert r.returncode < 0 and case and side == "kt_kernel", (case, side, r.stderr[-3000:])
+        left_out[case] = f"kt-kernel killed the process (signal {-r.returncode})"
     assert r.returncode == 0, r.stderr[-3000:]
     results = {c["case"]: c for c in json.loads(out.read_text())["results"]}
-    assert set(results) == set(CROSS_CHECK_REL)
+    assert set(results) | set(left_out) == set(CROSS_CHECK_REL)
+    for name, c in list(results.items()):
+        if "error" in c:
+            assert c["side"] == "kt_kernel", (name, c)
+            left_out[name] = c["error"]
+            del results[name]
+    assert "BF16" in results, left_out
+    if left_out:
+        print(f"kt-kernel could not run here: {left_out}")
     for name, c in results.items():
-        assert "error" not in c, (name, c)
         assert c["finite_kt_kernel"], name
         assert c["rel"] <= CROSS_CHECK_REL[name], (name, c)
         # kt_ops is never further from the fp32 reference of the stored weights: by default,
