@@ -796,15 +796,12 @@ void split_vnni_panel(const Projection& p, int64_t expert, int64_t k0, int64_t c
   }
 }
 
-at::Tensor dense_expert_panel(const Projection& p, int64_t expert, int64_t k0, int64_t k1,
-                              float* panel) {
+void dense_expert_panel(const Projection& p, int64_t expert, int64_t k0, int64_t k1, float* panel) {
   TORCH_CHECK(
       expert >= 0 && expert < p.num_experts() && k0 % 32 == 0 && 0 <= k0 && k0 < k1 && k1 <= p.k,
       "dense_expert_panel: expert ", expert, " columns [", k0, ", ", k1,
       ") outside the projection or not 32-aligned");
-  const int64_t ld = dense_ld(p.n);
-  decode_columns(p, expert, k0, k1, panel, ld);
-  return at::from_blob(panel, {p.n, k1 - k0}, {1, ld}, at::TensorOptions().dtype(at::kFloat));
+  decode_columns(p, expert, k0, k1, panel, dense_ld(p.n));
 }
 
 }  // namespace kt::moe

@@ -35,11 +35,11 @@ int64_t dense_expert_weight_numel(const Projection& p);
 
 // Columns [k0, k1) of expert's W (k0 a multiple of 32), decoded as
 // dense_expert_weight decodes them, into `panel` (at least (k1 - k0) *
-// dense_panel_ld(p) floats), as an fp32 [n, k1 - k0] view (strides (1, ld)):
-// an L2-sized piece of the weights for the backward's W products, which then
+// dense_panel_ld(p) floats) as W^T: row j (ld = dense_panel_ld(p) floats apart) is
+// column k0 + j of W, n floats; seen as W's [n, k1 - k0] piece with strides (1, ld).
+// An L2-sized piece of the weights for the backward's W products, which then
 // never writes or reads the whole fp32 matrix (moe/moe_lora.cpp).
-at::Tensor dense_expert_panel(const Projection& p, int64_t expert, int64_t k0, int64_t k1,
-                              float* panel);
+void dense_expert_panel(const Projection& p, int64_t expert, int64_t k0, int64_t k1, float* panel);
 int64_t dense_panel_ld(const Projection& p);
 
 // Columns [k0, k0 + cols) of expert's bf16 W [n, k] as a brgemm B operand whose

@@ -199,25 +199,29 @@ void base_products(std::initializer_list<std::pair<const at::Tensor*, const Proj
                    int64_t e, at::Tensor& out, std::vector<float>& panel) {
   const Projection& p0 = *terms.begin()->second;
   const int64_t k = p0.k, ld = dense_panel_ld(p0);
-  kernels::GemmNtF32 nt = kernels::gemm_nt_f32(kernels::active_isa());
-  for (const auto& [d, p] : terms) nt = d->is_contiguous() && out.stride(1) == 1 ? nt : nullptr;
+  bool dense_rows = out.stride(1) == 1;
+  for (const auto& term : terms) dense_rows = dense_rows && term.first->is_contiguous();
+  const kernels::GemmNtF32 nt = dense_rows ? kernels::gemm_nt_f32(kernels::active_isa()) : nullptr;
   const int64_t bytes = nt != nullptr ? kNtPanelBytes : kPanelBytes;
   const int64_t kc = std::max<int64_t>(32, bytes / (ld * 4) / 32 * 32);
   if (panel.size() < static_cast<size_t>(kc * ld)) panel.resize(kc * ld);
   const int64_t m = out.size(0);
   for (int64_t k0 = 0; k0 < k; k0 += kc) {
     const int64_t k1 = std::min(k, k0 + kc);
-    at::Tensor o = out.narrow(1, k0, k1 - k0);
     bool first = true;
     for (const auto& [d, p] : terms) {
-      const at::Tensor wp = dense_expert_panel(*p, e, k0, k1, panel.data());
+      dense_expert_panel(*p, e, k0, k1, panel.data());
       if (nt != nullptr) {
         nt(m, k1 - k0, p->n, d->data_ptr<float>(), p->n, panel.data(), ld,
            out.data_ptr<float>() + k0, out.stride(0), !first);
-      } else if (first) {
-        at::mm_out(o, *d, wp);
       } else {
-        o.addmm_(*d, wp);
+        at::Tensor o = out.narrow(1, k0, k1 - k0);
+        const at::Tensor wp = at::from_blob(panel.data(), {p->n, k1 - k0}, {1, ld}, kF32);
+        if (first) {
+          at::mm_out(o, *d, wp);
+        } else {
+          o.addmm_(*d, wp);
+        }
       }
       first = false;
     }
