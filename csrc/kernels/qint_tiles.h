@@ -18,8 +18,8 @@
 //       acc += s[r,g] * (x_scale_i(u) * isum) - zero[r,g] * x_sum_i(u)
 //   (implicit zero: zero = zero_offset * s, folded as
 //   acc = fma(s, fma(float(isum), x_scale, -zero_offset * x_sum), acc) for
-//   int4, q4_0, mxfp4 and nvfp4; signed codes and the k-quants keep fma(s,
-//   fnmadd(offset, x_sum, float(isum) * x_scale), acc), as
+//   int4, q4_0, mxfp4, nvfp4, q3_k and q6_k; signed codes (8-bit, IQ4_NL,
+//   IQ4_XS) keep fma(s, fnmadd(offset, x_sum, float(isum) * x_scale), acc), as
 //   brgemm_fold_avx512.cpp). The fp32 fold is the same
 //   sequence of operations (FMAs) on every SIMD tier, and the int32 sums are
 //   exact, so avx2, avx512 and avx512_vnni give bit-identical results (ref,
@@ -43,6 +43,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "formats/q8_activations.h"
 #include "formats/qint.h"
@@ -55,6 +56,22 @@ namespace kt::kernels {
 #endif
 
 enum class ZeroMode { kImplicit, kExplicit };
+
+// Whether the tier's traits decode a unit's four 3-bit quads at once
+// (V::q3_quads: AVX2, whose integer ops cost most per quad; the other tiers
+// insert each quad's high bit with shifts).
+template <class V, class = void>
+struct HasQ3Quads : std::false_type {};
+template <class V>
+struct HasQ3Quads<V, std::void_t<decltype(&V::q3_quads)>> : std::true_type {};
+
+// Whether the tier's traits scale a k-quant's int8 sub-block scales in the
+// fold (V::kq_int8_scales: AVX2), instead of decoding the super-block's record
+// to fp32 first. The same exact products d * sc either way, so the same bits.
+template <class V, class = void>
+struct HasKqInt8Scales : std::false_type {};
+template <class V>
+struct HasKqInt8Scales<V, std::void_t<decltype(&V::kq_int8_scales)>> : std::true_type {};
 
 // Software prefetch of the code streams, two levels: into L1 2 KB ahead of
 // the decode (measured on Zen 3; on Zen 4 1, 2, 4 and 8 KB alike, none 0.5x)
@@ -81,8 +98,12 @@ KT_ALWAYS_INLINE const uint8_t* plane_ahead(const uint8_t* plane, int64_t k, int
   return plane + k * bytes_per_k;
 }
 
-// Prefetches every 64-byte line holding the codes of k in [k0, k0 + Unit)
-// kQintPrefetchBytes ahead into L1 and kQintPrefetchL2Bytes ahead into L2.
+// Prefetches every 64-byte line holding the codes of k in [k0, k0 + kStep)
+// kQintPrefetchBytes ahead into L1 and kQintPrefetchL2Bytes ahead into L2,
+// where kStep is the unit, or 32 k for units of 16: a unit of 16 k with k0 % 32
+// != 0 prefetches nothing. (Per 16 k, the address arithmetic and the
+// prefetches had cost a hot q3_k T = 1 call a quarter of its time on Zen 3.)
+// kp and both distances are multiples of 32 k, so the lines of one step lie in one block.
 // 4- and 8-bit codes are one plane, consecutive blocks back to back: one
 // stream, prefetched by bytes. 3/5/6-bit codes are two planes per block, read
 // side by side: each is prefetched as many k ahead as those bytes are of the
@@ -97,14 +118,18 @@ KT_ALWAYS_INLINE void qint_prefetch_unit(const uint8_t* block, [[maybe_unused]] 
                                          int64_t k0, [[maybe_unused]] int64_t kp,
                                          [[maybe_unused]] const uint8_t* recs = nullptr,
                                          [[maybe_unused]] int64_t rec_bytes = 0) {
+  constexpr int64_t kStep = Unit < 32 ? 32 : Unit;
+  if (k0 % kStep != 0) return;
   constexpr int kLowBits = formats::qint_low_plane_bits(Bits);
   constexpr int64_t kLowPerK = 16 * kLowBits / 8;  // bytes per k of the block's 16 rows
-  constexpr int64_t kLowLines = int64_t{Unit} * kLowPerK / 64;
-  static_assert(kLowLines >= 1, "a unit covers whole low-plane lines");
+  constexpr int64_t kLowLines = kStep * kLowPerK / 64;
+  static_assert(kLowLines >= 1, "a step covers whole low-plane lines");
   constexpr int64_t kAheadK = kQintPrefetchBytes / kLowPerK;
   constexpr int64_t kAheadL2K = kQintPrefetchL2Bytes / kLowPerK;
+  static_assert(kAheadK % 32 == 0 && kAheadL2K % 32 == 0, "a step's lines in one block");
   if constexpr (Bits != kLowBits) {
     constexpr int64_t kHighPerK = 16 * (Bits - kLowBits) / 8;
+    constexpr int64_t kHighLines = kStep * kHighPerK / 64;  // 3, 5 bit: 1; 6 bit: 2
     const int64_t block_bytes = formats::qint_block_bytes(Bits, kp);
     const uint8_t* l1 = plane_ahead(block, k0 + kAheadK, kp, block_bytes, kLowPerK);
     const uint8_t* l2 = plane_ahead(block, k0 + kAheadL2K, kp, block_bytes, kLowPerK);
@@ -112,9 +137,12 @@ KT_ALWAYS_INLINE void qint_prefetch_unit(const uint8_t* block, [[maybe_unused]] 
       __builtin_prefetch(l1 + l * 64, 0, 3);
       __builtin_prefetch(l2 + l * 64, 0, 2);
     }
-    // One high-plane line per 32 (3, 5 bit) or 16 (6 bit) k: Unit covers at most one.
-    __builtin_prefetch(plane_ahead(high, k0 + kAheadK, kp, block_bytes, kHighPerK), 0, 3);
-    __builtin_prefetch(plane_ahead(high, k0 + kAheadL2K, kp, block_bytes, kHighPerK), 0, 2);
+    const uint8_t* h1 = plane_ahead(high, k0 + kAheadK, kp, block_bytes, kHighPerK);
+    const uint8_t* h2 = plane_ahead(high, k0 + kAheadL2K, kp, block_bytes, kHighPerK);
+    for (int64_t l = 0; l < kHighLines; ++l) {
+      __builtin_prefetch(h1 + l * 64, 0, 3);
+      __builtin_prefetch(h2 + l * 64, 0, 2);
+    }
   } else {
     const uint8_t* low = block + k0 * kLowPerK;
     for (int64_t l = 0; l < kLowLines; ++l) {
@@ -123,7 +151,7 @@ KT_ALWAYS_INLINE void qint_prefetch_unit(const uint8_t* block, [[maybe_unused]] 
     }
   }
   // The records of consecutive blocks are back to back: one stream, one record per
-  // 256 k (<= 320 bytes, so a unit of 16 k passes at most 20 of them: a line per unit).
+  // 256 k (<= 320 bytes: a step of 32 k passes at most 40 of them, a line per step).
   if (recs != nullptr)
     __builtin_prefetch(recs + (k0 + kAheadL2K) * rec_bytes / formats::kKSuperK, 0, 2);
 }
@@ -181,20 +209,28 @@ KT_ALWAYS_INLINE void qint_tile(const QintBlock& a, const uint8_t* const* x_rows
   F acc[M][P];
   for (int i = 0; i < M; ++i)
     for (int p = 0; p < P; ++p) acc[i][p] = V::fzero();
-  // Implicit zeros of the 4-bit formats (not k-quants): the fold adds nz = -zero_offset *
-  // x_sum of each token and unit inside one FMA, float(isum) * x_scale + nz
-  // (one vector op less per token and unit than fnmadd(offset, x_sum, .)).
+  // Implicit zeros of unsigned codes (int4, q4_0, mxfp4, nvfp4, q3_k, q6_k): the fold
+  // adds nz = -zero_offset * x_sum of each token and unit inside one FMA,
+  // float(isum) * x_scale + nz (one vector op less per token and unit than
+  // fnmadd(offset, x_sum, .); q3_k and q6_k too since their 2/3-bit planes).
   // Prefill tiles (M > 2) compute nz for kNzUnits units at a time, so the fold
   // reads it as a broadcast operand; decode tiles compute it in the fold (a
   // per-tile pass over the units cost more than the fold at 1-2 tokens: hot
   // T = 1 mxfp4 / int4-g32 17-19% slower). The same fp32 product either
   // way, so a token's result does not depend on the tile it falls in.
-  constexpr bool kNz = !KQ && Z == ZeroMode::kImplicit && !kSigned;
+  constexpr bool kNz = Z == ZeroMode::kImplicit && !kSigned;
   constexpr bool kNzFill = kNz && M > 2;
   constexpr int kNzUnits = 64;
   [[maybe_unused]] alignas(64) float nz[kNzFill ? M * kNzUnits : 1];
-  [[maybe_unused]] alignas(64) float kq_s[KQ ? formats::kKquantMaxSubBlocks * 16 : 1];
-  [[maybe_unused]] alignas(64) float kq_z[KQ ? formats::kKquantMaxSubBlocks * 16 : 1];
+  // q3_k and q6_k (int8 sub-block scales, no mins) on tiers with V::kq_int8_scales:
+  // the super-block's d per row (kq_d) and its scales' bytes (kq_sc), scaled per unit.
+  constexpr bool kLazyScales = KQ && (Bits == 3 || Bits == 6) && HasKqInt8Scales<V>::value;
+  [[maybe_unused]] alignas(64) float kq_d[kLazyScales ? 16 : 1];
+  [[maybe_unused]] const uint8_t* kq_sc = nullptr;
+  [[maybe_unused]] alignas(
+      64) float kq_s[KQ && !kLazyScales ? formats::kKquantMaxSubBlocks * 16 : 1];
+  [[maybe_unused]] alignas(
+      64) float kq_z[KQ && !kLazyScales ? formats::kKquantMaxSubBlocks * 16 : 1];
   // The scale group of k0, followed without a division per unit (a 64-bit
   // idiv sat on every unit's fold; a unit never straddles two groups).
   [[maybe_unused]] int64_t g = 0, g_end = gsize;
@@ -221,10 +257,18 @@ KT_ALWAYS_INLINE void qint_tile(const QintBlock& a, const uint8_t* const* x_rows
       }
     }
     if constexpr (KQ) {
-      if (k0 % formats::kKSuperK == 0)
-        kquant_decode_super<V>(
-            static_cast<const uint8_t*>(a.scales) + (k0 / formats::kKSuperK) * rec_bytes,
-            f.scale_type, kq_s, kq_z);
+      if (k0 % formats::kKSuperK == 0) {
+        const uint8_t* rec =
+            static_cast<const uint8_t*>(a.scales) + (k0 / formats::kKSuperK) * rec_bytes;
+        if constexpr (kLazyScales) {
+          F d[V::kParts];
+          V::kq_load_d(rec, d);
+          for (int p = 0; p < V::kParts; ++p) V::store(kq_d + p * V::kRows, d[p]);
+          kq_sc = rec + formats::kKq6ScaleOffset;
+        } else {
+          kquant_decode_super<V>(rec, f.scale_type, kq_s, kq_z);
+        }
+      }
     }
     I isum[M][P];
     [[maybe_unused]] I isum_c[kSigned ? C : 1][M][P];  // signed codes: the chains of isum
@@ -247,6 +291,15 @@ KT_ALWAYS_INLINE void qint_tile(const QintBlock& a, const uint8_t* const* x_rows
         hb[p] = V::load(high + (k0 / 32) * 64 + (part0 + p) * V::kBytes);
         if (Unit == 16 && k0 % 32 != 0) hb[p] = V::srl16(hb[p], 4);
       }
+    }
+    // 3-bit codes on tiers with V::q3_quads: the unit's 4 quads of each part at once.
+    constexpr bool kQ3Quads = Bits == 3 && HasQ3Quads<V>::value;
+    [[maybe_unused]] I q3w[kQ3Quads ? P : 1][4];
+    if constexpr (kQ3Quads) {
+      static_assert(Unit == 16, "q3_k: one 2-bit line per unit");
+      const uint8_t* line = a.block + (k0 / 16) * 64;
+      for (int p = 0; p < P; ++p)
+        V::q3_quads(V::load(line + (part0 + p) * V::kBytes), hb[p], q3w[p]);
     }
     for (int q0 = 0; q0 < NQ; q0 += D) {
       [[maybe_unused]] I st[C][M][P];
@@ -284,7 +337,12 @@ KT_ALWAYS_INLINE void qint_tile(const QintBlock& a, const uint8_t* const* x_rows
           }
         } else {
           I w0[P], w1[P];
-          if constexpr (Bits <= 3) {
+          if constexpr (kQ3Quads) {
+            for (int p = 0; p < P; ++p) {
+              w0[p] = q3w[p][q];
+              w1[p] = q3w[p][q + 1];
+            }
+          } else if constexpr (Bits <= 3) {
             // One 2-bit plane line per 16 k (k0 is a multiple of 16): quads q, q+1 in
             // bit pairs q % 4 and q % 4 + 1; the 3-bit codes' third bit to bit 2.
             const uint8_t* line = a.block + ((k0 / 4 + q) / 4) * 64;
@@ -340,6 +398,10 @@ KT_ALWAYS_INLINE void qint_tile(const QintBlock& a, const uint8_t* const* x_rows
       constexpr auto kF32 = formats::ScaleType::kF32;
       const int64_t sidx = ((k0 % formats::kKSuperK) / Unit) * 16 + part0 * V::kRows;
       for (int p = 0; p < P; ++p) {
+        if constexpr (kLazyScales) {
+          s[p] = V::kq_int8_scales(kq_sc + sidx + p * V::kRows, kq_d + (part0 + p) * V::kRows);
+          continue;
+        }
         s[p] = V::load_scales(kq_s, kF32, sidx + p * V::kRows);
         z[p] =
             Z == ZeroMode::kExplicit ? V::load_scales(kq_z, kF32, sidx + p * V::kRows) : V::fzero();

@@ -150,6 +150,29 @@ struct QintVec {
   static inline I crumbs(I raw, int c) {
     return _mm256_and_si256(_mm256_srl_epi16(raw, _mm_cvtsi32_si128(2 * c)), _mm256_set1_epi8(3));
   }
+  // The 4 quads of a unit of 3-bit codes (q3_k): `raw` one 2-bit plane line's
+  // half (quad c in bits 2c, 2c+1 of each byte), `hb` the high plane's half
+  // with quad c's third bit at bit c (bits 4-7 of `hb` ignored). Codes
+  // 0..7 into w[0..3]. Quads 0 and 2 (1 and 3) go as one nibble pair: their
+  // crumbs masked in place (0x33) and their high bits spread to bits 2 and 6
+  // by a 16-entry table on the high nibble, then split into nibbles:
+  // 13 ops for 4 quads against 18 for a shift, mask and or per quad.
+  static inline void q3_quads(I raw, I hb, I* w) {
+    alignas(16) static constexpr uint8_t kSpread02[16] = {0, 4, 0, 4, 0x40, 0x44, 0x40, 0x44,
+                                                          0, 4, 0, 4, 0x40, 0x44, 0x40, 0x44};
+    alignas(16) static constexpr uint8_t kSpread13[16] = {
+        0, 0, 4, 4, 0, 0, 4, 4, 0x40, 0x40, 0x44, 0x44, 0x40, 0x40, 0x44, 0x44};
+    const I m33 = _mm256_set1_epi8(0x33), m0f = _mm256_set1_epi8(0x0F);
+    const I hn = _mm256_and_si256(hb, m0f);
+    const I c02 =
+        _mm256_or_si256(_mm256_and_si256(raw, m33), _mm256_shuffle_epi8(table16(kSpread02), hn));
+    const I c13 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 2), m33),
+                                  _mm256_shuffle_epi8(table16(kSpread13), hn));
+    w[0] = _mm256_and_si256(c02, m0f);
+    w[1] = _mm256_and_si256(c13, m0f);
+    w[2] = _mm256_and_si256(_mm256_srli_epi16(c02, 4), m0f);
+    w[3] = _mm256_and_si256(_mm256_srli_epi16(c13, 4), m0f);
+  }
   // Every 16-bit lane shifted right by n bits.
   static inline I srl16(I v, int n) { return _mm256_srl_epi16(v, _mm_cvtsi32_si128(n)); }
   // st += w0 . x0 + w1 . x1 per 16-bit pair (u8 codes x s8 activations).
@@ -192,6 +215,12 @@ struct QintVec {
     const __m256i v1 = is_signed ? _mm256_cvtepi8_epi32(b1) : _mm256_cvtepu8_epi32(b1);
     _mm256_storeu_ps(out, _mm256_mul_ps(d[0], _mm256_cvtepi32_ps(v0)));
     _mm256_storeu_ps(out + 8, _mm256_mul_ps(d[1], _mm256_cvtepi32_ps(v1)));
+  }
+  // kRows rows' fp32 scales d * sc of a k-quant sub-block: int8 scales sc at p,
+  // the rows' d at d (kq_load_d's values); kq_widen_store's exact products.
+  static inline F kq_int8_scales(const uint8_t* p, const float* d) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    return _mm256_mul_ps(_mm256_loadu_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)));
   }
   // kRows consecutive stored scales (or zeros) as fp32.
   static inline F load_scales(const void* base, formats::ScaleType t, int64_t index) {
