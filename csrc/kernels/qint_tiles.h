@@ -219,7 +219,10 @@ KT_ALWAYS_INLINE void qint_tile(const QintBlock& a, const uint8_t* const* x_rows
   // T = 1 mxfp4 / int4-g32 17-19% slower). The same fp32 product either
   // way, so a token's result does not depend on the tile it falls in.
   constexpr bool kNz = Z == ZeroMode::kImplicit && !kSigned;
-  constexpr bool kNzFill = kNz && M > 2;
+  // Tiers of 8-row registers (AVX2) pass over a block once per part, and per part the
+  // table cost more than it saved (Zen 3, T = 512 int4-g128 7-11% slower): they compute
+  // nz in the fold at every M.
+  constexpr bool kNzFill = kNz && M > 2 && V::kParts == 1;
   constexpr int kNzUnits = 64;
   [[maybe_unused]] alignas(64) float nz[kNzFill ? M * kNzUnits : 1];
   // q3_k and q6_k (int8 sub-block scales, no mins) on tiers with V::kq_int8_scales:
