@@ -230,10 +230,9 @@ KT_ALWAYS_INLINE void qint_tile(const QintBlock& a, const uint8_t* const* x_rows
   constexpr bool kLazyScales = KQ && (Bits == 3 || Bits == 6) && HasKqInt8Scales<V>::value;
   [[maybe_unused]] alignas(64) float kq_d[kLazyScales ? 16 : 1];
   [[maybe_unused]] const uint8_t* kq_sc = nullptr;
-  [[maybe_unused]] alignas(
-      64) float kq_s[KQ && !kLazyScales ? formats::kKquantMaxSubBlocks * 16 : 1];
-  [[maybe_unused]] alignas(
-      64) float kq_z[KQ && !kLazyScales ? formats::kKquantMaxSubBlocks * 16 : 1];
+  constexpr int64_t kRecFloats = KQ && !kLazyScales ? formats::kKquantMaxSubBlocks * 16 : 1;
+  [[maybe_unused]] alignas(64) float kq_s[kRecFloats];  // a decoded record's d * sc
+  [[maybe_unused]] alignas(64) float kq_z[kRecFloats];  // and dmin * m
   // The scale group of k0, followed without a division per unit (a 64-bit
   // idiv sat on every unit's fold; a unit never straddles two groups).
   [[maybe_unused]] int64_t g = 0, g_end = gsize;
