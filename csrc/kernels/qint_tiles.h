@@ -228,6 +228,7 @@ KT_ALWAYS_INLINE void qint_tile(const QintBlock& a, const uint8_t* const* x_rows
   // q3_k and q6_k (int8 sub-block scales, no mins) on tiers with V::kq_int8_scales:
   // the super-block's d per row (kq_d) and its scales' bytes (kq_sc), scaled per unit.
   constexpr bool kLazyScales = KQ && (Bits == 3 || Bits == 6) && HasKqInt8Scales<V>::value;
+  static_assert(!kLazyScales || Z == ZeroMode::kImplicit, "q3_k / q6_k records hold no mins");
   [[maybe_unused]] alignas(64) float kq_d[kLazyScales ? 16 : 1];
   [[maybe_unused]] const uint8_t* kq_sc = nullptr;
   constexpr int64_t kRecFloats = KQ && !kLazyScales ? formats::kKquantMaxSubBlocks * 16 : 1;
@@ -400,13 +401,14 @@ KT_ALWAYS_INLINE void qint_tile(const QintBlock& a, const uint8_t* const* x_rows
       constexpr auto kF32 = formats::ScaleType::kF32;
       const int64_t sidx = ((k0 % formats::kKSuperK) / Unit) * 16 + part0 * V::kRows;
       for (int p = 0; p < P; ++p) {
-        if constexpr (kLazyScales) {
+        if constexpr (kLazyScales) {  // no mins: implicit zeros
           s[p] = V::kq_int8_scales(kq_sc + sidx + p * V::kRows, kq_d + (part0 + p) * V::kRows);
-          continue;
+          z[p] = V::fzero();
+        } else {
+          s[p] = V::load_scales(kq_s, kF32, sidx + p * V::kRows);
+          z[p] = Z == ZeroMode::kExplicit ? V::load_scales(kq_z, kF32, sidx + p * V::kRows)
+                                          : V::fzero();
         }
-        s[p] = V::load_scales(kq_s, kF32, sidx + p * V::kRows);
-        z[p] =
-            Z == ZeroMode::kExplicit ? V::load_scales(kq_z, kF32, sidx + p * V::kRows) : V::fzero();
       }
     } else {
       if (k0 == g_end) {
