@@ -5,6 +5,9 @@
 # Code in these files lives in its own namespace and is reached only through
 # the tier table of csrc/kernels/dispatch.cpp after a CPUID check; a tier the
 # compiler cannot target is left out (its weak entry points stay null).
+# After the link, cmake/check_isa_odr.py fails the build if a tier's object
+# defines a weak function outside the tier's namespace (an inline function the
+# linker could pick for callers compiled without that ISA).
 include(CheckCXXCompilerFlag)
 
 function(kt_isa_library name flags)
@@ -22,11 +25,14 @@ function(kt_isa_library name flags)
   target_compile_options(kt_kernels_${name} PRIVATE -O3 ${flags} -Wall -Wextra)
   set(KT_ISA_OBJECTS ${KT_ISA_OBJECTS} $<TARGET_OBJECTS:kt_kernels_${name}> PARENT_SCOPE)
   set(KT_ISA_BUILT ${KT_ISA_BUILT} ${name} PARENT_SCOPE)
+  set(KT_ISA_ODR_ARGS ${KT_ISA_ODR_ARGS} "${name}=$<JOIN:$<TARGET_OBJECTS:kt_kernels_${name}>,|>"
+      PARENT_SCOPE)
 endfunction()
 
 function(kt_add_isa_kernels target)
   set(KT_ISA_OBJECTS "")
   set(KT_ISA_BUILT "")
+  set(KT_ISA_ODR_ARGS "")
   if(CMAKE_SYSTEM_PROCESSOR MATCHES "x86_64|AMD64|amd64")
     file(GLOB headers CONFIGURE_DEPENDS ${CMAKE_CURRENT_SOURCE_DIR}/csrc/kernels/*/vec.h)
     list(SORT headers)
@@ -43,5 +49,11 @@ function(kt_add_isa_kernels target)
     endforeach()
   endif()
   target_sources(${target} PRIVATE ${KT_ISA_OBJECTS})
+  if(KT_ISA_ODR_ARGS AND CMAKE_NM)
+    add_custom_command(TARGET ${target} POST_BUILD
+      COMMAND "${Python_EXECUTABLE}" "${CMAKE_CURRENT_FUNCTION_LIST_DIR}/check_isa_odr.py"
+              "${CMAKE_NM}" ${KT_ISA_ODR_ARGS}
+      VERBATIM)
+  endif()
   message(STATUS "kt_ops: ISA paths built: ref ${KT_ISA_BUILT}")
 endfunction()

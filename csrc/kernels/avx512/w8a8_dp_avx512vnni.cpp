@@ -28,8 +28,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
-#include <vector>
+#include <new>
 
 #include "kernels/avx512/vec.h"
 #include "kernels/brgemm.h"
@@ -237,15 +238,36 @@ void w4a8_dp_dot(const DotArgs& a, const TileOperand& op) {
 
 namespace {
 
+// One thread's byte buffer for a token row, grown on demand. Not a std::vector:
+// its out-of-line members (_M_default_append) would be a weak symbol that this
+// AVX-512 object shares with the baseline objects, and the linker may keep this
+// copy for every caller, AVX2 hosts included (cmake/check_isa_odr.cmake).
+class RowBuffer {
+ public:
+  ~RowBuffer() { std::free(data_); }
+  uint8_t* reserve(size_t n) {
+    if (n > size_) {
+      void* p = std::realloc(data_, n);
+      if (p == nullptr) throw std::bad_alloc();
+      data_ = static_cast<uint8_t*>(p);
+      size_ = n;
+    }
+    return data_;
+  }
+
+ private:
+  uint8_t* data_ = nullptr;
+  size_t size_ = 0;
+};
+
 // The per-token rows of both kernels' A operands: row i's scale at scales[i], its
 // signed codes in the near-equal tiles at `tiles` ([kp/4][mt][4] per tile), and
 // row_sums(i, row) with its codes + 128 (kp bytes) for the kernel's sums of q.
 template <class RowSums>
 void pack_token_rows(const float* const* x, int m, int64_t kp, float* scales, uint8_t* tiles,
                      RowSums row_sums) {
-  thread_local std::vector<uint8_t> t_row;
-  if (t_row.size() < static_cast<size_t>(kp)) t_row.resize(static_cast<size_t>(kp));
-  uint8_t* row = t_row.data();
+  thread_local RowBuffer t_row;
+  uint8_t* row = t_row.reserve(static_cast<size_t>(kp));
   for_each_row_tile(m, kMaxTileRows, [&](int, int i0, int mt) {
     uint8_t* tile = tiles + static_cast<int64_t>(i0) * kp;
     for (int r = 0; r < mt; ++r) {
