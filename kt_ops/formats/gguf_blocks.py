@@ -51,7 +51,8 @@ own scale bytes (``d``, ``dmin``, ``scales[12]`` / ``scales[16]``), copied into
 records of 16 rows x 256 k (docs/formats.md, "k-quant scales"); only the codes
 are rearranged (q3_K's 6-bit scales are unpacked to int8 ``sc - 32``, q6_K's
 record; IQ4_XS's likewise into its own record of int8 ``ls - 32``). q2_K's and q3_K's codes go
-into the 4-bit plane: exact, at 4.6 bits a weight instead of GGUF's 2.6 / 3.4. IQ4_NL's and
+into 2- and 3-bit planes: exact, q2_K at GGUF's 2.625 bits a weight, q3_K at 3.5625 (GGUF:
+3.4375; its 6-bit sub-scales held as bytes). IQ4_NL's and
 IQ4_XS's 4-bit codes are stored as they are (their table is the kernels'), at GGUF's size
 (4.5 / 4.3 bits). The kernels form ``d*sc`` and ``dmin*m`` (exact in fp32), so
 the qint dequantization reproduces ``gguf.quants.dequantize`` bit for bit.

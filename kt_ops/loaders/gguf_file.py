@@ -14,7 +14,7 @@ raw blocks to :func:`kt_ops.formats.from_gguf` (no dense round trip; the
 result dequantizes bit-identically to ``gguf.quants.dequantize``). ``F16``,
 ``BF16`` and ``F32`` tensors are quantized online to the requested format
 (``bf16`` by default). ``Q2_K`` and ``Q3_K`` load exactly, their codes held in
-the 4-bit plane (4.6 bits a weight in memory, not GGUF's 2.6 / 3.4); ``IQ4_NL`` and
+2- and 3-bit planes (2.625 / 3.5625 bits a weight in memory, GGUF's 2.625 / 3.4375); ``IQ4_NL`` and
 ``IQ4_XS`` exactly, their codes as stored (IQ4_XS at 4.31 bits a weight, GGUF's 4.25).
 ``MXFP4`` (gpt-oss GGUF files) loads as ``mxfp4``, the codes and exponents as stored, with
 the experts' biases (``blk.{L}.ffn_{gate,up,down}_exps.bias``, any float type) as
