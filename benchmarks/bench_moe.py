@@ -59,6 +59,7 @@ import torch.nn.functional as F
 
 import kt_ops
 from kt_ops.formats import quantize_weights
+from kt_ops.formats.packed import empty_huge_pages
 
 
 @dataclass(frozen=True)
@@ -258,10 +259,13 @@ class Flusher:
 
 
 def _tile(t: Optional[torch.Tensor], experts: int) -> Optional[torch.Tensor]:
-    """A fresh ``[experts, ...]`` tensor holding copies of ``t``'s experts, cyclically."""
+    """A fresh ``[experts, ...]`` tensor holding copies of ``t``'s experts, cyclically.
+
+    In huge pages, as the packed tensors of ``quantize_weights`` and the loaders are.
+    """
     if t is None or t.shape[0] == experts:
         return t
-    out = torch.empty((experts, *t.shape[1:]), dtype=t.dtype)
+    out = empty_huge_pages((experts, *t.shape[1:]), t.dtype)
     u = t.shape[0]
     for e in range(0, experts, u):
         out[e : e + u].copy_(t[: min(u, experts - e)])

@@ -30,6 +30,8 @@ def info() -> dict:
     topology), ``placed`` (live placed tensors, those the OS bound, bytes per
     node) and ``slices`` (``{rows: [(begin, end) per node]}`` for the row
     counts of the layers placed so far: I for gate/up, H for down), and
+    ``huge_pages`` (:func:`kt_ops.formats.packed.huge_pages`: ``thp_mode``, ``enabled``,
+    ``page_bytes``: whether packed weights are allocated in 2 MiB pages), and
     ``parallel``: which threads run kt_ops' parallel work
     (:func:`kt_ops.set_parallel_backend`): ``setting``, ``uses`` (``'openmp'``
     or ``'pool'`` for a call from this thread now), ``reason``,
@@ -54,6 +56,7 @@ def info() -> dict:
         "compute_path": _C.compute_path(),
         "brgemm": dict(_C.compute_paths(active)),
         "numa": dict(_C.numa_report()),
+        "huge_pages": dict(_C.huge_pages()),
         "parallel": dict(_C.parallel_report()),
     }
 
@@ -82,6 +85,10 @@ def format_info(report: dict) -> str:
     numa = report.get("numa")
     if numa is not None:
         lines.append(f"NUMA placement : {_numa_line(numa)}")
+    hp = report.get("huge_pages")
+    if hp is not None:
+        state = "on" if hp["enabled"] else "off"
+        lines.append(f"huge pages     : {state} (THP mode {hp['thp_mode']}; KT_OPS_HUGE_PAGES)")
     for fmt, (own, fp32) in report["kernels"].items():
         brg = report["brgemm"][fmt]
         extra = f" (fp32 path: {fp32})" if fp32 else ""

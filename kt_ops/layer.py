@@ -35,7 +35,7 @@ from torch import Tensor
 
 from kt_ops import _C
 from kt_ops.formats import format_spec, quantize_weights
-from kt_ops.formats.packed import PackedProjection
+from kt_ops.formats.packed import PackedProjection, cat_experts
 from kt_ops.formats.spec import FORMATS
 
 __all__ = [
@@ -520,9 +520,9 @@ def _quantize_in_chunks(
     if len(parts) == 1:
         return parts[0]
 
-    def cat(name: str) -> Optional[Tensor]:
+    def cat(name: str) -> Optional[Tensor]:  # into huge pages, as quantize_weights' are
         ts = [getattr(p, name) for p in parts]
-        return None if ts[0] is None else torch.cat(ts)
+        return None if ts[0] is None else cat_experts(ts)
 
     first = parts[0]
     return PackedProjection(

@@ -351,6 +351,10 @@ class Config:
     ``KT_OPS_SCRATCH_KEEP_MB`` (default 512) is how many MiB of scratch a calling
     thread keeps between op calls (a call that needs more frees it on return); a
     malformed value makes the op calls raise an error naming it.
+    ``KT_OPS_HUGE_PAGES`` (``1``, the default, or ``0``; read once) says whether the
+    packed weights kt_ops allocates go in 2 MiB pages
+    (:func:`kt_ops.formats.packed.empty_huge_pages`); another value makes
+    quantizing and loading raise an error naming it.
     ``KT_OPS_BRGEMM_BF16_PAIRS`` set to ``1`` (read once) makes oneDNN's bf16 brgemm
     multiply two 16-row blocks per call (N = 32; docs/formats.md, "Compute paths"). Build-time
     variables (``KT_OPS_CUDA_BRIDGE``,

@@ -17,6 +17,9 @@
 #                tokens per expert from which each AMX kernel wins, for the AMX column of
 #                csrc/formats/format_table.cpp (today's AMX values are unmeasured)
 #   layer-*      whole-layer prefill at T = 512 and 2048 on each path
+#   huge-pages   bench_huge_pages.py: decode with the packed weights in 2 MiB pages
+#                against 4 KiB pages (the TLB, a suspect for decode below the read
+#                bandwidth on Intel: issue 26)
 #   peers        bench_peers.py --isolate (kt-kernel 0.7.2 in its venv: scripts/setup_peers.sh
 #                first; skipped, with a note, where that venv is missing)
 #   lora         bench_lora.py: the LoRA step on bf16, int8 and mxfp4 bases, default and
@@ -85,6 +88,8 @@ if [[ $QUICK == 0 ]]; then
   for fmt in bf16 int8 int4-g0 int4-g128 mxfp4 fp8; do
     step "layer-$fmt" "$PY" $B/bench_compute_paths.py --format "$fmt" --layer 512 2048 --repeats 3
   done
+  step huge-pages "$PY" $B/bench_huge_pages.py --formats bf16 int8 int4 q4_k --tokens 1 8 \
+    --markdown
   peers_venv=${KT_OPS_PEERS_VENV:-$HOME/.cache/kt_ops/peers-venv}  # scripts/setup_peers.sh
   if [[ -x $peers_venv/bin/python ]] || [[ $DRY == 1 ]]; then
     step peers "$PY" $B/bench_peers.py --isolate --markdown --tokens 1 8 512 2048
@@ -106,7 +111,7 @@ fi
   echo
   echo "## break-evens (tokens per expert from which the kernel beats streaming)"
   cat "$OUT"/breakeven-*.log 2>/dev/null | grep "^# break-even" || echo "(none ran)"
-  for log in "$OUT"/layer-*.log "$OUT/peers.log" "$OUT/lora.log"; do
+  for log in "$OUT"/layer-*.log "$OUT/huge-pages.log" "$OUT/peers.log" "$OUT/lora.log"; do
     [[ -f $log ]] || continue
     echo
     echo "## $(basename "$log" .log)"

@@ -26,13 +26,14 @@ def test_dry_run_lists_every_step_and_runs_nothing():
     for fmt in ("bf16", "int8", "int4-g0", "fp8", "mxfp4"):
         assert f"breakeven-{fmt}" in steps
     assert "layer-int4-g128" in steps and "peers" in steps and "lora" in steps
+    assert "huge-pages" in steps
     # Every benchmark it names exists, with the flags it passes (argparse lists them).
     flags: dict[str, set[str]] = {}
     for line in p.stdout.splitlines():
         if "benchmarks/" in line:
             cmd = line.split(": ", 1)[1].split()
             flags.setdefault(cmd[1], set()).update(a for a in cmd[2:] if a.startswith("--"))
-    assert len(flags) == 3, flags  # bench_compute_paths, bench_peers, bench_lora
+    assert len(flags) == 4, flags  # bench_compute_paths, bench_huge_pages, bench_peers, bench_lora
     for script, used in flags.items():
         assert (ROOT / script).is_file(), script
         helptext = subprocess.run(
@@ -48,6 +49,7 @@ def test_quick_skips_the_long_steps():
     steps = run("--dry-run", "--quick").stdout
     assert "breakeven-int4-g0" in steps
     assert "layer-" not in steps and "peers" not in steps and "lora" not in steps
+    assert "huge-pages" not in steps
 
 
 def test_unknown_arguments_are_refused_by_name():

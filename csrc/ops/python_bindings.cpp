@@ -28,6 +28,7 @@ void register_host_bridge(pybind11::module& m, pybind11::module& testing);
 }  // namespace kt::hybrid
 namespace kt::ops {
 void register_numa(pybind11::module& m, pybind11::module& testing);  // csrc/ops/numa_bindings.cpp
+void register_memory(pybind11::module& m);                           // csrc/ops/memory_bindings.cpp
 void register_test_hooks(pybind11::module& testing);                 // csrc/ops/test_hooks.cpp
 void register_prepared_layer_call(pybind11::module& m);              // csrc/ops/prepared_layer.cpp
 void register_layer_checks(pybind11::module& m,
@@ -348,6 +349,7 @@ PYBIND11_MODULE(_C, m) {
   kt::ops::register_test_hooks(testing);
   kt::hybrid::register_host_bridge(m, testing);
   kt::ops::register_numa(m, testing);
+  kt::ops::register_memory(m);
   kt::ops::register_prepared_layer_call(m);
   kt::ops::register_layer_checks(m, testing);
 }

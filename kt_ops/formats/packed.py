@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 from dataclasses import dataclass
 from typing import Optional
@@ -10,9 +11,55 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from kt_ops import _C
 from kt_ops.formats.spec import FormatSpec, format_spec, padded_k
 
-__all__ = ["PackedProjection"]
+__all__ = ["PackedProjection", "empty_huge_pages", "cat_experts", "huge_pages"]
+
+
+def huge_pages() -> dict:
+    """Whether kt_ops puts packed weights in transparent huge pages, and why.
+
+    ``{'thp_mode': 'always' | 'madvise' | 'never' | 'unavailable', 'enabled': bool,
+    'page_bytes': 2097152}``: ``thp_mode`` is the kernel's
+    (``/sys/kernel/mm/transparent_hugepage/enabled``); ``enabled`` is true when it is
+    ``always`` or ``madvise`` and ``KT_OPS_HUGE_PAGES`` is unset or ``1`` (``0``
+    turns it off; read once; another value raises ``ValueError`` naming it).
+    """
+    return dict(_C.huge_pages())
+
+
+def empty_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+    """An uninitialised contiguous CPU tensor, in 2 MiB pages when it holds at least 2 MiB.
+
+    A decode call streams every packed weight once; in 4 KiB pages that is a TLB
+    miss per 4 KiB and a stop of the hardware prefetchers at every page boundary
+    (docs/architecture.md, "Huge pages"). Where :func:`huge_pages` is not
+    ``enabled``, or the tensor is smaller than a huge page, this is
+    ``torch.empty``. The memory is 2 MiB-aligned, rounded up to whole huge
+    pages, advised ``MADV_HUGEPAGE`` (madvise(2)) and freed with the tensor.
+
+    Raises:
+        ValueError: a negative size; a malformed ``KT_OPS_HUGE_PAGES``.
+        RuntimeError: the memory is not there (``std::bad_alloc``).
+    """
+    if any(s < 0 for s in shape):
+        raise ValueError(f"empty_huge_pages: negative size in {tuple(shape)}")
+    nbytes = math.prod(shape) * dtype.itemsize
+    return _C.empty_huge_pages(nbytes).view(dtype).view(tuple(shape))
+
+
+def cat_experts(tensors: list[Tensor]) -> Tensor:
+    """``torch.cat(tensors, dim=0)`` (chunks of experts) into :func:`empty_huge_pages` memory.
+
+    One tensor is copied there (so a packed tensor made by torch's allocator
+    moves into huge pages). CUDA tensors are concatenated by ``torch.cat``.
+    """
+    first = tensors[0]
+    if first.device.type != "cpu":
+        return first if len(tensors) == 1 else torch.cat(tensors, dim=0)
+    shape = (sum(int(t.shape[0]) for t in tensors), *first.shape[1:])
+    return torch.cat(tensors, dim=0, out=empty_huge_pages(shape, first.dtype))
 
 
 @dataclass
@@ -177,6 +224,19 @@ class PackedProjection:
             for name, t in self._fields().items()
         }
         return dataclasses.replace(self, **picked)
+
+    def in_huge_pages(self) -> PackedProjection:
+        """A copy whose weight, scales and zeros are in :func:`empty_huge_pages` memory.
+
+        The loaders and ``ExpertWeights.from_dense`` return their packed tensors
+        there already; this is for tensors made elsewhere (torch's allocator puts
+        them in 4 KiB pages). Tensors on other devices are kept as they are.
+        """
+        moved = {
+            name: None if t is None else cat_experts([t])
+            for name, t in (("weight", self.weight), ("scales", self.scales), ("zeros", self.zeros))
+        }
+        return dataclasses.replace(self, **moved)
 
     def to(self, device: torch.device | str) -> PackedProjection:
         """A copy with every tensor moved to ``device``."""

@@ -129,7 +129,9 @@ def quantize_weights(
             accepted (and ignored: always asymmetric) for ``q2_k``/``q4_k``/``q5_k``.
 
     Returns:
-        A validated :class:`PackedProjection` (``n = N``, ``k = K``).
+        A validated :class:`PackedProjection` (``n = N``, ``k = K``), its tensors
+        in 2 MiB pages where they hold at least 2 MiB
+        (:func:`kt_ops.formats.packed.empty_huge_pages`).
 
     Raises:
         ValueError: naming the argument: unknown ``weight_format``; ``weight``
@@ -162,6 +164,14 @@ def quantize_weights(
     w = weight.detach().to("cpu", torch.float32).contiguous()
     if not bool(torch.isfinite(w).all()):
         raise ValueError("quantize_weights: weight holds NaN or infinite values")
+    # Decode streams these tensors once per call: 2 MiB pages (empty_huge_pages).
+    return _pack(w, spec.name, group_size, symmetric).in_huge_pages()
+
+
+def _pack(w: Tensor, name: str, group_size: int, symmetric: bool) -> PackedProjection:
+    """``quantize_weights`` of checked fp32 ``w`` ``[E, N, K]`` on the CPU."""
+    spec = format_spec(name)
+    E, N, K = w.shape
     if spec.name == "bf16":
         return PackedProjection(pack_weights(w), None, None, "bf16", 0, N, K).validate()
     if spec.name == "int8":

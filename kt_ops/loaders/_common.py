@@ -16,6 +16,7 @@ from typing import Callable, Optional
 import torch
 
 from kt_ops.formats import FORMATS, PackedProjection
+from kt_ops.formats.packed import cat_experts
 
 #: Upper bound, in bytes, of the fp32 copy of one chunk of experts being quantized.
 CHUNK_BYTES = 256 << 20
@@ -41,8 +42,6 @@ def experts_per_chunk(n: int, k: int, num_experts: int, chunk_bytes: int = CHUNK
 
 def concat_packed(parts: list[PackedProjection]) -> PackedProjection:
     """Concatenate packed chunks of consecutive experts along the expert dimension (dim 0)."""
-    if len(parts) == 1:
-        return parts[0]
     first = parts[0]
     for p in parts[1:]:
         same = (p.weight_format, p.group_size, p.n, p.k) == (
@@ -58,8 +57,9 @@ def concat_packed(parts: list[PackedProjection]) -> PackedProjection:
         ts = [getattr(p, name) for p in parts]
         if ts[0] is None:
             return None
-        return torch.cat(ts, dim=0)
+        return cat_experts(ts)  # into huge pages (one part: copied there)
 
+    biases = [p.bias for p in parts]
     return PackedProjection(
         weight=cat("weight"),
         scales=cat("scales"),
@@ -68,6 +68,7 @@ def concat_packed(parts: list[PackedProjection]) -> PackedProjection:
         group_size=first.group_size,
         n=first.n,
         k=first.k,
+        bias=None if biases[0] is None else torch.cat(biases),
     )
 
 
