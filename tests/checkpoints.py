@@ -373,7 +373,16 @@ def random_blocks(qtype: Q, shape_elems: tuple[int, ...], rng: np.random.Generat
         set_f16(2, -1e-2, 1e-3)
     elif qtype == Q.Q5_0:  # W = d * (q - 16)
         set_f16(0, 1e-4, 1e-3)
-    elif qtype == Q.TQ2_0:  # a type kt_ops refuses (ternary: qs[64], d)
+    elif qtype in (Q.IQ1_S, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S):
+        set_f16(0, 1e-4, 1e-3)  # d first; grid indices, signs and sub-scales: any bytes
+    elif qtype == Q.IQ1_M:  # d's 4 nibbles in the top nibbles of the 4 uint16 scales
+        d = rng.uniform(1e-4, 1e-3, size=raw.shape[:-1]).astype(np.float16).view(np.uint16)
+        for i in range(4):
+            nib = ((d >> (4 * i)) & 0xF).astype(np.uint8)
+            raw[..., 49 + 2 * i] = (raw[..., 49 + 2 * i] & 0x0F) | (nib << 4)
+    elif qtype == Q.TQ1_0:  # ternary: qs[48], qh[4], d
+        set_f16(52, 1e-3, 1e-2)
+    elif qtype == Q.TQ2_0:  # ternary: qs[64], d
         set_f16(64, 1e-3, 1e-2)
     else:
         raise ValueError(qtype)
@@ -386,6 +395,8 @@ def gguf_raw(qtype: Q, w: np.ndarray, rng: np.random.Generator) -> np.ndarray:
         return w.astype(np.float32)
     if qtype == Q.F16:
         return w.astype(np.float16)
+    if qtype == Q.F64:  # a type kt_ops refuses
+        return w.astype(np.float64)
     if qtype in (Q.BF16, Q.Q8_0, Q.Q4_0, Q.MXFP4):
         return gguf.quants.quantize(w.astype(np.float32), qtype)
     return random_blocks(qtype, w.shape, rng)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import re
+import warnings
 
 import gguf
 import numpy as np
@@ -386,12 +387,77 @@ def test_gguf_float_tensors_quantized_online(tmp_path, qtype):
 
 
 def test_gguf_unsupported_type(tmp_path):
-    path = tmp_path / "tq2.gguf"
-    write_gguf(path, {"gate": Q.Q4_K, "up": Q.TQ2_0, "down": Q.Q6_K}, moe_layers=(0,))
-    with pytest.raises(ValueError, match=r"blk\.0\.ffn_up_exps\.weight.*TQ2_0.*Q4_K") as ei:
+    path = tmp_path / "f64.gguf"
+    write_gguf(path, {"gate": Q.Q4_K, "up": Q.F64, "down": Q.Q6_K}, moe_layers=(0,))
+    with pytest.raises(ValueError, match=r"blk\.0\.ffn_up_exps\.weight.*F64.*Q4_K") as ei:
         GGUFCheckpoint(path)
     msg = str(ei.value)
     assert "Q8_0" in msg and "Q2_K" in msg and "Q5_1" in msg and "supported" in msg
+    assert "requantized: IQ1_S" in msg and "TQ2_0" in msg
+
+
+REQUANTIZED = [Q.IQ1_S, Q.IQ1_M, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.TQ1_0, Q.TQ2_0]
+
+
+@pytest.mark.parametrize("qtype", REQUANTIZED, ids=lambda t: t.name)
+def test_gguf_grid_and_ternary_types_are_requantized(tmp_path, qtype):
+    """IQ1-IQ3 and TQ tensors load requantized (lossy, with a warning) from gguf's values."""
+    path = tmp_path / "iq.gguf"
+    types = {"gate": qtype, "up": qtype, "down": Q.Q4_K}
+    expected = write_gguf(path, types, E=2, H=256, I=256, moe_layers=(0,))
+    ck = GGUFCheckpoint(path)
+    assert ck.native_format == "q4_k" and ck.source_dtype == qtype.name.lower()
+    assert ck.native_formats(0) == dict.fromkeys(ROLES, "q4_k")
+    dense = {r: expected[0][r]["dense"] for r in ROLES}
+    for r in ("gate", "up"):
+        assert bool(torch.isfinite(dense[r]).all()) and dense[r].abs().max() > 0
+    with pytest.warns(UserWarning, match=rf"{qtype.name} tensors .* requantized to 'q4_k'"):
+        out = ck.load_layer(0)
+    # The same bits as quantizing gguf's dequantized values; down keeps its Q4_K blocks.
+    for r in ("gate", "up"):
+        assert_packed_equal(getattr(out, r), quantize_weights(dense[r], "q4_k"))
+        got = dequantize_weights(getattr(out, r))
+        assert float((got - dense[r]).norm() / dense[r].norm()) < 0.12
+    assert torch.equal(dequantize_weights(out.down), dense["down"])
+    # Any format is a target for them; the native Q4_K down still only loads as q4_k.
+    with pytest.raises(ValueError, match=r"ffn_down_exps\.weight is Q4_K"):
+        ck.load_layer(0, "q8_0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once per type and target already
+        ck.load_layer(0)
+
+
+def test_gguf_requantized_to_an_explicit_format(tmp_path):
+    path = tmp_path / "iq_mix.gguf"
+    types = {"gate": Q.IQ2_XXS, "up": Q.IQ3_S, "down": Q.TQ1_0}
+    expected = write_gguf(path, types, E=2, H=256, I=256, moe_layers=(0,))
+    ck = GGUFCheckpoint(path)
+    dense = {r: expected[0][r]["dense"] for r in ROLES}
+    with pytest.warns(UserWarning, match="requantized to 'q8_0'"):
+        out = ck.load_layer(0, "q8_0")
+    check_layer(out, dense, "q8_0")
+    for r in ROLES:
+        got = dequantize_weights(getattr(out, r))
+        assert float((got - dense[r]).norm() / dense[r].norm()) < 0.01, r
+    x = torch.randn(8, 256, generator=torch.Generator().manual_seed(0))
+    ids, weights = torch.randint(0, 2, (8, 2)), torch.rand(8, 2)
+    want = reference_quant_moe_forward(x, ids, weights, *dense_weights(out), activation="fp32")
+    got = kt_ops.moe_forward(x, ids, weights, out)
+    assert ((got - want.out).norm() / want.out.norm()).item() < 0.02  # the q8 activations
+
+
+def test_gguf_requantized_corrupt_scale_is_named(tmp_path):
+    path = tmp_path / "iq_nan.gguf"
+    types = {"gate": Q.IQ2_XXS, "up": Q.IQ2_XXS, "down": Q.IQ2_XXS}
+    write_gguf(path, types, E=2, H=256, I=256, moe_layers=(0,))
+    t = next(t for t in gguf.GGUFReader(path).tensors if t.name == "blk.0.ffn_up_exps.weight")
+    raw = bytearray(path.read_bytes())
+    at = int(t.data_offset) + 66 * 5  # the d of the sixth IQ2_XXS block (66 bytes each)
+    raw[at : at + 2] = np.float16(np.inf).tobytes()
+    path.write_bytes(bytes(raw))
+    ck = GGUFCheckpoint(path)
+    with pytest.warns(UserWarning), pytest.raises(ValueError, match=r"ffn_up_exps.*NaN or inf"):
+        ck.load_layer(0)
 
 
 @pytest.mark.parametrize(

@@ -21,8 +21,17 @@ the experts' biases (``blk.{L}.ffn_{gate,up,down}_exps.bias``, any float type) a
 ``PackedProjection.bias``; the clamped SwiGLU of gpt-oss is the model's to pass
 (``activation``). ``Q4_1``, ``Q5_0`` and ``Q5_1`` (what llama.cpp's k-quant mixes write
 where a row is not a multiple of 256, e.g. the 1408-wide ``ffn_down_exps`` of
-DeepSeek-V2-Lite in a ``Q4_K_M`` file) load exactly at GGUF's size. Other types
-(``IQ1_*`` ... ``IQ3_*``, whose codes index lattice grids, ``Q8_1``, ``TQ*``, ...) are
+DeepSeek-V2-Lite in a ``Q4_K_M`` file) load exactly at GGUF's size.
+
+``IQ1_S``, ``IQ1_M``, ``IQ2_XXS``, ``IQ2_XS``, ``IQ2_S``, ``IQ3_XXS``, ``IQ3_S``, ``TQ1_0``
+and ``TQ2_0`` (the lattice-grid and ternary types of llama.cpp's smallest files, e.g. the
+"dynamic" IQ1/IQ2 quantizations of DeepSeek-R1) have no kt_ops format of their own: they
+are dequantized (``gguf.quants.dequantize``) and **requantized**, lossily, to
+``weight_format``, or to :data:`GGUF_REQUANTIZE_DEFAULT` (``q4_k``) when it is None, with
+a warning naming the types. Against the values stored in the file that adds a relative
+error of about 3-6% for ``q4_k``, 1% for ``q6_k`` and 0.5% for ``q8_0`` (random blocks,
+``tests/test_loaders.py``), and takes more memory than the file (``q4_k``: 4.5 bits a
+weight against IQ2_XXS's 2.06). Other types (``Q8_1``, ``F64``, integer types, ...) are
 refused with a ValueError naming the tensor and its type.
 A quantized tensor is only packed in its own format: asking for another one
 (requantizing) is a ValueError; pass ``weight_format=None`` to get each
@@ -36,19 +45,28 @@ only the requested layer's tensors, in chunks of experts.
 from __future__ import annotations
 
 import re
+import warnings
 from pathlib import Path
 from typing import Any, Optional, Union
 
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
 
 from kt_ops.formats import GGUF_FORMATS, PackedProjection, from_gguf, quantize_weights
 from kt_ops.layer import PROJECTIONS, ExpertWeights
 from kt_ops.loaders._common import check_format, pack_in_chunks
 from kt_ops.loaders.base import CheckpointReader, expert_weights
 
-__all__ = ["GGUFCheckpoint", "GGUF_NATIVE_FORMATS", "GGUF_FLOAT_TYPES", "GGUF_TENSOR_NAMES"]
+__all__ = [
+    "GGUFCheckpoint",
+    "GGUF_NATIVE_FORMATS",
+    "GGUF_FLOAT_TYPES",
+    "GGUF_REQUANTIZED_TYPES",
+    "GGUF_REQUANTIZE_DEFAULT",
+    "GGUF_TENSOR_NAMES",
+]
 
 #: GGUF quantized types read natively -> kt_ops format name (the formats' GGUF block types).
 GGUF_NATIVE_FORMATS = {GGMLQuantizationType[f.upper()]: f for f in GGUF_FORMATS}
@@ -60,6 +78,22 @@ GGUF_FLOAT_TYPES = (
     GGMLQuantizationType.BF16,
 )
 
+#: GGUF quantized types with no kt_ops format: dequantized and requantized (lossy).
+GGUF_REQUANTIZED_TYPES = (
+    GGMLQuantizationType.IQ1_S,
+    GGMLQuantizationType.IQ1_M,
+    GGMLQuantizationType.IQ2_XXS,
+    GGMLQuantizationType.IQ2_XS,
+    GGMLQuantizationType.IQ2_S,
+    GGMLQuantizationType.IQ3_XXS,
+    GGMLQuantizationType.IQ3_S,
+    GGMLQuantizationType.TQ1_0,
+    GGMLQuantizationType.TQ2_0,
+)
+
+#: The format ``GGUF_REQUANTIZED_TYPES`` load as when ``weight_format`` is None.
+GGUF_REQUANTIZE_DEFAULT = "q4_k"
+
 #: Projection -> GGUF tensor name pattern (``{L}`` = block index).
 GGUF_TENSOR_NAMES = {
     "gate": "blk.{L}.ffn_gate_exps.weight",
@@ -68,7 +102,16 @@ GGUF_TENSOR_NAMES = {
 }
 
 _EXPERT_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.(weight|bias)$")
-_SUPPORTED = ", ".join(t.name for t in (*GGUF_NATIVE_FORMATS, *GGUF_FLOAT_TYPES))
+_SUPPORTED = ", ".join(t.name for t in (*GGUF_NATIVE_FORMATS, *GGUF_FLOAT_TYPES)) + (
+    "; requantized: " + ", ".join(t.name for t in GGUF_REQUANTIZED_TYPES)
+)
+
+
+def _own_format(qtype: GGMLQuantizationType) -> str:
+    """The kt_ops format a tensor of ``qtype`` loads as with ``weight_format=None``."""
+    if qtype in GGUF_NATIVE_FORMATS:
+        return GGUF_NATIVE_FORMATS[qtype]
+    return GGUF_REQUANTIZE_DEFAULT if qtype in GGUF_REQUANTIZED_TYPES else "bf16"
 
 
 def _field(reader: GGUFReader, key: str) -> Any:
@@ -94,8 +137,10 @@ class GGUFCheckpoint(CheckpointReader):
         :class:`~kt_ops.loaders.base.CheckpointReader`); num_experts, hidden_size,
         intermediate_size (``E``, ``H``, ``I`` of the first MoE layer);
         source_dtype (the lower-case GGML type name of the first layer's gate,
-        e.g. ``"q4_k"``); native_format (the kt_ops format of that tensor:
-        ``"bf16"`` for float types); has_expert_bias (the file holds expert biases,
+        e.g. ``"q4_k"``); native_format (the kt_ops format that tensor loads as
+        with ``weight_format=None``: ``"bf16"`` for float types,
+        :data:`GGUF_REQUANTIZE_DEFAULT` for :data:`GGUF_REQUANTIZED_TYPES`);
+        has_expert_bias (the file holds expert biases,
         ``blk.{L}.ffn_{gate,up,down}_exps.bias`` as gpt-oss's: :meth:`load_layer`
         returns them as ``PackedProjection.bias``, fp32).
 
@@ -150,7 +195,8 @@ class GGUFCheckpoint(CheckpointReader):
         self.num_experts, self.intermediate_size, self.hidden_size = self._shapes[first]
         gate_type = layers[first]["gate"].tensor_type
         self.source_dtype = gate_type.name.lower()
-        self.native_format = GGUF_NATIVE_FORMATS.get(gate_type, "bf16")
+        self.native_format = _own_format(gate_type)
+        self._warned: set[tuple[str, str]] = set()  # (type, target) already warned about
 
     def _check_tensor_offsets(self) -> None:
         """Every tensor's data must lie inside the data section, aligned, not overlap
@@ -214,7 +260,8 @@ class GGUFCheckpoint(CheckpointReader):
                     f"{', '.join(GGUF_TENSOR_NAMES[r].format(L=layer) for r in sorted(ts))})"
                 )
             t = ts[role]
-            if t.tensor_type not in GGUF_NATIVE_FORMATS and t.tensor_type not in GGUF_FLOAT_TYPES:
+            known = (*GGUF_NATIVE_FORMATS, *GGUF_FLOAT_TYPES, *GGUF_REQUANTIZED_TYPES)
+            if t.tensor_type not in known:
                 raise ValueError(
                     f"{self.path}: tensor {t.name} has GGML type {t.tensor_type.name}, which "
                     f"kt_ops cannot load; supported types: {_SUPPORTED}"
@@ -270,7 +317,7 @@ class GGUFCheckpoint(CheckpointReader):
     def native_formats(self, layer: int) -> dict[str, str]:
         """kt_ops format of each projection of ``layer`` when loaded with ``weight_format=None``."""
         ts = self._layers[self._check_layer(layer)]
-        return {r: GGUF_NATIVE_FORMATS.get(ts[r].tensor_type, "bf16") for r in PROJECTIONS}
+        return {r: _own_format(ts[r].tensor_type) for r in PROJECTIONS}
 
     def _check_layer(self, layer: int) -> int:
         if layer not in self._layers:
@@ -282,8 +329,8 @@ class GGUFCheckpoint(CheckpointReader):
     def check_weight_format(self, layer: int, weight_format: Optional[str]) -> None:
         """Raise ValueError unless ``load_layer(layer, weight_format)`` can pack every tensor.
 
-        A quantized tensor loads only in its own format (no requantizing); None
-        always works.
+        A quantized tensor of a kt_ops format loads only in that format (no
+        requantizing); :data:`GGUF_REQUANTIZED_TYPES` load in any; None always works.
         """
         check_format(weight_format)
         ts = self._layers[self._check_layer(layer)]
@@ -310,8 +357,10 @@ class GGUFCheckpoint(CheckpointReader):
             layer: a block index from :attr:`moe_layers`.
             weight_format: None packs every tensor in its own format (quantized
                 types via :func:`kt_ops.formats.from_gguf`, float types as
-                ``bf16``); a format name must match every quantized tensor of the
-                layer, and is the target for float tensors.
+                ``bf16``, :data:`GGUF_REQUANTIZED_TYPES` requantized to
+                :data:`GGUF_REQUANTIZE_DEFAULT`); a format name must match every
+                quantized tensor of a kt_ops format in the layer, and is the
+                target for float tensors and requantized types.
             group_size, symmetric: passed to ``quantize_weights`` for float tensors.
 
         Returns:
@@ -319,11 +368,17 @@ class GGUFCheckpoint(CheckpointReader):
             with the layer's expert biases (fp32 ``[E, I]`` / ``[E, H]``) where the file
             has them.
 
+        Warns:
+            UserWarning: once per checkpoint and type, when a tensor of
+                :data:`GGUF_REQUANTIZED_TYPES` is requantized (lossy).
+
         Raises:
             ValueError: unknown block or format, a quantized tensor whose type is not
-                ``weight_format``, or a packer error (naming the tensor).
+                ``weight_format``, or a packer error (naming the tensor; a
+                requantized tensor whose values are not finite, too).
         """
         self.check_weight_format(layer, weight_format)
+        self._warn_requantized(layer, weight_format)
         E, I, H = self._shapes[layer]  # noqa: E741
         ts = self._layers[layer]
         shapes = {"gate": (I, H), "up": (I, H), "down": (H, I)}
@@ -338,6 +393,10 @@ class GGUFCheckpoint(CheckpointReader):
                     raw = t.data[e0:e1]
                     if native is not None:
                         return from_gguf(native, torch.from_numpy(np.array(raw)), n, k)
+                    if t.tensor_type in GGUF_REQUANTIZED_TYPES:
+                        dense = _dequantized_tensor(t.tensor_type, raw)
+                        target = weight_format or GGUF_REQUANTIZE_DEFAULT
+                        return quantize_weights(dense, target, group_size, symmetric)
                     dense = _float_tensor(t.tensor_type, raw)
                     return quantize_weights(dense, weight_format or "bf16", group_size, symmetric)
                 except ValueError as e:
@@ -353,6 +412,22 @@ class GGUFCheckpoint(CheckpointReader):
         if layer in self._biases:
             weights = weights.with_biases(*self._read_biases(layer))
         return weights
+
+    def _warn_requantized(self, layer: int, weight_format: Optional[str]) -> None:
+        """Warn (once per type) that this layer's tensors of a requantized type lose bits."""
+        target = weight_format or GGUF_REQUANTIZE_DEFAULT
+        for t in self._layers[layer].values():
+            name = t.tensor_type.name
+            if t.tensor_type in GGUF_REQUANTIZED_TYPES and (name, target) not in self._warned:
+                self._warned.add((name, target))
+                warnings.warn(
+                    f"{self.path}: {name} tensors (e.g. {t.name}) have no kt_ops format of "
+                    f"their own; they are dequantized and requantized to {target!r}, which "
+                    "is lossy (pass weight_format to choose the format: 'q6_k' or 'q8_0' "
+                    "lose less and take more memory)",
+                    UserWarning,
+                    stacklevel=3,
+                )
 
     def _read_biases(self, layer: int) -> list[Optional[torch.Tensor]]:
         """The gate, up ``[E, I]`` and down ``[E, H]`` biases of ``layer`` as fp32, None
@@ -381,6 +456,12 @@ class GGUFCheckpoint(CheckpointReader):
             f"moe_layers={len(self.moe_layers)}, E={self.num_experts}, H={self.hidden_size}, "
             f"I={self.intermediate_size}, source_dtype={self.source_dtype!r})"
         )
+
+
+def _dequantized_tensor(qtype: GGMLQuantizationType, raw: np.ndarray) -> torch.Tensor:
+    """A chunk ``[c, N, row bytes]`` of a requantized type -> fp32 ``[c, N, K]``
+    (``gguf.quants.dequantize``, llama.cpp's ``dequantize_row_*`` in numpy)."""
+    return torch.from_numpy(np.ascontiguousarray(dequantize(np.asarray(raw), qtype), np.float32))
 
 
 def _float_tensor(qtype: GGMLQuantizationType, raw: np.ndarray) -> torch.Tensor:
