@@ -157,14 +157,14 @@ def test_in_huge_pages_keeps_values_bias_and_results():
     assert torch.equal(kt_ops.moe_forward(x, ids, tw, huge), kt_ops.moe_forward(x, ids, tw, small))
 
 
-def _mapping_at(ptr: int) -> tuple[int, int] | None:
-    """The (start, end) of the mapping that starts at ``ptr`` (/proc/self/maps), if any."""
+def _mapped(ptr: int) -> bool:
+    """Whether a mapping of this process holds address ``ptr`` (/proc/self/maps)."""
     with open("/proc/self/maps") as f:
         for line in f:
             lo, _, hi = line.split(" ", 1)[0].partition("-")
-            if int(lo, 16) == ptr:
-                return int(lo, 16), int(hi, 16)
-    return None
+            if int(lo, 16) <= ptr < int(hi, 16):
+                return True
+    return False
 
 
 def test_huge_page_tensors_pickle_and_free():
@@ -173,12 +173,12 @@ def test_huge_page_tensors_pickle_and_free():
     assert torch.equal(back.weight, p.weight) and torch.equal(back.scales, p.scales)
     if not ENABLED:
         return
-    # The tensor owns a mapping of its own, whole huge pages, unmapped with it.
-    ptr, nbytes = p.weight.data_ptr(), p.weight.nbytes
-    span = _mapping_at(ptr)
-    assert span is not None and span[1] - span[0] >= nbytes and (span[1] - span[0]) % HUGE == 0
+    # The tensor owns a mapping of its own, unmapped with it (the kernel may merge
+    # it with a neighbour in /proc/self/maps, so only the address is checked).
+    ptr = p.weight.data_ptr()
+    assert ptr % HUGE == 0 and _mapped(ptr)
     del p, back
-    assert _mapping_at(ptr) != span
+    assert not _mapped(ptr)
 
 
 def _run(code: str, env: dict) -> subprocess.CompletedProcess:

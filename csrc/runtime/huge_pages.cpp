@@ -1,6 +1,7 @@
 #include "runtime/huge_pages.h"
 
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <cstdint>
 #include <cstdlib>
@@ -50,7 +51,11 @@ at::Tensor empty_huge_pages(at::IntArrayRef sizes, at::ScalarType dtype) {
   }
   const size_t nbytes = static_cast<size_t>(numel) * at::elementSize(dtype);
   if (nbytes < kHugePageBytes || !huge_pages_enabled()) return at::empty(sizes, options);
-  const size_t bytes = (nbytes + kHugePageBytes - 1) / kHugePageBytes * kHugePageBytes;
+  // Whole base pages, not whole huge pages: the part of the last 2 MiB the
+  // tensor does not fill stays in base pages (a huge page there would commit
+  // up to 2 MiB more per tensor).
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  const size_t bytes = (nbytes + page - 1) / page * page;
   // A fresh mapping, not malloc: memory malloc reuses has its 4 KiB pages
   // already, and advice does not change pages that exist. One huge page more
   // is mapped, and the unaligned head and tail are unmapped again.

@@ -30,9 +30,10 @@ const std::string& thp_mode();
 bool huge_pages_enabled();
 
 // An uninitialised contiguous CPU tensor. When huge_pages_enabled() and it
-// holds at least kHugePageBytes: 2 MiB-aligned memory (rounded up to whole huge
-// pages) advised MADV_HUGEPAGE, so the pages are huge pages once touched; else
-// at::empty. std::bad_alloc when the memory is not there.
+// holds at least kHugePageBytes: a mapping of its own, 2 MiB-aligned, advised
+// MADV_HUGEPAGE, so its whole 2 MiB are huge pages once touched (a last partial
+// 2 MiB stays in base pages); else at::empty. std::bad_alloc when the memory
+// is not there.
 at::Tensor empty_huge_pages(at::IntArrayRef sizes, at::ScalarType dtype);
 
 }  // namespace kt::runtime

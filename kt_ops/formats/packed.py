@@ -36,12 +36,13 @@ def empty_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
     miss per 4 KiB and a stop of the hardware prefetchers at every page boundary
     (docs/architecture.md, "Huge pages"). Where :func:`huge_pages` is not
     ``enabled``, or the tensor is smaller than a huge page, this is
-    ``torch.empty``. The memory is 2 MiB-aligned, rounded up to whole huge
-    pages, advised ``MADV_HUGEPAGE`` (madvise(2)) and freed with the tensor.
+    ``torch.empty``. Else the tensor gets a mapping of its own, 2 MiB-aligned,
+    advised ``MADV_HUGEPAGE`` (madvise(2)) and unmapped with the tensor: its
+    whole 2 MiB are huge pages once touched, a last partial one base pages.
 
     Raises:
         ValueError: a negative size; a malformed ``KT_OPS_HUGE_PAGES``.
-        RuntimeError: the memory is not there (``std::bad_alloc``).
+        MemoryError: the memory is not there.
     """
     if any(s < 0 for s in shape):
         raise ValueError(f"empty_huge_pages: negative size in {tuple(shape)}")
