@@ -121,7 +121,8 @@ def test_cat_experts_is_torch_cat():
     one = cat_experts(parts[:1])
     assert torch.equal(one, parts[0]) and one.data_ptr() != parts[0].data_ptr()
     if ENABLED:
-        assert out.data_ptr() % HUGE == 0
+        assert out.data_ptr() % HUGE == 0 and one.data_ptr() % HUGE == 0
+        assert cat_experts([out]) is out  # already on a huge-page boundary: not copied
 
 
 def test_in_huge_pages_keeps_values_bias_and_results():

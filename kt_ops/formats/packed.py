@@ -54,11 +54,18 @@ def cat_experts(tensors: list[Tensor]) -> Tensor:
     """``torch.cat(tensors, dim=0)`` (chunks of experts) into :func:`empty_huge_pages` memory.
 
     One tensor is copied there (so a packed tensor made by torch's allocator
-    moves into huge pages). CUDA tensors are concatenated by ``torch.cat``.
+    moves into huge pages), unless it starts on a 2 MiB boundary already (this
+    function's, or torch's allocator under ``THP_MEM_ALLOC_ENABLE=1``): then it
+    is returned as it is. CUDA tensors are concatenated by ``torch.cat``.
     """
     first = tensors[0]
+    if len(tensors) == 1 and (
+        first.device.type != "cpu"
+        or (first.is_contiguous() and first.data_ptr() % _C.huge_pages()["page_bytes"] == 0)
+    ):
+        return first
     if first.device.type != "cpu":
-        return first if len(tensors) == 1 else torch.cat(tensors, dim=0)
+        return torch.cat(tensors, dim=0)
     shape = (sum(int(t.shape[0]) for t in tensors), *first.shape[1:])
     return torch.cat(tensors, dim=0, out=empty_huge_pages(shape, first.dtype))
 
