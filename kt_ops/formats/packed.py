@@ -236,9 +236,12 @@ class PackedProjection:
     def in_huge_pages(self) -> PackedProjection:
         """A copy whose weight, scales and zeros are in :func:`empty_huge_pages` memory.
 
-        The loaders and ``ExpertWeights.from_dense`` return their packed tensors
-        there already; this is for tensors made elsewhere (torch's allocator puts
-        them in 4 KiB pages). Tensors on other devices are kept as they are.
+        ``quantize_weights``, the checkpoint loaders and ``ExpertWeights.from_dense``
+        return their packed tensors there already; this is for tensors made
+        elsewhere (torch's allocator puts them in 4 KiB pages). A converted
+        directory's memory-mapped tensors are better left where they are: the
+        ranks of one host share their page-cache pages. Tensors on other devices
+        are kept as they are.
         """
         moved = {
             name: None if t is None else cat_experts([t])

@@ -387,7 +387,6 @@ def _load_entry(out: Path, manifest: dict, layer: int, verify: bool) -> ExpertWe
                 k=pm["k"],
                 bias=ts.get("bias"),
             ).validate()
-            p = p.in_huge_pages()  # safetensors' tensors are in torch's 4 KiB pages
             if p.weight.dim() < 1 or p.weight.shape[0] != E:
                 raise ValueError(f"{E} experts in the metadata, {p.weight.shape[0]} in the weight")
         except Exception as e:
