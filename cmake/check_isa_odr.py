@@ -8,13 +8,16 @@ may be the AVX-512 one, and an AVX2 host dies of SIGILL in baseline code: the
 ASan build did, in ``std::vector<unsigned char>::_M_default_append`` (its
 shadow poisoning was a ``vmovdqu8``).
 
-So an ISA tier's objects may define weak functions only inside a tier's
-namespace (``kt::kernels::<tier>::`` in the name or in its template
-arguments: code the baseline objects cannot instantiate, as they include no
-tier's headers), and no two tiers may define the same one. Style rule 5.
+So no weak function may be defined by objects compiled with different flags:
+the baseline objects (``base``) and each ISA tier are one group each. A
+tier's weak function outside every tier's namespace (``kt::kernels::<tier>::``
+in its name or template arguments) that no other group defines is safe today
+and reported as a note: another compiler's inlining could make it shared.
+Style rule 5.
 
-    python check_isa_odr.py NM TIER=OBJ[|OBJ...] [TIER=...]
+    python check_isa_odr.py NM base=DIR TIER=OBJ[|OBJ...] [TIER=...]
 
+``base=DIR``: every ``*.o`` under DIR (the extension's own object directory).
 Exit status 1 with one line per offending symbol; 0 when clean, or when ``NM``
 cannot read the objects (a toolchain this check does not know).
 """
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 
 def weak_functions(nm: str, obj: str) -> list[str] | None:
@@ -41,35 +45,48 @@ def weak_functions(nm: str, obj: str) -> list[str] | None:
     return names
 
 
-def problems(nm: str, tiers: dict[str, list[str]]) -> list[str] | None:
-    """Offending symbols, one line each; None when ``nm`` could not read an object."""
-    found: list[str] = []
+def problems(nm: str, groups: dict[str, list[str]]) -> tuple[list[str], list[str]] | None:
+    """(errors, notes), one line each; None when ``nm`` could not read an object.
+
+    ``groups``: ``{'base': objects, tier: objects, ...}``.
+    """
+    errors: list[str] = []
+    notes: list[str] = []
+    markers = [f"kt::kernels::{g}::" for g in groups if g != "base"]
     owner: dict[str, str] = {}
-    markers = [f"kt::kernels::{tier}::" for tier in tiers]
-    for tier, objects in tiers.items():
+    for group, objects in groups.items():
         for obj in objects:
             names = weak_functions(nm, obj)
             if names is None:
                 return None
             for name in names:
-                if not any(m in name for m in markers):
-                    found.append(f"{obj} ({tier}): {name}: outside the tiers' namespaces")
-                first = owner.setdefault(name, tier)
-                if first != tier:
-                    found.append(f"{obj} ({tier}): {name}: also defined by tier {first}")
-    return found
+                first = owner.setdefault(name, group)
+                if first != group:
+                    errors.append(f"{obj} ({group}): {name}: also defined by {first}")
+                if group != "base" and not any(m in name for m in markers):
+                    notes.append(f"{obj} ({group}): {name}: outside the tiers' namespaces")
+    # A note is an error once another group defines the same symbol.
+    shared = {line.split(": ", 2)[1] for line in errors}
+    notes = [n for n in notes if n.split(": ", 2)[1] not in shared]
+    return errors, notes
 
 
 def main(argv: list[str]) -> int:
     nm, *specs = argv
-    tiers = {}
+    groups = {}
     for spec in specs:
-        tier, _, objects = spec.partition("=")
-        tiers[tier] = [o for o in objects.split("|") if o]
-    found = problems(nm, tiers)
-    if found is None:
+        group, _, objects = spec.partition("=")
+        if group == "base":
+            groups[group] = sorted(str(p) for p in Path(objects).rglob("*.o"))
+        else:
+            groups[group] = [o for o in objects.split("|") if o]
+    result = problems(nm, groups)
+    if result is None:
         print(f"kt_ops: {nm} could not read the ISA objects; the ODR check is skipped")
         return 0
+    found, notes = result
+    for line in notes:
+        print(f"kt_ops: note: ISA object with a weak function no other object defines: {line}")
     if found:
         print(
             "kt_ops: ISA objects define weak functions that code built with other flags may "

@@ -5,9 +5,10 @@
 # Code in these files lives in its own namespace and is reached only through
 # the tier table of csrc/kernels/dispatch.cpp after a CPUID check; a tier the
 # compiler cannot target is left out (its weak entry points stay null).
-# After the link, cmake/check_isa_odr.py fails the build if a tier's object
-# defines a weak function outside the tier's namespace (an inline function the
-# linker could pick for callers compiled without that ISA).
+# After the link, cmake/check_isa_odr.py fails the build if objects compiled
+# with different flags (the extension's own, each tier's) define the same weak
+# function (an inline function the linker could pick, ISA copy included, for
+# callers compiled without that ISA).
 include(CheckCXXCompilerFlag)
 
 function(kt_isa_library name flags)
@@ -52,7 +53,8 @@ function(kt_add_isa_kernels target)
   if(KT_ISA_ODR_ARGS AND CMAKE_NM)
     add_custom_command(TARGET ${target} POST_BUILD
       COMMAND "${Python_EXECUTABLE}" "${CMAKE_CURRENT_FUNCTION_LIST_DIR}/check_isa_odr.py"
-              "${CMAKE_NM}" ${KT_ISA_ODR_ARGS}
+              "${CMAKE_NM}" "base=${CMAKE_CURRENT_BINARY_DIR}/CMakeFiles/${target}.dir"
+              ${KT_ISA_ODR_ARGS}
       VERBATIM)
   endif()
   message(STATUS "kt_ops: ISA paths built: ref ${KT_ISA_BUILT}")
