@@ -34,8 +34,9 @@ import torch
 from torch import Tensor
 
 from kt_ops import _C
-from kt_ops.formats import format_spec, quantize_weights
+from kt_ops.formats import format_spec
 from kt_ops.formats.packed import PackedProjection, cat_experts
+from kt_ops.formats.quantize import quantize_chunk
 from kt_ops.formats.spec import FORMATS
 
 __all__ = [
@@ -510,17 +511,16 @@ _QUANTIZE_CHUNK_ELEMS = 1 << 24
 def _quantize_in_chunks(
     weight: Tensor, weight_format: str, group_size: Optional[int], symmetric: bool
 ) -> PackedProjection:
-    """``quantize_weights(weight)`` a few experts at a time (packing is per expert)."""
+    """``quantize_weights(weight)`` a few experts at a time (packing is per expert), the
+    chunks concatenated into huge pages."""
     E, N, K = weight.shape
     step = max(1, _QUANTIZE_CHUNK_ELEMS // max(1, N * K))
     parts = [
-        quantize_weights(weight[e : e + step].cpu(), weight_format, group_size, symmetric)
+        quantize_chunk(weight[e : e + step].cpu(), weight_format, group_size, symmetric)
         for e in range(0, E, step)
     ]
-    if len(parts) == 1:
-        return parts[0]
 
-    def cat(name: str) -> Optional[Tensor]:  # into huge pages, as quantize_weights' are
+    def cat(name: str) -> Optional[Tensor]:  # into huge pages (one part: copied there)
         ts = [getattr(p, name) for p in parts]
         return None if ts[0] is None else cat_experts(ts)
 

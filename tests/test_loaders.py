@@ -220,13 +220,13 @@ def test_chunked_packing_equals_whole_layer(tmp_path, monkeypatch):
     expected = write_hf(tmp_path, "fused", E=5)
     ck = HFCheckpoint(tmp_path)
     calls = []
-    real = hf_mod.quantize_weights
+    real = hf_mod.quantize_chunk
 
     def spy(w, *a, **kw):
         calls.append(w.shape[0])
         return real(w, *a, **kw)
 
-    monkeypatch.setattr(hf_mod, "quantize_weights", spy)
+    monkeypatch.setattr(hf_mod, "quantize_chunk", spy)
     monkeypatch.setattr(common, "CHUNK_BYTES", 1)
     out = ck.load_layer(1, "int4", 32, symmetric=False)
     assert calls == [1] * 15  # 5 experts x 3 projections, one expert per chunk

@@ -16,7 +16,7 @@ from kt_ops.formats.packed import PackedProjection
 from kt_ops.formats.qint import pack_codes, pack_group_params
 from kt_ops.formats.spec import FORMATS, format_spec
 
-__all__ = ["quantize_weights"]
+__all__ = ["quantize_weights", "quantize_chunk"]
 
 #: The formats that hold zeros (a zeros tensor, or the k-quants' mins in their records).
 _ASYMMETRIC_FORMATS = tuple(
@@ -140,6 +140,23 @@ def quantize_weights(
             multiple of the GGUF block size; ``symmetric=False`` for a format
             without zeros; weights overflowing the fp16 scales.
     """
+    # Decode streams these tensors once per call: 2 MiB pages (empty_huge_pages).
+    return quantize_chunk(weight, weight_format, group_size, symmetric).in_huge_pages()
+
+
+def quantize_chunk(
+    weight: Tensor,
+    weight_format: str,
+    group_size: Optional[int] = None,
+    symmetric: bool = True,
+) -> PackedProjection:
+    """:func:`quantize_weights` of a chunk of experts, left in torch's memory.
+
+    For callers that concatenate the chunks of a projection with
+    :func:`kt_ops.formats.packed.cat_experts`, which puts the whole in huge pages
+    (``ExpertWeights.from_dense``, the loaders): one copy of the packed tensors
+    instead of two. The same arguments, results and errors as ``quantize_weights``.
+    """
     spec = format_spec(weight_format)
     if not isinstance(weight, Tensor) or weight.dim() != 3:
         what = list(weight.shape) if isinstance(weight, Tensor) else type(weight).__name__
@@ -164,8 +181,7 @@ def quantize_weights(
     w = weight.detach().to("cpu", torch.float32).contiguous()
     if not bool(torch.isfinite(w).all()):
         raise ValueError("quantize_weights: weight holds NaN or infinite values")
-    # Decode streams these tensors once per call: 2 MiB pages (empty_huge_pages).
-    return _pack(w, spec.name, group_size, symmetric).in_huge_pages()
+    return _pack(w, spec.name, group_size, symmetric)
 
 
 def _pack(w: Tensor, name: str, group_size: int, symmetric: bool) -> PackedProjection:

@@ -33,8 +33,8 @@ error of about 3-6% for ``q4_k``, 1% for ``q6_k`` and 0.5% for ``q8_0`` (random 
 ``tests/test_loaders.py``), and takes more memory than the file (``q4_k``: 4.5 bits a
 weight against IQ2_XXS's 2.06). Other types (``Q8_1``, ``F64``, integer types, ...) are
 refused with a ValueError naming the tensor and its type.
-A quantized tensor is only packed in its own format: asking for another one
-(requantizing) is a ValueError; pass ``weight_format=None`` to get each
+A quantized tensor of a kt_ops format is only packed in that format: asking for another
+one (requantizing) is a ValueError; pass ``weight_format=None`` to get each
 tensor's own format (llama.cpp mixes them, e.g. Q6_K ``ffn_down_exps`` in a
 ``Q4_K_M`` file).
 
@@ -54,7 +54,8 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
-from kt_ops.formats import GGUF_FORMATS, PackedProjection, from_gguf, quantize_weights
+from kt_ops.formats import GGUF_FORMATS, PackedProjection, from_gguf
+from kt_ops.formats.quantize import quantize_chunk
 from kt_ops.layer import PROJECTIONS, ExpertWeights
 from kt_ops.loaders._common import check_format, pack_in_chunks
 from kt_ops.loaders.base import CheckpointReader, expert_weights
@@ -369,7 +370,7 @@ class GGUFCheckpoint(CheckpointReader):
             has them.
 
         Warns:
-            UserWarning: once per checkpoint and type, when a tensor of
+            UserWarning: once per checkpoint, type and target format, when a tensor of
                 :data:`GGUF_REQUANTIZED_TYPES` is requantized (lossy).
 
         Raises:
@@ -395,10 +396,10 @@ class GGUFCheckpoint(CheckpointReader):
                         return from_gguf(native, torch.from_numpy(np.array(raw)), n, k)
                     if t.tensor_type in GGUF_REQUANTIZED_TYPES:
                         dense = _dequantized_tensor(t.tensor_type, raw)
-                        target = weight_format or GGUF_REQUANTIZE_DEFAULT
-                        return quantize_weights(dense, target, group_size, symmetric)
-                    dense = _float_tensor(t.tensor_type, raw)
-                    return quantize_weights(dense, weight_format or "bf16", group_size, symmetric)
+                    else:
+                        dense = _float_tensor(t.tensor_type, raw)
+                    target = weight_format or _own_format(t.tensor_type)
+                    return quantize_chunk(dense, target, group_size, symmetric)
                 except ValueError as e:
                     raise ValueError(f"{self.path}: tensor {t.name}: {e}") from e
                 except Exception as e:
@@ -414,7 +415,8 @@ class GGUFCheckpoint(CheckpointReader):
         return weights
 
     def _warn_requantized(self, layer: int, weight_format: Optional[str]) -> None:
-        """Warn (once per type) that this layer's tensors of a requantized type lose bits."""
+        """Warn (once per type and target) that this layer's tensors of a requantized type
+        lose bits."""
         target = weight_format or GGUF_REQUANTIZE_DEFAULT
         for t in self._layers[layer].values():
             name = t.tensor_type.name

@@ -63,7 +63,8 @@ from typing import Optional, Union
 
 import torch
 
-from kt_ops.formats import E2M1_VALUES, PackedProjection, from_fp8, from_mxfp4, quantize_weights
+from kt_ops.formats import E2M1_VALUES, PackedProjection, from_fp8, from_mxfp4
+from kt_ops.formats.quantize import quantize_chunk
 from kt_ops.layer import PROJECTIONS, ExpertWeights
 from kt_ops.loaders._common import check_format, pack_in_chunks
 from kt_ops.loaders.base import CheckpointReader, expert_weights
@@ -642,7 +643,7 @@ class HFCheckpoint(CheckpointReader):
                             blocks, scales = self._read_mxfp4(t, plan, role, e0, e1, handles)
                             return from_mxfp4(blocks, scales)
                         dense = self._read_dense_fp32(t, plan, role, e0, e1, handles)
-                        return quantize_weights(dense, target, group_size, symmetric)
+                        return quantize_chunk(dense, target, group_size, symmetric)
                     except (ValueError, FileNotFoundError):
                         raise
                     except Exception as e:

@@ -78,9 +78,9 @@ from kt_ops.formats import (
     from_mxfp4,
     from_mxfp8,
     from_nvfp4,
-    quantize_weights,
 )
 from kt_ops.formats.int4 import int4_scale_dtype
+from kt_ops.formats.quantize import quantize_chunk
 from kt_ops.layer import PROJECTIONS, ExpertWeights
 from kt_ops.loaders._common import check_format, pack_in_chunks
 from kt_ops.loaders.base import CheckpointReader, expert_weights
@@ -663,7 +663,7 @@ class QuantizedCheckpoint(CheckpointReader):
                         return got
                     dense = dequantize_weights(got) if native else got
                     target = weight_format or "bf16"
-                    return quantize_weights(dense, target, group_size, symmetric)
+                    return quantize_chunk(dense, target, group_size, symmetric)
 
                 out[role] = pack_in_chunks(E, n, k, pack)
         return expert_weights(**out, where=f"{self.path}: layer {layer}")
