@@ -51,7 +51,8 @@ def problems(nm: str, groups: dict[str, list[str]]) -> tuple[list[str], list[str
     ``groups``: ``{'base': objects, tier: objects, ...}``.
     """
     errors: list[str] = []
-    notes: list[str] = []
+    notes: list[tuple[str, str]] = []  # (name, line)
+    shared: set[str] = set()
     markers = [f"kt::kernels::{g}::" for g in groups if g != "base"]
     owner: dict[str, str] = {}
     for group, objects in groups.items():
@@ -63,12 +64,11 @@ def problems(nm: str, groups: dict[str, list[str]]) -> tuple[list[str], list[str
                 first = owner.setdefault(name, group)
                 if first != group:
                     errors.append(f"{obj} ({group}): {name}: also defined by {first}")
+                    shared.add(name)
                 if group != "base" and not any(m in name for m in markers):
-                    notes.append(f"{obj} ({group}): {name}: outside the tiers' namespaces")
-    # A note is an error once another group defines the same symbol.
-    shared = {line.split(": ", 2)[1] for line in errors}
-    notes = [n for n in notes if n.split(": ", 2)[1] not in shared]
-    return errors, notes
+                    notes.append((name, f"{obj} ({group}): {name}: outside the tiers' namespaces"))
+    # A shared symbol is an error already, not a note.
+    return errors, [line for name, line in notes if name not in shared]
 
 
 def main(argv: list[str]) -> int:

@@ -241,7 +241,7 @@ namespace {
 // One thread's byte buffer for a token row, grown on demand. Not a std::vector:
 // its out-of-line members (_M_default_append) would be a weak symbol that this
 // AVX-512 object shares with the baseline objects, and the linker may keep this
-// copy for every caller, AVX2 hosts included (cmake/check_isa_odr.cmake).
+// copy for every caller, AVX2 hosts included (cmake/check_isa_odr.py).
 class RowBuffer {
  public:
   ~RowBuffer() { std::free(data_); }
