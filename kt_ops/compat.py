@@ -41,7 +41,7 @@ method            kt_ops format       ``load_weights`` reads ``weight_path`` as
                                       ``weight_scale_inv`` per 32 (MiniMax-M3), exact
 ``LLAMAFILE``     GGUF types          ``.gguf`` file (or a folder of them): Q8_0,
                                       Q4_0, Q4_1, Q5_0, Q5_1, Q2_K ... Q6_K, IQ4_NL,
-                                      IQ4_XS, MXFP4 (gpt-oss) exact per
+                                      IQ4_XS, MXFP4 (gpt-oss), NVFP4 exact per
                                       tensor; F16/BF16/F32 as ``bf16``
 ================  ==================  ==============================================
 

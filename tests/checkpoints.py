@@ -380,6 +380,8 @@ def random_blocks(qtype: Q, shape_elems: tuple[int, ...], rng: np.random.Generat
         for i in range(4):
             nib = ((d >> (4 * i)) & 0xF).astype(np.uint8)
             raw[..., 49 + 2 * i] = (raw[..., 49 + 2 * i] & 0x0F) | (nib << 4)
+    elif qtype == Q.NVFP4:  # d[4] UE4M3 (0x00-0x7E; 0x20-0x37 ~ 2^-3 .. 2^-1), qs[32]
+        raw[..., 0:4] = rng.integers(0x20, 0x38, size=(*raw.shape[:-1], 4), dtype=np.uint8)
     elif qtype == Q.TQ1_0:  # ternary: qs[48], qh[4], d
         set_f16(52, 1e-3, 1e-2)
     elif qtype == Q.TQ2_0:  # ternary: qs[64], d

@@ -1064,6 +1064,7 @@ def quant_mismatch_report(
 #: GGUF block types: name -> (weights per block, bytes per block), as ggml-common.h.
 GGUF_BLOCKS = {
     "mxfp4": (32, 17),
+    "nvfp4": (64, 36),
     "q8_0": (32, 34),
     "q4_0": (32, 18),
     "q4_1": (32, 20),
@@ -1102,6 +1103,10 @@ def random_gguf_raw(qtype: str, num_experts: int, n: int, k: int, *, seed: int =
     if qtype == "mxfp4":  # W = e2m1(q) * 2^(e - 127), |e2m1| <= 6: e around 2^(e-127) ~ s/4
         e0 = 127 + round(math.log2(s / 4))
         raw[..., 0] = rng.integers(e0 - 2, e0 + 2, size=raw.shape[:-1], dtype=np.uint8)
+    elif qtype == "nvfp4":  # W = e2m1(q) * ue4m3(d), |e2m1| <= 6: ue4m3 bytes around s/4
+        e0 = 7 + round(math.log2(s / 4))  # the UE4M3 exponent field of s/4 (bias 7)
+        d = rng.integers(8 * (e0 - 1), 8 * (e0 + 1), size=(*raw.shape[:-1], 4))
+        raw[..., 0:4] = np.clip(d, 0, 0x7E).astype(np.uint8)
     elif qtype == "q8_0":  # W = d * q, |q| <= 128
         set_f16(0, 0.5 * s / 64, 2 * s / 64)
     elif qtype == "q4_0":  # W = d * (q - 8)

@@ -182,8 +182,8 @@ def test_gguf_block_types_are_rows_of_the_table():
     """GGUF-ness is one field of the spec rows; every list of GGUF types derives from it."""
     gguf_types = [f for f in FORMATS if format_spec(f).is_gguf]
     assert gguf_types == [
-        "mxfp4", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k",
-        "iq4_nl", "iq4_xs",
+        "mxfp4", "nvfp4", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k",
+        "q5_k", "q6_k", "iq4_nl", "iq4_xs",
     ]  # fmt: skip
     assert GGUF_FORMATS == tuple(gguf_types)
     for f in FORMATS:
@@ -191,8 +191,8 @@ def test_gguf_block_types_are_rows_of_the_table():
         if block is None:
             continue
         assert block == gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[f.upper()]], f
-        # q3_k / iq4_xs: their 6-bit scales as int8 in the records
-        if f in ("q3_k", "iq4_xs"):  # more than GGUF's size
+        # q3_k / iq4_xs: their 6-bit scales as int8 in the records; nvfp4: fp32 block scales
+        if f in ("q3_k", "iq4_xs", "nvfp4"):  # more than GGUF's size
             assert format_spec(f).bits_per_weight > 8 * block[1] / block[0], f
         else:
             assert format_spec(f).bits_per_weight == 8 * block[1] / block[0], f
@@ -539,15 +539,17 @@ def _random_gguf_raw(name: str, E: int, n: int, k: int, seed: int) -> np.ndarray
     bs, ts = gguf.constants.GGML_QUANT_SIZES[getattr(gguf.GGMLQuantizationType, name.upper())]
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, size=(E, n, k // bs, ts), dtype=np.uint8)
-    offsets = {"mxfp4": [], "q8_0": [0], "q4_0": [0], "q4_1": [0, 2], "q5_0": [0], "q5_1": [0, 2],
-               "q2_k": [80, 82], "q3_k": [108], "q4_k": [0, 2], "q5_k": [0, 2], "q6_k": [208],
-               "iq4_nl": [0], "iq4_xs": [0]}[name]  # fmt: skip
+    offsets = {"mxfp4": [], "nvfp4": [], "q8_0": [0], "q4_0": [0], "q4_1": [0, 2],
+               "q5_0": [0], "q5_1": [0, 2], "q2_k": [80, 82], "q3_k": [108], "q4_k": [0, 2],
+               "q5_k": [0, 2], "q6_k": [208], "iq4_nl": [0], "iq4_xs": [0]}[name]  # fmt: skip
     for off in offsets:
         h = rng.integers(0, 1 << 16, size=raw.shape[:-1], dtype=np.uint16)
         h = np.where((h & 0x7C00) == 0x7C00, h & 0x83FF, h)  # exponent 31 (inf/nan) -> 0
         raw[..., off : off + 2] = h.astype("<u2")[..., None].view(np.uint8)
     if name == "mxfp4":  # every exponent byte but 255 (NaN in OCP MX; refused)
         raw[..., 0] = rng.integers(0, 255, size=raw.shape[:-1], dtype=np.uint8)
+    if name == "nvfp4":  # every UE4M3 scale byte, subnormals and 0 included (0x7F+ refused)
+        raw[..., 0:4] = rng.integers(0, 0x7F, size=(*raw.shape[:-1], 4), dtype=np.uint8)
     return raw.reshape(E, n, -1)
 
 
@@ -618,16 +620,18 @@ def test_gguf_quantizers_round_trip(name):
     raw = quantize_gguf_raw(w.numpy(), name)
     qt = getattr(gguf.GGMLQuantizationType, name.upper())
     ref = torch.from_numpy(gguf.quants.dequantize(raw, qt))
-    p = quantize_weights(w, name)
+    # nvfp4's quantize_weights is NVIDIA's recipe with a per-expert scale
+    # (kt_ops.formats.nvfp4), not GGUF's blocks: those are checked through from_gguf.
+    p = from_gguf(name, raw, N, K) if name == "nvfp4" else quantize_weights(w, name)
     d = dequantize_weights(p)
     assert torch.equal(d, ref)  # valid GGUF blocks, repacked losslessly
     if name in ("mxfp4", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"):  # llama.cpp's quantizer
         assert np.array_equal(raw, gguf.quants.quantize(w.numpy(), qt))
     rel = ((d - w).pow(2).mean() / w.pow(2).mean()).sqrt().item()
     bound = {
-        "mxfp4": 0.15, "q8_0": 0.01, "q4_0": 0.15, "q4_1": 0.12, "q5_0": 0.06, "q5_1": 0.06,
-        "q2_k": 0.4, "q3_k": 0.2, "q4_k": 0.12, "q5_k": 0.06, "q6_k": 0.03, "iq4_nl": 0.1,
-        "iq4_xs": 0.1,
+        "mxfp4": 0.15, "nvfp4": 0.12, "q8_0": 0.01, "q4_0": 0.15, "q4_1": 0.12, "q5_0": 0.06,
+        "q5_1": 0.06, "q2_k": 0.4, "q3_k": 0.2, "q4_k": 0.12, "q5_k": 0.06, "q6_k": 0.03,
+        "iq4_nl": 0.1, "iq4_xs": 0.1,
     }[name]  # fmt: skip
     assert rel < bound, rel
     assert torch.equal(d[0, 0], torch.zeros(K))
@@ -799,6 +803,14 @@ def test_from_gguf_rejects_bad_input():
     mx[0, 3, 17] = 255  # the second block's exponent byte: NaN in OCP MX
     with pytest.raises(ValueError, match="MXFP4 exponent byte 255"):
         from_gguf("mxfp4", mx, 4, 64)
+    # NVFP4: UE4M3 scale bytes are 0x00-0x7E; 0x7F (E4M3's NaN) and bit 7 are refused.
+    nv = _random_gguf_raw("nvfp4", 1, 4, 128, seed=3)
+    assert from_gguf("nvfp4", nv, 4, 128) is not None
+    for byte in (0x7F, 0x80, 0xB8):
+        bad_nv = nv.copy()
+        bad_nv[0, 2, 36 + 3] = byte  # the second block's last scale
+        with pytest.raises(ValueError, match=f"NVFP4 scale byte 0x{byte:02X}"):
+            from_gguf("nvfp4", bad_nv, 4, 128)
     bad = raw.copy()
     bad[0, 0, 0:2] = np.array([0x00, 0x7C], dtype=np.uint8)  # fp16 +inf d
     with pytest.raises(ValueError, match="raw has a non-finite"):

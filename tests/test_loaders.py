@@ -473,8 +473,11 @@ def test_gguf_requantized_corrupt_scale_is_named(tmp_path):
         {"gate": Q.Q4_K, "up": Q.Q4_K, "down": Q.Q5_0},
         # The other fallbacks (Q5_K -> Q5_1) and the legacy Q4_1.
         {"gate": Q.Q5_1, "up": Q.Q4_1, "down": Q.Q5_1},
+        # NVFP4 (llama.cpp's NVFP4 files): E2M1 codes as stored, UE4M3 scales as fp32;
+        # beside MXFP4 (64-weight blocks: I = 160 is no multiple, so down is MXFP4).
+        {"gate": Q.NVFP4, "up": Q.NVFP4, "down": Q.MXFP4},
     ],
-    ids=["q2_k_q3_k", "iq4", "q4_k_m_fallback", "q4_1_q5_1"],
+    ids=["q2_k_q3_k", "iq4", "q4_k_m_fallback", "q4_1_q5_1", "nvfp4"],
 )
 def test_gguf_types_beyond_q4_k_native(tmp_path, types):
     # Exactly gguf.quants.dequantize's weights, and the op computes with them (the

@@ -504,14 +504,14 @@ def test_quant_activation_modes():
 # --------------------------------------------------------------------------
 
 GGUF_TYPES = [
-    "mxfp4", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k",
-    "iq4_nl", "iq4_xs",
+    "mxfp4", "nvfp4", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k",
+    "q6_k", "iq4_nl", "iq4_xs",
 ]  # fmt: skip
 
 
 @functools.cache
 def gguf_layer(qtype: str) -> kt_ops.ExpertWeights:
-    # k-quants and iq4_xs: 2 super-blocks
+    # k-quants and iq4_xs: 2 super-blocks (nvfp4: 4 and 8 blocks of 64)
     H, I = (96, 64) if format_spec(qtype).gguf_block[0] == 32 else (512, 256)
     shapes = ((I, H), (I, H), (H, I))
     return kt_ops.ExpertWeights(

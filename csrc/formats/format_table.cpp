@@ -170,10 +170,13 @@ const std::vector<FormatRow>& format_table() {
        "OCP Microscaling Formats (MX) v1.0: E2M1 elements, UE8M0 scales, 32 per block",
        {32, 17}},
       // NVIDIA NVFP4: E2M1 codes, one E4M3 scale per 16 times a per-tensor fp32 scale. Stored
-      // as one fp32 scale per 16 (half the product, for the kernel codes 2v + 12): exact.
+      // as one fp32 scale per 16 (half the product, for the kernel codes 2v + 12): exact. Also
+      // GGUF's NVFP4 block (64 weights: 4 UE4M3 scales, then q4_0's nibble order per 16; no
+      // per-tensor scale), repacked as exactly; 6 bits a weight here against GGUF's 4.5.
       {"nvfp4", L::kQint, qint(4, false, 12.f, CodeTable::kE2m1), {16}, 16, S::kF32, Z::kNever, A::kQ8,
        kNoFp32, kNoBrgemmPath, 6.0,
-       "NVIDIA NVFP4 (E2M1 elements, E4M3 scale per 16, fp32 per-tensor scale), fp32 scales"},
+       "NVIDIA NVFP4 (E2M1 elements, E4M3 scale per 16, fp32 per-tensor scale), fp32 scales",
+       {64, 36}},
       {"q8_0", L::kQint, qint(8, true, 0.f), {32}, 32, S::kF16, Z::kNever, A::kQ8,
        kInt8Fp32, kQ80Brgemm, 8.5, kGgml, {32, 34}},
       {"q4_0", L::kQint, qint(4, false, 8.f), {32}, 32, S::kF16, Z::kNever, A::kQ8,

@@ -16,6 +16,13 @@ the same bytes), ``QK_K = 256``, ``d``/``dmin`` fp16, little endian:
   ``W = kvalues_mxfp4[q] * 2^(e - 128)``, ``kvalues_mxfp4`` twice the E2M1 values (OCP MX
   v1.0), so ``W = e2m1(q) * 2^(e - 127)``: kt_ops' ``mxfp4`` with ``E = e`` (``e = 255``,
   NaN in OCP MX and finite in ggml, is refused).
+* ``block_nvfp4`` (36 B / 64): ``uint8 d[4]``, ``qs[32]``; sub-block ``s`` (16 weights)
+  has the UE4M3 scale ``d[s]`` (E4M3 without its sign bit) and its weights ``l < 8`` /
+  ``l + 8`` in the low / high nibbles of ``qs[8s + l]``; ``W = kvalues[q] * ue4m3(d[s]) /
+  2``, ``kvalues`` twice the E2M1 values, so ``W = e2m1(q) * ue4m3(d[s])``: kt_ops'
+  ``nvfp4`` with the per-tensor scale 1. ggml's quantizer writes the bytes 0 to 0x7E; the
+  others (0x7F, read as 0 by ggml, and any byte with bit 7 set, whose bit ggml ignores)
+  are refused.
 * ``block_q2_K`` (84 B / 256): ``scales[16]`` (``sc`` in the low nibble,
   ``m`` in the high one, 16 weights each), ``qs[64]``, ``d``, ``dmin``; in
   each half ``i`` (128 weights), weight ``32t + l`` is ``(qs[32i + l] >> 2t)
@@ -45,6 +52,8 @@ the same bytes), ``QK_K = 256``, ``d``/``dmin`` fp16, little endian:
   weights ``l < 16`` / ``l + 16`` in the low / high nibbles of ``qs[16j + l]``;
   ``W = d*(ls_j - 32) * kvalues_iq4nl[q]``.
 
+NVFP4's UE4M3 scales are held as fp32 (half the value, as every ``nvfp4`` projection
+holds its block scales), 6 bits a weight against GGUF's 4.5.
 The repacked scales are ``d`` (fp16, q8_0/q4_0/q4_1/q5_0/q5_1; q4_1 and q5_1 keep
 ``-m`` as their fp16 zeros, ``W = d*q - (-m)``) or, for the k-quants, GGUF's
 own scale bytes (``d``, ``dmin``, ``scales[12]`` / ``scales[16]``), copied into
@@ -69,6 +78,7 @@ import torch
 from torch import Tensor
 
 from kt_ops.formats.dequant import IQ4NL_VALUES
+from kt_ops.formats.mxfp4 import _e2m1_round
 from kt_ops.formats.packed import PackedProjection
 from kt_ops.formats.qint import pack_codes, pack_group_params, pack_kquant_scales
 from kt_ops.formats.spec import FORMATS, format_spec
@@ -77,6 +87,9 @@ __all__ = ["GGUF_FORMATS", "from_gguf", "quantize_gguf_raw"]
 
 #: The GGUF types kt_ops repacks (``from_gguf``): the formats with a ``gguf_block``.
 GGUF_FORMATS = tuple(f for f in FORMATS if format_spec(f).is_gguf)
+
+#: UE4M3 byte -> its fp32 value (E4M3 of OCP MX v1.0 / torch.float8_e4m3fn, bytes 0-0x7E).
+_UE4M3_VALUES = torch.arange(128, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()
 
 
 def _qtype_name(qtype: Any) -> str:
@@ -197,7 +210,8 @@ def from_gguf(
     """Repack the raw GGUF blocks of an ``[E, n, k]`` tensor losslessly into the qint layout.
 
     Args:
-        qtype: ``'mxfp4'``, ``'q8_0'``, ``'q4_0'``, ``'q4_1'``, ``'q5_0'``, ``'q5_1'``,
+        qtype: ``'mxfp4'``, ``'nvfp4'``, ``'q8_0'``, ``'q4_0'``, ``'q4_1'``, ``'q5_0'``,
+            ``'q5_1'``,
             ``'q2_k'``, ``'q3_k'``, ``'q4_k'``,
             ``'q5_k'``, ``'q6_k'``, ``'iq4_nl'`` or ``'iq4_xs'`` (any case) or the
             matching ``gguf.GGMLQuantizationType``.
@@ -210,7 +224,8 @@ def from_gguf(
 
     Returns:
         A validated :class:`PackedProjection` of format ``qtype``: codes in the
-        qint planes, the exponent bytes (uint8, mxfp4), scales ``d`` (fp16,
+        qint planes, the exponent bytes (uint8, mxfp4), half the UE4M3 scales (fp32,
+        nvfp4, group 16), scales ``d`` (fp16,
         q8_0/q4_0/q4_1/q5_0/q5_1/iq4_nl) or the
         scale records of the k-quants and iq4_xs (uint8 ``[E, NB, K/256, 256 | 288 |
         320 | 160]``, GGUF's bytes), zeros ``-m`` (fp16, q4_1 and q5_1; else none),
@@ -221,7 +236,8 @@ def from_gguf(
         ValueError: unsupported ``qtype``; ``n``/``k`` not positive, ``k`` not a
             multiple of the block size (32 or 256); ``raw`` not uint8, or its
             byte count not a positive multiple of ``n * row_bytes``; a
-            non-finite fp16 ``d``/``dmin`` in ``raw``; an MXFP4 exponent byte 255.
+            non-finite fp16 ``d``/``dmin`` in ``raw``; an MXFP4 exponent byte 255; an
+            NVFP4 scale byte 0x7F or above.
     """
     name = _qtype_name(qtype)
     spec = format_spec(name)
@@ -257,6 +273,18 @@ def from_gguf(
             )
         qs = blk[..., 1:17]
         codes = np.concatenate([qs & 15, qs >> 4], axis=-1)
+    elif name == "nvfp4":  # d[4] (UE4M3 per 16), qs[32]: q4_0's nibble order per 16
+        d = blk[..., 0:4]
+        if (d >= 0x7F).any():
+            bad = int(d[d >= 0x7F][0])
+            raise ValueError(
+                f"from_gguf: raw has an NVFP4 scale byte 0x{bad:02X}; UE4M3 scales are 0x00-"
+                "0x7E (0x7F is NaN in E4M3, ggml reads it as 0; bit 7 is no part of UE4M3), "
+                "so the file is corrupt or not NVFP4"
+            )
+        scales = _UE4M3_VALUES[d] * np.float32(0.5)  # kt_ops' nvfp4 scale: half of b * g
+        qs = blk[..., 4:36].reshape(E, n, -1, 4, 8)
+        codes = np.concatenate([qs & 15, qs >> 4], axis=-1)  # [.., 4, 16]: E2M1 as stored
     elif name in ("q4_0", "iq4_nl", "q4_1", "q5_0", "q5_1"):  # d, [m], [qh], qs[16]
         d = _f16(blk[..., 0:2])
         has_m, has_qh = name in ("q4_1", "q5_1"), name in ("q5_0", "q5_1")
@@ -528,12 +556,29 @@ def _quantize_iq4_xs(x: np.ndarray) -> np.ndarray:
     return np.concatenate([d.view(np.uint8).reshape(B, 2), hl, qs], axis=-1)
 
 
+def _quantize_nvfp4(x: np.ndarray) -> np.ndarray:
+    """NVFP4 blocks of ``x [B, 64]``: per 16 weights the UE4M3 scale ``amax / 6`` (round to
+    nearest even, saturated at 448; 0 for an all-zero sub-block), elements ``x / scale``
+    to the nearest E2M1 value, ties to even, saturated at +-6 (ggml's reference rounds its
+    scale half up instead: both write valid blocks)."""
+    xs = torch.from_numpy(x.reshape(-1, 4, 16))
+    amax = xs.abs().amax(dim=-1)
+    d = (amax / 6).clamp(max=448.0).to(torch.float8_e4m3fn)
+    scale = d.float().unsqueeze(-1)
+    codes = _e2m1_round((xs / torch.where(scale > 0, scale, 1.0)).to(torch.float64)).numpy()
+    out = np.empty((xs.shape[0], 36), dtype=np.uint8)
+    out[:, 0:4] = d.view(torch.uint8).numpy()
+    out[:, 4:36] = (codes[..., :8] | (codes[..., 8:] << 4)).reshape(-1, 32)
+    return out
+
+
 def quantize_gguf_raw(weight: np.ndarray, qtype: Union[str, Any]) -> np.ndarray:
     """Quantize fp32 ``[..., K]`` to raw GGUF blocks ``[..., K / block * type_size]`` (uint8).
 
     ``mxfp4``, ``q8_0``, ``q4_0``, ``q4_1``, ``q5_0`` and ``q5_1`` use ``gguf.quants.quantize``
     (bit-exact with llama.cpp's reference quantizers). The ``gguf`` package cannot quantize
-    the k-quants, so ``q2_k`` ... ``q6_k`` use a simple round-to-nearest
+    NVFP4 or the k-quants: ``nvfp4`` takes a UE4M3 scale ``amax / 6`` per 16
+    (:func:`_quantize_nvfp4`), and ``q2_k`` ... ``q6_k`` use a simple round-to-nearest
     quantizer here: per sub-block min/max (min clipped to <= 0; q2_k, q4_k,
     q5_k) or the value of largest magnitude (q3_k, q6_k), 4-bit (q2_K), 6-bit
     (q3_K, q4_K, q5_K) or int8 (q6_K) sub-block scales against an fp16
@@ -562,7 +607,9 @@ def quantize_gguf_raw(weight: np.ndarray, qtype: Union[str, Any]) -> np.ndarray:
 
         qt = getattr(gguf.GGMLQuantizationType, name.upper())
         return gguf.quants.quantize(x, qt)
-    if name == "iq4_nl":
+    if name == "nvfp4":
+        out = _quantize_nvfp4(blocks)
+    elif name == "iq4_nl":
         out = _quantize_iq4_nl(blocks)
     elif name == "iq4_xs":
         out = _quantize_iq4_xs(blocks)

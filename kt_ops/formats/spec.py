@@ -161,7 +161,8 @@ class FormatSpec:
 
     @property
     def is_gguf(self) -> bool:
-        """True for the GGUF block types (q8_0, q4_0, q2_k ... q6_k): ``gguf_block`` is set."""
+        """True for the GGUF block types (mxfp4, nvfp4, q8_0, q4_0, q2_k ... q6_k, iq4_nl,
+        iq4_xs): ``gguf_block`` is set."""
         return self.gguf_block is not None
 
     def num_groups(self, k: int, group_size: int) -> int:

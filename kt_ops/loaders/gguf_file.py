@@ -16,6 +16,8 @@ result dequantizes bit-identically to ``gguf.quants.dequantize``). ``F16``,
 (``bf16`` by default). ``Q2_K`` and ``Q3_K`` load exactly, their codes held in
 2- and 3-bit planes (2.625 / 3.5625 bits a weight in memory, GGUF's 2.625 / 3.4375); ``IQ4_NL`` and
 ``IQ4_XS`` exactly, their codes as stored (IQ4_XS at 4.31 bits a weight, GGUF's 4.25).
+``NVFP4`` loads as ``nvfp4``, exactly (the E2M1 codes as stored, each UE4M3 scale held as
+fp32: 6 bits a weight against GGUF's 4.5).
 ``MXFP4`` (gpt-oss GGUF files) loads as ``mxfp4``, the codes and exponents as stored, with
 the experts' biases (``blk.{L}.ffn_{gate,up,down}_exps.bias``, any float type) as
 ``PackedProjection.bias``; the clamped SwiGLU of gpt-oss is the model's to pass
