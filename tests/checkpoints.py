@@ -404,14 +404,21 @@ def gguf_raw(qtype: Q, w: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     return random_blocks(qtype, w.shape, rng)
 
 
+def _values(qtype: Q, raw: np.ndarray) -> np.ndarray:
+    """The fp32 values of ``raw`` (data of ``qtype``, as :func:`gguf_raw` makes it)."""
+    if raw.dtype == np.uint8:
+        return gguf.quants.dequantize(raw, qtype)
+    return raw.astype(np.float32)
+
+
 def _add_tensor(writer: gguf.GGUFWriter, name: str, qtype: Q, raw: np.ndarray) -> np.ndarray:
     """Add ``raw`` (data of ``qtype``, as :func:`gguf_raw` makes it) as tensor ``name``;
     return its values as fp32 (gguf.quants.dequantize of block data)."""
     if raw.dtype == np.uint8:
         writer.add_tensor(name, raw, raw_dtype=qtype)
-        return gguf.quants.dequantize(raw, qtype)
-    writer.add_tensor(name, raw)
-    return raw.astype(np.float32)
+    else:
+        writer.add_tensor(name, raw)
+    return _values(qtype, raw)
 
 
 def write_gguf(
@@ -426,10 +433,13 @@ def write_gguf(
     drop: Optional[str] = None,
     arch: str = "qwen3moe",
     bias_types: Optional[dict[str, Q]] = None,
+    split_experts: bool = False,
 ) -> dict[int, dict[str, dict]]:
     """A GGUF file with ``blk.{L}.ffn_{gate,up,down}_exps.weight`` of the given types
     (and, per role of ``bias_types``, ``blk.{L}.ffn_{role}_exps.bias`` ``[E, N]`` of that
-    float type, as gpt-oss's).
+    float type, as gpt-oss's). ``split_experts``: one 2-D tensor per expert instead,
+    ``blk.{L}.ffn_{role}.{x}.weight`` (llama.cpp's files before the experts were merged,
+    e.g. Mixtral's), holding the same data.
 
     Returns ``{layer: {role: {"raw": data as written, "dense": fp32 [E, N, K] torch
     (gguf.quants.dequantize of the raw data), "bias": fp32 [E, N] torch or None}}}``.
@@ -450,7 +460,12 @@ def write_gguf(
             name = f"blk.{L}.ffn_{r}_exps.weight"
             if name == drop:
                 continue
-            dense = _add_tensor(writer, name, types[r], raw)
+            if split_experts:
+                for x in range(E):
+                    _add_tensor(writer, f"blk.{L}.ffn_{r}.{x}.weight", types[r], raw[x])
+                dense = _values(types[r], raw)
+            else:
+                dense = _add_tensor(writer, name, types[r], raw)
             expected[L][r] = {"raw": raw, "dense": torch.from_numpy(np.array(dense)), "bias": None}
             if bias_types and r in bias_types:
                 b = gguf_raw(bias_types[r], rng.standard_normal((E, N)), rng)

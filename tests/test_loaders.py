@@ -375,6 +375,77 @@ def test_gguf_q8_0_q4_0_native(tmp_path):
         ck.load_layer(0, "q8_0")
 
 
+def test_gguf_split_experts_load_as_merged(tmp_path):
+    # Files converted before llama.cpp merged the experts (Mixtral-8x7B's GGUFs: arch
+    # "llama", one 2-D tensor per expert) load as the same data in merged tensors would.
+    types = {"gate": Q.Q4_K, "up": Q.F16, "down": Q.Q6_K}
+    split, merged = tmp_path / "split.gguf", tmp_path / "merged.gguf"
+    kw = dict(E=3, H=256, I=256, moe_layers=(0, 2), arch="llama")
+    expected = write_gguf(split, types, split_experts=True, **kw)
+    write_gguf(merged, types, **kw)  # the same seed: the same blocks
+    ck, ref = GGUFCheckpoint(split), GGUFCheckpoint(merged)
+    assert ck.moe_layers == [0, 2] and ck.num_layers == 3 and ck.architecture == "llama"
+    assert (ck.num_experts, ck.hidden_size, ck.intermediate_size) == (3, 256, 256)
+    assert ck.tensor_types(2) == {"gate": "Q4_K", "up": "F16", "down": "Q6_K"}
+    assert ck.native_formats(2) == {"gate": "q4_k", "up": "bf16", "down": "q6_k"}
+    for L in (0, 2):
+        got, want = ck.load_layer(L), ref.load_layer(L)
+        for r in ROLES:
+            a, b = getattr(got, r), getattr(want, r)
+            assert a.weight_format == b.weight_format and torch.equal(a.weight, b.weight), r
+            assert torch.equal(a.scales, b.scales) if b.scales is not None else a.scales is None
+        assert torch.equal(dequantize_weights(got.down), expected[L]["down"]["dense"])
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(1))
+    ids, weights = torch.randint(0, 3, (5, 2)), torch.rand(5, 2)
+    out = ck.load_layer(0)
+    assert torch.equal(kt_ops.moe_forward(x, ids, weights, out),
+                       kt_ops.moe_forward(x, ids, weights, ref.load_layer(0)))  # fmt: skip
+
+
+def _write_split_gguf(path, experts, *, merged_down=False):
+    """A one-block GGUF with per-expert tensors ``{(role, x): (qtype, N, K)}`` (random data);
+    ``merged_down`` adds a merged ``ffn_down_exps`` too."""
+    rng = np.random.default_rng(0)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    for (role, x), (qtype, n, k) in experts.items():
+        w = rng.standard_normal((n, k)).astype(np.float32)
+        raw = gguf.quants.quantize(w, qtype) if qtype != Q.F32 else w
+        writer.add_tensor(f"blk.0.ffn_{role}.{x}.weight", raw, raw_dtype=qtype)
+    if merged_down:
+        raw = gguf.quants.quantize(rng.standard_normal((2, 64, 64)).astype(np.float32), Q.Q8_0)
+        writer.add_tensor("blk.0.ffn_down_exps.weight", raw, raw_dtype=Q.Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_gguf_split_experts_errors(tmp_path):
+    def layer(E, qtype=Q.Q8_0, H=64, I=32):  # noqa: E741
+        return {(r, x): (qtype, *((I, H) if r != "down" else (H, I))) for r in ROLES
+                for x in range(E)}  # fmt: skip
+
+    gap = layer(3)
+    del gap[("up", 1)]
+    cases = [
+        (gap, {}, r"blk\.0\.ffn_up\.1\.weight is missing \(block 0 has 2 of the 3"),
+        ({**layer(2), ("gate", 1): (Q.Q4_0, 32, 64)}, {},
+         r"blk\.0\.ffn_gate\.1\.weight is Q4_0.*blk\.0\.ffn_gate\.0\.weight Q8_0.*same type"),
+        ({**layer(2), ("down", 1): (Q.Q8_0, 64, 64)}, {}, r"ffn_down\.1\.weight is Q8_0 with dims"),
+        ({**layer(2, I=64)}, {"merged_down": True}, r"block 0 holds both merged"),
+        ({k: v for k, v in layer(2).items() if k[0] != "down"}, {},
+         r"blk\.0\.ffn_down\.\{x\}\.weight is missing \(block 0 has blk\.0\.ffn_gate\.\{0\.\.1\}"),
+        ({**layer(2), ("gate", 7): (Q.Q8_0, 32, 64)}, {}, r"ffn_gate\.2\.weight is missing"),
+        ({**layer(2), ("up", 2): (Q.Q8_0, 32, 64)}, {}, r"ffn_up\.\{0\.\.2\}\.weight has dims"),
+    ]  # fmt: skip
+    for i, (experts, kw, match) in enumerate(cases):
+        path = tmp_path / f"bad{i}.gguf"
+        _write_split_gguf(path, experts, **kw)
+        with pytest.raises(ValueError, match=match):
+            GGUFCheckpoint(path)
+
+
 @pytest.mark.parametrize("qtype", [Q.F16, Q.BF16, Q.F32])
 def test_gguf_float_tensors_quantized_online(tmp_path, qtype):
     path = tmp_path / "f.gguf"

@@ -9,6 +9,13 @@ converters write for MoE models (``gguf`` Python package, ``constants.py``
 * ``blk.{L}.ffn_down_exps.weight``: ``(I, H, E)``, i.e. ``[E, H, I]``.
 
 ``ne0`` is the row length ``K``; every row is a whole number of ggml blocks.
+
+Files written by llama.cpp's converters before they merged the experts (early 2024, e.g. the
+widely shared Mixtral-8x7B GGUFs, ``general.architecture = "llama"``) hold one 2-D tensor per
+expert instead: ``blk.{L}.ffn_{gate,up,down}.{x}.weight`` with dims ``(H, I)`` / ``(I, H)``,
+``x`` = 0 .. E-1. They load the same way, their experts stacked in index order (llama.cpp
+merges them likewise when it loads such a file); every expert of a projection must be
+present and have the same type and dims, and a block holds either form, not both.
 Quantized tensors of the types in :data:`GGUF_NATIVE_FORMATS` are handed as
 raw blocks to :func:`kt_ops.formats.from_gguf` (no dense round trip; the
 result dequantizes bit-identically to ``gguf.quants.dequantize``). ``F16``,
@@ -105,6 +112,27 @@ GGUF_TENSOR_NAMES = {
 }
 
 _EXPERT_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.(weight|bias)$")
+# One tensor per expert (llama.cpp's converters before the experts were merged).
+_SPLIT_EXPERT_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight$")
+
+
+class _StackedExperts:
+    """The per-expert tensors ``blk.{L}.ffn_{role}.{x}.weight`` of one projection, read as
+    one stacked tensor: the attributes of ``gguf.ReaderTensor`` that :class:`GGUFCheckpoint`
+    uses (``name``, ``tensor_type``, ``shape`` in GGUF order with ``E`` last, and ``data``,
+    whose slice over experts stacks their blocks as a merged tensor holds them)."""
+
+    def __init__(self, layer: int, role: str, experts: list[Any]) -> None:
+        self.parts = experts
+        self.name = f"blk.{layer}.ffn_{role}.{{0..{len(experts) - 1}}}.weight"
+        self.tensor_type = experts[0].tensor_type
+        self.shape = [*(int(d) for d in experts[0].shape), len(experts)]
+        self.data = self
+
+    def __getitem__(self, experts: slice) -> np.ndarray:
+        return np.stack([np.asarray(t.data) for t in self.parts[experts]])
+
+
 _SUPPORTED = ", ".join(t.name for t in (*GGUF_NATIVE_FORMATS, *GGUF_FLOAT_TYPES)) + (
     "; requantized: " + ", ".join(t.name for t in GGUF_REQUANTIZED_TYPES)
 )
@@ -174,14 +202,27 @@ class GGUFCheckpoint(CheckpointReader):
         self.architecture = _field(self._reader, "general.architecture") or "unknown"
         layers: dict[int, dict[str, Any]] = {}
         biases: dict[int, dict[str, Any]] = {}
+        split: dict[int, dict[str, dict[int, Any]]] = {}  # block -> role -> expert -> tensor
         for name, t in self._tensors.items():
             m = _EXPERT_RE.match(name)
             if m:
                 (layers if m[3] == "weight" else biases).setdefault(int(m[1]), {})[m[2]] = t
+            m = _SPLIT_EXPERT_RE.match(name)
+            if m:
+                split.setdefault(int(m[1]), {}).setdefault(m[2], {})[int(m[3])] = t
+        for L, roles in sorted(split.items()):
+            if L in layers:
+                raise ValueError(
+                    f"{self.path}: block {L} holds both merged expert tensors "
+                    f"(blk.{L}.ffn_*_exps.weight) and per-expert ones "
+                    f"(blk.{L}.ffn_*.{{x}}.weight); a block has one form"
+                )
+            layers[L] = {r: self._stack_split_experts(L, r, ts) for r, ts in roles.items()}
         if not layers:
             raise ValueError(
                 f"{self.path}: no routed expert tensors (blk.{{L}}.ffn_gate_exps.weight, "
-                "ffn_up_exps, ffn_down_exps) in this GGUF file"
+                "ffn_up_exps, ffn_down_exps, or per expert blk.{L}.ffn_gate.{x}.weight, ...) in "
+                "this GGUF file"
             )
         self._layers = layers
         self._biases = biases
@@ -200,6 +241,36 @@ class GGUFCheckpoint(CheckpointReader):
         self.source_dtype = gate_type.name.lower()
         self.native_format = _own_format(gate_type)
         self._warned: set[tuple[str, str]] = set()  # (type, target) already warned about
+
+    def _stack_split_experts(self, layer: int, role: str, experts: dict[int, Any]) -> Any:
+        """The per-expert tensors of one projection as a :class:`_StackedExperts`;
+        ValueError naming the tensor when an expert is missing or differs in type or dims."""
+        count = max(experts) + 1
+        if len(experts) != count:  # some x <= len(experts) is missing (not O(max index))
+            gap = next(x for x in range(len(experts) + 1) if x not in experts)
+            raise ValueError(
+                f"{self.path}: expert tensor blk.{layer}.ffn_{role}.{gap}.weight is "
+                f"missing (block {layer} has {len(experts)} of the {count} experts "
+                f"0..{count - 1} of ffn_{role})"
+            )
+        ts = [experts[x] for x in range(count)]
+        first = ts[0]
+        for t in ts[1:]:
+            if t.tensor_type != first.tensor_type or [int(d) for d in t.shape] != [
+                int(d) for d in first.shape
+            ]:
+                raise ValueError(
+                    f"{self.path}: {t.name} is {t.tensor_type.name} with dims "
+                    f"{tuple(int(d) for d in t.shape)}, {first.name} "
+                    f"{first.tensor_type.name} with {tuple(int(d) for d in first.shape)}; the "
+                    "experts of one projection must have the same type and dims"
+                )
+        if len(first.shape) != 2:
+            raise ValueError(
+                f"{self.path}: {first.name} has dims {tuple(int(d) for d in first.shape)}; a "
+                "per-expert tensor has 2 (gate/up (H, I), down (I, H))"
+            )
+        return _StackedExperts(layer, role, ts)
 
     def _check_tensor_offsets(self) -> None:
         """Every tensor's data must lie inside the data section, aligned, not overlap
@@ -257,10 +328,14 @@ class GGUFCheckpoint(CheckpointReader):
         ts = self._layers[layer]
         for role in PROJECTIONS:
             if role not in ts:
+                if any(isinstance(t, _StackedExperts) for t in ts.values()):
+                    want = f"blk.{layer}.ffn_{role}.{{x}}.weight"
+                    have = ", ".join(ts[r].name for r in sorted(ts))
+                else:
+                    want = GGUF_TENSOR_NAMES[role].format(L=layer)
+                    have = ", ".join(GGUF_TENSOR_NAMES[r].format(L=layer) for r in sorted(ts))
                 raise ValueError(
-                    f"{self.path}: expert tensor {GGUF_TENSOR_NAMES[role].format(L=layer)} is "
-                    f"missing (block {layer} has "
-                    f"{', '.join(GGUF_TENSOR_NAMES[r].format(L=layer) for r in sorted(ts))})"
+                    f"{self.path}: expert tensor {want} is missing (block {layer} has {have})"
                 )
             t = ts[role]
             known = (*GGUF_NATIVE_FORMATS, *GGUF_FLOAT_TYPES, *GGUF_REQUANTIZED_TYPES)
