@@ -104,6 +104,30 @@ def test_hf_naming_patterns(tmp_path, style, caplog):
     check_layer(ck.load_layer(2, "int8"), expected[2], "int8")
 
 
+@pytest.mark.parametrize(
+    "name, edit",
+    [
+        ("down_proj_bias", lambda b: b.t().contiguous()),  # [H, E]: as many values
+        ("gate_up_proj_bias", lambda b: b[:, 1:].contiguous()),
+        ("down_proj_bias", lambda b: b[None]),
+    ],
+)
+def test_hf_bad_expert_bias_shape_is_named(tmp_path, name, edit):
+    # A bias of the wrong shape (found by tests/test_fuzz_loaders.py: a transposed one
+    # had been reported by the layer's checks without the checkpoint's name).
+    from safetensors.torch import load_file, save_file
+
+    write_hf(tmp_path, "gpt_oss", E=2, H=64, I=32)
+    path = next(p for p in tmp_path.glob("*.safetensors") if p.stat().st_size)
+    ts = load_file(path)
+    key = next(k for k in ts if k.endswith(f"layers.1.mlp.experts.{name}"))
+    ts[key] = edit(ts[key])
+    save_file(ts, path)
+    ck = HFCheckpoint(tmp_path)
+    with pytest.raises(ValueError, match=rf"{tmp_path}.*expert bias .*{name} has shape"):
+        ck.load_layer(1)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_hf_sharded_fp16_fp32_int4(tmp_path, dtype):
     expected = write_hf(tmp_path, "qwen3_moe", dtype=dtype, shards=3, seed=5)

@@ -654,30 +654,46 @@ class HFCheckpoint(CheckpointReader):
                 out[role] = pack_in_chunks(E, n, k, pack)
             weights = expert_weights(**out, where=f"{self.path}: layer {layer}")
             if self.has_expert_bias:
-                weights = weights.with_biases(*self._read_biases(t, plan, handles))
+                biases = self._read_biases(t, plan, handles)
+                try:
+                    weights = weights.with_biases(*biases)
+                except ValueError as e:  # e.g. non-finite values: name the checkpoint
+                    raise ValueError(f"{self.path}: layer {layer} expert biases: {e}") from e
         return weights
 
     def _read_biases(self, t: _LayerTensors, plan: _LayerPlan, handles) -> tuple:
-        """(gate [E, I], up [E, I], down [E, H]) biases of a layer, None where absent."""
+        """(gate [E, I], up [E, I], down [E, H]) biases of a layer, None where absent;
+        ValueError naming a bias tensor whose shape is not its projection's."""
+        E, I, H = plan.num_experts, plan.intermediate_size, plan.hidden_size  # noqa: E741
+
+        def read(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+            b = self._get(name, handles)
+            if tuple(b.shape) != shape:
+                raise ValueError(
+                    f"{self.path}: expert bias {name} has shape {list(b.shape)}, expected "
+                    f"{list(shape)} (E={E}, I={I}, H={H})"
+                )
+            return b.float()
+
         if plan.style == "per_expert":
 
             def stack(role: str):
-                ds = [t.per_expert.get((e, role), {}) for e in range(plan.num_experts)]
+                ds = [t.per_expert.get((e, role), {}) for e in range(E)]
                 if not all("bias" in d for d in ds):
                     return None
-                return torch.stack([self._get(d["bias"], handles).float() for d in ds])
+                n = H if role == "down" else I
+                return torch.stack([read(d["bias"], (n,)) for d in ds])
 
             return tuple(stack(role) for role in PROJECTIONS)
         gate = up = down = None
         if "gate_up_proj_bias" in t.fused:
-            both = self._get(t.fused["gate_up_proj_bias"], handles).float()
-            I = plan.intermediate_size  # noqa: E741
+            both = read(t.fused["gate_up_proj_bias"], (E, 2 * I))
             if plan.interleaved:
                 gate, up = both[:, 0::2], both[:, 1::2]
             else:
                 gate, up = both[:, :I], both[:, I:]
         if "down_proj_bias" in t.fused:
-            down = self._get(t.fused["down_proj_bias"], handles).float()
+            down = read(t.fused["down_proj_bias"], (E, H))
         return gate, up, down
 
     def load_dense(self, layer: int) -> dict[str, torch.Tensor]:
