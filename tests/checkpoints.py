@@ -434,12 +434,15 @@ def write_gguf(
     arch: str = "qwen3moe",
     bias_types: Optional[dict[str, Q]] = None,
     split_experts: bool = False,
+    fused_gate_up: bool = False,
 ) -> dict[int, dict[str, dict]]:
     """A GGUF file with ``blk.{L}.ffn_{gate,up,down}_exps.weight`` of the given types
     (and, per role of ``bias_types``, ``blk.{L}.ffn_{role}_exps.bias`` ``[E, N]`` of that
     float type, as gpt-oss's). ``split_experts``: one 2-D tensor per expert instead,
     ``blk.{L}.ffn_{role}.{x}.weight`` (llama.cpp's files before the experts were merged,
-    e.g. Mixtral's), holding the same data.
+    e.g. Mixtral's), holding the same data. ``fused_gate_up``: gate and up (of one type) in
+    one ``blk.{L}.ffn_gate_up_exps.weight`` ``[E, 2I, ...]``, gate's rows first (llama.cpp's
+    qwen35moe files).
 
     Returns ``{layer: {role: {"raw": data as written, "dense": fp32 [E, N, K] torch
     (gguf.quants.dequantize of the raw data), "bias": fp32 [E, N] torch or None}}}``.
@@ -464,6 +467,11 @@ def write_gguf(
                 for x in range(E):
                     _add_tensor(writer, f"blk.{L}.ffn_{r}.{x}.weight", types[r], raw[x])
                 dense = _values(types[r], raw)
+            elif fused_gate_up and r in ("gate", "up"):
+                dense = _values(types[r], raw)
+                if r == "up":  # gate's rows, then up's
+                    both = np.concatenate([expected[L]["gate"]["raw"], raw], axis=1)
+                    _add_tensor(writer, f"blk.{L}.ffn_gate_up_exps.weight", types[r], both)
             else:
                 dense = _add_tensor(writer, name, types[r], raw)
             expected[L][r] = {"raw": raw, "dense": torch.from_numpy(np.array(dense)), "bias": None}

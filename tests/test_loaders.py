@@ -426,6 +426,31 @@ def test_gguf_split_experts_load_as_merged(tmp_path):
                        kt_ops.moe_forward(x, ids, weights, ref.load_layer(0)))  # fmt: skip
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q8_0, Q.BF16])
+def test_gguf_fused_gate_up_experts(tmp_path, qtype):
+    # blk.{L}.ffn_gate_up_exps.weight (llama.cpp's qwen35moe / qwen3next files): gate's
+    # rows then up's, each repacked exactly as a tensor of its own would be.
+    types = {"gate": qtype, "up": qtype, "down": Q.Q6_K}
+    fused, separate = tmp_path / "fused.gguf", tmp_path / "separate.gguf"
+    kw = dict(E=3, H=256, I=256, moe_layers=(1,), arch="qwen35moe")
+    expected = write_gguf(fused, types, fused_gate_up=True, **kw)
+    write_gguf(separate, types, **kw)
+    ck, ref = GGUFCheckpoint(fused), GGUFCheckpoint(separate)
+    assert (
+        "blk.1.ffn_gate_up_exps.weight" in ck._tensors
+        and "blk.1.ffn_gate_exps.weight" not in ck._tensors
+    )
+    assert (ck.num_experts, ck.hidden_size, ck.intermediate_size) == (3, 256, 256)
+    assert ck.tensor_types(1) == {"gate": qtype.name, "up": qtype.name, "down": "Q6_K"}
+    got, want = ck.load_layer(1), ref.load_layer(1)
+    for r in ROLES:
+        a, b = getattr(got, r), getattr(want, r)
+        assert a.weight_format == b.weight_format and torch.equal(a.weight, b.weight), r
+        assert torch.equal(a.scales, b.scales) if b.scales is not None else a.scales is None
+    if qtype != Q.BF16:
+        assert torch.equal(dequantize_weights(got.up), expected[1]["up"]["dense"])
+
+
 def _write_split_gguf(path, experts, *, merged_down=False):
     """A one-block GGUF with per-expert tensors ``{(role, x): (qtype, N, K)}`` (random data);
     ``merged_down`` adds a merged ``ffn_down_exps`` too."""
@@ -443,6 +468,37 @@ def _write_split_gguf(path, experts, *, merged_down=False):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def test_gguf_fused_gate_up_errors(tmp_path):
+    rng = np.random.default_rng(0)
+
+    def write(path, tensors):
+        writer = gguf.GGUFWriter(str(path), "qwen35moe")
+        writer.add_block_count(1)
+        for name, shape in tensors.items():
+            raw = gguf.quants.quantize(rng.standard_normal(shape).astype(np.float32), Q.Q8_0)
+            writer.add_tensor(f"blk.0.{name}.weight", raw, raw_dtype=Q.Q8_0)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+
+    down = {"ffn_down_exps": (2, 64, 32)}
+    cases = [
+        ({"ffn_gate_up_exps": (2, 63, 64), **down},
+         r"ffn_gate_up_exps\.weight has dims \(64, 63, 2\)"),
+        ({"ffn_gate_up_exps": (2, 64, 64), "ffn_up_exps": (2, 32, 64), **down},
+         r"block 0 holds blk\.0\.ffn_gate_up_exps\.weight and also blk\.0\.ffn_up_exps"),
+        ({"ffn_gate_up_exps": (2, 64, 64)},
+         r"ffn_down_exps\.weight is missing \(block 0 has blk\.0\.ffn_gate_up_exps\.weight\)"),
+        ({"ffn_gate_up_exps": (2, 96, 64), **down}, r"ffn_down_exps\.weight has dims"),
+    ]  # fmt: skip
+    for i, (tensors, match) in enumerate(cases):
+        path = tmp_path / f"bad{i}.gguf"
+        write(path, tensors)
+        with pytest.raises(ValueError, match=match):
+            GGUFCheckpoint(path)
 
 
 def test_gguf_split_experts_errors(tmp_path):

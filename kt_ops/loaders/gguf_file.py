@@ -10,6 +10,11 @@ converters write for MoE models (``gguf`` Python package, ``constants.py``
 
 ``ne0`` is the row length ``K``; every row is a whole number of ggml blocks.
 
+Gate and up may be one tensor, ``blk.{L}.ffn_gate_up_exps.weight`` with dims ``(H, 2I, E)``
+(llama.cpp's ``qwen35moe``, ``qwen3next``, ``gemma4`` and ``mistral4`` files converted from
+a fused ``gate_up_proj``): its first ``I`` rows are gate's, the other ``I`` up's, each
+repacked as a tensor of its own (exactly: a row is whole blocks).
+
 Files written by llama.cpp's converters before they merged the experts (early 2024, e.g. the
 widely shared Mixtral-8x7B GGUFs, ``general.architecture = "llama"``) hold one 2-D tensor per
 expert instead: ``blk.{L}.ffn_{gate,up,down}.{x}.weight`` with dims ``(H, I)`` / ``(I, H)``,
@@ -112,8 +117,30 @@ GGUF_TENSOR_NAMES = {
 }
 
 _EXPERT_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.(weight|bias)$")
+# Gate and up in one tensor, dims (H, 2I, E): gate's rows first (llama.cpp's qwen35moe,
+# qwen3next, gemma4, mistral4; the fused gate_up_proj of Hugging Face checkpoints).
+_GATE_UP_RE = re.compile(r"^blk\.(\d+)\.ffn_gate_up_exps\.weight$")
 # One tensor per expert (llama.cpp's converters before the experts were merged).
 _SPLIT_EXPERT_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight$")
+
+
+class _GateUpHalf:
+    """Gate's or up's half of a ``blk.{L}.ffn_gate_up_exps.weight`` tensor (dims ``(H, 2I,
+    E)``: rows ``[0, I)`` are gate's, ``[I, 2I)`` up's; every row a whole number of ggml
+    blocks, so the halves are exact), read as a tensor of its own: the attributes of
+    ``gguf.ReaderTensor`` that :class:`GGUFCheckpoint` uses."""
+
+    def __init__(self, fused: Any, role: str) -> None:
+        self.fused = fused
+        self.name = f"{fused.name} ({role} rows)"
+        self.tensor_type = fused.tensor_type
+        hidden, rows, experts = (int(d) for d in fused.shape)
+        self.rows = slice(0, rows // 2) if role == "gate" else slice(rows // 2, rows)
+        self.shape = [hidden, rows // 2, experts]
+        self.data = self
+
+    def __getitem__(self, experts: slice) -> np.ndarray:
+        return self.fused.data[experts, self.rows]
 
 
 class _StackedExperts:
@@ -203,6 +230,7 @@ class GGUFCheckpoint(CheckpointReader):
         layers: dict[int, dict[str, Any]] = {}
         biases: dict[int, dict[str, Any]] = {}
         split: dict[int, dict[str, dict[int, Any]]] = {}  # block -> role -> expert -> tensor
+        fused: dict[int, Any] = {}  # block -> its ffn_gate_up_exps
         for name, t in self._tensors.items():
             m = _EXPERT_RE.match(name)
             if m:
@@ -210,6 +238,23 @@ class GGUFCheckpoint(CheckpointReader):
             m = _SPLIT_EXPERT_RE.match(name)
             if m:
                 split.setdefault(int(m[1]), {}).setdefault(m[2], {})[int(m[3])] = t
+            m = _GATE_UP_RE.match(name)
+            if m:
+                fused[int(m[1])] = t
+        for L, t in sorted(fused.items()):
+            ts = layers.setdefault(L, {})
+            if "gate" in ts or "up" in ts:
+                raise ValueError(
+                    f"{self.path}: block {L} holds {t.name} and also "
+                    f"{ts.get('gate', ts.get('up')).name}; gate and up are either fused or not"
+                )
+            dims = [int(d) for d in t.shape]
+            if len(dims) != 3 or dims[1] % 2:
+                raise ValueError(
+                    f"{self.path}: {t.name} has dims {tuple(dims)}; expected (H, 2I, E), gate's "
+                    "I rows then up's"
+                )
+            ts["gate"], ts["up"] = _GateUpHalf(t, "gate"), _GateUpHalf(t, "up")
         for L, roles in sorted(split.items()):
             if L in layers:
                 raise ValueError(
@@ -221,8 +266,8 @@ class GGUFCheckpoint(CheckpointReader):
         if not layers:
             raise ValueError(
                 f"{self.path}: no routed expert tensors (blk.{{L}}.ffn_gate_exps.weight, "
-                "ffn_up_exps, ffn_down_exps, or per expert blk.{L}.ffn_gate.{x}.weight, ...) in "
-                "this GGUF file"
+                "ffn_up_exps (or ffn_gate_up_exps), ffn_down_exps, or per expert "
+                "blk.{L}.ffn_gate.{x}.weight, ...) in this GGUF file"
             )
         self._layers = layers
         self._biases = biases
@@ -330,10 +375,11 @@ class GGUFCheckpoint(CheckpointReader):
             if role not in ts:
                 if any(isinstance(t, _StackedExperts) for t in ts.values()):
                     want = f"blk.{layer}.ffn_{role}.{{x}}.weight"
-                    have = ", ".join(ts[r].name for r in sorted(ts))
                 else:
                     want = GGUF_TENSOR_NAMES[role].format(L=layer)
-                    have = ", ".join(GGUF_TENSOR_NAMES[r].format(L=layer) for r in sorted(ts))
+                have = ", ".join(
+                    dict.fromkeys(getattr(ts[r], "fused", ts[r]).name for r in sorted(ts))
+                )
                 raise ValueError(
                     f"{self.path}: expert tensor {want} is missing (block {layer} has {have})"
                 )
