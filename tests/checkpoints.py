@@ -477,7 +477,14 @@ def write_gguf(
             expected[L][r] = {"raw": raw, "dense": torch.from_numpy(np.array(dense)), "bias": None}
             if bias_types and r in bias_types:
                 b = gguf_raw(bias_types[r], rng.standard_normal((E, N)), rng)
-                b = _add_tensor(writer, f"blk.{L}.ffn_{r}_exps.bias", bias_types[r], b)
+                if fused_gate_up and r in ("gate", "up"):  # ffn_gate_up_exps.bias [E, 2I]
+                    expected[L][r]["raw_bias"] = b
+                    if r == "up":
+                        both = np.concatenate([expected[L]["gate"]["raw_bias"], b], axis=1)
+                        _add_tensor(writer, f"blk.{L}.ffn_gate_up_exps.bias", bias_types[r], both)
+                    b = _values(bias_types[r], b)
+                else:
+                    b = _add_tensor(writer, f"blk.{L}.ffn_{r}_exps.bias", bias_types[r], b)
                 expected[L][r]["bias"] = torch.from_numpy(np.array(b, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -449,6 +449,16 @@ def test_gguf_fused_gate_up_experts(tmp_path, qtype):
         assert torch.equal(a.scales, b.scales) if b.scales is not None else a.scales is None
     if qtype != Q.BF16:
         assert torch.equal(dequantize_weights(got.up), expected[1]["up"]["dense"])
+    # Its bias (blk.{L}.ffn_gate_up_exps.bias [E, 2I], as llama.cpp's gate_up_exps_b):
+    # split as the rows are.
+    path = tmp_path / "fused_bias.gguf"
+    biases = {"gate": Q.F32, "up": Q.F32, "down": Q.F32}
+    expected = write_gguf(path, types, fused_gate_up=True, bias_types=biases, **kw)
+    ck = GGUFCheckpoint(path)
+    assert "blk.1.ffn_gate_up_exps.bias" in ck._tensors and ck.has_expert_bias
+    out = ck.load_layer(1)
+    for r in ROLES:
+        assert torch.equal(getattr(out, r).bias, expected[1][r]["bias"]), r
 
 
 def _write_split_gguf(path, experts, *, merged_down=False):
@@ -477,8 +487,12 @@ def test_gguf_fused_gate_up_errors(tmp_path):
         writer = gguf.GGUFWriter(str(path), "qwen35moe")
         writer.add_block_count(1)
         for name, shape in tensors.items():
-            raw = gguf.quants.quantize(rng.standard_normal(shape).astype(np.float32), Q.Q8_0)
-            writer.add_tensor(f"blk.0.{name}.weight", raw, raw_dtype=Q.Q8_0)
+            w = rng.standard_normal(shape).astype(np.float32)
+            if name.endswith(".bias"):
+                writer.add_tensor(f"blk.0.{name}", w)
+            else:
+                raw = gguf.quants.quantize(w, Q.Q8_0)
+                writer.add_tensor(f"blk.0.{name}.weight", raw, raw_dtype=Q.Q8_0)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
@@ -493,6 +507,14 @@ def test_gguf_fused_gate_up_errors(tmp_path):
         ({"ffn_gate_up_exps": (2, 64, 64)},
          r"ffn_down_exps\.weight is missing \(block 0 has blk\.0\.ffn_gate_up_exps\.weight\)"),
         ({"ffn_gate_up_exps": (2, 96, 64), **down}, r"ffn_down_exps\.weight has dims"),
+        ({"ffn_gate_up_exps": (2, 64, 64), "ffn_gate_up_exps.bias": (2, 63), **down},
+         r"ffn_gate_up_exps\.bias has dims \(63, 2\); expected \(2I, E\)"),
+        ({"ffn_gate_up_exps": (2, 64, 64), "ffn_up_exps.bias": (2, 32),
+          "ffn_gate_up_exps.bias": (2, 64), **down}, r"either fused or not"),
+        ({"ffn_gate_up_exps": (2, 64, 64), "ffn_gate_up_exps.bias": (2, 64),
+          "ffn_gate_exps.bias": (2, 32), **down}, r"either fused or not"),
+        ({"ffn_gate_up_exps": (2, 64, 64), "ffn_gate_up_exps.bias": (2, 48), **down},
+         r"ffn_gate_up_exps\.bias \(gate rows\) has dims \(ne0, ne1\) = \(24, 2\)"),
     ]  # fmt: skip
     for i, (tensors, match) in enumerate(cases):
         path = tmp_path / f"bad{i}.gguf"

@@ -13,7 +13,9 @@ converters write for MoE models (``gguf`` Python package, ``constants.py``
 Gate and up may be one tensor, ``blk.{L}.ffn_gate_up_exps.weight`` with dims ``(H, 2I, E)``
 (llama.cpp's ``qwen35moe``, ``qwen3next``, ``gemma4`` and ``mistral4`` files converted from
 a fused ``gate_up_proj``): its first ``I`` rows are gate's, the other ``I`` up's, each
-repacked as a tensor of its own (exactly: a row is whole blocks).
+repacked as a tensor of its own (exactly: a row is whole blocks), as llama.cpp's
+``build_moe_ffn`` views them; its ``.bias`` ``(2I, E)`` likewise. A block holds gate and up
+either fused or apart.
 
 Files written by llama.cpp's converters before they merged the experts (early 2024, e.g. the
 widely shared Mixtral-8x7B GGUFs, ``general.architecture = "llama"``) hold one 2-D tensor per
@@ -119,7 +121,7 @@ GGUF_TENSOR_NAMES = {
 _EXPERT_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.(weight|bias)$")
 # Gate and up in one tensor, dims (H, 2I, E): gate's rows first (llama.cpp's qwen35moe,
 # qwen3next, gemma4, mistral4; the fused gate_up_proj of Hugging Face checkpoints).
-_GATE_UP_RE = re.compile(r"^blk\.(\d+)\.ffn_gate_up_exps\.weight$")
+_GATE_UP_RE = re.compile(r"^blk\.(\d+)\.ffn_gate_up_exps\.(weight|bias)$")
 # One tensor per expert (llama.cpp's converters before the experts were merged).
 _SPLIT_EXPERT_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight$")
 
@@ -127,17 +129,23 @@ _SPLIT_EXPERT_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight$"
 class _GateUpHalf:
     """Gate's or up's half of a ``blk.{L}.ffn_gate_up_exps.weight`` tensor (dims ``(H, 2I,
     E)``: rows ``[0, I)`` are gate's, ``[I, 2I)`` up's; every row a whole number of ggml
-    blocks, so the halves are exact), read as a tensor of its own: the attributes of
-    ``gguf.ReaderTensor`` that :class:`GGUFCheckpoint` uses."""
+    blocks, so the halves are exact) or of its ``.bias`` (dims ``(2I, E)``), read as a
+    tensor of its own: the attributes of ``gguf.ReaderTensor`` that :class:`GGUFCheckpoint`
+    uses (a weight's ``data`` sliced over experts, a bias's whole)."""
 
     def __init__(self, fused: Any, role: str) -> None:
         self.fused = fused
         self.name = f"{fused.name} ({role} rows)"
         self.tensor_type = fused.tensor_type
-        hidden, rows, experts = (int(d) for d in fused.shape)
+        dims = [int(d) for d in fused.shape]
+        rows = dims[-2] if len(dims) == 3 else dims[0]
         self.rows = slice(0, rows // 2) if role == "gate" else slice(rows // 2, rows)
-        self.shape = [hidden, rows // 2, experts]
-        self.data = self
+        if len(dims) == 3:  # weight: [E, 2I, row bytes or H]
+            self.shape = [dims[0], rows // 2, dims[2]]
+            self.data = self
+        else:  # bias: [E, 2I]
+            self.shape = [rows // 2, *dims[1:]]
+            self.data = fused.data[:, self.rows]
 
     def __getitem__(self, experts: slice) -> np.ndarray:
         return self.fused.data[experts, self.rows]
@@ -234,12 +242,32 @@ class GGUFCheckpoint(CheckpointReader):
         for name, t in self._tensors.items():
             m = _EXPERT_RE.match(name)
             if m:
-                (layers if m[3] == "weight" else biases).setdefault(int(m[1]), {})[m[2]] = t
+                group = (layers if m[3] == "weight" else biases).setdefault(int(m[1]), {})
+                if isinstance(group.get(m[2]), _GateUpHalf):
+                    raise ValueError(
+                        f"{self.path}: block {m[1]} holds {name} and also "
+                        f"{group[m[2]].fused.name}; gate and up are either fused or not"
+                    )
+                group[m[2]] = t
             m = _SPLIT_EXPERT_RE.match(name)
             if m:
                 split.setdefault(int(m[1]), {}).setdefault(m[2], {})[int(m[3])] = t
             m = _GATE_UP_RE.match(name)
-            if m:
+            if m and m[2] == "bias":
+                dims = [int(d) for d in t.shape]
+                if len(dims) != 2 or dims[0] % 2:
+                    raise ValueError(
+                        f"{self.path}: {t.name} has dims {tuple(dims)}; expected (2I, E), "
+                        "gate's I rows then up's"
+                    )
+                b = biases.setdefault(int(m[1]), {})
+                if "gate" in b or "up" in b:
+                    raise ValueError(
+                        f"{self.path}: block {m[1]} holds {t.name} and also "
+                        f"{b.get('gate', b.get('up')).name}; gate and up are either fused or not"
+                    )
+                b["gate"], b["up"] = _GateUpHalf(t, "gate"), _GateUpHalf(t, "up")
+            elif m:
                 fused[int(m[1])] = t
         for L, t in sorted(fused.items()):
             ts = layers.setdefault(L, {})
