@@ -19,7 +19,8 @@ Targets and damage:
   edits of the header JSON (dtype, shape, data offsets, names, deleted
   entries) and of config.json. The tensor payload of a source checkpoint has
   no checksum, so payload bytes are not damaged here (any value is valid).
-* GGUF: truncation anywhere, bit flips and byte overwrites in the header and
+* GGUF (three files: merged ``ffn_*_exps``, one tensor per expert, and ``ffn_gate_up_exps``
+  with its bias): truncation anywhere, bit flips and byte overwrites in the header and
   tensor infos, edits of tensor data offsets, dims and types (except a type
   of the same size, e.g. F16 <-> BF16, which only reinterprets the payload;
   GGUF has no checksum, so nothing can tell).
@@ -329,15 +330,24 @@ def test_fuzz_hf_safetensors(hf_sources, fuzz_root, data):
 
 
 class GGUFSource:
-    def __init__(self, root: Path) -> None:
-        self.path = root / "m.gguf"
+    """A small GGUF file with its experts in one of llama.cpp's forms: ``merged``
+    (``ffn_{gate,up,down}_exps``), ``split`` (one tensor per expert, early Mixtral files)
+    or ``fused`` (``ffn_gate_up_exps`` with its bias, Qwen3.5 MoE files)."""
+
+    def __init__(self, root: Path, form: str = "merged") -> None:
+        self.form = form
+        self.path = root / f"m_{form}.gguf"
+        fused = form == "fused"
         write_gguf(
             self.path,
-            {"gate": Q.Q8_0, "up": Q.Q4_0, "down": Q.F16},
+            {"gate": Q.Q8_0, "up": Q.Q8_0 if fused else Q.Q4_0, "down": Q.F16},
             E=2,
             H=64,
             I=32,
             moe_layers=(1,),
+            split_experts=form == "split",
+            fused_gate_up=fused,
+            bias_types=dict.fromkeys(ROLES, Q.F32) if fused else None,
         )
         self.blob = self.path.read_bytes()
         r = GGUFReader(str(self.path))
@@ -384,16 +394,16 @@ def _bounds(a) -> int:
     return byte_bounds(a)[0]
 
 
-@pytest.fixture(scope="module")
-def gguf_source(fuzz_root):
-    return GGUFSource(fuzz_root)
+@pytest.fixture(scope="module", params=["merged", "split", "fused"])
+def gguf_source(fuzz_root, request):
+    return GGUFSource(fuzz_root, request.param)
 
 
 @FUZZ
 @given(data=st.data())
 def test_fuzz_gguf(gguf_source, fuzz_root, data):
     g = gguf_source
-    path = fuzz_root / "case.gguf"
+    path = fuzz_root / f"case_{g.form}.gguf"
     how = data.draw(st.sampled_from(["bytes", "offset", "dims", "type"]), label="how")
     blob = bytearray(g.blob)
     if how == "bytes":
@@ -419,7 +429,7 @@ def test_fuzz_gguf(gguf_source, fuzz_root, data):
             struct.pack_into("<I", blob, type_pos, new)
         what = (how, name)
     path.write_bytes(bytes(blob))
-    check_outcome("gguf", lambda: GGUFSource.load(path), g.want, (str(path),), what)
+    check_outcome(f"gguf_{g.form}", lambda: GGUFSource.load(path), g.want, (str(path),), what)
 
 
 # --------------------------------------------------------------------------------------------
