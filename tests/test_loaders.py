@@ -23,6 +23,7 @@ import torch
 from checkpoints import (
     ROLES,
     Q,
+    gguf_raw,
     write_compressed_int4,
     write_gguf,
     write_hf,
@@ -459,6 +460,98 @@ def test_gguf_fused_gate_up_experts(tmp_path, qtype):
     out = ck.load_layer(1)
     for r in ROLES:
         assert torch.equal(getattr(out, r).bias, expected[1][r]["bias"]), r
+
+
+def _write_scaled_gguf(path, weights, scales, *, E=3, H=128, I=64, seed=0):  # noqa: E741
+    """One block: ``weights`` {tensor suffix: qtype} (``gate_exps`` / ``up_exps`` /
+    ``down_exps`` or ``gate_up_exps``) with random data, and ``scales`` {suffix: fp32 array}
+    written as ``blk.0.ffn_{suffix}.scale``. Returns {name: raw data}."""
+    rng = np.random.default_rng(seed)
+    writer = gguf.GGUFWriter(str(path), "qwen3moe")
+    writer.add_block_count(1)
+    raws = {}
+    for suffix, qtype in weights.items():
+        n = {"down_exps": H, "gate_up_exps": 2 * I}.get(suffix, I)
+        k = I if suffix == "down_exps" else H
+        w = (rng.standard_normal((E, n, k)) / k**0.5).astype(np.float32)
+        raw = gguf_raw(qtype, w, rng)
+        raws[suffix] = raw
+        if raw.dtype == np.uint8:
+            writer.add_tensor(f"blk.0.ffn_{suffix}.weight", raw, raw_dtype=qtype)
+        else:
+            writer.add_tensor(f"blk.0.ffn_{suffix}.weight", raw)
+    for suffix, s in scales.items():
+        writer.add_tensor(f"blk.0.ffn_{suffix}.scale", np.asarray(s, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return raws
+
+
+def test_gguf_expert_scales_fold_into_nvfp4_and_float_weights(tmp_path):
+    # llama.cpp's optional per-expert output scales (blk.{L}.ffn_*_exps.scale [E]; its
+    # build_moe_ffn multiplies each expert's products by them: NVFP4's per-tensor scale).
+    g = {"gate_exps": [0.5, 3.0, 1e-3], "up_exps": [2.0, 0.25, 7.0], "down_exps": [1.5, 1, 0.1]}
+    weights = {"gate_exps": Q.NVFP4, "up_exps": Q.NVFP4, "down_exps": Q.F16}
+    raws = _write_scaled_gguf(tmp_path / "s.gguf", weights, g)
+    _write_scaled_gguf(tmp_path / "plain.gguf", weights, {})
+    out = GGUFCheckpoint(tmp_path / "s.gguf").load_layer(0)
+    plain = GGUFCheckpoint(tmp_path / "plain.gguf").load_layer(0)
+    for r in ("gate", "up"):
+        s = torch.tensor(g[f"{r}_exps"]).view(-1, 1, 1, 1)
+        a, b = getattr(out, r), getattr(plain, r)
+        assert torch.equal(a.weight, b.weight)  # the codes as stored; b * g per block
+        assert torch.equal(a.scales, b.scales * s)
+        want = torch.from_numpy(gguf.quants.dequantize(raws[f"{r}_exps"], Q.NVFP4)) * s[..., 0]
+        torch.testing.assert_close(dequantize_weights(a), want, rtol=2e-7, atol=0)
+    dense = torch.from_numpy(raws["down_exps"].astype(np.float32))
+    want = quantize_weights(dense * torch.tensor(g["down_exps"]).view(-1, 1, 1), "bf16")
+    assert torch.equal(out.down.weight, want.weight)
+    # The op computes with the scaled weights.
+    x = torch.randn(4, 128, generator=torch.Generator().manual_seed(2))
+    ids, w = torch.tensor([[0, 1], [2, 0], [1, 2], [0, 2]]), torch.rand(4, 2)
+    ref = reference_quant_moe_forward(x, ids, w, *dense_weights(out), activation="fp32")
+    got = kt_ops.moe_forward(x, ids, w, out)
+    assert ((got - ref.out).norm() / ref.out.norm()).item() < 0.02
+    # A fused gate/up tensor takes one scale for both halves.
+    fused = {"gate_up_exps": Q.NVFP4, "down_exps": Q.NVFP4}
+    _write_scaled_gguf(tmp_path / "f.gguf", fused, {"gate_up_exps": [2.0, 4.0, 0.5]})
+    _write_scaled_gguf(tmp_path / "fp.gguf", fused, {})
+    a, b = (
+        GGUFCheckpoint(tmp_path / "f.gguf").load_layer(0),
+        GGUFCheckpoint(tmp_path / "fp.gguf").load_layer(0),
+    )
+    s = torch.tensor([2.0, 4.0, 0.5]).view(-1, 1, 1, 1)
+    assert torch.equal(a.gate.scales, b.gate.scales * s) and torch.equal(
+        a.up.scales, b.up.scales * s
+    )
+    assert torch.equal(a.down.scales, b.down.scales)
+
+
+def test_gguf_expert_scale_errors(tmp_path):
+    nv = {"gate_exps": Q.NVFP4, "up_exps": Q.NVFP4, "down_exps": Q.Q8_0}
+    cases = [
+        (nv, {"down_exps": [1.0, 2.0, 3.0]},
+         r"expert scale blk\.0\.ffn_down_exps\.scale scales blk\.0\.ffn_down_exps\.weight, of "
+         r"type Q8_0; kt_ops folds per-expert scales into NVFP4, float and requantized"),
+        (nv, {"gate_exps": [1.0, 2.0]}, r"ffn_gate_exps\.scale is F32 with dims \(2,\); expected"),
+        ({"gate_up_exps": Q.NVFP4, "down_exps": Q.NVFP4}, {"up_exps": [1.0, 1.0, 1.0]},
+         r"a block with gate and up fused takes ffn_gate_up_exps\.scale"),
+        (nv, {"gate_up_exps": [1.0, 1.0, 1.0]}, r"one with them apart ffn_gate_exps\.scale"),
+    ]  # fmt: skip
+    for i, (weights, scales, match) in enumerate(cases):
+        path = tmp_path / f"bad{i}.gguf"
+        _write_scaled_gguf(path, weights, scales)
+        with pytest.raises(ValueError, match=match):
+            GGUFCheckpoint(path)
+    path = tmp_path / "nan.gguf"
+    _write_scaled_gguf(path, nv | {"down_exps": Q.F16}, {"up_exps": [1.0, float("nan"), 1.0]})
+    ck = GGUFCheckpoint(path)
+    with pytest.raises(
+        ValueError, match=r"nan\.gguf: tensor blk\.0\.ffn_up_exps\.weight: expert scale .*NaN"
+    ):
+        ck.load_layer(0)
 
 
 def _write_split_gguf(path, experts, *, merged_down=False):

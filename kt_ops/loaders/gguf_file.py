@@ -31,7 +31,13 @@ result dequantizes bit-identically to ``gguf.quants.dequantize``). ``F16``,
 2- and 3-bit planes (2.625 / 3.5625 bits a weight in memory, GGUF's 2.625 / 3.4375); ``IQ4_NL`` and
 ``IQ4_XS`` exactly, their codes as stored (IQ4_XS at 4.31 bits a weight, GGUF's 4.25).
 ``NVFP4`` loads as ``nvfp4``, exactly (the E2M1 codes as stored, each UE4M3 scale held as
-fp32: 6 bits a weight against GGUF's 4.5).
+fp32: 6 bits a weight against GGUF's 4.5). llama.cpp's optional per-expert output scales,
+``blk.{L}.ffn_{gate,up,down}_exps.scale`` (or ``ffn_gate_up_exps.scale``) ``(E,)``, which
+its ``build_moe_ffn`` multiplies each expert's products by (an NVFP4 checkpoint's
+per-tensor scale ``g``), are folded into the weights: into NVFP4's fp32 block scales
+(``fp32(b * g)``, as :func:`kt_ops.formats.nvfp4.from_nvfp4`) and into float and
+requantized values before they are quantized; with any other type such a scale is a
+ValueError, never left out.
 ``MXFP4`` (gpt-oss GGUF files) loads as ``mxfp4``, the codes and exponents as stored, with
 the experts' biases (``blk.{L}.ffn_{gate,up,down}_exps.bias``, any float type) as
 ``PackedProjection.bias``; the clamped SwiGLU of gpt-oss is the model's to pass
@@ -60,6 +66,7 @@ only the requested layer's tensors, in chunks of experts.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import warnings
 from pathlib import Path
@@ -118,10 +125,10 @@ GGUF_TENSOR_NAMES = {
     "down": "blk.{L}.ffn_down_exps.weight",
 }
 
-_EXPERT_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.(weight|bias)$")
+_EXPERT_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.(weight|bias|scale)$")
 # Gate and up in one tensor, dims (H, 2I, E): gate's rows first (llama.cpp's qwen35moe,
 # qwen3next, gemma4, mistral4; the fused gate_up_proj of Hugging Face checkpoints).
-_GATE_UP_RE = re.compile(r"^blk\.(\d+)\.ffn_gate_up_exps\.(weight|bias)$")
+_GATE_UP_RE = re.compile(r"^blk\.(\d+)\.ffn_gate_up_exps\.(weight|bias|scale)$")
 # One tensor per expert (llama.cpp's converters before the experts were merged).
 _SPLIT_EXPERT_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight$")
 
@@ -237,11 +244,14 @@ class GGUFCheckpoint(CheckpointReader):
         self.architecture = _field(self._reader, "general.architecture") or "unknown"
         layers: dict[int, dict[str, Any]] = {}
         biases: dict[int, dict[str, Any]] = {}
+        scales: dict[int, dict[str, Any]] = {}  # per-expert output scales (.scale, [E])
         split: dict[int, dict[str, dict[int, Any]]] = {}  # block -> role -> expert -> tensor
         fused: dict[int, Any] = {}  # block -> its ffn_gate_up_exps
         for name, t in self._tensors.items():
             m = _EXPERT_RE.match(name)
-            if m:
+            if m and m[3] == "scale":
+                scales.setdefault(int(m[1]), {})[m[2]] = t
+            elif m:
                 group = (layers if m[3] == "weight" else biases).setdefault(int(m[1]), {})
                 if isinstance(group.get(m[2]), _GateUpHalf):
                     raise ValueError(
@@ -253,7 +263,9 @@ class GGUFCheckpoint(CheckpointReader):
             if m:
                 split.setdefault(int(m[1]), {}).setdefault(m[2], {})[int(m[3])] = t
             m = _GATE_UP_RE.match(name)
-            if m and m[2] == "bias":
+            if m and m[2] == "scale":  # scales gate's and up's outputs alike
+                scales.setdefault(int(m[1]), {})["gate_up"] = t
+            elif m and m[2] == "bias":
                 dims = [int(d) for d in t.shape]
                 if len(dims) != 2 or dims[0] % 2:
                     raise ValueError(
@@ -305,6 +317,7 @@ class GGUFCheckpoint(CheckpointReader):
         for L in sorted(biases):
             self._check_bias_tensors(L)
         self.has_expert_bias = bool(biases)
+        self._scales = {L: self._check_scale_tensors(L, s) for L, s in sorted(scales.items())}
         self.moe_layers = self.layers = sorted(layers)
         count = _field(self._reader, f"{self.architecture}.block_count")
         self.num_layers = int(count) if isinstance(count, (int, np.integer)) else max(layers) + 1
@@ -457,6 +470,59 @@ class GGUFCheckpoint(CheckpointReader):
                     "down (H, E))"
                 )
 
+    def _check_scale_tensors(self, layer: int, scales: dict[str, Any]) -> dict[str, Any]:
+        """Per-expert output scales of ``layer`` (llama.cpp's optional
+        ``blk.{L}.ffn_{gate,up,down}_exps.scale`` and ``ffn_gate_up_exps.scale``, dims
+        ``(E,)``: ``build_moe_ffn`` multiplies each expert's products by its value, as
+        NVFP4 checkpoints' per-tensor scale) -> ``{role: tensor}``. kt_ops folds them into
+        the weights: into NVFP4's fp32 block scales (``fp32(b * g)``, as
+        :func:`kt_ops.formats.nvfp4.from_nvfp4`) and into float or requantized weights
+        before they are quantized. ValueError naming the tensor for anything else, never a
+        scale left out."""
+        names = ", ".join(t.name for t in scales.values())
+        if layer not in self._layers:
+            raise ValueError(
+                f"{self.path}: expert scale {names} belongs to block {layer}, which has no "
+                "expert weights"
+            )
+        ts = self._layers[layer]
+        fused = isinstance(ts["gate"], _GateUpHalf)
+        if ("gate_up" in scales) != fused or (fused and ({"gate", "up"} & set(scales))):
+            raise ValueError(
+                f"{self.path}: block {layer} holds {names}; a block with gate and up fused "
+                "takes ffn_gate_up_exps.scale, one with them apart ffn_gate_exps.scale / "
+                "ffn_up_exps.scale"
+            )
+        E = self._shapes[layer][0]
+        out = {}
+        for key, t in scales.items():
+            dims = [int(d) for d in t.shape]
+            if t.tensor_type not in GGUF_FLOAT_TYPES or dims != [E]:
+                raise ValueError(
+                    f"{self.path}: expert scale {t.name} is {t.tensor_type.name} with dims "
+                    f"{tuple(dims)}; expected a float type with dims ({E},), one per expert"
+                )
+            for role in ("gate", "up") if key == "gate_up" else (key,):
+                w = ts[role]
+                if GGUF_NATIVE_FORMATS.get(w.tensor_type, "nvfp4") != "nvfp4":
+                    raise ValueError(
+                        f"{self.path}: expert scale {t.name} scales {w.name}, of type "
+                        f"{w.tensor_type.name}; kt_ops folds per-expert scales into NVFP4, float "
+                        "and requantized weights only"
+                    )
+                out[role] = t
+        return out
+
+    def _expert_scales(self, layer: int, role: str, e0: int, e1: int) -> Optional[torch.Tensor]:
+        """fp32 ``[e1 - e0]`` output scales of ``role``'s experts ``e0..e1-1``, or None."""
+        t = self._scales.get(layer, {}).get(role)
+        if t is None:
+            return None
+        s = _float_tensor(t.tensor_type, t.data)[e0:e1]
+        if not bool(torch.isfinite(s).all()):
+            raise ValueError(f"expert scale {t.name} holds NaN or infinite values")
+        return s
+
     def layer_shape(self, layer: int) -> tuple[int, int, int]:
         """``(E, I, H)`` of MoE layer ``layer``; ValueError if it has no experts."""
         return self._shapes[self._check_layer(layer)]
@@ -540,15 +606,21 @@ class GGUFCheckpoint(CheckpointReader):
             n, k = shapes[role]
             native = GGUF_NATIVE_FORMATS.get(t.tensor_type)
 
-            def pack(e0: int, e1: int, t=t, n=n, k=k, native=native) -> PackedProjection:
+            def pack(e0: int, e1: int, t=t, n=n, k=k, native=native, role=role) -> PackedProjection:
                 try:
                     raw = t.data[e0:e1]
+                    scale = self._expert_scales(layer, role, e0, e1)
                     if native is not None:
-                        return from_gguf(native, torch.from_numpy(np.array(raw)), n, k)
+                        p = from_gguf(native, torch.from_numpy(np.array(raw)), n, k)
+                        if scale is not None:  # nvfp4 (checked): fp32(b * g) / 2, exact for b
+                            p = dataclasses.replace(p, scales=p.scales * scale.view(-1, 1, 1, 1))
+                        return p
                     if t.tensor_type in GGUF_REQUANTIZED_TYPES:
                         dense = _dequantized_tensor(t.tensor_type, raw)
                     else:
                         dense = _float_tensor(t.tensor_type, raw)
+                    if scale is not None:
+                        dense = dense * scale.view(-1, 1, 1)
                     target = weight_format or _own_format(t.tensor_type)
                     return quantize_chunk(dense, target, group_size, symmetric)
                 except ValueError as e:
