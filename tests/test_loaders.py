@@ -545,6 +545,12 @@ def test_gguf_expert_scale_errors(tmp_path):
         _write_scaled_gguf(path, weights, scales)
         with pytest.raises(ValueError, match=match):
             GGUFCheckpoint(path)
+    # Scales of 1 need no fold: any type takes them.
+    path = tmp_path / "ones.gguf"
+    _write_scaled_gguf(path, nv, {"down_exps": [1.0, 1.0, 1.0]})
+    _write_scaled_gguf(tmp_path / "none.gguf", nv, {})
+    a, b = GGUFCheckpoint(path).load_layer(0), GGUFCheckpoint(tmp_path / "none.gguf").load_layer(0)
+    assert torch.equal(a.down.weight, b.down.weight) and torch.equal(a.down.scales, b.down.scales)
     path = tmp_path / "nan.gguf"
     _write_scaled_gguf(path, nv | {"down_exps": Q.F16}, {"up_exps": [1.0, float("nan"), 1.0]})
     ck = GGUFCheckpoint(path)

@@ -37,7 +37,7 @@ its ``build_moe_ffn`` multiplies each expert's products by (an NVFP4 checkpoint'
 per-tensor scale ``g``), are folded into the weights: into NVFP4's fp32 block scales
 (``fp32(b * g)``, as :func:`kt_ops.formats.nvfp4.from_nvfp4`) and into float and
 requantized values before they are quantized; with any other type such a scale is a
-ValueError, never left out.
+ValueError unless it is all ones, never left out.
 ``MXFP4`` (gpt-oss GGUF files) loads as ``mxfp4``, the codes and exponents as stored, with
 the experts' biases (``blk.{L}.ffn_{gate,up,down}_exps.bias``, any float type) as
 ``PackedProjection.bias``; the clamped SwiGLU of gpt-oss is the model's to pass
@@ -504,7 +504,10 @@ class GGUFCheckpoint(CheckpointReader):
                 )
             for role in ("gate", "up") if key == "gate_up" else (key,):
                 w = ts[role]
-                if GGUF_NATIVE_FORMATS.get(w.tensor_type, "nvfp4") != "nvfp4":
+                foldable = GGUF_NATIVE_FORMATS.get(w.tensor_type, "nvfp4") == "nvfp4"
+                if not foldable and _all_ones(t):
+                    continue  # scales of 1: nothing to fold
+                if not foldable:
                     raise ValueError(
                         f"{self.path}: expert scale {t.name} scales {w.name}, of type "
                         f"{w.tensor_type.name}; kt_ops folds per-expert scales into NVFP4, float "
@@ -687,6 +690,14 @@ def _dequantized_tensor(qtype: GGMLQuantizationType, raw: np.ndarray) -> torch.T
     """A chunk ``[c, N, row bytes]`` of a requantized type -> fp32 ``[c, N, K]``
     (``gguf.quants.dequantize``, llama.cpp's ``dequantize_row_*`` in numpy)."""
     return torch.from_numpy(np.ascontiguousarray(dequantize(np.asarray(raw), qtype), np.float32))
+
+
+def _all_ones(t: Any) -> bool:
+    """Whether a float tensor holds only 1.0 (False if it cannot be read)."""
+    try:
+        return bool((_float_tensor(t.tensor_type, t.data) == 1).all())
+    except Exception:  # a truncated file: load_layer names it
+        return False
 
 
 def _float_tensor(qtype: GGMLQuantizationType, raw: np.ndarray) -> torch.Tensor:
