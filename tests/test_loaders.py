@@ -527,6 +527,12 @@ def test_gguf_expert_scales_fold_into_nvfp4_and_float_weights(tmp_path):
         a.up.scales, b.up.scales * s
     )
     assert torch.equal(a.down.scales, b.down.scales)
+    # ... and its down projection a scale of its own.
+    _write_scaled_gguf(tmp_path / "fd.gguf", fused, {"down_exps": [2.0, 4.0, 0.5]})
+    a = GGUFCheckpoint(tmp_path / "fd.gguf").load_layer(0)
+    assert torch.equal(a.down.scales, b.down.scales * s) and torch.equal(
+        a.gate.scales, b.gate.scales
+    )
 
 
 def test_gguf_expert_scale_errors(tmp_path):

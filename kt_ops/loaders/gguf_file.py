@@ -487,7 +487,7 @@ class GGUFCheckpoint(CheckpointReader):
             )
         ts = self._layers[layer]
         fused = isinstance(ts["gate"], _GateUpHalf)
-        if ("gate_up" in scales) != fused or (fused and ({"gate", "up"} & set(scales))):
+        if (fused and {"gate", "up"} & set(scales)) or (not fused and "gate_up" in scales):
             raise ValueError(
                 f"{self.path}: block {layer} holds {names}; a block with gate and up fused "
                 "takes ffn_gate_up_exps.scale, one with them apart ffn_gate_exps.scale / "
