@@ -78,7 +78,7 @@ import torch
 from torch import Tensor
 
 from kt_ops.formats.dequant import IQ4NL_VALUES
-from kt_ops.formats.mxfp4 import _e2m1_round
+from kt_ops.formats.nvfp4 import _block_codes as nvfp4_block_codes
 from kt_ops.formats.packed import PackedProjection
 from kt_ops.formats.qint import pack_codes, pack_group_params, pack_kquant_scales
 from kt_ops.formats.spec import FORMATS, format_spec
@@ -557,16 +557,12 @@ def _quantize_iq4_xs(x: np.ndarray) -> np.ndarray:
 
 
 def _quantize_nvfp4(x: np.ndarray) -> np.ndarray:
-    """NVFP4 blocks of ``x [B, 64]``: per 16 weights the UE4M3 scale ``amax / 6`` (round to
-    nearest even, saturated at 448; 0 for an all-zero sub-block), elements ``x / scale``
-    to the nearest E2M1 value, ties to even, saturated at +-6 (ggml's reference rounds its
-    scale half up instead: both write valid blocks)."""
-    xs = torch.from_numpy(x.reshape(-1, 4, 16))
-    amax = xs.abs().amax(dim=-1)
-    d = (amax / 6).clamp(max=448.0).to(torch.float8_e4m3fn)
-    scale = d.float().unsqueeze(-1)
-    codes = _e2m1_round((xs / torch.where(scale > 0, scale, 1.0)).to(torch.float64)).numpy()
-    out = np.empty((xs.shape[0], 36), dtype=np.uint8)
+    """NVFP4 blocks of ``x [B, 64]``: per 16 weights the UE4M3 scale ``amax / 6`` and E2M1
+    elements, as :func:`kt_ops.formats.nvfp4.quantize_nvfp4` with a per-tensor scale of 1
+    (ggml's reference rounds its scale half up instead: both write valid blocks)."""
+    d, codes = nvfp4_block_codes(torch.from_numpy(x.reshape(-1, 4, 16)))
+    codes = codes.numpy()
+    out = np.empty((codes.shape[0], 36), dtype=np.uint8)
     out[:, 0:4] = d.view(torch.uint8).numpy()
     out[:, 4:36] = (codes[..., :8] | (codes[..., 8:] << 4)).reshape(-1, 32)
     return out

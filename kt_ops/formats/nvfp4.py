@@ -17,6 +17,8 @@ kernels' epilogue, which they do not have yet.
 
 from __future__ import annotations
 
+from typing import Union
+
 import torch
 from torch import Tensor
 
@@ -49,6 +51,17 @@ def _pack(codes: Tensor, block_scale: Tensor, n: int, k: int) -> PackedProjectio
     return p.validate()
 
 
+def _block_codes(blocks: Tensor, g: Union[Tensor, float] = 1.0) -> tuple[Tensor, Tensor]:
+    """fp32 blocks ``[..., 16]`` and the per-tensor scale ``g`` (broadcast over ``...``) ->
+    the E4M3 block scales ``b = E4M3(amax / 6 / g)`` (round to nearest even, saturating;
+    float8_e4m3fn ``[...]``) and the E2M1 codes of ``w / (b * g)`` (uint8 ``[..., 16]``;
+    nearest, ties to even, saturated at +-6; 0 where ``b * g`` is 0)."""
+    b = (blocks.abs().amax(dim=-1) / _E2M1_MAX / g).clamp(max=_E4M3_MAX).to(torch.float8_e4m3fn)
+    scale = b.float() * g
+    safe = torch.where(scale > 0, scale, 1.0).unsqueeze(-1)
+    return b, _e2m1_round((blocks / safe).to(torch.float64))
+
+
 def quantize_nvfp4(w: Tensor) -> PackedProjection:
     """Dense fp32 ``[E, N, K]`` -> nvfp4 (the ModelOpt / compressed-tensors recipe).
 
@@ -62,12 +75,9 @@ def quantize_nvfp4(w: Tensor) -> PackedProjection:
     wp = torch.nn.functional.pad(w.float(), (0, kp - K)).view(E, N, -1, NVFP4_BLOCK)
     amax = w.abs().flatten(1).amax(dim=1).float()
     g = torch.where(amax > 0, amax / (_E4M3_MAX * _E2M1_MAX), 1.0).view(E, 1, 1)
-    b = (wp.abs().amax(dim=-1) / _E2M1_MAX / g).clamp(max=_E4M3_MAX)
-    b = b.to(torch.float8_e4m3fn).float()
-    scale = b * g  # fp32, what the producers dequantize with
-    safe = torch.where(scale > 0, scale, 1.0).unsqueeze(-1)
-    codes = _e2m1_round((wp / safe).to(torch.float64)).view(E, N, kp)[:, :, :K]
-    return _pack(codes, scale, N, K)
+    b, codes = _block_codes(wp, g)
+    scale = b.float() * g  # fp32, what the producers dequantize with
+    return _pack(codes.view(E, N, kp)[:, :, :K], scale, N, K)
 
 
 def from_nvfp4(
