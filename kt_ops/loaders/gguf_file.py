@@ -145,7 +145,7 @@ class _GateUpHalf:
         self.name = f"{fused.name} ({role} rows)"
         self.tensor_type = fused.tensor_type
         dims = [int(d) for d in fused.shape]
-        rows = dims[-2] if len(dims) == 3 else dims[0]
+        rows = dims[-2]
         self.rows = slice(0, rows // 2) if role == "gate" else slice(rows // 2, rows)
         if len(dims) == 3:  # weight: [E, 2I, row bytes or H]
             self.shape = [dims[0], rows // 2, dims[2]]
@@ -246,55 +246,37 @@ class GGUFCheckpoint(CheckpointReader):
         biases: dict[int, dict[str, Any]] = {}
         scales: dict[int, dict[str, Any]] = {}  # per-expert output scales (.scale, [E])
         split: dict[int, dict[str, dict[int, Any]]] = {}  # block -> role -> expert -> tensor
-        fused: dict[int, Any] = {}  # block -> its ffn_gate_up_exps
+        fused: dict[tuple[int, str], Any] = {}  # (block, weight | bias) -> ffn_gate_up_exps
         for name, t in self._tensors.items():
             m = _EXPERT_RE.match(name)
             if m and m[3] == "scale":
                 scales.setdefault(int(m[1]), {})[m[2]] = t
             elif m:
-                group = (layers if m[3] == "weight" else biases).setdefault(int(m[1]), {})
-                if isinstance(group.get(m[2]), _GateUpHalf):
-                    raise ValueError(
-                        f"{self.path}: block {m[1]} holds {name} and also "
-                        f"{group[m[2]].fused.name}; gate and up are either fused or not"
-                    )
-                group[m[2]] = t
+                (layers if m[3] == "weight" else biases).setdefault(int(m[1]), {})[m[2]] = t
             m = _SPLIT_EXPERT_RE.match(name)
             if m:
                 split.setdefault(int(m[1]), {}).setdefault(m[2], {})[int(m[3])] = t
             m = _GATE_UP_RE.match(name)
             if m and m[2] == "scale":  # scales gate's and up's outputs alike
                 scales.setdefault(int(m[1]), {})["gate_up"] = t
-            elif m and m[2] == "bias":
-                dims = [int(d) for d in t.shape]
-                if len(dims) != 2 or dims[0] % 2:
-                    raise ValueError(
-                        f"{self.path}: {t.name} has dims {tuple(dims)}; expected (2I, E), "
-                        "gate's I rows then up's"
-                    )
-                b = biases.setdefault(int(m[1]), {})
-                if "gate" in b or "up" in b:
-                    raise ValueError(
-                        f"{self.path}: block {m[1]} holds {t.name} and also "
-                        f"{b.get('gate', b.get('up')).name}; gate and up are either fused or not"
-                    )
-                b["gate"], b["up"] = _GateUpHalf(t, "gate"), _GateUpHalf(t, "up")
             elif m:
-                fused[int(m[1])] = t
-        for L, t in sorted(fused.items()):
-            ts = layers.setdefault(L, {})
-            if "gate" in ts or "up" in ts:
+                fused[int(m[1]), m[2]] = t
+        for (L, kind), t in sorted(fused.items()):
+            group = (layers if kind == "weight" else biases).setdefault(L, {})
+            if "gate" in group or "up" in group:
                 raise ValueError(
                     f"{self.path}: block {L} holds {t.name} and also "
-                    f"{ts.get('gate', ts.get('up')).name}; gate and up are either fused or not"
+                    f"{group.get('gate', group.get('up')).name}; gate and up are either fused or "
+                    "not"
                 )
             dims = [int(d) for d in t.shape]
-            if len(dims) != 3 or dims[1] % 2:
+            if len(dims) != (3 if kind == "weight" else 2) or dims[-2] % 2:
+                want = "(H, 2I, E)" if kind == "weight" else "(2I, E)"
                 raise ValueError(
-                    f"{self.path}: {t.name} has dims {tuple(dims)}; expected (H, 2I, E), gate's "
-                    "I rows then up's"
+                    f"{self.path}: {t.name} has dims {tuple(dims)}; expected {want}, gate's I "
+                    "rows then up's"
                 )
-            ts["gate"], ts["up"] = _GateUpHalf(t, "gate"), _GateUpHalf(t, "up")
+            group["gate"], group["up"] = _GateUpHalf(t, "gate"), _GateUpHalf(t, "up")
         for L, roles in sorted(split.items()):
             if L in layers:
                 raise ValueError(
