@@ -421,6 +421,19 @@ def _add_tensor(writer: gguf.GGUFWriter, name: str, qtype: Q, raw: np.ndarray) -
     return _values(qtype, raw)
 
 
+def write_gguf_tensors(path: Path, arch: str, tensors: dict[str, tuple[Q, np.ndarray]]) -> None:
+    """A one-block GGUF file of ``arch`` holding ``tensors`` {name: (qtype, data as
+    :func:`gguf_raw` makes it)}, in that order: for files the loaders must refuse."""
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(1)
+    for name, (qtype, raw) in tensors.items():
+        _add_tensor(writer, name, qtype, raw)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def write_gguf(
     path: Path,
     types: dict[str, Q],

@@ -26,6 +26,7 @@ from checkpoints import (
     gguf_raw,
     write_compressed_int4,
     write_gguf,
+    write_gguf_tensors,
     write_hf,
     write_hf_fp8,
     write_hf_mxfp4,
@@ -467,25 +468,16 @@ def _write_scaled_gguf(path, weights, scales, *, E=3, H=128, I=64, seed=0):  # n
     ``down_exps`` or ``gate_up_exps``) with random data, and ``scales`` {suffix: fp32 array}
     written as ``blk.0.ffn_{suffix}.scale``. Returns {name: raw data}."""
     rng = np.random.default_rng(seed)
-    writer = gguf.GGUFWriter(str(path), "qwen3moe")
-    writer.add_block_count(1)
-    raws = {}
+    raws, tensors = {}, {}
     for suffix, qtype in weights.items():
         n = {"down_exps": H, "gate_up_exps": 2 * I}.get(suffix, I)
         k = I if suffix == "down_exps" else H
         w = (rng.standard_normal((E, n, k)) / k**0.5).astype(np.float32)
-        raw = gguf_raw(qtype, w, rng)
-        raws[suffix] = raw
-        if raw.dtype == np.uint8:
-            writer.add_tensor(f"blk.0.ffn_{suffix}.weight", raw, raw_dtype=qtype)
-        else:
-            writer.add_tensor(f"blk.0.ffn_{suffix}.weight", raw)
+        raws[suffix] = gguf_raw(qtype, w, rng)
+        tensors[f"blk.0.ffn_{suffix}.weight"] = (qtype, raws[suffix])
     for suffix, s in scales.items():
-        writer.add_tensor(f"blk.0.ffn_{suffix}.scale", np.asarray(s, dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+        tensors[f"blk.0.ffn_{suffix}.scale"] = (Q.F32, np.asarray(s, dtype=np.float32))
+    write_gguf_tensors(path, "qwen3moe", tensors)
     return raws
 
 
@@ -570,38 +562,27 @@ def _write_split_gguf(path, experts, *, merged_down=False):
     """A one-block GGUF with per-expert tensors ``{(role, x): (qtype, N, K)}`` (random data);
     ``merged_down`` adds a merged ``ffn_down_exps`` too."""
     rng = np.random.default_rng(0)
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(1)
-    for (role, x), (qtype, n, k) in experts.items():
-        w = rng.standard_normal((n, k)).astype(np.float32)
-        raw = gguf.quants.quantize(w, qtype) if qtype != Q.F32 else w
-        writer.add_tensor(f"blk.0.ffn_{role}.{x}.weight", raw, raw_dtype=qtype)
+    tensors = {
+        f"blk.0.ffn_{role}.{x}.weight": (qtype, gguf_raw(qtype, rng.standard_normal((n, k)), rng))
+        for (role, x), (qtype, n, k) in experts.items()
+    }
     if merged_down:
-        raw = gguf.quants.quantize(rng.standard_normal((2, 64, 64)).astype(np.float32), Q.Q8_0)
-        writer.add_tensor("blk.0.ffn_down_exps.weight", raw, raw_dtype=Q.Q8_0)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+        tensors["blk.0.ffn_down_exps.weight"] = (
+            Q.Q8_0, gguf_raw(Q.Q8_0, rng.standard_normal((2, 64, 64)), rng)
+        )  # fmt: skip
+    write_gguf_tensors(path, "llama", tensors)
 
 
 def test_gguf_fused_gate_up_errors(tmp_path):
     rng = np.random.default_rng(0)
 
     def write(path, tensors):
-        writer = gguf.GGUFWriter(str(path), "qwen35moe")
-        writer.add_block_count(1)
+        out = {}
         for name, shape in tensors.items():
-            w = rng.standard_normal(shape).astype(np.float32)
-            if name.endswith(".bias"):
-                writer.add_tensor(f"blk.0.{name}", w)
-            else:
-                raw = gguf.quants.quantize(w, Q.Q8_0)
-                writer.add_tensor(f"blk.0.{name}.weight", raw, raw_dtype=Q.Q8_0)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
+            qtype = Q.F32 if name.endswith(".bias") else Q.Q8_0
+            full = f"blk.0.{name}" if name.endswith(".bias") else f"blk.0.{name}.weight"
+            out[full] = (qtype, gguf_raw(qtype, rng.standard_normal(shape), rng))
+        write_gguf_tensors(path, "qwen35moe", out)
 
     down = {"ffn_down_exps": (2, 64, 32)}
     cases = [
