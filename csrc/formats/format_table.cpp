@@ -15,7 +15,19 @@ QintFormat qint(int bits, bool is_signed, float zero_offset, CodeTable table = C
   return f;
 }
 
+// The int8 panel a grid format's block decodes to (formats/grid.h): signed 8-bit codes
+// with one fp32 scale per 32 k, which the qint kernels multiply.
+QintFormat grid_panel() {
+  QintFormat f = qint(8, true, 0.f);
+  f.scale_type = ScaleType::kF32;
+  f.group_size = kGridGroupK;
+  return f;
+}
+const QintFormat kGridPanel = grid_panel();
+
 constexpr const char* kGgml = "llama.cpp / ggml block structs (ggml-common.h), repacked losslessly";
+constexpr const char* kGgmlGrid =
+    "llama.cpp / ggml i-quant block structs and grids (ggml-common.h), held as stored";
 
 // Break-even token counts of the fp32 path measured on AVX2 (Zen 3) at the
 // Qwen3-30B-A3B shape: decoding a block to fp32 costs about as much as a few
@@ -127,6 +139,8 @@ int FormatRow::bits() const {
       return 8;
     case Layout::kQint:
       break;
+    case Layout::kGrid:  // the nominal bits of the type's name (iq2_xxs: 2)
+      return static_cast<int>(bits_per_weight);
   }
   return qint.bits;
 }
@@ -217,6 +231,18 @@ const std::vector<FormatRow>& format_table() {
        A::kQ8, kNoFp32, kNoBrgemmPath, 4.5, kGgml, {32, 18}},
       {"iq4_xs", L::kQint, qint(4, true, 0.f, CodeTable::kIq4nl), {32}, 32, S::kKiq4, Z::kNever,
        A::kQ8, kNoFp32, kNoBrgemmPath, 4.3125, kGgml, {256, 136}},
+      // i-quants on lattice grids (formats/grid.h): GGUF's bytes as stored, each 16-row
+      // block decoded to an int8 panel (signed codes, an fp32 scale per 32: exact) that
+      // the signed 8-bit kernels multiply, so int8's fp32-path policy; no tile path yet.
+      // The sizes of GGUF's blocks (1.5625 - 3.4375 bits a weight), exact.
+      {"iq1_s", L::kGrid, kGridPanel, {32}, 32, S::kNone, Z::kNever, A::kQ8,
+       kInt8Fp32, kNoBrgemmPath, 1.5625, kGgmlGrid, {256, 50}, false, GridType::kIq1s},
+      {"iq2_xxs", L::kGrid, kGridPanel, {32}, 32, S::kNone, Z::kNever, A::kQ8,
+       kInt8Fp32, kNoBrgemmPath, 2.0625, kGgmlGrid, {256, 66}, false, GridType::kIq2xxs},
+      {"iq3_xxs", L::kGrid, kGridPanel, {32}, 32, S::kNone, Z::kNever, A::kQ8,
+       kInt8Fp32, kNoBrgemmPath, 3.0625, kGgmlGrid, {256, 98}, false, GridType::kIq3xxs},
+      {"iq3_s", L::kGrid, kGridPanel, {32}, 32, S::kNone, Z::kNever, A::kQ8,
+       kInt8Fp32, kNoBrgemmPath, 3.4375, kGgmlGrid, {256, 110}, false, GridType::kIq3s},
   };
   // clang-format on
   return rows;

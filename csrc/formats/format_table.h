@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "formats/grid.h"
 #include "formats/qint.h"
 
 namespace kt::formats {
@@ -21,6 +22,9 @@ enum class Layout : uint8_t {
   kQint,  // formats/qint.h: integer code planes + [E, NB, G, 16] scales (zeros)
   kFp8,   // formats/fp8.h: [E, NB, Kp, 16] E4M3 + 128x128 fp32 block scales (or, with
           // FormatRow::fp8_row_scales, one scale per row and group: [E, NB, G, 16])
+  kGrid,  // formats/grid.h: GGUF's i-quant bytes per 16-row block, [E, NB, 16 * K/256 * bytes],
+          // decoded per block to the int8 panel of the qint layout (FormatRow::qint) for its
+          // kernels
 };
 
 // Whether a format stores explicit zeros (value = scale*q - zero).
@@ -99,6 +103,9 @@ struct FormatRow {
   // channel; formats/fp8.h), in packed_scale_type (fp32, or UE8M0 bytes for mxfp8),
   // instead of one fp32 scale per 128x128 block.
   bool fp8_row_scales = false;
+  // kGrid only: which i-quant the blocks hold (qint then describes the decoded panel:
+  // signed 8-bit codes, fp32 scales per 32).
+  GridType grid = GridType::kNone;
 
   // Bits of one stored weight code.
   int bits() const;

@@ -450,12 +450,15 @@ void set_active_isa(Isa isa) {
 }
 
 const ProjectionKernels& projection_kernels(formats::Layout layout, Isa isa) {
+  // The grid formats' blocks are decoded to int8 panels of the qint layout (kernels/plan.cpp).
+  if (layout == formats::Layout::kGrid) layout = formats::Layout::kQint;
   for (Isa i = isa; i > 0; --i)
     if (KernelsFn k = kTiers[i].layouts[static_cast<int>(layout)]) return k();
   return kTiers[0].layouts[static_cast<int>(layout)]();
 }
 
 const TileKernel* tile_kernel(const formats::FormatRow& format, Isa isa, uint8_t quant_mode) {
+  if (format.layout == formats::Layout::kGrid) return nullptr;  // no tile family (yet)
   for (Isa i = isa; i >= 0; --i) {
     const TileKernel* k = kTiers[i].tiles[static_cast<int>(format.layout)];
     if (k == nullptr) continue;

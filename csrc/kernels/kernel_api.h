@@ -44,6 +44,9 @@ struct ProjectionView {
   int64_t groups;         // kQint: scale groups along K
   int64_t block_bytes;    // bytes of one 16-row block
   bool fp8_row_scales = false;  // kFp8: scales per row and group (qint.group_size, 0: channel)
+  // kGrid: the i-quant of the blocks (formats/grid.h); qint is then the int8 panel each
+  // block decodes to, kp / 32 groups (the plan decodes, kernels see a kQint panel).
+  formats::GridType grid = formats::GridType::kNone;
 
   const uint8_t* block(int64_t e, int64_t nb) const {
     return weight + (e * row_blocks + nb) * block_bytes;

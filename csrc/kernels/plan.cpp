@@ -3,6 +3,7 @@
 #include <atomic>
 #include <cstring>
 
+#include "formats/grid.h"
 #include "kernels/dispatch.h"
 #include "runtime/cpu_features.h"
 
@@ -95,11 +96,13 @@ void ThreadScratch::reset() {
     c->form = nullptr;
   }
   tile.reset();
+  grid_view = nullptr;
+  grid_expert = grid_block = -1;
 }
 
 size_t ThreadScratch::bytes() const {
   return bf16_rows.bytes.capacity() + u8_tiles.bytes.capacity() + q8_packed.bytes.capacity() +
-         block.capacity() * sizeof(float) + tile.bytes();
+         block.capacity() * sizeof(float) + grid_panel.capacity() + tile.bytes();
 }
 
 void CallScratch::begin(int threads) {
@@ -132,8 +135,11 @@ ProjectionPlan::ProjectionPlan(const formats::FormatRow& format, const Projectio
                         !tile.kernel->bf16_activations_only);
   tile_ = allowed ? tile.kernel : nullptr;
   tile_min_ = allowed ? tile.min_tokens : formats::kNoBrgemm;
-  u8_codes_ = q8_ && streaming_->dot_u8 != nullptr && format.layout == formats::Layout::kQint &&
-              format.qint.is_signed;  // 8-bit codes, IQ4_NL's values
+  // 8-bit codes, IQ4_NL's values, the grid formats' int8 panels.
+  u8_codes_ =
+      q8_ && streaming_->dot_u8 != nullptr &&
+      (format.layout == formats::Layout::kQint || format.layout == formats::Layout::kGrid) &&
+      format.qint.is_signed;
 }
 
 const char* ProjectionPlan::kernel_name(int m) const {
@@ -149,9 +155,38 @@ const char* ProjectionPlan::kernel_name(int m) const {
   return streaming_->name;
 }
 
-void ProjectionPlan::dot(const ExpertRows& rows, int64_t nb, float* out, ThreadScratch& ts) const {
-  const DotArgs a{view_, rows.expert, nb, nb + 1, rows.x, rows.xq, rows.m, out, kRows};
+ProjectionView ProjectionPlan::grid_panel(int64_t expert, int64_t nb, ThreadScratch& ts) const {
   const int64_t kp = view_->kp;
+  const size_t bytes = static_cast<size_t>(formats::grid_panel_bytes(kp)) + 64;
+  grow(ts.grid_panel, bytes);
+  const auto base = reinterpret_cast<uintptr_t>(ts.grid_panel.data());
+  auto* panel = reinterpret_cast<uint8_t*>((base + 63) & ~uintptr_t{63});
+  if (ts.grid_view != view_ || ts.grid_expert != expert || ts.grid_block != nb) {
+    formats::grid_decode_block(view_->grid, view_->block(expert, nb), kp, panel);
+    ts.grid_view = view_;
+    ts.grid_expert = expert;
+    ts.grid_block = nb;
+  }
+  ProjectionView v = *view_;
+  v.layout = formats::Layout::kQint;
+  v.grid = formats::GridType::kNone;
+  v.weight = panel;
+  v.scales = panel + 16 * kp;
+  v.zeros = nullptr;
+  v.row_blocks = 1;
+  v.groups = kp / formats::kGridGroupK;
+  v.block_bytes = formats::qint_block_bytes(8, kp);
+  return v;
+}
+
+void ProjectionPlan::dot(const ExpertRows& rows, int64_t nb, float* out, ThreadScratch& ts) const {
+  DotArgs a{view_, rows.expert, nb, nb + 1, rows.x, rows.xq, rows.m, out, kRows};
+  const int64_t kp = view_->kp;
+  ProjectionView panel;
+  if (view_->layout == formats::Layout::kGrid) {  // its block as a kQint panel of one block
+    panel = grid_panel(rows.expert, nb, ts);
+    a = DotArgs{&panel, 0, 0, 1, rows.x, rows.xq, rows.m, out, kRows};
+  }
   switch (family(rows.m)) {
     case Family::kTile:
       return dot_tile(a, rows, ts);

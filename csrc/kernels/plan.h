@@ -135,7 +135,12 @@ struct alignas(64) ThreadScratch {
   OperandCache u8_tiles;     // Family::kStreamingU8's tiles (pack_u8_tiles)
   OperandCache q8_packed;    // TileInput::kQ8Packed / kI8TokenRows / kBf16Packed (the packs)
   std::vector<float> block;  // Family::kWeightOnlyFp32: one block decoded, [kp][16]
-  TileScratch tile;          // TileKernel::keeps
+  // The grid formats: one block decoded to its int8 panel (formats/grid.h), 64-byte
+  // aligned inside, and which block it holds (view, expert, block; view nullptr: none).
+  std::vector<uint8_t> grid_panel;
+  const ProjectionView* grid_view = nullptr;
+  int64_t grid_expert = -1, grid_block = -1;
+  TileScratch tile;  // TileKernel::keeps
   // The TileKernel::release owed after this thread's run of calls, or nullptr.
   void (*release)() = nullptr;
 
@@ -197,6 +202,9 @@ class ProjectionPlan {
 
  private:
   void dot_tile(const DotArgs& a, const ExpertRows& rows, ThreadScratch& ts) const;
+  // The grid formats: block nb of `expert` decoded into ts's panel (kept while the
+  // thread stays on it), as a one-block kQint view of that panel.
+  ProjectionView grid_panel(int64_t expert, int64_t nb, ThreadScratch& ts) const;
 
   const ProjectionView* view_;
   const ProjectionKernels* streaming_;

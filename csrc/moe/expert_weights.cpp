@@ -11,6 +11,7 @@
 #include "formats/bf16.h"
 #include "formats/format_table.h"
 #include "formats/fp8.h"
+#include "formats/grid.h"
 #include "formats/qint.h"
 #include "formats/scale_dtype.h"
 #include "kernels/brgemm.h"
@@ -458,6 +459,23 @@ void dequantize_fp8_transposed(const Projection& p, int64_t expert, float* wt, i
   }
 }
 
+// A grid projection (formats/grid.h): each row decoded to fp32 (exact: an int8 code
+// times an fp32 scale per 32), columns [ka, kb) written to W^T rows ld apart.
+void dequantize_grid_transposed(const Projection& p, int64_t expert, float* wt, int64_t ld,
+                                int64_t ka, int64_t kb) {
+  const kernels::ProjectionView& v = p.view;
+  std::vector<float> row(static_cast<size_t>(v.kp));
+  for (int64_t nb = 0; nb < v.row_blocks; ++nb) {
+    const uint8_t* block = v.block(expert, nb);
+    const int rows = static_cast<int>(std::min<int64_t>(16, p.n - 16 * nb));
+    for (int r = 0; r < rows; ++r) {
+      formats::grid_decode_row(v.grid, block, v.kp, r, row.data());
+      const int64_t n = 16 * nb + r;
+      for (int64_t k = ka; k < kb; ++k) wt[(k - ka) * ld + n] = row[static_cast<size_t>(k)];
+    }
+  }
+}
+
 // Row stride (floats) of the W^T storage. A stride that is a multiple of
 // 2 KiB (e.g. n = 2048: 8 KiB) puts the 16-float column strip of a block
 // into one cache set for every k and crosses a page on every write: the
@@ -475,6 +493,8 @@ void decode_columns(const Projection& p, int64_t expert, int64_t ka, int64_t kb,
       return dequantize_fp8_transposed(p, expert, wt, ld, ka, kb);
     case formats::Layout::kQint:
       return dequantize_qint_transposed(p, expert, wt, ld, ka, kb);
+    case formats::Layout::kGrid:
+      return dequantize_grid_transposed(p, expert, wt, ld, ka, kb);
   }
 }
 

@@ -92,6 +92,7 @@ Projection parse_projection(const char* op, int i, const formats::FormatRow& f, 
   p.weight = w;
   kernels::ProjectionView& v = p.view;
   v.layout = f.layout;
+  v.grid = f.grid;
   v.qint = f.qint;
   v.qint.group_size = group;
   v.n = n;
@@ -210,6 +211,21 @@ Projection parse_projection(const char* op, int i, const formats::FormatRow& f, 
         TORCH_CHECK(f.zeros != formats::ZeroPolicy::kRequired, op, ": weight_format='", fmt,
                     "' needs ", zname);
       }
+      break;
+    }
+    case formats::Layout::kGrid: {
+      // GGUF i-quant bytes per 16-row block (formats/grid.h), decoded to the int8 panel
+      // f.qint describes when the kernels run.
+      TORCH_CHECK(w.scalar_type() == at::kByte, op, ": ", wname,
+                  " must be uint8 for weight_format='", fmt, "' (got ", w.scalar_type(),
+                  "); a weight packed for another format was probably passed");
+      TORCH_CHECK(k % formats::kGridSuperK == 0, op, ": weight_format='", fmt, "' needs the K of ",
+                  wname, " (", dims, ") to be a multiple of 256 (the GGUF super-block), got ", k);
+      absent(scales, sname);
+      absent(zeros, zname);
+      v.groups = v.kp / formats::kGridGroupK;
+      v.block_bytes = formats::grid_block_bytes(f.grid, v.kp);
+      check_tensor(op, w, wname, fmt, {E, v.row_blocks, v.block_bytes}, dims);
       break;
     }
   }

@@ -129,7 +129,10 @@ py::list formats_report() {
   for (const kt::formats::FormatRow& f : kt::formats::format_table()) {
     py::dict d;
     d["name"] = f.name;
-    d["layout"] = f.layout == Layout::kBf16 ? "bf16" : f.layout == Layout::kFp8 ? "fp8" : "qint";
+    d["layout"] = f.layout == Layout::kBf16   ? "bf16"
+                  : f.layout == Layout::kFp8  ? "fp8"
+                  : f.layout == Layout::kGrid ? "grid"
+                                              : "qint";
     d["bits"] = f.bits();
     d["signed"] = f.layout == Layout::kQint && f.qint.is_signed;
     const kt::formats::CodeTable table =

@@ -113,6 +113,18 @@ def _kquant_params(rec: Tensor, spec, kp: int) -> tuple[Tensor, Tensor]:
     return d * sc.float(), dmin * mn.float()
 
 
+def _dequantize_grid(spec, n: int, k: int, weight: Tensor) -> Tensor:
+    """A grid format's ``[E, NB, 16 * row_bytes]`` blocks -> ``[E, n, k]`` by
+    ``gguf.quants.dequantize`` of the rows (they are GGUF's bytes as stored)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    E, nb, _ = weight.shape
+    rows = weight.reshape(E, nb * BLOCK_ROWS, -1)[:, :n].contiguous().numpy()
+    values = dequantize(rows, GGMLQuantizationType[spec.name.upper()])
+    return torch.from_numpy(values.reshape(E, n, k).astype("float32"))
+
+
 def _rows(x: Tensor, n: int, k: int) -> Tensor:
     """``[E, NB, 16, Kp]`` -> ``[E, n, k]`` (drop the padding rows and columns)."""
     E, nb, r, kp = x.shape
@@ -141,6 +153,8 @@ def dequantize_weights(p: PackedProjection) -> Tensor:
       ``iq4_nl`` / ``iq4_xs``: ``W = scale * IQ4NL_VALUES[c]`` (``scale`` the fp16 ``d``
       per 32, or iq4_xs' ``d * (ls - 32)`` from its records), as ggml's
       ``dequantize_row_iq4_nl`` / ``_iq4_xs``.
+    * grid (``iq1_s``, ``iq2_xxs``, ``iq3_xxs``, ``iq3_s``): the rows of GGUF blocks
+      through ``gguf.quants.dequantize`` (llama.cpp's ``dequantize_row_<type>``).
     * ``fp8``: ``W = float(E4M3 bits) * scale[n // 128, k // 128]`` in fp32;
       ``fp8_channel`` / ``mxfp8``: times the scale of row ``n`` and group ``k //
       group_size`` (``mxfp8``: ``2^(E-127)``).
@@ -164,6 +178,8 @@ def _dequantize_one(spec, group_size, n, k, weight, scales=None, zeros=None) -> 
         nn = torch.arange(n).view(n, 1)
         kk = torch.arange(k).view(1, k)
         return w[:, nn // 16, kk // 2, nn % 16, kk % 2].float()
+    if spec.is_grid:  # GGUF's own blocks: the gguf package's dequantizer
+        return _dequantize_grid(spec, n, k, w)
     kp = padded_k(k)
     if spec.layout == "fp8":
         nn = torch.arange(n).view(n, 1)

@@ -78,6 +78,7 @@ import torch
 from torch import Tensor
 
 from kt_ops.formats.dequant import IQ4NL_VALUES
+from kt_ops.formats.grid import pack_grid, quantize_grid
 from kt_ops.formats.nvfp4 import _block_codes as nvfp4_block_codes
 from kt_ops.formats.packed import PackedProjection
 from kt_ops.formats.qint import pack_codes, pack_group_params, pack_kquant_scales
@@ -258,6 +259,8 @@ def from_gguf(
             f"{row_bytes} for a {name} tensor [E, n={n}, k={k}]"
         )
     E = data.size // (n * row_bytes)
+    if spec.is_grid:  # the i-quants on lattice grids: their blocks as stored
+        return pack_grid(name, data.reshape(E, n, row_bytes), n, k)
     blk = data.reshape(E, n, k // bs, ts)
     zeros = None  # q4_1, q5_1: -m
     if name == "q8_0":
@@ -603,7 +606,9 @@ def quantize_gguf_raw(weight: np.ndarray, qtype: Union[str, Any]) -> np.ndarray:
 
         qt = getattr(gguf.GGMLQuantizationType, name.upper())
         return gguf.quants.quantize(x, qt)
-    if name == "nvfp4":
+    if spec.is_grid:
+        out = quantize_grid(blocks, name)
+    elif name == "nvfp4":
         out = _quantize_nvfp4(blocks)
     elif name == "iq4_nl":
         out = _quantize_iq4_nl(blocks)

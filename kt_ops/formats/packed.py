@@ -153,6 +153,11 @@ class PackedProjection:
                 f"PackedProjection.k={self.k} is not a multiple of the {spec.name!r} "
                 f"super-block ({spec.super_block})"
             )
+        if spec.is_grid and self.k % spec.gguf_block[0]:
+            raise ValueError(
+                f"PackedProjection.k={self.k} is not a multiple of the {spec.name!r} "
+                f"block ({spec.gguf_block[0]})"
+            )
         if spec.layout == "qint" and gs and padded_k(self.k) % gs:
             raise ValueError(
                 f"PackedProjection.group_size={gs} does not divide the padded K "

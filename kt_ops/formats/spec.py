@@ -50,9 +50,12 @@ class FormatSpec:
 
     Attributes:
         name: the format name (one of :data:`FORMATS`).
-        layout: ``'bf16'`` (n16k2 bf16), ``'qint'`` (integer code planes) or
-            ``'fp8'`` (E4M3 bytes, ``[E, NB, Kp, 16]``).
-        bits: bits per stored weight code (16 for bf16).
+        layout: ``'bf16'`` (n16k2 bf16), ``'qint'`` (integer code planes),
+            ``'fp8'`` (E4M3 bytes, ``[E, NB, Kp, 16]``) or ``'grid'`` (GGUF's
+            i-quant bytes as stored, ``[E, NB, 16 * K/256 * type_size]``: iq1_s,
+            iq2_xxs, iq3_xxs, iq3_s; decoded per block by the kernels).
+        bits: bits per stored weight code (16 for bf16; the grid formats: the
+            whole bits of their names, 1 for iq1_s).
         signed: the codes the kernels multiply are signed bytes: two's-complement
             8-bit codes (int8, q8_0) or the IQ4_NL table's values (iq4_nl,
             iq4_xs); False for the float layouts (bf16, fp8) and the unsigned codes.
@@ -160,6 +163,12 @@ class FormatSpec:
         return self.scale_record_bytes > 0
 
     @property
+    def is_grid(self) -> bool:
+        """True for the i-quants on lattice grids (iq1_s, iq2_xxs, iq3_xxs, iq3_s): the
+        packed weight holds GGUF's blocks as stored, 16 rows per block, no scales."""
+        return self.layout == "grid"
+
+    @property
     def is_gguf(self) -> bool:
         """True for the GGUF block types (mxfp4, nvfp4, q8_0, q4_0, q2_k ... q6_k, iq4_nl,
         iq4_xs): ``gguf_block`` is set."""
@@ -178,6 +187,8 @@ class FormatSpec:
             return (e, nb, ceil_div(k, 2), BLOCK_ROWS, 2)
         if self.layout == "fp8":
             return (e, nb, padded_k(k), BLOCK_ROWS)
+        if self.is_grid:  # 16 rows of GGUF blocks per block
+            return (e, nb, BLOCK_ROWS * (k // self.gguf_block[0]) * self.gguf_block[1])
         return (e, nb, BLOCK_ROWS * padded_k(k) * self.bits // 8)
 
     def weight_dtype(self) -> torch.dtype:
@@ -185,8 +196,9 @@ class FormatSpec:
         return torch.bfloat16 if self.layout == "bf16" else torch.uint8
 
     def scales_shape(self, e: int, n: int, k: int, group_size: int) -> Optional[tuple[int, ...]]:
-        """Shape of ``scales`` (and of ``zeros`` where present); ``None`` for bf16."""
-        if self.layout == "bf16":
+        """Shape of ``scales`` (and of ``zeros`` where present); ``None`` for bf16 and
+        the grid formats (their scales are inside the blocks)."""
+        if self.layout in ("bf16", "grid"):
             return None
         if self.layout == "fp8" and not self.fp8_row_scales:
             return (e, ceil_div(n, 128), ceil_div(k, 128))
@@ -206,6 +218,8 @@ class FormatSpec:
         """
         if self.layout == "bf16":
             return 16.0
+        if self.is_grid:
+            return self.bits_per_weight
         if (self.layout == "fp8" and not self.fp8_row_scales) or group_size == 0:
             return float(self.bits)
         if self.is_kquant:

@@ -1,0 +1,66 @@
+// The "grid" weight-format family: GGUF's lattice-grid i-quants (IQ1_S, IQ2_XXS,
+// IQ3_XXS, IQ3_S), held as the file's own bytes and decoded per 16-row block to an
+// int8 panel just before the q8 kernels multiply it (kernels/plan.cpp).
+//
+// Why a panel: each of these types is, per 32 weights, a scale times small signed
+// integers (IQ2_XXS {+-8, +-25, +-43}, IQ3_XXS {+-4 .. +-62}, IQ3_S the odd values
+// +-1 .. +-15, IQ1_S 8 * {-1, 0, 1} +- 1), picked from a lattice grid by an 8- to
+// 11-bit index. The integers fit int8 and the scale is exact in fp32, so one block
+// decodes exactly to the int8 / q8_0 layout the signed 8-bit kernels of every tier
+// already multiply (formats/qint.h: codes [Kp/4][16][4], fp32 scales [Kp/32][16]).
+// The file's 1.56 - 3.44 bits a weight stay in memory; the panel (18 bytes per k of
+// a block) lives in the pool thread's scratch, in L1 / L2.
+//
+// Layout of one 16-row block: the 16 rows' GGUF bytes back to back, row r at
+// r * row_bytes, row_bytes = Kp / 256 * type_bytes (K a multiple of 256, GGUF's
+// super-block); rows past n are zero bytes (weights 0). Per type (llama.cpp
+// ggml-common.h block_<type>, dequantize_row_<type> in ggml-quants.c):
+//   IQ2_XXS (66 bytes): d fp16 | qs uint16[32]. 32 weights ib: uint32 a0, a1 at
+//     qs + 8 ib: byte l of a0 indexes kIq2xxsGrid (8 values), 7-bit field l of a1
+//     (a1 >> 7l) its signs with an even-parity 8th bit; ls = a1 >> 28;
+//     W = d * (0.5 + ls) / 4 * value * sign.
+//   IQ3_XXS (98 bytes): d fp16 | qs[64] (kIq3xxsGrid, 4 values each) | uint32[8]
+//     signs and scales: 32 weights ib from qs[8 ib ..], signs as IQ2_XXS per 8;
+//     W = d * (0.5 + ls) / 2 * value * sign.
+//   IQ3_S (110 bytes): d fp16 | qs[64] | qh[8] | signs[32] | scales[4]: index i =
+//     qs[i] | bit i%8 of qh[i/8] << 8 (kIq3sGrid, 4 values), sign of weight j = bit
+//     j%8 of signs[j/8], 4-bit scale of ib in scales[ib/2] (low nibble first);
+//     W = d * (1 + 2 sc) * value * sign.
+//   IQ1_S (50 bytes): d fp16 | qs[32] | qh uint16[8]: 32 weights ib, index l =
+//     qs[4 ib + l] | ((qh[ib] >> 3l) & 7) << 8 (kIq1sGrid: {-1, 0, 1} x 8),
+//     s = (qh[ib] >> 12) & 7, delta = -1/8 if bit 15 else +1/8;
+//     W = d * (2 s + 1) * (value + delta).
+// Panel codes and scales (exact): IQ2_XXS value * sign, d * (2 ls + 1) / 8;
+// IQ3_XXS value * sign, d * (2 ls + 1) / 4; IQ3_S value * sign, d * (2 sc + 1);
+// IQ1_S 8 value +- 1, d * (2 s + 1) / 8.
+#pragma once
+
+#include <cstdint>
+
+namespace kt::formats {
+
+enum class GridType : uint8_t { kNone, kIq2xxs, kIq3xxs, kIq3s, kIq1s };
+
+constexpr int64_t kGridSuperK = 256;  // weights per GGUF block of every grid type
+constexpr int64_t kGridGroupK = 32;   // weights per panel scale
+
+// Bytes of one GGUF block (256 weights) of type t.
+int64_t grid_type_bytes(GridType t);
+
+// Bytes of one 16-row block of kp (a multiple of 256) columns.
+inline int64_t grid_block_bytes(GridType t, int64_t kp) {
+  return 16 * (kp / kGridSuperK) * grid_type_bytes(t);
+}
+
+// Bytes of the int8 panel of one block: codes [kp/4][16][4], then fp32 scales [kp/32][16].
+inline int64_t grid_panel_bytes(int64_t kp) { return 16 * kp + 16 * (kp / kGridGroupK) * 4; }
+
+// Decodes one 16-row block (grid_block_bytes bytes) into the panel at `panel`
+// (grid_panel_bytes bytes, 4-byte aligned): codes first, then the scales.
+void grid_decode_block(GridType t, const uint8_t* block, int64_t kp, uint8_t* panel);
+
+// Decodes row r of one block into dense fp32 values w[0 .. kp): the reference the
+// panel is tested against, and the decode of the training path.
+void grid_decode_row(GridType t, const uint8_t* block, int64_t kp, int r, float* w);
+
+}  // namespace kt::formats
