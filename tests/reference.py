@@ -1077,6 +1077,10 @@ GGUF_BLOCKS = {
     "q6_k": (256, 210),
     "iq4_nl": (32, 18),
     "iq4_xs": (256, 136),
+    "iq1_s": (256, 50),
+    "iq2_xxs": (256, 66),
+    "iq3_xxs": (256, 98),
+    "iq3_s": (256, 110),
 }
 
 
@@ -1130,6 +1134,10 @@ def random_gguf_raw(qtype: str, num_experts: int, n: int, k: int, *, seed: int =
         set_f16(0, 0.5 * s / 64, 2 * s / 64)
     elif qtype == "iq4_xs":  # W = d*(ls - 32) * v, |ls - 32| <= 32, |v| <= 127
         set_f16(0, 0.5 * s / (16 * 64), 2 * s / (16 * 64))
+    elif qtype in ("iq1_s", "iq2_xxs", "iq3_xxs", "iq3_s"):  # W = d * (2 ls + 1) * c
+        # the largest |(2 ls + 1) * c|: 15 * 1.125, 31 / 8 * 43, 31 / 4 * 62, 31 * 15
+        top = {"iq1_s": 17, "iq2_xxs": 167, "iq3_xxs": 480, "iq3_s": 465}[qtype]
+        set_f16(0, 0.5 * s / top, 2 * s / top)
     else:  # q6_k: W = d*sc*(q - 32), |sc| <= 128
         set_f16(208, 0.5 * s / (64 * 32), 2 * s / (64 * 32))
     return torch.from_numpy(raw.reshape(num_experts, n, k // bs * ts))

@@ -112,6 +112,10 @@ def test_registry_matches_the_table_of_docs_formats_md():
         "q6_k",
         "iq4_nl",
         "iq4_xs",
+        "iq1_s",
+        "iq2_xxs",
+        "iq3_xxs",
+        "iq3_s",
     )
     table = {  # format: (bits, scale dtype, zeros, groups, activations, bits/weight)
         "bf16": (16, None, False, (0,), "fp32", 16.0),
@@ -183,7 +187,7 @@ def test_gguf_block_types_are_rows_of_the_table():
     gguf_types = [f for f in FORMATS if format_spec(f).is_gguf]
     assert gguf_types == [
         "mxfp4", "nvfp4", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k",
-        "q5_k", "q6_k", "iq4_nl", "iq4_xs",
+        "q5_k", "q6_k", "iq4_nl", "iq4_xs", "iq1_s", "iq2_xxs", "iq3_xxs", "iq3_s",
     ]  # fmt: skip
     assert GGUF_FORMATS == tuple(gguf_types)
     for f in FORMATS:
@@ -541,7 +545,8 @@ def _random_gguf_raw(name: str, E: int, n: int, k: int, seed: int) -> np.ndarray
     raw = rng.integers(0, 256, size=(E, n, k // bs, ts), dtype=np.uint8)
     offsets = {"mxfp4": [], "nvfp4": [], "q8_0": [0], "q4_0": [0], "q4_1": [0, 2],
                "q5_0": [0], "q5_1": [0, 2], "q2_k": [80, 82], "q3_k": [108], "q4_k": [0, 2],
-               "q5_k": [0, 2], "q6_k": [208], "iq4_nl": [0], "iq4_xs": [0]}[name]  # fmt: skip
+               "q5_k": [0, 2], "q6_k": [208], "iq4_nl": [0], "iq4_xs": [0], "iq1_s": [0],
+               "iq2_xxs": [0], "iq3_xxs": [0], "iq3_s": [0]}[name]  # fmt: skip
     for off in offsets:
         h = rng.integers(0, 1 << 16, size=raw.shape[:-1], dtype=np.uint16)
         h = np.where((h & 0x7C00) == 0x7C00, h & 0x83FF, h)  # exponent 31 (inf/nan) -> 0
@@ -567,6 +572,15 @@ def test_from_gguf_matches_gguf_dequantize_exactly(name):
     assert ref.shape == (E, n, k)
     p = from_gguf(name, raw, n, k)
     spec = format_spec(name)
+    bs, ts = gguf.constants.GGML_QUANT_SIZES[qt]
+    if spec.is_grid:  # GGUF's rows as stored, 16 to a block, the padding rows zero bytes
+        assert p.scales is None and p.zeros is None and p.group_size == 32
+        assert p.weight.shape == (E, 2, 16 * k // bs * ts)
+        rows = p.weight.view(E, 32, -1)
+        assert torch.equal(rows[:, :n], torch.from_numpy(raw)) and not rows[:, n:].any()
+        assert torch.equal(dequantize_weights(p), ref)
+        assert torch.equal(from_gguf(qt, torch.from_numpy(raw.reshape(-1)), n, k).weight, p.weight)
+        return
     assert p.weight.shape == (E, 2, 2 * k * spec.bits) and p.scales.dtype == spec.scale_dtype
     assert (p.zeros is not None) == spec.has_zeros
     assert p.group_size == spec.default_group_size
@@ -574,7 +588,6 @@ def test_from_gguf_matches_gguf_dequantize_exactly(name):
     # Same result from a tensor, a flat array and the gguf enum.
     p2 = from_gguf(qt, torch.from_numpy(raw.reshape(-1)), n, k)
     assert torch.equal(p2.weight, p.weight) and torch.equal(p2.scales, p.scales)
-    bs, ts = gguf.constants.GGML_QUANT_SIZES[qt]
     blk = raw.reshape(E, n, k // bs, ts)
     if name in ("q2_k", "q4_k", "q5_k", "q6_k"):
         # GGUF's size: the 16 padded rows aside, exactly the bytes of its blocks, and the
@@ -631,7 +644,8 @@ def test_gguf_quantizers_round_trip(name):
     bound = {
         "mxfp4": 0.15, "nvfp4": 0.12, "q8_0": 0.01, "q4_0": 0.15, "q4_1": 0.12, "q5_0": 0.06,
         "q5_1": 0.06, "q2_k": 0.4, "q3_k": 0.2, "q4_k": 0.12, "q5_k": 0.06, "q6_k": 0.03,
-        "iq4_nl": 0.1, "iq4_xs": 0.1,
+        "iq4_nl": 0.1, "iq4_xs": 0.1, "iq1_s": 0.55, "iq2_xxs": 0.4, "iq3_xxs": 0.22,
+        "iq3_s": 0.17,
     }[name]  # fmt: skip
     assert rel < bound, rel
     assert torch.equal(d[0, 0], torch.zeros(K))

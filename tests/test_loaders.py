@@ -652,15 +652,16 @@ def test_gguf_unsupported_type(tmp_path):
         GGUFCheckpoint(path)
     msg = str(ei.value)
     assert "Q8_0" in msg and "Q2_K" in msg and "Q5_1" in msg and "supported" in msg
-    assert "requantized: IQ1_S" in msg and "TQ2_0" in msg
+    assert "requantized: IQ1_M" in msg and "TQ2_0" in msg and "IQ2_XXS" in msg
 
 
-REQUANTIZED = [Q.IQ1_S, Q.IQ1_M, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.TQ1_0, Q.TQ2_0]
+REQUANTIZED = [Q.IQ1_M, Q.IQ2_XS, Q.IQ2_S, Q.TQ1_0, Q.TQ2_0]
 
 
 @pytest.mark.parametrize("qtype", REQUANTIZED, ids=lambda t: t.name)
 def test_gguf_grid_and_ternary_types_are_requantized(tmp_path, qtype):
-    """IQ1-IQ3 and TQ tensors load requantized (lossy, with a warning) from gguf's values."""
+    """IQ1_M, IQ2_XS, IQ2_S and TQ tensors load requantized (lossy, with a warning) from
+    gguf's values (IQ1_S, IQ2_XXS, IQ3_XXS, IQ3_S: natively, test_gguf_types_beyond_q4_k_native)."""
     path = tmp_path / "iq.gguf"
     types = {"gate": qtype, "up": qtype, "down": Q.Q4_K}
     expected = write_gguf(path, types, E=2, H=256, I=256, moe_layers=(0,))
@@ -688,7 +689,7 @@ def test_gguf_grid_and_ternary_types_are_requantized(tmp_path, qtype):
 
 def test_gguf_requantized_to_an_explicit_format(tmp_path):
     path = tmp_path / "iq_mix.gguf"
-    types = {"gate": Q.IQ2_XXS, "up": Q.IQ3_S, "down": Q.TQ1_0}
+    types = {"gate": Q.IQ2_XS, "up": Q.IQ2_S, "down": Q.TQ1_0}
     expected = write_gguf(path, types, E=2, H=256, I=256, moe_layers=(0,))
     ck = GGUFCheckpoint(path)
     dense = {r: expected[0][r]["dense"] for r in ROLES}
@@ -705,18 +706,24 @@ def test_gguf_requantized_to_an_explicit_format(tmp_path):
     assert ((got - want.out).norm() / want.out.norm()).item() < 0.02  # the q8 activations
 
 
-def test_gguf_requantized_corrupt_scale_is_named(tmp_path):
+@pytest.mark.parametrize("qtype", [Q.IQ2_XS, Q.IQ2_XXS], ids=lambda t: t.name)
+def test_gguf_grid_corrupt_scale_is_named(tmp_path, qtype):
+    # Requantized (IQ2_XS) or held as stored (IQ2_XXS): an inf d is refused, naming the tensor.
     path = tmp_path / "iq_nan.gguf"
-    types = {"gate": Q.IQ2_XXS, "up": Q.IQ2_XXS, "down": Q.IQ2_XXS}
-    write_gguf(path, types, E=2, H=256, I=256, moe_layers=(0,))
+    write_gguf(path, dict.fromkeys(ROLES, qtype), E=2, H=256, I=256, moe_layers=(0,))
     t = next(t for t in gguf.GGUFReader(path).tensors if t.name == "blk.0.ffn_up_exps.weight")
     raw = bytearray(path.read_bytes())
-    at = int(t.data_offset) + 66 * 5  # the d of the sixth IQ2_XXS block (66 bytes each)
+    block_bytes = gguf.GGML_QUANT_SIZES[qtype][1]
+    at = int(t.data_offset) + block_bytes * 5  # the d of the sixth block
     raw[at : at + 2] = np.float16(np.inf).tobytes()
     path.write_bytes(bytes(raw))
     ck = GGUFCheckpoint(path)
-    with pytest.warns(UserWarning), pytest.raises(ValueError, match=r"ffn_up_exps.*NaN or inf"):
-        ck.load_layer(0)
+    if qtype == Q.IQ2_XS:
+        with pytest.warns(UserWarning), pytest.raises(ValueError, match=r"ffn_up_exps.*NaN or inf"):
+            ck.load_layer(0)
+    else:
+        with pytest.raises(ValueError, match=r"ffn_up_exps.*non-finite fp16 d in a iq2_xxs"):
+            ck.load_layer(0)
 
 
 @pytest.mark.parametrize(
@@ -735,15 +742,19 @@ def test_gguf_requantized_corrupt_scale_is_named(tmp_path):
         # NVFP4 (llama.cpp's NVFP4 files): E2M1 codes as stored, UE4M3 scales as fp32;
         # beside MXFP4 (64-weight blocks: I = 160 is no multiple, so down is MXFP4).
         {"gate": Q.NVFP4, "up": Q.NVFP4, "down": Q.MXFP4},
+        # The lattice-grid i-quants (unsloth's dynamic UD-IQ1_S / UD-IQ2_XXS files of
+        # DeepSeek-R1 and kin): their blocks as stored, decoded per block by the kernels.
+        {"gate": Q.IQ1_S, "up": Q.IQ2_XXS, "down": Q.IQ3_XXS},
+        {"gate": Q.IQ3_S, "up": Q.IQ2_XXS, "down": Q.IQ2_XXS},
     ],
-    ids=["q2_k_q3_k", "iq4", "q4_k_m_fallback", "q4_1_q5_1", "nvfp4"],
+    ids=["q2_k_q3_k", "iq4", "q4_k_m_fallback", "q4_1_q5_1", "nvfp4", "iq1_iq2_iq3", "iq3_s"],
 )
 def test_gguf_types_beyond_q4_k_native(tmp_path, types):
     # Exactly gguf.quants.dequantize's weights, and the op computes with them (the
     # kernels in detail: tests/test_quant_forward.py).
     path = tmp_path / "low.gguf"
     # I = 160: rows of 32-weight blocks that are not a multiple of 256 (the k-quants' blocks)
-    I = 256 if types["down"] in (Q.Q2_K, Q.IQ4_NL) else 160  # noqa: E741
+    I = 160 if types["down"] in (Q.Q5_0, Q.Q5_1, Q.MXFP4) else 256  # noqa: E741
     expected = write_gguf(path, types, E=2, H=256, I=I, moe_layers=(0,))
     ck = GGUFCheckpoint(path)
     assert ck.tensor_types(0) == {r: t.name for r, t in types.items()}

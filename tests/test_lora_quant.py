@@ -109,6 +109,11 @@ LAYOUTS = [
     Layout("q4_1", 32, True, 72, 40),
     Layout("q5_0", 32, False, 72, 40),
     Layout("q5_1", 32, True, 72, 40),
+    # The lattice-grid i-quants: GGUF blocks decoded row by row (K a multiple of 256).
+    Layout("iq1_s", 32, False, 256, 512),
+    Layout("iq2_xxs", 32, False, 512, 256),
+    Layout("iq3_xxs", 32, False, 256, 512),
+    Layout("iq3_s", 32, False, 256, 256),
     # n * 4 bytes a multiple of 2 KiB: the decoder pads the rows of its W^T storage.
     Layout("int4", 32, False, 512, 40),
     Layout("fp8", 128, False, 1024, 40),
@@ -133,6 +138,11 @@ def random_packed(
     weight = torch.randint(0, 256, spec.weight_shape(E, n, k), dtype=torch.uint8, generator=g)
     if spec.layout == "fp8":
         weight[(weight & 0x7F) == 0x7F] -= 1
+    if spec.is_grid:  # GGUF blocks of random bytes, each with a finite random fp16 d
+        blocks = weight.view(E, -1, spec.gguf_block[1])
+        d = (torch.randn(blocks.shape[:2], generator=g) * 0.002).half()
+        blocks[..., 0:2] = d.unsqueeze(-1).view(torch.uint8)
+        return PackedProjection(weight, None, None, fmt, group_size, n, k).validate()
     sshape = spec.scales_shape(E, n, k, group_size)
     if spec.is_kquant:  # every record byte random, then finite random fp16 d (and dmin)
         scales = torch.randint(0, 256, sshape, dtype=torch.uint8, generator=g)
@@ -282,6 +292,10 @@ VARIANTS = [
     Variant("q6_k", None, True, 256, 256),
     Variant("iq4_nl", None, True, 96, 64),
     Variant("iq4_xs", None, True, 256, 256),
+    Variant("iq1_s", None, True, 256, 256),
+    Variant("iq2_xxs", None, True, 256, 256),
+    Variant("iq3_xxs", None, True, 256, 256),
+    Variant("iq3_s", None, True, 256, 256),
 ]
 PER_FORMAT = list({v.fmt: v for v in reversed(VARIANTS)}.values())[::-1]
 E_TOTAL = 6

@@ -144,6 +144,14 @@ VARIANTS = [
     Variant("iq4_nl", None, True, 96, 64),
     Variant("iq4_xs", None, True, 256, 256),
     Variant("iq4_xs", None, True, 512, 256, "_512x256"),
+    # The lattice-grid i-quants: GGUF's blocks decoded per 16-row block to int8 panels
+    # (one and two 256-k blocks per row, N not a multiple of 16 for the zero rows).
+    Variant("iq1_s", None, True, 256, 256),
+    Variant("iq2_xxs", None, True, 256, 256),
+    Variant("iq2_xxs", None, True, 512, 256, "_512x256"),
+    Variant("iq3_xxs", None, True, 256, 256),
+    Variant("iq3_s", None, True, 256, 256),
+    Variant("iq3_s", None, True, 512, 256, "_512x256"),
 ]
 VARIANT_IDS = [v.id for v in VARIANTS]
 #: One variant per format (the first listed).
@@ -214,8 +222,9 @@ def test_packed_layer_is_valid(v):
         p.validate()
         assert (p.n, p.k, p.weight_format) == (n, k, v.fmt)
         assert (p.zeros is not None) == (format_spec(v.fmt).zeros_required or not v.symmetric)
-    # dequantized weights are close to the dense weights they were made from (2 bits: ~0.33)
-    bound = 0.4 if v.fmt == "q2_k" else 0.2
+    # dequantized weights are close to the dense weights they were made from (2 bits: ~0.33;
+    # the grid formats' simple quantizer, kt_ops.formats.grid: IQ1_S ~0.45, IQ2_XXS ~0.33)
+    bound = {"q2_k": 0.4, "iq1_s": 0.55, "iq2_xxs": 0.4, "iq3_xxs": 0.22}.get(v.fmt, 0.2)
     for got, want in zip(dense_weights(w), dense_expert_weights(E_TOTAL, v.H, v.I)):
         err = ((got - want).norm() / want.norm()).item()
         assert err < bound, f"{v.id}: weight quantization error {err:.3g}"
@@ -253,6 +262,8 @@ def _poison(p: PackedProjection, experts: slice) -> PackedProjection:
     """A copy whose experts ``experts`` hold garbage codes and NaN (or 255) scales and zeros."""
     weight = p.weight.clone()
     weight[experts] = torch.randint(0, 256, weight[experts].shape, dtype=torch.uint8)
+    if p.scales is None:  # the grid formats: scales inside the garbage blocks
+        return dataclasses.replace(p, weight=weight)
     scales = p.scales.clone()
     scales[experts] = 255 if scales.dtype == torch.uint8 else float("nan")
     zeros = None
@@ -695,6 +706,12 @@ TOTAL_ERROR = {
     "iq4_xs": 0.30,
     "q3_k": 0.45,
     "q2_k": 0.80,
+    # the grid formats' simple quantizer (kt_ops.formats.grid), 1.56 - 3.44 bits a weight:
+    # measured 0.76, 0.59, 0.34, 0.26
+    "iq1_s": 1.0,
+    "iq2_xxs": 0.8,
+    "iq3_xxs": 0.45,
+    "iq3_s": 0.4,
 }
 #: Relative Frobenius error of the q8 kernels against the same dequantized weights
 #: with fp32 activations: only the two int8 roundings of the activations (step
@@ -882,6 +899,13 @@ def test_checker_detects_wrong_weights(v):
     # expert e reads it); k-quants: row 0's super-block scale d (fp16, first 2 bytes of
     # the block's first record)
     projs = list(w.projections)
+    if format_spec(v.fmt).is_grid:  # the scale d of gate's row 0, first block, doubled
+        weight = projs[0].weight.clone()
+        weight.view(weight.shape[0], -1)[e, 0:2].view(torch.float16).mul_(2)
+        projs[0] = dataclasses.replace(projs[0], weight=weight)
+        out = run_op(x, ids, weights, kt_ops.ExpertWeights(*projs))
+        assert quant_mismatch_report(out, ref) is not None
+        return
     scales = projs[0].scales.clone()
     flat = scales.view(scales.shape[0], -1)
     if format_spec(v.fmt).is_kquant:
