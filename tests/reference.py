@@ -567,6 +567,10 @@ for _fmt in (
     "q6_k",
     "iq4_nl",
     "iq4_xs",
+    "iq1_s",
+    "iq2_xxs",
+    "iq3_xxs",
+    "iq3_s",
 ):
     TOLERANCES[_fmt] = TOL_QUANT
 del _fmt

@@ -107,7 +107,7 @@ def test_convert_default_group_size_recorded(hf_src, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "kind", ["fp8", "mxfp4", "gguf", "gguf_int8", "mixtral_native", "gpt_oss_biases"]
+    "kind", ["fp8", "mxfp4", "gguf", "gguf_iq", "gguf_int8", "mixtral_native", "gpt_oss_biases"]
 )
 def test_convert_sources_bit_identical(tmp_path, kind):
     src = tmp_path / "src"
@@ -124,6 +124,9 @@ def test_convert_sources_bit_identical(tmp_path, kind):
         src = tmp_path / "m.gguf"
         if kind == "gguf":
             types = {"gate": Q.Q4_K, "up": Q.Q4_K, "down": Q.Q6_K}
+            write_gguf(src, types, E=2, H=256, I=256, moe_layers=(0, 1))
+        elif kind == "gguf_iq":  # a dynamic IQ1_S / IQ2_XXS mix: the blocks as stored
+            types = {"gate": Q.IQ1_S, "up": Q.IQ1_S, "down": Q.IQ2_XXS}
             write_gguf(src, types, E=2, H=256, I=256, moe_layers=(0, 1))
         else:
             write_gguf(src, dict.fromkeys(ROLES, Q.F16), H=64, I=32, moe_layers=(0, 1))
@@ -142,6 +145,12 @@ def test_convert_sources_bit_identical(tmp_path, kind):
         # GGUF's own size: 144 (Q4_K) and 210 (Q6_K) bytes per 256 weights, as in the file.
         layer = load_converted(out, 0)
         per_256 = {"gate": 144, "up": 144, "down": 210}
+        for r in ROLES:
+            assert getattr(layer, r).nbytes == 2 * 256 * 256 // 256 * per_256[r]
+    if kind == "gguf_iq":  # GGUF's size: 50 (IQ1_S) and 66 (IQ2_XXS) bytes per 256 weights
+        layer = load_converted(out, 0)
+        per_256 = {"gate": 50, "up": 50, "down": 66}
+        assert layer.weight_format == "iq1_s,iq1_s,iq2_xxs"
         for r in ROLES:
             assert getattr(layer, r).nbytes == 2 * 256 * 256 // 256 * per_256[r]
 

@@ -66,7 +66,12 @@ LAYERS = [
     ("q4_k", 256, 256, None),
     ("q5_k", 256, 256, None),
     ("q6_k", 256, 256, None),
+    ("iq1_s", 256, 256, None),
+    ("iq2_xxs", 256, 256, None),
+    ("iq3_xxs", 256, 256, None),
+    ("iq3_s", 256, 256, None),
     ("bf16,fp8,q8_0", 64, 32, None),
+    ("iq2_xxs,iq2_xxs,q4_k", 256, 256, None),
     ("q4_k,q4_k,bf16", 256, 256, None),
     ("fp8,int4,bf16", 64, 64, 32),
 ]
