@@ -126,18 +126,19 @@ void decode_block(const uint8_t* block, int64_t kp, uint8_t* panel) {
 }
 
 template <GridType T>
-void decode_row(const uint8_t* block, int64_t kp, int r, float* w) {
+void decode_row(const uint8_t* block, int64_t kp, int r, int64_t k0, int64_t k1, float* w) {
   const int64_t tb = grid_type_bytes(T);
   const uint8_t* row = block + r * (kp / kGridSuperK * tb);
   uint64_t c[4];
-  for (int64_t s = 0; s < kp / kGridSuperK; ++s) {
-    const uint8_t* b = row + s * tb;
-    const float d = half_bits_to_float(load_u16(b));
-    for (int ib = 0; ib < 8; ++ib) {
-      const float scale = decode_group<T>(b, d, ib, c);
-      int8_t v[32];
-      std::memcpy(v, c, 32);
-      for (int j = 0; j < 32; ++j) w[(s * 8 + ib) * 32 + j] = scale * static_cast<float>(v[j]);
+  for (int64_t g = k0 / kGridGroupK; g * kGridGroupK < k1; ++g) {  // groups of 32 k
+    const uint8_t* b = row + (g / 8) * tb;
+    const float scale =
+        decode_group<T>(b, half_bits_to_float(load_u16(b)), static_cast<int>(g % 8), c);
+    int8_t v[32];
+    std::memcpy(v, c, 32);
+    for (int j = 0; j < 32; ++j) {
+      const int64_t k = g * kGridGroupK + j;
+      if (k < k1) w[k - k0] = scale * static_cast<float>(v[j]);
     }
   }
 }
@@ -175,16 +176,17 @@ void grid_decode_block(GridType t, const uint8_t* block, int64_t kp, uint8_t* pa
   }
 }
 
-void grid_decode_row(GridType t, const uint8_t* block, int64_t kp, int r, float* w) {
+void grid_decode_row(GridType t, const uint8_t* block, int64_t kp, int r, int64_t k0, int64_t k1,
+                     float* w) {
   switch (t) {
     case GridType::kIq2xxs:
-      return decode_row<GridType::kIq2xxs>(block, kp, r, w);
+      return decode_row<GridType::kIq2xxs>(block, kp, r, k0, k1, w);
     case GridType::kIq3xxs:
-      return decode_row<GridType::kIq3xxs>(block, kp, r, w);
+      return decode_row<GridType::kIq3xxs>(block, kp, r, k0, k1, w);
     case GridType::kIq3s:
-      return decode_row<GridType::kIq3s>(block, kp, r, w);
+      return decode_row<GridType::kIq3s>(block, kp, r, k0, k1, w);
     case GridType::kIq1s:
-      return decode_row<GridType::kIq1s>(block, kp, r, w);
+      return decode_row<GridType::kIq1s>(block, kp, r, k0, k1, w);
     case GridType::kNone:
       break;
   }

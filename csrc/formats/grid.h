@@ -59,8 +59,9 @@ inline int64_t grid_panel_bytes(int64_t kp) { return 16 * kp + 16 * (kp / kGridG
 // (grid_panel_bytes bytes, 4-byte aligned): codes first, then the scales.
 void grid_decode_block(GridType t, const uint8_t* block, int64_t kp, uint8_t* panel);
 
-// Decodes row r of one block into dense fp32 values w[0 .. kp): the reference the
-// panel is tested against, and the decode of the training path.
-void grid_decode_row(GridType t, const uint8_t* block, int64_t kp, int r, float* w);
+// Decodes columns [k0, k1) of row r of one block (k0 a multiple of 32) into dense fp32
+// values w[0 .. k1 - k0): the decode of the training path (exact).
+void grid_decode_row(GridType t, const uint8_t* block, int64_t kp, int r, int64_t k0, int64_t k1,
+                     float* w);
 
 }  // namespace kt::formats

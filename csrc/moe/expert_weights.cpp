@@ -459,19 +459,19 @@ void dequantize_fp8_transposed(const Projection& p, int64_t expert, float* wt, i
   }
 }
 
-// A grid projection (formats/grid.h): each row decoded to fp32 (exact: an int8 code
-// times an fp32 scale per 32), columns [ka, kb) written to W^T rows ld apart.
+// A grid projection (formats/grid.h): columns [ka, kb) of each row decoded to fp32
+// (exact: an int8 code times an fp32 scale per 32), written to W^T rows ld apart.
 void dequantize_grid_transposed(const Projection& p, int64_t expert, float* wt, int64_t ld,
                                 int64_t ka, int64_t kb) {
   const kernels::ProjectionView& v = p.view;
-  std::vector<float> row(static_cast<size_t>(v.kp));
+  std::vector<float> row(static_cast<size_t>(kb - ka));
   for (int64_t nb = 0; nb < v.row_blocks; ++nb) {
     const uint8_t* block = v.block(expert, nb);
     const int rows = static_cast<int>(std::min<int64_t>(16, p.n - 16 * nb));
     for (int r = 0; r < rows; ++r) {
-      formats::grid_decode_row(v.grid, block, v.kp, r, row.data());
+      formats::grid_decode_row(v.grid, block, v.kp, r, ka, kb, row.data());
       const int64_t n = 16 * nb + r;
-      for (int64_t k = ka; k < kb; ++k) wt[(k - ka) * ld + n] = row[static_cast<size_t>(k)];
+      for (int64_t k = ka; k < kb; ++k) wt[(k - ka) * ld + n] = row[static_cast<size_t>(k - ka)];
     }
   }
 }
