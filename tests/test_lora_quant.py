@@ -294,10 +294,10 @@ VARIANTS = [
     Variant("iq4_xs", None, True, 256, 256),
     Variant("iq1_s", None, True, 256, 256),
     Variant("iq2_xxs", None, True, 256, 256),
-    Variant("iq3_xxs", None, True, 256, 256),
-    Variant("iq3_s", None, True, 256, 256),
     # I = 1024: the backward decodes down's columns in panels of 256 (moe_lora.cpp).
     Variant("iq2_xxs", None, True, 256, 1024, "_256x1024"),
+    Variant("iq3_xxs", None, True, 256, 256),
+    Variant("iq3_s", None, True, 256, 256),
 ]
 PER_FORMAT = list({v.fmt: v for v in reversed(VARIANTS)}.values())[::-1]
 E_TOTAL = 6
