@@ -24,6 +24,8 @@ QintFormat grid_panel() {
   return f;
 }
 const QintFormat kGridPanel = grid_panel();
+// A grid format's GGUF block: 256 weights, grid_type_bytes bytes.
+constexpr FormatRow::GgufBlock grid_block(GridType t) { return {kGridSuperK, grid_type_bytes(t)}; }
 
 constexpr const char* kGgml = "llama.cpp / ggml block structs (ggml-common.h), repacked losslessly";
 constexpr const char* kGgmlGrid =
@@ -236,13 +238,13 @@ const std::vector<FormatRow>& format_table() {
       // the signed 8-bit kernels multiply, so int8's fp32-path policy; no tile path yet.
       // The sizes of GGUF's blocks (1.5625 - 3.4375 bits a weight), exact.
       {"iq1_s", L::kGrid, kGridPanel, {32}, 32, S::kNone, Z::kNever, A::kQ8,
-       kInt8Fp32, kNoBrgemmPath, 1.5625, kGgmlGrid, {256, 50}, false, GridType::kIq1s},
+       kInt8Fp32, kNoBrgemmPath, 1.5625, kGgmlGrid, grid_block(GridType::kIq1s), false, GridType::kIq1s},
       {"iq2_xxs", L::kGrid, kGridPanel, {32}, 32, S::kNone, Z::kNever, A::kQ8,
-       kInt8Fp32, kNoBrgemmPath, 2.0625, kGgmlGrid, {256, 66}, false, GridType::kIq2xxs},
+       kInt8Fp32, kNoBrgemmPath, 2.0625, kGgmlGrid, grid_block(GridType::kIq2xxs), false, GridType::kIq2xxs},
       {"iq3_xxs", L::kGrid, kGridPanel, {32}, 32, S::kNone, Z::kNever, A::kQ8,
-       kInt8Fp32, kNoBrgemmPath, 3.0625, kGgmlGrid, {256, 98}, false, GridType::kIq3xxs},
+       kInt8Fp32, kNoBrgemmPath, 3.0625, kGgmlGrid, grid_block(GridType::kIq3xxs), false, GridType::kIq3xxs},
       {"iq3_s", L::kGrid, kGridPanel, {32}, 32, S::kNone, Z::kNever, A::kQ8,
-       kInt8Fp32, kNoBrgemmPath, 3.4375, kGgmlGrid, {256, 110}, false, GridType::kIq3s},
+       kInt8Fp32, kNoBrgemmPath, 3.4375, kGgmlGrid, grid_block(GridType::kIq3s), false, GridType::kIq3s},
   };
   // clang-format on
   return rows;

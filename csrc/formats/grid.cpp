@@ -1,6 +1,7 @@
 #include "formats/grid.h"
 
 #include <cstring>
+#include <type_traits>
 
 #include "formats/qint.h"  // half_bits_to_float
 
@@ -10,7 +11,7 @@ namespace {
 
 #include "formats/grid_tables.inc"
 
-// kSignMasks[s]: byte j = 0xFF where bit j of s is set (a minus sign), else 0; kEvenSignMasks[i]:
+// kSignMasks.m[s]: byte j = 0xFF where bit j of s is set (a minus sign), else 0; .even[i]:
 // the mask of ggml's ksigns_iq2xs[i], the 7 stored sign bits i and their parity as bit 7
 // (an even count of minus signs in every 8, as ggml's quantizer writes them).
 struct SignMasks {
@@ -24,8 +25,7 @@ struct SignMasks {
           m[s] |= uint64_t{0xFF} << (8 * j);
           ++ones;
         }
-      if (s < 128 && ones % 2 == 0) even[s] = m[s];
-      if (s >= 128 && ones % 2 == 0) even[s - 128] = m[s];
+      if (ones % 2 == 0) even[s & 127] = m[s];
     }
   }
 };
@@ -143,53 +143,32 @@ void decode_row(const uint8_t* block, int64_t kp, int r, int64_t k0, int64_t k1,
   }
 }
 
-}  // namespace
-
-int64_t grid_type_bytes(GridType t) {
+// f(std::integral_constant<GridType, T>{}) for the type t (nothing for kNone).
+template <class F>
+void with_type(GridType t, F f) {
   switch (t) {
     case GridType::kIq2xxs:
-      return 66;
+      return f(std::integral_constant<GridType, GridType::kIq2xxs>{});
     case GridType::kIq3xxs:
-      return 98;
+      return f(std::integral_constant<GridType, GridType::kIq3xxs>{});
     case GridType::kIq3s:
-      return 110;
+      return f(std::integral_constant<GridType, GridType::kIq3s>{});
     case GridType::kIq1s:
-      return 50;
+      return f(std::integral_constant<GridType, GridType::kIq1s>{});
     case GridType::kNone:
       break;
   }
-  return 0;
 }
 
+}  // namespace
+
 void grid_decode_block(GridType t, const uint8_t* block, int64_t kp, uint8_t* panel) {
-  switch (t) {
-    case GridType::kIq2xxs:
-      return decode_block<GridType::kIq2xxs>(block, kp, panel);
-    case GridType::kIq3xxs:
-      return decode_block<GridType::kIq3xxs>(block, kp, panel);
-    case GridType::kIq3s:
-      return decode_block<GridType::kIq3s>(block, kp, panel);
-    case GridType::kIq1s:
-      return decode_block<GridType::kIq1s>(block, kp, panel);
-    case GridType::kNone:
-      break;
-  }
+  with_type(t, [&](auto type) { decode_block<decltype(type)::value>(block, kp, panel); });
 }
 
 void grid_decode_row(GridType t, const uint8_t* block, int64_t kp, int r, int64_t k0, int64_t k1,
                      float* w) {
-  switch (t) {
-    case GridType::kIq2xxs:
-      return decode_row<GridType::kIq2xxs>(block, kp, r, k0, k1, w);
-    case GridType::kIq3xxs:
-      return decode_row<GridType::kIq3xxs>(block, kp, r, k0, k1, w);
-    case GridType::kIq3s:
-      return decode_row<GridType::kIq3s>(block, kp, r, k0, k1, w);
-    case GridType::kIq1s:
-      return decode_row<GridType::kIq1s>(block, kp, r, k0, k1, w);
-    case GridType::kNone:
-      break;
-  }
+  with_type(t, [&](auto type) { decode_row<decltype(type)::value>(block, kp, r, k0, k1, w); });
 }
 
 }  // namespace kt::formats

@@ -44,8 +44,15 @@ enum class GridType : uint8_t { kNone, kIq2xxs, kIq3xxs, kIq3s, kIq1s };
 constexpr int64_t kGridSuperK = 256;  // weights per GGUF block of every grid type
 constexpr int64_t kGridGroupK = 32;   // weights per panel scale
 
-// Bytes of one GGUF block (256 weights) of type t.
-int64_t grid_type_bytes(GridType t);
+// Bytes of one GGUF block (256 weights) of type t (ggml-common.h block_<type>; the
+// format table's gguf_block reads it).
+constexpr int64_t grid_type_bytes(GridType t) {
+  return t == GridType::kIq1s     ? 50
+         : t == GridType::kIq2xxs ? 66
+         : t == GridType::kIq3xxs ? 98
+         : t == GridType::kIq3s   ? 110
+                                  : 0;
+}
 
 // Bytes of one 16-row block of kp (a multiple of 256) columns.
 inline int64_t grid_block_bytes(GridType t, int64_t kp) {

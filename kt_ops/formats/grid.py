@@ -25,12 +25,12 @@ import numpy as np
 import torch
 
 from kt_ops.formats.packed import PackedProjection
-from kt_ops.formats.spec import BLOCK_ROWS, ceil_div, format_spec
+from kt_ops.formats.spec import BLOCK_ROWS, FORMATS, ceil_div, format_spec
 
 __all__ = ["GRID_FORMATS", "pack_grid", "quantize_grid"]
 
 #: The grid formats, in table order.
-GRID_FORMATS = ("iq1_s", "iq2_xxs", "iq3_xxs", "iq3_s")
+GRID_FORMATS = tuple(f for f in FORMATS if format_spec(f).is_grid)
 
 
 def pack_grid(name: str, blocks: np.ndarray, n: int, k: int) -> PackedProjection:
@@ -208,19 +208,15 @@ def _quantize_iq1_s(x: torch.Tensor) -> torch.Tensor:
     d = _block_d(g, 1.125, 8, 1.0)
 
     def fit(scale):  # codes: the indices, then the delta's sign (1: -1/8) as a 5th column
-        best = None
+        fits = []
         for minus in (0, 1):
             t = g / scale - (0.125 if minus == 0 else -0.125)
             idx = _nearest(t.view(B, 8, 4, 8), "iq1_s")  # [B, 8, 4]
             err = ((grid[idx].view(B, 8, 32) - t) ** 2).sum(-1) * scale[..., 0] ** 2
-            codes = torch.cat([idx, torch.full_like(idx[..., :1], minus)], -1)
-            if best is None or minus == 1:
-                take = torch.ones_like(err, dtype=torch.bool) if best is None else err < best[1]
-                best = (
-                    codes if best is None else torch.where(take.unsqueeze(-1), codes, best[0]),
-                    err if best is None else torch.minimum(err, best[1]),
-                )
-        return best
+            fits.append((torch.cat([idx, torch.full_like(idx[..., :1], minus)], -1), err))
+        (plus, e_plus), (minus, e_minus) = fits
+        take = e_minus < e_plus
+        return torch.where(take.unsqueeze(-1), minus, plus), torch.minimum(e_plus, e_minus)
 
     ls, codes = _search(d, 8, 1.0, fit)
     idx, minus = codes[..., :4], codes[..., 4]
