@@ -1,7 +1,7 @@
 """Writes csrc/formats/grid_tables.inc: the lattice grids of GGUF's i-quants for the C++ decoder.
 
-The grids are llama.cpp's ``iq2xxs_grid``, ``iq3xxs_grid``, ``iq3s_grid`` and
-``iq1s_grid`` (ggml-common.h), read from the ``gguf`` package's copies
+The grids are llama.cpp's ``iq2xxs_grid``, ``iq2xs_grid``, ``iq2s_grid``,
+``iq3xxs_grid``, ``iq3s_grid`` and ``iq1s_grid`` (ggml-common.h; IQ1_M uses IQ1_S'), read from the ``gguf`` package's copies
 (``gguf.quants.IQ2_XXS.grid`` ...), so no table is typed by hand. Each entry is
 stored as its values, one signed byte per weight, packed little-endian (8 values
 in a uint64, 4 in a uint32), as the decoder (csrc/formats/grid.cpp) loads them.
@@ -25,6 +25,8 @@ OUT = pathlib.Path(__file__).resolve().parent.parent / "csrc" / "formats" / "gri
 # (C++ name, gguf class, values per entry, factor applied to the values)
 TABLES = (
     ("kIq2xxsGrid", quants.IQ2_XXS, 8, 1),
+    ("kIq2xsGrid", quants.IQ2_XS, 8, 1),
+    ("kIq2sGrid", quants.IQ2_S, 8, 1),
     ("kIq3xxsGrid", quants.IQ3_XXS, 4, 1),
     ("kIq3sGrid", quants.IQ3_S, 4, 1),
     ("kIq1sGrid", quants.IQ1_S, 8, 8),

@@ -568,7 +568,10 @@ for _fmt in (
     "iq4_nl",
     "iq4_xs",
     "iq1_s",
+    "iq1_m",
     "iq2_xxs",
+    "iq2_xs",
+    "iq2_s",
     "iq3_xxs",
     "iq3_s",
 ):
@@ -1082,7 +1085,10 @@ GGUF_BLOCKS = {
     "iq4_nl": (32, 18),
     "iq4_xs": (256, 136),
     "iq1_s": (256, 50),
+    "iq1_m": (256, 56),
     "iq2_xxs": (256, 66),
+    "iq2_xs": (256, 74),
+    "iq2_s": (256, 82),
     "iq3_xxs": (256, 98),
     "iq3_s": (256, 110),
 }
@@ -1138,10 +1144,19 @@ def random_gguf_raw(qtype: str, num_experts: int, n: int, k: int, *, seed: int =
         set_f16(0, 0.5 * s / 64, 2 * s / 64)
     elif qtype == "iq4_xs":  # W = d*(ls - 32) * v, |ls - 32| <= 32, |v| <= 127
         set_f16(0, 0.5 * s / (16 * 64), 2 * s / (16 * 64))
-    elif qtype in ("iq1_s", "iq2_xxs", "iq3_xxs", "iq3_s"):  # W = d * (2 ls + 1) * c
-        # the largest |(2 ls + 1) * c|: 15 * 1.125, 31 / 8 * 43, 31 / 4 * 62, 31 * 15
-        top = {"iq1_s": 17, "iq2_xxs": 167, "iq3_xxs": 480, "iq3_s": 465}[qtype]
+    elif qtype in ("iq1_s", "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s"):
+        # W = d * (2 ls + 1) * c; the largest |(2 ls + 1) * c|: 15 * 1.125, 31 / 8 * 43,
+        # 31 / 4 * 62, 31 * 15
+        top = {"iq1_s": 17, "iq2_xxs": 167, "iq2_xs": 167, "iq2_s": 167, "iq3_xxs": 480,
+               "iq3_s": 465}[qtype]  # fmt: skip
         set_f16(0, 0.5 * s / top, 2 * s / top)
+    elif qtype == "iq1_m":  # IQ1_S' values; d's four nibbles in the scale words' top ones
+        top = 17
+        d = rng.uniform(0.5 * s / top, 2 * s / top, size=raw.shape[:-1]).astype(np.float16)
+        bits = d.view(np.uint16)
+        for i in range(4):  # word i (bytes 48 + 2 i, 49 + 2 i): bits 12-15 = d's bits 4 i ..
+            nib = ((bits >> (4 * i)) & 0xF).astype(np.uint8)
+            raw[..., 49 + 2 * i] = (raw[..., 49 + 2 * i] & 0x0F) | (nib << 4)
     else:  # q6_k: W = d*sc*(q - 32), |sc| <= 128
         set_f16(208, 0.5 * s / (64 * 32), 2 * s / (64 * 32))
     return torch.from_numpy(raw.reshape(num_experts, n, k // bs * ts))

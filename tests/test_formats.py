@@ -113,7 +113,10 @@ def test_registry_matches_the_table_of_docs_formats_md():
         "iq4_nl",
         "iq4_xs",
         "iq1_s",
+        "iq1_m",
         "iq2_xxs",
+        "iq2_xs",
+        "iq2_s",
         "iq3_xxs",
         "iq3_s",
     )
@@ -176,8 +179,8 @@ def test_registry_matches_the_table_of_docs_formats_md():
     assert offsets == {
         "int4": 8, "mxfp4": 12, "nvfp4": 12, "q4_0": 8, "q5_0": 16, "q3_k": 4, "q6_k": 32
     }  # fmt: skip
-    with pytest.raises(ValueError, match="unknown weight_format 'iq2_xs'.*bf16, int8"):
-        format_spec("iq2_xs")
+    with pytest.raises(ValueError, match="unknown weight_format 'tq2_0'.*bf16, int8"):
+        format_spec("tq2_0")
     with pytest.raises(dataclasses.FrozenInstanceError):
         format_spec("int8").bits = 4
 
@@ -187,7 +190,8 @@ def test_gguf_block_types_are_rows_of_the_table():
     gguf_types = [f for f in FORMATS if format_spec(f).is_gguf]
     assert gguf_types == [
         "mxfp4", "nvfp4", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k",
-        "q5_k", "q6_k", "iq4_nl", "iq4_xs", "iq1_s", "iq2_xxs", "iq3_xxs", "iq3_s",
+        "q5_k", "q6_k", "iq4_nl", "iq4_xs", "iq1_s", "iq1_m", "iq2_xxs", "iq2_xs", "iq2_s",
+        "iq3_xxs", "iq3_s",
     ]  # fmt: skip
     assert GGUF_FORMATS == tuple(gguf_types)
     for f in FORMATS:
@@ -546,11 +550,14 @@ def _random_gguf_raw(name: str, E: int, n: int, k: int, seed: int) -> np.ndarray
     offsets = {"mxfp4": [], "nvfp4": [], "q8_0": [0], "q4_0": [0], "q4_1": [0, 2],
                "q5_0": [0], "q5_1": [0, 2], "q2_k": [80, 82], "q3_k": [108], "q4_k": [0, 2],
                "q5_k": [0, 2], "q6_k": [208], "iq4_nl": [0], "iq4_xs": [0], "iq1_s": [0],
-               "iq2_xxs": [0], "iq3_xxs": [0], "iq3_s": [0]}[name]  # fmt: skip
+               "iq1_m": [], "iq2_xxs": [0], "iq2_xs": [0], "iq2_s": [0], "iq3_xxs": [0],
+               "iq3_s": [0]}[name]  # fmt: skip
     for off in offsets:
         h = rng.integers(0, 1 << 16, size=raw.shape[:-1], dtype=np.uint16)
         h = np.where((h & 0x7C00) == 0x7C00, h & 0x83FF, h)  # exponent 31 (inf/nan) -> 0
         raw[..., off : off + 2] = h.astype("<u2")[..., None].view(np.uint8)
+    if name == "iq1_m":  # d: the scale words' top nibbles; bit 14 clear keeps it finite
+        raw[..., 55] &= 0xBF
     if name == "mxfp4":  # every exponent byte but 255 (NaN in OCP MX; refused)
         raw[..., 0] = rng.integers(0, 255, size=raw.shape[:-1], dtype=np.uint8)
     if name == "nvfp4":  # every UE4M3 scale byte, subnormals and 0 included (0x7F+ refused)
@@ -574,7 +581,12 @@ def test_from_gguf_matches_gguf_dequantize_exactly(name):
     spec = format_spec(name)
     bs, ts = gguf.constants.GGML_QUANT_SIZES[qt]
     if spec.is_grid:  # GGUF's rows as stored, 16 to a block, the padding rows zero bytes
-        assert p.scales is None and p.zeros is None and p.group_size == 32
+        assert p.scales is None and p.zeros is None
+        assert (
+            p.group_size
+            == spec.default_group_size
+            == (16 if name in ("iq1_m", "iq2_xs", "iq2_s") else 32)
+        )
         assert p.weight.shape == (E, 2, 16 * k // bs * ts)
         rows = p.weight.view(E, 32, -1)
         assert torch.equal(rows[:, :n], torch.from_numpy(raw)) and not rows[:, n:].any()
@@ -644,8 +656,8 @@ def test_gguf_quantizers_round_trip(name):
     bound = {
         "mxfp4": 0.15, "nvfp4": 0.12, "q8_0": 0.01, "q4_0": 0.15, "q4_1": 0.12, "q5_0": 0.06,
         "q5_1": 0.06, "q2_k": 0.4, "q3_k": 0.2, "q4_k": 0.12, "q5_k": 0.06, "q6_k": 0.03,
-        "iq4_nl": 0.1, "iq4_xs": 0.1, "iq1_s": 0.55, "iq2_xxs": 0.4, "iq3_xxs": 0.22,
-        "iq3_s": 0.17,
+        "iq4_nl": 0.1, "iq4_xs": 0.1, "iq1_s": 0.55, "iq1_m": 0.5, "iq2_xxs": 0.4,
+        "iq2_xs": 0.34, "iq2_s": 0.3, "iq3_xxs": 0.22, "iq3_s": 0.17,
     }[name]  # fmt: skip
     assert rel < bound, rel
     assert torch.equal(d[0, 0], torch.zeros(K))
@@ -801,7 +813,7 @@ def test_from_gguf_rejects_bad_input():
     raw = _random_gguf_raw("q4_0", 1, 4, 64, seed=0)
     cases = [
         (("q8_1", raw, 4, 64), "qtype"),
-        ((gguf.GGMLQuantizationType.IQ2_XS, raw, 4, 64), "qtype"),
+        ((gguf.GGMLQuantizationType.TQ2_0, raw, 4, 64), "qtype"),
         ((3, raw, 4, 64), "qtype"),
         (("q4_0", raw, 0, 64), "n must"),
         (("q4_0", raw, 4, 48), "k=48"),

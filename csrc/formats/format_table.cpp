@@ -16,14 +16,16 @@ QintFormat qint(int bits, bool is_signed, float zero_offset, CodeTable table = C
 }
 
 // The int8 panel a grid format's block decodes to (formats/grid.h): signed 8-bit codes
-// with one fp32 scale per 32 k, which the qint kernels multiply.
-QintFormat grid_panel() {
+// with one fp32 scale per `group` k (32, or 16 for the types with scales per 16), which
+// the qint kernels multiply.
+QintFormat grid_panel(int64_t group) {
   QintFormat f = qint(8, true, 0.f);
   f.scale_type = ScaleType::kF32;
-  f.group_size = kGridGroupK;
+  f.group_size = group;
   return f;
 }
-const QintFormat kGridPanel = grid_panel();
+const QintFormat kGridPanel = grid_panel(32);
+const QintFormat kGridPanel16 = grid_panel(16);
 // A grid format's GGUF block: 256 weights, grid_type_bytes bytes.
 constexpr FormatRow::GgufBlock grid_block(GridType t) { return {kGridSuperK, grid_type_bytes(t)}; }
 
@@ -234,13 +236,20 @@ const std::vector<FormatRow>& format_table() {
       {"iq4_xs", L::kQint, qint(4, true, 0.f, CodeTable::kIq4nl), {32}, 32, S::kKiq4, Z::kNever,
        A::kQ8, kNoFp32, kNoBrgemmPath, 4.3125, kGgml, {256, 136}},
       // i-quants on lattice grids (formats/grid.h): GGUF's bytes as stored, each 16-row
-      // block decoded to an int8 panel (signed codes, an fp32 scale per 32: exact) that
-      // the signed 8-bit kernels multiply, so int8's fp32-path policy; no tile path yet.
-      // The sizes of GGUF's blocks (1.5625 - 3.4375 bits a weight), exact.
+      // block decoded to an int8 panel (signed codes, an fp32 scale per 32, or per 16 for
+      // IQ1_M / IQ2_XS / IQ2_S: exact) that the signed 8-bit kernels multiply, so int8's
+      // fp32-path policy; no tile path yet. The sizes of GGUF's blocks (1.5625 - 3.4375
+      // bits a weight), exact.
       {"iq1_s", L::kGrid, kGridPanel, {32}, 32, S::kNone, Z::kNever, A::kQ8,
        kInt8Fp32, kNoBrgemmPath, 1.5625, kGgmlGrid, grid_block(GridType::kIq1s), false, GridType::kIq1s},
+      {"iq1_m", L::kGrid, kGridPanel16, {16}, 16, S::kNone, Z::kNever, A::kQ8,
+       kInt8Fp32, kNoBrgemmPath, 1.75, kGgmlGrid, grid_block(GridType::kIq1m), false, GridType::kIq1m},
       {"iq2_xxs", L::kGrid, kGridPanel, {32}, 32, S::kNone, Z::kNever, A::kQ8,
        kInt8Fp32, kNoBrgemmPath, 2.0625, kGgmlGrid, grid_block(GridType::kIq2xxs), false, GridType::kIq2xxs},
+      {"iq2_xs", L::kGrid, kGridPanel16, {16}, 16, S::kNone, Z::kNever, A::kQ8,
+       kInt8Fp32, kNoBrgemmPath, 2.3125, kGgmlGrid, grid_block(GridType::kIq2xs), false, GridType::kIq2xs},
+      {"iq2_s", L::kGrid, kGridPanel16, {16}, 16, S::kNone, Z::kNever, A::kQ8,
+       kInt8Fp32, kNoBrgemmPath, 2.5625, kGgmlGrid, grid_block(GridType::kIq2s), false, GridType::kIq2s},
       {"iq3_xxs", L::kGrid, kGridPanel, {32}, 32, S::kNone, Z::kNever, A::kQ8,
        kInt8Fp32, kNoBrgemmPath, 3.0625, kGgmlGrid, grid_block(GridType::kIq3xxs), false, GridType::kIq3xxs},
       {"iq3_s", L::kGrid, kGridPanel, {32}, 32, S::kNone, Z::kNever, A::kQ8,

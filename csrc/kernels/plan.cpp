@@ -135,11 +135,12 @@ ProjectionPlan::ProjectionPlan(const formats::FormatRow& format, const Projectio
                         !tile.kernel->bf16_activations_only);
   tile_ = allowed ? tile.kernel : nullptr;
   tile_min_ = allowed ? tile.min_tokens : formats::kNoBrgemm;
-  // 8-bit codes, IQ4_NL's values, the grid formats' int8 panels.
+  // 8-bit codes, IQ4_NL's values, the grid formats' int8 panels; folded per 32 (the u8
+  // tiles' unit: panels with scales per 16 take the sign-trick kernel).
   u8_codes_ =
       q8_ && streaming_->dot_u8 != nullptr &&
       (format.layout == formats::Layout::kQint || format.layout == formats::Layout::kGrid) &&
-      format.qint.is_signed;
+      format.qint.is_signed && formats::qint_fold_unit(view.qint.group_size) == 32;
 }
 
 const char* ProjectionPlan::kernel_name(int m) const {
@@ -157,7 +158,7 @@ const char* ProjectionPlan::kernel_name(int m) const {
 
 ProjectionView ProjectionPlan::grid_panel(int64_t expert, int64_t nb, ThreadScratch& ts) const {
   const int64_t kp = view_->kp;
-  const size_t bytes = static_cast<size_t>(formats::grid_panel_bytes(kp)) + 64;
+  const size_t bytes = static_cast<size_t>(formats::grid_panel_bytes(view_->grid, kp)) + 64;
   grow(ts.grid_panel, bytes);
   const auto base = reinterpret_cast<uintptr_t>(ts.grid_panel.data());
   auto* panel = reinterpret_cast<uint8_t*>((base + 63) & ~uintptr_t{63});
@@ -174,7 +175,7 @@ ProjectionView ProjectionPlan::grid_panel(int64_t expert, int64_t nb, ThreadScra
   v.scales = panel + 16 * kp;
   v.zeros = nullptr;
   v.row_blocks = 1;
-  v.groups = kp / formats::kGridGroupK;
+  v.groups = kp / formats::grid_group_k(view_->grid);
   v.block_bytes = formats::qint_block_bytes(8, kp);
   return v;
 }

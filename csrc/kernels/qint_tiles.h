@@ -669,6 +669,8 @@ void qint_dot(const QintBlock& a, void (*fallback)(const QintBlock&)) {
       if (a.x_u8 != nullptr) return qint8_u8_block_dot<V>(a);
     return qint_block_dot<V, 8, T::kNone, 32, ZeroMode::kImplicit>(a);
   }
+  if (f.bits == 8 && unit == 16)  // the panels of IQ1_M, IQ2_XS, IQ2_S (scales per 16)
+    return qint_block_dot<V, 8, T::kNone, 16, ZeroMode::kImplicit>(a);
   if (iq4) {  // iq4_nl
     if constexpr (V::kU8S8)
       if (a.x_u8 != nullptr) return qint8_u8_block_dot<V, 4>(a);

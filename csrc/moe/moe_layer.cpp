@@ -223,7 +223,7 @@ Projection parse_projection(const char* op, int i, const formats::FormatRow& f, 
                   wname, " (", dims, ") to be a multiple of 256 (the GGUF super-block), got ", k);
       absent(scales, sname);
       absent(zeros, zname);
-      v.groups = v.kp / formats::kGridGroupK;
+      v.groups = v.kp / formats::grid_group_k(f.grid);
       v.block_bytes = formats::grid_block_bytes(f.grid, v.kp);
       check_tensor(op, w, wname, fmt, {E, v.row_blocks, v.block_bytes}, dims);
       break;

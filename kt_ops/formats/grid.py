@@ -1,20 +1,21 @@
 """The grid formats: GGUF's i-quants on lattice grids, held as the file's own blocks.
 
-``iq1_s``, ``iq2_xxs``, ``iq3_xxs`` and ``iq3_s`` are llama.cpp's ``IQ1_S``,
-``IQ2_XXS``, ``IQ3_XXS`` and ``IQ3_S`` (ggml-common.h ``block_<type>``, 256 weights
-per block; the dequantization of ggml-quants.c, which ``gguf.quants`` mirrors). A
-packed projection is ``uint8 [E, NB, 16 * K/256 * type_size]``: each 16-row block
-holds its rows' GGUF bytes back to back, rows past ``n`` zero (``d = 0``). The
-kernels decode one block at a time to an int8 panel (csrc/formats/grid.h, exact)
-and multiply it on the signed 8-bit kernels, so the memory is the file's: 1.5625,
-2.0625, 3.0625 and 3.4375 bits a weight.
+``iq1_s``, ``iq1_m``, ``iq2_xxs``, ``iq2_xs``, ``iq2_s``, ``iq3_xxs`` and ``iq3_s`` are
+llama.cpp's ``IQ1_S``, ``IQ1_M``, ``IQ2_XXS``, ``IQ2_XS``, ``IQ2_S``, ``IQ3_XXS`` and
+``IQ3_S`` (ggml-common.h ``block_<type>``, 256 weights per block; the dequantization
+of ggml-quants.c, which ``gguf.quants`` mirrors). A packed projection is ``uint8 [E,
+NB, 16 * K/256 * type_size]``: each 16-row block holds its rows' GGUF bytes back to
+back, rows past ``n`` zero (``d = 0``). The kernels decode one block at a time to an
+int8 panel (csrc/formats/grid.h, exact; one fp32 scale per 32 weights, per 16 for
+IQ1_M / IQ2_XS / IQ2_S) and multiply it on the signed 8-bit kernels, so the memory is
+the file's: 1.5625, 1.75, 2.0625, 2.3125, 2.5625, 3.0625 and 3.4375 bits a weight.
 
 :func:`pack_grid` repacks GGUF rows (what :func:`kt_ops.formats.from_gguf` calls);
 :func:`quantize_grid` is a simple quantizer writing valid blocks, for tests and
-small models: per 32 weights a scale from the largest magnitude, per 8 (IQ3: 4)
-weights the nearest grid entry, no importance matrix and none of llama.cpp's
-search, so its error is larger than ``llama-quantize``'s. Convert a GGUF file for
-production weights.
+small models: per sub-block (32 weights; 16 for the types with scales per 16) every
+sub-scale tried, per 8 (IQ3: 4) weights a grid entry near the scaled weights, no
+importance matrix and none of llama.cpp's search, so its error is larger than
+``llama-quantize``'s. Convert a GGUF file for production weights.
 """
 
 from __future__ import annotations
@@ -42,8 +43,7 @@ def pack_grid(name: str, blocks: np.ndarray, n: int, k: int) -> PackedProjection
     """
     spec = format_spec(name)
     E, rows, row_bytes = blocks.shape
-    d = np.ascontiguousarray(blocks.reshape(E, rows, -1, spec.gguf_block[1])[..., 0:2])
-    if not np.isfinite(d.view(np.float16)).all():
+    if not np.isfinite(_stored_d(blocks.reshape(E, rows, -1, spec.gguf_block[1]), name)).all():
         raise ValueError(f"from_gguf: raw has a non-finite fp16 d in a {name} block")
     nb = ceil_div(n, BLOCK_ROWS)
     weight = torch.zeros(E, nb * BLOCK_ROWS, row_bytes, dtype=torch.uint8)
@@ -58,6 +58,16 @@ def pack_grid(name: str, blocks: np.ndarray, n: int, k: int) -> PackedProjection
         k=k,
     )
     return p.validate()
+
+
+def _stored_d(blocks: np.ndarray, name: str) -> np.ndarray:
+    """The fp16 ``d`` of GGUF blocks ``uint8 [..., type_size]`` -> ``float16 [...]``: the
+    first two bytes, or IQ1_M's: the top nibbles of its four scale words (bytes 48-55)."""
+    if name != "iq1_m":
+        return np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0]
+    words = np.ascontiguousarray(blocks[..., 48:56]).view("<u2").astype(np.uint16)
+    bits = sum((words[..., i] >> 12) << (4 * i) for i in range(4)).astype(np.uint16)
+    return bits.view(np.float16)
 
 
 @functools.cache
@@ -225,15 +235,92 @@ def _quantize_iq1_s(x: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts + [_le(qh, 2).reshape(B, 16)], -1)
 
 
+def _quantize_iq2_xs(x: torch.Tensor) -> torch.Tensor:
+    """IQ2_XS blocks (74 bytes) of ``x [B, 256]``: per 16 weights a 4-bit sub-scale, per 8
+    a 9-bit index of IQ2_XS' grid and 7 sign bits (the 8th their parity, as IQ2_XXS)."""
+    B = x.shape[0]
+    grid = _grid("iq2_xs")
+    g = x.view(B, 16, 2, 8)  # sub-blocks of 16, pieces of 8
+    d = _block_d(x.view(B, 16, 16), float(grid.max()), 16, 0.125)
+    neg = _even_signs(g)
+    mag = (torch.where(neg == (g < 0), 1.0, -1.0) * g.abs()).reshape(B, 16, 16)
+
+    def fit(scale):
+        idx = _nearest((mag / scale).view(B, 16, 2, 8), "iq2_xs")
+        return idx, ((grid[idx].view(B, 16, 16) * scale - mag) ** 2).sum(-1)
+
+    ls, idx = _search(d, 16, 0.125, fit)  # [B, 16], [B, 16, 2]
+    qs = idx | ((_sign_bits(neg) & 127) << 9)  # piece l of 32 weights ib at 4 ib + l
+    sc = ls[:, 0::2] | (ls[:, 1::2] << 4)  # [B, 8]: low nibble the first 16 weights
+    parts = [d.view(torch.uint8).view(B, 2), _le(qs, 2).reshape(B, 64), sc.to(torch.uint8)]
+    return torch.cat(parts, -1)
+
+
+def _quantize_iq2_s(x: torch.Tensor) -> torch.Tensor:
+    """IQ2_S blocks (82 bytes) of ``x [B, 256]``: per 16 weights a 4-bit sub-scale, per 8
+    a 10-bit index of IQ2_S' grid and 8 free sign bits."""
+    B = x.shape[0]
+    grid = _grid("iq2_s")
+    g = x.view(B, 16, 16)
+    d = _block_d(g, float(grid.max()), 16, 0.125)
+    mag = g.abs()
+
+    def fit(scale):
+        idx = _nearest((mag / scale).view(B, 16, 2, 8), "iq2_s")
+        return idx, ((grid[idx].view(B, 16, 16) * scale - mag) ** 2).sum(-1)
+
+    ls, idx = _search(d, 16, 0.125, fit)
+    idx = idx.reshape(B, 32)
+    qh = ((idx >> 8).view(B, 8, 4) << (2 * torch.arange(4))).sum(-1)  # bits 2l of byte ib
+    signs = _sign_bits((x < 0).view(B, 32, 8))
+    sc = ls[:, 0::2] | (ls[:, 1::2] << 4)
+    parts = [d.view(torch.uint8).view(B, 2), idx & 255, signs, qh, sc]
+    return torch.cat([p.to(torch.uint8) for p in parts], -1)
+
+
+def _quantize_iq1_m(x: torch.Tensor) -> torch.Tensor:
+    """IQ1_M blocks (56 bytes) of ``x [B, 256]``: per 16 weights a 3-bit sub-scale, per 8
+    an 11-bit index of IQ1_S' grid and the delta's sign; the fp16 ``d`` in the top
+    nibbles of the four scale words."""
+    B = x.shape[0]
+    grid = _grid("iq1_s")  # IQ1_M's grid is IQ1_S'
+    g = x.view(B, 16, 16)
+    d = _block_d(g, 1.125, 8, 1.0)
+
+    def fit(scale):  # codes [B, 16, 4]: two indices, then their deltas' signs (1: -1/8)
+        idx, err = [], []
+        for delta in (0.125, -0.125):
+            t = (g / scale - delta).view(B, 16, 2, 8)
+            i = _nearest(t, "iq1_s")
+            idx.append(i)
+            err.append(((grid[i] - t) ** 2).sum(-1))  # [B, 16, 2]
+        minus = err[1] < err[0]
+        best = torch.where(minus, idx[1], idx[0])
+        e = torch.minimum(err[0], err[1]).sum(-1) * scale[..., 0] ** 2
+        return torch.cat([best, minus.long()], -1), e
+
+    ls, codes = _search(d, 8, 1.0, fit)
+    idx, minus = codes[..., :2].reshape(B, 32), codes[..., 2:].reshape(B, 32)
+    nib = (idx >> 8) | (minus << 3)  # per 8 weights: 3 index bits, the delta's sign
+    qh = nib[:, 0::2] | (nib[:, 1::2] << 4)  # [B, 16]
+    d_bits = d.view(torch.int16).long() & 0xFFFF
+    four = torch.arange(4)
+    words = (ls.view(B, 4, 4) << (3 * four)).sum(-1) | (
+        ((d_bits[:, None] >> (4 * four)) & 15) << 12
+    )
+    parts = [(idx & 255).to(torch.uint8), qh.to(torch.uint8), _le(words, 2).reshape(B, 8)]
+    return torch.cat(parts, -1)
+
+
 def quantize_grid(blocks: np.ndarray, name: str) -> np.ndarray:
     """Blocks of 256 fp32 weights ``[B, 256]`` -> GGUF ``name`` blocks ``uint8 [B, size]``.
 
     The block's fp16 ``d`` puts its largest magnitude on the grid's largest value
-    (IQ1_S: 1.125) at the largest sub-scale; per 32 weights every sub-scale is tried, each
-    with the grid entry nearest in squared error per 8 weights (IQ3_XXS, IQ3_S: 4), and the
-    sub-scale of least error kept. IQ2_XXS / IQ3_XXS keep an even count of minus signs per
-    8 (the weight of least magnitude flips where needed). About 16 grid searches a block:
-    about a second per million weights. Valid blocks for
+    (IQ1_S / M: 1.125) at the largest sub-scale; per sub-block (32 weights; IQ1_M, IQ2_XS,
+    IQ2_S: 16) every sub-scale is tried, each with a grid entry near the scaled weights per
+    8 (IQ3_XXS, IQ3_S: 4; ``_nearest``), and the sub-scale of least squared error kept.
+    IQ2_XXS / IQ2_XS / IQ3_XXS keep an even count of minus signs per 8 (the weight of least
+    magnitude flips where needed). 0.3-0.5 s per million weights. Valid blocks for
     ``gguf.quants.dequantize``; no importance matrix.
 
     Raises:
@@ -244,6 +331,12 @@ def quantize_grid(blocks: np.ndarray, name: str) -> np.ndarray:
         out = _quantize_xxs(x, name)
     elif name == "iq3_s":
         out = _quantize_iq3_s(x)
+    elif name == "iq2_xs":
+        out = _quantize_iq2_xs(x)
+    elif name == "iq2_s":
+        out = _quantize_iq2_s(x)
+    elif name == "iq1_m":
+        out = _quantize_iq1_m(x)
     else:
         out = _quantize_iq1_s(x)
     return out.numpy()
