@@ -27,6 +27,7 @@ from typing import Optional
 import gguf
 import numpy as np
 import torch
+from reference import set_iq1_m_d
 from safetensors.torch import save_file
 
 ROLES = ("gate", "up", "down")
@@ -376,10 +377,7 @@ def random_blocks(qtype: Q, shape_elems: tuple[int, ...], rng: np.random.Generat
     elif qtype in (Q.IQ1_S, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S):
         set_f16(0, 1e-4, 1e-3)  # d first; grid indices, signs and sub-scales: any bytes
     elif qtype == Q.IQ1_M:  # d's 4 nibbles in the top nibbles of the 4 uint16 scales
-        d = rng.uniform(1e-4, 1e-3, size=raw.shape[:-1]).astype(np.float16).view(np.uint16)
-        for i in range(4):
-            nib = ((d >> (4 * i)) & 0xF).astype(np.uint8)
-            raw[..., 49 + 2 * i] = (raw[..., 49 + 2 * i] & 0x0F) | (nib << 4)
+        set_iq1_m_d(raw, rng.uniform(1e-4, 1e-3, size=raw.shape[:-1]))
     elif qtype == Q.NVFP4:  # d[4] UE4M3 (0x00-0x7E; 0x20-0x37 ~ 2^-3 .. 2^-1), qs[32]
         raw[..., 0:4] = rng.integers(0x20, 0x38, size=(*raw.shape[:-1], 4), dtype=np.uint8)
     elif qtype == Q.TQ1_0:  # ternary: qs[48], qh[4], d

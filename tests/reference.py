@@ -1094,6 +1094,18 @@ GGUF_BLOCKS = {
 }
 
 
+def set_iq1_m_d(blocks, d) -> None:
+    """Writes fp16 ``d [...]`` (any float array) into IQ1_M blocks ``uint8 [..., 56]`` in
+    place: d's bits 4i .. 4i+3 are the top nibble of scale word i (bytes 48 + 2i, 49 + 2i;
+    ggml-common.h block_iq1_m), the 3-bit sub-scales below them kept."""
+    import numpy as np
+
+    bits = np.asarray(d, dtype=np.float16).view(np.uint16)
+    for i in range(4):
+        nib = ((bits >> (4 * i)) & 0xF).astype(np.uint8)
+        blocks[..., 49 + 2 * i] = (blocks[..., 49 + 2 * i] & 0x0F) | (nib << 4)
+
+
 def random_gguf_raw(qtype: str, num_experts: int, n: int, k: int, *, seed: int = 0) -> Tensor:
     """Random valid raw GGUF blocks of an ``[E, n, k]`` tensor: uint8 ``[E, n, row_bytes]``.
 
@@ -1150,13 +1162,9 @@ def random_gguf_raw(qtype: str, num_experts: int, n: int, k: int, *, seed: int =
         top = {"iq1_s": 17, "iq2_xxs": 167, "iq2_xs": 167, "iq2_s": 167, "iq3_xxs": 480,
                "iq3_s": 465}[qtype]  # fmt: skip
         set_f16(0, 0.5 * s / top, 2 * s / top)
-    elif qtype == "iq1_m":  # IQ1_S' values; d's four nibbles in the scale words' top ones
+    elif qtype == "iq1_m":  # IQ1_S' values, d spread over the scale words
         top = 17
-        d = rng.uniform(0.5 * s / top, 2 * s / top, size=raw.shape[:-1]).astype(np.float16)
-        bits = d.view(np.uint16)
-        for i in range(4):  # word i (bytes 48 + 2 i, 49 + 2 i): bits 12-15 = d's bits 4 i ..
-            nib = ((bits >> (4 * i)) & 0xF).astype(np.uint8)
-            raw[..., 49 + 2 * i] = (raw[..., 49 + 2 * i] & 0x0F) | (nib << 4)
+        set_iq1_m_d(raw, rng.uniform(0.5 * s / top, 2 * s / top, size=raw.shape[:-1]))
     else:  # q6_k: W = d*sc*(q - 32), |sc| <= 128
         set_f16(208, 0.5 * s / (64 * 32), 2 * s / (64 * 32))
     return torch.from_numpy(raw.reshape(num_experts, n, k // bs * ts))

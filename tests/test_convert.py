@@ -125,8 +125,8 @@ def test_convert_sources_bit_identical(tmp_path, kind):
         if kind == "gguf":
             types = {"gate": Q.Q4_K, "up": Q.Q4_K, "down": Q.Q6_K}
             write_gguf(src, types, E=2, H=256, I=256, moe_layers=(0, 1))
-        elif kind == "gguf_iq":  # a dynamic IQ1_S / IQ2_XXS mix: the blocks as stored
-            types = {"gate": Q.IQ1_S, "up": Q.IQ1_S, "down": Q.IQ2_XXS}
+        elif kind == "gguf_iq":  # a dynamic IQ1_S / IQ1_M / IQ2_XXS mix: the blocks as stored
+            types = {"gate": Q.IQ1_S, "up": Q.IQ1_M, "down": Q.IQ2_XXS}
             write_gguf(src, types, E=2, H=256, I=256, moe_layers=(0, 1))
         else:
             write_gguf(src, dict.fromkeys(ROLES, Q.F16), H=64, I=32, moe_layers=(0, 1))
@@ -147,10 +147,10 @@ def test_convert_sources_bit_identical(tmp_path, kind):
         per_256 = {"gate": 144, "up": 144, "down": 210}
         for r in ROLES:
             assert getattr(layer, r).nbytes == 2 * 256 * 256 // 256 * per_256[r]
-    if kind == "gguf_iq":  # GGUF's size: 50 (IQ1_S) and 66 (IQ2_XXS) bytes per 256 weights
+    if kind == "gguf_iq":  # GGUF's size: 50 / 56 / 66 (IQ1_S / IQ1_M / IQ2_XXS) per 256 weights
         layer = load_converted(out, 0)
-        per_256 = {"gate": 50, "up": 50, "down": 66}
-        assert layer.weight_format == "iq1_s,iq1_s,iq2_xxs"
+        per_256 = {"gate": 50, "up": 56, "down": 66}
+        assert layer.weight_format == "iq1_s,iq1_m,iq2_xxs"
         for r in ROLES:
             assert getattr(layer, r).nbytes == 2 * 256 * 256 // 256 * per_256[r]
 

@@ -652,16 +652,17 @@ def test_gguf_unsupported_type(tmp_path):
         GGUFCheckpoint(path)
     msg = str(ei.value)
     assert "Q8_0" in msg and "Q2_K" in msg and "Q5_1" in msg and "supported" in msg
-    assert "requantized: IQ1_M" in msg and "TQ2_0" in msg and "IQ2_XXS" in msg
+    assert "requantized: TQ1_0" in msg and "TQ2_0" in msg and "IQ2_XXS" in msg
+    assert "IQ1_M" in msg.split("; requantized")[0]  # a native type
 
 
-REQUANTIZED = [Q.IQ1_M, Q.IQ2_XS, Q.IQ2_S, Q.TQ1_0, Q.TQ2_0]
+REQUANTIZED = [Q.TQ1_0, Q.TQ2_0]
 
 
 @pytest.mark.parametrize("qtype", REQUANTIZED, ids=lambda t: t.name)
-def test_gguf_grid_and_ternary_types_are_requantized(tmp_path, qtype):
-    """IQ1_M, IQ2_XS, IQ2_S and TQ tensors load requantized (lossy, with a warning) from
-    gguf's values (IQ1_S, IQ2_XXS, IQ3_XXS, IQ3_S: natively, test_gguf_types_beyond_q4_k_native)."""
+def test_gguf_ternary_types_are_requantized(tmp_path, qtype):
+    """TQ1_0 / TQ2_0 tensors load requantized (lossy, with a warning) from gguf's values
+    (the lattice-grid i-quants load natively: test_gguf_types_beyond_q4_k_native)."""
     path = tmp_path / "iq.gguf"
     types = {"gate": qtype, "up": qtype, "down": Q.Q4_K}
     expected = write_gguf(path, types, E=2, H=256, I=256, moe_layers=(0,))
@@ -689,7 +690,7 @@ def test_gguf_grid_and_ternary_types_are_requantized(tmp_path, qtype):
 
 def test_gguf_requantized_to_an_explicit_format(tmp_path):
     path = tmp_path / "iq_mix.gguf"
-    types = {"gate": Q.IQ2_XS, "up": Q.IQ2_S, "down": Q.TQ1_0}
+    types = {"gate": Q.TQ2_0, "up": Q.TQ2_0, "down": Q.TQ1_0}
     expected = write_gguf(path, types, E=2, H=256, I=256, moe_layers=(0,))
     ck = GGUFCheckpoint(path)
     dense = {r: expected[0][r]["dense"] for r in ROLES}
@@ -706,23 +707,30 @@ def test_gguf_requantized_to_an_explicit_format(tmp_path):
     assert ((got - want.out).norm() / want.out.norm()).item() < 0.02  # the q8 activations
 
 
-@pytest.mark.parametrize("qtype", [Q.IQ2_XS, Q.IQ2_XXS], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [Q.TQ2_0, Q.IQ2_XXS, Q.IQ1_M], ids=lambda t: t.name)
 def test_gguf_grid_corrupt_scale_is_named(tmp_path, qtype):
-    # Requantized (IQ2_XS) or held as stored (IQ2_XXS): an inf d is refused, naming the tensor.
+    # Requantized (TQ2_0) or held as stored (IQ2_XXS; IQ1_M, whose d is spread over its
+    # scale words): an inf d is refused, naming the tensor.
     path = tmp_path / "iq_nan.gguf"
     write_gguf(path, dict.fromkeys(ROLES, qtype), E=2, H=256, I=256, moe_layers=(0,))
     t = next(t for t in gguf.GGUFReader(path).tensors if t.name == "blk.0.ffn_up_exps.weight")
     raw = bytearray(path.read_bytes())
     block_bytes = gguf.GGML_QUANT_SIZES[qtype][1]
-    at = int(t.data_offset) + block_bytes * 5  # the d of the sixth block
-    raw[at : at + 2] = np.float16(np.inf).tobytes()
+    at = int(t.data_offset) + block_bytes * 5  # the sixth block
+    if qtype == Q.IQ1_M:  # inf = 0x7C00: d's nibbles 2 and 3 in words 2 and 3's top nibbles
+        raw[at + 53] = (raw[at + 53] & 0x0F) | 0xC0
+        raw[at + 55] = (raw[at + 55] & 0x0F) | 0x70
+    else:  # d at byte 0 (IQ2_XXS) or 64 (TQ2_0: qs[64] first)
+        at += 64 if qtype == Q.TQ2_0 else 0
+        raw[at : at + 2] = np.float16(np.inf).tobytes()
     path.write_bytes(bytes(raw))
     ck = GGUFCheckpoint(path)
-    if qtype == Q.IQ2_XS:
+    if qtype == Q.TQ2_0:
         with pytest.warns(UserWarning), pytest.raises(ValueError, match=r"ffn_up_exps.*NaN or inf"):
             ck.load_layer(0)
     else:
-        with pytest.raises(ValueError, match=r"ffn_up_exps.*non-finite fp16 d in a iq2_xxs"):
+        name = qtype.name.lower()
+        with pytest.raises(ValueError, match=rf"ffn_up_exps.*non-finite fp16 d in a {name}"):
             ck.load_layer(0)
 
 
@@ -746,8 +754,19 @@ def test_gguf_grid_corrupt_scale_is_named(tmp_path, qtype):
         # DeepSeek-R1 and kin): their blocks as stored, decoded per block by the kernels.
         {"gate": Q.IQ1_S, "up": Q.IQ2_XXS, "down": Q.IQ3_XXS},
         {"gate": Q.IQ3_S, "up": Q.IQ2_XXS, "down": Q.IQ2_XXS},
+        # Their types with scales per 16 weights (UD-IQ1_M, IQ2_XS / IQ2_M files).
+        {"gate": Q.IQ1_M, "up": Q.IQ2_XS, "down": Q.IQ2_S},
     ],
-    ids=["q2_k_q3_k", "iq4", "q4_k_m_fallback", "q4_1_q5_1", "nvfp4", "iq1_iq2_iq3", "iq3_s"],
+    ids=[
+        "q2_k_q3_k",
+        "iq4",
+        "q4_k_m_fallback",
+        "q4_1_q5_1",
+        "nvfp4",
+        "iq1_iq2_iq3",
+        "iq3_s",
+        "iq1_m_iq2_xs_iq2_s",
+    ],  # fmt: skip
 )
 def test_gguf_types_beyond_q4_k_native(tmp_path, types):
     # Exactly gguf.quants.dequantize's weights, and the op computes with them (the

@@ -35,6 +35,7 @@ from reference import (
     assert_matches_reference,
     make_quant_experts,
     reference_moe_forward,
+    set_iq1_m_d,
 )
 from test_lora import (
     ALL3,
@@ -111,7 +112,10 @@ LAYOUTS = [
     Layout("q5_1", 32, True, 72, 40),
     # The lattice-grid i-quants: GGUF blocks decoded row by row (K a multiple of 256).
     Layout("iq1_s", 32, False, 256, 512),
+    Layout("iq1_m", 16, False, 256, 256),  # scales per 16
     Layout("iq2_xxs", 32, False, 512, 256),
+    Layout("iq2_xs", 16, False, 256, 256),
+    Layout("iq2_s", 16, False, 512, 256),
     Layout("iq3_xxs", 32, False, 256, 512),
     Layout("iq3_s", 32, False, 256, 256),
     # n * 4 bytes a multiple of 2 KiB: the decoder pads the rows of its W^T storage.
@@ -141,7 +145,10 @@ def random_packed(
     if spec.is_grid:  # GGUF blocks of random bytes, each with a finite random fp16 d
         blocks = weight.view(E, -1, spec.gguf_block[1])
         d = (torch.randn(blocks.shape[:2], generator=g) * 0.002).half()
-        blocks[..., 0:2] = d.unsqueeze(-1).view(torch.uint8)
+        if fmt == "iq1_m":  # d spread over the scale words' top nibbles
+            set_iq1_m_d(blocks.numpy(), d.numpy())
+        else:
+            blocks[..., 0:2] = d.unsqueeze(-1).view(torch.uint8)
         return PackedProjection(weight, None, None, fmt, group_size, n, k).validate()
     sshape = spec.scales_shape(E, n, k, group_size)
     if spec.is_kquant:  # every record byte random, then finite random fp16 d (and dmin)
@@ -293,9 +300,12 @@ VARIANTS = [
     Variant("iq4_nl", None, True, 96, 64),
     Variant("iq4_xs", None, True, 256, 256),
     Variant("iq1_s", None, True, 256, 256),
+    Variant("iq1_m", None, True, 256, 256),
     Variant("iq2_xxs", None, True, 256, 256),
     # I = 1024: the backward decodes down's columns in panels of 256 (moe_lora.cpp).
     Variant("iq2_xxs", None, True, 256, 1024, "_256x1024"),
+    Variant("iq2_xs", None, True, 256, 256),
+    Variant("iq2_s", None, True, 256, 256),
     Variant("iq3_xxs", None, True, 256, 256),
     Variant("iq3_s", None, True, 256, 256),
 ]

@@ -45,17 +45,18 @@ the experts' biases (``blk.{L}.ffn_{gate,up,down}_exps.bias``, any float type) a
 where a row is not a multiple of 256, e.g. the 1408-wide ``ffn_down_exps`` of
 DeepSeek-V2-Lite in a ``Q4_K_M`` file) load exactly at GGUF's size.
 
-``IQ1_S``, ``IQ2_XXS``, ``IQ3_XXS`` and ``IQ3_S`` (the lattice-grid types of llama.cpp's
-smallest files, e.g. the "dynamic" IQ1/IQ2 quantizations of DeepSeek-R1) load as
-``iq1_s``, ``iq2_xxs``, ``iq3_xxs`` and ``iq3_s``: their blocks as stored (1.5625 - 3.4375
-bits a weight, as the file), decoded per 16-row block by the kernels
-(:mod:`kt_ops.formats.grid`). ``IQ1_M``, ``IQ2_XS``, ``IQ2_S`` (scales per 16 weights),
-``TQ1_0`` and ``TQ2_0`` have no kt_ops format of their own yet: they are dequantized
-(``gguf.quants.dequantize``) and **requantized**, lossily, to ``weight_format``, or to
-:data:`GGUF_REQUANTIZE_DEFAULT` (``q4_k``) when it is None, with a warning naming the
-types. Against the values stored in the file that adds a relative error of about 3-6% for
-``q4_k``, 1% for ``q6_k`` and 0.5% for ``q8_0`` (random blocks, ``tests/test_loaders.py``),
-and takes more memory than the file (``q4_k``: 4.5 bits a weight against IQ2_XS's 2.31).
+``IQ1_S``, ``IQ1_M``, ``IQ2_XXS``, ``IQ2_XS``, ``IQ2_S``, ``IQ3_XXS`` and ``IQ3_S`` (the
+lattice-grid types of llama.cpp's smallest files, e.g. the "dynamic" UD-IQ1_S / UD-IQ1_M /
+UD-IQ2_XXS / UD-IQ2_M quantizations of DeepSeek-R1 and Kimi-K2) load as the formats of
+the same names in lower case: their blocks as stored (1.5625 - 3.4375 bits a weight, as
+the file), decoded per 16-row block by the kernels (:mod:`kt_ops.formats.grid`).
+``TQ1_0`` and ``TQ2_0`` (ternary) have no kt_ops format of their own yet: they are
+dequantized (``gguf.quants.dequantize``) and **requantized**, lossily, to
+``weight_format``, or to :data:`GGUF_REQUANTIZE_DEFAULT` (``q4_k``) when it is None, with
+a warning naming the types. Against the values stored in the file that adds a relative
+error of about 3-6% for ``q4_k``, 1% for ``q6_k`` and 0.5% for ``q8_0`` (random blocks,
+``tests/test_loaders.py``), and takes more memory than the file (``q4_k``: 4.5 bits a
+weight against TQ2_0's 2.06).
 Other types (``Q8_1``, ``F64``, integer types, ...) are
 refused with a ValueError naming the tensor and its type.
 A quantized tensor of a kt_ops format is only packed in that format: asking for another
@@ -107,9 +108,6 @@ GGUF_FLOAT_TYPES = (
 
 #: GGUF quantized types with no kt_ops format: dequantized and requantized (lossy).
 GGUF_REQUANTIZED_TYPES = (
-    GGMLQuantizationType.IQ1_M,
-    GGMLQuantizationType.IQ2_XS,
-    GGMLQuantizationType.IQ2_S,
     GGMLQuantizationType.TQ1_0,
     GGMLQuantizationType.TQ2_0,
 )
