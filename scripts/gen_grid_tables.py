@@ -9,7 +9,7 @@ IQ1_S's values -1 / 0 / +1 are stored times 8 (-8, 0, 8), the decoder adds its
 delta of +-1 (ggml's +-1/8 times 8).
 
 Run ``python scripts/gen_grid_tables.py`` after a ``gguf`` upgrade; the test
-``tests/test_grid_formats.py`` decodes every grid entry through the extension
+``tests/test_formats.py`` decodes every grid entry through the extension
 and compares with ``gguf.quants.dequantize``, so a stale table fails there.
 """
 

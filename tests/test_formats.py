@@ -42,7 +42,7 @@ from kt_ops.formats import (
     unpack_group_params,
     unpack_kquant_scales,
 )
-from kt_ops.formats.gguf_blocks import _pack_scale_min_k4
+from kt_ops.formats.gguf_blocks import _pack_scale_min_k4, ternary_as_q2_k
 
 gguf = pytest.importorskip("gguf")
 
@@ -807,6 +807,24 @@ def test_quantize_weights_rejects_bad_input():
     for kw, match in cases:
         with pytest.raises(ValueError, match=match):
             quantize_weights(**kw)
+
+
+@pytest.mark.parametrize("qtype", ["tq1_0", "tq2_0"])
+def test_ternary_blocks_are_q2_k_blocks_of_the_same_values(qtype):
+    # GGUF's ternary types as q2_K blocks (sc = m = 1, dmin = d): gguf's own dequantizer
+    # gives the same fp32 values for both, every byte of the ternary blocks random.
+    qt = getattr(gguf.GGMLQuantizationType, qtype.upper())
+    rng = np.random.default_rng(3)
+    raw = rng.integers(0, 256, size=(3, 5, gguf.GGML_QUANT_SIZES[qt][1]), dtype=np.uint8)
+    raw[..., -2:] = rng.uniform(-1, 1, size=(3, 5, 1)).astype(np.float16).view(np.uint8)
+    q2 = ternary_as_q2_k(qt, raw)
+    assert q2.shape == (3, 5, 84)
+    want = gguf.quants.dequantize(raw, qt)
+    assert np.array_equal(gguf.quants.dequantize(q2, gguf.GGMLQuantizationType.Q2_K), want)
+    with pytest.raises(ValueError, match="TQ1_0 / TQ2_0 blocks, got q4_0"):
+        ternary_as_q2_k("q4_0", raw)
+    with pytest.raises(ValueError, match=r"got tq2_0 \(3, 5, 54\)"):
+        ternary_as_q2_k("tq2_0", raw[..., :54])
 
 
 def test_from_gguf_rejects_bad_input():

@@ -660,37 +660,40 @@ REQUANTIZED = [Q.TQ1_0, Q.TQ2_0]
 
 
 @pytest.mark.parametrize("qtype", REQUANTIZED, ids=lambda t: t.name)
-def test_gguf_ternary_types_are_requantized(tmp_path, qtype):
-    """TQ1_0 / TQ2_0 tensors load requantized (lossy, with a warning) from gguf's values
+def test_gguf_ternary_types_load_exactly_as_q2_k(tmp_path, qtype):
+    """TQ1_0 / TQ2_0 tensors (W = d (q - 1)) load as q2_k holding gguf's values exactly
+    (sc = m = 1, dmin = d), with no warning; another format requantizes them, warning
     (the lattice-grid i-quants load natively: test_gguf_types_beyond_q4_k_native)."""
-    path = tmp_path / "iq.gguf"
-    types = {"gate": qtype, "up": qtype, "down": Q.Q4_K}
+    path = tmp_path / "tq.gguf"
+    types = {"gate": qtype, "up": qtype, "down": Q.Q2_K}
     expected = write_gguf(path, types, E=2, H=256, I=256, moe_layers=(0,))
     ck = GGUFCheckpoint(path)
-    assert ck.native_format == "q4_k" and ck.source_dtype == qtype.name.lower()
-    assert ck.native_formats(0) == dict.fromkeys(ROLES, "q4_k")
+    assert ck.native_format == "q2_k" and ck.source_dtype == qtype.name.lower()
+    assert ck.native_formats(0) == dict.fromkeys(ROLES, "q2_k")
     dense = {r: expected[0][r]["dense"] for r in ROLES}
-    for r in ("gate", "up"):
+    for r in ("gate", "up"):  # every ternary value (TQ2_0's code 3 too: W = 2 d)
         assert bool(torch.isfinite(dense[r]).all()) and dense[r].abs().max() > 0
-    with pytest.warns(UserWarning, match=rf"{qtype.name} tensors .* requantized to 'q4_k'"):
-        out = ck.load_layer(0)
-    # The same bits as quantizing gguf's dequantized values; down keeps its Q4_K blocks.
-    for r in ("gate", "up"):
-        assert_packed_equal(getattr(out, r), quantize_weights(dense[r], "q4_k"))
-        got = dequantize_weights(getattr(out, r))
-        assert float((got - dense[r]).norm() / dense[r].norm()) < 0.12
-    assert torch.equal(dequantize_weights(out.down), dense["down"])
-    # Any format is a target for them; the native Q4_K down still only loads as q4_k.
-    with pytest.raises(ValueError, match=r"ffn_down_exps\.weight is Q4_K"):
-        ck.load_layer(0, "q8_0")
+        d = dense[r].abs().amax(-1, keepdim=True)
+        assert len(torch.unique(torch.round(dense[r] / d, decimals=3))) >= 3
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # warned once per type and target already
-        ck.load_layer(0)
+        warnings.simplefilter("error")  # exact: nothing to warn about
+        out = ck.load_layer(0)
+        assert_packed_equal(out.gate, ck.load_layer(0, "q2_k").gate)
+    for r in ROLES:
+        assert torch.equal(dequantize_weights(getattr(out, r)), dense[r]), r
+    x = torch.randn(8, 256, generator=torch.Generator().manual_seed(0))
+    ids, weights = torch.randint(0, 2, (8, 2)), torch.rand(8, 2)
+    want = reference_quant_moe_forward(x, ids, weights, *dense_weights(out), activation="fp32")
+    got = kt_ops.moe_forward(x, ids, weights, out)
+    assert ((got - want.out).norm() / want.out.norm()).item() < 0.02  # the q8 activations
+    # The native Q2_K down only loads as q2_k; gate and up requantize elsewhere (lossy).
+    with pytest.raises(ValueError, match=r"ffn_down_exps\.weight is Q2_K"):
+        ck.load_layer(0, "q8_0")
 
 
 def test_gguf_requantized_to_an_explicit_format(tmp_path):
     path = tmp_path / "iq_mix.gguf"
-    types = {"gate": Q.TQ2_0, "up": Q.TQ2_0, "down": Q.TQ1_0}
+    types = {"gate": Q.TQ2_0, "up": Q.TQ2_0, "down": Q.TQ1_0}  # requantized to q8_0
     expected = write_gguf(path, types, E=2, H=256, I=256, moe_layers=(0,))
     ck = GGUFCheckpoint(path)
     dense = {r: expected[0][r]["dense"] for r in ROLES}
@@ -709,8 +712,8 @@ def test_gguf_requantized_to_an_explicit_format(tmp_path):
 
 @pytest.mark.parametrize("qtype", [Q.TQ2_0, Q.IQ2_XXS, Q.IQ1_M], ids=lambda t: t.name)
 def test_gguf_grid_corrupt_scale_is_named(tmp_path, qtype):
-    # Requantized (TQ2_0) or held as stored (IQ2_XXS; IQ1_M, whose d is spread over its
-    # scale words): an inf d is refused, naming the tensor.
+    # Requantized or repacked (TQ2_0) or held as stored (IQ2_XXS; IQ1_M, whose d is spread
+    # over its scale words): an inf d is refused, naming the tensor.
     path = tmp_path / "iq_nan.gguf"
     write_gguf(path, dict.fromkeys(ROLES, qtype), E=2, H=256, I=256, moe_layers=(0,))
     t = next(t for t in gguf.GGUFReader(path).tensors if t.name == "blk.0.ffn_up_exps.weight")
@@ -725,8 +728,10 @@ def test_gguf_grid_corrupt_scale_is_named(tmp_path, qtype):
         raw[at : at + 2] = np.float16(np.inf).tobytes()
     path.write_bytes(bytes(raw))
     ck = GGUFCheckpoint(path)
-    if qtype == Q.TQ2_0:
+    if qtype == Q.TQ2_0:  # requantized to q8_0, or repacked into q2_k exactly
         with pytest.warns(UserWarning), pytest.raises(ValueError, match=r"ffn_up_exps.*NaN or inf"):
+            ck.load_layer(0, "q8_0")
+        with pytest.raises(ValueError, match=r"ffn_up_exps.*non-finite fp16 d/dmin in a q2_k"):
             ck.load_layer(0)
     else:
         name = qtype.name.lower()

@@ -53,6 +53,7 @@ from test_quant_forward import Variant
 import kt_ops
 from kt_ops.formats import FORMATS as WEIGHT_FORMATS
 from kt_ops.formats import PackedProjection, dequantize_weights, format_spec
+from kt_ops.formats.grid import GRID_FORMATS
 from kt_ops.layer import layer_args
 from kt_ops.nn import MoEExperts
 
@@ -214,6 +215,19 @@ def test_dense_decoder_equals_dequantize_weights(layout):
         f"{mismatch.nonzero()[0].tolist()}: {got[mismatch][0].item()!r} vs "
         f"{want[mismatch][0].item()!r}"
     )
+
+
+@pytest.mark.parametrize("fmt", GRID_FORMATS)
+def test_grid_decoder_reads_every_grid_entry(fmt):
+    """The C++ grid tables (csrc/formats/grid_tables.inc, generated from the gguf package)
+    against ``gguf.quants.dequantize``, bit for bit: 2048 blocks of random bytes draw
+    65536 grid indices, so every entry of the largest grid (IQ1_S / IQ1_M: 2048) is read
+    with probability 1 - 1e-14 (a stale or mistyped table entry fails here)."""
+    p = random_packed(fmt, 1, 256, 2048, format_spec(fmt).default_group_size, False, seed=7)
+    down = random_packed(fmt, 1, 2048, 256, format_spec(fmt).default_group_size, False, seed=8)
+    want = dequantize_weights(p)
+    assert torch.isfinite(want).all() and bool((want != 0).any())
+    assert torch.equal(decoded_by_op(p, down), want)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

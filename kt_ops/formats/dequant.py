@@ -153,7 +153,8 @@ def dequantize_weights(p: PackedProjection) -> Tensor:
       ``iq4_nl`` / ``iq4_xs``: ``W = scale * IQ4NL_VALUES[c]`` (``scale`` the fp16 ``d``
       per 32, or iq4_xs' ``d * (ls - 32)`` from its records), as ggml's
       ``dequantize_row_iq4_nl`` / ``_iq4_xs``.
-    * grid (``iq1_s``, ``iq2_xxs``, ``iq3_xxs``, ``iq3_s``): the rows of GGUF blocks
+    * grid (``iq1_s``, ``iq1_m``, ``iq2_xxs``, ``iq2_xs``, ``iq2_s``, ``iq3_xxs``,
+      ``iq3_s``): the rows of GGUF blocks
       through ``gguf.quants.dequantize`` (llama.cpp's ``dequantize_row_<type>``).
     * ``fp8``: ``W = float(E4M3 bits) * scale[n // 128, k // 128]`` in fp32;
       ``fp8_channel`` / ``mxfp8``: times the scale of row ``n`` and group ``k //

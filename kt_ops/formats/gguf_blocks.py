@@ -376,6 +376,41 @@ def from_gguf(
     return p.validate()
 
 
+def ternary_as_q2_k(qtype: Union[str, Any], raw: np.ndarray) -> np.ndarray:
+    """GGUF TQ1_0 / TQ2_0 (ternary) blocks ``uint8 [..., 54 | 66]`` -> q2_K blocks ``uint8
+    [..., 84]`` holding exactly the same weights.
+
+    TQ2_0 (ggml-common.h ``block_tq2_0``: ``qs[64]``, fp16 ``d``) is ``W = d (q - 1)`` with
+    2-bit ``q`` laid out as q2_K's ``qs``; TQ1_0 (``qs[48]``, ``qh[4]``, ``d``) packs ``q``
+    in base 3 (``dequantize_row_tq1_0``), unpacked here as ``gguf.quants`` does. q2_K's
+    ``W = d sc q - dmin m`` per 16 with ``sc = m = 1`` and ``dmin = d`` is ``d q - d``:
+    the same fp32 values (``d q`` and ``d`` are exact for ``q <= 3``), at 2.625 bits a
+    weight (TQ1_0: 1.6875, TQ2_0: 2.0625).
+
+    Raises:
+        ValueError: ``qtype`` is neither, or ``raw``'s last dimension is not its block.
+    """
+    name = qtype.name.lower() if isinstance(qtype, enum.Enum) else str(qtype).lower()
+    size = {"tq1_0": 54, "tq2_0": 66}.get(name)
+    if size is None or raw.shape[-1] != size:
+        raise ValueError(f"ternary_as_q2_k: expected TQ1_0 / TQ2_0 blocks, got {name} {raw.shape}")
+    lead = raw.shape[:-1]
+    blk = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1, size)
+    if name == "tq2_0":
+        qs, d = blk[:, 0:64], blk[:, 64:66]
+    else:  # 5 trits a byte in qs[0:32] (x 32) and qs[32:48] (x 16), 4 in qh[4] (x 4)
+        pow3 = np.array([1, 3, 9, 27, 81], dtype=np.uint8)
+        parts = [
+            (blk[:, None, 0:32] * pow3[:, None]).reshape(-1, 160),
+            (blk[:, None, 32:48] * pow3[:, None]).reshape(-1, 80),
+            (blk[:, None, 48:52] * pow3[:4, None]).reshape(-1, 16),
+        ]
+        q = (np.concatenate(parts, -1).astype(np.uint16) * 3) >> 8  # [B, 256] in 0 .. 2
+        qs, d = _pack_crumbs(q), blk[:, 52:54]
+    scales = np.full((blk.shape[0], 16), 0x11, dtype=np.uint8)  # sc = 1, m = 1
+    return np.concatenate([scales, qs, d, d], -1).reshape(*lead, 84)
+
+
 def _check_finite(name: str, *arrays: np.ndarray) -> None:
     for a in arrays:
         if not np.isfinite(a).all():

@@ -119,11 +119,12 @@ def quantize_weights(
     * ``iq4_nl``, ``iq4_xs``: llama.cpp's IQ4_NL grid with its scale search (no
       importance matrix; :func:`kt_ops.formats.gguf_blocks.quantize_gguf_raw`); ``K`` a
       multiple of 32 / 256.
-    * ``iq1_s``, ``iq2_xxs``, ``iq3_xxs``, ``iq3_s``: a simple quantizer onto llama.cpp's
-      lattice grids (:func:`kt_ops.formats.grid.quantize_grid`: every sub-scale tried per
-      32 weights, no importance matrix; relative error on Gaussian weights about 0.49,
-      0.36, 0.19, 0.15), for tests and small models; ``K`` a multiple of 256. Real weights
-      come from GGUF files (``from_gguf``, the GGUF loader).
+    * ``iq1_s``, ``iq1_m``, ``iq2_xxs``, ``iq2_xs``, ``iq2_s``, ``iq3_xxs``, ``iq3_s``: a
+      simple quantizer onto llama.cpp's lattice grids
+      (:func:`kt_ops.formats.grid.quantize_grid`: every sub-scale tried per sub-block, no
+      importance matrix; relative error on Gaussian weights about 0.49, 0.44, 0.36,
+      0.30, 0.26, 0.19, 0.15), for tests and small models; ``K`` a multiple of 256. Real
+      weights come from GGUF files (``from_gguf``, the GGUF loader).
 
     Args:
         weight: ``[E, N, K]`` floating tensor, finite.

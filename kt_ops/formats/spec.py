@@ -53,9 +53,10 @@ class FormatSpec:
         layout: ``'bf16'`` (n16k2 bf16), ``'qint'`` (integer code planes),
             ``'fp8'`` (E4M3 bytes, ``[E, NB, Kp, 16]``) or ``'grid'`` (GGUF's
             i-quant bytes as stored, ``[E, NB, 16 * K/256 * type_size]``: iq1_s,
-            iq2_xxs, iq3_xxs, iq3_s; decoded per block by the kernels).
+            iq1_m, iq2_xxs, iq2_xs, iq2_s, iq3_xxs, iq3_s; decoded per block by the
+            kernels).
         bits: bits per stored weight code (16 for bf16; the grid formats: the
-            whole bits of their names, 1 for iq1_s).
+            whole bits of their names, 1 for iq1_s / iq1_m).
         signed: the codes the kernels multiply are signed bytes: two's-complement
             8-bit codes (int8, q8_0) or the IQ4_NL table's values (iq4_nl,
             iq4_xs); False for the float layouts (bf16, fp8) and the unsigned codes.
@@ -164,8 +165,9 @@ class FormatSpec:
 
     @property
     def is_grid(self) -> bool:
-        """True for the i-quants on lattice grids (iq1_s, iq2_xxs, iq3_xxs, iq3_s): the
-        packed weight holds GGUF's blocks as stored, 16 rows per block, no scales."""
+        """True for the i-quants on lattice grids (iq1_s, iq1_m, iq2_xxs, iq2_xs, iq2_s,
+        iq3_xxs, iq3_s): the packed weight holds GGUF's blocks as stored, 16 rows per
+        block, no scales."""
         return self.layout == "grid"
 
     @property

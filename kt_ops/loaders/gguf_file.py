@@ -50,13 +50,13 @@ lattice-grid types of llama.cpp's smallest files, e.g. the "dynamic" UD-IQ1_S / 
 UD-IQ2_XXS / UD-IQ2_M quantizations of DeepSeek-R1 and Kimi-K2) load as the formats of
 the same names in lower case: their blocks as stored (1.5625 - 3.4375 bits a weight, as
 the file), decoded per 16-row block by the kernels (:mod:`kt_ops.formats.grid`).
-``TQ1_0`` and ``TQ2_0`` (ternary) have no kt_ops format of their own yet: they are
-dequantized (``gguf.quants.dequantize``) and **requantized**, lossily, to
-``weight_format``, or to :data:`GGUF_REQUANTIZE_DEFAULT` (``q4_k``) when it is None, with
-a warning naming the types. Against the values stored in the file that adds a relative
-error of about 3-6% for ``q4_k``, 1% for ``q6_k`` and 0.5% for ``q8_0`` (random blocks,
-``tests/test_loaders.py``), and takes more memory than the file (``q4_k``: 4.5 bits a
-weight against TQ2_0's 2.06).
+``TQ1_0`` and ``TQ2_0`` (ternary, ``W = d (q - 1)``) have no kt_ops format of their own:
+with ``weight_format`` None or ``'q2_k'`` they repack **exactly** into ``q2_k``
+(:data:`GGUF_REQUANTIZE_DEFAULT`; 2.625 bits a weight against the file's 1.69 / 2.06);
+into any other ``weight_format`` they are dequantized (``gguf.quants.dequantize``) and
+**requantized**, lossily, with a warning naming the types (against the values stored in
+the file about 3-6% relative error for ``q4_k``, 1% for ``q6_k`` and 0.5% for ``q8_0``:
+random blocks, ``tests/test_loaders.py``).
 Other types (``Q8_1``, ``F64``, integer types, ...) are
 refused with a ValueError naming the tensor and its type.
 A quantized tensor of a kt_ops format is only packed in that format: asking for another
@@ -82,6 +82,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from kt_ops.formats import GGUF_FORMATS, PackedProjection, from_gguf
+from kt_ops.formats.gguf_blocks import ternary_as_q2_k
 from kt_ops.formats.quantize import quantize_chunk
 from kt_ops.layer import PROJECTIONS, ExpertWeights
 from kt_ops.loaders._common import check_format, pack_in_chunks
@@ -106,14 +107,18 @@ GGUF_FLOAT_TYPES = (
     GGMLQuantizationType.BF16,
 )
 
-#: GGUF quantized types with no kt_ops format: dequantized and requantized (lossy).
+#: GGUF quantized types with no kt_ops format of their own (the ternary TQ1_0 / TQ2_0):
+#: repacked exactly into ``q2_k`` (:data:`GGUF_REQUANTIZE_DEFAULT`), or dequantized and
+#: requantized (lossy) into another ``weight_format``.
 GGUF_REQUANTIZED_TYPES = (
     GGMLQuantizationType.TQ1_0,
     GGMLQuantizationType.TQ2_0,
 )
 
-#: The format ``GGUF_REQUANTIZED_TYPES`` load as when ``weight_format`` is None.
-GGUF_REQUANTIZE_DEFAULT = "q4_k"
+#: The format ``GGUF_REQUANTIZED_TYPES`` load as when ``weight_format`` is None: ``q2_k``,
+#: which holds their ternary weights ``d (q - 1)`` exactly
+#: (:func:`kt_ops.formats.gguf_blocks.ternary_as_q2_k`).
+GGUF_REQUANTIZE_DEFAULT = "q2_k"
 
 #: Projection -> GGUF tensor name pattern (``{L}`` = block index).
 GGUF_TENSOR_NAMES = {
@@ -597,13 +602,16 @@ class GGUFCheckpoint(CheckpointReader):
                         if scale is not None:  # nvfp4 (checked): fp32(b * g) / 2, exact for b
                             p = dataclasses.replace(p, scales=p.scales * scale.view(-1, 1, 1, 1))
                         return p
+                    target = weight_format or _own_format(t.tensor_type)
+                    if t.tensor_type in GGUF_REQUANTIZED_TYPES and _exact(target, scale):
+                        q2 = ternary_as_q2_k(t.tensor_type, np.array(raw))
+                        return from_gguf("q2_k", torch.from_numpy(q2), n, k)
                     if t.tensor_type in GGUF_REQUANTIZED_TYPES:
                         dense = _dequantized_tensor(t.tensor_type, raw)
                     else:
                         dense = _float_tensor(t.tensor_type, raw)
                     if scale is not None:
                         dense = dense * scale.view(-1, 1, 1)
-                    target = weight_format or _own_format(t.tensor_type)
                     return quantize_chunk(dense, target, group_size, symmetric)
                 except ValueError as e:
                     raise ValueError(f"{self.path}: tensor {t.name}: {e}") from e
@@ -623,8 +631,10 @@ class GGUFCheckpoint(CheckpointReader):
         """Warn (once per type and target) that this layer's tensors of a requantized type
         lose bits."""
         target = weight_format or GGUF_REQUANTIZE_DEFAULT
-        for t in self._layers[layer].values():
+        for role, t in self._layers[layer].items():
             name = t.tensor_type.name
+            if _exact(target, self._scales.get(layer, {}).get(role)):
+                continue  # the ternary types into q2_k: exact
             if t.tensor_type in GGUF_REQUANTIZED_TYPES and (name, target) not in self._warned:
                 self._warned.add((name, target))
                 warnings.warn(
@@ -663,6 +673,13 @@ class GGUFCheckpoint(CheckpointReader):
             f"moe_layers={len(self.moe_layers)}, E={self.num_experts}, H={self.hidden_size}, "
             f"I={self.intermediate_size}, source_dtype={self.source_dtype!r})"
         )
+
+
+def _exact(target: str, scale: Any) -> bool:
+    """Whether a tensor of :data:`GGUF_REQUANTIZED_TYPES` packs into ``target`` exactly:
+    ``q2_k`` (:func:`~kt_ops.formats.gguf_blocks.ternary_as_q2_k`), with no expert scale
+    to fold in."""
+    return target == "q2_k" and scale is None
 
 
 def _dequantized_tensor(qtype: GGMLQuantizationType, raw: np.ndarray) -> torch.Tensor:
