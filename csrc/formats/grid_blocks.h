@@ -104,6 +104,11 @@ inline uint64_t add_bytes(uint64_t v, uint64_t delta) {
   return ((v & kLow7) + (delta & kLow7)) ^ ((v ^ delta) & ~kLow7);
 }
 
+// IQ1_S / IQ1_M's delta as 8 bytes: +1 each (minus = 0) or -1 (minus = 1), without a
+// branch (its sign is as random as the weights: a branch here ran IQ1_M's decode 2.2x
+// slower).
+inline uint64_t delta_bytes(uint32_t minus) { return kOnes | (uint64_t{0} - (minus & 1u)); }
+
 // The 32 codes of group ib of block `b`, as four 8-byte words (word l: weights 8l ..
 // 8l + 7), scalar.
 template <GridType T>
@@ -148,12 +153,12 @@ inline void group_codes(const uint8_t* b, int ib, uint64_t* c) {
     const uint8_t* qh = b + 32 + 2 * ib;
     for (int l = 0; l < 4; ++l) {
       const uint32_t h = (qh[l / 2] >> (4 * (l % 2))) & 15;
-      c[l] = add_bytes(kIq1sGrid[qs[l] | ((h & 7u) << 8)], h & 8 ? ~uint64_t{0} : kOnes);
+      c[l] = add_bytes(kIq1sGrid[qs[l] | ((h & 7u) << 8)], delta_bytes(h >> 3));
     }
   } else {  // kIq1s: 8 * {-1, 0, 1} plus the delta's +-1
     const uint8_t* qs = b + 2 + 4 * ib;
     const uint32_t qh = load_u16(b + 2 + 32 + 2 * ib);
-    const uint64_t delta = qh & 0x8000 ? ~uint64_t{0} : kOnes;
+    const uint64_t delta = delta_bytes(qh >> 15);
     for (int l = 0; l < 4; ++l)
       c[l] = add_bytes(kIq1sGrid[qs[l] | (((qh >> (3 * l)) & 7u) << 8)], delta);
   }
