@@ -2,10 +2,12 @@
 // formats::grid_decode_block, byte for byte, with a group's 32 codes made in one register
 // (its grid entries and sign masks loaded by index, the signs applied bytewise) and four
 // rows' groups transposed into the panel's lines of 4-byte quads, where the scalar decode
-// flips signs in 64-bit words and stores each row's 4-byte quads one by one. Zen 3, hot
-// blocks, ns a weight scalar -> AVX2: iq1_s 0.36 -> 0.20, iq1_m 0.49 -> 0.25, iq2_xxs
-// 0.30 -> 0.25, iq2_xs 0.29 -> 0.26, iq2_s 0.29 -> 0.25, iq3_xxs 0.38 -> 0.33, iq3_s 0.50 ->
-// 0.34. Hardware gathers (vpgatherdq / vpgatherdd) for the lookups ran 1.1-1.3x slower.
+// flips signs in 64-bit words and stores each row's 4-byte quads one by one.
+// Measured on Zen 3 (one thread, T = 1, a Qwen3-30B-A3B layer's 8 routed experts, the
+// scalar decode as built before this file, two alternating rounds on a noisy host): the
+// op's time x0.58-0.74 for iq1_s / iq1_m, x0.70-0.76 iq2_s, x0.84-0.99 iq2_xs, x0.90-1.09
+// iq2_xxs, x0.76-1.06 iq3_xxs / iq3_s. Hardware gathers (vpgatherdq / vpgatherdd) for the
+// lookups ran 1.1-1.3x slower than scalar loads.
 #include <immintrin.h>
 
 #include "formats/grid_blocks.h"
