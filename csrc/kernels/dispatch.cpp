@@ -300,8 +300,7 @@ struct Tier {
   GluRows (*glu)(const Glu&);                   // the epilogue of each activation
   GluBackwardRows (*glu_backward)(const Glu&);  // its backward (LoRA), where vectorized
   QuantizeRowQ8 quantize_q8;
-  GemmNtF32 gemm_nt = nullptr;       // the LoRA backward's fp32 products (else the BLAS)
-  GridDecode grid_decode = nullptr;  // the grid formats' panels (else a lower tier's)
+  GemmNtF32 gemm_nt = nullptr;  // the LoRA backward's fp32 products (else the BLAS)
 };
 
 const Tier kTiers[] = {
@@ -312,9 +311,7 @@ const Tier kTiers[] = {
      {nullptr, nullptr, nullptr},
      ref::glu_rows,
      ref::glu_backward_rows,
-     ref::quantize_row_q8,
-     nullptr,
-     formats::grid_decode_block},
+     ref::quantize_row_q8},
     {"avx2",
      [](const runtime::CpuFeatures& f) { return f.avx2; },
      "AVX2+FMA",
@@ -323,8 +320,7 @@ const Tier kTiers[] = {
      avx2::glu_rows,
      avx2::glu_backward_rows,
      avx2::quantize_row_q8,
-     avx2::gemm_nt_f32,
-     avx2::grid_decode_block},
+     avx2::gemm_nt_f32},
     // The weight-only fp32 path stays on AVX2 code, which every AVX-512 CPU runs;
     // so does fp8 without AVX512_VBMI (avx512::fp8_kernels chooses).
     // The tile families: oneDNN's brgemm (AVX-512 code, or AMX tiles where the
@@ -488,12 +484,6 @@ GluBackwardRows glu_backward_rows(Isa isa, const Glu& glu) {
 }
 
 GemmNtF32 gemm_nt_f32(Isa isa) { return kTiers[isa].gemm_nt; }
-
-GridDecode grid_decode(Isa isa) {
-  for (Isa i = isa; i > 0; --i)
-    if (kTiers[i].grid_decode != nullptr) return kTiers[i].grid_decode;
-  return kTiers[0].grid_decode;
-}
 
 QuantizeRowQ8 quantize_row_q8(Isa isa) {
   for (Isa i = isa; i > 0; --i)

@@ -39,8 +39,6 @@ const TileKernel* tile_kernel(const formats::FormatRow& format, Isa isa,
 GluRows glu_rows(Isa isa, const Glu& glu);
 // Its backward over lines of 16 (the LoRA backward), or nullptr: the scalar glu_backward.
 GluBackwardRows glu_backward_rows(Isa isa, const Glu& glu);
-// The grid formats' panel decode of tier `isa` (or of the next lower tier that has one).
-GridDecode grid_decode(Isa isa);
 // The q8 activation quantizer of tier `isa`.
 QuantizeRowQ8 quantize_row_q8(Isa isa);
 // Tier `isa`'s own fp32 NT product for the LoRA backward (kernels/gemm_nt.h), or nullptr:

@@ -327,10 +327,6 @@ struct TileKernel {
 // vectorized per tier (kernels/q8_quantize.h).
 using QuantizeRowQ8 = void (*)(const float* x, int64_t kp, uint8_t* rec);
 
-// One 16-row block of a grid format decoded to its int8 panel (formats/grid.h,
-// grid_decode_block: the same bytes on every tier).
-using GridDecode = void (*)(formats::GridType t, const uint8_t* block, int64_t kp, uint8_t* panel);
-
 // Lines to prefetch to L2 while a kernel computes: `lines` 64-byte lines in chunks of
 // 2^chunk_lines_log2 lines, chunk c at base + c * stride (line i: chunk i >> log2, line
 // i & (2^log2 - 1) of it). The source of the next weight panel, strided over the blocks.

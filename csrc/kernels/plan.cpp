@@ -118,9 +118,7 @@ size_t CallScratch::bytes() const {
 
 ProjectionPlan::ProjectionPlan(const formats::FormatRow& format, const ProjectionView& view,
                                Isa isa, const Modes& modes, bool bf16_activations)
-    : view_(&view),
-      streaming_(&projection_kernels(format.layout, isa)),
-      grid_decode_(kernels::grid_decode(isa)) {
+    : view_(&view), streaming_(&projection_kernels(format.layout, isa)) {
   fp32_min_ = formats::kNoFp32Path;
   if (modes.quant == QuantActivations::kFp32 && streaming_->dot_fp32 != nullptr) fp32_min_ = 1;
   if (modes.quant == QuantActivations::kAuto) fp32_min_ = fp32_min_tokens(format, isa);
@@ -165,7 +163,7 @@ ProjectionView ProjectionPlan::grid_panel(int64_t expert, int64_t nb, ThreadScra
   const auto base = reinterpret_cast<uintptr_t>(ts.grid_panel.data());
   auto* panel = reinterpret_cast<uint8_t*>((base + 63) & ~uintptr_t{63});
   if (ts.grid_view != view_ || ts.grid_expert != expert || ts.grid_block != nb) {
-    grid_decode_(view_->grid, view_->block(expert, nb), kp, panel);
+    formats::grid_decode_block(view_->grid, view_->block(expert, nb), kp, panel);
     ts.grid_view = view_;
     ts.grid_expert = expert;
     ts.grid_block = nb;

@@ -213,7 +213,6 @@ class ProjectionPlan {
   int fp32_min_;            // ... else, with at least this many, dot_fp32
   bool q8_;                 // some expert may read q8 records
   bool u8_codes_;           // the streaming q8 kernel takes u8 tiles (dot_u8)
-  GridDecode grid_decode_;  // the grid formats' panel decode of the tier
 };
 
 }  // namespace kt::kernels

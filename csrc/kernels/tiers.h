@@ -34,10 +34,6 @@ __attribute__((weak)) const ProjectionKernels& fp8_kernels();
 __attribute__((weak)) GluRows glu_rows(const Glu& glu);
 __attribute__((weak)) GluBackwardRows glu_backward_rows(const Glu& glu);
 __attribute__((weak)) void quantize_row_q8(const float* x, int64_t kp, uint8_t* rec);
-// The grid formats' panel decode (kernels/avx2/grid_decode_avx2.cpp), which the AVX-512
-// tiers use as well.
-__attribute__((weak)) void grid_decode_block(formats::GridType t, const uint8_t* block, int64_t kp,
-                                             uint8_t* panel);
 __attribute__((weak)) void gemm_nt_f32(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
                                        const float* b, int64_t ldb, float* c, int64_t ldc,
                                        bool accumulate);
