@@ -42,7 +42,6 @@ import functools
 import itertools
 import math
 
-import gguf
 import pytest
 import torch
 from reference import (
@@ -949,34 +948,6 @@ def test_reference_without_activation_rounding_is_not_close(v):
     # (observed: max 0.15-0.5% of max|ref|, mean 0.03-0.26% of mean|ref|)
     assert ref.slack.max() < 0.01 * ref.out.abs().max()
     assert ref.slack.mean() < 0.005 * ref.out.abs().mean()
-
-
-# --------------------------------------------------------------------------
-# The grid formats' int8 panels (formats/grid.h)
-# --------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("fmt", [f for f in WEIGHT_FORMATS if format_spec(f).is_grid])
-def test_grid_panel_is_the_dequantized_block(fmt):
-    """The int8 panel a grid block decodes to (what the q8 kernels multiply) holds the
-    block's weights exactly: code * scale of its group (32 k, or 16 for IQ1_M / IQ2_XS /
-    IQ2_S) is gguf.quants.dequantize of the 16 rows, on random blocks (every index, sign
-    and sub-scale bit random; finite fp16 d) of two super-blocks."""
-    kp = 512
-    raw = random_gguf_raw(fmt, 1, 16, kp, seed=WEIGHT_FORMATS.index(fmt))
-    block = raw.reshape(-1).contiguous()
-    decode = kt_ops._C._testing.grid_decode_panel
-    panel = decode(fmt, block, kp)
-    group = 16 if fmt in ("iq1_m", "iq2_xs", "iq2_s") else 32
-    codes = panel[: 16 * kp].view(torch.int8).view(kp // 4, 16, 4).permute(1, 0, 2).reshape(16, kp)
-    scales = panel[16 * kp :].view(torch.float32).view(kp // group, 16).t()
-    w = codes.float() * scales.repeat_interleave(group, dim=1)
-    qt = getattr(gguf.GGMLQuantizationType, fmt.upper())
-    assert torch.equal(w, torch.from_numpy(gguf.quants.dequantize(raw[0].numpy(), qt)))
-    with pytest.raises(ValueError, match="is not a grid format"):
-        decode("q4_k", block, kp)
-    with pytest.raises(ValueError, match="contiguous uint8 bytes"):
-        decode(fmt, block[1:], kp)
 
 
 # --------------------------------------------------------------------------

@@ -90,6 +90,10 @@ inline int64_t grid_panel_bytes(GridType t, int64_t kp) {
 
 // Decodes one 16-row block (grid_block_bytes bytes) into the panel at `panel`
 // (grid_panel_bytes bytes, 4-byte aligned): codes first, then the scales.
+// Keep kernels/plan.cpp its only caller: with a second one (a test hook) the link-time
+// optimizer kept it out of line and the op ran 1.25-1.3x slower at T = 1 (Zen 3, every
+// grid format); tests reach it through the op (tests/test_quant_forward.py) and its
+// group decode through grid_decode_row (tests/test_lora_quant.py).
 void grid_decode_block(GridType t, const uint8_t* block, int64_t kp, uint8_t* panel);
 
 // Decodes columns [k0, k1) of row r of one block (k0 a multiple of 32) into dense fp32

@@ -5,7 +5,6 @@
 // The other hooks of this submodule are registered beside the code they
 // expose: HostBridge and bridge_caller_waits (csrc/hybrid/host_transport.cpp),
 // split_blocks (csrc/ops/numa_bindings.cpp).
-#include <ATen/ATen.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 #include <sched.h>
@@ -20,7 +19,6 @@
 #include <utility>
 #include <vector>
 
-#include "formats/grid.h"
 #include "formats/q8_activations.h"
 #include "kernels/brgemm.h"
 #include "kernels/dispatch.h"
@@ -98,26 +96,6 @@ void register_test_hooks(py::module& t) {
     kt::kernels::quantize_row_q8(isa)(x.data(), kp, reinterpret_cast<uint8_t*>(rec.data()));
     return py::bytes(rec);
   });
-  // One 16-row block of grid format `fmt` (uint8, formats::grid_block_bytes(kp) bytes)
-  // decoded to its int8 panel (formats::grid_decode_block): the panel's bytes, codes
-  // [kp/4][16][4] then the fp32 scales, as a uint8 tensor.
-  t.def(
-      "grid_decode_panel",
-      [](const std::string& fmt, const at::Tensor& block, int64_t kp) {
-        const kt::formats::FormatRow* f = kt::formats::find_format(fmt);
-        if (f == nullptr || f->layout != kt::formats::Layout::kGrid)
-          throw py::value_error("grid_decode_panel: '" + fmt + "' is not a grid format");
-        if (kp <= 0 || kp % kt::formats::kGridSuperK != 0 || block.scalar_type() != at::kByte ||
-            !block.is_contiguous() || block.numel() != kt::formats::grid_block_bytes(f->grid, kp))
-          throw py::value_error("grid_decode_panel: block must be " +
-                                std::to_string(kt::formats::grid_block_bytes(f->grid, kp)) +
-                                " contiguous uint8 bytes, kp a positive multiple of 256");
-        at::Tensor panel = at::empty({kt::formats::grid_panel_bytes(f->grid, kp)}, at::kByte);
-        kt::formats::grid_decode_block(f->grid, block.data_ptr<uint8_t>(), kp,
-                                       panel.data_ptr<uint8_t>());
-        return panel;
-      },
-      py::arg("fmt"), py::arg("block"), py::arg("kp"));
   // c = a @ b^T (+ c when accumulate) from tier `isa`'s fp32 NT tiles (kernels/gemm_nt.h),
   // on the rows [i0, i0 + rows) of a and c only (the caller's split of m); a [m, k], b [n, k],
   // c [m, n]: contiguous fp32 tensors. ValueError where the tier has none.
