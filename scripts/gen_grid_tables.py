@@ -1,10 +1,11 @@
 """Writes csrc/formats/grid_tables.inc: the lattice grids of GGUF's i-quants for the C++ decoder.
 
 The grids are llama.cpp's ``iq2xxs_grid``, ``iq2xs_grid``, ``iq2s_grid``,
-``iq3xxs_grid``, ``iq3s_grid`` and ``iq1s_grid`` (ggml-common.h; IQ1_M uses IQ1_S'), read from the ``gguf`` package's copies
-(``gguf.quants.IQ2_XXS.grid`` ...), so no table is typed by hand. Each entry is
-stored as its values, one signed byte per weight, packed little-endian (8 values
-in a uint64, 4 in a uint32), as the decoder (csrc/formats/grid.cpp) loads them.
+``iq3xxs_grid``, ``iq3s_grid`` and ``iq1s_grid`` (ggml-common.h; IQ1_M uses IQ1_S'),
+read from the ``gguf`` package's copies (``gguf.quants.IQ2_XXS.grid`` ...), so no
+table is typed by hand. Each entry is stored as its values, one signed byte per weight,
+packed little-endian (8 values in a uint64, 4 in a uint32), as the decoder
+(csrc/formats/grid.cpp) loads them.
 IQ1_S's values -1 / 0 / +1 are stored times 8 (-8, 0, 8), the decoder adds its
 delta of +-1 (ggml's +-1/8 times 8).
 
