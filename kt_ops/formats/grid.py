@@ -140,9 +140,10 @@ def _block_d(x: torch.Tensor, vmax: float, steps: int, mul: float) -> torch.Tens
 
 
 def _search(d: torch.Tensor, steps: int, mul: float, fit) -> tuple:
-    """Per group of 32, the sub-scale ``ls < steps`` whose grid codes fit best:
-    ``fit(scale [B, 8, 1]) -> (codes, squared error [B, 8])`` for each ``scale = d * (2 ls +
-    1) * mul``; returns ``(ls [B, 8], codes)`` of the least error (all candidates tried)."""
+    """Per sub-block (``G`` of them: 32 weights, or 16), the sub-scale ``ls < steps`` whose
+    grid codes fit best: ``fit(scale [B, 1, 1]) -> (codes, squared error [B, G])`` for each
+    ``scale = d * (2 ls + 1) * mul``; returns ``(ls [B, G], codes)`` of the least error (all
+    candidates tried)."""
     df = d.float().view(-1, 1, 1)
     best = None
     for ls in range(steps):
@@ -158,6 +159,29 @@ def _search(d: torch.Tensor, steps: int, mul: float, fit) -> tuple:
     return best[0], best[1]
 
 
+def _fit_magnitudes(mag: torch.Tensor, d: torch.Tensor, name: str, mul: float) -> tuple:
+    """Per sub-block of ``mag [B, G, L]`` (the magnitudes the positive grid codes), its
+    4-bit sub-scale and grid indices of least squared error (``_search``): ``(ls [B, G],
+    idx [B, G, L / values per entry])``."""
+    grid = _grid(name)
+    B, G, L = mag.shape
+    per = grid.shape[1]
+
+    def fit(scale):
+        idx = _nearest((mag / scale).reshape(B, G, L // per, per), name)
+        return idx, ((grid[idx].reshape(B, G, L) * scale - mag) ** 2).sum(-1)
+
+    return _search(d, 16, mul, fit)
+
+
+def _even_sign_magnitudes(g: torch.Tensor) -> tuple:
+    """``(neg, mag)`` of ``g [..., 8]``: minus-sign masks with an even count per 8
+    (``_even_signs``) and the magnitudes the grid codes, ``|w|``, or ``-|w|`` where the
+    parity flipped a sign (IQ2_XXS, IQ2_XS, IQ3_XXS)."""
+    neg = _even_signs(g)
+    return neg, torch.where(neg == (g < 0), 1.0, -1.0) * g.abs()
+
+
 def _quantize_xxs(x: torch.Tensor, name: str) -> torch.Tensor:
     """IQ2_XXS (66 bytes) / IQ3_XXS (98 bytes) blocks of ``x [B, 256]``."""
     B = x.shape[0]
@@ -166,18 +190,8 @@ def _quantize_xxs(x: torch.Tensor, name: str) -> torch.Tensor:
     mul = 0.125 if iq2 else 0.25
     g = x.view(B, 8, 32)
     d = _block_d(g, float(grid.max()), 16, mul)
-    neg = _even_signs(g.view(B, 8, 4, 8))  # [B, 8, 4, 8]
-    # |w| where the sign is kept, -|w| where the parity flipped it (the grid is positive)
-    mag = torch.where(neg == (g.view(B, 8, 4, 8) < 0), 1.0, -1.0) * g.view(B, 8, 4, 8).abs()
-    mag = mag.reshape(B, 8, 32)
-    per = grid.shape[1]
-
-    def fit(scale):
-        idx = _nearest((mag / scale).reshape(B, 8, 32 // per, per), name)
-        err = ((grid[idx].reshape(B, 8, 32) * scale - mag) ** 2).sum(-1)
-        return idx, err
-
-    ls, idx = _search(d, 16, mul, fit)
+    neg, mag = _even_sign_magnitudes(g.view(B, 8, 4, 8))  # [B, 8, 4, 8]
+    ls, idx = _fit_magnitudes(mag.reshape(B, 8, 32), d, name, mul)
     sign_word = (_sign_bits(neg) & 127) << (7 * torch.arange(4))  # [B, 8, 4]
     aux = sign_word.sum(-1) | (ls << 28)  # [B, 8]
     if iq2:  # [B, 8, 4]: one 8-value entry per 8 weights
@@ -194,13 +208,7 @@ def _quantize_iq3_s(x: torch.Tensor) -> torch.Tensor:
     grid = _grid("iq3_s")
     g = x.view(B, 8, 32)
     d = _block_d(g, float(grid.max()), 16, 1.0)
-    mag = g.abs()
-
-    def fit(scale):
-        idx = _nearest((mag / scale).view(B, 8, 8, 4), "iq3_s")
-        return idx, ((grid[idx].view(B, 8, 32) * scale - mag) ** 2).sum(-1)
-
-    ls, idx = _search(d, 16, 1.0, fit)
+    ls, idx = _fit_magnitudes(g.abs(), d, "iq3_s", 1.0)
     idx = idx.reshape(B, 64)
     qh = ((idx >> 8).view(B, 8, 8) << torch.arange(8)).sum(-1)  # bit i%8 of byte i/8
     signs = _sign_bits((x < 0).view(B, 32, 8))
@@ -242,14 +250,8 @@ def _quantize_iq2_xs(x: torch.Tensor) -> torch.Tensor:
     grid = _grid("iq2_xs")
     g = x.view(B, 16, 2, 8)  # sub-blocks of 16, pieces of 8
     d = _block_d(x.view(B, 16, 16), float(grid.max()), 16, 0.125)
-    neg = _even_signs(g)
-    mag = (torch.where(neg == (g < 0), 1.0, -1.0) * g.abs()).reshape(B, 16, 16)
-
-    def fit(scale):
-        idx = _nearest((mag / scale).view(B, 16, 2, 8), "iq2_xs")
-        return idx, ((grid[idx].view(B, 16, 16) * scale - mag) ** 2).sum(-1)
-
-    ls, idx = _search(d, 16, 0.125, fit)  # [B, 16], [B, 16, 2]
+    neg, mag = _even_sign_magnitudes(g)
+    ls, idx = _fit_magnitudes(mag.reshape(B, 16, 16), d, "iq2_xs", 0.125)  # [B, 16], [B, 16, 2]
     qs = idx | ((_sign_bits(neg) & 127) << 9)  # piece l of 32 weights ib at 4 ib + l
     sc = ls[:, 0::2] | (ls[:, 1::2] << 4)  # [B, 8]: low nibble the first 16 weights
     parts = [d.view(torch.uint8).view(B, 2), _le(qs, 2).reshape(B, 64), sc.to(torch.uint8)]
@@ -263,13 +265,7 @@ def _quantize_iq2_s(x: torch.Tensor) -> torch.Tensor:
     grid = _grid("iq2_s")
     g = x.view(B, 16, 16)
     d = _block_d(g, float(grid.max()), 16, 0.125)
-    mag = g.abs()
-
-    def fit(scale):
-        idx = _nearest((mag / scale).view(B, 16, 2, 8), "iq2_s")
-        return idx, ((grid[idx].view(B, 16, 16) * scale - mag) ** 2).sum(-1)
-
-    ls, idx = _search(d, 16, 0.125, fit)
+    ls, idx = _fit_magnitudes(g.abs(), d, "iq2_s", 0.125)
     idx = idx.reshape(B, 32)
     qh = ((idx >> 8).view(B, 8, 4) << (2 * torch.arange(4))).sum(-1)  # bits 2l of byte ib
     signs = _sign_bits((x < 0).view(B, 32, 8))
