@@ -20,8 +20,17 @@ import os
 import subprocess
 import sys
 
-#: Classes, lowest first, as ONEDNN_MAX_CPU_ISA spells them.
-CLASSES = ("AVX2", "AVX512_CORE", "AVX512_CORE_VNNI", "AVX512_CORE_BF16", "AVX512_CORE_AMX")
+#: Classes, lowest first, as ONEDNN_MAX_CPU_ISA spells them. AVX10_1_512 (oneDNN 3.x's
+#: name for AVX512_CORE_FP16: AVX512_BF16 plus FP16, Sapphire Rapids and later) sits
+#: between BF16 and AMX, as in oneDNN's own order (``dnnl_cpu_isa_t``).
+CLASSES = (
+    "AVX2",
+    "AVX512_CORE",
+    "AVX512_CORE_VNNI",
+    "AVX512_CORE_BF16",
+    "AVX10_1_512",
+    "AVX512_CORE_AMX",
+)
 
 _PROBE = "import torch\ntorch.randn(4, 4).to_mkldnn()\n"
 
@@ -44,6 +53,9 @@ def classify(description: str) -> str:
     """The ``CLASSES`` entry of a verbose ISA description (``"unknown"`` if none fits)."""
     if "AMX" in description:
         return "AVX512_CORE_AMX"
+    # oneDNN 3.x prints "Intel AVX 10.1" (or "10.1/512") for an AVX512_FP16 CPU without AMX.
+    if "AVX 10" in description:
+        return "AVX10_1_512"
     if "AVX-512" in description:
         if "bfloat16" in description:
             return "AVX512_CORE_BF16"
@@ -79,6 +91,7 @@ def host_classes() -> list[str]:
         "AVX512_CORE": {"avx512f", "avx512bw", "avx512vl", "avx512dq"},
         "AVX512_CORE_VNNI": {"avx512_vnni"},
         "AVX512_CORE_BF16": {"avx512_bf16"},
+        "AVX10_1_512": {"avx512_fp16"},
         "AVX512_CORE_AMX": {"amx_tile", "amx_bf16", "amx_int8"},
     }
     out = []
