@@ -21,7 +21,9 @@ def info() -> dict:
     (``None`` where the format has one path) on the active ISA, after the
     fallback chain (e.g. ``{'int4': ['avx2/qint_q8', 'avx2/qint_fp32'], ...}``),
     ``compute_path`` (:func:`kt_ops.set_compute_path`: ``'auto'``,
-    ``'streaming'`` or ``'brgemm'``) and ``brgemm``: per weight format, the
+    ``'streaming'`` or ``'brgemm'``), ``brgemm_cpu_class`` (the CPU class whose
+    thresholds ``'auto'`` follows: ``'avx512'``, ``'avx512_intel'`` or ``'amx'``,
+    :meth:`kt_ops.formats.FormatSpec.brgemm_min_tokens_for`) and ``brgemm``: per weight format, the
     brgemm kernel and the tokens per expert from which it runs under that path
     on the active ISA (``None`` where it does not run; :func:`kt_ops.compute_paths`),
     and ``numa``: the NUMA placement (:func:`kt_ops.set_numa`): ``mode``,
@@ -54,6 +56,7 @@ def info() -> dict:
         "cuda_bridge": bool(_C.cuda_bridge_built()),
         "kernels": dict(_C.kernel_names(active)),
         "compute_path": _C.compute_path(),
+        "brgemm_cpu_class": _C.brgemm_cpu_class(),
         "brgemm": dict(_C.compute_paths(active)),
         "numa": dict(_C.numa_report()),
         "huge_pages": dict(_C.huge_pages()),
@@ -78,7 +81,11 @@ def format_info(report: dict) -> str:
         "CUDA bridge    : "
         + ("built (CUDA tensors run through it)" if report.get("cuda_bridge") else "not built"),
     ]
-    lines.append(f"compute path   : {report['compute_path']}")
+    cls = report.get("brgemm_cpu_class")
+    lines.append(
+        f"compute path   : {report['compute_path']}"
+        + (f" (brgemm thresholds of the {cls} class)" if cls else "")
+    )
     par = report.get("parallel")
     if par is not None:
         lines.append(f"parallel       : {par['uses']} (setting {par['setting']}: {par['reason']})")

@@ -223,18 +223,29 @@ def test_info_reports_the_compute_path(isa):
             if feats["avx512_bf16"] and not feats.get("amx")
             else "onednn/brgemm_bf16"
         )
+        min_tokens = kt_ops.formats.format_spec("bf16").brgemm_min_tokens_for(
+            report["brgemm_cpu_class"]
+        )
+        # A class whose threshold is none (avx512_intel) streams bf16 under 'auto'.
         assert report["brgemm"]["bf16"] == {
-            "brgemm_kernel": kernel,
-            "brgemm_min_tokens": kt_ops.formats.format_spec("bf16").brgemm_min_tokens_for(
-                "amx" if feats.get("amx") else "avx512"
-            ),
+            "brgemm_kernel": kernel if min_tokens is not None else None,
+            "brgemm_min_tokens": min_tokens,
         }
-        assert kernel in text
+        assert (kernel in text) == (min_tokens is not None)
+
+
+def test_brgemm_cpu_class_follows_the_cpu():
+    # AMX first; an Intel CPU without it has vdpbf16ps at a quarter of its FMA's rate.
+    feats = kt_ops.info()["cpu_features"]
+    want = "amx" if feats["amx"] else "avx512_intel" if feats["intel"] else "avx512"
+    assert kt_ops.info()["brgemm_cpu_class"] == want
+    assert f"brgemm thresholds of the {want} class" in format_info(kt_ops.info())
 
 
 def test_format_table_records_the_thresholds():
     spec = kt_ops.formats.format_spec("bf16")
     assert spec.brgemm_min_tokens_for("avx512") == 8  # kt_ops' vdpbf16ps tiles
+    assert spec.brgemm_min_tokens_for("avx512_intel") is None  # streaming fp32 FMAs win
     assert spec.brgemm_min_tokens_for("amx") == 12  # oneDNN's (AMX) brgemm
     with pytest.raises(ValueError, match="cpu_class"):
         spec.brgemm_min_tokens_for("avx2")
@@ -243,21 +254,26 @@ def test_format_table_records_the_thresholds():
         # q8_0: the VNNI streaming kernel wins at every count measured; int8 (w8a8, kt_ops'
         # vpdpbusd tiles) from 10 tokens per expert. AMX not measured.
         assert spec.brgemm_min_tokens_for("avx512") == (10 if name == "int8" else None)
+        assert spec.brgemm_min_tokens_for("avx512_intel") == (8 if name == "int8" else None)
         assert spec.brgemm_min_tokens_for("amx") == 16
     spec = kt_ops.formats.format_spec("int4")  # per channel on the w4a8 kernels
     assert spec.brgemm_min_tokens_for("avx512") == 4  # kt_ops' tiles
+    assert spec.brgemm_min_tokens_for("avx512_intel") == 8
     assert spec.brgemm_min_tokens_for("amx") == 16  # oneDNN's, int8's AMX value
     for name in ("fp8", "fp8_channel", "mxfp8"):  # docs/formats.md "Compute paths"
         spec = kt_ops.formats.format_spec(name)
         assert spec.brgemm_min_tokens_for("avx512") == 5  # kt_ops' fused tiles
+        assert spec.brgemm_min_tokens_for("avx512_intel") is None  # vdpbf16ps: slow there
         assert spec.brgemm_min_tokens_for("amx") == 6  # oneDNN's brgemm on decoded tiles
     spec = kt_ops.formats.format_spec("mxfp4")  # oneDNN's bf16 brgemm on decoded tiles
     assert spec.brgemm_min_tokens_for("avx512") is None  # the q8 streaming kernel wins
+    assert spec.brgemm_min_tokens_for("avx512_intel") is None
     assert spec.brgemm_min_tokens_for("amx") == 12  # bf16's AMX value (not measured)
     for name in kt_ops.formats.FORMATS:
         if name not in BRGEMM_KERNELS and name != "mxfp4":  # no brgemm path yet: streaming
             assert dict(kt_ops.formats.format_spec(name).brgemm_min_tokens) == {
                 "avx512": None,
+                "avx512_intel": None,
                 "amx": None,
             }
 
@@ -608,8 +624,9 @@ def test_auto_threshold(isa):
     tile = BRGEMM_KERNELS["bf16"]
     assert_plan_follows_threshold(experts, counts, tile, bf16_min_tokens(), True)
     assert_plan_follows_threshold(experts, counts, tile, None, False)  # fp32 activations
-    ref = reference_moe_forward(x, ids, w, experts, bf16_activations=on_brgemm)
-    assert_matches_reference(outs["brgemm"], ref, TOL_BF16_BRGEMM if on_brgemm else TOL_BF16)
+    forced = brgemm_runs()  # forced 'brgemm' runs the tiles wherever they exist
+    ref = reference_moe_forward(x, ids, w, experts, bf16_activations=forced)
+    assert_matches_reference(outs["brgemm"], ref, TOL_BF16_BRGEMM if forced else TOL_BF16)
 
 
 # --------------------------------------------------------------------------
@@ -1756,7 +1773,11 @@ def test_fp8_tiles_under_quant_fp32_multiply_exactly(isa, fmt):
     kt = BRGEMM_KERNELS["fp8"] == "avx512_bf16/fp8_dp" and brgemm_runs("fp8")
     assert name == ("avx512_bf16/fp8_dp_exact" if kt else "onednn/brgemm_fp8_bf16")
     with kt_ops.use_compute_path("auto"), kt_ops.use_quant_activations("auto"):
-        assert kt_ops.compute_paths()[fmt]["brgemm_kernel"] == BRGEMM_KERNELS[fmt]
+        auto = kt_ops.compute_paths()[fmt]["brgemm_kernel"]
+    # avx512_intel (vdpbf16ps at a quarter rate) streams fp8 under 'auto'.
+    intel = kt_ops.formats.format_spec(fmt).brgemm_min_tokens_for("avx512_intel") is None
+    on_intel = kt_ops.info()["brgemm_cpu_class"] == "avx512_intel" and intel
+    assert auto == (None if on_intel else BRGEMM_KERNELS[fmt])
     for H, I in FP8_SHAPES:  # noqa: E741
         experts = make_quant_experts(fmt, 4, H, I, seed=H + 2 * I)
         ids, w = fp8_routing([0, 3, 40, 70], seed=H)
@@ -1920,14 +1941,15 @@ def test_fp8_thread_counts_bit_identical(isa, path):
 def test_fp8_info_reports_the_brgemm_kernel(isa):
     report = kt_ops.info()["brgemm"]["fp8"]
     if brgemm_runs("fp8"):
-        cls = "amx" if _FEATS.get("amx") else "avx512"
+        cls = kt_ops.info()["brgemm_cpu_class"]
         kernel = BRGEMM_KERNELS["fp8"]
+        min_tokens = kt_ops.formats.format_spec("fp8").brgemm_min_tokens_for(cls)
         assert report == {
-            "brgemm_kernel": kernel,
-            "brgemm_min_tokens": kt_ops.formats.format_spec("fp8").brgemm_min_tokens_for(cls),
+            "brgemm_kernel": kernel if min_tokens is not None else None,
+            "brgemm_min_tokens": min_tokens,
         }
-        assert kernel in format_info(kt_ops.info())
-        with kt_ops.use_brgemm_bf16_kernel("onednn"):
+        assert (kernel in format_info(kt_ops.info())) == (min_tokens is not None)
+        with kt_ops.use_brgemm_bf16_kernel("onednn"), kt_ops.use_compute_path("brgemm"):
             assert kt_ops.info()["brgemm"]["fp8"]["brgemm_kernel"] == "onednn/brgemm_fp8_bf16"
     else:
         assert report == {"brgemm_kernel": None, "brgemm_min_tokens": None}

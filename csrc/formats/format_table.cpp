@@ -54,7 +54,7 @@ constexpr Fp32Policy kFp8Fp32 = {{kFp8Fp32Min, kNoFp32Path}};
 constexpr Fp32Policy kInt8Fp32 = {{kInt8Fp32Min, kNoFp32Path}};
 
 // Formats without a brgemm path (yet): always the streaming kernels.
-constexpr BrgemmPolicy kNoBrgemmPath = {{kNoBrgemm, kNoBrgemm}};
+constexpr BrgemmPolicy kNoBrgemmPath = {{kNoBrgemm, kNoBrgemm, kNoBrgemm}};
 // bf16 x bf16 -> fp32 on the brgemm path against the streaming fp32-FMA
 // kernel, tokens per expert (benchmarks/bench_compute_paths.py, docs/formats.md
 // "Compute paths"), Zen 4 (AVX512_BF16, 2 threads, H=2048, I=768). AVX512_BF16
@@ -64,9 +64,16 @@ constexpr BrgemmPolicy kNoBrgemmPath = {{kNoBrgemm, kNoBrgemm}};
 // class's kernel; AMX itself not measured, no AMX host) both were bound by
 // the weight stream up to ~10 tokens (1.00-1.08), brgemm won from 12
 // (0.93-0.97), 16 (0.83-0.85), 32 (0.77).
+// On an Intel Xeon with AVX512_BF16 / FP16 and no AMX (kAvx512Intel: vdpbf16ps at a
+// quarter of the FMA's instruction rate), the same tiles against the same streaming
+// kernel: 1.53 (8), 1.42 (16), 1.46 (32), 1.48 (64), 1.38 (128); oneDNN's bf16 brgemm
+// 1.55 (8) to 1.44 (128); a layer at T = 512 / 2048 1.25x / 1.46x faster streaming:
+// never.
 constexpr int kBf16BrgemmMinAvx512 = 8;
+constexpr int kBf16BrgemmMinAvx512Intel = kNoBrgemm;
 constexpr int kBf16BrgemmMinAmx = 12;
-constexpr BrgemmPolicy kBf16Brgemm = {{kBf16BrgemmMinAvx512, kBf16BrgemmMinAmx}};
+constexpr BrgemmPolicy kBf16Brgemm = {
+    {kBf16BrgemmMinAvx512, kBf16BrgemmMinAvx512Intel, kBf16BrgemmMinAmx}};
 // u8 x s8 -> s32 brgemm (q8 activations, K chunks of 32, bit-identical to the
 // streaming q8 kernels) against the streaming q8 kernel of the avx512_vnni
 // tier (u8 activations, per-line compensation, kernels/qint_tiles.h), tokens
@@ -84,9 +91,13 @@ constexpr BrgemmPolicy kBf16Brgemm = {{kBf16BrgemmMinAvx512, kBf16BrgemmMinAmx}}
 // 1.28 (6), 1.01-1.02 (8), 0.86 (10), 0.84 (12), 0.80-0.84 (16), 0.72-0.81 (24-32),
 // 0.80 (64), 0.82 (128); a layer 1.33x (T = 512) and 1.27x (T = 2048) faster: from
 // 10 tokens. AMX's 16 (unmeasured) applies to oneDNN's w8a8 there.
+// The Intel Xeon without AMX (the same tiles, vpdpbusd at full rate there): 1.00 (4),
+// 0.83 (8), 0.82 (10), 0.70 (16), 0.78 (32), 0.81 (128): from 8.
 constexpr int kInt8BrgemmMinAvx512 = 10;
+constexpr int kInt8BrgemmMinAvx512Intel = 8;
 constexpr int kInt8BrgemmMinAmx = 16;
-constexpr BrgemmPolicy kInt8Brgemm = {{kInt8BrgemmMinAvx512, kInt8BrgemmMinAmx}};
+constexpr BrgemmPolicy kInt8Brgemm = {
+    {kInt8BrgemmMinAvx512, kInt8BrgemmMinAvx512Intel, kInt8BrgemmMinAmx}};
 // int4 with one scale per output channel (group_size 0) on kt_ops' w4a8 tiles
 // (per-token int8 activations, full-K int32 sums; kernels/avx512/w8a8_dp_avx512vnni.cpp)
 // against the streaming q8 kernel, Zen 4 (AVX512_VNNI, 2 threads, H=2048, I=768):
@@ -98,12 +109,16 @@ constexpr BrgemmPolicy kInt8Brgemm = {{kInt8BrgemmMinAvx512, kInt8BrgemmMinAmx}}
 // the decode is 4 vector operations per 64 bytes of codes, once per block for all its
 // token tiles). oneDNN's grouped calls on Zen 4 (forced): g128 1.2-3.0x the streaming
 // kernel's time from 4 to 128 tokens (docs/formats.md).
+// The Intel Xeon without AMX: 1.55 (2), 1.11 (4), 1.03 (6), 0.86 (8), 0.72 (16), 0.74
+// (64): from 8.
 constexpr int kInt4BrgemmMinAvx512 = 4;
+constexpr int kInt4BrgemmMinAvx512Intel = 8;
 constexpr int kInt4BrgemmMinAmx = kInt8BrgemmMinAmx;
-constexpr BrgemmPolicy kInt4Brgemm = {{kInt4BrgemmMinAvx512, kInt4BrgemmMinAmx}};
+constexpr BrgemmPolicy kInt4Brgemm = {
+    {kInt4BrgemmMinAvx512, kInt4BrgemmMinAvx512Intel, kInt4BrgemmMinAmx}};
 constexpr int kQ80BrgemmMinAvx512 = kNoBrgemm;
 constexpr int kQ80BrgemmMinAmx = 16;
-constexpr BrgemmPolicy kQ80Brgemm = {{kQ80BrgemmMinAvx512, kQ80BrgemmMinAmx}};
+constexpr BrgemmPolicy kQ80Brgemm = {{kQ80BrgemmMinAvx512, kQ80BrgemmMinAvx512, kQ80BrgemmMinAmx}};
 // fp8 (the activations times the block scales rounded to bf16, times the
 // codes' exact bf16 values, kernels/brgemm.h) against the AVX2 streaming kernels
 // under 'auto' (the in-register E4M3 kernel below fp32_min_tokens = 8, the
@@ -121,9 +136,13 @@ constexpr BrgemmPolicy kQ80Brgemm = {{kQ80BrgemmMinAvx512, kQ80BrgemmMinAmx}};
 // 1.07-1.09 (4), 0.74 (5), 0.71-0.73 (6), 0.42 (8), 0.51 (64): from 5. (CPUs with
 // AVX512_BF16 but no VBMI, Cooper Lake, would take oneDNN's from 3 against the AVX2
 // streaming kernel; not measured, the class keeps one value.)
+// The Intel Xeon without AMX (the fused tiles' vdpbf16ps at a quarter rate there), fp8
+// against 'auto' streaming: 1.25 (8), 1.01 (32), 0.99 (128): never.
 constexpr int kFp8BrgemmMinAvx512 = 5;
+constexpr int kFp8BrgemmMinAvx512Intel = kNoBrgemm;
 constexpr int kFp8BrgemmMinAmx = 6;
-constexpr BrgemmPolicy kFp8Brgemm = {{kFp8BrgemmMinAvx512, kFp8BrgemmMinAmx}};
+constexpr BrgemmPolicy kFp8Brgemm = {
+    {kFp8BrgemmMinAvx512, kFp8BrgemmMinAvx512Intel, kFp8BrgemmMinAmx}};
 // mxfp4 on oneDNN's bf16 brgemm (its exact values decoded per pair of blocks, bf16
 // activations; kernels/brgemm.h, mxfp4_dot) against the streaming q8 kernel of the
 // avx512_vnni tier, 8 experts of m tokens (Zen 4, oneDNN's AVX512_BF16 kernel forced):
@@ -131,7 +150,8 @@ constexpr BrgemmPolicy kFp8Brgemm = {{kFp8BrgemmMinAvx512, kFp8BrgemmMinAmx}};
 // not measured: bf16's AMX value, 12.
 constexpr int kMxfp4BrgemmMinAvx512 = kNoBrgemm;
 constexpr int kMxfp4BrgemmMinAmx = kBf16BrgemmMinAmx;
-constexpr BrgemmPolicy kMxfp4Brgemm = {{kMxfp4BrgemmMinAvx512, kMxfp4BrgemmMinAmx}};
+constexpr BrgemmPolicy kMxfp4Brgemm = {
+    {kMxfp4BrgemmMinAvx512, kMxfp4BrgemmMinAvx512, kMxfp4BrgemmMinAmx}};
 
 }  // namespace
 

@@ -39,12 +39,18 @@ constexpr int kNoBrgemm = std::numeric_limits<int>::max();
 // The CPU classes on which oneDNN's brgemm ukernel runs a format's product
 // natively (kernels/brgemm.h finds the class at run time, and checks with a
 // probe call that oneDNN does run the type):
-//   kAvx512: AVX-512 F/BW/VL/DQ with AVX512_BF16 (bf16) / AVX512_VNNI (int8);
-//   kAmx:    AMX-BF16 / AMX-INT8 tiles.
+//   kAvx512:      AVX-512 F/BW/VL/DQ with AVX512_BF16 (bf16) / AVX512_VNNI (int8);
+//   kAvx512Intel: the same on an Intel CPU without AMX (Cooper Lake; Sapphire Rapids
+//                 and later with AMX off, as VMs without the AMX state run them), whose
+//                 vdpbf16ps runs at a quarter of its FMA's instruction rate (measured,
+//                 one core of a Xeon with AVX512_FP16: 1.47 against 6.1 G instructions/s;
+//                 AMD Zen 4 runs both at one rate), so bf16 products stream as fp32
+//                 FMAs there (kernels::brgemm_class);
+//   kAmx:         AMX-BF16 / AMX-INT8 tiles.
 // Without them (AVX2, or AVX-512 without BF16) oneDNN runs no bf16 brgemm
 // and the streaming kernels stay.
-enum class BrgemmIsa : uint8_t { kAvx512, kAmx };
-constexpr int kNumBrgemmIsas = 2;
+enum class BrgemmIsa : uint8_t { kAvx512, kAvx512Intel, kAmx };
+constexpr int kNumBrgemmIsas = 3;
 
 // Compute-path policy of 'auto' between the streaming kernels and brgemm:
 // experts with at least min_tokens[isa] tokens run their products as brgemm

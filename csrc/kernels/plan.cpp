@@ -64,6 +64,12 @@ QuantActivations quant_activations() { return g_quant_activations.load(); }
 void set_compute_path(ComputePath path) { g_compute_path.store(path); }
 ComputePath compute_path() { return g_compute_path.load(); }
 
+formats::BrgemmIsa brgemm_class() {
+  const runtime::CpuFeatures& f = runtime::cpu_features();
+  if (f.amx) return formats::BrgemmIsa::kAmx;
+  return f.intel ? formats::BrgemmIsa::kAvx512Intel : formats::BrgemmIsa::kAvx512;
+}
+
 int fp32_min_tokens(const formats::FormatRow& format, Isa isa) {
   const ProjectionKernels& k = projection_kernels(format.layout, isa);
   if (k.dot_fp32 == nullptr) return formats::kNoFp32Path;
@@ -83,9 +89,7 @@ TilePath tile_path(const formats::FormatRow& format, Isa isa, const Modes& modes
   if (k == nullptr) return kNone;
   if (modes.path == ComputePath::kBrgemm) return {k, 1};
   if (k->forced_only) return kNone;
-  const formats::BrgemmIsa cls =
-      runtime::cpu_features().amx ? formats::BrgemmIsa::kAmx : formats::BrgemmIsa::kAvx512;
-  const int min = format.brgemm.min(cls);
+  const int min = format.brgemm.min(brgemm_class());
   return min == formats::kNoBrgemm ? kNone : TilePath{k, min};
 }
 

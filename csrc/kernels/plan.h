@@ -86,6 +86,10 @@ enum class Family : uint8_t { kStreaming, kStreamingU8, kWeightOnlyFp32, kTile }
 // the tier's kernels); formats::kNoFp32Path: never.
 int fp32_min_tokens(const formats::FormatRow& format, Isa isa);
 
+// The CPU class whose brgemm thresholds 'auto' follows (formats::BrgemmPolicy): AMX,
+// an Intel CPU without it, or another AVX-512 CPU.
+formats::BrgemmIsa brgemm_class();
+
 // The tile family of `format` on tier `isa` under `modes`: the kernel, and
 // the tokens per expert from which it computes (1 under kBrgemm; the format
 // row's BrgemmPolicy for this CPU class under kAuto, before the bf16

@@ -7,6 +7,7 @@
 
 #include <iterator>
 #include <stdexcept>
+#include <utility>
 
 #include "formats/format_table.h"
 #include "kernels/activations.h"
@@ -74,6 +75,7 @@ py::dict cpu_features_report() {
   d["avx512_bf16"] = f.avx512_bf16;
   d["avx512_vbmi"] = f.avx512_vbmi;
   d["amx"] = f.amx;
+  d["intel"] = f.intel;
   return d;
 }
 
@@ -99,6 +101,19 @@ const char* scale_dtype_name(kt::formats::ScaleType t) {
 
 py::object fp32_min_or_none(int n) {
   return n == kt::formats::kNoFp32Path ? py::object(py::none()) : py::object(py::int_(n));
+}
+
+// The brgemm thresholds' CPU classes by their Python names (FormatSpec.brgemm_min_tokens).
+constexpr std::pair<const char*, kt::formats::BrgemmIsa> kBrgemmClasses[] = {
+    {"avx512", kt::formats::BrgemmIsa::kAvx512},
+    {"avx512_intel", kt::formats::BrgemmIsa::kAvx512Intel},
+    {"amx", kt::formats::BrgemmIsa::kAmx},
+};
+
+const char* brgemm_class_name(kt::formats::BrgemmIsa cls) {
+  for (const auto& [name, c] : kBrgemmClasses)
+    if (c == cls) return name;
+  return "?";
 }
 
 py::object min_tokens_or_none(int n) {
@@ -157,8 +172,8 @@ py::list formats_report() {
     d["fp32_min_tokens_vnni"] =
         fp32_min_or_none(f.fp32_min_tokens.min(kt::formats::Fp32Class::kVnni));
     py::dict brgemm;
-    brgemm["avx512"] = min_tokens_or_none(f.brgemm.min(kt::formats::BrgemmIsa::kAvx512));
-    brgemm["amx"] = min_tokens_or_none(f.brgemm.min(kt::formats::BrgemmIsa::kAmx));
+    for (const auto& [name, cls] : kBrgemmClasses)
+      brgemm[name] = min_tokens_or_none(f.brgemm.min(cls));
     d["brgemm_min_tokens"] = brgemm;
     d["bits_per_weight"] = f.bits_per_weight;
     d["gguf_block"] = f.gguf_block.weights > 0
@@ -336,6 +351,10 @@ PYBIND11_MODULE(_C, m) {
   m.def("compute_paths",
         [](const std::string& isa) { return compute_paths(kt::kernels::parse_isa(isa)); });
   m.def("formats", &formats_report);
+  m.def(
+      "brgemm_cpu_class", [] { return brgemm_class_name(kt::kernels::brgemm_class()); },
+      "The CPU class whose brgemm thresholds 'auto' follows here: 'avx512', 'avx512_intel' "
+      "or 'amx' (FormatSpec.brgemm_min_tokens_for).");
   m.def("fp32_min_tokens", [](const std::string& format, const std::string& isa) {
     const kt::formats::FormatRow* f = kt::formats::find_format(format);
     if (f == nullptr) throw py::value_error("unknown weight_format '" + format + "'");

@@ -15,6 +15,7 @@ CpuFeatures detect() {
              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
   f.avx512_vnni = f.avx512 && __builtin_cpu_supports("avx512vnni");
   f.avx512_vbmi = f.avx512 && __builtin_cpu_supports("avx512vbmi");
+  f.intel = __builtin_cpu_is("intel");
 #if (defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11) || \
     (defined(__clang__) && __clang_major__ >= 12)
   f.avx512_bf16 = f.avx512 && __builtin_cpu_supports("avx512bf16");

@@ -10,6 +10,9 @@ struct CpuFeatures {
   bool avx512_bf16 = false;  // AVX512_BF16
   bool avx512_vbmi = false;  // AVX512_VBMI (byte permutes: the fp8 tile decode's tables)
   bool amx = false;          // AMX-TILE + AMX-BF16 + AMX-INT8 (reported only)
+  // A GenuineIntel CPU: its vdpbf16ps runs at a quarter of its FMA's instruction rate
+  // (the brgemm thresholds' CPU class, formats::BrgemmIsa::kAvx512Intel).
+  bool intel = false;
 };
 
 // Detected once, on first use.

@@ -88,7 +88,10 @@ class FormatSpec:
             :func:`kt_ops.quant_fp32_min_tokens` gives the active tier's.
         brgemm_min_tokens: the compute-path policy of ``'auto'``
             (:func:`kt_ops.set_compute_path`) per CPU class (``'avx512'``:
-            AVX-512 with AVX512_BF16 / VNNI; ``'amx'``): experts with at least
+            AVX-512 with AVX512_BF16 / VNNI; ``'avx512_intel'``: the same on an Intel
+            CPU without AMX, whose ``vdpbf16ps`` runs at a quarter of its FMA's
+            instruction rate; ``'amx'``; ``kt_ops.info()['brgemm_cpu_class']`` names
+            this CPU's): experts with at least
             this many tokens run on oneDNN's brgemm; ``None``: never (as
             ``((class, n), ...)`` pairs; :meth:`brgemm_min_tokens_for` reads one).
         bits_per_weight: storage per weight at the default group size, scales
@@ -139,7 +142,8 @@ class FormatSpec:
     code_table: Optional[str] = None
 
     def brgemm_min_tokens_for(self, cpu_class: str) -> Optional[int]:
-        """The ``'auto'`` brgemm threshold on ``cpu_class`` (``'avx512'`` or ``'amx'``)."""
+        """The ``'auto'`` brgemm threshold on ``cpu_class`` (``'avx512'``, ``'avx512_intel'``
+        or ``'amx'``)."""
         table = dict(self.brgemm_min_tokens)
         if cpu_class not in table:
             raise ValueError(
