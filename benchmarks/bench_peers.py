@@ -529,6 +529,10 @@ def summarize(
         # (at T = 512 a bf16 layer can still be bound by its bytes on a fast-compute CPU).
         compute = FAMILIES[s.family].compute
         peak = peaks.bf16_gflops if compute == "bf16" else peaks.int8_gops
+        if compute == "bf16" and peaks.fp32_gflops > peak:
+            # kt_ops computes bf16 as fp32 FMAs where the CPU's bf16 dot products are the
+            # slower (AVX2; Intel without AMX, brgemm class avx512_intel): that ceiling.
+            compute, peak = "fp32", peaks.fp32_gflops
         bounds = [machine_peaks.roofline(b, flops, peaks.read_gbs, peak) for b in nbytes]
         pct = statistics.median(100 * sec / x for (sec, _), x in zip(bounds, smp.seconds))
         term = machine_peaks.roofline(statistics.median(nbytes), flops, peaks.read_gbs, peak)[1]
