@@ -1774,10 +1774,10 @@ def test_fp8_tiles_under_quant_fp32_multiply_exactly(isa, fmt):
     assert name == ("avx512_bf16/fp8_dp_exact" if kt else "onednn/brgemm_fp8_bf16")
     with kt_ops.use_compute_path("auto"), kt_ops.use_quant_activations("auto"):
         auto = kt_ops.compute_paths()[fmt]["brgemm_kernel"]
-    # avx512_intel (vdpbf16ps at a quarter rate) streams fp8 under 'auto'.
-    intel = kt_ops.formats.format_spec(fmt).brgemm_min_tokens_for("avx512_intel") is None
-    on_intel = kt_ops.info()["brgemm_cpu_class"] == "avx512_intel" and intel
-    assert auto == (None if on_intel else BRGEMM_KERNELS[fmt])
+    # A class whose threshold is none (avx512_intel) streams fp8 under 'auto'.
+    cls = kt_ops.info()["brgemm_cpu_class"]
+    on_auto = kt_ops.formats.format_spec(fmt).brgemm_min_tokens_for(cls) is not None
+    assert auto == (BRGEMM_KERNELS[fmt] if on_auto else None)
     for H, I in FP8_SHAPES:  # noqa: E741
         experts = make_quant_experts(fmt, 4, H, I, seed=H + 2 * I)
         ids, w = fp8_routing([0, 3, 40, 70], seed=H)
