@@ -16,8 +16,8 @@ constexpr int kRows = formats::kQintBlockRows;  // output rows per block, every 
 std::atomic<QuantActivations> g_quant_activations{QuantActivations::kAuto};
 std::atomic<ComputePath> g_compute_path{ComputePath::kAuto};
 
-template <class T>
-void grow(std::vector<T>& v, size_t n) {
+template <class T, class A>
+void grow(std::vector<T, A>& v, size_t n) {
   if (v.size() < n) v.resize(n);
 }
 

@@ -37,6 +37,7 @@
 #include "formats/format_table.h"
 #include "kernels/isa.h"
 #include "kernels/kernel_api.h"
+#include "runtime/aligned_vector.h"
 
 namespace kt::kernels {
 
@@ -135,10 +136,10 @@ struct OperandCache {
 // Its own cache lines: the pool threads' slots sit side by side in one array,
 // and a tile kernel updates its slot's keys at every block.
 struct alignas(64) ThreadScratch {
-  OperandCache bf16_rows;    // TileInput::kBf16Rows gathered at tile_rows_ld(kp)
-  OperandCache u8_tiles;     // Family::kStreamingU8's tiles (pack_u8_tiles)
-  OperandCache q8_packed;    // TileInput::kQ8Packed / kI8TokenRows / kBf16Packed (the packs)
-  std::vector<float> block;  // Family::kWeightOnlyFp32: one block decoded, [kp][16]
+  OperandCache bf16_rows;  // TileInput::kBf16Rows gathered at tile_rows_ld(kp)
+  OperandCache u8_tiles;   // Family::kStreamingU8's tiles (pack_u8_tiles)
+  OperandCache q8_packed;  // TileInput::kQ8Packed / kI8TokenRows / kBf16Packed (the packs)
+  runtime::AlignedVector<float> block;  // Family::kWeightOnlyFp32: one block decoded, [kp][16]
   // The grid formats: one block decoded to its int8 panel (formats/grid.h), 64-byte
   // aligned inside, and which block it holds (view, expert, block; view nullptr: none).
   std::vector<uint8_t> grid_panel;

@@ -22,6 +22,7 @@
 #include "moe/moe_lora.h"
 #include "moe/moe_phases.h"
 #include "moe/routing.h"
+#include "runtime/aligned_vector.h"
 #include "runtime/thread_pool.h"
 
 namespace kt::moe {
@@ -34,11 +35,11 @@ constexpr int kRows = formats::kQintBlockRows;  // output rows per block, every 
 // decode step allocates nothing, and prefill does not fault in fresh pages.
 struct Scratch {
   RoutingPlan routing;
-  std::vector<float> x;          // [T][Hp] fp32 activations, zero padded
-  std::vector<uint8_t> xq;       // [T] q8 records of x (where gate or up reads them)
-  std::vector<uint16_t> xb;      // [T][Hp] bf16 activations (where gate or up reads them)
-  std::vector<float> h;          // [R][Ip] GLU outputs, zero padded
-  std::vector<uint8_t> hq;       // [R] q8 records of h (where down reads them)
+  runtime::AlignedVector<float> x;  // [T][Hp] fp32 activations, zero padded
+  std::vector<uint8_t> xq;          // [T] q8 records of x (where gate or up reads them)
+  std::vector<uint16_t> xb;         // [T][Hp] bf16 activations (where gate or up reads them)
+  runtime::AlignedVector<float> h;  // [R][Ip] GLU outputs, zero padded
+  std::vector<uint8_t> hq;          // [R] q8 records of h (where down reads them)
   std::vector<uint16_t> hb;      // [R][tile_rows_ld(Ip)] bf16 GLU outputs (where down reads them)
   std::vector<float> y;          // [T*K][H] weighted expert outputs per slot
   std::vector<float> lora_t[3];  // [R][r] per plan row: x A^T of gate, of up; h Ad^T (LoRA)
@@ -51,8 +52,8 @@ struct Scratch {
 
 thread_local Scratch t_scratch;
 
-template <class T>
-size_t capacity_bytes(const std::vector<T>& v) {
+template <class T, class A>
+size_t capacity_bytes(const std::vector<T, A>& v) {
   return v.capacity() * sizeof(T);
 }
 

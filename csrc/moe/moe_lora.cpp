@@ -16,6 +16,7 @@
 #include <initializer_list>
 #include <limits>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -30,6 +31,7 @@
 #include "moe/lora_products.h"
 #include "moe/moe_forward.h"
 #include "moe/routing.h"
+#include "runtime/aligned_vector.h"
 #include "runtime/thread_pool.h"
 
 namespace kt::moe {
@@ -196,7 +198,7 @@ constexpr int64_t kNtPanelBytes = 256 * 1024;
 // Where the tier has its own fp32 NT tiles (kernels/gemm_nt.h: AVX2) they multiply the
 // panel as it lies (rows of W^T, read along the reduction like d's rows); else the BLAS.
 void base_products(std::initializer_list<std::pair<const at::Tensor*, const Projection*>> terms,
-                   int64_t e, at::Tensor& out, std::vector<float>& panel) {
+                   int64_t e, at::Tensor& out, runtime::AlignedVector<float>& panel) {
   const Projection& p0 = *terms.begin()->second;
   const int64_t k = p0.k, ld = dense_panel_ld(p0);
   bool dense_rows = out.stride(1) == 1;
@@ -276,11 +278,11 @@ at::Tensor zeros_on_pool(at::IntArrayRef sizes) {
 // took a fifth of the backward (perf: clear_page_erms). Each Mat is a slot: a task takes
 // different slots for the matrices it holds at once.
 struct TaskScratch {
-  std::vector<float> mats[10];
-  std::vector<float> panel;
-  std::vector<uint16_t> rows16[3];   // bf16 rows: of the products with the base; x's
-  std::vector<uint16_t> panel16[2];  // bf16 VNNI panels of the weights (a split one's hi, lo)
-  std::vector<uint32_t> pairs[2];    // bf16 rows packed as kt_ops' tiles (pack_pair_tiles)
+  runtime::AlignedVector<float> mats[10];
+  runtime::AlignedVector<float> panel;
+  runtime::AlignedVector<uint16_t> rows16[3];   // bf16 rows: of the products with the base; x's
+  runtime::AlignedVector<uint16_t> panel16[2];  // bf16 VNNI panels (a split one's hi, lo)
+  runtime::AlignedVector<uint32_t> pairs[2];    // bf16 rows packed as kt_ops' tiles
 };
 TaskScratch& task_scratch() {
   thread_local TaskScratch s;
@@ -290,7 +292,7 @@ TaskScratch& task_scratch() {
 constexpr size_t kKeepScratchFloats = size_t{4} << 20;  // 16 MiB
 
 at::Tensor scratch_mat(int slot, int64_t rows, int64_t cols) {
-  std::vector<float>& v = task_scratch().mats[slot];
+  runtime::AlignedVector<float>& v = task_scratch().mats[slot];
   const size_t need = static_cast<size_t>(rows * cols);
   if (v.size() < need) v.resize(need);
   return view(v.data(), {rows, cols});
@@ -299,17 +301,17 @@ at::Tensor scratch_mat(int slot, int64_t rows, int64_t cols) {
 void trim_task_scratch() {
   TaskScratch& s = task_scratch();
   for (auto& v : s.mats)
-    if (v.size() > kKeepScratchFloats) std::vector<float>().swap(v);
+    if (v.size() > kKeepScratchFloats) std::remove_reference_t<decltype(v)>().swap(v);
   for (auto& v : s.rows16)
-    if (v.size() > 2 * kKeepScratchFloats) std::vector<uint16_t>().swap(v);
+    if (v.size() > 2 * kKeepScratchFloats) std::remove_reference_t<decltype(v)>().swap(v);
   for (auto& v : s.pairs)
-    if (v.size() > kKeepScratchFloats) std::vector<uint32_t>().swap(v);
+    if (v.size() > kKeepScratchFloats) std::remove_reference_t<decltype(v)>().swap(v);
 }
 
 // m rows of n bf16 values in a pool thread's kept buffer `slot`, kernels::tile_rows_ld(n)
 // apart (rows 4 KiB apart, n = 2048, would share one L1 set in the tile kernels).
 uint16_t* scratch_rows16(int slot, int64_t m, int64_t n) {
-  std::vector<uint16_t>& v = task_scratch().rows16[slot];
+  runtime::AlignedVector<uint16_t>& v = task_scratch().rows16[slot];
   const size_t need = static_cast<size_t>(m * kernels::tile_rows_ld(n));
   if (v.size() < need) v.resize(need);
   return v.data();
@@ -410,7 +412,7 @@ void vnni_products(std::initializer_list<PanelTerm> terms, int64_t m, int64_t e,
   const int64_t n = p0.n, k = p0.k, kp = n / 2, lda = kernels::tile_rows_ld(n);
   const bool kt = backward_on_kt_kernel();
   TaskScratch& scratch = task_scratch();
-  for (std::vector<uint16_t>& v : scratch.panel16)
+  for (runtime::AlignedVector<uint16_t>& v : scratch.panel16)
     if (v.size() < static_cast<size_t>(n * kVnniCols)) v.resize(n * kVnniCols);
   const PanelTerm* first = terms.begin();
   const int64_t count = static_cast<int64_t>(terms.size());
@@ -429,7 +431,7 @@ void vnni_products(std::initializer_list<PanelTerm> terms, int64_t m, int64_t e,
       }
       TORCH_INTERNAL_ASSERT(slot < 2, "vnni_products: at most two distinct row sets");
       slot_of[j] = slot;
-      std::vector<uint32_t>& v = scratch.pairs[slot++];
+      runtime::AlignedVector<uint32_t>& v = scratch.pairs[slot++];
       if (v.size() < static_cast<size_t>(m * kp)) v.resize(static_cast<size_t>(m * kp));
       kernels::avx512::pack_pair_tiles(first[j].rows, lda, static_cast<int>(m),
                                        static_cast<int>(kp), v.data());
@@ -580,7 +582,7 @@ int64_t padded_ld(int64_t k) { return k % 512 == 0 ? k + 16 : k; }
 struct FactorCopy {
   uint64_t call = 0;
   int64_t e = -1;
-  std::vector<float> rows;
+  runtime::AlignedVector<float> rows;
 };
 FactorCopy& factor_copy(int slot) {
   thread_local FactorCopy t_copies[6];
@@ -806,7 +808,7 @@ MoeGrads moe_backward_lora(const at::Tensor& grad_output, const at::Tensor& x,
       const int64_t* slot = plan.row_slot.data() + r0;
       const int64_t* token = plan.row_token.data() + r0;
       const float* rw = plan.row_weight.data() + r0;
-      std::vector<float>& panel = task_scratch().panel;
+      runtime::AlignedVector<float>& panel = task_scratch().panel;
       // The panels' values exact for this expert (mxfp8's exponents in bf16's range).
       const bool panels = on_brgemm && panel_values_exact(w.gate, e) &&
                           panel_values_exact(w.up, e) && panel_values_exact(w.down, e);

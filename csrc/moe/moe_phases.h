@@ -20,8 +20,8 @@ namespace kt::moe {
 // even out experts with different token counts.
 constexpr int kChunksPerThread = 16;
 
-template <class T>
-void grow(std::vector<T>& v, size_t n) {
+template <class T, class A>
+void grow(std::vector<T, A>& v, size_t n) {
   if (v.size() < n) v.resize(n);
 }
 
