@@ -17,21 +17,23 @@ that decode reads expert weights from DRAM as a real decode step does, rather
 than from a warm L3.
 
 Roofline: the time bound of a call is max(weight bytes / read bandwidth,
-FLOPs / bf16 peak) (``machine_peaks.roofline``), where
+FLOPs / compute peak) (``machine_peaks.roofline``), where
 
 * weight bytes = distinct experts hit x 3 projections x H x I x 2 (bf16);
 * FLOPs        = 2 x T x top_k x 3 x H x I;
 * read bandwidth = torch.sum over a 1 GiB fp32 tensor (far beyond L3),
-* bf16 peak      = torch.mm of cache-resident bf16 512^3 matrices (oneDNN:
-  ``vdpbf16ps`` on AVX512_BF16, AMX tiles where present),
+* compute peak   = the faster of the bf16 peak, torch.mm of cache-resident bf16
+  512^3 matrices (oneDNN: ``vdpbf16ps`` on AVX512_BF16, AMX tiles where present),
+  and the fp32 peak, the faster of torch.mm fp32 and kt_ops' FMA chains
+  (``machine_peaks.measure_fma_units``): kt_ops runs a bf16 layer as fp32 FMAs
+  where bf16 dot products are missing (AVX2) or slower (Intel CPUs with
+  AVX512_BF16 and no AMX, docs/formats.md "Compute paths"),
 
 both measured in this process at the benchmark's thread count, before and after
 the timed runs; the best sample is the ceiling (STREAM's convention: load from
 other processes only lowers a sample). "roofline %" is bound / time, medians;
-the "bound by" column names the binding term (read: the bytes; bf16: the
-FLOPs). The hidden states are bf16, so kt_ops' prefill runs on its bf16 matrix
-path (brgemm), whose ceiling is the bf16 peak; on a CPU without bf16 dot
-products the bf16 peak is torch's emulation and overstates nothing kt_ops uses.
+the "bound by" column names the binding term (read: the bytes; bf16 or fp32:
+the FLOPs at that peak).
 
 Usage::
 
@@ -188,6 +190,15 @@ def measure_read_bandwidth(samples: int = 9) -> list[float]:
     return out
 
 
+def compute_peak(threads: int) -> tuple[float, str]:
+    """(GFLOP/s, "bf16" or "fp32"): the faster of the bf16 and fp32 peaks at ``threads``."""
+    import machine_peaks  # here: machine_peaks imports this file
+
+    bf16 = machine_peaks.measure_bf16_peak()
+    fp32 = max(max(measure_fma_peak(20)), machine_peaks.measure_fma_units(threads) or 0.0)
+    return (bf16, "bf16") if bf16 >= fp32 else (fp32, "fp32")
+
+
 def measure_fma_peak(samples: int = 50) -> list[float]:
     """GFLOP/s of torch.mm on cache-resident fp32 512^3 matrices, one value per sample."""
     n = PEAK_MNK
@@ -296,7 +307,7 @@ class Row:
     kt_ms: float
     torch_ms: Optional[float]
     speedup: Optional[float]  # torch_ms / kt_ms
-    bound_by: str  # "memory" or "compute"
+    bound_by: str  # "memory", or the compute peak that binds: "bf16" or "fp32"
     kt_achieved: float  # GB/s (memory) or GFLOP/s (compute)
     kt_roofline_pct: float
     torch_achieved: Optional[float]
@@ -361,7 +372,9 @@ def bench_tokens(
     return s
 
 
-def summarize(shape: Shape, s: Samples, bw_gbs: float, peak_gflops: float) -> Row:
+def summarize(
+    shape: Shape, s: Samples, bw_gbs: float, peak_gflops: float, peak_kind: str = "bf16"
+) -> Row:
     """Medians, speed-up and roofline fractions of one token count's samples."""
     H, Im, K = shape.hidden, shape.intermediate, shape.top_k
     per_expert_bytes = 3 * H * Im * 2  # gate, up, down in bf16
@@ -370,7 +383,7 @@ def summarize(shape: Shape, s: Samples, bw_gbs: float, peak_gflops: float) -> Ro
     import machine_peaks  # here: machine_peaks imports this file
 
     term = machine_peaks.roofline(med_hit * per_expert_bytes, flops, bw_gbs, peak_gflops)[1]
-    bound_by = "memory" if term == "read" else "compute"
+    bound_by = "memory" if term == "read" else peak_kind
 
     def achieved(times: list[float]) -> tuple[float, float]:
         # Per call: bytes (or FLOPs) over its time and its roofline bound over its time.
@@ -431,7 +444,7 @@ def table(rows: list[Row], markdown: bool) -> str:
     body = []
     for r in rows:
         unit = "GB/s" if r.bound_by == "memory" else "GFLOP/s"
-        term = "read" if r.bound_by == "memory" else "bf16"
+        term = "read" if r.bound_by == "memory" else r.bound_by
         body.append(
             [
                 str(r.tokens),
@@ -580,10 +593,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     }
 
     t_setup = time.perf_counter()
-    import machine_peaks  # here: machine_peaks imports this file
-
     bw = measure_read_bandwidth()
-    peak = [machine_peaks.measure_bf16_peak()]
+    peak = [compute_peak(threads)]
     gate_up, down = make_weights(shape, args.seed)
     packed = kt_ops.ExpertWeights(
         quantize_weights(gate_up[:, :Im], "bf16"),
@@ -603,7 +614,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return kt_ops.moe_forward(x, ids, w, packed)
 
     bw_gbs = statistics.median(bw)
-    peak_gflops = statistics.median(peak)
+    peak_gflops, peak_kind = peak[0]
     print(f"# kt_ops MoE benchmark: {shape.model} layer, bf16 weights")
     print(
         f"#   H={H} I={Im} E={E} top-{shape.top_k} "
@@ -628,8 +639,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         f"[{min(bw):.1f}..{max(bw):.1f}] (design.md dev machine: ~{DESIGN_DRAM_READ_GBS:.0f})"
     )
     print(
-        f"#   before the runs: bf16 peak (torch.mm bf16 {PEAK_MNK}^3, best sample) "
-        f"{peak_gflops:.1f} GFLOP/s"
+        f"#   before the runs: compute peak (best sample of torch.mm bf16 / fp32 "
+        f"{PEAK_MNK}^3 and kt_ops' FMA chains) {peak_kind} {peak_gflops:.1f} GFLOP/s"
     )
     sys.stdout.flush()
 
@@ -650,22 +661,22 @@ def main(argv: Optional[list[str]] = None) -> int:
         )
 
     # Measure the limits again after the runs (the host's load drifts) and use all samples.
-    bw_after, peak_after = measure_read_bandwidth(), [machine_peaks.measure_bf16_peak()]
+    bw_after, peak_after = measure_read_bandwidth(), [compute_peak(threads)]
     bw_all, peak_all = bw + bw_after, peak + peak_after
     # A ceiling is the best the hardware did (STREAM's convention): load from other
     # processes only ever lowers a sample, and a median under load would put the
     # kernels above 100% of "peak".
-    bw_final, peak_final = max(bw_all), max(peak_all)
-    rows = [summarize(shape, s, bw_final, peak_final) for s in samples]
+    bw_final, (peak_final, peak_kind) = max(bw_all), max(peak_all)
+    rows = [summarize(shape, s, bw_final, peak_final, peak_kind) for s in samples]
     print(
         f"#   after the runs: read bandwidth {statistics.median(bw_after):.1f} GB/s, "
-        f"bf16 peak {statistics.median(peak_after):.1f} GFLOP/s; roofline uses the best "
+        f"{peak_after[0][1]} peak {peak_after[0][0]:.1f} GFLOP/s; roofline uses the best "
         f"of all {len(bw_all)} + {len(peak_all)} samples: read {bw_final:.1f} GB/s, "
-        f"bf16 peak {peak_final:.1f} GFLOP/s"
+        f"{peak_kind} peak {peak_final:.1f} GFLOP/s"
     )
     print(
         "#   speed-up = torch ms / kt ms; roofline = max(weight bytes / bandwidth, "
-        "FLOPs / bf16 peak) / time, the binding term in 'bound by'; medians over reps; "
+        f"FLOPs / {peak_kind} peak) / time, the binding term in 'bound by'; medians over reps; "
         "before each timed call: "
         f"{args.settle_ms:g} ms idle, then one untimed call of the same side on other routing"
     )
@@ -676,7 +687,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             f"{shape.model} layer (H={H}, I={Im}, E={E}, top-{shape.top_k}), bf16, "
             f"{threads} threads, isa {header['kt_isa']}, torch {torch.__version__} eager "
             f"reference with {args.torch_dtype} weights; "
-            f"read bandwidth {bw_final:.1f} GB/s, bf16 peak {peak_final:.1f} GFLOP/s "
+            f"read bandwidth {bw_final:.1f} GB/s, {peak_kind} peak {peak_final:.1f} GFLOP/s "
             "(best samples, measured in the same run)."
         )
         print()
@@ -685,8 +696,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         header.update(
             read_bandwidth_gbs=bw_final,
             read_bandwidth_samples=bw_all,
-            bf16_peak_gflops=peak_final,
-            bf16_peak_samples=peak_all,
+            compute_peak_gflops=peak_final,
+            compute_peak_kind=peak_kind,
+            compute_peak_samples=[list(p) for p in peak_all],
             design_fp32_peak_gflops=DESIGN_FP32_PEAK_GFLOPS,
             design_dram_read_gbs=DESIGN_DRAM_READ_GBS,
         )

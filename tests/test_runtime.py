@@ -442,3 +442,31 @@ def test_runtime_all_lists_its_public_api_with_docstrings():
     for name in runtime.__all__:
         assert name == "config" or inspect.getdoc(getattr(runtime, name)), name
         assert name == "memory_nodes" or name in kt_ops.__all__, name
+
+
+def test_aligned_scratch_starts_a_cache_line():
+    """runtime::AlignedVector (the scratch kernels read as vectors: the LoRA backward's
+    operands and weight panels, the forward's activation rows) starts on a 64-byte line at
+    every size, small (malloc's 16-byte-aligned heap) and large (glibc's mmap'd blocks, 16
+    bytes into a page): a base at 16 mod 32 had split every other 32-byte load in two."""
+    sizes = [0, 1, 3, 4, 17, 1000, 1 << 16, 1 << 20, (1 << 22) + 5]
+    assert kt_ops._C._testing.aligned_vector_offsets(sizes) == [0] * len(sizes)
+    with pytest.raises(ValueError, match="sizes"):
+        kt_ops._C._testing.aligned_vector_offsets([-1])
+
+
+def test_fma_peak_gflops():
+    """The benchmarks' fp32 ceiling (benchmarks/machine_peaks.py): independent FMA chains on
+    every pool thread. A rate, not a timing test: positive and finite, within what 256-bit
+    FMAs can do (2 pipes x 16 FLOPs a cycle, at most 8 GHz, per thread), and arguments
+    checked."""
+    hook = kt_ops._C._testing.fma_peak_gflops
+    if "avx2" not in kt_ops.supported_isas():
+        with pytest.raises(ValueError, match="AVX2"):
+            hook(0.05)
+        return
+    rate = hook(0.05)
+    assert 0 < rate < 2 * 16 * 8 * kt_ops.get_num_threads()
+    for bad in (0.0, -1.0, 61.0, float("nan")):
+        with pytest.raises(ValueError, match="seconds"):
+            hook(bad)

@@ -37,6 +37,9 @@ __attribute__((weak)) void quantize_row_q8(const float* x, int64_t kp, uint8_t* 
 __attribute__((weak)) void gemm_nt_f32(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
                                        const float* b, int64_t ldb, float* c, int64_t ldc,
                                        bool accumulate);
+// `iters` steps of independent 256-bit FMA chains (kernels/avx2/fma_peak_avx2.cpp);
+// returns the FLOPs done and stores a value of the result at sink.
+__attribute__((weak)) double fma_chains(int64_t iters, float* sink);
 }  // namespace avx2
 
 namespace avx512 {

@@ -24,6 +24,7 @@
 #include "kernels/dispatch.h"
 #include "kernels/tiers.h"
 #include "moe/moe_forward.h"
+#include "runtime/aligned_vector.h"
 #include "runtime/cpu_features.h"
 #include "runtime/openmp_team.h"
 #include "runtime/thread_pool.h"
@@ -122,6 +123,52 @@ void register_test_hooks(py::module& t) {
       },
       py::arg("a"), py::arg("b"), py::arg("c"), py::arg("accumulate"), py::arg("isa"),
       py::arg("i0"), py::arg("rows"));
+  // The byte offset within a cache line of a runtime::AlignedVector<float> of each size
+  // (the scratch that kernels read as vectors: all 0).
+  t.def("aligned_vector_offsets", [](const std::vector<int64_t>& sizes) {
+    std::vector<int64_t> offsets;
+    for (int64_t n : sizes) {
+      if (n < 0) throw py::value_error("aligned_vector_offsets: sizes must be >= 0");
+      kt::runtime::AlignedVector<float> v(static_cast<size_t>(n));
+      offsets.push_back(static_cast<int64_t>(reinterpret_cast<uintptr_t>(v.data()) %
+                                             kt::runtime::kCacheLineBytes));
+    }
+    return offsets;
+  });
+  // The vector FMA units' peak, GFLOP/s, on every thread of kt_ops' pool at once: the best
+  // of repeated runs of independent 256-bit FMA chains (kernels/avx2/fma_peak_avx2.cpp)
+  // over about `seconds`. benchmarks/machine_peaks.py's fp32 ceiling where it beats
+  // torch.mm's. ValueError on a CPU or build without the AVX2 tier.
+  t.def(
+      "fma_peak_gflops",
+      [](double seconds) {
+        if (kt::kernels::avx2::fma_chains == nullptr || !kt::runtime::cpu_features().avx2)
+          throw py::value_error("fma_peak_gflops: needs the AVX2 tier and an AVX2 CPU");
+        if (!(seconds > 0 && seconds <= 60))
+          throw py::value_error("fma_peak_gflops: seconds must be in (0, 60]");
+        py::gil_scoped_release no_gil;
+        kt::runtime::ThreadPool& pool = kt::runtime::ThreadPool::global();
+        const int n = pool.num_threads();
+        constexpr int64_t kIters = int64_t{1} << 18;  // about 0.5 ms a task on one core
+        std::vector<float> sink(static_cast<size_t>(n));
+        double best = 0;
+        const auto start = std::chrono::steady_clock::now();
+        do {
+          std::vector<double> flops(static_cast<size_t>(n), 0.0);
+          const auto t0 = std::chrono::steady_clock::now();
+          pool.run(4 * n, [&](int64_t, int thread) {
+            flops[thread] += kt::kernels::avx2::fma_chains(kIters, &sink[thread]);
+          });
+          const double dt =
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+          double total = 0;
+          for (double f : flops) total += f;
+          best = std::max(best, total / dt / 1e9);
+        } while (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() <
+                 seconds);
+        return best;
+      },
+      py::arg("seconds") = 0.5);
   // One fp8 block's E4M3 codes [kp][16] (kp a multiple of 32) as the fp8
   // brgemm's bf16 VNNI tile [kp/2][16][2] (kernels/tiers.h), from the
   // AVX512_VBMI decode ("vbmi") or the AVX512_BW one ("bw"); with `exponents`
