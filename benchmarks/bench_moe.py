@@ -25,7 +25,7 @@ FLOPs / compute peak) (``machine_peaks.roofline``), where
 * compute peak   = the faster of the bf16 peak, torch.mm of cache-resident bf16
   512^3 matrices (oneDNN: ``vdpbf16ps`` on AVX512_BF16, AMX tiles where present),
   and the fp32 peak, the faster of torch.mm fp32 and kt_ops' FMA chains
-  (``machine_peaks.measure_fma_units``): kt_ops runs a bf16 layer as fp32 FMAs
+  (``machine_peaks.measure_fp32_peak``): kt_ops runs a bf16 layer as fp32 FMAs
   where bf16 dot products are missing (AVX2) or slower (Intel CPUs with
   AVX512_BF16 and no AMX, docs/formats.md "Compute paths"),
 
@@ -195,7 +195,7 @@ def compute_peak(threads: int) -> tuple[float, str]:
     import machine_peaks  # here: machine_peaks imports this file
 
     bf16 = machine_peaks.measure_bf16_peak()
-    fp32 = max(max(measure_fma_peak(20)), machine_peaks.measure_fma_units(threads) or 0.0)
+    fp32 = machine_peaks.measure_fp32_peak(threads, samples=20)
     return (bf16, "bf16") if bf16 >= fp32 else (fp32, "fp32")
 
 

@@ -127,18 +127,22 @@ def measure_fma_units(threads: int) -> Optional[float]:
         kt_ops.set_num_threads(prev)
 
 
+def measure_fp32_peak(threads: int, samples: int = 40) -> float:
+    """GFLOP/s: the faster of torch.mm fp32 (best of ``samples``) and ``measure_fma_units``."""
+    return max(max(measure_fma_peak(samples)), measure_fma_units(threads) or 0.0)
+
+
 def measure(threads: int, bw_samples: int = 5) -> Peaks:
     """All limits at ``threads`` torch (and kt_ops) threads (restores the previous count)."""
     prev = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        fp32 = max(measure_fma_peak(40))
         return Peaks(
             threads=threads,
             read_gbs=max(measure_read_bandwidth(bw_samples)),
             bf16_gflops=measure_bf16_peak(),
             int8_gops=measure_int8_peak(),
-            fp32_gflops=max(fp32, measure_fma_units(threads) or 0.0),
+            fp32_gflops=measure_fp32_peak(threads),
         )
     finally:
         torch.set_num_threads(prev)
