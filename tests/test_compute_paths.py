@@ -62,9 +62,13 @@ _FEATS = kt_ops.info()["cpu_features"]
 #: fp8 (with AVX512_VBMI) on kt_ops' own vdpbf16ps tiles on AVX512_BF16 CPUs
 #: without AMX (``set_brgemm_bf16_kernel``).
 BRGEMM_KERNELS = {
+    # AMX: kt_ops' AMX tiles (kernels/avx512/bf16_amx.cpp) under the default kernel setting,
+    # unless ONEDNN_MAX_CPU_ISA caps oneDNN below AMX (which turns them off too).
     "bf16": (
         "avx512_bf16/bf16_dp"
         if _FEATS["avx512_bf16"] and not _FEATS.get("amx")
+        else "amx/bf16_tiles"
+        if _FEATS.get("amx") and onednn_isa.at_least("AVX512_CORE_AMX")
         else "onednn/brgemm_bf16"
     ),
     # int8 (per channel) under quant 'auto': full-K calls on per-token int8 activations;
@@ -218,11 +222,8 @@ def test_info_reports_the_compute_path(isa):
     assert "compute path   : auto" in text
     if brgemm_runs():
         feats = report["cpu_features"]
-        kernel = (
-            "avx512_bf16/bf16_dp"  # kt_ops' own tiles: AVX512_BF16 without AMX
-            if feats["avx512_bf16"] and not feats.get("amx")
-            else "onednn/brgemm_bf16"
-        )
+        assert feats["avx512_bf16"] == _FEATS["avx512_bf16"]
+        kernel = BRGEMM_KERNELS["bf16"]  # kt_ops' own tiles on AVX512_BF16 or AMX
         min_tokens = kt_ops.formats.format_spec("bf16").brgemm_min_tokens_for(
             report["brgemm_cpu_class"]
         )
@@ -246,29 +247,30 @@ def test_format_table_records_the_thresholds():
     spec = kt_ops.formats.format_spec("bf16")
     assert spec.brgemm_min_tokens_for("avx512") == 8  # kt_ops' vdpbf16ps tiles
     assert spec.brgemm_min_tokens_for("avx512_intel") is None  # streaming fp32 FMAs win
-    assert spec.brgemm_min_tokens_for("amx") == 12  # oneDNN's (AMX) brgemm
+    assert spec.brgemm_min_tokens_for("amx") == 8  # kt_ops' AMX tiles
     with pytest.raises(ValueError, match="cpu_class"):
         spec.brgemm_min_tokens_for("avx2")
     for name in Q8_BRGEMM_FORMATS:  # u8s8 brgemm, docs/formats.md "Compute paths"
         spec = kt_ops.formats.format_spec(name)
         # q8_0: the VNNI streaming kernel wins at every count measured; int8 (w8a8, kt_ops'
-        # vpdpbusd tiles) from 10 tokens per expert. AMX not measured.
+        # vpdpbusd tiles) from 10 tokens per expert; on AMX int8 (oneDNN's w8a8) from 10,
+        # q8_0 16 (not measured).
         assert spec.brgemm_min_tokens_for("avx512") == (10 if name == "int8" else None)
         assert spec.brgemm_min_tokens_for("avx512_intel") == (8 if name == "int8" else None)
-        assert spec.brgemm_min_tokens_for("amx") == 16
+        assert spec.brgemm_min_tokens_for("amx") == (10 if name == "int8" else 16)
     spec = kt_ops.formats.format_spec("int4")  # per channel on the w4a8 kernels
     assert spec.brgemm_min_tokens_for("avx512") == 4  # kt_ops' tiles
     assert spec.brgemm_min_tokens_for("avx512_intel") == 8
-    assert spec.brgemm_min_tokens_for("amx") == 16  # oneDNN's, int8's AMX value
+    assert spec.brgemm_min_tokens_for("amx") == 16  # oneDNN's w4a8 (measured)
     for name in ("fp8", "fp8_channel", "mxfp8"):  # docs/formats.md "Compute paths"
         spec = kt_ops.formats.format_spec(name)
         assert spec.brgemm_min_tokens_for("avx512") == 5  # kt_ops' fused tiles
         assert spec.brgemm_min_tokens_for("avx512_intel") is None  # vdpbf16ps: slow there
-        assert spec.brgemm_min_tokens_for("amx") == 6  # oneDNN's brgemm on decoded tiles
+        assert spec.brgemm_min_tokens_for("amx") == 12  # oneDNN's brgemm on decoded tiles
     spec = kt_ops.formats.format_spec("mxfp4")  # oneDNN's bf16 brgemm on decoded tiles
     assert spec.brgemm_min_tokens_for("avx512") is None  # the q8 streaming kernel wins
     assert spec.brgemm_min_tokens_for("avx512_intel") is None
-    assert spec.brgemm_min_tokens_for("amx") == 12  # bf16's AMX value (not measured)
+    assert spec.brgemm_min_tokens_for("amx") == 32  # measured on a Xeon with AMX
     for name in kt_ops.formats.FORMATS:
         if name not in BRGEMM_KERNELS and name != "mxfp4":  # no brgemm path yet: streaming
             assert dict(kt_ops.formats.format_spec(name).brgemm_min_tokens) == {
@@ -567,6 +569,37 @@ def test_onednn_bf16_block_pairs(isa, H, I, T, E):  # noqa: E741
             outs[pairs] = got[0]
     if onednn_sums_in_kt_order():
         assert torch.equal(outs[True], outs[False])
+
+
+def amx_bf16_tiles_run() -> bool:
+    with kt_ops.use_compute_path("brgemm"):
+        return kt_ops.compute_paths()["bf16"]["brgemm_kernel"] == "amx/bf16_tiles"
+
+
+@pytest.mark.parametrize(
+    "H,I,T,E",
+    [(2048, 96, 90, 2), (96, 48, 37, 3), (130, 70, 150, 3), (33, 17, 61, 2), (64, 16, 1, 2)],
+)
+def test_amx_bf16_tiles(isa, H, I, T, E):  # noqa: E741
+    # kt_ops' AMX tiles (kernels/avx512/bf16_amx.cpp): token tiles of 32 rows (one or two
+    # A tiles: 1, 17-31, > 32 tokens per expert), blocks in pairs (odd block counts: I =
+    # 48, 70, 17), k tails (H = 130, 33: zero-padded copies). Each against the reference;
+    # the same bits at 1, 2 and 3 threads; bit-identical to oneDNN's AMX kernel where k is a
+    # multiple of 32 (both one tile chain over k in order; the tails sum in other orders).
+    if not amx_bf16_tiles_run():
+        pytest.skip("needs an AMX CPU, an AVX-512 path and the bf16 brgemm path")
+    experts = make_expert_weights(E, H, I, seed=H + I + T)
+    ids, w = make_routing(T, E, min(2, E), seed=T)
+    x = make_hidden(T, H, seed=I)
+    got = []
+    for n in THREAD_COUNTS:
+        kt_ops.set_num_threads(n)
+        got.append(check_path("brgemm", x, ids, w, experts))
+        assert torch.equal(got[-1], got[0]), f"{n} threads"
+    with kt_ops.use_brgemm_bf16_kernel("onednn"):
+        onednn = check_path("brgemm", x, ids, w, experts)
+    if H % 32 == 0 and onednn_isa.onednn_isa() == "AVX512_CORE_AMX":
+        assert torch.equal(got[0], onednn)
 
 
 @pytest.mark.parametrize("m", [1, 2, 13, 27, 28, 29, 55, 56, 57, 84, 85, 113])
@@ -1354,7 +1387,9 @@ def test_qint_exact_kernel_reported(isa):
         assert qint_exact_runs(fmt) == bf16, fmt
         with kt_ops.use_compute_path("auto"), kt_ops.use_quant_activations("fp32"):
             got = kt_ops.compute_paths()[fmt]["brgemm_kernel"]
-        assert got == (BRGEMM_KERNELS.get(fmt) if fmt == "mxfp4" else None), fmt
+        # mxfp4's oneDNN kernel (AMX) decodes with AVX-512 code: not on the ref / avx2 tiers.
+        tiles = isa not in ("ref", "avx2")
+        assert got == (BRGEMM_KERNELS.get(fmt) if fmt == "mxfp4" and tiles else None), fmt
         with kt_ops.use_compute_path("brgemm"), kt_ops.use_quant_activations("auto"):
             assert kt_ops.compute_paths()[fmt]["brgemm_kernel"] != "avx512_bf16/qint_dp_exact"
     for fmt in GRID_FORMATS:

@@ -64,6 +64,10 @@ constexpr BrgemmPolicy kNoBrgemmPath = {{kNoBrgemm, kNoBrgemm, kNoBrgemm}};
 // class's kernel; AMX itself not measured, no AMX host) both were bound by
 // the weight stream up to ~10 tokens (1.00-1.08), brgemm won from 12
 // (0.93-0.97), 16 (0.83-0.85), 32 (0.77).
+// AMX (Intel Xeon, 2 threads, 8 experts hot in L3; bench_compute_paths.py, 2026-12-02):
+// oneDNN's brgemm 0.95 (4), 0.76 (8), 0.44 (12), 0.47 (16), 0.37 (32), 0.31 (64); kt_ops'
+// AMX tiles (kernels/avx512/bf16_amx.cpp, the class's kernel since) 0.48 (16), 0.37 (32),
+// 0.29 (64), 0.27 (128), 0.23 (256), break-even at 8: from 8.
 // On an Intel Xeon with AVX512_BF16 / FP16 and no AMX (kAvx512Intel: vdpbf16ps at a
 // quarter of the FMA's instruction rate), the same tiles against the same streaming
 // kernel: 1.53 (8), 1.42 (16), 1.46 (32), 1.48 (64), 1.38 (128); oneDNN's bf16 brgemm
@@ -71,7 +75,7 @@ constexpr BrgemmPolicy kNoBrgemmPath = {{kNoBrgemm, kNoBrgemm, kNoBrgemm}};
 // never.
 constexpr int kBf16BrgemmMinAvx512 = 8;
 constexpr int kBf16BrgemmMinAvx512Intel = kNoBrgemm;
-constexpr int kBf16BrgemmMinAmx = 12;
+constexpr int kBf16BrgemmMinAmx = 8;
 constexpr BrgemmPolicy kBf16Brgemm = {
     {kBf16BrgemmMinAvx512, kBf16BrgemmMinAvx512Intel, kBf16BrgemmMinAmx}};
 // u8 x s8 -> s32 brgemm (q8 activations, K chunks of 32, bit-identical to the
@@ -90,12 +94,13 @@ constexpr BrgemmPolicy kBf16Brgemm = {
 // kernel on AVX512_VNNI CPUs, kernels/avx512/w8a8_dp_avx512vnni.cpp): 1.25 (2),
 // 1.28 (6), 1.01-1.02 (8), 0.86 (10), 0.84 (12), 0.80-0.84 (16), 0.72-0.81 (24-32),
 // 0.80 (64), 0.82 (128); a layer 1.33x (T = 512) and 1.27x (T = 2048) faster: from
-// 10 tokens. AMX's 16 (unmeasured) applies to oneDNN's w8a8 there.
+// 10 tokens. AMX (oneDNN's w8a8 on tdpbusd, Intel Xeon, 2 threads, 2026-12-02): 1.15 (4),
+// 0.99 (8), 0.78 (12), 0.67 (16), 0.58 (32), 0.53 (64): from 10.
 // The Intel Xeon without AMX (the same tiles, vpdpbusd at full rate there): 1.00 (4),
 // 0.83 (8), 0.82 (10), 0.70 (16), 0.78 (32), 0.81 (128): from 8.
 constexpr int kInt8BrgemmMinAvx512 = 10;
 constexpr int kInt8BrgemmMinAvx512Intel = 8;
-constexpr int kInt8BrgemmMinAmx = 16;
+constexpr int kInt8BrgemmMinAmx = 10;
 constexpr BrgemmPolicy kInt8Brgemm = {
     {kInt8BrgemmMinAvx512, kInt8BrgemmMinAvx512Intel, kInt8BrgemmMinAmx}};
 // int4 with one scale per output channel (group_size 0) on kt_ops' w4a8 tiles
@@ -105,15 +110,17 @@ constexpr BrgemmPolicy kInt8Brgemm = {
 // from 4 tokens. int4 with groups and every other 4-bit format stream (the per-group
 // fold costs more there; TileKernel::applies_to). AMX runs oneDNN's w4a8 (the codes
 // decoded to signed bytes per block, then int8's w8a8 calls on AMX tiles; with groups of
-// 64 or 128 one call per group): int8's AMX value, 16 (unmeasured, no AMX host since;
-// the decode is 4 vector operations per 64 bytes of codes, once per block for all its
-// token tiles). oneDNN's grouped calls on Zen 4 (forced): g128 1.2-3.0x the streaming
+// 64 or 128 one call per group), measured on a Xeon with AMX (2 threads, 2026-12-02): per
+// channel 1.51 (4), 1.10 (8), 0.70 (16), 0.64 (32), 0.60 (64); g128 2.53 (4), 1.72 (8),
+// 1.20 (16), 1.00 (32), 0.90 (64) (a layer at T = 512 / 2048: 65.0 / 199 against 65.6 /
+// 260 ms streaming). One value for the class: 16, where per channel wins by 30% and g128
+// loses 20% until 32 tokens. oneDNN's grouped calls on Zen 4 (forced): g128 1.2-3.0x the streaming
 // kernel's time from 4 to 128 tokens (docs/formats.md).
 // The Intel Xeon without AMX: 1.55 (2), 1.11 (4), 1.03 (6), 0.86 (8), 0.72 (16), 0.74
 // (64): from 8.
 constexpr int kInt4BrgemmMinAvx512 = 4;
 constexpr int kInt4BrgemmMinAvx512Intel = 8;
-constexpr int kInt4BrgemmMinAmx = kInt8BrgemmMinAmx;
+constexpr int kInt4BrgemmMinAmx = 16;
 constexpr BrgemmPolicy kInt4Brgemm = {
     {kInt4BrgemmMinAvx512, kInt4BrgemmMinAvx512Intel, kInt4BrgemmMinAmx}};
 constexpr int kQ80BrgemmMinAvx512 = kNoBrgemm;
@@ -128,8 +135,9 @@ constexpr BrgemmPolicy kQ80Brgemm = {{kQ80BrgemmMinAvx512, kQ80BrgemmMinAvx512, 
 // 1.18-1.22 (1), 1.00-1.06 (2), 0.71 (3), 0.60-0.65 (4), 0.44-0.49 (6),
 // 0.37-0.41 (8), 0.44-0.48 (16), 0.50 (32), 0.51-0.52 (64). On oneDNN's bf16
 // brgemm (the AMX class's kernel, and AVX512_BF16 CPUs without VBMI), same
-// runs: 1.80 (1), 1.53 (2), 0.92 (3), 0.94 (4), 0.72 (6), 0.59 (8). AMX itself
-// not measured: the earlier value 6, from the oneDNN kernel.
+// runs: 1.80 (1), 1.53 (2), 0.92 (3), 0.94 (4), 0.72 (6), 0.59 (8). AMX (oneDNN's kernel
+// on AMX tiles, Intel Xeon, 2 threads, 2026-12-02): 2.83 (2), 2.19 (4), 1.40 (6), 1.22 (8),
+// 0.71 (16), 0.40 (32), 0.35 (64): from 12.
 // Against the streaming kernel of AVX-512 with VBMI (E4M3 by byte tables, kernels/avx512/
 // fp8_avx512.cpp), same host, fp8: 1.31 (2), 1.21 (3), 1.07 (4), 0.74 (5), 0.73 (6); mxfp8
 // on the same tiles, its exponents in the decode: 1.57 (1), 1.33 (2), 1.20-1.21 (3),
@@ -140,16 +148,18 @@ constexpr BrgemmPolicy kQ80Brgemm = {{kQ80BrgemmMinAvx512, kQ80BrgemmMinAvx512, 
 // against 'auto' streaming: 1.25 (8), 1.01 (32), 0.99 (128): never.
 constexpr int kFp8BrgemmMinAvx512 = 5;
 constexpr int kFp8BrgemmMinAvx512Intel = kNoBrgemm;
-constexpr int kFp8BrgemmMinAmx = 6;
+constexpr int kFp8BrgemmMinAmx = 12;
 constexpr BrgemmPolicy kFp8Brgemm = {
     {kFp8BrgemmMinAvx512, kFp8BrgemmMinAvx512Intel, kFp8BrgemmMinAmx}};
 // mxfp4 on oneDNN's bf16 brgemm (its exact values decoded per pair of blocks, bf16
 // activations; kernels/brgemm.h, mxfp4_dot) against the streaming q8 kernel of the
 // avx512_vnni tier, 8 experts of m tokens (Zen 4, oneDNN's AVX512_BF16 kernel forced):
-// 2.87 (4), 2.24 (8), 1.79 (16), 1.68 (32), 1.54 (64), 1.50 (128): never. AMX (tdpbf16ps)
-// not measured: bf16's AMX value, 12.
+// 2.87 (4), 2.24 (8), 1.79 (16), 1.68 (32), 1.54 (64), 1.50 (128): never. AMX (tdpbf16ps,
+// Intel Xeon, 2 threads, 2026-12-02): 2.53 (4), 1.67 (8), 1.31 (12), 0.99-1.05 (16), 0.74
+// (32), 0.59 (64); a layer at T = 512 (about 32 tokens per expert) 72.5 against 69.6 ms
+// streaming, at T = 2048 186 against 270: from 32.
 constexpr int kMxfp4BrgemmMinAvx512 = kNoBrgemm;
-constexpr int kMxfp4BrgemmMinAmx = kBf16BrgemmMinAmx;
+constexpr int kMxfp4BrgemmMinAmx = 32;
 constexpr BrgemmPolicy kMxfp4Brgemm = {
     {kMxfp4BrgemmMinAvx512, kMxfp4BrgemmMinAvx512, kMxfp4BrgemmMinAmx}};
 

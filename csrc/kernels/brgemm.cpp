@@ -4,9 +4,11 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cctype>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <string>
 #include <vector>
 
 #include "formats/bf16.h"
@@ -266,6 +268,35 @@ bool bf16_uses_kt_kernel() {
   const runtime::CpuFeatures& f = runtime::cpu_features();
   if (!f.avx512_bf16) return false;
   return k == Bf16Kernel::kKt || !f.amx;  // AMX: oneDNN's tiles, unless forced
+}
+
+namespace {
+// Whether oneDNN's ISA cap (ONEDNN_MAX_CPU_ISA, or its older name DNNL_MAX_CPU_ISA), read
+// once, leaves AMX on: unset, ALL or an AMX class. The cap turns kt_ops' AMX tiles off
+// with oneDNN's, so that one variable makes an AMX host compute as a lower class
+// (scripts/test.sh reruns the brgemm tests that way).
+bool onednn_cap_allows_amx() {
+  static const bool allows = [] {
+    const char* cap = std::getenv("ONEDNN_MAX_CPU_ISA");
+    if (cap == nullptr || cap[0] == '\0') cap = std::getenv("DNNL_MAX_CPU_ISA");
+    if (cap == nullptr || cap[0] == '\0') return true;
+    std::string c(cap);
+    for (char& ch : c) ch = static_cast<char>(std::toupper(static_cast<unsigned char>(ch)));
+    return c == "ALL" || c.find("AMX") != std::string::npos;
+  }();
+  return allows;
+}
+}  // namespace
+
+bool amx_bf16_runs() {
+  if (avx512::amx_bf16_dot == nullptr || avx512::amx_bf16_permitted == nullptr) return false;
+  if (bf16_kernel_setting() != Bf16Kernel::kAuto || !runtime::cpu_features().amx) return false;
+  return onednn_cap_allows_amx() && bf16_runs() && avx512::amx_bf16_permitted();
+}
+
+void amx_bf16_dot(const DotArgs& a, const TileOperand& op) {
+  avx512::amx_bf16_dot(a, op);
+  release();
 }
 
 bool fp8_uses_kt_kernel() {

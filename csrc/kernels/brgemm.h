@@ -94,6 +94,15 @@ void set_bf16_kernel(Bf16Kernel k);
 Bf16Kernel bf16_kernel_setting();
 // Whether kt_ops' bf16 kernel replaces oneDNN's now (the setting resolved for this CPU).
 bool bf16_uses_kt_kernel();
+// Whether kt_ops' AMX tile kernel (kernels/avx512/bf16_amx.cpp) computes the bf16
+// products now: under kAuto, on CPUs with AMX where Linux granted the tile data,
+// oneDNN's bf16 brgemm runs (torch.backends.mkldnn on: one switch for the tile path)
+// and oneDNN's ISA cap (ONEDNN_MAX_CPU_ISA) leaves AMX on.
+// kOneDnn / kKt turn it off. amx_bf16_dot: its TileKernel::dot (a's run of blocks with
+// the bf16 rows op.rows, as bf16_dot), then brgemm_release's reset of oneDNN's tile
+// state (oneDNN loads its own configuration again when it next computes on this thread).
+bool amx_bf16_runs();
+void amx_bf16_dot(const DotArgs& a, const TileOperand& op);
 // Whether kt_ops' fused fp8 kernel replaces oneDNN's now: where its bf16
 // kernel does and the CPU has AVX512_VBMI (its decode's byte tables).
 bool fp8_uses_kt_kernel();

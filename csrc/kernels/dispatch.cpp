@@ -51,6 +51,21 @@ const TileKernel kOneDnnBf16{
     /*quant_modes=*/kAnyQuantMode,
     /*keeps_if=*/brgemm::bf16_pairs,
 };
+// kt_ops' AMX tiles for the same product (AMX CPUs: 2 x 2 tiles over two blocks, the
+// next pair prefetched under the tile products), oneDNN's kernel where they do not run.
+const TileKernel kAmxBf16{
+    /*name=*/"amx/bf16_tiles",
+    /*input=*/TileInput::kBf16Rows,
+    /*bf16_activations_only=*/true,
+    /*keeps=*/false,
+    /*applies=*/nullptr,
+    /*runs=*/brgemm::amx_bf16_runs,
+    /*dot=*/brgemm::amx_bf16_dot,
+    /*pack_bytes=*/nullptr,
+    /*pack=*/nullptr,
+    /*release=*/brgemm::release,
+    /*fallback=*/&kOneDnnBf16,
+};
 const TileKernel kKtBf16{
     /*name=*/"avx512_bf16/bf16_dp",
     /*input=*/TileInput::kBf16Packed,
@@ -62,7 +77,7 @@ const TileKernel kKtBf16{
     /*pack_bytes=*/avx512::bf16_dp_pack_bytes,
     /*pack=*/nullptr,
     /*release=*/nullptr,
-    /*fallback=*/&kOneDnnBf16,
+    /*fallback=*/&kAmxBf16,
     /*pack_rows=*/nullptr,
     /*quant_modes=*/kAnyQuantMode,
     /*keeps_if=*/nullptr,

@@ -113,6 +113,14 @@ __attribute__((weak)) int64_t bf16_dp_pack_bytes(int m, int64_t kp);
 __attribute__((weak)) void bf16_dp_pack(const uint16_t* rows, int64_t ld, int m, int64_t kp,
                                         uint8_t* dst);
 
+// The bf16 tile kernel for AMX CPUs (kernels/avx512/bf16_amx.cpp, AMX tiles under a
+// function-level target; a TileKernel of the tier table): the same operands as
+// oneDNN's bf16 kernel (TileInput::kBf16Rows, the packed [k_pairs][16][2] blocks).
+// amx_bf16_permitted: whether Linux granted this process AMX's tile data (asked once).
+// Null when the avx512 tier or the compiler's AMX target is missing.
+__attribute__((weak)) bool amx_bf16_permitted();
+__attribute__((weak)) void amx_bf16_dot(const DotArgs& a, const TileOperand& op);
+
 // The fp8 brgemm path (kernels/brgemm.h), AVX-512 code
 // (kernels/avx512/brgemm_fp8_avx512.cpp). fp8_to_bf16_vnni: a block's E4M3
 // codes [kp][16] as their exact bf16 values in brgemm's VNNI B layout with
