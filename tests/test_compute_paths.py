@@ -102,8 +102,8 @@ for _name in W4A8_FORMATS:
 #: where oneDNN computes bf16 (AMX by default; ``use_brgemm_bf16_kernel('onednn')``
 #: elsewhere). Without it mxfp4 streams (under quant 'fp32': kt_ops' exact qint tiles).
 MXFP4_KERNEL = "onednn/brgemm_mxfp4_bf16"
-if _FEATS.get("amx") and _FEATS["avx512_bf16"]:
-    BRGEMM_KERNELS["mxfp4"] = MXFP4_KERNEL
+if _FEATS.get("amx") and _FEATS["avx512_bf16"] and onednn_isa.at_least("AVX512_CORE_BF16"):
+    BRGEMM_KERNELS["mxfp4"] = MXFP4_KERNEL  # (oneDNN capped below BF16: no bf16 brgemm)
 
 #: 'auto' with experts on both paths, against the unrounded reference: the
 #: brgemm experts' bf16 activations (relative rounding 2^-9 per value).
