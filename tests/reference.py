@@ -800,6 +800,7 @@ def q8_brgemm_min_tokens_of(weight_format: str) -> Optional[int]:
 
 #: The tile kernels that multiply per-token int8 activations (w8a8 for int8, w4a8 for int4).
 TOKEN_INT8_KERNELS = (
+    "amx/w8a8_tiles",
     "avx512_vnni/w8a8_dp",
     "onednn/brgemm_w8a8",
     "avx512_vnni/w4a8_dp",

@@ -76,6 +76,8 @@ BRGEMM_KERNELS = {
     "int8": (
         "avx512_vnni/w8a8_dp"
         if _FEATS.get("avx512_vnni") and not _FEATS.get("amx")
+        else "amx/w8a8_tiles"  # kt_ops' AMX tiles (kernels/avx512/w8a8_amx.cpp)
+        if _FEATS.get("amx") and onednn_isa.at_least("AVX512_CORE_AMX")
         else "onednn/brgemm_w8a8"
     ),
     "q8_0": "onednn/brgemm_u8s8",
@@ -930,7 +932,7 @@ def test_onednn_limited_below_vnni_streams_int8(python_subprocess):
 # exact int32 sums. Not the q8 kernels' bits (their scales are per 32 k).
 
 
-W8A8_KERNELS = ("avx512_vnni/w8a8_dp", "onednn/brgemm_w8a8")
+W8A8_KERNELS = ("amx/w8a8_tiles", "avx512_vnni/w8a8_dp", "onednn/brgemm_w8a8")
 
 
 def w8a8_runs() -> bool:
@@ -940,10 +942,10 @@ def w8a8_runs() -> bool:
 
 def token_int8_kernels_here(fmt: str, kernels: tuple[str, ...]) -> list[str]:
     """The ``brgemm_bf16_kernel`` settings under which one of ``kernels`` computes ``fmt``
-    here, one per kernel (kt_ops' vpdpbusd tiles under ``'kt'`` on AVX512_VNNI, oneDNN's
-    u8s8 brgemm under ``'onednn'``)."""
+    here, one per kernel (kt_ops' AMX tiles under ``'auto'`` on AMX, its vpdpbusd tiles
+    under ``'kt'`` on AVX512_VNNI, oneDNN's u8s8 brgemm under ``'onednn'``)."""
     found = {}
-    for setting in ("kt", "onednn"):
+    for setting in ("kt", "onednn", "auto"):
         with kt_ops.use_compute_path("brgemm"), kt_ops.use_brgemm_bf16_kernel(setting):
             name = kt_ops.compute_paths()[fmt]["brgemm_kernel"]
         if name in kernels:
@@ -1080,7 +1082,8 @@ def test_kt_and_onednn_w8a8_kernels_bit_identical(isa, m):
                 got.append(check_w8a8(x, ids, w, experts))
                 assert torch.equal(got[-1], got[0]), f"{setting}, {n} threads"
             outs[setting] = got[0]
-    assert torch.equal(outs["kt"], outs["onednn"])
+    first = next(iter(outs.values()))  # AMX: kt_ops' AMX tiles under 'auto' too
+    assert all(torch.equal(o, first) for o in outs.values()), list(outs)
 
 
 @pytest.mark.parametrize("path", ["brgemm", "auto"])

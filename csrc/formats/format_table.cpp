@@ -66,8 +66,8 @@ constexpr BrgemmPolicy kNoBrgemmPath = {{kNoBrgemm, kNoBrgemm, kNoBrgemm}};
 // (0.93-0.97), 16 (0.83-0.85), 32 (0.77).
 // AMX (Intel Xeon, 2 threads, 8 experts hot in L3; bench_compute_paths.py, 2026-12-02):
 // oneDNN's brgemm 0.95 (4), 0.76 (8), 0.44 (12), 0.47 (16), 0.37 (32), 0.31 (64); kt_ops'
-// AMX tiles (kernels/avx512/bf16_amx.cpp, the class's kernel since) 0.48 (16), 0.37 (32),
-// 0.29 (64), 0.27 (128), 0.23 (256), break-even at 8: from 8.
+// AMX tiles (kernels/avx512/bf16_amx.cpp, the class's kernel since; gate and up in one
+// pass) 0.97 (2), 1.01 (4), 0.92 (6), 0.80 (8), 0.48 (12), 0.47 (16), 0.34 (32): from 8.
 // On an Intel Xeon with AVX512_BF16 / FP16 and no AMX (kAvx512Intel: vdpbf16ps at a
 // quarter of the FMA's instruction rate), the same tiles against the same streaming
 // kernel: 1.53 (8), 1.42 (16), 1.46 (32), 1.48 (64), 1.38 (128); oneDNN's bf16 brgemm
@@ -94,8 +94,10 @@ constexpr BrgemmPolicy kBf16Brgemm = {
 // kernel on AVX512_VNNI CPUs, kernels/avx512/w8a8_dp_avx512vnni.cpp): 1.25 (2),
 // 1.28 (6), 1.01-1.02 (8), 0.86 (10), 0.84 (12), 0.80-0.84 (16), 0.72-0.81 (24-32),
 // 0.80 (64), 0.82 (128); a layer 1.33x (T = 512) and 1.27x (T = 2048) faster: from
-// 10 tokens. AMX (oneDNN's w8a8 on tdpbusd, Intel Xeon, 2 threads, 2026-12-02): 1.15 (4),
-// 0.99 (8), 0.78 (12), 0.67 (16), 0.58 (32), 0.53 (64): from 10.
+// 10 tokens. AMX (Intel Xeon, 2 threads, 2026-12-02): oneDNN's w8a8 on tdpbusd 1.15 (4),
+// 0.99 (8), 0.78 (12), 0.67 (16), 0.58 (32), 0.53 (64); kt_ops' AMX tiles (kernels/avx512/
+// w8a8_amx.cpp, the class's kernel since, gate and up in one pass) 1.19 (4), 1.10 (8), 0.95
+// (10), 0.84 (12), 0.67 (16), 0.56 (32): from 10.
 // The Intel Xeon without AMX (the same tiles, vpdpbusd at full rate there): 1.00 (4),
 // 0.83 (8), 0.82 (10), 0.70 (16), 0.78 (32), 0.81 (128): from 8.
 constexpr int kInt8BrgemmMinAvx512 = 10;

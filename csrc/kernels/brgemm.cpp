@@ -289,13 +289,42 @@ bool onednn_cap_allows_amx() {
 }  // namespace
 
 bool amx_bf16_runs() {
-  if (avx512::amx_bf16_dot == nullptr || avx512::amx_bf16_permitted == nullptr) return false;
+  if (avx512::amx_bf16_dot == nullptr || avx512::amx_bf16_dot_pair == nullptr ||
+      avx512::amx_tiles_permitted == nullptr)
+    return false;
   if (bf16_kernel_setting() != Bf16Kernel::kAuto || !runtime::cpu_features().amx) return false;
-  return onednn_cap_allows_amx() && bf16_runs() && avx512::amx_bf16_permitted();
+  return onednn_cap_allows_amx() && bf16_runs() && avx512::amx_tiles_permitted();
 }
+
+bool amx_w8a8_runs() {
+  if (avx512::amx_w8a8_dot == nullptr || avx512::amx_w8a8_dot_pair == nullptr ||
+      avx512::pack_amx_w8a8_rows == nullptr || avx512::amx_tiles_permitted == nullptr)
+    return false;
+  if (bf16_kernel_setting() != Bf16Kernel::kAuto || !runtime::cpu_features().amx) return false;
+  return onednn_cap_allows_amx() && w8a8_runs() && avx512::amx_tiles_permitted();
+}
+
+bool amx_w8a8_applies_to(const ProjectionView& view) { return view.kp <= kW8A8MaxK; }
+
+void amx_w8a8_dot(const DotArgs& a, const TileOperand& op) {
+  avx512::amx_w8a8_dot(a, op);
+  release();
+}
+
+void amx_w8a8_dot_pair(const DotArgs& a0, const DotArgs& a1, const TileOperand& op) {
+  avx512::amx_w8a8_dot_pair(a0, a1, op);
+  release();
+}
+
+int64_t amx_w8a8_bytes(int m, int64_t kp) { return avx512::amx_w8a8_bytes(m, kp); }
 
 void amx_bf16_dot(const DotArgs& a, const TileOperand& op) {
   avx512::amx_bf16_dot(a, op);
+  release();
+}
+
+void amx_bf16_dot_pair(const DotArgs& a0, const DotArgs& a1, const TileOperand& op) {
+  avx512::amx_bf16_dot_pair(a0, a1, op);
   release();
 }
 

@@ -103,6 +103,15 @@ bool bf16_uses_kt_kernel();
 // state (oneDNN loads its own configuration again when it next computes on this thread).
 bool amx_bf16_runs();
 void amx_bf16_dot(const DotArgs& a, const TileOperand& op);
+void amx_bf16_dot_pair(const DotArgs& a0, const DotArgs& a1, const TileOperand& op);
+// The same for int8 per channel under quant 'auto' (kernels/avx512/w8a8_amx.cpp: the w8a8
+// product on tdpbssd, bit-identical to w8a8_dot): amx_w8a8_runs where w8a8_runs() and the
+// AMX conditions above hold; K up to kW8A8MaxK (amx_w8a8_applies_to; int32 sums).
+bool amx_w8a8_runs();
+bool amx_w8a8_applies_to(const ProjectionView& view);
+void amx_w8a8_dot(const DotArgs& a, const TileOperand& op);
+void amx_w8a8_dot_pair(const DotArgs& a0, const DotArgs& a1, const TileOperand& op);
+int64_t amx_w8a8_bytes(int m, int64_t kp);
 // Whether kt_ops' fused fp8 kernel replaces oneDNN's now: where its bf16
 // kernel does and the CPU has AVX512_VBMI (its decode's byte tables).
 bool fp8_uses_kt_kernel();

@@ -65,6 +65,13 @@ const TileKernel kAmxBf16{
     /*pack=*/nullptr,
     /*release=*/brgemm::release,
     /*fallback=*/&kOneDnnBf16,
+    /*pack_rows=*/nullptr,
+    /*quant_modes=*/kAnyQuantMode,
+    /*keeps_if=*/nullptr,
+    /*forced_only=*/false,
+    /*applies_to=*/nullptr,
+    /*pack_bf16=*/nullptr,
+    /*dot_pair=*/brgemm::amx_bf16_dot_pair,
 };
 const TileKernel kKtBf16{
     /*name=*/"avx512_bf16/bf16_dp",
@@ -187,6 +194,27 @@ const TileKernel kOneDnnW8A8{
     /*pack_rows=*/brgemm::pack_w8a8_rows,
     /*quant_modes=*/kQuantAutoBit,
 };
+// kt_ops' AMX tiles for the same product (tdpbssd on signed activations), bit-identical.
+const TileKernel kAmxW8A8{
+    /*name=*/"amx/w8a8_tiles",
+    /*input=*/TileInput::kI8TokenRows,
+    /*bf16_activations_only=*/false,
+    /*keeps=*/false,
+    /*applies=*/brgemm::int8_per_channel_applies,
+    /*runs=*/brgemm::amx_w8a8_runs,
+    /*dot=*/brgemm::amx_w8a8_dot,
+    /*pack_bytes=*/brgemm::amx_w8a8_bytes,
+    /*pack=*/nullptr,
+    /*release=*/brgemm::release,
+    /*fallback=*/&kOneDnnW8A8,
+    /*pack_rows=*/avx512::pack_amx_w8a8_rows,
+    /*quant_modes=*/kQuantAutoBit,
+    /*keeps_if=*/nullptr,
+    /*forced_only=*/false,
+    /*applies_to=*/brgemm::amx_w8a8_applies_to,
+    /*pack_bf16=*/nullptr,
+    /*dot_pair=*/brgemm::amx_w8a8_dot_pair,
+};
 // kt_ops' vpdpbusd tiles for the same product, bit-identical (AVX512_VNNI without AMX).
 const TileKernel kKtW8A8{
     /*name=*/"avx512_vnni/w8a8_dp",
@@ -199,7 +227,7 @@ const TileKernel kKtW8A8{
     /*pack_bytes=*/brgemm::w8a8_dp_bytes,
     /*pack=*/nullptr,
     /*release=*/nullptr,
-    /*fallback=*/&kOneDnnW8A8,
+    /*fallback=*/&kAmxW8A8,
     /*pack_rows=*/avx512::pack_w8a8_dp_rows,
     /*quant_modes=*/kQuantAutoBit,
 };

@@ -321,6 +321,10 @@ struct TileKernel {
   // pack_bytes(m, kp) bytes written by pack_bf16 (once per expert, rows source and op
   // call, by the pool thread that computes the expert); nullptr otherwise.
   void (*pack_bf16)(const uint16_t* rows, int64_t ld, int m, int64_t kp, uint8_t* dst) = nullptr;
+  // Two projections' one-block runs with the same rows and operand (gate and up of an
+  // expert: a0, a1 with the same m, k and ldo) in one pass, each A tile loaded once for
+  // both; nullptr: two dot calls.
+  void (*dot_pair)(const DotArgs& a0, const DotArgs& a1, const TileOperand& op) = nullptr;
 };
 
 // The q8 activation record of one fp32 row x[kp] (formats/q8_activations.h),

@@ -209,7 +209,7 @@ void ProjectionPlan::dot(const ExpertRows& rows, int64_t nb, float* out, ThreadS
   }
 }
 
-void ProjectionPlan::dot_tile(const DotArgs& a, const ExpertRows& rows, ThreadScratch& ts) const {
+TileOperand ProjectionPlan::tile_operand(const ExpertRows& rows, ThreadScratch& ts) const {
   const int64_t kp = view_->kp;
   TileOperand op{nullptr, 0, &ts.tile};
   switch (tile_->input) {
@@ -243,7 +243,27 @@ void ProjectionPlan::dot_tile(const DotArgs& a, const ExpertRows& rows, ThreadSc
   if (tile_->keeps || (tile_->keeps_if != nullptr && tile_->keeps_if()))
     ts.tile.reserve(rows.m, kp);
   if (tile_->release != nullptr) ts.release = tile_->release;
-  tile_->dot(a, op);
+  return op;
+}
+
+void ProjectionPlan::dot_tile(const DotArgs& a, const ExpertRows& rows, ThreadScratch& ts) const {
+  tile_->dot(a, tile_operand(rows, ts));
+}
+
+void ProjectionPlan::dot_pair(const ProjectionPlan& other, const ExpertRows& rows, int64_t nb,
+                              float* out, float* other_out, ThreadScratch& ts) const {
+  const bool paired = tile_ != nullptr && tile_ == other.tile_ && tile_->dot_pair != nullptr &&
+                      family(rows.m) == Family::kTile && other.family(rows.m) == Family::kTile &&
+                      view_->layout != formats::Layout::kGrid && view_->k == other.view_->k &&
+                      view_->kp == other.view_->kp;
+  if (!paired) {
+    dot(rows, nb, out, ts);
+    other.dot(rows, nb, other_out, ts);
+    return;
+  }
+  const DotArgs a{view_, rows.expert, nb, nb + 1, rows.x, rows.xq, rows.m, out, kRows};
+  const DotArgs b{other.view_, rows.expert, nb, nb + 1, rows.x, rows.xq, rows.m, other_out, kRows};
+  tile_->dot_pair(a, b, tile_operand(rows, ts));
 }
 
 }  // namespace kt::kernels

@@ -204,9 +204,15 @@ class ProjectionPlan {
   // out[i * 16 + r] (i < rows.m, r < 16) = the dot products of block nb of
   // rows.expert with the rows, by family(rows.m); operands and scratch in ts.
   void dot(const ExpertRows& rows, int64_t nb, float* out, ThreadScratch& ts) const;
+  // dot of this plan into out and of `other` (the up projection beside this gate, the same
+  // rows and k) into other_out: one TileKernel::dot_pair pass where both run the same tile
+  // kernel that has one, else the two dots. The same results either way.
+  void dot_pair(const ProjectionPlan& other, const ExpertRows& rows, int64_t nb, float* out,
+                float* other_out, ThreadScratch& ts) const;
 
  private:
   void dot_tile(const DotArgs& a, const ExpertRows& rows, ThreadScratch& ts) const;
+  TileOperand tile_operand(const ExpertRows& rows, ThreadScratch& ts) const;
   // The grid formats: block nb of `expert` decoded into ts's panel (kept while the
   // thread stays on it), as a one-block kQint view of that panel.
   ProjectionView grid_panel(int64_t expert, int64_t nb, ThreadScratch& ts) const;

@@ -116,10 +116,25 @@ __attribute__((weak)) void bf16_dp_pack(const uint16_t* rows, int64_t ld, int m,
 // The bf16 tile kernel for AMX CPUs (kernels/avx512/bf16_amx.cpp, AMX tiles under a
 // function-level target; a TileKernel of the tier table): the same operands as
 // oneDNN's bf16 kernel (TileInput::kBf16Rows, the packed [k_pairs][16][2] blocks).
-// amx_bf16_permitted: whether Linux granted this process AMX's tile data (asked once).
+// amx_tiles_permitted: whether Linux granted this process AMX's tile data (asked once).
 // Null when the avx512 tier or the compiler's AMX target is missing.
-__attribute__((weak)) bool amx_bf16_permitted();
+__attribute__((weak)) bool amx_tiles_permitted();
 __attribute__((weak)) void amx_bf16_dot(const DotArgs& a, const TileOperand& op);
+// Two projections' one-block runs (a0, a1: gate and up of the same expert and rows, the same
+// k and ldo) in one pass: TileKernel::dot_pair.
+__attribute__((weak)) void amx_bf16_dot_pair(const DotArgs& a0, const DotArgs& a1,
+                                             const TileOperand& op);
+// int8 per channel on AMX tiles (kernels/avx512/w8a8_amx.cpp, tdpbssd): the w8a8 product
+// (per-token int8 activations, full-K int32 sums, w8a8_epilogue), bit-identical to oneDNN's
+// w8a8 kernel. Its A operand (TileInput::kI8TokenRows): pack_amx_w8a8_rows writes the m
+// rows' scales, then their signed codes zero padded to a multiple of 64,
+// amx_w8a8_bytes(m, kp) bytes.
+__attribute__((weak)) int64_t amx_w8a8_bytes(int m, int64_t kp);
+__attribute__((weak)) void pack_amx_w8a8_rows(const float* const* x, int m, int64_t kp,
+                                              uint8_t* dst);
+__attribute__((weak)) void amx_w8a8_dot(const DotArgs& a, const TileOperand& op);
+__attribute__((weak)) void amx_w8a8_dot_pair(const DotArgs& a0, const DotArgs& a1,
+                                             const TileOperand& op);
 
 // The fp8 brgemm path (kernels/brgemm.h), AVX-512 code
 // (kernels/avx512/brgemm_fp8_avx512.cpp). fp8_to_bf16_vnni: a block's E4M3

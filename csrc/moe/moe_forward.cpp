@@ -362,8 +362,7 @@ void gate_up_block(const Call& c, int64_t e, int64_t nb, int64_t r0, int m,
                                  c.routing.row_token.data() + r0};
   grow(t_gate_out, static_cast<size_t>(m) * kRows);
   grow(t_up_out, static_cast<size_t>(m) * kRows);
-  c.gate.dot(rows, nb, t_gate_out.data(), ts);
-  c.up.dot(rows, nb, t_up_out.data(), ts);
+  c.gate.dot_pair(c.up, rows, nb, t_gate_out.data(), t_up_out.data(), ts);
   glu_epilogue(c, e, t_gate_out.data(), t_up_out.data(), nb, r0, m);
 }
 

@@ -27,7 +27,7 @@
 //
 // Compiled in the avx512 tier with a function-level target (amx-tile,
 // amx-bf16); run only where the CPU has AMX and the kernel granted its tile
-// data (amx_bf16_permitted).
+// data (amx_tiles_permitted).
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -37,6 +37,7 @@
 #include <cstring>
 
 #include "formats/bf16.h"
+#include "kernels/avx512/amx_tiles.h"
 #include "kernels/kernel_api.h"
 #include "kernels/tiers.h"
 
@@ -52,36 +53,11 @@ namespace {
 
 #define KT_AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw")))
 
-constexpr int kTileRows = 16;        // token rows per A tile
+using amx::kTileRows;
 constexpr int kKStep = 32;           // bf16 values per tile row (64 bytes)
 constexpr int kPairsPerStep = 16;    // k pairs per B tile
 constexpr int kBlockElems = 16 * 2;  // elements per k pair of a block
 constexpr int64_t kLine = 64;        // bytes per cache line
-
-// AMX's tile configuration (palette 1), the layout ldtilecfg reads.
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// A tiles of r0 and r1 rows (r1 = 0: one A tile), full-width B and C tiles.
-KT_AMX_TARGET void configure(int r0, int r1) {
-  TileConfig c;
-  const int a_rows[2] = {r0, r1};
-  for (int t = 0; t < 2; ++t) {
-    if (a_rows[t] == 0) continue;
-    c.rows[t] = static_cast<uint8_t>(a_rows[t]);
-    c.colsb[t] = 64;
-    c.rows[4 + 2 * t] = c.rows[5 + 2 * t] = static_cast<uint8_t>(a_rows[t]);
-    c.colsb[4 + 2 * t] = c.colsb[5 + 2 * t] = 64;
-  }
-  c.rows[2] = c.rows[3] = kPairsPerStep;
-  c.colsb[2] = c.colsb[3] = 64;
-  _tile_loadconfig(&c);
-}
 
 // One token tile (rows <= 32: TWO_A when > 16) times one block (b1 == nullptr) or
 // two: out[i][0..16) (and out[i][16..32)) = sum over k of a[i][k] * w[k][col].
@@ -92,7 +68,7 @@ template <bool TWO_A, bool PAIR>
 KT_AMX_TARGET void tile_product(const uint16_t* a, int64_t lda, const uint16_t* b0,
                                 const uint16_t* b1, int64_t steps, const uint16_t* a_tail,
                                 const uint16_t* b0_tail, const uint16_t* b1_tail, float* out,
-                                int64_t ldo, const uint8_t* pf0, const uint8_t* pf1) {
+                                float* out1, int64_t ldo, const uint8_t* pf0, const uint8_t* pf1) {
   const int64_t a_stride = lda * 2;
   _tile_zero(4);
   if (PAIR) _tile_zero(5);
@@ -142,20 +118,20 @@ KT_AMX_TARGET void tile_product(const uint16_t* a, int64_t lda, const uint16_t* 
   }
   const int64_t c_stride = ldo * 4;
   _tile_stored(4, out, c_stride);
-  if (PAIR) _tile_stored(5, out + 16, c_stride);
+  if (PAIR) _tile_stored(5, out1, c_stride);
   if (TWO_A) {
     _tile_stored(6, out + kTileRows * ldo, c_stride);
-    if (PAIR) _tile_stored(7, out + kTileRows * ldo + 16, c_stride);
+    if (PAIR) _tile_stored(7, out1 + kTileRows * ldo, c_stride);
   }
 }
 
 using TileProduct = void (*)(const uint16_t*, int64_t, const uint16_t*, const uint16_t*, int64_t,
-                             const uint16_t*, const uint16_t*, const uint16_t*, float*, int64_t,
-                             const uint8_t*, const uint8_t*);
+                             const uint16_t*, const uint16_t*, const uint16_t*, float*, float*,
+                             int64_t, const uint8_t*, const uint8_t*);
 
 }  // namespace
 
-bool amx_bf16_permitted() {
+bool amx_tiles_permitted() {
   // Linux hands out AMX tile data per process on request (ARCH_REQ_XCOMP_PERM for
   // XFEATURE_XTILEDATA, Documentation/arch/x86/xstate.rst); oneDNN asks the same.
   static const bool ok =
@@ -163,62 +139,80 @@ bool amx_bf16_permitted() {
   return ok;
 }
 
+namespace {
+
+// The m rows x (ld apart, k values) times block b0 (and b1, or nullptr) of k pairs kp2
+// into out0 (and out1), ldo apart; pf0 / pf1 (or nullptr) prefetched meanwhile.
+// `configured`: the tile shape loaded (amx::ensure_2x2).
+KT_AMX_TARGET void blocks_product(const uint16_t* x, int64_t ld, int m, int64_t kp2,
+                                  const uint16_t* b0, const uint16_t* b1, float* out0, float* out1,
+                                  int64_t ldo, const uint8_t* pf0, const uint8_t* pf1,
+                                  int* configured) {
+  const int64_t steps = kp2 / kPairsPerStep;
+  const int64_t tail_pairs = kp2 - steps * kPairsPerStep;
+  // The k tails, zero padded to one k step: A's per token tile (at most 32 rows at a
+  // time), the blocks' once.
+  alignas(64) uint16_t a_tail[2 * kTileRows * kKStep];
+  alignas(64) uint16_t b_tail[2][kPairsPerStep * kBlockElems];
+  if (tail_pairs != 0) {
+    for (int j = 0; j < (b1 != nullptr ? 2 : 1); ++j) {
+      std::memset(b_tail[j], 0, sizeof(b_tail[j]));
+      std::memcpy(b_tail[j], (j ? b1 : b0) + steps * kPairsPerStep * kBlockElems,
+                  tail_pairs * kBlockElems * sizeof(uint16_t));
+    }
+  }
+  for (int i0 = 0; i0 < m; i0 += 2 * kTileRows) {
+    const int rows = std::min(2 * kTileRows, m - i0);
+    const int r0 = std::min(kTileRows, rows), r1 = rows - r0;
+    amx::ensure_2x2(r0, r1, configured);
+    const uint16_t* at = nullptr;
+    if (tail_pairs != 0) {
+      std::memset(a_tail, 0, sizeof(a_tail));
+      for (int i = 0; i < rows; ++i)
+        std::memcpy(a_tail + i * kKStep, x + (i0 + i) * ld + steps * kKStep,
+                    2 * tail_pairs * sizeof(uint16_t));
+      at = a_tail;
+    }
+    static constexpr TileProduct kProducts[2][2] = {
+        {tile_product<false, false>, tile_product<false, true>},
+        {tile_product<true, false>, tile_product<true, true>}};
+    // The next pair is prefetched once, under the first token tile.
+    kProducts[r1 > 0][b1 != nullptr](x + i0 * ld, ld, b0, b1, steps, at, b_tail[0], b_tail[1],
+                                     out0 + i0 * ldo, out1 + i0 * ldo, ldo, i0 == 0 ? pf0 : nullptr,
+                                     i0 == 0 ? pf1 : nullptr);
+  }
+}
+
+}  // namespace
+
 KT_AMX_TARGET void amx_bf16_dot(const DotArgs& a, const TileOperand& op) {
   const ProjectionView& p = *a.proj;
   const int64_t kp2 = formats::bf16_k_pairs(p.k);
-  const int64_t steps = kp2 / kPairsPerStep;
-  const int64_t tail_pairs = kp2 - steps * kPairsPerStep;
   const auto* x = static_cast<const uint16_t*>(op.rows);
-  const int64_t ld = op.ld;
-
-  // The k tails, zero padded to one k step: A's for every token tile (at most 32 rows
-  // at a time), each block's made per use.
-  alignas(64) uint16_t a_tail[2 * kTileRows * kKStep];
-  alignas(64) uint16_t b_tail[2][kPairsPerStep * kBlockElems];
-  auto fill_b_tail = [&](const uint16_t* block, uint16_t* dst) {
-    std::memset(dst, 0, sizeof(b_tail[0]));
-    std::memcpy(dst, block + steps * kPairsPerStep * kBlockElems,
-                tail_pairs * kBlockElems * sizeof(uint16_t));
-  };
-
-  int configured = -1;  // the token tile shape loaded: r0 * 64 + r1
+  int configured = -1;
   for (int64_t nb = a.nb_begin; nb < a.nb_end; nb += 2) {
     const bool pair = nb + 1 < a.nb_end;
     const auto* b0 = reinterpret_cast<const uint16_t*>(p.block(a.expert, nb));
     const uint16_t* b1 =
         pair ? reinterpret_cast<const uint16_t*>(p.block(a.expert, nb + 1)) : nullptr;
-    const uint8_t* pf0 = nb + 2 < a.nb_end ? p.block(a.expert, nb + 2) : nullptr;
-    const uint8_t* pf1 = nb + 3 < a.nb_end ? p.block(a.expert, nb + 3) : nullptr;
-    if (tail_pairs != 0) {
-      fill_b_tail(b0, b_tail[0]);
-      if (pair) fill_b_tail(b1, b_tail[1]);
-    }
     float* out = a.out + 16 * (nb - a.nb_begin);
-    for (int i0 = 0; i0 < a.m; i0 += 2 * kTileRows) {
-      const int rows = std::min(2 * kTileRows, a.m - i0);
-      const int r0 = std::min(kTileRows, rows), r1 = rows - r0;
-      if (configured != r0 * 64 + r1) {
-        configure(r0, r1);
-        configured = r0 * 64 + r1;
-      }
-      const uint16_t* at = nullptr;
-      if (tail_pairs != 0) {
-        std::memset(a_tail, 0, sizeof(a_tail));
-        for (int i = 0; i < rows; ++i)
-          std::memcpy(a_tail + i * kKStep, x + (i0 + i) * ld + steps * kKStep,
-                      2 * tail_pairs * sizeof(uint16_t));
-        at = a_tail;
-      }
-      // The next pair is prefetched once, under the first token tile.
-      const uint8_t* q0 = i0 == 0 ? pf0 : nullptr;
-      const uint8_t* q1 = i0 == 0 ? pf1 : nullptr;
-      static constexpr TileProduct kProducts[2][2] = {
-          {tile_product<false, false>, tile_product<false, true>},
-          {tile_product<true, false>, tile_product<true, true>}};
-      kProducts[r1 > 0][pair](x + i0 * ld, ld, b0, b1, steps, at, b_tail[0], b_tail[1],
-                              out + i0 * a.ldo, a.ldo, q0, q1);
-    }
+    blocks_product(x, op.ld, a.m, kp2, b0, b1, out, out + 16, a.ldo,
+                   nb + 2 < a.nb_end ? p.block(a.expert, nb + 2) : nullptr,
+                   nb + 3 < a.nb_end ? p.block(a.expert, nb + 3) : nullptr, &configured);
   }
+  _tile_release();
+}
+
+KT_AMX_TARGET void amx_bf16_dot_pair(const DotArgs& a0, const DotArgs& a1, const TileOperand& op) {
+  // Block a0.nb_begin of one projection and a1.nb_begin of another (gate and up) with the
+  // same rows: each A tile loaded once for both (a block per call reloaded A from L2 for
+  // every block, as often as it read the block's weights).
+  int configured = -1;
+  blocks_product(static_cast<const uint16_t*>(op.rows), op.ld, a0.m,
+                 formats::bf16_k_pairs(a0.proj->k),
+                 reinterpret_cast<const uint16_t*>(a0.proj->block(a0.expert, a0.nb_begin)),
+                 reinterpret_cast<const uint16_t*>(a1.proj->block(a1.expert, a1.nb_begin)), a0.out,
+                 a1.out, a0.ldo, nullptr, nullptr, &configured);
   _tile_release();
 }
 
