@@ -805,9 +805,10 @@ TOKEN_INT8_KERNELS = (
     "onednn/brgemm_w8a8",
     "avx512_vnni/w4a8_dp",
     "onednn/brgemm_w4a8",
+    "amx/w4a8_tiles",
 )
 #: The w4a8 kernels (int4 with one scale per output channel): kt_ops' tiles, oneDNN's.
-W4A8_KERNELS = ("avx512_vnni/w4a8_dp", "onednn/brgemm_w4a8")
+W4A8_KERNELS = ("avx512_vnni/w4a8_dp", "onednn/brgemm_w4a8", "amx/w4a8_tiles")
 #: kt_ops' w4a8 tiles: int4 per channel only (oneDNN's take its groups too).
 W4A8_KT_KERNEL = "avx512_vnni/w4a8_dp"
 #: The smallest int4 group oneDNN's w4a8 takes (brgemm::kW4A8MinGroup): g32 streams.

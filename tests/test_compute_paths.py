@@ -98,6 +98,8 @@ for _name in W4A8_FORMATS:
     BRGEMM_KERNELS[_name] = (
         "avx512_vnni/w4a8_dp"
         if _FEATS.get("avx512_vnni") and not _FEATS.get("amx")
+        else "amx/w4a8_tiles"  # kt_ops' AMX tiles (kernels/avx512/w8a8_amx.cpp)
+        if _FEATS.get("amx") and onednn_isa.at_least("AVX512_CORE_AMX")
         else "onednn/brgemm_w4a8"
     )
 #: mxfp4's tile kernel: its exact values decoded to bf16 tiles on oneDNN's bf16 brgemm,
@@ -263,7 +265,7 @@ def test_format_table_records_the_thresholds():
     spec = kt_ops.formats.format_spec("int4")  # per channel on the w4a8 kernels
     assert spec.brgemm_min_tokens_for("avx512") == 4  # kt_ops' tiles
     assert spec.brgemm_min_tokens_for("avx512_intel") == 8
-    assert spec.brgemm_min_tokens_for("amx") == 16  # oneDNN's w4a8 (measured)
+    assert spec.brgemm_min_tokens_for("amx") == 12  # kt_ops' AMX tiles (measured)
     for name in ("fp8", "fp8_channel", "mxfp8"):  # docs/formats.md "Compute paths"
         spec = kt_ops.formats.format_spec(name)
         assert spec.brgemm_min_tokens_for("avx512") == 5  # kt_ops' fused tiles
@@ -304,7 +306,7 @@ def test_where_brgemm_runs(isa):
         want = (
             "avx512_vnni/w4a8_dp"
             if kt_w8a8
-            else "onednn/brgemm_w4a8"
+            else BRGEMM_KERNELS[name]  # kt_ops' AMX tiles or oneDNN's calls
             if expected_u8s8 and isa not in ("ref", "avx2")
             else None
         )
@@ -1242,7 +1244,8 @@ def test_kt_and_onednn_w4a8_kernels_bit_identical(isa, sym, m):
     for setting in kernels:
         with kt_ops.use_brgemm_bf16_kernel(setting):
             outs[setting] = check_w8a8(x, ids, w, experts)
-    assert torch.equal(outs["kt"], outs["onednn"])
+    first = next(iter(outs.values()))  # AMX: kt_ops' AMX tiles under 'auto' too
+    assert all(torch.equal(o, first) for o in outs.values()), list(outs)
 
 
 def test_w4a8_only_under_quant_auto(isa):

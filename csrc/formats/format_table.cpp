@@ -115,14 +115,16 @@ constexpr BrgemmPolicy kInt8Brgemm = {
 // 64 or 128 one call per group), measured on a Xeon with AMX (2 threads, 2026-12-02): per
 // channel 1.51 (4), 1.10 (8), 0.70 (16), 0.64 (32), 0.60 (64); g128 2.53 (4), 1.72 (8),
 // 1.20 (16), 1.00 (32), 0.90 (64) (a layer at T = 512 / 2048: 65.0 / 199 against 65.6 /
-// 260 ms streaming). One value for the class: 16, where per channel wins by 30% and g128
-// loses 20% until 32 tokens. oneDNN's grouped calls on Zen 4 (forced): g128 1.2-3.0x the streaming
+// 260 ms streaming). On kt_ops' AMX tiles (kernels/avx512/w8a8_amx.cpp, the class's kernel
+// since: the codes decoded once per block, gate and up in one pass) per channel 1.58 (4),
+// 1.09 (8), 0.85 (12), 0.72 (16), 0.56 (32); g128 1.25 (8), 0.89 (16), 0.85 (24), 0.79
+// (32), 0.67 (64): from 12, per channel's break-even (g128 about even there). oneDNN's grouped calls on Zen 4 (forced): g128 1.2-3.0x the streaming
 // kernel's time from 4 to 128 tokens (docs/formats.md).
 // The Intel Xeon without AMX: 1.55 (2), 1.11 (4), 1.03 (6), 0.86 (8), 0.72 (16), 0.74
 // (64): from 8.
 constexpr int kInt4BrgemmMinAvx512 = 4;
 constexpr int kInt4BrgemmMinAvx512Intel = 8;
-constexpr int kInt4BrgemmMinAmx = 16;
+constexpr int kInt4BrgemmMinAmx = 12;
 constexpr BrgemmPolicy kInt4Brgemm = {
     {kInt4BrgemmMinAvx512, kInt4BrgemmMinAvx512Intel, kInt4BrgemmMinAmx}};
 constexpr int kQ80BrgemmMinAvx512 = kNoBrgemm;

@@ -111,6 +111,13 @@ bool amx_w8a8_runs();
 bool amx_w8a8_applies_to(const ProjectionView& view);
 void amx_w8a8_dot(const DotArgs& a, const TileOperand& op);
 void amx_w8a8_dot_pair(const DotArgs& a0, const DotArgs& a1, const TileOperand& op);
+// int4 on the same tiles (kernels/avx512/w8a8_amx.cpp), where oneDNN's w4a8 runs
+// (w4a8_runs, w4a8_onednn_applies_to: per channel or groups of 64 / 128) and the AMX
+// conditions hold; bit-identical to w4a8_dot.
+bool amx_w4a8_runs();
+void amx_w4a8_dot(const DotArgs& a, const TileOperand& op);
+void amx_w4a8_dot_pair(const DotArgs& a0, const DotArgs& a1, const TileOperand& op);
+int64_t amx_w4a8_bytes(int m, int64_t kp);
 int64_t amx_w8a8_bytes(int m, int64_t kp);
 // Whether kt_ops' fused fp8 kernel replaces oneDNN's now: where its bf16
 // kernel does and the CPU has AVX512_VBMI (its decode's byte tables).

@@ -252,6 +252,28 @@ const TileKernel kOneDnnW4A8{
     /*forced_only=*/false,
     /*applies_to=*/brgemm::w4a8_onednn_applies_to,
 };
+// kt_ops' AMX tiles for the same product (the codes decoded to signed bytes per block,
+// tdpbssd on signed per-token codes, oneDNN path's fold per group), bit-identical.
+const TileKernel kAmxW4A8{
+    /*name=*/"amx/w4a8_tiles",
+    /*input=*/TileInput::kI8TokenRows,
+    /*bf16_activations_only=*/false,
+    /*keeps=*/false,
+    /*applies=*/brgemm::w4a8_applies,
+    /*runs=*/brgemm::amx_w4a8_runs,
+    /*dot=*/brgemm::amx_w4a8_dot,
+    /*pack_bytes=*/brgemm::amx_w4a8_bytes,
+    /*pack=*/nullptr,
+    /*release=*/brgemm::release,
+    /*fallback=*/&kOneDnnW4A8,
+    /*pack_rows=*/avx512::pack_amx_w4a8_rows,
+    /*quant_modes=*/kQuantAutoBit,
+    /*keeps_if=*/nullptr,
+    /*forced_only=*/false,
+    /*applies_to=*/brgemm::w4a8_onednn_applies_to,
+    /*pack_bf16=*/nullptr,
+    /*dot_pair=*/brgemm::amx_w4a8_dot_pair,
+};
 // int4 per channel on kt_ops' vpdpbusd tiles with per-token activations (w4a8),
 // AVX512_VNNI without AMX (bit-identical to oneDNN's above).
 const TileKernel kKtW4A8{
@@ -265,7 +287,7 @@ const TileKernel kKtW4A8{
     /*pack_bytes=*/brgemm::w4a8_dp_bytes,
     /*pack=*/nullptr,
     /*release=*/nullptr,
-    /*fallback=*/&kOneDnnW4A8,
+    /*fallback=*/&kAmxW4A8,
     /*pack_rows=*/avx512::pack_w4a8_dp_rows,
     /*quant_modes=*/kQuantAutoBit,
     /*keeps_if=*/nullptr,

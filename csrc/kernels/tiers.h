@@ -135,6 +135,15 @@ __attribute__((weak)) void pack_amx_w8a8_rows(const float* const* x, int m, int6
 __attribute__((weak)) void amx_w8a8_dot(const DotArgs& a, const TileOperand& op);
 __attribute__((weak)) void amx_w8a8_dot_pair(const DotArgs& a0, const DotArgs& a1,
                                              const TileOperand& op);
+// int4 (per channel, or groups of 64 / 128) on the same tiles (oneDNN's w4a8 product, the
+// same bits): pack_amx_w4a8_rows adds the rows' sums of q (over K, and per 32 k) for the
+// zero points and the groups, amx_w4a8_bytes(m, kp) bytes.
+__attribute__((weak)) int64_t amx_w4a8_bytes(int m, int64_t kp);
+__attribute__((weak)) void pack_amx_w4a8_rows(const float* const* x, int m, int64_t kp,
+                                              uint8_t* dst);
+__attribute__((weak)) void amx_w4a8_dot(const DotArgs& a, const TileOperand& op);
+__attribute__((weak)) void amx_w4a8_dot_pair(const DotArgs& a0, const DotArgs& a1,
+                                             const TileOperand& op);
 
 // The fp8 brgemm path (kernels/brgemm.h), AVX-512 code
 // (kernels/avx512/brgemm_fp8_avx512.cpp). fp8_to_bf16_vnni: a block's E4M3

@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "kernels/avx512/amx_tiles.h"
 #include "kernels/block_args.h"
@@ -181,6 +182,146 @@ KT_AMX_INT8_TARGET void amx_w8a8_dot_pair(const DotArgs& a0, const DotArgs& a1,
   const QintBlock blk0 = qint_block(a0, a0.nb_begin), blk1 = qint_block(a1, a1.nb_begin);
   blocks_product(op.rows, a0.m, a0.proj->kp, a0.proj->qint.scale_type, blk0, &blk1, nullptr,
                  nullptr, &configured);
+  _tile_release();
+}
+
+// int4 (per channel, or groups of 64 / 128; unsigned codes c, with or without zeros) on
+// the same tiles: each block's codes decoded once to c - 8 as signed bytes in the B
+// layout (int4_to_s8_vnni, zero padded to a whole k step), the int32 sums of one group
+// (or all of K) per pass, then oneDNN path's fold per group (w4a8_epilogue): the same
+// integers and operations as oneDNN's w4a8 kernel, so the same bits.
+namespace {
+
+int64_t padded_k(int64_t kp) { return (kp + kKStep - 1) / kKStep * kKStep; }
+// The w4a8 packing: pack_amx_w8a8_rows's, then each row's sum of q over K ([m] int32),
+// then over each 32 k ([m][kp / 32] int32), each part 64-byte aligned.
+int64_t q_sums_offset(int m, int64_t kp) { return amx_w8a8_bytes(m, kp); }
+int64_t chunk_sums_offset(int m, int64_t kp) {
+  return q_sums_offset(m, kp) + (static_cast<int64_t>(m) * 4 + 63) / 64 * 64;
+}
+
+// One pair (or one block) of int4 blocks on the packed rows: dec0 / dec1 the decoded
+// blocks, padded_k(kp) * 16 bytes each.
+KT_AMX_INT8_TARGET void int4_blocks_product(const void* packed, int m, int64_t kp, int64_t gk,
+                                            const ProjectionView& p, const QintBlock& blk0,
+                                            const QintBlock* blk1, const int8_t* dec0,
+                                            const int8_t* dec1, int* configured) {
+  const int64_t ld = row_ld(kp);
+  const auto* base = static_cast<const uint8_t*>(packed);
+  const auto* x_scales = reinterpret_cast<const float*>(base);
+  const auto* x = reinterpret_cast<const int8_t*>(base + scale_bytes(m));
+  const auto* q_sums = reinterpret_cast<const int32_t*>(base + q_sums_offset(m, kp));
+  const auto* chunk_sums = reinterpret_cast<const int32_t*>(base + chunk_sums_offset(m, kp));
+  const int64_t chunks = kp / 32, group_chunks = gk / 32;
+  const int64_t groups = gk == kp ? 1 : kp / gk;
+  const int64_t group_steps = gk == kp ? padded_k(kp) / kKStep : gk / kKStep;
+  const bool pair = blk1 != nullptr;
+  alignas(64) int32_t c[2][(2 * kTileRows + 1) * 16];
+  int32_t group_q[2 * kTileRows];
+  for (int i0 = 0; i0 < m; i0 += 2 * kTileRows) {
+    const int rows = std::min(2 * kTileRows, m - i0);
+    const int r0 = std::min(kTileRows, rows), r1 = rows - r0;
+    amx::ensure_2x2(r0, r1, configured);
+    static constexpr TileSums kSums[2][2] = {{tile_sums<false, false>, tile_sums<false, true>},
+                                             {tile_sums<true, false>, tile_sums<true, true>}};
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t k0 = g * gk;
+      kSums[r1 > 0][pair](x + i0 * ld + k0, ld, dec0 + k0 * 16, pair ? dec1 + k0 * 16 : nullptr,
+                          group_steps, nullptr, nullptr, false, c[0], c[1], nullptr, nullptr);
+      const int32_t* qs = q_sums + i0;
+      if (groups > 1) {
+        for (int r = 0; r < rows; ++r) {
+          const int32_t* cs = chunk_sums + (i0 + r) * chunks + g * group_chunks;
+          int32_t t = 0;
+          for (int64_t j = 0; j < group_chunks; ++j) t += cs[j];
+          group_q[r] = t;
+        }
+        qs = group_q;
+      }
+      for (int j = 0; j < (pair ? 2 : 1); ++j) {
+        const QintBlock& blk = j ? *blk1 : blk0;
+        std::memset(c[j] + rows * 16, 0, 16 * sizeof(int32_t));
+        w4a8_epilogue(c[j], rows, x_scales + i0, qs, blk.scales, p.qint.scale_type, blk.zeros,
+                      p.qint.zero_type, g, g > 0, blk.out + i0 * blk.ldo, blk.ldo);
+      }
+    }
+  }
+}
+
+// This thread's decoded blocks: two of padded_k(kp) * 16 bytes, 64-byte aligned.
+int8_t* decoded_blocks(int64_t kp) {
+  thread_local std::vector<int8_t> buf;
+  const size_t one = static_cast<size_t>(padded_k(kp)) * 16;
+  if (buf.size() < 2 * one + 64) buf.assign(2 * one + 64, 0);
+  auto addr = reinterpret_cast<uintptr_t>(buf.data());
+  return reinterpret_cast<int8_t*>((addr + 63) & ~uintptr_t{63});
+}
+
+// Block b's codes as signed bytes c - 8 at dst, zero past kp (a whole last k step).
+void decode_int4(const uint8_t* block, int64_t kp, int8_t* dst) {
+  int4_to_s8_vnni(block, kp, dst);
+  std::memset(dst + kp * 16, 0, (padded_k(kp) - kp) * 16);
+}
+
+}  // namespace
+
+int64_t amx_w4a8_bytes(int m, int64_t kp) {
+  return chunk_sums_offset(m, kp) + (static_cast<int64_t>(m) * (kp / 32) * 4 + 63) / 64 * 64;
+}
+
+void pack_amx_w4a8_rows(const float* const* x, int m, int64_t kp, uint8_t* dst) {
+  pack_amx_w8a8_rows(x, m, kp, dst);
+  const auto* rows = reinterpret_cast<const int8_t*>(dst + scale_bytes(m));
+  auto* q_sums = reinterpret_cast<int32_t*>(dst + q_sums_offset(m, kp));
+  auto* chunk_sums = reinterpret_cast<int32_t*>(dst + chunk_sums_offset(m, kp));
+  const int64_t ld = row_ld(kp), chunks = kp / 32;
+  for (int i = 0; i < m; ++i) {
+    const int8_t* r = rows + i * ld;
+    int32_t t = 0;
+    for (int64_t c = 0; c < chunks; ++c) {
+      int32_t u = 0;
+      for (int k = 0; k < 32; ++k) u += r[c * 32 + k];
+      chunk_sums[i * chunks + c] = u;
+      t += u;
+    }
+    q_sums[i] = t;
+  }
+}
+
+KT_AMX_INT8_TARGET void amx_w4a8_dot(const DotArgs& a, const TileOperand& op) {
+  const ProjectionView& p = *a.proj;
+  const int64_t kp = p.kp, gk = p.qint.group_size == 0 ? kp : p.qint.group_size;
+  int8_t* dec = decoded_blocks(kp);
+  int8_t* dec1 = dec + padded_k(kp) * 16;
+  int configured = -1;
+  for (int64_t nb = a.nb_begin; nb < a.nb_end; nb += 2) {
+    const bool pair = nb + 1 < a.nb_end;
+    const QintBlock blk0 = qint_block(a, nb);
+    const QintBlock blk1 = pair ? qint_block(a, nb + 1) : blk0;
+    decode_int4(blk0.block, kp, dec);
+    if (pair) decode_int4(blk1.block, kp, dec1);
+    int4_blocks_product(op.rows, a.m, kp, gk, p, blk0, pair ? &blk1 : nullptr, dec, dec1,
+                        &configured);
+  }
+  _tile_release();
+}
+
+KT_AMX_INT8_TARGET void amx_w4a8_dot_pair(const DotArgs& a0, const DotArgs& a1,
+                                          const TileOperand& op) {
+  const ProjectionView& p = *a0.proj;
+  const int64_t kp = p.kp, gk = p.qint.group_size == 0 ? kp : p.qint.group_size;
+  if (a1.proj->qint.group_size != p.qint.group_size) {  // gate and up grouped apart
+    amx_w4a8_dot(a0, op);
+    amx_w4a8_dot(a1, op);
+    return;
+  }
+  int8_t* dec = decoded_blocks(kp);
+  int8_t* dec1 = dec + padded_k(kp) * 16;
+  const QintBlock blk0 = qint_block(a0, a0.nb_begin), blk1 = qint_block(a1, a1.nb_begin);
+  decode_int4(blk0.block, kp, dec);
+  decode_int4(blk1.block, kp, dec1);
+  int configured = -1;
+  int4_blocks_product(op.rows, a0.m, kp, gk, p, blk0, &blk1, dec, dec1, &configured);
   _tile_release();
 }
 
