@@ -881,6 +881,7 @@ def test_q8_brgemm_needs_q8_activations():
             # oneDNN's exact kernel, else the exact qint tiles (oneDNN capped below bf16)
             assert paths["int8"]["brgemm_kernel"] in (
                 None,
+                "amx/int8_bf16_tiles",
                 "onednn/brgemm_int8_bf16",
                 "avx512_bf16/qint_dp_exact",
             )
@@ -1022,6 +1023,8 @@ def test_w8a8_only_under_quant_auto(isa):
         # need AVX512_BF16, not oneDNN)
         "fp32": "avx512_bf16/qint_dp_exact"
         if qint_exact_runs("int8") and BRGEMM_KERNELS["bf16"] == "avx512_bf16/bf16_dp"
+        else "amx/int8_bf16_tiles"  # kt_ops' AMX tiles where its bf16 AMX tiles run
+        if BRGEMM_KERNELS["bf16"] == "amx/bf16_tiles" and brgemm_runs("bf16")
         else "onednn/brgemm_int8_bf16"
         if brgemm_runs("bf16")
         else ("avx512_bf16/qint_dp_exact" if qint_exact_runs("int8") else None),
@@ -1279,6 +1282,7 @@ def int8_bf16_runs() -> bool:
     oneDNN's bf16 brgemm on the decoded codes, or the exact qint tiles."""
     with kt_ops.use_compute_path("brgemm"), kt_ops.use_quant_activations("fp32"):
         return kt_ops.compute_paths()["int8"]["brgemm_kernel"] in (
+            "amx/int8_bf16_tiles",
             "onednn/brgemm_int8_bf16",
             "avx512_bf16/qint_dp_exact",
         )
@@ -1312,6 +1316,36 @@ def test_int8_bf16_exact_against_fp64(isa, H, I, T):  # noqa: E741
     ref = bf16_h_reference(x, ids, w, experts)
     # fp32 sums of exact products, and h's bf16 roundings on either side of a boundary.
     assert_matches_reference(out, ref.float(), TOL_BF16_BRGEMM)
+
+
+@pytest.mark.parametrize("T", [1, 27, 29, 150])
+def test_amx_int8_exact_tiles(isa, T):
+    # int8 under quant 'fp32' on kt_ops' AMX tiles (the codes decoded to bf16 per block,
+    # gate and up in one pass, the channel scales on the outputs): the same bits at 1, 2
+    # and 3 threads; against the fp64 reference with k tails (H = 130, I = 70), and
+    # oneDNN's AMX kernel's bits where k is a multiple of 32 (H = 128, I = 64: both one
+    # tile chain over k in order; oneDNN's kernel is held to the reference elsewhere, and
+    # the reference's bf16 rounding of h can fall on either side of a tie there).
+    with kt_ops.use_compute_path("brgemm"), kt_ops.use_quant_activations("fp32"):
+        if kt_ops.compute_paths()["int8"]["brgemm_kernel"] != "amx/int8_bf16_tiles":
+            pytest.skip("needs kt_ops' AMX tiles (an AMX CPU and oneDNN's AMX class)")
+    for H, I in ((130, 70), (128, 64)):  # noqa: E741
+        experts = make_quant_experts("int8", 4, H, I, seed=T)
+        ids, w = make_routing(T, 4, 2, seed=T + 5)
+        x = make_hidden(T, H, torch.bfloat16, seed=T).float()
+        ref = bf16_h_reference(x, ids, w, experts).float()
+        got = []
+        with kt_ops.use_compute_path("brgemm"), kt_ops.use_quant_activations("fp32"):
+            for n in THREAD_COUNTS:
+                kt_ops.set_num_threads(n)
+                got.append(kt_ops.moe_forward(x, ids, w, experts))
+                assert torch.equal(got[-1], got[0]), f"{n} threads"
+            with kt_ops.use_brgemm_bf16_kernel("onednn"):
+                onednn = kt_ops.moe_forward(x, ids, w, experts)
+        if H % 32 == 0:
+            assert torch.equal(got[0], onednn)
+        else:
+            assert_matches_reference(got[0], ref, TOL_BF16_BRGEMM)
 
 
 @pytest.mark.parametrize("T", [1, 27, 29, 150])

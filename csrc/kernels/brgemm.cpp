@@ -318,6 +318,21 @@ void amx_w8a8_dot_pair(const DotArgs& a0, const DotArgs& a1, const TileOperand& 
 
 int64_t amx_w8a8_bytes(int m, int64_t kp) { return avx512::amx_w8a8_bytes(m, kp); }
 
+bool amx_int8_bf16_runs() {
+  return avx512::amx_int8_bf16_dot != nullptr && avx512::amx_int8_bf16_dot_pair != nullptr &&
+         amx_bf16_runs() && int8_bf16_runs();
+}
+
+void amx_int8_bf16_dot(const DotArgs& a, const TileOperand& op) {
+  avx512::amx_int8_bf16_dot(a, op);
+  release();
+}
+
+void amx_int8_bf16_dot_pair(const DotArgs& a0, const DotArgs& a1, const TileOperand& op) {
+  avx512::amx_int8_bf16_dot_pair(a0, a1, op);
+  release();
+}
+
 bool amx_w4a8_runs() {
   if (avx512::amx_w4a8_dot == nullptr || avx512::amx_w4a8_dot_pair == nullptr ||
       avx512::pack_amx_w4a8_rows == nullptr)

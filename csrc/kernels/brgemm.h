@@ -271,6 +271,11 @@ void w4a8_dot(const DotArgs& a, const TileOperand& op);
 // LoRA forward on an int8 base (quant 'fp32': exact activations).
 bool int8_bf16_runs();
 void int8_bf16_dot(const DotArgs& a, const TileOperand& op);
+// The same product on kt_ops' AMX tiles (kernels/avx512/bf16_amx.cpp): where
+// int8_bf16_runs() and amx_bf16_runs() hold.
+bool amx_int8_bf16_runs();
+void amx_int8_bf16_dot(const DotArgs& a, const TileOperand& op);
+void amx_int8_bf16_dot_pair(const DotArgs& a0, const DotArgs& a1, const TileOperand& op);
 
 // mxfp4 on the bf16 brgemm, exact for bf16 activation rows: its values e2m1 * 2^(E-127)
 // are bf16 values for E in [2, 252], so per group of kTileGroupBlocks blocks the codes

@@ -161,6 +161,27 @@ const TileKernel kOneDnnInt8Bf16{
     /*keeps_if=*/nullptr,
     /*forced_only=*/true,
 };
+// kt_ops' AMX tiles for the same product (AMX CPUs, under 'auto'): gate and up in one pass.
+const TileKernel kAmxInt8Bf16{
+    /*name=*/"amx/int8_bf16_tiles",
+    /*input=*/TileInput::kBf16Rows,
+    /*bf16_activations_only=*/true,
+    /*keeps=*/false,
+    /*applies=*/brgemm::int8_per_channel_applies,
+    /*runs=*/brgemm::amx_int8_bf16_runs,
+    /*dot=*/brgemm::amx_int8_bf16_dot,
+    /*pack_bytes=*/nullptr,
+    /*pack=*/nullptr,
+    /*release=*/brgemm::release,
+    /*fallback=*/&kOneDnnInt8Bf16,
+    /*pack_rows=*/nullptr,
+    /*quant_modes=*/kQuantFp32Bit,
+    /*keeps_if=*/nullptr,
+    /*forced_only=*/true,
+    /*applies_to=*/nullptr,
+    /*pack_bf16=*/nullptr,
+    /*dot_pair=*/brgemm::amx_int8_bf16_dot_pair,
+};
 // On q8 records, bit-identical to the streaming q8 kernels: any activations.
 const TileKernel kOneDnnU8S8{
     /*name=*/"onednn/brgemm_u8s8",
@@ -173,7 +194,7 @@ const TileKernel kOneDnnU8S8{
     /*pack_bytes=*/brgemm::u8s8_bytes,
     /*pack=*/brgemm::gather_u8s8_rows,
     /*release=*/brgemm::release,
-    /*fallback=*/&kOneDnnInt8Bf16,
+    /*fallback=*/&kAmxInt8Bf16,
     /*pack_rows=*/nullptr,
     /*quant_modes=*/kQuantAutoBit | kQuantQ8Bit,
 };

@@ -124,6 +124,11 @@ __attribute__((weak)) void amx_bf16_dot(const DotArgs& a, const TileOperand& op)
 // k and ldo) in one pass: TileKernel::dot_pair.
 __attribute__((weak)) void amx_bf16_dot_pair(const DotArgs& a0, const DotArgs& a1,
                                              const TileOperand& op);
+// int8 per channel times the bf16 rows, exactly, on the same tiles (each block's codes
+// decoded to bf16 first, the channel scales on the outputs): oneDNN's int8_bf16 product.
+__attribute__((weak)) void amx_int8_bf16_dot(const DotArgs& a, const TileOperand& op);
+__attribute__((weak)) void amx_int8_bf16_dot_pair(const DotArgs& a0, const DotArgs& a1,
+                                                  const TileOperand& op);
 // int8 per channel on AMX tiles (kernels/avx512/w8a8_amx.cpp, tdpbssd): the w8a8 product
 // (per-token int8 activations, full-K int32 sums, w8a8_epilogue), bit-identical to oneDNN's
 // w8a8 kernel. Its A operand (TileInput::kI8TokenRows): pack_amx_w8a8_rows writes the m

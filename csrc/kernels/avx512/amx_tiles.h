@@ -7,7 +7,10 @@
 
 #include <immintrin.h>
 
+#include <cstddef>
 #include <cstdint>
+#include <cstdlib>
+#include <new>
 
 namespace kt::kernels::avx512::amx {
 
@@ -39,6 +42,33 @@ KT_AMX_TILE_TARGET inline void configure_2x2(int r0, int r1) {
   c.colsb[2] = c.colsb[3] = 64;
   _tile_loadconfig(&c);
 }
+
+// A thread's scratch for decoded blocks: 64-byte aligned, grown on demand, kept for the
+// thread's life (no std::vector here: its instantiations would be weak functions compiled
+// with this tier's flags, cmake/check_isa_odr.py).
+class ThreadBuffer {
+ public:
+  ThreadBuffer() = default;
+  ThreadBuffer(const ThreadBuffer&) = delete;
+  ThreadBuffer& operator=(const ThreadBuffer&) = delete;
+  ~ThreadBuffer() { std::free(p_); }
+  // At least `bytes` bytes; std::bad_alloc when the memory is not there.
+  void* get(size_t bytes) {
+    if (bytes > n_) {
+      const size_t n = (bytes + 63) / 64 * 64;
+      void* p = std::aligned_alloc(64, n);
+      if (p == nullptr) throw std::bad_alloc();
+      std::free(p_);
+      p_ = p;
+      n_ = n;
+    }
+    return p_;
+  }
+
+ private:
+  void* p_ = nullptr;
+  size_t n_ = 0;
+};
 
 // Loads configure_2x2(r0, r1) unless `*loaded` already holds that shape (-1: none).
 KT_AMX_TILE_TARGET inline void ensure_2x2(int r0, int r1, int* loaded) {

@@ -38,6 +38,7 @@
 
 #include "formats/bf16.h"
 #include "kernels/avx512/amx_tiles.h"
+#include "kernels/block_args.h"
 #include "kernels/kernel_api.h"
 #include "kernels/tiers.h"
 
@@ -213,6 +214,55 @@ KT_AMX_TARGET void amx_bf16_dot_pair(const DotArgs& a0, const DotArgs& a1, const
                  reinterpret_cast<const uint16_t*>(a0.proj->block(a0.expert, a0.nb_begin)),
                  reinterpret_cast<const uint16_t*>(a1.proj->block(a1.expert, a1.nb_begin)), a0.out,
                  a1.out, a0.ldo, nullptr, nullptr, &configured);
+  _tile_release();
+}
+
+namespace {
+
+// This thread's two decoded blocks [kp/2][16][2] (bf16), 64-byte aligned.
+uint16_t* decoded_blocks(int64_t kp) {
+  thread_local amx::ThreadBuffer buf;
+  return static_cast<uint16_t*>(buf.get(2 * static_cast<size_t>(kp) * 16 * sizeof(uint16_t)));
+}
+
+}  // namespace
+
+// int8 per channel times bf16 rows, exactly (the LoRA forward on an int8 base): each block's
+// codes decoded to their bf16 values (int8_to_bf16_vnni), the same tile products, the
+// channel scales on the outputs: oneDNN's int8_bf16 path on these tiles.
+KT_AMX_TARGET void amx_int8_bf16_dot(const DotArgs& a, const TileOperand& op) {
+  const ProjectionView& p = *a.proj;
+  uint16_t* dec = decoded_blocks(p.kp);
+  uint16_t* dec1 = dec + p.kp * 16;
+  const auto* x = static_cast<const uint16_t*>(op.rows);
+  int configured = -1;
+  for (int64_t nb = a.nb_begin; nb < a.nb_end; nb += 2) {
+    const bool pair = nb + 1 < a.nb_end;
+    const QintBlock blk0 = qint_block(a, nb);
+    const QintBlock blk1 = pair ? qint_block(a, nb + 1) : blk0;
+    int8_to_bf16_vnni(blk0.block, p.kp, dec);
+    if (pair) int8_to_bf16_vnni(blk1.block, p.kp, dec1);
+    blocks_product(x, op.ld, a.m, p.kp / 2, dec, pair ? dec1 : nullptr, blk0.out, blk1.out, a.ldo,
+                   nullptr, nullptr, &configured);
+    scale_columns16(blk0.out, a.m, a.ldo, blk0.scales, p.qint.scale_type);
+    if (pair) scale_columns16(blk1.out, a.m, a.ldo, blk1.scales, p.qint.scale_type);
+  }
+  _tile_release();
+}
+
+KT_AMX_TARGET void amx_int8_bf16_dot_pair(const DotArgs& a0, const DotArgs& a1,
+                                          const TileOperand& op) {
+  const int64_t kp = a0.proj->kp;
+  uint16_t* dec = decoded_blocks(kp);
+  uint16_t* dec1 = dec + kp * 16;
+  const QintBlock blk0 = qint_block(a0, a0.nb_begin), blk1 = qint_block(a1, a1.nb_begin);
+  int8_to_bf16_vnni(blk0.block, kp, dec);
+  int8_to_bf16_vnni(blk1.block, kp, dec1);
+  int configured = -1;
+  blocks_product(static_cast<const uint16_t*>(op.rows), op.ld, a0.m, kp / 2, dec, dec1, blk0.out,
+                 blk1.out, a0.ldo, nullptr, nullptr, &configured);
+  scale_columns16(blk0.out, a0.m, a0.ldo, blk0.scales, a0.proj->qint.scale_type);
+  scale_columns16(blk1.out, a1.m, a1.ldo, blk1.scales, a1.proj->qint.scale_type);
   _tile_release();
 }
 

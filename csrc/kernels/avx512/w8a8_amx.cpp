@@ -15,7 +15,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <vector>
 
 #include "kernels/avx512/amx_tiles.h"
 #include "kernels/block_args.h"
@@ -250,11 +249,8 @@ KT_AMX_INT8_TARGET void int4_blocks_product(const void* packed, int m, int64_t k
 
 // This thread's decoded blocks: two of padded_k(kp) * 16 bytes, 64-byte aligned.
 int8_t* decoded_blocks(int64_t kp) {
-  thread_local std::vector<int8_t> buf;
-  const size_t one = static_cast<size_t>(padded_k(kp)) * 16;
-  if (buf.size() < 2 * one + 64) buf.assign(2 * one + 64, 0);
-  auto addr = reinterpret_cast<uintptr_t>(buf.data());
-  return reinterpret_cast<int8_t*>((addr + 63) & ~uintptr_t{63});
+  thread_local amx::ThreadBuffer buf;
+  return static_cast<int8_t*>(buf.get(2 * static_cast<size_t>(padded_k(kp)) * 16));
 }
 
 // Block b's codes as signed bytes c - 8 at dst, zero past kp (a whole last k step).
