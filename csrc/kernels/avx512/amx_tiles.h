@@ -12,6 +12,12 @@
 #include <cstdlib>
 #include <new>
 
+// AMX targets: gcc 11+, clang 12+ (the kernels that include this header check the same).
+#if ((defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11) || \
+     (defined(__clang__) && __clang_major__ >= 12)) &&               \
+    defined(__x86_64__)
+#define KT_AMX_TILES_AVAILABLE 1
+
 namespace kt::kernels::avx512::amx {
 
 #define KT_AMX_TILE_TARGET __attribute__((target("amx-tile")))
@@ -79,3 +85,5 @@ KT_AMX_TILE_TARGET inline void ensure_2x2(int r0, int r1, int* loaded) {
 }
 
 }  // namespace kt::kernels::avx512::amx
+
+#endif  // KT_AMX_TILES_AVAILABLE

@@ -21,8 +21,7 @@
 #include "kernels/kernel_api.h"
 #include "kernels/tiers.h"
 
-#if (defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11) || \
-    (defined(__clang__) && __clang_major__ >= 12)
+#ifdef KT_AMX_TILES_AVAILABLE  // kernels/avx512/amx_tiles.h: a compiler with AMX targets
 #define KT_HAVE_AMX_INT8_TARGET 1
 #endif
 
