@@ -91,6 +91,9 @@ KT_AMX_INT8_TARGET void tile_sums(const int8_t* a, int64_t lda, const int8_t* b0
 using TileSums = void (*)(const int8_t*, int64_t, const int8_t*, const int8_t*, int64_t,
                           const int8_t*, const int8_t*, bool, int32_t*, int32_t*, const uint8_t*,
                           const uint8_t*);
+// tile_sums by [two A tiles][a pair of blocks].
+constexpr TileSums kTileSums[2][2] = {{tile_sums<false, false>, tile_sums<false, true>},
+                                      {tile_sums<true, false>, tile_sums<true, true>}};
 
 }  // namespace
 
@@ -144,10 +147,8 @@ KT_AMX_INT8_TARGET void blocks_product(const void* packed, int m, int64_t kp,
     const int rows = std::min(2 * kTileRows, m - i0);
     const int r0 = std::min(kTileRows, rows), r1 = rows - r0;
     amx::ensure_2x2(r0, r1, configured);
-    static constexpr TileSums kSums[2][2] = {{tile_sums<false, false>, tile_sums<false, true>},
-                                             {tile_sums<true, false>, tile_sums<true, true>}};
-    kSums[r1 > 0][pair](x + i0 * ld, ld, b0, b1, steps, b_tail[0], b_tail[1], tail_bytes != 0, c[0],
-                        c[1], i0 == 0 ? pf0 : nullptr, i0 == 0 ? pf1 : nullptr);
+    kTileSums[r1 > 0][pair](x + i0 * ld, ld, b0, b1, steps, b_tail[0], b_tail[1], tail_bytes != 0,
+                            c[0], c[1], i0 == 0 ? pf0 : nullptr, i0 == 0 ? pf1 : nullptr);
     for (int j = 0; j < (pair ? 2 : 1); ++j) {
       const QintBlock& blk = j ? *blk1 : blk0;
       std::memset(c[j] + rows * 16, 0, 16 * sizeof(int32_t));
@@ -220,12 +221,10 @@ KT_AMX_INT8_TARGET void int4_blocks_product(const void* packed, int m, int64_t k
     const int rows = std::min(2 * kTileRows, m - i0);
     const int r0 = std::min(kTileRows, rows), r1 = rows - r0;
     amx::ensure_2x2(r0, r1, configured);
-    static constexpr TileSums kSums[2][2] = {{tile_sums<false, false>, tile_sums<false, true>},
-                                             {tile_sums<true, false>, tile_sums<true, true>}};
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t k0 = g * gk;
-      kSums[r1 > 0][pair](x + i0 * ld + k0, ld, dec0 + k0 * 16, pair ? dec1 + k0 * 16 : nullptr,
-                          group_steps, nullptr, nullptr, false, c[0], c[1], nullptr, nullptr);
+      kTileSums[r1 > 0][pair](x + i0 * ld + k0, ld, dec0 + k0 * 16, pair ? dec1 + k0 * 16 : nullptr,
+                              group_steps, nullptr, nullptr, false, c[0], c[1], nullptr, nullptr);
       const int32_t* qs = q_sums + i0;
       if (groups > 1) {
         for (int r = 0; r < rows; ++r) {
