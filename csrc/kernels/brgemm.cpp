@@ -286,22 +286,24 @@ bool onednn_cap_allows_amx() {
   }();
   return allows;
 }
+
+// What every kt_ops AMX kernel needs: the setting 'auto', an AMX CPU, oneDNN's cap leaving
+// AMX on, and Linux's grant of the tile data (asked last: a system call, once).
+bool amx_tiles_run() {
+  if (avx512::amx_tiles_permitted == nullptr) return false;
+  if (bf16_kernel_setting() != Bf16Kernel::kAuto || !runtime::cpu_features().amx) return false;
+  return onednn_cap_allows_amx() && avx512::amx_tiles_permitted();
+}
 }  // namespace
 
 bool amx_bf16_runs() {
-  if (avx512::amx_bf16_dot == nullptr || avx512::amx_bf16_dot_pair == nullptr ||
-      avx512::amx_tiles_permitted == nullptr)
-    return false;
-  if (bf16_kernel_setting() != Bf16Kernel::kAuto || !runtime::cpu_features().amx) return false;
-  return onednn_cap_allows_amx() && bf16_runs() && avx512::amx_tiles_permitted();
+  return avx512::amx_bf16_dot != nullptr && avx512::amx_bf16_dot_pair != nullptr && bf16_runs() &&
+         amx_tiles_run();
 }
 
 bool amx_w8a8_runs() {
-  if (avx512::amx_w8a8_dot == nullptr || avx512::amx_w8a8_dot_pair == nullptr ||
-      avx512::pack_amx_w8a8_rows == nullptr || avx512::amx_tiles_permitted == nullptr)
-    return false;
-  if (bf16_kernel_setting() != Bf16Kernel::kAuto || !runtime::cpu_features().amx) return false;
-  return onednn_cap_allows_amx() && w8a8_runs() && avx512::amx_tiles_permitted();
+  return avx512::amx_w8a8_dot != nullptr && avx512::amx_w8a8_dot_pair != nullptr &&
+         avx512::pack_amx_w8a8_rows != nullptr && w8a8_runs() && amx_tiles_run();
 }
 
 bool amx_w8a8_applies_to(const ProjectionView& view) { return view.kp <= kW8A8MaxK; }
