@@ -65,6 +65,13 @@ struct HasQ3Quads : std::false_type {};
 template <class V>
 struct HasQ3Quads<V, std::void_t<decltype(&V::q3_quads)>> : std::true_type {};
 
+// Whether the tier's traits multiply a token's quads read from memory (V::dot2_at:
+// AVX512_VNNI's vpdpbusd with its {1to16} operand) instead of broadcast registers.
+template <class V, class = void>
+struct HasDot2At : std::false_type {};
+template <class V>
+struct HasDot2At<V, std::enable_if_t<V::kDot2At>> : std::true_type {};
+
 // Whether the tier's traits scale a k-quant's int8 sub-block scales in the
 // fold (V::kq_int8_scales: AVX2), instead of decoding the super-block's record
 // to fp32 first. The same exact products d * sc either way, so the same bits.
@@ -378,9 +385,13 @@ KT_ALWAYS_INLINE void qint_tile(const QintBlock& a, const uint8_t* const* x_rows
           }
           for (int i = 0; i < M; ++i) {
             const int8_t* xp = xr.codes[i] + k0 + 4 * q;
-            const I xa = V::set1_i32(*reinterpret_cast<const int32_t*>(xp));
-            const I xb = V::set1_i32(*reinterpret_cast<const int32_t*>(xp + 4));
-            for (int p = 0; p < P; ++p) V::dot2(st[c][i][p], w0[p], xa, w1[p], xb);
+            if constexpr (HasDot2At<V>::value) {
+              for (int p = 0; p < P; ++p) V::dot2_at(st[c][i][p], w0[p], w1[p], xp);
+            } else {
+              const I xa = V::set1_i32(*reinterpret_cast<const int32_t*>(xp));
+              const I xb = V::set1_i32(*reinterpret_cast<const int32_t*>(xp + 4));
+              for (int p = 0; p < P; ++p) V::dot2(st[c][i][p], w0[p], xa, w1[p], xb);
+            }
           }
         }
       }
