@@ -12,6 +12,15 @@
 
 namespace kt::kernels::avx512 {
 
+// acc += the 4-byte dot products of u8 (unsigned) with the signed quad at q, broadcast
+// from memory by vpdpbusd itself ({1to16}); only for callers compiled for AVX512_VNNI.
+// Inline assembly: GCC 12 neither folds the broadcast of the intrinsic into the
+// instruction (a separate vpbroadcastd per quad) nor, in the w8a8 tiles, kept their 28
+// accumulators in registers (it spilled every one of them per k quad).
+__attribute__((always_inline)) inline void dpbusd_bcast(__m512i& acc, __m512i u8, const void* q) {
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u8), "m"(*static_cast<const int32_t*>(q)));
+}
+
 struct Vec {
   using Reg = __m512;
   static constexpr int kLanes = 16;
@@ -157,21 +166,15 @@ struct QintVec512 {
           st, _mm512_add_epi16(_mm512_maddubs_epi16(w0, x0), _mm512_maddubs_epi16(w1, x1)));
     }
   }
-  // dot2 with each token quad read by vpdpbusd itself ({1to16} from memory: the quads
-  // at xp and xp + 4), the same exact int32 sums. Inline assembly: for the intrinsic
-  // GCC 12 emits a separate vpbroadcastd per token and quad beside the dot product
-  // (as in w8a8_dp_avx512vnni.cpp). Zen 4, a layer at T = 512 on the 12-token tiles,
-  // alternating builds (compare_trees.py, 3 rounds): q4_k 0.88x / 0.94x the time, mxfp4
-  // 0.92x, q5_k 0.93x, int4-g128 0.99x; decode within the noise.
+  // dot2 with each token quad read by vpdpbusd itself (dpbusd_bcast: the quads at xp
+  // and xp + 4), the same exact int32 sums. Zen 4, a layer at T = 512 on the 12-token
+  // tiles, alternating builds (compare_trees.py, 3 rounds): q4_k 0.88x / 0.94x the time,
+  // mxfp4 0.92x, q5_k 0.93x, int4-g128 0.99x; decode within the noise.
   static constexpr bool kDot2At = kVnni;
   static inline void dot2_at(I& st, I w0, I w1, const int8_t* xp) {
     if constexpr (kVnni) {
-      asm("vpdpbusd %2%{1to16%}, %1, %0"
-          : "+v"(st)
-          : "v"(w0), "m"(*reinterpret_cast<const int32_t*>(xp)));
-      asm("vpdpbusd %2%{1to16%}, %1, %0"
-          : "+v"(st)
-          : "v"(w1), "m"(*reinterpret_cast<const int32_t*>(xp + 4)));
+      dpbusd_bcast(st, w0, xp);
+      dpbusd_bcast(st, w1, xp + 4);
     }
   }
   static inline I flush(I isum, I st) {

@@ -47,17 +47,6 @@ constexpr int kMaxTileRows = brgemm::kW8A8TileRows;
 // Weight lines (64 bytes, one k quad) ahead of the first tile's loads: 2 KB.
 constexpr int kPrefetchLines = 32;
 
-// acc += the 4-byte dot products of u8 (unsigned) with the signed quad at q, broadcast
-// from memory by vpdpbusd itself ({1to16}). Inline assembly: GCC 12 neither folds the
-// broadcast into the instruction nor keeps 28 accumulators of the intrinsic in
-// registers (it spilled every one of them per k quad).
-KT_VNNI_TARGET __attribute__((always_inline)) inline void dpbusd_bcast(__m512i& acc, __m512i u8,
-                                                                       const uint8_t* q) {
-  asm("vpdpbusd %2%{1to16%}, %1, %0"
-      : "+v"(acc)
-      : "v"(u8), "m"(*reinterpret_cast<const int32_t*>(q)));
-}
-
 // Tile of MT rows over the quads [q0, q1) of one 16-row block w [kp/4][16][4];
 // a: the tile's packed quads [kp/4][MT][4]; init[i * init_ld]: -128 * the row's sum
 // of q over the chunk; out[i * ldo + r] = (accumulate ? out : 0) + acc * sw * sx[i].
