@@ -495,6 +495,78 @@ def test_gemm_nt_tiles_match_fp64_and_any_row_split():
         nt(torch.ones(1, 1), torch.ones(1, 1), torch.zeros(1, 1), False, "ref", 0, 1)
 
 
+def _fp32_bound(terms: int, mags: torch.Tensor) -> torch.Tensor:
+    """A sum of `terms` fp32 products, each rounded once and summed in any order: within
+    terms * 2^-24 of the sum of their magnitudes (plus one rounding of the result)."""
+    return (terms + 2) * 2**-24 * mags + 1e-30
+
+
+@pytest.mark.parametrize("m", [0, 1, 2, 3, 5])
+def test_lora_products_match_fp64_on_every_isa(m: int, isa: str):
+    """The rank-r products of the LoRA forward and backward (moe/lora_products.h) on the
+    active path's kernels (kernels/avx2/lora_avx2.cpp, kernels/avx512/lora_avx512.cpp;
+    at::mm on ref): x A^T, s sum_q t_q w_q (1 to 4 terms, accumulating or not) and
+    s d^T x, against fp64 at every edge of their tiles (k % 8 and % 16, n % 8 and % 16,
+    n past a 512-column block, ranks 1 to 33, odd row counts). On kt_ops' own kernels
+    (every path but ref, whose at::mm promises neither) bf16 rows give the bits of their
+    fp32 copies, and x A^T and s t w the same bits for any split of the rows."""
+    own = isa != "ref"
+    g = torch.Generator().manual_seed(11 + m)
+    xat, tw, dtx = (
+        kt_ops._C._testing.lora_xat,
+        kt_ops._C._testing.lora_tw,
+        kt_ops._C._testing.lora_dtx,
+    )
+    for k in (1, 7, 9, 16, 17, 33, 70):
+        for r in (1, 3, 4, 5, 8, 9, 17, 33):
+            x = torch.randn(m, k, generator=g).bfloat16().float()
+            a = torch.randn(r, k, generator=g)
+            y = xat(x, a)
+            want = x.double() @ a.double().T
+            bound = _fp32_bound(k, x.abs().double() @ a.abs().double().T)
+            assert ((y.double() - want).abs() <= bound).all(), (isa, m, k, r)
+            if own:
+                assert torch.equal(xat(x.bfloat16(), a), y), (isa, m, k, r)
+                for cut in range(1, m):
+                    assert torch.equal(torch.cat([xat(x[:cut], a), xat(x[cut:], a)]), y), cut
+            d = torch.randn(m, r, generator=g)
+            s = 0.75
+            gt = dtx(d, x, s)
+            want = s * d.double().T @ x.double()
+            bound = _fp32_bound(m, abs(s) * d.abs().double().T @ x.abs().double())
+            assert ((gt.double() - want).abs() <= bound).all(), (isa, m, k, r)
+            if own:
+                assert torch.equal(dtx(d, x.bfloat16(), s), gt), (isa, m, k, r)
+    for n in (1, 7, 8, 15, 16, 17, 33, 600):
+        for ranks in ((1,), (8,), (3, 17), (2, 5, 9, 33)):
+            terms = [
+                (torch.randn(m, r, generator=g), torch.randn(r, n, generator=g)) for r in ranks
+            ]
+            c0 = torch.randn(m, n, generator=g)
+            s = 2.0
+            for accumulate in (False, True):
+                out = c0.clone()
+                tw(terms, s, accumulate, out)
+                want = (c0.double() if accumulate else torch.zeros(m, n, dtype=torch.double)) + sum(
+                    s * t.double() @ w.double() for t, w in terms
+                )
+                mags = c0.abs().double() + sum(
+                    s * t.abs().double() @ w.abs().double() for t, w in terms
+                )
+                bound = _fp32_bound(max(ranks) + len(ranks), mags)
+                assert ((out.double() - want).abs() <= bound).all(), (isa, m, n, ranks, accumulate)
+                if own and m > 1:
+                    cut = m // 2
+                    top, bottom = c0[:cut].clone(), c0[cut:].clone()
+                    tw([(t[:cut], w) for t, w in terms], s, accumulate, top)
+                    tw([(t[cut:], w) for t, w in terms], s, accumulate, bottom)
+                    assert torch.equal(torch.cat([top, bottom]), out), (isa, m, n, ranks)
+    with pytest.raises(ValueError, match="a must be"):
+        xat(torch.ones(2, 3), torch.ones(4, 5))
+    with pytest.raises(ValueError, match="contiguous 2-D fp32 CPU"):
+        dtx(torch.ones(2, 3, dtype=torch.float64), torch.ones(2, 3), 1.0)
+
+
 @pytest.mark.parametrize("case", [CASES[3], CASES[4], CASES[5]], ids=lambda c: c.name)
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["save", "recompute"])
 def test_non_temporal_stores_give_the_same_bits(case: Case, checkpointing: bool):

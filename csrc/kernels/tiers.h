@@ -26,6 +26,14 @@ void qint_block_dot(const QintBlock& b);
 void qint_block_decode(const QintBlock& b, float* w);
 }  // namespace ref
 
+// One term s t w of the LoRA products' lora_tw (avx2::, avx512::; moe/lora_products.h).
+struct LoraTwTerm {
+  const float* t;  // [m, r], rows r apart
+  int r;
+  const float* w;  // [r, n], rows ldw apart
+  int64_t ldw;
+};
+
 // Weak: null when the compiler could not build the AVX2 tier (dispatch.cpp).
 namespace avx2 {
 __attribute__((weak)) const ProjectionKernels& bf16_kernels();
@@ -37,6 +45,20 @@ __attribute__((weak)) void quantize_row_q8(const float* x, int64_t kp, uint8_t* 
 __attribute__((weak)) void gemm_nt_f32(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
                                        const float* b, int64_t ldb, float* c, int64_t ldc,
                                        bool accumulate);
+// The LoRA products of rank r (kernels/avx2/lora_avx2.cpp): as avx512::lora_xat,
+// lora_tw and lora_dtx below (the same definitions; 8 lanes, so other sum orders for
+// xat's reductions along k; tw and dtx sum each output in the same order).
+__attribute__((weak)) void lora_xat(const float* const* x, int m, int64_t k, const float* a,
+                                    int64_t lda, int r, float* y);
+__attribute__((weak)) void lora_xat_bf16(const uint16_t* const* x, int m, int64_t k, const float* a,
+                                         int64_t lda, int r, float* y);
+__attribute__((weak)) void lora_tw(const LoraTwTerm* terms, int nterms, int m, int64_t n, float s,
+                                   bool accumulate, float* const* out);
+__attribute__((weak)) void lora_dtx(const float* d, int64_t ldd, int m, int r, const float* x,
+                                    int64_t ldx, int64_t k, float s, float* g, int64_t ldg);
+__attribute__((weak)) void lora_dtx_bf16(const float* d, int64_t ldd, int m, int r,
+                                         const uint16_t* x, int64_t ldx, int64_t k, float s,
+                                         float* g, int64_t ldg);
 // `iters` steps of independent 256-bit FMA chains (kernels/avx2/fma_peak_avx2.cpp);
 // returns the FLOPs done and stores a value of the result at sink.
 __attribute__((weak)) double fma_chains(int64_t iters, float* sink);
@@ -218,12 +240,6 @@ __attribute__((weak)) void lora_xat(const float* const* x, int m, int64_t k, con
                                     int64_t lda, int r, float* y);
 __attribute__((weak)) void lora_xat_bf16(const uint16_t* const* x, int m, int64_t k, const float* a,
                                          int64_t lda, int r, float* y);
-struct LoraTwTerm {
-  const float* t;  // [m, r], rows r apart
-  int r;
-  const float* w;  // [r, n], rows ldw apart
-  int64_t ldw;
-};
 __attribute__((weak)) void lora_tw(const LoraTwTerm* terms, int nterms, int m, int64_t n, float s,
                                    bool accumulate, float* const* out);
 __attribute__((weak)) void lora_dtx(const float* d, int64_t ldd, int m, int r, const float* x,

@@ -35,15 +35,39 @@ void xat_rows_aten(const T* const* x, int64_t m, int64_t k, const float* a, int6
 
 }  // namespace
 
-bool on_avx512() {
-  static const kernels::Isa avx512 = kernels::parse_isa("avx512");
-  return kernels::avx512::lora_xat != nullptr && kernels::active_isa() >= avx512;
+namespace {
+
+// The tier's own kernels for these products (kernels/tiers.h): AVX-512's on the AVX-512
+// tiers, AVX2's on the AVX2 tier; none on ref (and on a build without them): at::mm.
+struct Kernels {
+  decltype(&kernels::avx512::lora_xat) xat;
+  decltype(&kernels::avx512::lora_xat_bf16) xat_bf16;
+  decltype(&kernels::avx512::lora_tw) tw;
+  decltype(&kernels::avx512::lora_dtx) dtx;
+  decltype(&kernels::avx512::lora_dtx_bf16) dtx_bf16;
+};
+
+const Kernels* active_kernels() {
+  namespace k = kernels;
+  static const Kernels avx512{k::avx512::lora_xat, k::avx512::lora_xat_bf16, k::avx512::lora_tw,
+                              k::avx512::lora_dtx, k::avx512::lora_dtx_bf16};
+  static const Kernels avx2{k::avx2::lora_xat, k::avx2::lora_xat_bf16, k::avx2::lora_tw,
+                            k::avx2::lora_dtx, k::avx2::lora_dtx_bf16};
+  static const k::Isa isa_avx512 = k::parse_isa("avx512"), isa_avx2 = k::parse_isa("avx2");
+  const k::Isa isa = k::active_isa();
+  if (isa >= isa_avx512 && avx512.xat != nullptr) return &avx512;
+  if (isa >= isa_avx2 && avx2.xat != nullptr) return &avx2;
+  return nullptr;
 }
+
+}  // namespace
+
+bool own_kernels() { return active_kernels() != nullptr; }
 
 void xat(const float* x, int64_t ldx, int64_t m, int64_t k, const float* a, int64_t lda, int64_t r,
          float* y) {
   if (m == 0 || r == 0) return;
-  if (on_avx512()) {
+  if (own_kernels()) {
     std::vector<const float*> rows(static_cast<size_t>(m));
     for (int64_t i = 0; i < m; ++i) rows[i] = x + i * ldx;
     xat_rows(rows.data(), m, k, a, lda, r, y);
@@ -56,8 +80,8 @@ void xat(const float* x, int64_t ldx, int64_t m, int64_t k, const float* a, int6
 void xat_rows(const float* const* x, int64_t m, int64_t k, const float* a, int64_t lda, int64_t r,
               float* y) {
   if (m == 0 || r == 0) return;
-  if (on_avx512()) {
-    kernels::avx512::lora_xat(x, static_cast<int>(m), k, a, lda, static_cast<int>(r), y);
+  if (const Kernels* kn = active_kernels()) {
+    kn->xat(x, static_cast<int>(m), k, a, lda, static_cast<int>(r), y);
     return;
   }
   xat_rows_aten(x, m, k, a, lda, r, y);
@@ -66,8 +90,8 @@ void xat_rows(const float* const* x, int64_t m, int64_t k, const float* a, int64
 void xat_rows_bf16(const uint16_t* const* x, int64_t m, int64_t k, const float* a, int64_t lda,
                    int64_t r, float* y) {
   if (m == 0 || r == 0) return;
-  if (on_avx512()) {
-    kernels::avx512::lora_xat_bf16(x, static_cast<int>(m), k, a, lda, static_cast<int>(r), y);
+  if (const Kernels* kn = active_kernels()) {
+    kn->xat_bf16(x, static_cast<int>(m), k, a, lda, static_cast<int>(r), y);
     return;
   }
   xat_rows_aten(x, m, k, a, lda, r, y);
@@ -92,11 +116,11 @@ void tw_terms(const TwTerm* terms, int nterms, int64_t m, int64_t n, float s, bo
               float* const* out) {
   if (m == 0 || n == 0 || nterms == 0) return;
   TORCH_CHECK(nterms <= 4, "lora_products::tw_terms: at most 4 terms, got ", nterms);
-  if (on_avx512()) {
-    kernels::avx512::LoraTwTerm q[4];
+  if (const Kernels* kn = active_kernels()) {
+    kernels::LoraTwTerm q[4];
     for (int i = 0; i < nterms; ++i)
       q[i] = {terms[i].t, static_cast<int>(terms[i].r), terms[i].w, terms[i].ldw};
-    kernels::avx512::lora_tw(q, nterms, static_cast<int>(m), n, s, accumulate, out);
+    kn->tw(q, nterms, static_cast<int>(m), n, s, accumulate, out);
     return;
   }
   // Rows ld apart (a matrix) and wide enough for an ATen call: one addmm per term.
@@ -136,9 +160,8 @@ void tw_terms(const TwTerm* terms, int nterms, int64_t m, int64_t n, float s, bo
 void dtx(const float* d, int64_t ldd, int64_t m, int64_t r, const float* x, int64_t ldx, int64_t k,
          float s, float* g, int64_t ldg) {
   if (r == 0 || k == 0) return;
-  if (on_avx512()) {
-    kernels::avx512::lora_dtx(d, ldd, static_cast<int>(m), static_cast<int>(r), x, ldx, k, s, g,
-                              ldg);
+  if (const Kernels* kn = active_kernels()) {
+    kn->dtx(d, ldd, static_cast<int>(m), static_cast<int>(r), x, ldx, k, s, g, ldg);
     return;
   }
   at::Tensor out = mat(g, r, k, ldg);
@@ -148,9 +171,8 @@ void dtx(const float* d, int64_t ldd, int64_t m, int64_t r, const float* x, int6
 void dtx_bf16(const float* d, int64_t ldd, int64_t m, int64_t r, const uint16_t* x, int64_t ldx,
               int64_t k, float s, float* g, int64_t ldg) {
   if (r == 0 || k == 0) return;
-  if (on_avx512()) {
-    kernels::avx512::lora_dtx_bf16(d, ldd, static_cast<int>(m), static_cast<int>(r), x, ldx, k, s,
-                                   g, ldg);
+  if (const Kernels* kn = active_kernels()) {
+    kn->dtx_bf16(d, ldd, static_cast<int>(m), static_cast<int>(r), x, ldx, k, s, g, ldg);
     return;
   }
   const at::Tensor xf =

@@ -1,7 +1,8 @@
 // The rank-r products of the LoRA forward and backward, fp32: y = x A^T,
-// out (+)= s t W, g = s d^T x. On the AVX-512 kernels
-// (kernels/avx512/lora_avx512.cpp) where the active ISA path is avx512 or
-// higher, at::mm elsewhere (KT_OPS_ISA=avx2 runs no AVX-512 instruction).
+// out (+)= s t W, g = s d^T x. On the active ISA path's own kernels: AVX-512's
+// (kernels/avx512/lora_avx512.cpp) on avx512 or higher, AVX2's
+// (kernels/avx2/lora_avx2.cpp) on avx2 (which runs no AVX-512 instruction); at::mm
+// on ref.
 // Pointers to row-major fp32 matrices with the given row strides; m, k, n >= 0.
 #pragma once
 
@@ -51,7 +52,8 @@ void dtx(const float* d, int64_t ldd, int64_t m, int64_t r, const float* x, int6
 void dtx_bf16(const float* d, int64_t ldd, int64_t m, int64_t r, const uint16_t* x, int64_t ldx,
               int64_t k, float s, float* g, int64_t ldg);
 
-// Whether the AVX-512 kernels compute them now (tests, docs).
-bool on_avx512();
+// Whether kt_ops' own kernels (the active tier's: AVX2 or AVX-512) compute them now,
+// rather than at::mm (the ref tier).
+bool own_kernels();
 
 }  // namespace kt::moe::lora_products

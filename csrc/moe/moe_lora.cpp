@@ -777,7 +777,7 @@ MoeGrads moe_backward_lora(const at::Tensor& grad_output, const at::Tensor& x,
     // on load: the same results), not fp32 copies (8 KiB a row at H = 2048, made and
     // gathered; their copies were 4% of the step on Zen 4).
     const bool rows16 = x.scalar_type() == at::kBFloat16 &&
-                        grad_output.scalar_type() == at::kBFloat16 && lora_products::on_avx512();
+                        grad_output.scalar_type() == at::kBFloat16 && lora_products::own_kernels();
     const at::Tensor xf = rows16 ? at::Tensor() : f32_on_pool(x);
     const at::Tensor gof = rows16 ? at::Tensor() : f32_on_pool(grad_output);
     const at::Tensor x16 = rows16 ? x.contiguous() : at::Tensor();

@@ -1,10 +1,12 @@
 // kt_ops._C._testing: hooks for tests and benchmarks, kept out of the runtime
 // controls of kt_ops._C (python_bindings.cpp). Nothing in kt_ops/ calls them;
 // tests/ and benchmarks/ reach internals through them (the pool's task
-// placement, the caller's move target, one tier's quantizer, fp8 decode or fp32 NT tiles).
+// placement, the caller's move target, one tier's quantizer, fp8 decode, fp32 NT tiles or
+// LoRA products).
 // The other hooks of this submodule are registered beside the code they
 // expose: HostBridge and bridge_caller_waits (csrc/hybrid/host_transport.cpp),
 // split_blocks (csrc/ops/numa_bindings.cpp).
+#include <ATen/ATen.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 #include <sched.h>
@@ -23,6 +25,7 @@
 #include "kernels/brgemm.h"
 #include "kernels/dispatch.h"
 #include "kernels/tiers.h"
+#include "moe/lora_products.h"
 #include "moe/moe_forward.h"
 #include "runtime/aligned_vector.h"
 #include "runtime/cpu_features.h"
@@ -123,6 +126,79 @@ void register_test_hooks(py::module& t) {
       },
       py::arg("a"), py::arg("b"), py::arg("c"), py::arg("accumulate"), py::arg("isa"),
       py::arg("i0"), py::arg("rows"));
+  // The LoRA products (moe/lora_products.h) on the active ISA path's kernels (AVX2's,
+  // AVX-512's, or at::mm on ref): y = x a^T (x fp32 or bf16 [m, k], a fp32 [r, k]);
+  // out (+)= s sum_q t_q w_q (out [m, n] in place; t_q [m, r_q], w_q [r_q, n]); g = s d^T x
+  // (d [m, r], x fp32 or bf16 [m, k]). Contiguous 2-D CPU tensors, else ValueError.
+  auto check_2d = [](const at::Tensor& t, const char* name, bool bf16_ok) {
+    const bool dtype_ok =
+        t.scalar_type() == at::kFloat || (bf16_ok && t.scalar_type() == at::kBFloat16);
+    if (t.dim() != 2 || !dtype_ok || !t.is_contiguous() || !t.device().is_cpu())
+      throw py::value_error(std::string("lora products: ") + name + " must be a contiguous 2-D " +
+                            (bf16_ok ? "fp32 or bf16" : "fp32") + " CPU tensor");
+  };
+  t.def(
+      "lora_xat",
+      [check_2d](const at::Tensor& x, const at::Tensor& a) {
+        check_2d(x, "x", true);
+        check_2d(a, "a", false);
+        const int64_t m = x.size(0), k = x.size(1), r = a.size(0);
+        if (a.size(1) != k) throw py::value_error("lora_xat: a must be [r, k] for x [m, k]");
+        at::Tensor y = at::zeros({m, r}, at::kFloat);
+        if (x.scalar_type() == at::kBFloat16) {
+          std::vector<const uint16_t*> rows(static_cast<size_t>(m));
+          const auto* p = static_cast<const uint16_t*>(x.data_ptr());
+          for (int64_t i = 0; i < m; ++i) rows[i] = p + i * k;
+          kt::moe::lora_products::xat_rows_bf16(rows.data(), m, k, a.data_ptr<float>(), k, r,
+                                                y.data_ptr<float>());
+        } else {
+          kt::moe::lora_products::xat(x.data_ptr<float>(), k, m, k, a.data_ptr<float>(), k, r,
+                                      y.data_ptr<float>());
+        }
+        return y;
+      },
+      py::arg("x"), py::arg("a"));
+  t.def(
+      "lora_tw",
+      [check_2d](const std::vector<std::pair<at::Tensor, at::Tensor>>& terms, double s,
+                 bool accumulate, at::Tensor& out) {
+        check_2d(out, "out", false);
+        const int64_t m = out.size(0), n = out.size(1);
+        if (terms.empty() || terms.size() > 4)
+          throw py::value_error("lora_tw: 1 to 4 (t, w) terms");
+        std::vector<kt::moe::lora_products::TwTerm> q;
+        for (const auto& [tq, wq] : terms) {
+          check_2d(tq, "t", false);
+          check_2d(wq, "w", false);
+          if (tq.size(0) != m || wq.size(0) != tq.size(1) || wq.size(1) != n)
+            throw py::value_error("lora_tw: t must be [m, r] and w [r, n] for out [m, n]");
+          q.push_back({tq.data_ptr<float>(), tq.size(1), wq.data_ptr<float>(), n});
+        }
+        std::vector<float*> rows(static_cast<size_t>(m));
+        for (int64_t i = 0; i < m; ++i) rows[i] = out.data_ptr<float>() + i * n;
+        kt::moe::lora_products::tw_terms(q.data(), static_cast<int>(q.size()), m, n,
+                                         static_cast<float>(s), accumulate, rows.data());
+      },
+      py::arg("terms"), py::arg("s"), py::arg("accumulate"), py::arg("out"));
+  t.def(
+      "lora_dtx",
+      [check_2d](const at::Tensor& d, const at::Tensor& x, double s) {
+        check_2d(d, "d", false);
+        check_2d(x, "x", true);
+        const int64_t m = d.size(0), r = d.size(1), k = x.size(1);
+        if (x.size(0) != m) throw py::value_error("lora_dtx: x must be [m, k] for d [m, r]");
+        at::Tensor g = at::zeros({r, k}, at::kFloat);
+        if (x.scalar_type() == at::kBFloat16) {
+          kt::moe::lora_products::dtx_bf16(d.data_ptr<float>(), r, m, r,
+                                           static_cast<const uint16_t*>(x.data_ptr()), k, k,
+                                           static_cast<float>(s), g.data_ptr<float>(), k);
+        } else {
+          kt::moe::lora_products::dtx(d.data_ptr<float>(), r, m, r, x.data_ptr<float>(), k, k,
+                                      static_cast<float>(s), g.data_ptr<float>(), k);
+        }
+        return g;
+      },
+      py::arg("d"), py::arg("x"), py::arg("s"));
   // The byte offset within a cache line of a runtime::AlignedVector<float> of each size
   // (the scratch that kernels read as vectors: all 0).
   t.def("aligned_vector_offsets", [](const std::vector<int64_t>& sizes) {
