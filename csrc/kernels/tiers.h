@@ -44,7 +44,7 @@ __attribute__((weak)) GluBackwardRows glu_backward_rows(const Glu& glu);
 __attribute__((weak)) void quantize_row_q8(const float* x, int64_t kp, uint8_t* rec);
 __attribute__((weak)) void gemm_nt_f32(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
                                        const float* b, int64_t ldb, float* c, int64_t ldc,
-                                       bool accumulate);
+                                       bool accumulate, const PrefetchChunks& next);
 // The LoRA products of rank r (kernels/avx2/lora_avx2.cpp): as avx512::lora_xat,
 // lora_tw and lora_dtx below (the same definitions; 8 lanes, so other sum orders for
 // xat's reductions along k; tw and dtx sum each output in the same order).

@@ -712,19 +712,23 @@ void bf16_vnni_panel(const Projection& p, int64_t expert, int64_t k0, int64_t co
         dst + nb * (kRows / 2) * cols * 2);
 }
 
-kernels::PrefetchChunks vnni_panel_source(const Projection& p, int64_t expert, int64_t k0) {
+kernels::PrefetchChunks vnni_panel_source(const Projection& p, int64_t expert, int64_t k0,
+                                          int64_t cols) {
+  kernels::PrefetchChunks src;
+  if (p.format->layout == formats::Layout::kGrid) return src;  // its records: not prefetched
   const auto [base, block_bytes] = expert_blocks(p, expert);
   const bool bf16 = p.format->layout == formats::Layout::kBf16;
   // Codes of under 8 bits: their low plane, 8 k of 16 rows per line (a 5- or 6-bit
   // format's high plane and the scales are not prefetched: a fraction of the bytes).
   const bool nibbles = p.format->layout == formats::Layout::kQint && p.format->qint.bits < 8;
-  kernels::PrefetchChunks src;
   // 16 columns of a block: bf16 8 lines from k pair k0 / 2 (a pair of 16 rows per line),
   // int8 4 lines from k quad k0 / 4 (a quad of 16 rows per line), fp8 4 lines from k0
-  // (4 k of 16 rows per line), 4-bit codes 2 lines from k0 / 8.
+  // (4 k of 16 rows per line), 4-bit codes 2 lines from k0 / 8; cols / 16 times as many.
+  int log2_cols = 0;
+  while ((int64_t{16} << log2_cols) < cols) ++log2_cols;
   src.base = base + (bf16 ? k0 / 2 * 64 : nibbles ? k0 / 8 * 64 : k0 * formats::kBf16BlockRows);
   src.stride = block_bytes;
-  src.chunk_lines_log2 = bf16 ? 3 : nibbles ? 1 : 2;
+  src.chunk_lines_log2 = (bf16 ? 3 : nibbles ? 1 : 2) + log2_cols;
   src.lines = (p.n / formats::kBf16BlockRows) << src.chunk_lines_log2;
   return src;
 }

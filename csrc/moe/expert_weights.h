@@ -74,9 +74,12 @@ void bf16_vnni_panel(const Projection& p, int64_t expert, int64_t k0, int64_t co
 bool split_vnni_panel_applies(const Projection& p);
 void split_vnni_panel(const Projection& p, int64_t expert, int64_t k0, int64_t cols, uint16_t* hi,
                       uint16_t* lo, int64_t slice_width = 0);
-// Where bf16_vnni_panel(p, expert, k0, 16, ...) (or split_vnni_panel) reads: its lines, to prefetch
-// to L2 while the previous panel is multiplied (kernels::avx512::bf16_dp_panel).
-kernels::PrefetchChunks vnni_panel_source(const Projection& p, int64_t expert, int64_t k0);
+// Where bf16_vnni_panel(p, expert, k0, cols, ...) (or split_vnni_panel, or dense_expert_panel
+// of columns [k0, k0 + cols)) reads: its lines, to prefetch to L2 while the previous panel
+// is multiplied (kernels::avx512::bf16_dp_panel, the AVX2 tier's gemm_nt_f32). cols: a
+// power of two, at least 16. An empty source (lines 0) for a layout it does not know.
+kernels::PrefetchChunks vnni_panel_source(const Projection& p, int64_t expert, int64_t k0,
+                                          int64_t cols = 16);
 // An int8 or fp8_channel projection's n channel scales of `expert` as fp32 (the calling
 // thread's buffer, valid until its next call); nullptr for the others (bf16, fp8,
 // mxfp8, mxfp4).

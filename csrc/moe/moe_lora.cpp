@@ -205,17 +205,30 @@ void base_products(std::initializer_list<std::pair<const at::Tensor*, const Proj
   for (const auto& term : terms) dense_rows = dense_rows && term.first->is_contiguous();
   const kernels::GemmNtF32 nt = dense_rows ? kernels::gemm_nt_f32(kernels::active_isa()) : nullptr;
   const int64_t bytes = nt != nullptr ? kNtPanelBytes : kPanelBytes;
-  const int64_t kc = std::max<int64_t>(32, bytes / (ld * 4) / 32 * 32);
+  int64_t kc = std::max<int64_t>(32, bytes / (ld * 4) / 32 * 32);
+  // The NT tiles prefetch the next panel's source, whose chunks are a power of two of lines.
+  if (nt != nullptr)
+    while ((kc & (kc - 1)) != 0) kc &= kc - 1;
   if (panel.size() < static_cast<size_t>(kc * ld)) panel.resize(kc * ld);
   const int64_t m = out.size(0);
+  const auto* term_list = terms.begin();
+  const int64_t nterms = static_cast<int64_t>(terms.size());
   for (int64_t k0 = 0; k0 < k; k0 += kc) {
     const int64_t k1 = std::min(k, k0 + kc);
     bool first = true;
-    for (const auto& [d, p] : terms) {
+    for (int64_t ti = 0; ti < nterms; ++ti) {
+      const auto& [d, p] = term_list[ti];
       dense_expert_panel(*p, e, k0, k1, panel.data());
       if (nt != nullptr) {
+        // The panel after this one: the next term's at k0, else the first term's at k1.
+        kernels::PrefetchChunks next;
+        if (ti + 1 < nterms) {
+          next = vnni_panel_source(*term_list[ti + 1].second, e, k0, kc);
+        } else if (k1 < k) {
+          next = vnni_panel_source(*term_list[0].second, e, k1, kc);
+        }
         nt(m, k1 - k0, p->n, d->data_ptr<float>(), p->n, panel.data(), ld,
-           out.data_ptr<float>() + k0, out.stride(0), !first);
+           out.data_ptr<float>() + k0, out.stride(0), !first, next);
       } else {
         at::Tensor o = out.narrow(1, k0, k1 - k0);
         const at::Tensor wp = at::from_blob(panel.data(), {p->n, k1 - k0}, {1, ld}, kF32);

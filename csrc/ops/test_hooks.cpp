@@ -122,7 +122,7 @@ void register_test_hooks(py::module& t) {
             i0 + rows > m)
           throw py::value_error("gemm_nt_f32: shapes or row range do not match");
         nt(rows, n, k, a.data_ptr<float>() + i0 * k, k, b.data_ptr<float>(), k,
-           c.data_ptr<float>() + i0 * n, n, accumulate);
+           c.data_ptr<float>() + i0 * n, n, accumulate, kt::kernels::PrefetchChunks{});
       },
       py::arg("a"), py::arg("b"), py::arg("c"), py::arg("accumulate"), py::arg("isa"),
       py::arg("i0"), py::arg("rows"));
