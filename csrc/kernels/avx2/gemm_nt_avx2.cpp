@@ -17,13 +17,6 @@ namespace {
 
 constexpr int kRowsA = 3, kRowsB = 4;
 
-inline float lane_sum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 template <int MR, int NR>
 void tile(int64_t k, const float* a, int64_t lda, const float* b, int64_t ldb, float* c,
           int64_t ldc, bool accumulate) {
@@ -41,7 +34,7 @@ void tile(int64_t k, const float* a, int64_t lda, const float* b, int64_t ldb, f
   }
   for (int i = 0; i < MR; ++i) {
     for (int j = 0; j < NR; ++j) {
-      float s = lane_sum(acc[i][j]);
+      float s = Vec::sum(acc[i][j]);
       for (int64_t t = k8; t < k; ++t) s = std::fma(a[i * lda + t], b[j * ldb + t], s);
       float& out = c[i * ldc + j];
       out = accumulate ? out + s : s;

@@ -12,18 +12,12 @@
 #include <cmath>
 #include <cstdint>
 
+#include "kernels/avx2/vec.h"
 #include "kernels/tiers.h"
 
 namespace kt::kernels::avx2 {
 
 namespace {
-
-inline float lane_sum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 // 8 values of a row as fp32: fp32 loaded, bf16 widened (exact).
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
@@ -65,7 +59,7 @@ void xat_tile(const T* const* x, int64_t k, const float* a, int64_t lda, float* 
   for (int i = 0; i < R; ++i) {
 #pragma GCC unroll 8
     for (int j = 0; j < RC; ++j) {
-      float s = lane_sum(acc[i * RC + j]);
+      float s = Vec::sum(acc[i * RC + j]);
       for (int64_t c = k8; c < k; ++c) s = std::fma(value(x[i] + c), a[j * lda + c], s);
       y[i * ldy + j] = s;
     }
