@@ -17,15 +17,19 @@
 //   kept separate even/odd chains to halve the FMA latency chain: measured
 //   no faster on Zen 4 (T = 1 and 2, 8 experts streamed from DRAM), where the
 //   weight stream is the limit. AVX-512: M <= 8 (8 zmm
-//   accs); AVX2: M <= 4 (8 ymm accs + 4 weight ymm). Measured on Zen 3: AVX2
-//   tiles of 6 tokens (even-k then odd-k sweeps, 2 weight ymm live) were
-//   10-15% slower at T=512 than tiles of 4.
+//   accs); AVX2: M <= 5 (10 ymm accs + 4 weight ymm + a broadcast). Each
+//   accumulator takes two dependent FMAs per k pair, so 8 of them (M = 4) left
+//   the FMA units no slack for their latency; 10 do: a bf16 layer at T = 512
+//   with the AVX2 tier forced on Zen 4 0.91-0.94x the time of 4-token tiles.
+//   Measured on Zen 3: AVX2 tiles of 6 tokens (even-k then odd-k sweeps, 2
+//   weight ymm live) were 10-15% slower at T=512 than tiles of 4.
 #pragma once
 
 #include <cstdint>
 
 #include "formats/bf16.h"
 #include "kernels/kernel_api.h"
+#include "kernels/row_tiles.h"
 
 namespace kt::kernels {
 
@@ -92,8 +96,10 @@ KT_ALWAYS_INLINE void run_remainder_tile(int rem, Args... args) {
 }
 
 // ProjectionKernels::dot of the bf16 layout: every block of the run, the
-// tokens in tiles of V::kMaxTile then one remainder tile (the tile a token
-// lands in depends only on m, never on the thread count).
+// tokens in near-equal tiles of at most V::kMaxTile (for_each_row_tile: 32 rows
+// in tiles of 5 are 5 5 5 5 4 4 4, not six 5s and a 2, whose 4 accumulator chains
+// would run at half the rate); the tile a token lands in depends only on m,
+// never on the thread count, and its sums not on the tile.
 template <class V>
 void bf16_dot(const DotArgs& a) {
   constexpr int MT = V::kMaxTile;
@@ -101,10 +107,9 @@ void bf16_dot(const DotArgs& a) {
   for (int64_t nb = a.nb_begin; nb < a.nb_end; ++nb) {
     const auto* w = reinterpret_cast<const uint16_t*>(a.proj->block(a.expert, nb));
     float* out = a.out + 16 * (nb - a.nb_begin);
-    int i = 0;
-    for (; i + MT <= a.m; i += MT)
-      Bf16Tile<V, MT>::run(a.x + i, w, k_pairs, out + i * a.ldo, a.ldo);
-    run_remainder_tile<V, Bf16Tile, MT - 1>(a.m - i, a.x + i, w, k_pairs, out + i * a.ldo, a.ldo);
+    for_each_row_tile(static_cast<int>(a.m), MT, [&](int, int i, int rows) {
+      run_remainder_tile<V, Bf16Tile, MT>(rows, a.x + i, w, k_pairs, out + i * a.ldo, a.ldo);
+    });
   }
 }
 

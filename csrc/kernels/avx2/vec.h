@@ -15,7 +15,7 @@ namespace kt::kernels::avx2 {
 struct Vec {
   using Reg = __m256;
   static constexpr int kLanes = 8;
-  static constexpr int kMaxTile = 4;  // tokens per register tile (8 accs + 4 weights)
+  static constexpr int kMaxTile = 5;  // tokens per register tile (10 accs + 4 weights)
 
   static inline Reg zero() { return _mm256_setzero_ps(); }
   static inline Reg set1(float v) { return _mm256_set1_ps(v); }
