@@ -33,10 +33,6 @@ void xat_rows_aten(const T* const* x, int64_t m, int64_t k, const float* a, int6
   at::mm_out(out, xg, mat(a, r, k, lda).t());
 }
 
-}  // namespace
-
-namespace {
-
 // The tier's own kernels for these products (kernels/tiers.h): AVX-512's on the AVX-512
 // tiers, AVX2's on the AVX2 tier; none on ref (and on a build without them): at::mm.
 struct Kernels {
